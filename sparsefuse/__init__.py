@@ -1,0 +1,13 @@
+"""sparsefuse: Triton GPU kernels for PyTorch that turn activation sparsity and operator fusion into speed.
+
+Functional API (mirrors ``torch.nn.functional``): :func:`snake`, :func:`celu`, :func:`celu_`.
+Modules: :mod:`sparsefuse.nn`. Integrations with model libraries: :mod:`sparsefuse.integrations`.
+Which path a call takes: :func:`backend_for` (``"triton"``, ``"interpreter"`` or ``"torch"``).
+"""
+
+from ._backend import Backend, backend_for, track_launches
+from .activations import celu, celu_, snake
+
+__version__ = "0.1.0"
+
+__all__ = ["snake", "celu", "celu_", "backend_for", "Backend", "track_launches", "__version__"]

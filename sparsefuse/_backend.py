@@ -1,0 +1,125 @@
+"""Where a sparsefuse call runs, and a record of which kernels actually launched.
+
+Three backends:
+
+* ``"triton"``       CUDA tensors: compiled Triton kernels.
+* ``"interpreter"``  ``TRITON_INTERPRET=1`` was set before sparsefuse was imported: the *same* Triton kernels,
+                     executed by Triton's CPU interpreter (this is how CI tests the kernels without a GPU).
+* ``"torch"``        CPU tensors otherwise: the plain-torch reference, with a one-time warning.
+
+Triton decides at decoration time (module import) whether ``@triton.jit`` functions are interpreted, so the
+interpreter flag is read once, here, at import.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import enum
+import os
+import warnings
+from typing import Iterator
+
+import torch
+import triton
+
+__all__ = [
+    "Backend",
+    "backend_for",
+    "INTERPRET",
+    "track_launches",
+    "record_launch",
+    "tuning_configs",
+    "new_output",
+    "new_output_like",
+    "poison_outputs",
+]
+
+INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0").lower() not in ("", "0", "false", "off")
+
+
+class Backend(str, enum.Enum):
+    TRITON = "triton"
+    INTERPRETER = "interpreter"
+    TORCH = "torch"
+
+
+def backend_for(*tensors: torch.Tensor) -> Backend:
+    """The backend a sparsefuse call on these tensors takes (see module docstring)."""
+    if INTERPRET:
+        return Backend.INTERPRETER
+    if tensors and all(t.is_cuda for t in tensors):
+        return Backend.TRITON
+    return Backend.TORCH
+
+
+_warned: set[str] = set()
+
+
+def warn_reference_once(op: str) -> None:
+    if op not in _warned:
+        _warned.add(op)
+        warnings.warn(
+            f"sparsefuse.{op}: CPU tensors run the plain-torch reference (no speed-up). "
+            "Use CUDA tensors, or set TRITON_INTERPRET=1 before import to run the Triton kernels on the CPU.",
+            stacklevel=3,
+        )
+
+
+# --- launch accounting ------------------------------------------------------------------------------------------
+# Every launcher calls record_launch(<kernel name>) so tests can assert that a Triton kernel really ran (and the
+# reference was not silently compared with itself). A dict increment per launch costs ~50 ns.
+_LAUNCHES: collections.Counter[str] = collections.Counter()
+
+
+def record_launch(kernel_name: str) -> None:
+    _LAUNCHES[kernel_name] += 1
+
+
+@contextlib.contextmanager
+def track_launches() -> Iterator[collections.Counter[str]]:
+    """Context manager yielding a Counter of kernel launches made inside the block (filled on exit)."""
+    before = collections.Counter(_LAUNCHES)
+    launched: collections.Counter[str] = collections.Counter()
+    try:
+        yield launched
+    finally:
+        launched.update(_LAUNCHES - before)
+
+
+def tuning_configs(configs: list[triton.Config], interpret_config: triton.Config) -> list[triton.Config]:
+    """Autotuning candidates on a GPU; a single fixed config under the interpreter (timing it would be meaningless
+    and slow)."""
+    return [interpret_config] if INTERPRET else configs
+
+
+# --- output allocation ------------------------------------------------------------------------------------------
+# Tests turn poisoning on so that every output a kernel should write starts as NaN: an element the kernel forgets
+# to write then fails the comparison instead of passing on whatever the allocator happened to hand out.
+_POISON = os.environ.get("SPARSEFUSE_POISON_OUTPUTS", "0") == "1"
+
+
+def new_output(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if _POISON and out.is_floating_point():
+        out.fill_(float("nan"))
+    return out
+
+
+def new_output_like(t: torch.Tensor) -> torch.Tensor:
+    """torch.empty_like (dense inputs keep their strides), poisoned like new_output."""
+    out = torch.empty_like(t)
+    if _POISON and out.is_floating_point():
+        out.fill_(float("nan"))
+    return out
+
+
+@contextlib.contextmanager
+def poison_outputs(enabled: bool = True) -> Iterator[None]:
+    """Fill every kernel output with NaN before launch while inside the block (tests use this)."""
+    global _POISON
+    previous, _POISON = _POISON, enabled
+    try:
+        yield
+    finally:
+        _POISON = previous
