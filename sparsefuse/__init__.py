@@ -6,7 +6,9 @@ Which path a call takes: :func:`backend_for` (``"triton"``, ``"interpreter"`` or
 """
 
 from ._backend import Backend, backend_for, track_launches
-from .activations import celu, celu_, snake
+from .activations.celu import celu, celu_
+from .activations.snake import snake
+from . import nn  # noqa: E402  (sparsefuse.nn: drop-in modules)
 
 __version__ = "0.1.0"
 

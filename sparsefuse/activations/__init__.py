@@ -1,6 +1,6 @@
-"""Fused activations: Snake1d and CELU (forward + backward Triton kernels, torch.library ops)."""
+"""Fused activations: Snake1d (:mod:`.snake`) and CELU (:mod:`.celu`).
 
-from .celu import celu, celu_, torch_celu, torch_celu_backward
-from .snake import snake, torch_snake, torch_snake_backward
-
-__all__ = ["snake", "celu", "celu_", "torch_snake", "torch_snake_backward", "torch_celu", "torch_celu_backward"]
+Each module holds, top to bottom: the plain-torch reference, the Triton kernels, the launchers, the torch.library
+ops (fake + autograd) and the functional API that :mod:`sparsefuse` re-exports. The functions are deliberately not
+re-exported here, so ``sparsefuse.activations.snake`` stays the module.
+"""

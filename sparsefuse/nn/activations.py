@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..activations import celu, celu_, snake
+from ..activations.celu import celu, celu_
+from ..activations.snake import snake
 
 
 class Snake1d(nn.Module):

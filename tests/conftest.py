@@ -1,0 +1,46 @@
+"""Test configuration.
+
+CPU runs (CI) execute the real Triton kernels through Triton's interpreter; GPU runs (scripts/gpu_check.sh sets
+SPARSEFUSE_TEST_DEVICE=cuda) compile them. Both variables must be set before sparsefuse (and triton) is imported,
+which is why this happens at the top of conftest. Every kernel output is NaN-poisoned before launch.
+"""
+
+import os
+
+DEVICE = os.environ.get("SPARSEFUSE_TEST_DEVICE", "cpu")
+if DEVICE != "cuda":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("SPARSEFUSE_POISON_OUTPUTS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import sparsefuse  # noqa: E402
+from sparsefuse import Backend  # noqa: E402
+
+EXPECTED_BACKEND = Backend.TRITON if DEVICE == "cuda" else Backend.INTERPRETER
+
+
+def pytest_collection_modifyitems(config, items):
+    cuda = DEVICE == "cuda" and torch.cuda.is_available()
+    skip_gpu = pytest.mark.skip(reason="needs CUDA (run scripts/gpu_check.sh on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords and not cuda:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def device() -> torch.device:
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        pytest.fail("SPARSEFUSE_TEST_DEVICE=cuda but no CUDA device is visible")
+    return torch.device(DEVICE)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def assert_backend(*tensors: torch.Tensor) -> None:
+    """The kernels under test must be the Triton ones (compiled or interpreted), never the torch reference."""
+    assert sparsefuse.backend_for(*tensors) is EXPECTED_BACKEND

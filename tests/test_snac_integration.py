@@ -1,0 +1,109 @@
+"""sparsefuse.nn.Snake1d and sparsefuse.integrations.snac against the real `snac` package (random weights)."""
+
+import copy
+
+import pytest
+import torch
+from conftest import DEVICE
+
+import sparsefuse
+from sparsefuse.integrations import snac as sf_snac
+from sparsefuse.testing import assert_close_to_reference
+
+snac = pytest.importorskip("snac")
+
+# The published 24 kHz SNAC configuration (hubertsiuzdak/snac_24khz); its decoder's first Snake sees T = 236 for
+# codes of length 59 -- the shapes of the seed write-up.
+SNAC_24KHZ = dict(sampling_rate=24000, encoder_dim=48, encoder_rates=[2, 4, 8, 8], decoder_dim=1024,
+                  decoder_rates=[8, 8, 4, 2], attn_window_size=None, codebook_size=4096, codebook_dim=8,
+                  vq_strides=[4, 2, 1], noise=True, depthwise=True)  # fmt: skip
+# The same architecture shrunk so the interpreter can run a whole decode in seconds.
+SNAC_TINY = dict(sampling_rate=24000, encoder_dim=4, encoder_rates=[2, 2], decoder_dim=32, decoder_rates=[2, 2],
+                 attn_window_size=None, codebook_size=64, codebook_dim=4, vq_strides=[2, 1], noise=True,
+                 depthwise=True)  # fmt: skip
+
+
+def randomize_alphas(model: torch.nn.Module) -> None:
+    """SNAC initialises alpha to ones; trained models do not have equal alphas, and neither should the test."""
+    with torch.no_grad():
+        for m in model.modules():
+            if sf_snac.is_snake1d(m):
+                m.alpha.uniform_(0.3, 3.0)
+
+
+def random_codes(model, length: int, device) -> list[torch.Tensor]:
+    return [torch.randint(0, model.codebook_size, (1, length * s), device=device) for s in reversed(model.vq_strides)]
+
+
+def test_snake1d_state_dict_loads_from_snac():
+    theirs = snac.layers.Snake1d(7)
+    with torch.no_grad():
+        theirs.alpha.uniform_(0.5, 2.0)
+    ours = sparsefuse.nn.Snake1d(7)
+    ours.load_state_dict(theirs.state_dict())
+    assert list(ours.state_dict()) == list(theirs.state_dict()) == ["alpha"]
+    x = torch.randn(2, 7, 50, device=DEVICE)
+    assert_close_to_reference(ours.to(DEVICE)(x), theirs.double().to(DEVICE)(x.double()), theirs.float()(x))
+
+
+def test_patch_replaces_every_snake_and_decodes_the_same_audio():
+    device = torch.device(DEVICE)
+    model = snac.SNAC(**SNAC_TINY).eval().to(device)
+    randomize_alphas(model)
+    n_snakes = sum(sf_snac.is_snake1d(m) for m in model.modules())
+    patched = sf_snac.patch(copy.deepcopy(model))
+    assert sum(sf_snac.is_snake1d(m) for m in patched.modules()) == 0
+    assert sum(isinstance(m, sparsefuse.nn.Snake1d) for m in patched.modules()) == n_snakes > 0
+    assert patched.state_dict().keys() == model.state_dict().keys()
+    codes = random_codes(model, 6, device)
+    model64 = copy.deepcopy(model).double()
+    # no_grad, not inference_mode: SNAC's TorchScript snake fails under inference_mode with trainable alphas
+    with torch.no_grad(), sparsefuse.track_launches() as launched:
+        torch.manual_seed(1)  # the decoder's NoiseBlocks draw random noise: same seed, same noise
+        ours = patched.decode(codes)
+        torch.manual_seed(1)
+        theirs = model.decode(codes)
+        torch.manual_seed(1)
+        ref64 = model64.decode(codes)
+    decoder_snakes = sum(isinstance(m, sparsefuse.nn.Snake1d) for m in patched.decoder.modules())
+    assert launched["snake_fwd_kernel"] == decoder_snakes
+    assert_close_to_reference(ours, ref64, theirs)
+
+
+def test_patch_shares_parameters_so_training_still_works():
+    model = snac.SNAC(**SNAC_TINY).to(DEVICE)
+    alphas_before = [m.alpha for m in model.modules() if sf_snac.is_snake1d(m)]
+    sf_snac.patch(model)
+    alphas_after = [m.alpha for m in model.modules() if isinstance(m, sparsefuse.nn.Snake1d)]
+    assert all(a is b for a, b in zip(alphas_before, alphas_after, strict=True))
+    snake = model.decoder.model[-3]
+    assert isinstance(snake, sparsefuse.nn.Snake1d)
+    x = torch.randn(1, snake.alpha.shape[1], 20, device=DEVICE)
+    snake(x).sum().backward()
+    assert snake.alpha.grad is not None
+
+
+def test_patch_errors_and_single_module():
+    with pytest.raises(ValueError, match="no Snake1d module found in Linear"):
+        sf_snac.patch(torch.nn.Linear(2, 2))
+    fused = sf_snac.patch(snac.layers.Snake1d(3))
+    assert isinstance(fused, sparsefuse.nn.Snake1d)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_gpu_snac_24khz_decode_matches(dtype):
+    model = snac.SNAC(**SNAC_24KHZ).eval().cuda()
+    randomize_alphas(model)
+    patched = sf_snac.patch(copy.deepcopy(model)).to(dtype)
+    codes = random_codes(model, 59, "cuda")
+    model_lowp, model64 = copy.deepcopy(model).to(dtype), copy.deepcopy(model).double()
+    with torch.no_grad():
+        torch.manual_seed(1)
+        ours = patched.decode(codes)
+        torch.manual_seed(1)
+        theirs = model_lowp.decode(codes)
+        torch.manual_seed(1)
+        ref64 = model64.decode(codes)
+    assert ours.shape == ref64.shape == (1, 1, 59 * 4 * 512)
+    assert_close_to_reference(ours, ref64, theirs)

@@ -1,0 +1,263 @@
+import math
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from conftest import assert_backend
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import sparsefuse
+from sparsefuse import track_launches
+import sparsefuse.activations.snake as snake_module
+from sparsefuse.activations.snake import snake_backward_op, snake_op, torch_snake, torch_snake_backward
+from sparsefuse.testing import assert_close_to_reference
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# Polynomial sine: |error| on sin(u)^2 is < 2e-7 after range reduction (documented in the README); it adds to the
+# rounding of u = alpha * x itself, which the tolerance already covers.
+FAST_SIN_EXTRA = 1e-6
+
+
+def make_inputs(shape, dtype, device, scale=3.0, alpha_shape="1c1"):
+    x = (torch.randn(shape, dtype=torch.float32) * scale).to(dtype).to(device)
+    channels = shape[0] if len(shape) == 2 else shape[1]
+    alpha = torch.empty(channels, dtype=torch.float64 if dtype == torch.float64 else torch.float32).uniform_(0.3, 2.5)
+    alpha = (alpha.reshape(1, -1, 1) if alpha_shape == "1c1" else alpha).to(device)
+    return x, alpha
+
+
+def reference(x, alpha):
+    """float64 ground truth and plain torch in x's dtype."""
+    return torch_snake(x.double(), alpha.double()), torch_snake(x, alpha.to(x.dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(2, 3, 300), (1, 5, 1), (3, 4, 257), (4, 129), (2, 3, 4, 33)])
+def test_forward_matches_float64_reference(shape, dtype, device):
+    x, alpha = make_inputs(shape, dtype, device)
+    assert_backend(x)
+    with track_launches() as launched:
+        y = sparsefuse.snake(x, alpha)
+    assert launched["snake_fwd_kernel"] == 1
+    assert y.shape == x.shape and y.dtype == dtype
+    assert_close_to_reference(y, *reference(x, alpha))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fast_sin_forward(dtype, device):
+    x, alpha = make_inputs((2, 3, 200), dtype, device, scale=20.0)
+    with track_launches() as launched:
+        y = sparsefuse.snake(x, alpha, fast_sin=True)
+    assert launched["snake_fwd_kernel"] == 1
+    assert_close_to_reference(y, *reference(x, alpha), extra_abs=FAST_SIN_EXTRA)
+
+
+@triton.jit
+def _sin_squared_probe_kernel(u_ptr, out_ptr, n, FAST_SIN: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    u = tl.load(u_ptr + offs, mask=offs < n)
+    s = snake_module._snake_sin(u, FAST_SIN)
+    tl.store(out_ptr + offs, s * s, mask=offs < n)
+
+
+@pytest.mark.parametrize("fast_sin", [False, True])
+def test_sin_squared_error_bound(fast_sin, device):
+    """The bound the README documents: |sin^2 error| < 5e-7 for fp32 arguments |u| <= 1e4 (u exactly as given)."""
+    u = torch.linspace(-1e4, 1e4, 200_001 if device.type == "cuda" else 20_001, dtype=torch.float32, device=device)
+    out = torch.full_like(u, float("nan"))
+    _sin_squared_probe_kernel[(triton.cdiv(u.numel(), 1024),)](u, out, u.numel(), FAST_SIN=fast_sin, BLOCK=1024)
+    err = (out.double() - torch.sin(u.double()) ** 2).abs().max().item()
+    assert err < 5e-7, err
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("alpha_shape", ["1c1", "c"])
+@pytest.mark.parametrize("fast_sin", [False, True])
+def test_backward_matches_float64_reference(dtype, alpha_shape, fast_sin, device):
+    x, alpha = make_inputs((2, 3, 150), dtype, device, alpha_shape=alpha_shape)
+    grad = torch.randn(x.shape, dtype=torch.float32).to(dtype).to(device)
+    xr, ar = x.clone().requires_grad_(), alpha.clone().requires_grad_()
+    with track_launches() as launched:
+        sparsefuse.snake(xr, ar, fast_sin=fast_sin).backward(grad)
+    assert launched["snake_bwd_kernel"] == 1
+    gx64, ga64 = torch_snake_backward(grad.double(), x.double(), alpha.double().reshape(-1))
+    # plain torch autograd in the low dtype, as the yardstick
+    xl, al = x.clone().requires_grad_(), alpha.to(dtype).clone().requires_grad_()
+    torch_snake(xl, al).backward(grad)
+    extra = FAST_SIN_EXTRA * 10 if fast_sin else 0.0
+    assert_close_to_reference(xr.grad, gx64, xl.grad, name="grad_x", extra_abs=extra)
+    assert ar.grad.shape == alpha.shape and ar.grad.dtype == alpha.dtype
+    # alpha's grad sums B*T terms; ours accumulates in fp32 -> bound by fp32 rounding over the sum
+    assert_close_to_reference(ar.grad.reshape(-1), ga64, dtype=torch.float32, name="grad_alpha",
+                              extra_abs=1e-5 * x.shape[0] * x.shape[2] * (1 + extra * 1e3))  # fmt: skip
+
+
+def test_only_x_or_only_alpha_requires_grad(device):
+    x, alpha = make_inputs((2, 3, 40), torch.float32, device)
+    xr = x.clone().requires_grad_()
+    sparsefuse.snake(xr, alpha).sum().backward()
+    assert xr.grad is not None and torch.isfinite(xr.grad).all()
+    ar = alpha.clone().requires_grad_()
+    sparsefuse.snake(x, ar).sum().backward()
+    gx64, ga64 = torch_snake_backward(torch.ones_like(x).double(), x.double(), alpha.double().reshape(-1))
+    assert_close_to_reference(ar.grad.reshape(-1), ga64, dtype=torch.float32, extra_abs=1e-5 * 80)
+
+
+def test_gradcheck_float64(device):
+    x, alpha = make_inputs((2, 3, 37), torch.float64, device)
+    x.requires_grad_()
+    alpha.requires_grad_()
+    with track_launches() as launched:
+        assert torch.autograd.gradcheck(lambda a, b: sparsefuse.snake(a, b), (x, alpha))
+    assert launched["snake_bwd_kernel"] > 0 and launched["snake_fwd_kernel"] > 0
+
+
+def test_non_contiguous_inputs(device):
+    base = torch.randn(2, 40, 6, device=device)
+    cases = {
+        "time axis strided (copied once)": base.transpose(1, 2),  # [2, 6, 40], time stride 6
+        "channels sliced": torch.randn(2, 8, 70, device=device)[:, ::2, :],
+        "time narrowed (row stride != T)": torch.randn(2, 3, 90, device=device)[..., 5:80],
+        "batch expanded": torch.randn(1, 3, 50, device=device).expand(4, 3, 50),
+    }
+    for name, x in cases.items():
+        alpha = torch.rand(x.shape[1], device=device) + 0.5
+        with track_launches() as launched:
+            y = sparsefuse.snake(x, alpha)
+        assert launched["snake_fwd_kernel"] == 1, name
+        assert_close_to_reference(y, *reference(x, alpha), name=name)
+        xr = x.detach().clone().requires_grad_()
+        g = torch.randn(x.shape, device=device).transpose(0, 2).contiguous().transpose(0, 2)  # strided grad
+        (gx,) = torch.autograd.grad(sparsefuse.snake(xr, alpha), xr, g)
+        gx64, _ = torch_snake_backward(g.double(), x.double(), alpha.double())
+        assert_close_to_reference(gx, gx64, name=name + " grad")
+
+
+def test_empty_inputs(device):
+    for shape in [(0, 3, 10), (2, 3, 0), (2, 0, 5)]:
+        x = torch.randn(shape, device=device, requires_grad=True)
+        alpha = torch.ones(1, shape[1], 1, device=device, requires_grad=True)
+        y = sparsefuse.snake(x, alpha)
+        assert y.shape == shape
+        y.sum().backward()
+        assert x.grad.shape == shape and alpha.grad.shape == alpha.shape
+        assert (alpha.grad == 0).all()
+
+
+def test_nan_and_inf_propagate_like_the_reference(device):
+    x = torch.tensor([[[0.5, float("nan"), float("inf"), -float("inf"), 1e30, -2.0]]], device=device)
+    alpha = torch.ones(1, device=device)
+    y = sparsefuse.snake(x, alpha)
+    ref = torch_snake(x.double(), alpha.double())
+    assert torch.equal(torch.isnan(y), torch.isnan(ref).to(y.device))
+    finite = torch.isfinite(ref)
+    assert torch.allclose(y[finite].double().cpu(), ref[finite].cpu(), rtol=1e-6)
+
+
+def test_wide_index_path(device, monkeypatch):
+    """The int64 per-element offset path (taken for rows above 2^31 elements) computes the same values."""
+    monkeypatch.setattr(snake_module, "_INT32_LIMIT", 64)
+    x, alpha = make_inputs((2, 3, 300), torch.float16, device)
+    y = sparsefuse.snake(x, alpha)
+    assert_close_to_reference(y, *reference(x, alpha))
+    xr = x.clone().requires_grad_()
+    (gx,) = torch.autograd.grad(sparsefuse.snake(xr, alpha), xr, torch.ones_like(x))
+    gx64, _ = torch_snake_backward(torch.ones_like(x).double(), x.double(), alpha.double().reshape(-1))
+    assert_close_to_reference(gx, gx64, dtype=torch.float16)
+
+
+def test_bad_inputs_raise_clear_errors(device):
+    x = torch.randn(2, 3, 10, device=device)
+    alpha = torch.ones(1, 3, 1, device=device)
+    with pytest.raises(TypeError, match=r"x must have a floating dtype.*shape \[2, 3, 10\], dtype int64"):
+        sparsefuse.snake(torch.ones(2, 3, 10, dtype=torch.int64, device=device), alpha)
+    with pytest.raises(TypeError, match=r"alpha must have a floating dtype.*int32"):
+        sparsefuse.snake(x, torch.ones(3, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match=r"alpha must have shape \[3\] or \[1, 3, 1\].*\[1, 4, 1\]"):
+        sparsefuse.snake(x, torch.ones(1, 4, 1, device=device))
+    with pytest.raises(ValueError, match=r"alpha must have shape"):
+        sparsefuse.snake(x, torch.ones(3, 1, device=device))
+    with pytest.raises(ValueError, match=r"x must have shape \[C, T\] or \[B, C, \*\]"):
+        sparsefuse.snake(torch.randn(10, device=device), torch.ones(1, device=device))
+    with pytest.raises(ValueError, match=r"alpha is on meta but x is on"):
+        sparsefuse.snake(x, torch.ones(3, device="meta"))
+    with pytest.raises(TypeError, match=r"alpha must be a torch.Tensor"):
+        sparsefuse.snake(x, 1.0)
+
+
+def test_opcheck(device):
+    x, alpha = make_inputs((2, 3, 33), torch.float32, device, alpha_shape="c")
+    x.requires_grad_()
+    alpha.requires_grad_()
+    torch.library.opcheck(snake_op, (x, alpha, 1e-9, False))
+    torch.library.opcheck(snake_op, (x.detach().half(), alpha.detach(), 1e-9, True))
+    g = torch.randn_like(x)
+    torch.library.opcheck(snake_backward_op, (g, x.detach(), alpha.detach(), 1e-9, False, True))
+
+
+def test_torch_compile_fullgraph_has_no_graph_break(device):
+    model = torch.nn.Sequential(torch.nn.Conv1d(4, 6, 3, padding=1), sparsefuse.nn.Snake1d(6)).to(device)
+    backend = "inductor" if device.type == "cuda" else "aot_eager"
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    x = torch.randn(2, 4, 50, device=device)
+    with track_launches() as launched:
+        y = compiled(x)
+        y.square().sum().backward()
+    assert launched["snake_fwd_kernel"] >= 1 and launched["snake_bwd_kernel"] >= 1
+    grad_alpha = model[1].alpha.grad.clone()
+    model.zero_grad()
+    y_eager = model(x)
+    y_eager.square().sum().backward()
+    torch.testing.assert_close(y, y_eager)
+    torch.testing.assert_close(grad_alpha, model[1].alpha.grad)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(
+    b=st.integers(0, 3),
+    c=st.integers(1, 5),
+    t=st.integers(0, 150),
+    log_scale=st.integers(-3, 3),
+    dtype=st.sampled_from(DTYPES),
+    alpha_sign=st.sampled_from([1.0, -1.0]),
+    fast_sin=st.booleans(),
+)
+def test_fuzz_shapes_and_values(b, c, t, log_scale, dtype, alpha_sign, fast_sin):
+    from conftest import DEVICE
+
+    device = torch.device(DEVICE)
+    x = (torch.randn(b, c, t) * 10.0**log_scale).to(dtype).to(device)
+    alpha = (alpha_sign * torch.empty(c).uniform_(0.2, 3.0)).to(device)
+    y = sparsefuse.snake(x, alpha, fast_sin=fast_sin)
+    extra = FAST_SIN_EXTRA * max(1.0, 10.0**log_scale) if fast_sin else 0.0
+    assert_close_to_reference(y, *reference(x, alpha), extra_abs=extra * 5)
+    if x.numel():
+        xr = x.clone().requires_grad_()
+        (gx,) = torch.autograd.grad(sparsefuse.snake(xr, alpha, fast_sin=fast_sin), xr, torch.ones_like(x))
+        gx64, _ = torch_snake_backward(torch.ones_like(x).double(), x.double(), alpha.double())
+        xl = x.clone().requires_grad_()
+        (gl,) = torch.autograd.grad(torch_snake(xl, alpha.to(dtype)), xl, torch.ones_like(x))
+        assert_close_to_reference(gx, gx64, gl, extra_abs=extra * 50 * math.e)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_large_shapes(dtype, device):
+    """Real SNAC shapes plus one above 2^31 elements (int64 offsets) on the GPU."""
+    for shape in [(1, 1024, 236), (1, 64, 120832), (8, 512, 16384), (3, 7, 100003)]:
+        x, alpha = make_inputs(shape, dtype, device)
+        assert_close_to_reference(sparsefuse.snake(x, alpha), *reference(x, alpha))
+
+
+@pytest.mark.gpu
+def test_gpu_above_int32_elements(device):
+    T = 2**30 + 4099  # x [1, 2, T] fp16: 2^31 + 8198 elements, 4 GiB
+    x = torch.randn(1, 2, T, dtype=torch.float16, device=device)
+    alpha = torch.tensor([0.7, 1.3], device=device)
+    y = sparsefuse.snake(x, alpha)
+    for c in range(2):
+        for sl in [slice(0, 4096), slice(T - 4096, T)]:
+            xs = x[:, c : c + 1, sl]
+            assert_close_to_reference(y[:, c : c + 1, sl], *reference(xs, alpha[c : c + 1]))
