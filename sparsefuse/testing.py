@@ -86,3 +86,16 @@ def assert_close_to_reference(ours, ref64, torch_lowp=None, **kwargs) -> Compari
     result = compare_to_reference(ours, ref64, torch_lowp, **kwargs)
     assert result.ok, result.message
     return result
+
+
+def assert_norm_close_to_reference(ours, ref64, torch_lowp, *, dtype=None, name="output") -> float:
+    """Whole-tensor bound for deep pipelines (a model's output), where per-element errors of two equally good
+    computations are uncorrelated: ``||ours - ref|| <= 2 * ||torch_lowp - ref|| + eps(dtype) * ||ref||``.
+    Returns ours' relative error."""
+    dtype = dtype or ours.dtype
+    ref = ref64.detach().to("cpu", torch.float64)
+    err_ours = float((ours.detach().to("cpu", torch.float64) - ref).norm())
+    err_torch = float((torch_lowp.detach().to("cpu", torch.float64) - ref).norm())
+    bound = 2 * err_torch + dtype_eps(dtype) * float(ref.norm())
+    assert err_ours <= bound, f"{name}: ||ours - ref|| = {err_ours:.3g} > {bound:.3g} (torch's error {err_torch:.3g})"
+    return err_ours / max(float(ref.norm()), 1e-300)

@@ -110,7 +110,8 @@ def test_inplace_autograd_rules(device):
     h = leaf * 2.0
     sparsefuse.celu_(h, 0.8)
     h.sum().backward()
-    expected = torch_celu_backward(torch.ones(4, 10, dtype=torch.float64), 2.0 * leaf.detach().double(), 0.8) * 2.0
+    ones = torch.ones(4, 10, dtype=torch.float64, device=device)
+    expected = torch_celu_backward(ones, 2.0 * leaf.detach().double(), 0.8) * 2.0
     assert_close_to_reference(leaf.grad, expected)
 
 

@@ -65,9 +65,9 @@ def torch_snake_backward(
 # sin(u)^2 and sin(2u) only need u modulo pi: with u = k*pi + r, sin(u) = ±sin(r) and cos(u) = ±cos(r) with the same
 # sign, so sin(u)^2 = sin(r)^2 and sin(u)cos(u) = sin(r)cos(r). Cody-Waite split of pi: PI_HI has 8 significant bits,
 # so k * PI_HI is exact for |k| < 2^16 (|u| < ~2e5).
-_INV_PI: tl.constexpr = 0.3183098861837907
-_PI_HI: tl.constexpr = 3.140625
-_PI_LO: tl.constexpr = 9.676535897932795e-04
+_INV_PI = tl.constexpr(0.3183098861837907)
+_PI_HI = tl.constexpr(3.140625)
+_PI_LO = tl.constexpr(9.676535897932795e-04)
 
 
 @triton.jit
