@@ -1,0 +1,192 @@
+"""Command line: ``python -m sparsefuse bench|check`` (also installed as the ``sparsefuse`` script).
+
+    python -m sparsefuse bench [WORKLOAD ...] [--quick] [--dtype float32,float16,bfloat16] [--out DIR] [--no-plot]
+    python -m sparsefuse check [--device cpu|cuda] [--size small|full] [--dtype ...] [--seed N]
+
+Without a CUDA device both commands run the real Triton kernels through Triton's CPU interpreter. Triton decides
+whether kernels are interpreted when sparsefuse is imported, and ``python -m sparsefuse`` has imported the package
+before this module runs, so the command re-executes itself once with ``TRITON_INTERPRET=1`` in its environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+_DTYPE_ALIASES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}  # fmt: skip
+_REEXEC_MARK = "_SPARSEFUSE_REEXECUTED"  # guards against a re-exec loop if the interpreter flag is not honoured
+
+
+def parse_dtypes(text: str) -> tuple[torch.dtype, ...]:
+    """``"float32,bf16"`` -> (torch.float32, torch.bfloat16); ValueError naming the accepted spellings."""
+    dtypes = []
+    for part in filter(None, (p.strip().lower() for p in text.split(","))):
+        if part not in _DTYPE_ALIASES:
+            raise ValueError(f"unknown dtype {part!r}; use a comma-separated list of {', '.join(_DTYPE_ALIASES)}")
+        dtypes.append(_DTYPE_ALIASES[part])
+    if not dtypes:
+        raise ValueError("--dtype needs at least one dtype")
+    return tuple(dict.fromkeys(dtypes))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m sparsefuse", description="sparsefuse benchmarks and checks")
+    sub = parser.add_subparsers(dest="command", metavar="{bench,check}")
+
+    bench = sub.add_parser("bench", help="time sparsefuse against eager, torch.compile and seed baselines (GPU)")
+    from .bench.harness import resolve_workloads
+
+    bench.add_argument("workloads", nargs="*", metavar="WORKLOAD",
+                       help=f"workloads to run, default all: {', '.join(resolve_workloads([]))}")  # fmt: skip
+    bench.add_argument("--quick", action="store_true", help="fewer shapes and repetitions (smoke run)")
+    bench.add_argument("--dtype", default="float32,float16,bfloat16", help="comma-separated (default: %(default)s)")
+    bench.add_argument("--out", default="benchmarks/results",
+                       help="directory for bench-<gpu>[-<workloads>][-quick].csv/.md/.png (default: %(default)s)")
+    bench.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
+
+    check = sub.add_parser("check", help="compare every op with its float64 reference")
+    check.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
+    check.add_argument("--size", choices=("small", "full"), default="small", help="input sizes (default: small)")
+    check.add_argument("--dtype", default="float32,float16,bfloat16", help="comma-separated (default: %(default)s)")
+    check.add_argument("--seed", type=int, default=None, help="input seed (default: fresh each run, printed)")
+    return parser
+
+
+def _reexec_with_interpreter(argv: Sequence[str], reason: str) -> int:
+    """Run this command again with TRITON_INTERPRET=1 (replacing this process where the OS allows)."""
+    print(f"sparsefuse: {reason}; re-running with TRITON_INTERPRET=1 so the Triton kernels run in the "
+          "interpreter", flush=True)  # fmt: skip
+    env = {**os.environ, "TRITON_INTERPRET": "1", _REEXEC_MARK: "1"}
+    cmd = [sys.executable, "-m", "sparsefuse", *argv]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if os.name == "posix":
+        os.execve(sys.executable, cmd, env)  # does not return
+    return subprocess.run(cmd, env=env, check=False).returncode
+
+
+def main(argv: Sequence[str] | None = None, *, allow_reexec: bool = True) -> int:
+    """Entry point; returns the process exit code (0 ok, 1 failures, 2 usage errors)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        dtypes = parse_dtypes(args.dtype)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+    from .bench.harness import resolve_workloads
+
+    names: list[str] = []
+    if args.command == "bench":
+        try:
+            names = resolve_workloads(args.workloads)
+        except KeyError as exc:
+            parser.error(exc.args[0])
+
+    has_cuda = torch.cuda.is_available()
+    if args.command == "check" and args.device == "cuda" and not has_cuda:
+        parser.error("--device cuda: no CUDA device is available")
+
+    from . import _backend
+
+    # Kernels on the CPU only run through the interpreter (otherwise the torch reference would be checked against
+    # itself): re-execute when there is no GPU, or when check was asked for the CPU explicitly.
+    wants_cpu = not has_cuda or (args.command == "check" and args.device == "cpu")
+    if wants_cpu and not _backend.INTERPRET and allow_reexec and os.environ.get(_REEXEC_MARK) != "1":
+        return _reexec_with_interpreter(argv, "no CUDA device" if not has_cuda else "--device cpu")
+
+    if args.command == "bench" and has_cuda and _backend.INTERPRET:
+        parser.error("TRITON_INTERPRET is set: the kernels would run in the CPU interpreter, so GPU timings would "
+                     "be meaningless; unset it to benchmark")  # fmt: skip
+
+    from .bench.check import run_check
+
+    if args.command == "check":
+        return run_check(device=args.device, size=args.size, dtypes=dtypes, seed=args.seed)
+
+    if not has_cuda:
+        print("sparsefuse bench: timings need a CUDA GPU and none is available; "
+              "running `check --size small` instead (correctness only, no timings).", flush=True)  # fmt: skip
+        return run_check(device="cpu", size="small", dtypes=dtypes)
+    return _bench(names, args, dtypes)
+
+
+def _bench(names: list[str], args: argparse.Namespace, dtypes: tuple[torch.dtype, ...]) -> int:
+    from .bench.harness import WORKLOADS, Options, l2_cache_bytes, measure_ceilings, run_cases
+    from .bench.report import (environment, format_ceilings, make_console, print_table, result_stem, write_csv,
+                               write_results)  # fmt: skip
+
+    try:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        console = make_console()
+    except ImportError:
+        console = None  # plain prints instead
+
+    def say(message: str) -> None:
+        if console is not None:
+            console.print(message, markup=False, highlight=False)
+        else:
+            print(message, flush=True)
+
+    options = Options(quick=args.quick, dtypes=dtypes, log=say)
+    cases = [case for name in names for case in WORKLOADS[name](options)]
+    if not cases:
+        say("sparsefuse bench: nothing to run")
+        return 1
+    gpu = torch.cuda.get_device_name()
+    selected = names if args.workloads else []
+    stem = result_stem(gpu, selected, args.quick)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    partial = out_dir / f"{stem}.partial.csv"
+
+    say(f"sparsefuse bench on {gpu}: {len(cases)} cases; measuring ceilings ...")
+    ceilings = measure_ceilings(quick=args.quick)
+    for key, value in format_ceilings(ceilings).items():
+        say(f"{key}: {value}")
+
+    total = sum(len(c.impls) for c in cases)
+    save_partial = lambda rows: write_csv(rows, partial)  # noqa: E731  (a killed run still leaves its rows)
+    if console is not None and console.is_terminal:
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(*columns, console=console, transient=True) as bar:
+            task = bar.add_task("benchmarking", total=total)
+            rows = run_cases(cases, options, ceilings,
+                             lambda label: bar.update(task, advance=1, description=label), save_partial)  # fmt: skip
+    else:
+        done = [0]
+
+        def tick(label: str) -> None:
+            done[0] += 1
+            print(f"[{done[0]}/{total}] {label}", flush=True)
+
+        rows = run_cases(cases, options, ceilings, tick, save_partial)
+
+    meta = environment(ceilings, gpu, l2_cache_bytes())
+    print_table(rows, meta, console)
+    for path in write_results(rows, meta, out_dir, stem, plot=not args.no_plot):
+        say(f"wrote {path}")
+    partial.unlink(missing_ok=True)
+    failed = [r for r in rows if r.status != "ok"]
+    if failed:
+        say(f"{len(failed)} of {len(rows)} measurements failed (see the note column)")
+    return 1 if len(failed) == len(rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,275 @@
+"""``python -m sparsefuse check``: every op against its float64 reference, on fresh random inputs.
+
+The pass rule is :func:`sparsefuse.testing.compare_to_reference`, shared with the test suite: per element, a kernel
+may be at most twice as far from the float64 reference (evaluated on the dtype-rounded inputs) as plain torch
+computing the same expression in that dtype, plus a rounding allowance of the dtype; NaN or infinity where the
+reference has none fails. Two documented extras: fast_sin's polynomial (:data:`FAST_SIN_REL_ERROR`) and sums
+such as Snake's alpha gradient (:func:`reduction_allowance`). Reported errors are normwise relative,
+``max|out - ref| / max|ref|`` (elementwise relative error is meaningless near zeros of the function).
+
+Outputs are poisoned with NaN before every kernel launch, so an element a kernel forgets to write fails. Under the
+Triton interpreter or on a GPU a check also fails if no sparsefuse kernel launched (the reference would otherwise be
+compared with itself).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+import sparsefuse
+from sparsefuse._backend import Backend, poison_outputs, track_launches
+from sparsefuse.activations.celu import torch_celu, torch_celu_backward
+from sparsefuse.activations.snake import torch_snake, torch_snake_backward
+from sparsefuse.testing import Comparison, compare_to_reference
+
+__all__ = ["compare", "reduction_allowance", "CheckResult", "check_op", "run_check", "OPS", "FAST_SIN_REL_ERROR"]
+
+# fast_sin replaces tl.sin by a range reduction modulo pi and a degree-11 polynomial (truncation < 6e-8 on
+# |r| <= pi/2). Measured in float32 under the interpreter (x ~ N(0, sigma) for sigma = 1, 2, 5; alpha in [0.5, 2]):
+# max error <= ~1e-7 relative to max|ref| for y, grad_x and grad_alpha, the same as with tl.sin. Its documented
+# extra allowance is 10x that, relative to max|ref|, on top of the usual bound. (Not yet measured on a GPU.)
+FAST_SIN_REL_ERROR = 1e-6
+
+DEFAULT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def compare(name: str, out: torch.Tensor, ref: torch.Tensor, torch_in_dtype: torch.Tensor, dtype: torch.dtype,
+            extra_rel: float = 0.0, extra_abs: float = 0.0) -> tuple[str, Comparison]:  # fmt: skip
+    """(name, compare_to_reference result) for one output. Any later op's check can reuse this unchanged.
+
+    Args:
+        extra_rel: extra allowance relative to max|ref|, for documented approximations such as fast_sin.
+        extra_abs: extra absolute allowance, e.g. :func:`reduction_allowance` for outputs that are sums.
+    """
+    ref = ref.detach()
+    extra = extra_abs + (extra_rel * float(ref.abs().max()) if ref.numel() else 0.0)
+    result = compare_to_reference(out.detach(), ref, torch_in_dtype.detach(), dtype=dtype, extra_abs=extra,
+                                  name=name)  # fmt: skip
+    return name, result
+
+
+def reduction_allowance(abs_terms_sum: torch.Tensor, accumulate: torch.dtype = torch.float32) -> float:
+    """Rounding allowance for an output that is a sum: ``eps(accumulate) * max(sum |terms|)``.
+
+    A sum's rounding error scales with the sum of its terms' magnitudes, not with the result (cancellation), and
+    two correct summation orders differ by a sample of that error; with few outputs, "twice torch's error" is then
+    a coin toss. ``abs_terms_sum`` holds, per output element, the sum of the absolute values of its terms (float64).
+    """
+    return torch.finfo(accumulate).eps * float(abs_terms_sum.max()) if abs_terms_sum.numel() else 0.0
+
+
+def _snake_alpha_terms_abs_sum(g64: torch.Tensor, x64: torch.Tensor, a64: torch.Tensor) -> torch.Tensor:
+    """Per channel, sum over batch and time of |d(grad_alpha) term| -- via the reference itself, with every element
+    treated as its own channel (so the formula is not repeated here)."""
+    B, C, T = x64.shape
+    per_elem = a64.reshape(1, C, 1).expand(B, C, T).reshape(-1)
+    _, terms = torch_snake_backward(g64.reshape(1, -1, 1), x64.reshape(1, -1, 1), per_elem)
+    return terms.abs().reshape(B, C, T).sum(dim=(0, 2))
+
+
+@dataclasses.dataclass
+class CheckResult:
+    op: str
+    dtype: str
+    shape: str
+    backend: str
+    kernels: list[str]
+    outputs: list[tuple[str, Comparison]]  # one per compared output (y, grad_x, ...)
+    error: str = ""  # an exception raised by the op, or "no kernel launched"
+
+    @property
+    def passed(self) -> bool:
+        return not self.error and all(c.ok for _, c in self.outputs)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Inputs: drawn on the CPU in float64 from a seeded generator (same values on every device), then rounded to dtype
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _randn(shape: Sequence[int], gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(tuple(shape), generator=gen, dtype=torch.float64) * scale
+
+
+def _to(t: torch.Tensor, dtype: torch.dtype, device: str, requires_grad: bool = False) -> torch.Tensor:
+    return t.to(dtype).to(device).requires_grad_(requires_grad)
+
+
+def _snake_inputs(shape: Sequence[int], dtype: torch.dtype, device: str, gen: torch.Generator):
+    # |alpha * x| up to ~16: several periods of sin, where range reduction matters.
+    x = _to(_randn(shape, gen, 2.0), dtype, device)
+    alpha = _to(torch.rand((1, shape[1], 1), generator=gen, dtype=torch.float64) * 1.5 + 0.5, torch.float32, device)
+    g = _to(_randn(shape, gen), dtype, device)
+    return x, alpha, g
+
+
+def _celu_inputs(shape: Sequence[int], dtype: torch.dtype, device: str, gen: torch.Generator):
+    x = _randn(shape, gen, 3.0)
+    x.view(-1)[::4] *= 1e-3  # a quarter of the values near 0, where expm1 must not cancel
+    return _to(x, dtype, device), _to(_randn(shape, gen), dtype, device)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Op checks: each returns (the tensor whose backend is reported, comparisons); the kernels run inside
+# poison_outputs() + track_launches() set up by the caller.
+# ----------------------------------------------------------------------------------------------------------------
+
+Outputs = list[tuple[str, Comparison]]
+OpFn = Callable[[Sequence[int], torch.dtype, str, torch.Generator], tuple[torch.Tensor, Callable[[], Outputs]]]
+
+
+def _snake_fwd(fast_sin: bool) -> OpFn:
+    def op(shape, dtype, device, gen):
+        x, alpha, _ = _snake_inputs(shape, dtype, device, gen)
+        extra = FAST_SIN_REL_ERROR if fast_sin else 0.0
+
+        def run() -> Outputs:
+            y = sparsefuse.snake(x, alpha, fast_sin=fast_sin)
+            ref = torch_snake(x.double(), alpha.double())
+            return [compare("y", y, ref, torch_snake(x, alpha.to(dtype)), dtype, extra)]
+
+        return x, run
+
+    return op
+
+
+def _snake_fwd_bwd(fast_sin: bool) -> OpFn:
+    def op(shape, dtype, device, gen):
+        x, alpha, g = _snake_inputs(shape, dtype, device, gen)
+        x.requires_grad_(True)
+        alpha.requires_grad_(True)
+        extra = FAST_SIN_REL_ERROR if fast_sin else 0.0
+
+        def run() -> Outputs:
+            y = sparsefuse.snake(x, alpha, fast_sin=fast_sin)
+            gx, ga = torch.autograd.grad(y, (x, alpha), g)
+            with torch.no_grad():
+                x64, a64, g64 = x.double(), alpha.double(), g.double()
+                ref_y = torch_snake(x64, a64)
+                ref_gx, ref_ga = torch_snake_backward(g64, x64, a64)
+                low_gx, low_ga = torch_snake_backward(g, x, alpha.to(dtype))
+                return [
+                    compare("y", y, ref_y, torch_snake(x, alpha.to(dtype)), dtype, extra),
+                    compare("grad_x", gx, ref_gx, low_gx, dtype, extra),
+                    compare("grad_alpha", ga.reshape(-1), ref_ga, low_ga, dtype, extra,
+                            reduction_allowance(_snake_alpha_terms_abs_sum(g64, x64, a64))),
+                ]
+
+        return x, run
+
+    return op
+
+
+def _celu_fwd(inplace: bool) -> OpFn:
+    def op(shape, dtype, device, gen):
+        x, _ = _celu_inputs(shape, dtype, device, gen)
+
+        def run() -> Outputs:
+            ref, low = torch_celu(x.double()), torch_celu(x)
+            if inplace:
+                buf = x.clone()
+                out = sparsefuse.celu_(buf)
+                if out is not buf:
+                    raise AssertionError("celu_ did not return its input tensor")
+            else:
+                out = sparsefuse.celu(x)
+            return [compare("y", out, ref, low, dtype)]
+
+        return x, run
+
+    return op
+
+
+def _celu_fwd_bwd(shape, dtype, device, gen):
+    x, g = _celu_inputs(shape, dtype, device, gen)
+    x.requires_grad_(True)
+
+    def run() -> Outputs:
+        y = sparsefuse.celu(x)
+        (gx,) = torch.autograd.grad(y, x, g)
+        with torch.no_grad():
+            return [
+                compare("y", y, torch_celu(x.double()), torch_celu(x), dtype),
+                compare("grad_x", gx, torch_celu_backward(g.double(), x.double()), torch_celu_backward(g, x), dtype),
+            ]
+
+    return x, run
+
+
+# op name -> (check, shapes for --size small, shapes for --size full)
+OPS: dict[str, tuple[OpFn, list[tuple[int, ...]], list[tuple[int, ...]]]] = {
+    "snake fwd": (_snake_fwd(False), [(2, 6, 257)], [(4, 64, 4099), (1, 16, 120832)]),
+    "snake fwd+bwd": (_snake_fwd_bwd(False), [(2, 6, 257)], [(4, 64, 4099), (1, 16, 120832)]),
+    "snake fast_sin fwd": (_snake_fwd(True), [(2, 6, 257)], [(4, 64, 4099)]),
+    "snake fast_sin fwd+bwd": (_snake_fwd_bwd(True), [(2, 6, 257)], [(4, 64, 4099)]),
+    "celu fwd": (_celu_fwd(False), [(3, 1001)], [((1 << 20) + 7,)]),
+    "celu_ fwd": (_celu_fwd(True), [(3, 1001)], [((1 << 20) + 7,)]),
+    "celu fwd+bwd": (_celu_fwd_bwd, [(3, 1001)], [((1 << 20) + 7,)]),
+}
+
+
+def check_op(name: str, op: OpFn, shape: Sequence[int], dtype: torch.dtype, device: str,
+             gen: torch.Generator) -> CheckResult:  # fmt: skip
+    """Run one op on one (shape, dtype) and compare every output."""
+    result = CheckResult(name, str(dtype).removeprefix("torch."), "x".join(map(str, shape)), "?", [], [])
+    try:
+        probe, run = op(shape, dtype, device, gen)
+        backend = sparsefuse.backend_for(probe)
+        result.backend = backend.value
+        with poison_outputs(), track_launches() as launched:
+            result.outputs = run()
+        result.kernels = sorted(launched)
+        if backend is not Backend.TORCH and not launched:
+            result.error = "no sparsefuse kernel launched"
+    except Exception as exc:  # noqa: BLE001  (an op that raises is a failure to report, not a crash)
+        result.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+    return result
+
+
+def format_result(r: CheckResult) -> str:
+    status = "PASS" if r.passed else "FAIL"
+    head = f"{status}  {r.op:<24} {r.dtype:<9} {r.shape:<12}"
+    if r.error:
+        return f"{head} {r.error}  backend={r.backend}"
+    def badness(named: tuple[str, Comparison]) -> tuple[bool, float]:
+        # A failing output first, else the largest error; NaN (a NaN mismatch) counts as infinite.
+        rel = named[1].max_rel_error
+        return (not named[1].ok, math.inf if math.isnan(rel) else rel)
+
+    worst = max(r.outputs, key=badness, default=None)
+    err = f"max rel err {worst[1].max_rel_error:.2e} ({worst[0]})" if worst else "(no outputs)"
+    line = f"{head} {err}  backend={r.backend}  kernels={','.join(r.kernels) or '-'}"
+    for _, c in r.outputs:
+        if not c.ok:
+            line += f"\n      {c.message}"
+    return line
+
+
+def run_check(
+    device: str | None = None,
+    size: str = "small",
+    dtypes: Iterable[torch.dtype] = DEFAULT_DTYPES,
+    seed: int | None = None,
+    out: Callable[[str], None] = print,
+) -> int:
+    """Check every op; prints one line per (op, dtype, shape) and returns 0 if all pass, 1 otherwise."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if seed is None:
+        seed = int.from_bytes(os.urandom(4), "little")  # fresh inputs every run; printed so a failure reproduces
+    gen = torch.Generator().manual_seed(seed)
+    probe = torch.empty(0, device=device)
+    out(f"sparsefuse check: device={device} backend={sparsefuse.backend_for(probe).value} size={size} seed={seed}")
+    failures = 0
+    for dtype in dtypes:
+        for name, (op, small, full) in OPS.items():
+            for shape in small if size == "small" else full:
+                result = check_op(name, op, shape, dtype, device, gen)
+                failures += not result.passed
+                out(format_result(result))
+    out(f"{'all passed' if failures == 0 else f'{failures} FAILED'}")
+    return 0 if failures == 0 else 1

@@ -1,0 +1,434 @@
+"""Generic GPU benchmark harness: workload registry, device ceilings, and per-implementation timing.
+
+Nothing here knows about any particular op. A workload is a function ``options -> list[Case]`` registered by name
+(see :func:`register`); each :class:`Case` carries its own input factory, implementations and cost model (minimal
+bytes moved and flops), and the harness turns it into :class:`Result` rows.
+
+How a case is timed (warm up first, device events, median of many, inputs that do not fit in the cache):
+
+* ``method="graph"``: inputs are drawn several times so that the sets together exceed twice the L2 cache (capped in
+  number and bytes); every implementation is warmed up on a side stream (this is also where Triton autotunes and
+  torch.compile compiles: neither may happen inside a capture), then ONE CUDA graph calling it once per input set is
+  captured and replayed; time per call = replay time / number of sets. Replaying a graph removes Python launch
+  overhead for every implementation alike. If capture fails the implementation is timed with events around plain
+  calls over the same sets (``method`` column: ``"events"``).
+* ``method="wall"``: whole calls (e.g. an end-to-end model decode) timed with a host clock between device
+  synchronizations; one input set, no graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+import statistics
+import time
+from typing import Any, Callable, Iterable, Literal, Sequence
+
+import torch
+
+__all__ = [
+    "Case",
+    "Options",
+    "Result",
+    "Ceilings",
+    "WORKLOADS",
+    "register",
+    "resolve_workloads",
+    "measure_ceilings",
+    "run_cases",
+    "fill_relative_columns",
+    "tensor_bytes",
+    "dtype_name",
+]
+
+Direction = Literal["fwd", "fwd+bwd"]
+CeilingKind = Literal["copy", "matmul", "none"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """What the user asked for; workloads read it to choose shapes and dtypes."""
+
+    quick: bool = False
+    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+    device: str = "cuda"
+    max_sets: int = 256  # cap on rotated input sets (small shapes would otherwise need thousands)
+    max_rotation_bytes: int = 4 << 30  # cap on the rotated inputs' total size (further capped by free memory)
+    log: Callable[[str], None] = print  # where workloads print notes (e.g. "skipped: snac not installed")
+
+
+@dataclasses.dataclass
+class Case:
+    """One (workload, shape, dtype, direction) point and the implementations to compare on it.
+
+    ``make_inputs()`` returns a FRESH tuple of random inputs on the device (never zeros: they can hide unwritten
+    outputs and run faster than real data); every implementation is called as ``impl(*inputs)``. For
+    ``direction="fwd+bwd"`` the implementation itself runs forward and backward (e.g. via ``torch.autograd.grad``),
+    so the harness stays op-agnostic.
+
+    ``bytes_moved``/``flops`` are the minimal cost (each input read once, each output written once); ``ceiling``
+    says which measured device rate that cost is compared with. ``eager_impl``/``compile_impl`` name the rows the
+    speed-up columns divide by (None: no such column for this case).
+    """
+
+    workload: str
+    shape: str
+    dtype: torch.dtype
+    direction: Direction
+    bytes_moved: int
+    flops: int
+    ceiling: CeilingKind
+    make_inputs: Callable[[], tuple[Any, ...]]
+    impls: dict[str, Callable[..., Any]]
+    method: Literal["graph", "wall"] = "graph"
+    eager_impl: str | None = "eager"
+    compile_impl: str | None = "torch.compile"
+
+
+WorkloadFn = Callable[[Options], list[Case]]
+WORKLOADS: dict[str, WorkloadFn] = {}
+
+
+def register(name: str) -> Callable[[WorkloadFn], WorkloadFn]:
+    """Decorator: ``@register("snake") def snake_cases(options) -> list[Case]``."""
+
+    def wrap(fn: WorkloadFn) -> WorkloadFn:
+        if name in WORKLOADS and WORKLOADS[name] is not fn:
+            raise ValueError(f"benchmark workload {name!r} is registered twice")
+        WORKLOADS[name] = fn
+        return fn
+
+    return wrap
+
+
+def resolve_workloads(names: Sequence[str]) -> list[str]:
+    """Validated workload names (all registered ones, sorted, for an empty list). Raises KeyError naming the
+    known workloads for an unknown name."""
+    from . import workloads  # noqa: F401  (imports every workload module, which registers itself)
+
+    known = sorted(WORKLOADS)
+    if not names:
+        return known
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown:
+        raise KeyError(f"unknown workload(s) {', '.join(map(repr, unknown))}; known workloads: {', '.join(known)}")
+    return list(dict.fromkeys(names))
+
+
+@dataclasses.dataclass
+class Result:
+    """One row of the report: one implementation on one case."""
+
+    workload: str
+    shape: str
+    dtype: str
+    direction: str
+    impl: str
+    method: str = ""  # "graph", "events" (graph capture failed), "wall", or "" when the implementation failed
+    sets: int = 0  # rotated input sets per timed call group
+    rotation_mb: float = 0.0  # their total size
+    median_us: float = math.nan
+    gbps: float = math.nan
+    tflops: float = math.nan
+    ceiling: str = "none"
+    pct_ceiling: float = math.nan
+    speedup_eager: float = math.nan
+    speedup_compile: float = math.nan
+    peak_mb: float = math.nan
+    bytes_moved: int = 0
+    flops: int = 0
+    status: str = "ok"
+    # Not written to files: which rows the speed-up columns divide by.
+    eager_impl: str | None = dataclasses.field(default=None, repr=False)
+    compile_impl: str | None = dataclasses.field(default=None, repr=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Ceilings:
+    """Measured device rates: copy bandwidth (bytes read + written per second) and bf16 matmul flop/s."""
+
+    copy_bytes_per_s: float
+    matmul_flops_per_s: float
+
+    def rate(self, kind: str) -> float:
+        return {"copy": self.copy_bytes_per_s, "matmul": self.matmul_flops_per_s}.get(kind, math.nan)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Total bytes of the tensors in a (nested) tuple/list/dict of inputs."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(o) for o in obj)
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(o) for o in obj.values())
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Device timing primitives
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _event_times_ms(fn: Callable[[], Any], reps: int) -> list[float]:
+    """Device time of ``fn()`` per repetition (ms). All events are recorded first and read after one sync, so the
+    host never stalls the queue between repetitions."""
+    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in pairs:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) for start, end in pairs]
+
+
+def _choose_reps(fn: Callable[[], Any], quick: bool) -> int:
+    """Enough repetitions for a stable median within a time budget: at least 5 (quick) / 20, at most 20 / 200."""
+    lo, hi, budget_s = (5, 20, 0.1) if quick else (20, 200, 0.5)
+    probe_ms = statistics.median(_event_times_ms(fn, 3))
+    return max(lo, min(hi, int(budget_s * 1e3 / max(probe_ms, 1e-3))))
+
+
+def measure_ceilings(quick: bool = False) -> Ceilings:
+    """Copy bandwidth from a 1 GiB device-to-device copy (bytes read + written) and bf16 matmul flop/s from
+    random 8192^3 products, each the median of many event-timed repetitions."""
+    reps = 10 if quick else 30
+    n = (1 << 30) // 4
+    src = torch.randn(n, device="cuda")  # random data: zeros can run faster than real data
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    copy_ms = statistics.median(_event_times_ms(lambda: dst.copy_(src), reps))
+    copy_rate = 2 * src.numel() * src.element_size() / (copy_ms * 1e-3)
+    del src, dst
+
+    m = 8192
+    a = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    c = torch.empty(m, m, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        torch.matmul(a, b, out=c)
+    mm_ms = statistics.median(_event_times_ms(lambda: torch.matmul(a, b, out=c), reps))
+    mm_rate = 2 * m**3 / (mm_ms * 1e-3)
+    del a, b, c
+    torch.cuda.empty_cache()
+    return Ceilings(copy_rate, mm_rate)
+
+
+def l2_cache_bytes() -> int:
+    """The device's L2 size (50 MB when torch does not report it)."""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return int(getattr(props, "L2_cache_size", 0) or 50 * 1000 * 1000)
+
+
+def _number_of_sets(bytes_per_set: int, options: Options) -> int:
+    """Sets needed for the rotation to exceed 2x L2 (so every call reads from DRAM), within the set and byte caps."""
+    if bytes_per_set <= 0:
+        return 1
+    free, _ = torch.cuda.mem_get_info()
+    byte_cap = min(options.max_rotation_bytes, free // 4)  # outputs and workspaces need room too
+    wanted = math.ceil(2 * l2_cache_bytes() / bytes_per_set)
+    return max(1, min(wanted, options.max_sets, byte_cap // bytes_per_set))
+
+
+def _warm_up(fn: Callable[..., Any], sets: list[tuple[Any, ...]], calls: int) -> None:
+    # On a side stream, as CUDA-graph capture wants (autograd and cuBLAS set up per-stream state lazily); this is
+    # also where autotuning and compilation happen, which must stay outside any capture.
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(calls):
+            fn(*sets[i % len(sets)])
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+
+
+def _peak_bytes(fn: Callable[..., Any], inputs: tuple[Any, ...]) -> int:
+    """Allocator high-water mark of one call above what was allocated before it (outputs included)."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = fn(*inputs)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    del out
+    return max(0, peak)
+
+
+def _time_graph(fn: Callable[..., Any], sets: list[tuple[Any, ...]], quick: bool) -> float | None:
+    """Median ms per call from replays of one graph holding one call per set; None if capture fails."""
+    graph = torch.cuda.CUDAGraph()
+    outputs: list[Any] = []
+    stream = torch.cuda.current_stream()
+    try:
+        with torch.cuda.graph(graph):
+            for inputs in sets:
+                # Outputs stay referenced so that every call writes fresh memory: reusing one output buffer would
+                # let the writes of small cases live in L2.
+                outputs.append(fn(*inputs))
+    except Exception:  # noqa: BLE001  (any capture failure means: time plain calls instead)
+        # A failing capture can leave its capture stream current (the graph context exits early): restore ours.
+        torch.cuda.set_stream(stream)
+        del graph
+        outputs.clear()
+        try:
+            torch.cuda.synchronize()
+        except Exception:  # noqa: BLE001
+            pass
+        return None
+    try:
+        graph.replay()
+        torch.cuda.synchronize()
+        reps = _choose_reps(graph.replay, quick)
+        return statistics.median(_event_times_ms(graph.replay, reps)) / len(sets)
+    finally:
+        del graph
+        outputs.clear()
+
+
+def _time_events(fn: Callable[..., Any], sets: list[tuple[Any, ...]], quick: bool) -> float:
+    """Median ms per call of plain calls over all sets (Python launch overhead included)."""
+
+    def sweep() -> None:
+        for inputs in sets:
+            fn(*inputs)
+
+    reps = _choose_reps(sweep, quick)
+    return statistics.median(_event_times_ms(sweep, reps)) / len(sets)
+
+
+def _time_wall(fn: Callable[..., Any], inputs: tuple[Any, ...], quick: bool) -> float:
+    """Median ms of whole calls, host clock between device synchronizations (end-to-end latency)."""
+    reps = 5 if quick else 20
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn(*inputs)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Running cases
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _reset_compile_caches() -> None:
+    # Each case compiles from scratch: otherwise shapes seen in earlier cases make torch.compile switch to
+    # dynamic-shape kernels, and after 8 recompiles of one function it silently falls back to eager.
+    try:
+        import torch._dynamo
+
+        torch._dynamo.reset()
+    except Exception:  # noqa: BLE001  (no dynamo: nothing to reset)
+        pass
+
+
+def _blank_row(case: Case, impl: str) -> Result:
+    return Result(
+        workload=case.workload, shape=case.shape, dtype=dtype_name(case.dtype), direction=case.direction, impl=impl,
+        ceiling=case.ceiling, bytes_moved=case.bytes_moved, flops=case.flops,
+        eager_impl=case.eager_impl, compile_impl=case.compile_impl,
+    )  # fmt: skip
+
+
+def _short_error(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    return text[:160]
+
+
+def run_case(case: Case, options: Options, ceilings: Ceilings, advance: Callable[[str], None]) -> list[Result]:
+    """Time every implementation of one case; a failing implementation gives a row with its error, not a crash."""
+    _reset_compile_caches()
+    rows: list[Result] = []
+    try:
+        first = case.make_inputs()
+        per_set = tensor_bytes(first)
+        n_sets = 1 if case.method == "wall" else _number_of_sets(per_set, options)
+        sets = [first] + [case.make_inputs() for _ in range(n_sets - 1)]
+    except Exception as exc:  # noqa: BLE001  (e.g. out of memory for this shape: report, go on)
+        for impl in case.impls:
+            row = _blank_row(case, impl)
+            row.status = f"inputs: {_short_error(exc)}"
+            rows.append(row)
+            advance(impl)
+        torch.cuda.empty_cache()
+        return rows
+
+    for impl, fn in case.impls.items():
+        row = _blank_row(case, impl)
+        row.sets, row.rotation_mb = n_sets, per_set * n_sets / 1e6
+        try:
+            _warm_up(fn, sets, calls=max(5, min(len(sets), 10)))
+            row.peak_mb = _peak_bytes(fn, sets[0]) / 1e6
+            if case.method == "wall":
+                ms, row.method = _time_wall(fn, sets[0], options.quick), "wall"
+            else:
+                ms = _time_graph(fn, sets, options.quick)
+                row.method = "graph"
+                if ms is None:
+                    ms, row.method = _time_events(fn, sets, options.quick), "events"
+            row.median_us = ms * 1e3
+            seconds = ms * 1e-3
+            if case.bytes_moved:
+                row.gbps = case.bytes_moved / seconds / 1e9
+            if case.flops:
+                row.tflops = case.flops / seconds / 1e12
+            achieved = {"copy": case.bytes_moved / seconds, "matmul": case.flops / seconds}.get(case.ceiling)
+            if achieved:
+                row.pct_ceiling = 100.0 * achieved / ceilings.rate(case.ceiling)
+        except Exception as exc:  # noqa: BLE001
+            row.method, row.status = "", _short_error(exc)
+            try:
+                torch.cuda.synchronize()
+            except Exception:  # noqa: BLE001
+                pass
+        rows.append(row)
+        advance(impl)
+    del sets, first
+    gc.collect()
+    torch.cuda.empty_cache()
+    fill_relative_columns(rows)
+    return rows
+
+
+def fill_relative_columns(rows: Iterable[Result]) -> None:
+    """Speed-ups vs the case's eager and torch.compile rows (time of the reference / time of the row)."""
+    groups: dict[tuple[str, str, str, str], list[Result]] = {}
+    for r in rows:
+        groups.setdefault((r.workload, r.shape, r.dtype, r.direction), []).append(r)
+    for group in groups.values():
+        times = {r.impl: r.median_us for r in group if r.status == "ok"}
+        for r in group:
+            if r.status != "ok":
+                continue
+            for ref_name, attr in ((r.eager_impl, "speedup_eager"), (r.compile_impl, "speedup_compile")):
+                ref = times.get(ref_name) if ref_name else None
+                if ref is not None and r.median_us > 0:
+                    setattr(r, attr, ref / r.median_us)
+
+
+def run_cases(
+    cases: Sequence[Case],
+    options: Options,
+    ceilings: Ceilings,
+    progress: Callable[[str], None] | None = None,
+    case_done: Callable[[list[Result]], None] | None = None,
+) -> list[Result]:
+    """Run all cases in order. ``progress(label)`` is called once per finished implementation and
+    ``case_done(all rows so far)`` once per finished case (to save partial results of a long run)."""
+    results: list[Result] = []
+    for case in cases:
+        label = f"{case.workload} {case.shape} {dtype_name(case.dtype)} {case.direction}"
+        results.extend(run_case(case, options, ceilings, lambda impl: progress and progress(f"{label} {impl}")))
+        if case_done:
+            case_done(results)
+    return results
