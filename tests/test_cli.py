@@ -24,6 +24,7 @@ import torch
 import sparsefuse._backend
 from sparsefuse.__main__ import main, parse_dtypes
 from sparsefuse.bench import harness, report
+from sparsefuse.bench import workloads as _workloads  # noqa: F401  (registers every workload, whatever test runs first)
 from sparsefuse.bench.harness import Case, Ceilings, Options, Result
 
 REPO = Path(__file__).resolve().parents[1]
