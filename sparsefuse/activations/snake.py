@@ -62,27 +62,46 @@ def torch_snake_backward(
 # Triton kernels
 # ----------------------------------------------------------------------------------------------------------------
 
-# sin(u)^2 and sin(2u) only need u modulo pi: with u = k*pi + r, sin(u) = ±sin(r) and cos(u) = ±cos(r) with the same
-# sign, so sin(u)^2 = sin(r)^2 and sin(u)cos(u) = sin(r)cos(r). Cody-Waite split of pi: PI_HI has 8 significant bits,
-# so k * PI_HI is exact for |k| < 2^16 (|u| < ~2e5).
+# Sine. Snake needs sin(u)^2 (forward) and sin(u)cos(u) (backward), and both only depend on u modulo pi: with
+# u = k*pi + r, sin(u) = ±sin(r) and cos(u) = ±cos(r) with the same sign. Reducing to |r| <= pi/2 and evaluating a
+# polynomial costs ~12 instructions where libdevice's sinf costs ~40: in bf16/fp16 the kernel is then memory-bound
+# again (measured on an H200: 64-71% of copy bandwidth with libdevice, 96% with the polynomial).
+#
+# SIN_ACCURATE: Cody-Waite reduction with pi split in three (PI_A and PI_B have 8 significant bits, so k*PI_A and
+#   k*PI_B are exact for |k| < 2^16) and Taylor polynomials to r^11 / r^12: |sin^2 error| ~3e-7, like libdevice's
+#   1.5e-7. A block holding any |u| >= 1e5 (beyond the exact range) takes tl.sin/tl.cos instead.
+# SIN_FAST (fast_sin=True): two-part reduction, polynomials to r^9 / r^8, no fallback (error in the README).
+# SIN_LIBDEVICE: tl.sin/tl.cos throughout (float64 inputs).
+SIN_ACCURATE = tl.constexpr(0)
+SIN_FAST = tl.constexpr(1)
+SIN_LIBDEVICE = tl.constexpr(2)
 _INV_PI = tl.constexpr(0.3183098861837907)
-_PI_HI = tl.constexpr(3.140625)
-_PI_LO = tl.constexpr(9.676535897932795e-04)
+_PI_A = tl.constexpr(3.140625)
+_PI_B = tl.constexpr(9.6893310546875e-04)
+_PI_C = tl.constexpr(-1.279515686292143e-06)
+_PI_LO = tl.constexpr(9.676535897932795e-04)  # pi - _PI_A, for the two-part reduction
+_EXACT_LIMIT = tl.constexpr(1.0e5)
 
 
 @triton.jit
-def _reduce_mod_pi(u):
+def _reduce_mod_pi(u, PARTS: tl.constexpr):
     k = tl.floor(u * _INV_PI + 0.5)
-    r = u - k * _PI_HI
-    return r - k * _PI_LO
+    if PARTS == 3:
+        r = ((u - k * _PI_A) - k * _PI_B) - k * _PI_C
+    else:
+        r = (u - k * _PI_A) - k * _PI_LO
+    return r
 
 
 @triton.jit
-def _poly_sin(r):
-    # Taylor series to r^11 on |r| <= pi/2 (truncation < 6e-8, about one fp32 ulp of 1).
+def _poly_sin(r, DEGREE: tl.constexpr):
+    # Taylor series on |r| <= pi/2 (truncation: 5.7e-8 for degree 11, 3.6e-6 for degree 9).
     r2 = r * r
-    p = -2.5052108385441720e-08
-    p = p * r2 + 2.7557319223985893e-06
+    if DEGREE == 11:
+        p = -2.5052108385441720e-08
+        p = p * r2 + 2.7557319223985893e-06
+    else:
+        p = 2.7557319223985893e-06
     p = p * r2 - 1.9841269841269841e-04
     p = p * r2 + 8.3333333333333332e-03
     p = p * r2 - 1.6666666666666666e-01
@@ -90,11 +109,14 @@ def _poly_sin(r):
 
 
 @triton.jit
-def _poly_cos(r):
-    # Taylor series to r^12 on |r| <= pi/2 (truncation < 7e-9).
+def _poly_cos(r, DEGREE: tl.constexpr):
+    # Taylor series on |r| <= pi/2 (truncation: 6.4e-9 for degree 12, 4.7e-7... 2.5e-5 for degree 8).
     r2 = r * r
-    p = 2.0876756987868100e-09
-    p = p * r2 - 2.7557319223985888e-07
+    if DEGREE == 12:
+        p = 2.0876756987868100e-09
+        p = p * r2 - 2.7557319223985888e-07
+    else:
+        p = -2.7557319223985888e-07
     p = p * r2 + 2.4801587301587302e-05
     p = p * r2 - 1.3888888888888889e-03
     p = p * r2 + 4.1666666666666664e-02
@@ -103,11 +125,33 @@ def _poly_cos(r):
 
 
 @triton.jit
-def _snake_sin(u, FAST_SIN: tl.constexpr):
-    if FAST_SIN:
-        return _poly_sin(_reduce_mod_pi(u))
+def _sin_cos_mod_pi(u, NEED_COS: tl.constexpr, SIN_MODE: tl.constexpr):
+    """(s, c) = ±(sin u, cos u) with one common sign: enough for s*s and s*c. c is s when NEED_COS is False."""
+    if SIN_MODE == SIN_FAST:
+        r = _reduce_mod_pi(u, 2)
+        s = _poly_sin(r, 9)
+        c = s
+        if NEED_COS:
+            c = _poly_cos(r, 8)
+    elif SIN_MODE == SIN_ACCURATE:
+        # block-uniform branch: the polynomial path unless some |u| leaves the reduction's exact range
+        if tl.max(tl.abs(u), axis=0) < _EXACT_LIMIT:
+            r = _reduce_mod_pi(u, 3)
+            s = _poly_sin(r, 11)
+            c = s
+            if NEED_COS:
+                c = _poly_cos(r, 12)
+        else:
+            s = tl.sin(u)
+            c = s
+            if NEED_COS:
+                c = tl.cos(u)
     else:
-        return tl.sin(u)
+        s = tl.sin(u)
+        c = s
+        if NEED_COS:
+            c = tl.cos(u)
+    return s, c
 
 
 @triton.jit
@@ -122,6 +166,13 @@ def _row_tile(pid, n_channels, T, BLOCK_T: tl.constexpr, WIDE_INDEX: tl.constexp
     return row // n_channels, row % n_channels, row, t, t < T
 
 
+def _prune_by_length(configs: list[triton.Config], nargs: dict, **kwargs) -> list[triton.Config]:
+    # Row tiles much longer than a row only add masked lanes.
+    longest_useful = max(256, triton.next_power_of_2(int(nargs["T"])))
+    kept = [cfg for cfg in configs if cfg.kwargs["BLOCK_T"] <= longest_useful]
+    return kept or configs[:1]
+
+
 @triton.autotune(
     configs=tuning_configs(
         [
@@ -131,11 +182,12 @@ def _row_tile(pid, n_channels, T, BLOCK_T: tl.constexpr, WIDE_INDEX: tl.constexp
             triton.Config({"BLOCK_T": 2048}, num_warps=4),
             triton.Config({"BLOCK_T": 2048}, num_warps=8),
             triton.Config({"BLOCK_T": 4096}, num_warps=8),
+            triton.Config({"BLOCK_T": 8192}, num_warps=16),
         ],
         interpret_config=triton.Config({"BLOCK_T": 64}),
     ),
     key=["tune_key"],
-    prune_configs_by={"early_config_prune": lambda configs, nargs, **kw: _prune_by_length(configs, nargs)},
+    prune_configs_by={"early_config_prune": _prune_by_length},
 )
 @triton.jit(do_not_specialize=["tune_key"])
 def snake_fwd_kernel(
@@ -149,7 +201,7 @@ def snake_fwd_kernel(
     eps,
     tune_key,
     BLOCK_T: tl.constexpr,
-    FAST_SIN: tl.constexpr,
+    SIN_MODE: tl.constexpr,
     WIDE_INDEX: tl.constexpr,
 ):
     # x [B, C, T] with unit time stride (rows may be strided); y [B, C, T] contiguous; alpha [C]
@@ -159,25 +211,47 @@ def snake_fwd_kernel(
     inv_alpha = 1.0 / (alpha + eps)
     x_row = x_ptr + b.to(tl.int64) * stride_xb + c.to(tl.int64) * stride_xc
     x = tl.load(x_row + t, mask=mask, other=0.0).to(compute_dtype)  # [BLOCK_T]
-    s = _snake_sin(alpha * x, FAST_SIN)
+    s, _ = _sin_cos_mod_pi(alpha * x, False, SIN_MODE)
     y = x + inv_alpha * (s * s)
     tl.store(y_ptr + row.to(tl.int64) * T + t, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.autotune(
     configs=tuning_configs(
-        [triton.Config({}, num_warps=w) for w in (2, 4, 8)],
-        interpret_config=triton.Config({}),
+        [
+            triton.Config({"BLOCK": 1024}, num_warps=4),
+            triton.Config({"BLOCK": 2048}, num_warps=4),
+            triton.Config({"BLOCK": 4096}, num_warps=8),
+        ],
+        interpret_config=triton.Config({"BLOCK": 128}),
     ),
     key=["tune_key"],
 )
 @triton.jit(do_not_specialize=["tune_key"])
+def snake_fwd_flat_kernel(x_ptr, alpha_ptr, y_ptr, n_elements, n_channels, T, eps, tune_key,
+                          BLOCK: tl.constexpr, SIN_MODE: tl.constexpr):  # fmt: skip
+    # Short rows (T below a block): x and y contiguous [B*C*T] walked flat, so every block is full and loads are
+    # aligned vectors; each element finds its channel by division (cheap next to a launch-bound kernel's latency).
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]; int32: the launcher keeps n below 2^31
+    mask = offs < n_elements
+    compute_dtype = tl.float64 if x_ptr.dtype.element_ty == tl.float64 else tl.float32
+    alpha = tl.load(alpha_ptr + (offs // T) % n_channels, mask=mask, other=1.0).to(compute_dtype)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(compute_dtype)
+    s, _ = _sin_cos_mod_pi(alpha * x, False, SIN_MODE)
+    y = x + (1.0 / (alpha + eps)) * (s * s)
+    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def snake_bwd_kernel(
     grad_y_ptr,
     x_ptr,
     alpha_ptr,
     grad_x_ptr,
+    grad_alpha_ptr,
     alpha_partial_ptr,
+    arrivals_ptr,
+    n_batch,
     n_channels,
     T,
     stride_gb,
@@ -185,13 +259,13 @@ def snake_bwd_kernel(
     stride_xb,
     stride_xc,
     eps,
-    tune_key,
     BLOCK_T: tl.constexpr,
-    FAST_SIN: tl.constexpr,
+    SIN_MODE: tl.constexpr,
     WIDE_INDEX: tl.constexpr,
     NEED_ALPHA_GRAD: tl.constexpr,
 ):
-    # grad_y, x [B, C, T] unit time stride; grad_x [B, C, T] contiguous; alpha_partial [B*C*n_time_blocks] fp32/64
+    # grad_y, x [B, C, T] unit time stride; grad_x [B, C, T] contiguous; grad_alpha [C];
+    # alpha_partial [B, C, n_time_blocks] fp32/64 scratch; arrivals [C] int32, zeroed
     pid = tl.program_id(0)
     b, c, row, t, mask = _row_tile(pid, n_channels, T, BLOCK_T, WIDE_INDEX)
     compute_dtype = tl.float64 if x_ptr.dtype.element_ty == tl.float64 else tl.float32
@@ -200,26 +274,27 @@ def snake_bwd_kernel(
     b64, c64 = b.to(tl.int64), c.to(tl.int64)
     x = tl.load(x_ptr + b64 * stride_xb + c64 * stride_xc + t, mask=mask, other=0.0).to(compute_dtype)
     g = tl.load(grad_y_ptr + b64 * stride_gb + c64 * stride_gc + t, mask=mask, other=0.0).to(compute_dtype)
-    u = alpha * x
-    if FAST_SIN:
-        r = _reduce_mod_pi(u)
-        s = _poly_sin(r)
-        sin_2u = 2.0 * s * _poly_cos(r)
-    else:
-        s = tl.sin(u)
-        sin_2u = 2.0 * s * tl.cos(u)
+    s, co = _sin_cos_mod_pi(alpha * x, True, SIN_MODE)
+    sin_2u = 2.0 * s * co
     grad_x = g * (1.0 + alpha * inv_alpha * sin_2u)
     tl.store(grad_x_ptr + row.to(tl.int64) * T + t, grad_x.to(grad_x_ptr.dtype.element_ty), mask=mask)
     if NEED_ALPHA_GRAD:
+        # d/dalpha summed over this tile; masked lanes have x = g = 0 and contribute 0
         d_alpha = g * (x * inv_alpha * sin_2u - (s * s) * (inv_alpha * inv_alpha))
-        tl.store(alpha_partial_ptr + pid, tl.sum(tl.where(mask, d_alpha, 0.0), axis=0))
-
-
-def _prune_by_length(configs: list[triton.Config], nargs: dict) -> list[triton.Config]:
-    # Blocks much longer than a row only add masked lanes.
-    longest_useful = max(256, triton.next_power_of_2(int(nargs["T"])))
-    kept = [cfg for cfg in configs if cfg.kwargs.get("BLOCK_T", 0) <= longest_useful]
-    return kept or configs[:1]
+        tl.store(alpha_partial_ptr + pid, tl.sum(d_alpha, axis=0))
+        # Deterministic finish without float atomics: the last of the channel's B * n_time_blocks programs to
+        # arrive (integer counter, acq_rel) sums the channel's partials in a fixed order.
+        tl.debug_barrier()  # every thread's partial store precedes the release below
+        n_time_blocks = tl.cdiv(T, BLOCK_T)
+        n_parts = n_batch * n_time_blocks
+        if tl.atomic_add(arrivals_ptr + c, 1) == n_parts - 1:
+            PARTS: tl.constexpr = 256
+            acc = tl.zeros([PARTS], dtype=compute_dtype)
+            for first in range(0, n_parts, PARTS):
+                j = first + tl.arange(0, PARTS)  # j = b * n_time_blocks + time block
+                src = (j // n_time_blocks) * n_channels * n_time_blocks + c * n_time_blocks + j % n_time_blocks
+                acc += tl.load(alpha_partial_ptr + src, mask=j < n_parts, other=0.0, cache_modifier=".cg")
+            tl.store(grad_alpha_ptr + c, tl.sum(acc, axis=0).to(grad_alpha_ptr.dtype.element_ty))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -227,6 +302,7 @@ def _prune_by_length(configs: list[triton.Config], nargs: dict) -> list[triton.C
 # ----------------------------------------------------------------------------------------------------------------
 
 _INT32_LIMIT = 2**31 - 1
+FLAT_MAX_T = 1024  # rows shorter than this take the flat forward kernel (when x is contiguous)
 
 
 def _canonical_shape(shape: torch.Size) -> tuple[int, int, int]:
@@ -258,9 +334,19 @@ def _wide_index(*tensors: torch.Tensor) -> bool:
     return any(t.shape[2] * max(t.stride(2), 1) + 8192 > _INT32_LIMIT for t in tensors)
 
 
-def _backward_block(T: int) -> int:
-    # Fixed (not autotuned) so that the alpha partial-sum buffer's layout does not depend on the tuned config.
-    return 64 if _backend.INTERPRET else min(2048, max(256, triton.next_power_of_2(T)))
+def _sin_mode(dtype: torch.dtype, fast_sin: bool) -> int:
+    if dtype == torch.float64:
+        return SIN_LIBDEVICE.value
+    return SIN_FAST.value if fast_sin else SIN_ACCURATE.value
+
+
+def _backward_config(T: int) -> tuple[int, int]:
+    """(BLOCK_T, num_warps), fixed rather than autotuned: the partial-sum layout and the reduction order (hence the
+    exact bits of alpha's gradient) must not depend on a timing-based choice."""
+    if _backend.INTERPRET:
+        return 64, 4
+    block = min(4096, max(256, triton.next_power_of_2(T)))
+    return block, (8 if block >= 2048 else 4)
 
 
 def _snake_forward(x: torch.Tensor, alpha: torch.Tensor, eps: float, fast_sin: bool) -> torch.Tensor:
@@ -268,16 +354,22 @@ def _snake_forward(x: torch.Tensor, alpha: torch.Tensor, eps: float, fast_sin: b
     y = new_output((B, C, T), x.dtype, x.device)
     if y.numel() == 0:
         return y
-    backend = backend_for(x)
-    if backend is Backend.TORCH:
+    if backend_for(x) is Backend.TORCH:
         _backend.warn_reference_once("snake")
         compute = torch.float64 if x.dtype == torch.float64 else torch.float32
         return torch_snake(x.to(compute), alpha.to(compute), eps).to(x.dtype)
     x = _unit_time_stride(x)
+    mode = _sin_mode(x.dtype, fast_sin)
+    if T < FLAT_MAX_T and x.is_contiguous() and x.numel() < _INT32_LIMIT - 8192:
+        n = x.numel()
+        grid = lambda meta: (triton.cdiv(n, meta["BLOCK"]),)  # noqa: E731
+        snake_fwd_flat_kernel[grid](x, alpha, y, n, C, T, eps, _tune_key(B * C, T), SIN_MODE=mode)
+        record_launch("snake_fwd_flat_kernel")
+        return y
     grid = lambda meta: (B * C * triton.cdiv(T, meta["BLOCK_T"]),)  # noqa: E731
     snake_fwd_kernel[grid](
         x, alpha, y, C, T, x.stride(0), x.stride(1), eps, _tune_key(B * C, T),
-        FAST_SIN=fast_sin, WIDE_INDEX=_wide_index(x),
+        SIN_MODE=mode, WIDE_INDEX=_wide_index(x),
     )  # fmt: skip
     record_launch("snake_fwd_kernel")
     return y
@@ -290,24 +382,29 @@ def _snake_backward(
     grad_x = new_output((B, C, T), x.dtype, x.device)
     if x.numel() == 0:
         return grad_x, torch.zeros_like(alpha)
-    backend = backend_for(x)
-    if backend is Backend.TORCH:
+    if backend_for(x) is Backend.TORCH:
         _backend.warn_reference_once("snake")
         compute = torch.float64 if x.dtype == torch.float64 else torch.float32
         gx, ga = torch_snake_backward(grad_y.to(compute), x.to(compute), alpha.to(compute), eps)
         return gx.to(x.dtype), ga.to(alpha.dtype)
     x, grad_y = _unit_time_stride(x), _unit_time_stride(grad_y)
-    block_t = _backward_block(T)
-    n_time_blocks = triton.cdiv(T, block_t)
-    partial_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    partial = new_output((B, C, n_time_blocks) if need_alpha_grad else (1,), partial_dtype, x.device)
-    snake_bwd_kernel[(B * C * n_time_blocks,)](
-        grad_y, x, alpha, grad_x, partial, C, T,
-        grad_y.stride(0), grad_y.stride(1), x.stride(0), x.stride(1), eps, _tune_key(B * C, T),
-        BLOCK_T=block_t, FAST_SIN=fast_sin, WIDE_INDEX=_wide_index(x, grad_y), NEED_ALPHA_GRAD=need_alpha_grad,
+    block_t, num_warps = _backward_config(T)
+    n_programs = B * C * triton.cdiv(T, block_t)
+    if need_alpha_grad:
+        grad_alpha = new_output((C,), alpha.dtype, x.device)
+        partial = torch.empty(n_programs, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32,
+                              device=x.device)  # fmt: skip
+        arrivals = torch.zeros(C, dtype=torch.int32, device=x.device)
+    else:  # placeholders: the kernel's alpha branch is compiled out
+        grad_alpha = torch.zeros_like(alpha)
+        partial = arrivals = grad_alpha
+    snake_bwd_kernel[(n_programs,)](
+        grad_y, x, alpha, grad_x, grad_alpha, partial, arrivals, B, C, T,
+        grad_y.stride(0), grad_y.stride(1), x.stride(0), x.stride(1), eps,
+        BLOCK_T=block_t, SIN_MODE=_sin_mode(x.dtype, fast_sin), WIDE_INDEX=_wide_index(x, grad_y),
+        NEED_ALPHA_GRAD=need_alpha_grad, num_warps=num_warps,
     )  # fmt: skip
     record_launch("snake_bwd_kernel")
-    grad_alpha = partial.sum(dim=(0, 2)).to(alpha.dtype) if need_alpha_grad else torch.zeros_like(alpha)
     return grad_x, grad_alpha
 
 
