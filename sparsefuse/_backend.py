@@ -66,6 +66,26 @@ def warn_reference_once(op: str) -> None:
         )
 
 
+# --- eager fast path ----------------------------------------------------------------------------------------------
+# A torch.library op costs tens of microseconds of host time per call before the kernel is launched. Models like
+# SNAC call small activations dozens of times per step and are host-bound, so in plain eager inference the
+# functional API calls the launcher directly. Anything that needs the dispatcher -- autograd, torch.compile/export
+# tracing, tensor subclasses (FakeTensor, DTensor), dispatch modes, functorch transforms -- still goes through the op.
+EAGER_FAST_PATH: bool = os.environ.get("SPARSEFUSE_EAGER_FAST_PATH", "1") != "0"
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def bypass_dispatcher(*tensors: torch.Tensor) -> bool:
+    """True when calling the launcher directly is indistinguishable from calling the torch.library op."""
+    if not EAGER_FAST_PATH or torch.compiler.is_compiling():
+        return False
+    if any(type(t) not in _PLAIN_TENSOR_TYPES for t in tensors):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    return torch._C._len_torch_dispatch_stack() == 0 and not torch._C._are_functorch_transforms_active()
+
+
 # --- launch accounting ------------------------------------------------------------------------------------------
 # Every launcher calls record_launch(<kernel name>) so tests can assert that a Triton kernel really ran (and the
 # reference was not silently compared with itself). A dict increment per launch costs ~50 ns.

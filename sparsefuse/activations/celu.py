@@ -74,6 +74,7 @@ def _block(pid, n_elements, BLOCK: tl.constexpr):
 
 _FLAT_CONFIGS = tuning_configs(
     [
+        triton.Config({"BLOCK": 512}, num_warps=4),
         triton.Config({"BLOCK": 1024}, num_warps=4),
         triton.Config({"BLOCK": 2048}, num_warps=4),
         triton.Config({"BLOCK": 4096}, num_warps=8),
@@ -208,12 +209,16 @@ def _(x, alpha, scale, input_scale):
     return torch.empty_like(x) if _dense(x) else torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("sparsefuse::celu_", mutates_args=("x",))
-def celu_inplace_op(x: torch.Tensor, alpha: float, scale: float, input_scale: float) -> None:
+def _celu_inplace(x: torch.Tensor, alpha: float, scale: float, input_scale: float) -> None:
     if _dense(x):
         _celu_into(x, x, alpha, scale, input_scale)
     else:
         x.copy_(_celu_forward(x, alpha, scale, input_scale))
+
+
+@torch.library.custom_op("sparsefuse::celu_", mutates_args=("x",))
+def celu_inplace_op(x: torch.Tensor, alpha: float, scale: float, input_scale: float) -> None:
+    _celu_inplace(x, alpha, scale, input_scale)
 
 
 @celu_inplace_op.register_fake
@@ -269,6 +274,8 @@ def celu(x: torch.Tensor, alpha: float = 1.0, scale: float = 1.0, input_scale: f
     Differentiable in x (the backward reads the output, not the input).
     """
     alpha, scale, input_scale = _check_celu_args("celu", x, alpha, scale, input_scale)
+    if _backend.bypass_dispatcher(x):
+        return _celu_forward(x, alpha, scale, input_scale)
     return celu_op(x, alpha, scale, input_scale)
 
 
@@ -287,5 +294,8 @@ def celu_(x: torch.Tensor, alpha: float = 1.0, scale: float = 1.0, input_scale: 
                 "use sparsefuse.celu (out of place) or run under torch.no_grad()"
             )
         return x.copy_(celu_op(x, alpha, scale, input_scale))
-    celu_inplace_op(x, alpha, scale, input_scale)
+    if _backend.bypass_dispatcher(x):
+        _celu_inplace(x, alpha, scale, input_scale)
+    else:
+        celu_inplace_op(x, alpha, scale, input_scale)
     return x

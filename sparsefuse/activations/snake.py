@@ -64,14 +64,15 @@ def torch_snake_backward(
 
 # Sine. Snake needs sin(u)^2 (forward) and sin(u)cos(u) (backward), and both only depend on u modulo pi: with
 # u = k*pi + r, sin(u) = ±sin(r) and cos(u) = ±cos(r) with the same sign. Reducing to |r| <= pi/2 and evaluating a
-# polynomial costs ~12 instructions where libdevice's sinf costs ~40: in bf16/fp16 the kernel is then memory-bound
-# again (measured on an H200: 64-71% of copy bandwidth with libdevice, 96% with the polynomial).
+# polynomial costs ~12 instructions where libdevice's sinf costs ~40, which made the bf16/fp16 kernel compute-bound
+# (H200: 64-71% of copy bandwidth with tl.sin).
 #
-# SIN_ACCURATE: Cody-Waite reduction with pi split in three (PI_A and PI_B have 8 significant bits, so k*PI_A and
-#   k*PI_B are exact for |k| < 2^16) and Taylor polynomials to r^11 / r^12: |sin^2 error| ~3e-7, like libdevice's
-#   1.5e-7. A block holding any |u| >= 1e5 (beyond the exact range) takes tl.sin/tl.cos instead.
-# SIN_FAST (fast_sin=True): two-part reduction, polynomials to r^9 / r^8, no fallback (error in the README).
-# SIN_LIBDEVICE: tl.sin/tl.cos throughout (float64 inputs).
+# SIN_ACCURATE (default): Cody-Waite reduction with pi split in three (PI_A and PI_B have 8 significant bits, so
+#   k*PI_A and k*PI_B are exact for |k| < 2^16, i.e. |u| < 2e5) and Taylor polynomials to r^11 / r^12: |sin^2 error|
+#   <= 3.2e-7 for |u| <= 1e5 (libdevice: 1.5e-7). Beyond 2e5 the error grows like |u| * 2^-24 -- the same size as
+#   the rounding of alpha * x to float32 itself, so no float32 sine is meaningfully better there.
+# SIN_FAST (fast_sin=True): two-part reduction, polynomials to r^9 / r^8: |sin^2 error| <= 1e-5 for |u| <= 1e5.
+# SIN_LIBDEVICE: tl.sin/tl.cos (float64 inputs, where the polynomials would be the accuracy bottleneck).
 SIN_ACCURATE = tl.constexpr(0)
 SIN_FAST = tl.constexpr(1)
 SIN_LIBDEVICE = tl.constexpr(2)
@@ -80,7 +81,7 @@ _PI_A = tl.constexpr(3.140625)
 _PI_B = tl.constexpr(9.6893310546875e-04)
 _PI_C = tl.constexpr(-1.279515686292143e-06)
 _PI_LO = tl.constexpr(9.676535897932795e-04)  # pi - _PI_A, for the two-part reduction
-_EXACT_LIMIT = tl.constexpr(1.0e5)
+_R_LIMIT = tl.constexpr(2.0)
 
 
 @triton.jit
@@ -90,7 +91,11 @@ def _reduce_mod_pi(u, PARTS: tl.constexpr):
         r = ((u - k * _PI_A) - k * _PI_B) - k * _PI_C
     else:
         r = (u - k * _PI_A) - k * _PI_LO
-    return r
+    # |r| <= pi/2 up to k's rounding (0.03 at |u| = 2e5). Past the exact range r is rounding noise that can be huge
+    # (|u| ~ 1e30): clamping to |r| <= 2, where the polynomials still hold, keeps sin^2 in [0, 1] and y within
+    # O(1/alpha) of x, as with any float32 sine there. NaN (u = ±inf or NaN) must survive the clamp.
+    r = tl.minimum(r, _R_LIMIT, propagate_nan=tl.PropagateNan.ALL)
+    return tl.maximum(r, -_R_LIMIT, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -134,18 +139,11 @@ def _sin_cos_mod_pi(u, NEED_COS: tl.constexpr, SIN_MODE: tl.constexpr):
         if NEED_COS:
             c = _poly_cos(r, 8)
     elif SIN_MODE == SIN_ACCURATE:
-        # block-uniform branch: the polynomial path unless some |u| leaves the reduction's exact range
-        if tl.max(tl.abs(u), axis=0) < _EXACT_LIMIT:
-            r = _reduce_mod_pi(u, 3)
-            s = _poly_sin(r, 11)
-            c = s
-            if NEED_COS:
-                c = _poly_cos(r, 12)
-        else:
-            s = tl.sin(u)
-            c = s
-            if NEED_COS:
-                c = tl.cos(u)
+        r = _reduce_mod_pi(u, 3)
+        s = _poly_sin(r, 11)
+        c = s
+        if NEED_COS:
+            c = _poly_cos(r, 12)
     else:
         s = tl.sin(u)
         c = s
@@ -219,6 +217,8 @@ def snake_fwd_kernel(
 @triton.autotune(
     configs=tuning_configs(
         [
+            triton.Config({"BLOCK": 256}, num_warps=2),
+            triton.Config({"BLOCK": 512}, num_warps=4),
             triton.Config({"BLOCK": 1024}, num_warps=4),
             triton.Config({"BLOCK": 2048}, num_warps=4),
             triton.Config({"BLOCK": 4096}, num_warps=8),
@@ -285,16 +285,19 @@ def snake_bwd_kernel(
         # Deterministic finish without float atomics: the last of the channel's B * n_time_blocks programs to
         # arrive (integer counter, acq_rel) sums the channel's partials in a fixed order.
         tl.debug_barrier()  # every thread's partial store precedes the release below
+        # (Masks instead of a branch on the atomic's result: every program runs the loop, but only the last one's
+        # loads are enabled; usually one iteration.)
         n_time_blocks = tl.cdiv(T, BLOCK_T)
         n_parts = n_batch * n_time_blocks
-        if tl.atomic_add(arrivals_ptr + c, 1) == n_parts - 1:
-            PARTS: tl.constexpr = 256
-            acc = tl.zeros([PARTS], dtype=compute_dtype)
-            for first in range(0, n_parts, PARTS):
-                j = first + tl.arange(0, PARTS)  # j = b * n_time_blocks + time block
-                src = (j // n_time_blocks) * n_channels * n_time_blocks + c * n_time_blocks + j % n_time_blocks
-                acc += tl.load(alpha_partial_ptr + src, mask=j < n_parts, other=0.0, cache_modifier=".cg")
-            tl.store(grad_alpha_ptr + c, tl.sum(acc, axis=0).to(grad_alpha_ptr.dtype.element_ty))
+        arrived = tl.atomic_add(arrivals_ptr + c, 1) + 1
+        n_read = tl.where(arrived == n_parts, n_parts, 0)  # partials this program sums: all, or none
+        PARTS: tl.constexpr = 256
+        acc = tl.zeros([PARTS], dtype=compute_dtype)
+        for first in range(0, n_parts, PARTS):
+            j = first + tl.arange(0, PARTS)  # j = b * n_time_blocks + time block
+            src = (j // n_time_blocks) * n_channels * n_time_blocks + c * n_time_blocks + j % n_time_blocks
+            acc += tl.load(alpha_partial_ptr + src, mask=j < n_read, other=0.0, cache_modifier=".cg")
+        tl.store(grad_alpha_ptr + c, tl.sum(acc, axis=0).to(grad_alpha_ptr.dtype.element_ty), mask=n_read > 0)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -478,5 +481,7 @@ def snake(x: torch.Tensor, alpha: torch.Tensor, eps: float = 1e-9, *, fast_sin: 
     if alpha.numel() != C or not (alpha.dim() == 1 or (alpha.dim() == 3 and alpha.shape == (1, C, 1))):
         raise ValueError(f"snake: alpha must have shape [{C}] or [1, {C}, 1] for x of shape {list(x.shape)}; "
                          f"got {describe(alpha)}")  # fmt: skip
-    y = snake_op(x.reshape(B, C, T), alpha.reshape(C).contiguous(), eps, bool(fast_sin))
-    return y.reshape(x.shape)
+    x3, alpha1 = x.reshape(B, C, T), alpha.reshape(C).contiguous()
+    if _backend.bypass_dispatcher(x, alpha):
+        return _snake_forward(x3, alpha1, eps, bool(fast_sin)).reshape(x.shape)
+    return snake_op(x3, alpha1, eps, bool(fast_sin)).reshape(x.shape)
