@@ -11,6 +11,10 @@ import sparsefuse._backend as backend
 import sparsefuse.activations.snake as S
 
 
+def scripted_snake(x, a):
+    return x + (a + 1e-9).reciprocal() * torch.sin(a * x).pow(2)
+
+
 def per_call_us(fn, n=2000):
     for _ in range(50):
         fn()
@@ -25,7 +29,7 @@ def per_call_us(fn, n=2000):
 def main() -> None:
     x = torch.randn(1, 64, 236, device="cuda")
     alpha = torch.nn.Parameter(torch.rand(1, 64, 1, device="cuda") + 0.5)
-    scripted = torch.jit.script(lambda x, a: x + (a + 1e-9).reciprocal() * torch.sin(a * x).pow(2))
+    scripted = torch.jit.script(scripted_snake)
     with torch.no_grad():
         print(f"eager expression      {per_call_us(lambda: x + (alpha + 1e-9).reciprocal() * torch.sin(alpha * x).pow(2)):7.1f} us/call")
         print(f"torch.jit.script      {per_call_us(lambda: scripted(x, alpha)):7.1f} us/call")
@@ -39,6 +43,13 @@ def main() -> None:
         y = torch.empty_like(x)
         print(f"empty_like only       {per_call_us(lambda: torch.empty_like(x)):7.1f} us/call")
         print(f"celu fast path        {per_call_us(lambda: sparsefuse.celu(x)):7.1f} us/call")
+        kernel = S.snake_fwd_flat_kernel
+        print(f"autotuner run only    {per_call_us(lambda: kernel[(59,)](x3, a1, y, x3.numel(), 64, 236, 1e-9, 7, SIN_MODE=0)):7.1f} us/call")
+        best = kernel.cache[next(iter(kernel.cache))] if getattr(kernel, "cache", None) else None
+        print("flat kernel best config:", best)
+        if best is not None:
+            jit = kernel.fn
+            print(f"jit run (no autotune) {per_call_us(lambda: jit[(59,)](x3, a1, y, x3.numel(), 64, 236, 1e-9, 7, SIN_MODE=0, **best.kwargs, num_warps=best.num_warps)):7.1f} us/call")
         print(f"F.celu                {per_call_us(lambda: torch.nn.functional.celu(x)):7.1f} us/call")
     xr = x.clone().requires_grad_()
     print(f"snake fwd+bwd (op)    {per_call_us(lambda: torch.autograd.grad(sparsefuse.snake(xr, alpha), (xr, alpha), x), 500):7.1f} us/call")
@@ -62,7 +73,7 @@ def main() -> None:
                     i[0] = (i[0] + 1) % len(sets)
                     xx, gg = sets[i[0]]
                     arr.zero_()
-                    S.snake_bwd_kernel[(B * C * nt,)](gg, xx, a, gx, ga, part, arr, B, C, T, C * T, T, C * T, T, 1e-9,
+                    S.snake_bwd_kernel[(B * C * nt,)](gg, xx, a, gx, ga, part, arr, B * nt, C, T, C * T, T, C * T, T, 1e-9,
                                                       BLOCK_T=block, SIN_MODE=0, WIDE_INDEX=False, NEED_ALPHA_GRAD=True,
                                                       num_warps=warps)
 

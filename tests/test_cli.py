@@ -47,6 +47,11 @@ def run_cli(*args: str, interpret: bool, timeout: float = 120) -> subprocess.Com
 # ----------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.skipif(
+    tuple(int(v) for v in __import__("triton").__version__.split(".")[:2]) < (3, 7),
+    reason="Triton < 3.7's interpreter cannot loop over a runtime kernel argument (range(n) raises); CI uses a newer "
+    "Triton, and the compiled kernels are unaffected",
+)
 def test_check_small_passes_under_interpreter():
     proc = run_cli("check", "--size", "small", interpret=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr

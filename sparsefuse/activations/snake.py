@@ -82,6 +82,7 @@ _PI_B = tl.constexpr(9.6893310546875e-04)
 _PI_C = tl.constexpr(-1.279515686292143e-06)
 _PI_LO = tl.constexpr(9.676535897932795e-04)  # pi - _PI_A, for the two-part reduction
 _R_LIMIT = tl.constexpr(2.0)
+_PARTS_PER_STEP = tl.constexpr(256)  # alpha partial sums read per step by the channel's last program
 
 
 @triton.jit
@@ -251,7 +252,7 @@ def snake_bwd_kernel(
     grad_alpha_ptr,
     alpha_partial_ptr,
     arrivals_ptr,
-    n_batch,
+    n_parts,
     n_channels,
     T,
     stride_gb,
@@ -287,14 +288,12 @@ def snake_bwd_kernel(
         tl.debug_barrier()  # every thread's partial store precedes the release below
         # (Masks instead of a branch on the atomic's result: every program runs the loop, but only the last one's
         # loads are enabled; usually one iteration.)
-        n_time_blocks = tl.cdiv(T, BLOCK_T)
-        n_parts = n_batch * n_time_blocks
+        n_time_blocks = tl.cdiv(T, BLOCK_T)  # n_parts = B * n_time_blocks, passed in (a plain int for range())
         arrived = tl.atomic_add(arrivals_ptr + c, 1) + 1
         n_read = tl.where(arrived == n_parts, n_parts, 0)  # partials this program sums: all, or none
-        PARTS: tl.constexpr = 256
-        acc = tl.zeros([PARTS], dtype=compute_dtype)
-        for first in range(0, n_parts, PARTS):
-            j = first + tl.arange(0, PARTS)  # j = b * n_time_blocks + time block
+        acc = tl.zeros([_PARTS_PER_STEP], dtype=compute_dtype)
+        for first in range(0, n_parts, _PARTS_PER_STEP):
+            j = first + tl.arange(0, _PARTS_PER_STEP)  # j = b * n_time_blocks + time block
             src = (j // n_time_blocks) * n_channels * n_time_blocks + c * n_time_blocks + j % n_time_blocks
             acc += tl.load(alpha_partial_ptr + src, mask=j < n_read, other=0.0, cache_modifier=".cg")
         tl.store(grad_alpha_ptr + c, tl.sum(acc, axis=0).to(grad_alpha_ptr.dtype.element_ty), mask=n_read > 0)
@@ -402,7 +401,7 @@ def _snake_backward(
         grad_alpha = torch.zeros_like(alpha)
         partial = arrivals = grad_alpha
     snake_bwd_kernel[(n_programs,)](
-        grad_y, x, alpha, grad_x, grad_alpha, partial, arrivals, B, C, T,
+        grad_y, x, alpha, grad_x, grad_alpha, partial, arrivals, B * triton.cdiv(T, block_t), C, T,
         grad_y.stride(0), grad_y.stride(1), x.stride(0), x.stride(1), eps,
         BLOCK_T=block_t, SIN_MODE=_sin_mode(x.dtype, fast_sin), WIDE_INDEX=_wide_index(x, grad_y),
         NEED_ALPHA_GRAD=need_alpha_grad, num_warps=num_warps,

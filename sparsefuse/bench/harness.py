@@ -82,6 +82,7 @@ class Case:
     make_inputs: Callable[[], tuple[Any, ...]]
     impls: dict[str, Callable[..., Any]]
     method: Literal["graph", "wall"] = "graph"
+    rotate: bool = True  # False: time one input set (e.g. a model whose inputs are tiny and weights dominate)
     eager_impl: str | None = "eager"
     compile_impl: str | None = "torch.compile"
 
@@ -352,7 +353,7 @@ def run_case(case: Case, options: Options, ceilings: Ceilings, advance: Callable
     try:
         first = case.make_inputs()
         per_set = tensor_bytes(first)
-        n_sets = 1 if case.method == "wall" else _number_of_sets(per_set, options)
+        n_sets = 1 if case.method == "wall" or not case.rotate else _number_of_sets(per_set, options)
         sets = [first] + [case.make_inputs() for _ in range(n_sets - 1)]
     except Exception as exc:  # noqa: BLE001  (e.g. out of memory for this shape: report, go on)
         for impl in case.impls:
