@@ -74,7 +74,7 @@ def main() -> None:
                     xx, gg = sets[i[0]]
                     arr.zero_()
                     S.snake_bwd_kernel[(B * C * nt,)](gg, xx, a, gx, ga, part, arr, B * nt, C, T, C * T, T, C * T, T, 1e-9,
-                                                      BLOCK_T=block, SIN_MODE=0, WIDE_INDEX=False, NEED_ALPHA_GRAD=True,
+                                                      BLOCK_T=block, SIN_MODE=0, WIDE_INDEX=False, NEED_ALPHA_GRAD=True, ONE_PROGRAM_PER_CHANNEL=False,
                                                       num_warps=warps)
 
                 t = triton.testing.do_bench(run, warmup=20, rep=100, return_mode="median") * 1e-3

@@ -96,8 +96,9 @@ def test_sin_squared_error_bound(mode, limit, bound, device):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("alpha_shape", ["1c1", "c"])
 @pytest.mark.parametrize("fast_sin", [False, True])
-def test_backward_matches_float64_reference(dtype, alpha_shape, fast_sin, device):
-    x, alpha = make_inputs((2, 3, 150), dtype, device, alpha_shape=alpha_shape)
+@pytest.mark.parametrize("shape", [(2, 3, 150), (1, 3, 50)])  # alpha's sum over several programs / one program
+def test_backward_matches_float64_reference(shape, dtype, alpha_shape, fast_sin, device):
+    x, alpha = make_inputs(shape, dtype, device, alpha_shape=alpha_shape)
     grad = torch.randn(x.shape, dtype=torch.float32).to(dtype).to(device)
     xr, ar = x.clone().requires_grad_(), alpha.clone().requires_grad_()
     with track_launches() as launched:
@@ -115,6 +116,17 @@ def test_backward_matches_float64_reference(dtype, alpha_shape, fast_sin, device
     terms = (grad.double() * x.double()).abs().sum().item() / 0.3
     assert_close_to_reference(ar.grad.reshape(-1), ga64, dtype=torch.float32, name="grad_alpha",
                               extra_abs=terms * (1e-6 + (2 * FAST_SIN_EXTRA if fast_sin else 0.0)))  # fmt: skip
+
+
+def test_division_magic_numbers():
+    """The flat kernel's multiply-shift division is exact for every int32 numerator."""
+    import random
+
+    rng = random.Random(0)
+    for d in list(range(1, 2000)) + [rng.randrange(1, 2**31) for _ in range(2000)]:
+        m, s = snake_module.division_magic(d)
+        for n in [0, 1, d - 1, d, d + 1, 2**31 - 1] + [rng.randrange(0, 2**31) for _ in range(10)]:
+            assert (n * m) >> s == n // d and n * m < 2**63
 
 
 def test_alpha_gradient_is_bitwise_reproducible(device):

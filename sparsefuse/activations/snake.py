@@ -68,10 +68,10 @@ def torch_snake_backward(
 # (H200: 64-71% of copy bandwidth with tl.sin).
 #
 # SIN_ACCURATE (default): Cody-Waite reduction with pi split in three (PI_A and PI_B have 8 significant bits, so
-#   k*PI_A and k*PI_B are exact for |k| < 2^16, i.e. |u| < 2e5) and Taylor polynomials to r^11 / r^12: |sin^2 error|
-#   <= 3.2e-7 for |u| <= 1e5 (libdevice: 1.5e-7). Beyond 2e5 the error grows like |u| * 2^-24 -- the same size as
+#   k*PI_A and k*PI_B are exact for |k| < 2^16, i.e. |u| < 2e5) and near-minimax polynomials of degree 9 / 10:
+#   |sin^2 error| <= 3.5e-7 for |u| <= 1e5 (libdevice: 1.5e-7). Beyond 2e5 the error grows like |u| * 2^-24 -- the same size as
 #   the rounding of alpha * x to float32 itself, so no float32 sine is meaningfully better there.
-# SIN_FAST (fast_sin=True): two-part reduction, polynomials to r^9 / r^8: |sin^2 error| <= 1e-5 for |u| <= 1e5.
+# SIN_FAST (fast_sin=True): two-part reduction, polynomials of degree 7 / 8: |sin^2 error| <= 1e-5 for |u| <= 1e5.
 # SIN_LIBDEVICE: tl.sin/tl.cos (float64 inputs, where the polynomials would be the accuracy bottleneck).
 SIN_ACCURATE = tl.constexpr(0)
 SIN_FAST = tl.constexpr(1)
@@ -101,33 +101,37 @@ def _reduce_mod_pi(u, PARTS: tl.constexpr):
 
 @triton.jit
 def _poly_sin(r, DEGREE: tl.constexpr):
-    # Taylor series on |r| <= pi/2 (truncation: 5.7e-8 for degree 11, 3.6e-6 for degree 9).
-    r2 = r * r
-    if DEGREE == 11:
-        p = -2.5052108385441720e-08
-        p = p * r2 + 2.7557319223985893e-06
+    # Near-minimax odd polynomials on |r| <= pi/2 (Lawson-weighted least squares, leading term fixed to r):
+    # max |error| 4.6e-9 at degree 9, 8.8e-7 at degree 7.
+    q = r * r
+    if DEGREE == 9:
+        p = 2.6000558892872935e-06
+        p = p * q - 1.9806615726246542e-04
+        p = p * q + 8.3330172990903910e-03
+        p = p * q - 1.6666657096822848e-01
     else:
-        p = 2.7557319223985893e-06
-    p = p * r2 - 1.9841269841269841e-04
-    p = p * r2 + 8.3333333333333332e-03
-    p = p * r2 - 1.6666666666666666e-01
-    return r + r * r2 * p
+        p = -1.849221933678839e-04
+        p = p * q + 8.312367419995508e-03
+        p = p * q - 1.666568116052337e-01
+    return r + r * q * p
 
 
 @triton.jit
 def _poly_cos(r, DEGREE: tl.constexpr):
-    # Taylor series on |r| <= pi/2 (truncation: 6.4e-9 for degree 12, 4.7e-7... 2.5e-5 for degree 8).
-    r2 = r * r
-    if DEGREE == 12:
-        p = 2.0876756987868100e-09
-        p = p * r2 - 2.7557319223985888e-07
+    # Near-minimax even polynomials on |r| <= pi/2: max |error| 2.4e-10 at degree 10, 5.3e-8 at degree 8.
+    q = r * r
+    if DEGREE == 10:
+        p = -2.607710643878769e-07
+        p = p * q + 2.4761886327835658e-05
+        p = p * q - 1.3888403510107141e-03
+        p = p * q + 4.1666640728228050e-02
+        p = p * q - 4.9999999549561636e-01
     else:
-        p = -2.7557319223985888e-07
-    p = p * r2 + 2.4801587301587302e-05
-    p = p * r2 - 1.3888888888888889e-03
-    p = p * r2 + 4.1666666666666664e-02
-    p = p * r2 - 0.5
-    return 1.0 + r2 * p
+        p = 2.3194408582546955e-05
+        p = p * q - 1.3855928127603744e-03
+        p = p * q + 4.1663989574158910e-02
+        p = p * q - 4.9999932297231330e-01
+    return 1.0 + q * p
 
 
 @triton.jit
@@ -135,16 +139,16 @@ def _sin_cos_mod_pi(u, NEED_COS: tl.constexpr, SIN_MODE: tl.constexpr):
     """(s, c) = ±(sin u, cos u) with one common sign: enough for s*s and s*c. c is s when NEED_COS is False."""
     if SIN_MODE == SIN_FAST:
         r = _reduce_mod_pi(u, 2)
-        s = _poly_sin(r, 9)
+        s = _poly_sin(r, 7)
         c = s
         if NEED_COS:
             c = _poly_cos(r, 8)
     elif SIN_MODE == SIN_ACCURATE:
         r = _reduce_mod_pi(u, 3)
-        s = _poly_sin(r, 11)
+        s = _poly_sin(r, 9)
         c = s
         if NEED_COS:
-            c = _poly_cos(r, 12)
+            c = _poly_cos(r, 10)
     else:
         s = tl.sin(u)
         c = s
@@ -229,14 +233,17 @@ def snake_fwd_kernel(
     key=["tune_key"],
 )
 @triton.jit(do_not_specialize=["tune_key"])
-def snake_fwd_flat_kernel(x_ptr, alpha_ptr, y_ptr, n_elements, n_channels, T, eps, tune_key,
-                          BLOCK: tl.constexpr, SIN_MODE: tl.constexpr):  # fmt: skip
+def snake_fwd_flat_kernel(x_ptr, alpha_ptr, y_ptr, n_elements, n_channels, t_magic, t_shift, c_magic, c_shift, eps,
+                          tune_key, BLOCK: tl.constexpr, SIN_MODE: tl.constexpr):  # fmt: skip
     # Short rows (T below a block): x and y contiguous [B*C*T] walked flat, so every block is full and loads are
-    # aligned vectors; each element finds its channel by division (cheap next to a launch-bound kernel's latency).
+    # aligned vectors. Each element finds its channel as (i // T) % C; both divisions are multiply-shifts by magic
+    # numbers computed on the host (a runtime integer division would cost ~30 instructions per element).
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]; int32: the launcher keeps n below 2^31
     mask = offs < n_elements
+    row = (offs.to(tl.int64) * t_magic) >> t_shift
+    channel = row - ((row * c_magic) >> c_shift) * n_channels
     compute_dtype = tl.float64 if x_ptr.dtype.element_ty == tl.float64 else tl.float32
-    alpha = tl.load(alpha_ptr + (offs // T) % n_channels, mask=mask, other=1.0).to(compute_dtype)
+    alpha = tl.load(alpha_ptr + channel, mask=mask, other=1.0).to(compute_dtype)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(compute_dtype)
     s, _ = _sin_cos_mod_pi(alpha * x, False, SIN_MODE)
     y = x + (1.0 / (alpha + eps)) * (s * s)
@@ -264,6 +271,7 @@ def snake_bwd_kernel(
     SIN_MODE: tl.constexpr,
     WIDE_INDEX: tl.constexpr,
     NEED_ALPHA_GRAD: tl.constexpr,
+    ONE_PROGRAM_PER_CHANNEL: tl.constexpr,
 ):
     # grad_y, x [B, C, T] unit time stride; grad_x [B, C, T] contiguous; grad_alpha [C];
     # alpha_partial [B, C, n_time_blocks] fp32/64 scratch; arrivals [C] int32, zeroed
@@ -282,6 +290,9 @@ def snake_bwd_kernel(
     if NEED_ALPHA_GRAD:
         # d/dalpha summed over this tile; masked lanes have x = g = 0 and contribute 0
         d_alpha = g * (x * inv_alpha * sin_2u - (s * s) * (inv_alpha * inv_alpha))
+        if ONE_PROGRAM_PER_CHANNEL:  # B == 1 and the row fits one tile (the SNAC shapes): nothing to combine
+            tl.store(grad_alpha_ptr + c, tl.sum(d_alpha, axis=0).to(grad_alpha_ptr.dtype.element_ty))
+            return
         tl.store(alpha_partial_ptr + pid, tl.sum(d_alpha, axis=0))
         # Deterministic finish without float atomics: the last of the channel's B * n_time_blocks programs to
         # arrive (integer counter, acq_rel) sums the channel's partials in a fixed order.
@@ -336,6 +347,13 @@ def _wide_index(*tensors: torch.Tensor) -> bool:
     return any(t.shape[2] * max(t.stride(2), 1) + 8192 > _INT32_LIMIT for t in tensors)
 
 
+def division_magic(divisor: int) -> tuple[int, int]:
+    """(m, s) with n // divisor == (n * m) >> s for every 0 <= n < 2^31 (Granlund & Montgomery 1994, Thm 4.2 with
+    N = 31: m = ceil(2^(31+l) / d), l = ceil(log2 d); n * m < 2^63 fits int64)."""
+    shift = 31 + (divisor - 1).bit_length()
+    return -(-(1 << shift) // divisor), shift
+
+
 def _sin_mode(dtype: torch.dtype, fast_sin: bool) -> int:
     if dtype == torch.float64:
         return SIN_LIBDEVICE.value
@@ -365,7 +383,8 @@ def _snake_forward(x: torch.Tensor, alpha: torch.Tensor, eps: float, fast_sin: b
     if T < FLAT_MAX_T and x.is_contiguous() and x.numel() < _INT32_LIMIT - 8192:
         n = x.numel()
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK"]),)  # noqa: E731
-        snake_fwd_flat_kernel[grid](x, alpha, y, n, C, T, eps, _tune_key(B * C, T), SIN_MODE=mode)
+        snake_fwd_flat_kernel[grid](x, alpha, y, n, C, *division_magic(T), *division_magic(C), eps, _tune_key(B * C, T),
+                                    SIN_MODE=mode)  # fmt: skip
         record_launch("snake_fwd_flat_kernel")
         return y
     grid = lambda meta: (B * C * triton.cdiv(T, meta["BLOCK_T"]),)  # noqa: E731
@@ -392,19 +411,22 @@ def _snake_backward(
     x, grad_y = _unit_time_stride(x), _unit_time_stride(grad_y)
     block_t, num_warps = _backward_config(T)
     n_programs = B * C * triton.cdiv(T, block_t)
+    one_program_per_channel = n_programs == C
     if need_alpha_grad:
         grad_alpha = new_output((C,), alpha.dtype, x.device)
+    else:  # the kernel's alpha branch is compiled out
+        grad_alpha = torch.zeros_like(alpha)
+    if need_alpha_grad and not one_program_per_channel:
         partial = torch.empty(n_programs, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32,
                               device=x.device)  # fmt: skip
         arrivals = torch.zeros(C, dtype=torch.int32, device=x.device)
-    else:  # placeholders: the kernel's alpha branch is compiled out
-        grad_alpha = torch.zeros_like(alpha)
+    else:  # placeholders, never touched
         partial = arrivals = grad_alpha
     snake_bwd_kernel[(n_programs,)](
         grad_y, x, alpha, grad_x, grad_alpha, partial, arrivals, B * triton.cdiv(T, block_t), C, T,
         grad_y.stride(0), grad_y.stride(1), x.stride(0), x.stride(1), eps,
         BLOCK_T=block_t, SIN_MODE=_sin_mode(x.dtype, fast_sin), WIDE_INDEX=_wide_index(x, grad_y),
-        NEED_ALPHA_GRAD=need_alpha_grad, num_warps=num_warps,
+        NEED_ALPHA_GRAD=need_alpha_grad, ONE_PROGRAM_PER_CHANNEL=one_program_per_channel, num_warps=num_warps,
     )  # fmt: skip
     record_launch("snake_bwd_kernel")
     return grad_x, grad_alpha

@@ -82,7 +82,11 @@ def _snake_case(shape: tuple[int, int, int], dtype: torch.dtype, direction: Dire
         "torch.compile": torch.compile(eager_snake),  # lazy: compiles on the harness's warm-up call
         "seed": lambda x, a: seed_snake()(x, a),
     }
-    impls = {name: _snake_fwd_bwd(f) for name, f in forwards.items()} if backward else dict(forwards)
+    if backward:
+        impls = {name: _snake_fwd_bwd(f) for name, f in forwards.items()}
+    else:
+        # The same bytes as the forward (read x, write y) through torch's copy: this size's practical ceiling.
+        impls = {**forwards, "copy": lambda x, a: x.clone()}
     # Minimal traffic: forward reads x, writes y; backward reads grad_y and x, writes grad_x (alpha is O(C)).
     # Flops: elementwise operations with sin/cos counted as one; informational only (the op is memory-bound).
     return Case(
@@ -142,6 +146,7 @@ def _celu_case(n: int, dtype: torch.dtype, direction: Direction, device: str) ->
         # buffer. That is fine for timing: CELU maps every real to (-alpha, inf), so repeated application stays
         # finite (negative values drift slowly towards 0, never to NaN/inf), and the bytes moved are the same.
         impls["sparsefuse celu_"] = lambda x: sparsefuse.celu_(x, 1.0)
+        impls["copy"] = lambda x: x.clone()  # same bytes as the forward: this size's practical ceiling
     # Forward reads x, writes y; backward reads grad_y and the saved y (or x), writes grad_x.
     return Case(
         workload="celu", shape=_size_label(n), dtype=dtype, direction=direction,
