@@ -30,6 +30,7 @@ __all__ = [
     "track_launches",
     "record_launch",
     "tuning_configs",
+    "block_configs",
     "new_output",
     "new_output_like",
     "poison_outputs",
@@ -111,6 +112,14 @@ def tuning_configs(configs: list[triton.Config], interpret_config: triton.Config
     """Autotuning candidates on a GPU; a single fixed config under the interpreter (timing it would be meaningless
     and slow)."""
     return [interpret_config] if INTERPRET else configs
+
+
+def block_configs(block_name: str, blocks_and_warps: list[tuple[int, int]], interpret_block: int) -> list[triton.Config]:
+    """:func:`tuning_configs` for kernels tuned over one block size and the warp count."""
+    return tuning_configs(
+        [triton.Config({block_name: block}, num_warps=warps) for block, warps in blocks_and_warps],
+        interpret_config=triton.Config({block_name: interpret_block}),
+    )
 
 
 # --- output allocation ------------------------------------------------------------------------------------------

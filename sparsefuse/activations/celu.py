@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .. import _backend
-from .._backend import Backend, backend_for, new_output_like, record_launch, tuning_configs
+from .._backend import Backend, backend_for, block_configs, new_output_like, record_launch
 from .._validation import check_float, check_scalar, describe
 
 CELU_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -72,15 +72,8 @@ def _block(pid, n_elements, BLOCK: tl.constexpr):
     return start, offsets, offsets < n_elements - start
 
 
-_FLAT_CONFIGS = tuning_configs(
-    [
-        triton.Config({"BLOCK": 512}, num_warps=4),
-        triton.Config({"BLOCK": 1024}, num_warps=4),
-        triton.Config({"BLOCK": 2048}, num_warps=4),
-        triton.Config({"BLOCK": 4096}, num_warps=8),
-        triton.Config({"BLOCK": 8192}, num_warps=8),
-    ],
-    interpret_config=triton.Config({"BLOCK": 256}),
+_FLAT_CONFIGS = block_configs(
+    "BLOCK", [(512, 4), (1024, 4), (2048, 4), (4096, 8), (8192, 8)], interpret_block=256
 )
 
 

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .. import _backend
-from .._backend import Backend, backend_for, new_output, record_launch, tuning_configs
+from .._backend import Backend, backend_for, block_configs, new_output, record_launch
 from .._validation import check_float, check_same_device, check_scalar, check_tensor, describe
 
 SNAKE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -177,17 +177,8 @@ def _prune_by_length(configs: list[triton.Config], nargs: dict, **kwargs) -> lis
 
 
 @triton.autotune(
-    configs=tuning_configs(
-        [
-            triton.Config({"BLOCK_T": 256}, num_warps=2),
-            triton.Config({"BLOCK_T": 512}, num_warps=4),
-            triton.Config({"BLOCK_T": 1024}, num_warps=4),
-            triton.Config({"BLOCK_T": 2048}, num_warps=4),
-            triton.Config({"BLOCK_T": 2048}, num_warps=8),
-            triton.Config({"BLOCK_T": 4096}, num_warps=8),
-            triton.Config({"BLOCK_T": 8192}, num_warps=16),
-        ],
-        interpret_config=triton.Config({"BLOCK_T": 64}),
+    configs=block_configs(
+        "BLOCK_T", [(256, 2), (512, 4), (1024, 4), (2048, 4), (2048, 8), (4096, 8), (8192, 16)], interpret_block=64
     ),
     key=["tune_key"],
     prune_configs_by={"early_config_prune": _prune_by_length},
@@ -220,16 +211,7 @@ def snake_fwd_kernel(
 
 
 @triton.autotune(
-    configs=tuning_configs(
-        [
-            triton.Config({"BLOCK": 256}, num_warps=2),
-            triton.Config({"BLOCK": 512}, num_warps=4),
-            triton.Config({"BLOCK": 1024}, num_warps=4),
-            triton.Config({"BLOCK": 2048}, num_warps=4),
-            triton.Config({"BLOCK": 4096}, num_warps=8),
-        ],
-        interpret_config=triton.Config({"BLOCK": 128}),
-    ),
+    configs=block_configs("BLOCK", [(256, 2), (512, 4), (1024, 4), (2048, 4), (4096, 8)], interpret_block=128),
     key=["tune_key"],
 )
 @triton.jit(do_not_specialize=["tune_key"])

@@ -96,15 +96,19 @@ def _snake_case(shape: tuple[int, int, int], dtype: torch.dtype, direction: Dire
     )  # fmt: skip
 
 
-@register("snake")
-def snake_cases(options: Options) -> list[Case]:
-    shapes = SNAKE_QUICK_SHAPES if options.quick else SNAKE_SHAPES
+def _grid(make_case: Callable[..., Case], sizes: list, options: Options) -> list[Case]:
+    """Every size x dtype x direction, grouped by dtype then direction (the report's panel order)."""
     return [
-        _snake_case(shape, dtype, direction, options.device)
+        make_case(size, dtype, direction, options.device)
         for dtype in options.dtypes
         for direction in ("fwd", "fwd+bwd")
-        for shape in shapes
+        for size in sizes
     ]
+
+
+@register("snake")
+def snake_cases(options: Options) -> list[Case]:
+    return _grid(_snake_case, SNAKE_QUICK_SHAPES if options.quick else SNAKE_SHAPES, options)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -157,13 +161,7 @@ def _celu_case(n: int, dtype: torch.dtype, direction: Direction, device: str) ->
 
 @register("celu")
 def celu_cases(options: Options) -> list[Case]:
-    sizes = CELU_QUICK_SIZES if options.quick else CELU_SIZES
-    return [
-        _celu_case(n, dtype, direction, options.device)
-        for dtype in options.dtypes
-        for direction in ("fwd", "fwd+bwd")
-        for n in sizes
-    ]
+    return _grid(_celu_case, CELU_QUICK_SIZES if options.quick else CELU_SIZES, options)
 
 
 # ----------------------------------------------------------------------------------------------------------------
