@@ -1,0 +1,121 @@
+"""Dense -> ELL / CSR compaction (Triton), deterministic and in column order.
+
+Two launches over a [M, N] dense tensor tiled into (row, column chunk) programs:
+  1. ``count_nonzero_kernel`` writes the non-zero count of every (row, chunk) -- no atomics;
+  2. an exclusive cumulative sum over chunks (torch, on the device) gives each chunk its first slot in its row;
+  3. ``scatter_nonzero_kernel`` writes every non-zero at ``row base + chunk start + rank within the chunk``.
+
+ELL needs no device->host sync (its row base is ``row * width`` and entries past the width are counted but not
+stored). CSR needs the total nnz on the host to allocate exactly (one sync). NaN counts as a non-zero, so it
+propagates into whatever consumes the format.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import _backend
+from .._backend import Backend, backend_for, record_launch
+from .._validation import check_float, describe
+from .formats import CSR, ELL
+
+_FORMAT_ELL = tl.constexpr(0)
+_FORMAT_CSR = tl.constexpr(1)
+
+
+@triton.jit
+def count_nonzero_kernel(dense_ptr, chunk_counts_ptr, n_cols, stride_row, n_chunks, BLOCK: tl.constexpr):
+    # dense [M, N] (unit column stride); chunk_counts [M, n_chunks] int32
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+    v = tl.load(dense_ptr + row * stride_row + cols, mask=cols < n_cols, other=0.0)
+    tl.store(chunk_counts_ptr + row * n_chunks + chunk, tl.sum((v != 0).to(tl.int32), axis=0))
+
+
+@triton.jit
+def scatter_nonzero_kernel(dense_ptr, chunk_starts_ptr, row_offsets_ptr, values_ptr, indices_ptr, n_cols,
+                           stride_row, n_chunks, width, BLOCK: tl.constexpr, FORMAT: tl.constexpr):  # fmt: skip
+    # chunk_starts [M, n_chunks]: first slot of each chunk within its row. ELL: values/indices [M, width];
+    # CSR: values/indices [nnz] with row_offsets [M + 1].
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(dense_ptr + row * stride_row + cols, mask=cols < n_cols, other=0.0)
+    nonzero = v != 0
+    slot = tl.load(chunk_starts_ptr + row * n_chunks + chunk) + tl.cumsum(nonzero.to(tl.int32), axis=0) - 1
+    if FORMAT == _FORMAT_ELL:
+        base = row * width
+        keep = nonzero & (slot < width)  # past the width: counted (the row overflowed), not stored
+    else:
+        base = tl.load(row_offsets_ptr + row)
+        keep = nonzero
+    tl.store(values_ptr + base + slot, v, mask=keep)
+    tl.store(indices_ptr + base + slot, cols, mask=keep)
+
+
+def _compaction_block(n_cols: int) -> int:
+    return 64 if _backend.INTERPRET else min(4096, max(128, triton.next_power_of_2(n_cols)))
+
+
+def _check_dense(op: str, dense: torch.Tensor) -> torch.Tensor:
+    check_float(op, "dense", dense)
+    if dense.dim() != 2:
+        raise ValueError(f"{op}: dense must be 2-D [rows, cols]; got {describe(dense)}")
+    return dense if dense.stride(1) == 1 or dense.shape[1] <= 1 else dense.contiguous()
+
+
+def _chunk_starts(dense: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chunk_starts [M, n_chunks] int32, row counts [M] int32) from the count kernel and a device cumsum."""
+    M, N = dense.shape
+    n_chunks = triton.cdiv(N, block)
+    chunk_counts = torch.empty(M, n_chunks, dtype=torch.int32, device=dense.device)
+    count_nonzero_kernel[(M, n_chunks)](dense, chunk_counts, N, dense.stride(0), n_chunks, BLOCK=block)
+    record_launch("count_nonzero_kernel")
+    inclusive = chunk_counts.cumsum(dim=1, dtype=torch.int32)
+    return inclusive - chunk_counts, inclusive[:, -1].contiguous()
+
+
+def dense_to_ell(dense: torch.Tensor, width: int) -> ELL:
+    """Compact each row of ``dense`` [M, N] into ``width`` slots (column order) with its true count. No host sync:
+    rows with more than ``width`` non-zeros keep their first ``width`` and report the full count (``overflowed()``).
+    """
+    dense = _check_dense("dense_to_ell", dense)
+    if not isinstance(width, int) or width <= 0:
+        raise ValueError(f"dense_to_ell: width must be a positive int; got {width!r}")
+    M, N = dense.shape
+    if backend_for(dense) is Backend.TORCH or M == 0 or N == 0:
+        if backend_for(dense) is Backend.TORCH:
+            _backend.warn_reference_once("dense_to_ell")
+        return ELL.from_dense(dense, width)
+    block = _compaction_block(N)
+    starts, counts = _chunk_starts(dense, block)
+    values = torch.zeros(M, width, dtype=dense.dtype, device=dense.device)
+    indices = torch.zeros(M, width, dtype=torch.int32, device=dense.device)
+    scatter_nonzero_kernel[(M, starts.shape[1])](dense, starts, counts, values, indices, N, dense.stride(0),
+                                                 starts.shape[1], width, BLOCK=block, FORMAT=0)  # fmt: skip
+    record_launch("scatter_nonzero_kernel")
+    return ELL(values, indices, counts, N)
+
+
+def dense_to_csr(dense: torch.Tensor) -> CSR:
+    """Exact-size CSR of ``dense`` [M, N] (column order). Synchronizes once to size the arrays."""
+    dense = _check_dense("dense_to_csr", dense)
+    M, N = dense.shape
+    if backend_for(dense) is Backend.TORCH or M == 0 or N == 0:
+        if backend_for(dense) is Backend.TORCH:
+            _backend.warn_reference_once("dense_to_csr")
+        return CSR.from_dense(dense)
+    block = _compaction_block(N)
+    starts, counts = _chunk_starts(dense, block)
+    row_offsets = torch.zeros(M + 1, dtype=torch.int64, device=dense.device)
+    row_offsets[1:] = counts.cumsum(0)
+    nnz = int(row_offsets[-1])  # the one host sync: exact allocation
+    values = torch.empty(nnz, dtype=dense.dtype, device=dense.device)
+    indices = torch.empty(nnz, dtype=torch.int32, device=dense.device)
+    scatter_nonzero_kernel[(M, starts.shape[1])](dense, starts, row_offsets, values, indices, N, dense.stride(0),
+                                                 starts.shape[1], 0, BLOCK=block, FORMAT=1)  # fmt: skip
+    record_launch("scatter_nonzero_kernel")
+    return CSR(values, indices, row_offsets, N)

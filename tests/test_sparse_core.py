@@ -1,0 +1,89 @@
+"""The shared sparse core: formats, compaction kernels and the gather-accumulate kernel, against torch references."""
+
+import pytest
+import torch
+from conftest import assert_backend
+
+from sparsefuse import track_launches
+from sparsefuse.sparse import CSR, ELL, dense_to_csr, dense_to_ell, sparse_matmul
+from sparsefuse.testing import assert_close_to_reference
+
+
+def sparse_rows(m: int, n: int, l0s: list[int], dtype=torch.float32, device="cpu") -> torch.Tensor:
+    """[m, n] with row i holding l0s[i % len(l0s)] non-zeros at random columns (values never 0)."""
+    dense = torch.zeros(m, n)
+    for i in range(m):
+        k = min(l0s[i % len(l0s)], n)
+        cols = torch.randperm(n)[:k]
+        dense[i, cols] = torch.randn(k).abs().add_(0.1) * torch.where(torch.rand(k) < 0.5, -1.0, 1.0)
+    return dense.to(dtype).to(device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m, n, l0s", [(5, 200, [0, 1, 7, 200, 13]), (1, 64, [64]), (7, 333, [3, 0, 50])])
+def test_dense_to_ell_and_csr_match_the_reference(m, n, l0s, dtype, device):
+    dense = sparse_rows(m, n, l0s, dtype, device)
+    assert_backend(dense)
+    with track_launches() as launched:
+        ell = dense_to_ell(dense, width=16)
+        csr = dense_to_csr(dense)
+    assert launched["count_nonzero_kernel"] == 2 and launched["scatter_nonzero_kernel"] == 2
+    ref_ell, ref_csr = ELL.from_dense(dense, 16), CSR.from_dense(dense)
+    for got, ref in ((ell.values, ref_ell.values), (ell.indices, ref_ell.indices), (ell.counts, ref_ell.counts),
+                     (csr.values, ref_csr.values), (csr.indices, ref_csr.indices),
+                     (csr.row_offsets, ref_csr.row_offsets)):  # fmt: skip
+        assert torch.equal(got.cpu(), ref.cpu())
+    assert torch.equal(csr.to_dense().cpu(), dense.cpu())
+    assert torch.equal(ell.overflowed().cpu(), (dense != 0).sum(1).cpu() > 16)
+
+
+def test_ell_to_dense_refuses_overflowed_rows(device):
+    ell = dense_to_ell(sparse_rows(3, 50, [2, 20, 1], device=device), width=4)
+    with pytest.raises(ValueError, match=r"1 row\(s\) overflowed width 4 \(largest count 20\)"):
+        ell.to_dense()
+
+
+def test_nan_is_a_nonzero(device):
+    dense = torch.tensor([[0.0, float("nan"), 0.0, 2.0]], device=device)
+    ell = dense_to_ell(dense, 4)
+    assert int(ell.counts[0]) == 2 and torch.isnan(ell.values[0, 0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("fmt", ["ell", "csr"])
+def test_gather_accumulate_matches_float64(fmt, dtype, device):
+    dense = sparse_rows(6, 300, [0, 1, 9, 40, 300, 5], dtype, device)
+    weight = torch.randn(300, 70, dtype=torch.float32).to(dtype).to(device)
+    sparse = dense_to_ell(dense, width=300) if fmt == "ell" else dense_to_csr(dense)
+    with track_launches() as launched:
+        out = sparse_matmul(sparse, weight)
+    assert launched["gather_accumulate_kernel"] == 1 and out.dtype == dtype
+    ref = dense.double() @ weight.double()
+    assert_close_to_reference(out, ref, (dense.float() @ weight.float()).to(dtype))
+
+
+def test_overflowed_ell_rows_are_completed_from_dense_or_poisoned(device):
+    dense = sparse_rows(5, 120, [3, 60, 0, 120, 8], device=device)
+    weight = torch.randn(120, 33, device=device)
+    weight_strided = torch.randn(33, 120, device=device).t()  # non-contiguous columns: copied once
+    ell = dense_to_ell(dense, width=8)
+    assert ell.overflowed().tolist() == [False, True, False, True, False]
+    ref = dense.double() @ weight.double()
+    assert_close_to_reference(sparse_matmul(ell, weight, dense=dense), ref, dense @ weight)
+    assert_close_to_reference(sparse_matmul(ell, weight_strided, dense=dense), dense.double() @ weight_strided.double(),
+                              dense @ weight_strided)  # fmt: skip
+    unfixed = sparse_matmul(ell, weight)  # no dense rows: overflowed rows must be visibly wrong, never truncated
+    assert torch.isnan(unfixed[1]).all() and torch.isnan(unfixed[3]).all()
+    assert_close_to_reference(unfixed[[0, 2, 4]], ref[[0, 2, 4]], (dense @ weight)[[0, 2, 4]])
+
+
+def test_sparse_matmul_errors(device):
+    ell = dense_to_ell(sparse_rows(2, 10, [3], device=device), 4)
+    with pytest.raises(ValueError, match=r"weight must be \[10, n_out\].*\[11, 5\]"):
+        sparse_matmul(ell, torch.randn(11, 5, device=device))
+    with pytest.raises(TypeError, match="weight must have a floating dtype"):
+        sparse_matmul(ell, torch.ones(10, 5, dtype=torch.int64, device=device))
+    with pytest.raises(ValueError, match="dense must have shape"):
+        sparse_matmul(ell, torch.randn(10, 5, device=device), dense=torch.randn(3, 10, device=device))
+    with pytest.raises(ValueError, match="width must be a positive int"):
+        dense_to_ell(torch.randn(2, 3, device=device), 0)
