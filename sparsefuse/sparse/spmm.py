@@ -82,7 +82,7 @@ def sparse_matmul(sparse: ELL | CSR, weight: torch.Tensor, *, dense: torch.Tenso
         weight: [n_in, n_out], float32/float16/bfloat16 (any row stride; columns contiguous or copied once).
         dense: for ELL, the dense [M, n_in] rows the format came from: overflowed rows are recomputed from them on
             the device. Without it an overflowed row comes out as NaN.
-        out_dtype: defaults to ``torch.result_type`` of values and weight.
+        out_dtype: defaults to the promoted dtype of values and weight.
     """
     op = "sparse_matmul"
     check_float(op, "weight", weight)
@@ -99,7 +99,7 @@ def sparse_matmul(sparse: ELL | CSR, weight: torch.Tensor, *, dense: torch.Tenso
         dense = dense if dense.stride(1) == 1 else dense.contiguous()
     weight = weight if weight.stride(1) == 1 or weight.shape[1] <= 1 else weight.contiguous()
     M, n_out = sparse.shape[0], weight.shape[1]
-    out_dtype = out_dtype or torch.result_type(sparse.values, weight)
+    out_dtype = out_dtype or torch.promote_types(sparse.values.dtype, weight.dtype)
     out = new_output((M, n_out), out_dtype, weight.device)
     if M == 0 or n_out == 0:
         return out

@@ -1,0 +1,164 @@
+"""Sparse SAE decode: ``feature_acts @ W_dec`` touching only the decoder rows of features that fired.
+
+    feature_acts [..., d_sae] (mostly zeros), W_dec [d_sae, d_model] -> [..., d_model]
+
+Methods (all built on the shared core in :mod:`sparsefuse.sparse`):
+* ``"fixed"`` -- compact into ELL of width ``max_l0`` (no host sync), gather-accumulate; a token that fired more
+  than ``max_l0`` features is recomputed from its dense row on the device, so the result is always complete.
+  ``validate=True`` instead raises ``ValueError`` naming the largest count (one sync).
+* ``"exact"`` -- compact into exact-size CSR (one sync to size it), gather-accumulate.
+* ``"dense"`` -- ``torch.matmul`` (cuBLAS).
+* ``"auto"`` -- provisional rule until the GPU benchmark grid tunes it: dense for small dictionaries
+  (d_sae < 4096), else fixed with ``max_l0`` (default 256).
+
+Backward: the gradient for W_dec is ``feature_acts^T @ grad_out`` (dense, deterministic); the gradient for the
+activations is the sampled product ``grad_out[m] . W_dec[f]`` on the activations' own sparsity pattern (zero
+elsewhere) -- the gradient a thresholded activation (JumpReLU, TopK) passes on.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._validation import check_float, check_same_device, describe
+from ..sparse import CSR, ELL, dense_to_csr, dense_to_ell, sparse_matmul
+from ..sparse.sddmm import sampled_dot
+
+METHODS = ("auto", "fixed", "exact", "dense")
+DEFAULT_MAX_L0 = 256
+AUTO_DENSE_BELOW_D_SAE = 4096
+
+
+def torch_sparse_decode(feature_acts: torch.Tensor, W_dec: torch.Tensor) -> torch.Tensor:
+    """Reference: the dense product in float64."""
+    return feature_acts.double() @ W_dec.double()
+
+
+def _resolve(method: str, d_sae: int, max_l0: int | None) -> tuple[str, int]:
+    if method == "auto":
+        method = "dense" if d_sae < AUTO_DENSE_BELOW_D_SAE else "fixed"
+    return method, (max_l0 if max_l0 is not None else min(DEFAULT_MAX_L0, d_sae))
+
+
+def _decode_forward(acts: torch.Tensor, W_dec: torch.Tensor, method: str, max_l0: int, validate: bool,
+                    out_dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    # acts [M, d_sae] -> [M, d_model]
+    if method == "dense":
+        compute = torch.promote_types(acts.dtype, W_dec.dtype)
+        return (acts.to(compute) @ W_dec.to(compute)).to(out_dtype)
+    if method == "exact":
+        return sparse_matmul(dense_to_csr(acts), W_dec, out_dtype=out_dtype)
+    ell = dense_to_ell(acts, max_l0)
+    if validate and acts.shape[0]:
+        largest = int(ell.counts.max())
+        if largest > max_l0:
+            raise ValueError(f"sparse_decode: a token fired {largest} features but max_l0={max_l0}; raise max_l0 "
+                             "or use validate=False (overflowing tokens are then decoded from their dense rows)")
+    return sparse_matmul(ell, W_dec, dense=acts, out_dtype=out_dtype)
+
+
+@torch.library.custom_op("sparsefuse::sparse_decode", mutates_args=())
+def sparse_decode_op(feature_acts: torch.Tensor, W_dec: torch.Tensor, method: str, max_l0: int, validate: bool,
+                     out_dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    return _decode_forward(feature_acts, W_dec, method, max_l0, validate, out_dtype)
+
+
+@sparse_decode_op.register_fake
+def _(feature_acts, W_dec, method, max_l0, validate, out_dtype):
+    return feature_acts.new_empty((feature_acts.shape[0], W_dec.shape[1]), dtype=out_dtype)
+
+
+def _sampled_grad(pattern: CSR, grad_out: torch.Tensor, W_dec: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    values = sampled_dot(pattern, grad_out, W_dec).to(dtype)
+    return CSR(values, pattern.indices, pattern.row_offsets, pattern.n_cols).to_dense()
+
+
+@torch.library.custom_op("sparsefuse::sparse_decode_backward", mutates_args=())
+def sparse_decode_backward_op(grad_out: torch.Tensor, feature_acts: torch.Tensor, W_dec: torch.Tensor,
+                              need_acts: bool, need_weight: bool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    grad_acts = (_sampled_grad(dense_to_csr(feature_acts), grad_out, W_dec, feature_acts.dtype) if need_acts
+                 else feature_acts.new_zeros(0))  # fmt: skip
+    if need_weight:
+        compute = torch.promote_types(feature_acts.dtype, grad_out.dtype)
+        grad_weight = (feature_acts.to(compute).t() @ grad_out.to(compute)).to(W_dec.dtype)
+    else:
+        grad_weight = W_dec.new_zeros(0)
+    return grad_acts, grad_weight
+
+
+@sparse_decode_backward_op.register_fake
+def _(grad_out, feature_acts, W_dec, need_acts, need_weight):
+    return (feature_acts.new_empty(feature_acts.shape if need_acts else (0,)),
+            W_dec.new_empty(W_dec.shape if need_weight else (0,)))  # fmt: skip
+
+
+def _decode_setup(ctx, inputs, output) -> None:
+    feature_acts, W_dec = inputs[0], inputs[1]
+    ctx.save_for_backward(feature_acts, W_dec)
+
+
+def _decode_backward(ctx, grad_out):
+    feature_acts, W_dec = ctx.saved_tensors
+    need_acts, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    grad_acts, grad_weight = sparse_decode_backward_op(grad_out, feature_acts, W_dec, need_acts, need_weight)
+    return (grad_acts if need_acts else None), (grad_weight if need_weight else None), None, None, None, None
+
+
+sparse_decode_op.register_autograd(_decode_backward, setup_context=_decode_setup)
+
+
+def sparse_decode(feature_acts: torch.Tensor, W_dec: torch.Tensor, *, method: str = "auto",
+                  max_l0: int | None = None, validate: bool = False,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
+    """Drop-in for ``feature_acts @ W_dec`` that skips features that did not fire (see module docstring).
+
+    Args:
+        feature_acts: [..., d_sae], float32/float16/bfloat16, mostly zeros.
+        W_dec: [d_sae, d_model], float32/float16/bfloat16, same device.
+        method: "auto", "fixed", "exact" or "dense".
+        max_l0: slots per token for "fixed" (default 256, capped at d_sae).
+        validate: "fixed" raises ValueError if a token fired more than max_l0 features (one host sync).
+        out_dtype: defaults to ``torch.result_type(feature_acts, W_dec)``.
+    Returns: [..., d_model]. Accumulation is in float32.
+    """
+    op = "sparse_decode"
+    check_float(op, "feature_acts", feature_acts)
+    check_float(op, "W_dec", W_dec)
+    check_same_device(op, feature_acts=feature_acts, W_dec=W_dec)
+    if W_dec.dim() != 2 or feature_acts.dim() < 1 or feature_acts.shape[-1] != W_dec.shape[0]:
+        raise ValueError(f"{op}: feature_acts [..., d_sae] and W_dec [d_sae, d_model] disagree on d_sae: "
+                         f"feature_acts {describe(feature_acts)}, W_dec {describe(W_dec)}")  # fmt: skip
+    if method not in METHODS:
+        raise ValueError(f"{op}: method must be one of {', '.join(METHODS)}; got {method!r}")
+    if max_l0 is not None and (not isinstance(max_l0, int) or isinstance(max_l0, bool) or max_l0 <= 0):
+        raise ValueError(f"{op}: max_l0 must be a positive int; got {max_l0!r}")
+    method, max_l0 = _resolve(method, W_dec.shape[0], max_l0)
+    out_dtype = out_dtype or torch.promote_types(feature_acts.dtype, W_dec.dtype)  # (result_type: not traceable)
+    acts = feature_acts.reshape(-1, feature_acts.shape[-1])
+    out = sparse_decode_op(acts, W_dec, method, max_l0, bool(validate), out_dtype)
+    return out.reshape(*feature_acts.shape[:-1], W_dec.shape[1])
+
+
+def topk_decode(top_indices: torch.Tensor, top_acts: torch.Tensor, W_dec: torch.Tensor) -> torch.Tensor:
+    """TopK SAE decode: ``sum_j top_acts[..., j] * W_dec[top_indices[..., j]]`` -> [..., d_model].
+
+    top_indices: [..., k] integer feature ids in [0, d_sae); top_acts: [..., k] floating. Forward only for now.
+    Indices are range-checked (one host sync) -- an out-of-range id would read outside W_dec."""
+    op = "topk_decode"
+    check_float(op, "top_acts", top_acts)
+    check_float(op, "W_dec", W_dec)
+    if top_indices.dtype not in (torch.int32, torch.int64) or top_indices.shape != top_acts.shape:
+        raise TypeError(f"{op}: top_indices must be int32/int64 with top_acts' shape {list(top_acts.shape)}; got "
+                        f"{describe(top_indices)}")  # fmt: skip
+    check_same_device(op, top_acts=top_acts, top_indices=top_indices, W_dec=W_dec)
+    d_sae = W_dec.shape[0]
+    if top_indices.numel() and (int(top_indices.min()) < 0 or int(top_indices.max()) >= d_sae):
+        raise ValueError(f"{op}: top_indices must lie in [0, {d_sae}); got range [{int(top_indices.min())}, "
+                         f"{int(top_indices.max())}]")  # fmt: skip
+    k = top_acts.shape[-1]
+    values = top_acts.reshape(-1, k)
+    M = values.shape[0]
+    ell = ELL(values.contiguous(), top_indices.reshape(-1, k).to(torch.int32).contiguous(),
+              torch.full((M,), k, dtype=torch.int32, device=values.device), d_sae)  # fmt: skip
+    out = sparse_matmul(ell, W_dec, out_dtype=torch.promote_types(top_acts.dtype, W_dec.dtype))
+    return out.reshape(*top_acts.shape[:-1], W_dec.shape[1])

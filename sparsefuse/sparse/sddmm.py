@@ -1,0 +1,58 @@
+"""Sampled dense x dense: ``out[e] = A[row(e), :] . B[col(e), :]`` for every stored entry e of a sparse pattern.
+
+Used for gradients on a sparsity pattern (e.g. an SAE decode's gradient w.r.t. its feature activations:
+``grad_acts[m, f] = grad_out[m] . W_dec[f]`` only where feature f fired for token m). A program owns one row and
+BLOCK_K of its entries; it walks D in BLOCK_D slices, gathering the entries' rows of B as a [BLOCK_K, BLOCK_D] tile.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import _backend
+from .._backend import Backend, backend_for, new_output, record_launch
+from .formats import CSR
+
+
+@triton.jit
+def sampled_dot_kernel(indices_ptr, row_offsets_ptr, a_ptr, b_ptr, out_ptr, D, stride_a, stride_b,
+                       BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    # CSR pattern: indices [nnz], row_offsets [M + 1]; a [M, D], b [N, D] (unit column strides); out [nnz] fp32
+    row = tl.program_id(0).to(tl.int64)
+    start = tl.load(row_offsets_ptr + row)
+    n = (tl.load(row_offsets_ptr + row + 1) - start).to(tl.int32)
+    for k0 in range(0, n, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+        k_mask = k < n
+        col = tl.load(indices_ptr + start + k, mask=k_mask, other=0).to(tl.int64)
+        acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            d_mask = d < D
+            a = tl.load(a_ptr + row * stride_a + d, mask=d_mask, other=0.0).to(tl.float32)  # [BLOCK_D]
+            b = tl.load(b_ptr + col[:, None] * stride_b + d[None, :], mask=k_mask[:, None] & d_mask[None, :],
+                        other=0.0).to(tl.float32)  # [BLOCK_K, BLOCK_D]  # fmt: skip
+            acc += tl.sum(b * a[None, :], axis=1)
+        tl.store(out_ptr + start + k, acc, mask=k_mask)
+
+
+def sampled_dot(pattern: CSR, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[nnz] fp32: ``a[m] . b[col]`` for every entry (m, col) of ``pattern``; a [M, D], b [N, D]."""
+    a = a if a.stride(-1) == 1 else a.contiguous()
+    b = b if b.stride(-1) == 1 else b.contiguous()
+    nnz = pattern.values.shape[0]
+    out = new_output((nnz,), torch.float32, a.device)
+    M, D = a.shape
+    if nnz == 0 or M == 0:
+        return out.zero_()
+    if backend_for(a) is Backend.TORCH:
+        _backend.warn_reference_once("sampled_dot")
+        rows = torch.repeat_interleave(torch.arange(M, device=a.device), pattern.row_offsets.diff())
+        return (a[rows].float() * b[pattern.indices.long()].float()).sum(-1)
+    block_d = 32 if _backend.INTERPRET else min(128, max(32, triton.next_power_of_2(D)))
+    sampled_dot_kernel[(M,)](pattern.indices, pattern.row_offsets, a, b, out, D, a.stride(0), b.stride(0),
+                             BLOCK_K=16, BLOCK_D=block_d)  # fmt: skip
+    record_launch("sampled_dot_kernel")
+    return out

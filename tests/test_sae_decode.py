@@ -1,0 +1,113 @@
+"""sparse_decode / topk_decode against the float64 dense product, on the interpreter (fp16/fp32; see README)."""
+
+import pytest
+import torch
+from conftest import DEVICE, assert_backend
+
+from sparsefuse import track_launches
+from sparsefuse.sae import sparse_decode, topk_decode
+from sparsefuse.sae.decode import sparse_decode_backward_op, sparse_decode_op
+from sparsefuse.testing import assert_close_to_reference
+from test_sparse_core import sparse_rows
+
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+def reference(acts, w):
+    out_dtype = torch.result_type(acts, w)
+    return acts.double() @ w.double(), (acts.float() @ w.float()).to(out_dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("method", ["fixed", "exact", "dense", "auto"])
+@pytest.mark.parametrize("B, F, D, l0s", [(1, 256, 128, [8]), (4, 1024, 72, [0, 1, 100, 8]), (32, 512, 33, [0, 1, 8])])
+def test_decode_matches_dense_product(B, F, D, l0s, method, dtype, device):
+    acts = sparse_rows(B, F, l0s, dtype, device)
+    w = (torch.randn(F, D) / 8).to(dtype).to(device)
+    assert_backend(acts)
+    with track_launches() as launched:
+        out = sparse_decode(acts, w, method=method, max_l0=16)
+    if method in ("fixed", "exact"):
+        assert launched["gather_accumulate_kernel"] == 1
+    assert out.shape == (B, D) and out.dtype == dtype
+    assert_close_to_reference(out, *reference(acts, w))
+
+
+def test_overflowing_tokens_are_decoded_correctly_or_rejected(device):
+    acts = sparse_rows(6, 512, [2, 90, 0, 512, 7, 40], device=device)
+    w = torch.randn(512, 40, device=device)
+    out = sparse_decode(acts, w, method="fixed", max_l0=32)
+    assert_close_to_reference(out, *reference(acts, w))
+    with pytest.raises(ValueError, match="a token fired 512 features but max_l0=32"):
+        sparse_decode(acts, w, method="fixed", max_l0=32, validate=True)
+    sparse_decode(acts, w, method="fixed", max_l0=512, validate=True)  # fits: no error
+
+
+def test_batch_dims_nan_noncontiguous_weight_and_out_dtype(device):
+    acts = sparse_rows(6, 300, [5], device=device).reshape(2, 3, 300)
+    acts[0, 1, 7] = float("nan")
+    w = torch.randn(70, 300, device=device).t()  # [300, 70], non-contiguous
+    out = sparse_decode(acts, w, method="fixed", max_l0=8, out_dtype=torch.float16)
+    assert out.shape == (2, 3, 70) and out.dtype == torch.float16
+    assert torch.isnan(out[0, 1]).all() and not torch.isnan(out[1]).any()
+    ref = acts.double() @ w.double()
+    assert_close_to_reference(out[1], ref[1], (acts[1] @ w).half())
+
+
+def test_backward_matches_autograd_on_the_pattern(device):
+    acts = sparse_rows(5, 200, [3, 0, 20], device=device).requires_grad_()
+    w = torch.randn(200, 24, device=device, requires_grad=True)
+    grad = torch.randn(5, 24, device=device)
+    with track_launches() as launched:
+        sparse_decode(acts, w, method="fixed", max_l0=8).backward(grad)
+    assert launched["sampled_dot_kernel"] == 1
+    pattern = acts.detach() != 0
+    ref_acts = (grad.double() @ w.detach().double().t()) * pattern
+    ref_w = acts.detach().double().t() @ grad.double()
+    assert_close_to_reference(acts.grad, ref_acts, ((grad @ w.detach().t()) * pattern))
+    assert_close_to_reference(w.grad, ref_w, acts.detach().t() @ grad)
+
+
+def test_opcheck(device):
+    acts = sparse_rows(3, 128, [4, 0, 9], device=device)
+    w = torch.randn(128, 16, device=device)
+    for method in ("fixed", "exact", "dense"):
+        torch.library.opcheck(sparse_decode_op, (acts, w, method, 8, False, torch.float32))
+    torch.library.opcheck(sparse_decode_backward_op, (torch.randn(3, 16, device=device), acts, w, True, True))
+
+
+def test_topk_decode(device):
+    idx = torch.stack([torch.randperm(500)[:12] for _ in range(7)]).to(device)
+    vals = torch.randn(7, 12, device=device)
+    w = torch.randn(500, 40, device=device)
+    dense = torch.zeros(7, 500, device=device).scatter_(1, idx, vals)
+    assert_close_to_reference(topk_decode(idx, vals, w), *reference(dense, w))
+    with pytest.raises(ValueError, match=r"top_indices must lie in \[0, 500\); got range \[-1, "):
+        topk_decode(torch.where(idx == idx[0, 0], -1, idx), vals, w)
+    with pytest.raises(TypeError, match="top_indices must be int32/int64"):
+        topk_decode(idx.float(), vals, w)
+
+
+def test_bad_inputs(device):
+    acts, w = torch.randn(2, 64, device=device), torch.randn(64, 8, device=device)
+    with pytest.raises(ValueError, match=r"disagree on d_sae.*\[2, 63\]"):
+        sparse_decode(acts[:, :63], w)
+    with pytest.raises(TypeError, match="W_dec must have a floating dtype"):
+        sparse_decode(acts, w.long())
+    with pytest.raises(ValueError, match="max_l0 must be a positive int; got 0"):
+        sparse_decode(acts, w, max_l0=0)
+    with pytest.raises(ValueError, match="method must be one of"):
+        sparse_decode(acts, w, method="csr")
+    with pytest.raises(ValueError, match="W_dec is on meta"):
+        sparse_decode(acts, w.to("meta"))
+
+
+def test_torch_compile_fullgraph(device):
+    acts = sparse_rows(4, 256, [3, 9], device=device).requires_grad_()
+    w = torch.randn(256, 16, device=device, requires_grad=True)
+    backend = "inductor" if device.type == "cuda" else "aot_eager"
+    fn = torch.compile(lambda a, b: sparse_decode(a, b, method="fixed", max_l0=8), fullgraph=True, backend=backend)
+    out = fn(acts, w)
+    out.sum().backward()
+    assert_close_to_reference(out, *reference(acts.detach(), w.detach()))
+    assert w.grad is not None and acts.grad is not None
