@@ -76,7 +76,7 @@ def test_unknown_workload_is_a_clear_error(capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "unknown workload(s) 'no-such-workload'" in err
-    assert "known workloads: celu, snac, snake" in err
+    assert "known workloads: celu, sae_decode, snac, snake" in err
 
 
 def test_parse_dtypes():

@@ -111,3 +111,18 @@ def test_torch_compile_fullgraph(device):
     out.sum().backward()
     assert_close_to_reference(out, *reference(acts.detach(), w.detach()))
     assert w.grad is not None and acts.grad is not None
+
+
+@pytest.mark.gpu
+def test_gpu_seed_correctness_grid():
+    """The seed write-up's 486-configuration grid (2 methods x 3 dtypes x B x F x D x L0), plus bf16 weights."""
+    import itertools
+
+    for method, dtype, B, F, D, l0 in itertools.product(
+        ["fixed", "exact"], [torch.float32, torch.float16, torch.bfloat16], [1, 4, 32], [256, 1024, 16384],
+        [128, 512, 768], [1, 8, 100],
+    ):
+        acts = sparse_rows(B, F, [l0], dtype, "cuda")
+        w = (torch.randn(F, D, device="cuda") / 8).to(dtype)
+        out = sparse_decode(acts, w, method=method, max_l0=64)  # l0 = 100 overflows 64: decoded from dense rows
+        assert_close_to_reference(out, *reference(acts, w), name=f"{method} {dtype} B={B} F={F} D={D} L0={l0}")
