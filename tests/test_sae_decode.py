@@ -126,3 +126,23 @@ def test_gpu_seed_correctness_grid():
         w = (torch.randn(F, D, device="cuda") / 8).to(dtype)
         out = sparse_decode(acts, w, method=method, max_l0=64)  # l0 = 100 overflows 64: decoded from dense rows
         assert_close_to_reference(out, *reference(acts, w), name=f"{method} {dtype} B={B} F={F} D={D} L0={l0}")
+
+
+def test_sparse_jumprelu_sae_module(device):
+    import sparsefuse
+
+    torch.manual_seed(0)
+    sae = sparsefuse.nn.SparseJumpReLUSAE(48, 1024, max_l0=16).to(device)
+    assert list(sae.state_dict()) == ["W_enc", "b_enc", "threshold", "W_dec", "b_dec"]
+    with torch.no_grad():
+        sae.threshold.fill_(0.9)  # a sparse code (a few dozen features per token)
+        sae.b_dec.normal_()
+    x = torch.randn(6, 48, device=device)
+    with torch.no_grad(), track_launches() as launched:
+        recon, acts = sae(x, return_feature_acts=True)
+    assert launched["gather_accumulate_kernel"] == 1
+    p = {k: v.detach().double() for k, v in sae.state_dict().items()}
+    pre = (x.double() - p["b_dec"]) @ p["W_enc"] + p["b_enc"]
+    ref_acts = torch.relu(pre) * (pre > p["threshold"])
+    assert torch.equal(acts != 0, ref_acts != 0)
+    assert_close_to_reference(recon, ref_acts @ p["W_dec"] + p["b_dec"], sae.encode(x) @ sae.W_dec + sae.b_dec)

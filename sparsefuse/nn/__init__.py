@@ -1,5 +1,6 @@
 """Drop-in ``nn.Module`` versions of sparsefuse ops. Modules hold parameters and call the functional API."""
 
 from .activations import CELU, Snake1d
+from .sae import SparseJumpReLUSAE
 
-__all__ = ["Snake1d", "CELU"]
+__all__ = ["Snake1d", "CELU", "SparseJumpReLUSAE"]

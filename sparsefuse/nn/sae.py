@@ -1,0 +1,46 @@
+"""A JumpReLU SAE module whose parameters (and state_dict keys) are SAELens' ``JumpReLUSAE``'s.
+
+Forward: ``acts = jumprelu((x - b_dec) @ W_enc + b_enc, threshold)``, ``recon = sparse_decode(acts, W_dec) + b_dec``.
+The encode is still the dense matmul (the fused encode that emits a sparse format is the next step); the decode
+touches only the decoder rows of features that fired.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..sae.decode import sparse_decode
+
+
+class SparseJumpReLUSAE(nn.Module):
+    """Parameters: W_enc [d_in, d_sae], b_enc [d_sae], threshold [d_sae], W_dec [d_sae, d_in], b_dec [d_in]."""
+
+    def __init__(self, d_in: int, d_sae: int, *, max_l0: int | None = None, apply_b_dec_to_input: bool = True,
+                 device=None, dtype=None) -> None:  # fmt: skip
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.W_enc = nn.Parameter(torch.empty(d_in, d_sae, **kw))
+        self.b_enc = nn.Parameter(torch.zeros(d_sae, **kw))
+        self.threshold = nn.Parameter(torch.zeros(d_sae, **kw))
+        self.W_dec = nn.Parameter(torch.empty(d_sae, d_in, **kw))
+        self.b_dec = nn.Parameter(torch.zeros(d_in, **kw))
+        nn.init.kaiming_uniform_(self.W_dec)
+        with torch.no_grad():
+            self.W_enc.copy_(self.W_dec.t())
+        self.max_l0, self.apply_b_dec_to_input = max_l0, apply_b_dec_to_input
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., d_in] -> feature activations [..., d_sae] (zero where pre-activation <= threshold)."""
+        sae_in = x - self.b_dec if self.apply_b_dec_to_input else x
+        pre = sae_in @ self.W_enc + self.b_enc
+        return torch.relu(pre) * (pre > self.threshold)
+
+    def decode(self, feature_acts: torch.Tensor) -> torch.Tensor:
+        method = "fixed" if self.max_l0 is not None else "auto"
+        return sparse_decode(feature_acts, self.W_dec, method=method, max_l0=self.max_l0) + self.b_dec
+
+    def forward(self, x: torch.Tensor, *, return_feature_acts: bool = False):
+        acts = self.encode(x)
+        recon = self.decode(acts)
+        return (recon, acts) if return_feature_acts else recon
