@@ -1,0 +1,117 @@
+"""JumpReLU SAE encode that emits the sparse format from the matmul's epilogue.
+
+    pre  = (x - b_dec) @ W_enc + b_enc          x [M, d_in], W_enc [d_in, d_sae]
+    acts = relu(pre) * (pre > threshold)          (SAELens JumpReLU; threshold in fp32)
+
+A program computes a [BLOCK_M tokens, BLOCK_N features] tile of ``pre`` with ``tl.dot`` (fp32 accumulation) and,
+instead of writing it, keeps the entries that fire: per token it claims slots in that token's ELL row with one
+integer atomic (the count of fired features in the tile) and scatters the survivors there. The dense
+[M, d_sae] activations never reach memory. Counts are exact totals; a token that fired more than ``max_l0``
+features is marked overflowed (``ELL.overflowed()``): decoding it without its dense row yields NaN, never a
+silently truncated reconstruction, and ``validate=True`` raises instead. Entries within a row are in claim order
+(tiles race for slots), so the ELL is exact but its slot order -- hence the decode's summation order -- may vary
+from run to run at float32 rounding level.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import _backend
+from .._backend import Backend, backend_for, record_launch
+from .._validation import check_float, check_same_device, describe
+from ..sparse import ELL
+
+_MATMUL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def torch_jumprelu_encode(x, W_enc, b_enc, threshold, b_dec=None) -> torch.Tensor:
+    """Dense reference activations [M, d_sae] in float64."""
+    sae_in = x.double() - (b_dec.double() if b_dec is not None else 0.0)
+    pre = sae_in @ W_enc.double() + b_enc.double()
+    return torch.relu(pre) * (pre > threshold.double())
+
+
+@triton.jit
+def jumprelu_encode_kernel(x_ptr, w_ptr, b_enc_ptr, threshold_ptr, b_dec_ptr, values_ptr, indices_ptr, counts_ptr,
+                           M, K, N, width, stride_xm, stride_wk,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           HAS_B_DEC: tl.constexpr, IEEE_FP32: tl.constexpr):  # fmt: skip
+    # x [M, K], w [K, N] (unit column strides), b_enc/threshold [N], b_dec [K];
+    # out: values/indices [M, width], counts [M] int32 (zeroed)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    row_mask, col_mask = rows < M, cols < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < K
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + k[None, :],
+                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]  # fmt: skip
+        if HAS_B_DEC:
+            b_dec = tl.load(b_dec_ptr + k, mask=k_mask, other=0.0)
+            x = tl.where(k_mask[None, :], x.to(tl.float32) - b_dec.to(tl.float32)[None, :], 0.0).to(x.dtype)
+        w = tl.load(w_ptr + k[:, None].to(tl.int64) * stride_wk + cols[None, :],
+                    mask=k_mask[:, None] & col_mask[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]  # fmt: skip
+        if IEEE_FP32:
+            acc += tl.dot(x, w, input_precision="ieee")
+        else:
+            acc += tl.dot(x, w)
+    pre = acc + tl.load(b_enc_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    threshold = tl.load(threshold_ptr + cols, mask=col_mask, other=float("inf")).to(tl.float32)
+    fired = (pre > threshold[None, :]) & (pre > 0) & row_mask[:, None] & col_mask[None, :]  # [BLOCK_M, BLOCK_N]
+    fired_i = fired.to(tl.int32)
+    first = tl.atomic_add(counts_ptr + rows, tl.sum(fired_i, axis=1), mask=row_mask)  # [BLOCK_M] slots claimed
+    slot = first[:, None] + tl.cumsum(fired_i, axis=1) - 1
+    keep = fired & (slot < width)
+    dst = rows[:, None].to(tl.int64) * width + slot
+    tl.store(values_ptr + dst, pre.to(values_ptr.dtype.element_ty), mask=keep)
+    tl.store(indices_ptr + dst, cols[None, :] + tl.zeros_like(slot), mask=keep)
+
+
+def jumprelu_encode(x: torch.Tensor, W_enc: torch.Tensor, b_enc: torch.Tensor, threshold: torch.Tensor, *,
+                    b_dec: torch.Tensor | None = None, max_l0: int = 256, validate: bool = False) -> ELL:  # fmt: skip
+    """Fused JumpReLU encode straight into ELL (see module docstring). x [..., d_in] -> ELL of [M, d_sae]."""
+    op = "jumprelu_encode"
+    for name, t in (("x", x), ("W_enc", W_enc), ("b_enc", b_enc), ("threshold", threshold)):
+        check_float(op, name, t, _MATMUL_DTYPES)
+    check_same_device(op, x=x, W_enc=W_enc, b_enc=b_enc, threshold=threshold)
+    d_in, d_sae = W_enc.shape if W_enc.dim() == 2 else (-1, -1)
+    if W_enc.dim() != 2 or x.shape[-1] != d_in or b_enc.shape != (d_sae,) or threshold.shape != (d_sae,):
+        raise ValueError(f"{op}: expected x [..., d_in], W_enc [d_in, d_sae], b_enc and threshold [d_sae]; got x "
+                         f"{describe(x)}, W_enc {describe(W_enc)}, b_enc {describe(b_enc)}, threshold "
+                         f"{describe(threshold)}")  # fmt: skip
+    if b_dec is not None and (b_dec.shape != (d_in,) or not b_dec.is_floating_point()):
+        raise ValueError(f"{op}: b_dec must be a floating [{d_in}] tensor; got {describe(b_dec)}")
+    if not isinstance(max_l0, int) or isinstance(max_l0, bool) or max_l0 <= 0:
+        raise ValueError(f"{op}: max_l0 must be a positive int; got {max_l0!r}")
+    x2 = x.reshape(-1, d_in)
+    M = x2.shape[0]
+    values = torch.zeros(M, max_l0, dtype=x.dtype, device=x.device)
+    indices = torch.zeros(M, max_l0, dtype=torch.int32, device=x.device)
+    counts = torch.zeros(M, dtype=torch.int32, device=x.device)
+    if backend_for(x) is Backend.TORCH:
+        _backend.warn_reference_once(op)
+        ell = ELL.from_dense(torch_jumprelu_encode(x2, W_enc, b_enc, threshold, b_dec).to(x.dtype), max_l0)
+    elif M and d_sae:
+        x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+        W = W_enc.to(x.dtype)
+        W = W if W.stride(-1) == 1 else W.contiguous()
+        bm, bn, bk = (16, 32, 32) if _backend.INTERPRET else (64, 128, 64)
+        grid = (triton.cdiv(M, bm), triton.cdiv(d_sae, bn))
+        jumprelu_encode_kernel[grid](
+            x2, W, b_enc, threshold, b_dec if b_dec is not None else b_enc, values, indices, counts,
+            M, d_in, d_sae, max_l0, x2.stride(0), W.stride(0),
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_B_DEC=b_dec is not None, IEEE_FP32=x.dtype == torch.float32,
+        )  # fmt: skip
+        record_launch("jumprelu_encode_kernel")
+        ell = ELL(values, indices, counts, d_sae)
+    else:
+        ell = ELL(values, indices, counts, d_sae)
+    if validate and M:
+        largest = int(ell.counts.max())
+        if largest > max_l0:
+            raise ValueError(f"{op}: a token fired {largest} features but max_l0={max_l0}; raise max_l0")
+    return ell

@@ -1,0 +1,67 @@
+"""Fused JumpReLU encode -> ELL, against the float64 dense reference (interpreter: fp16/fp32 tl.dot only)."""
+
+import pytest
+import torch
+from conftest import DEVICE, assert_backend
+
+from sparsefuse import track_launches
+from sparsefuse.sae.encode import jumprelu_encode, torch_jumprelu_encode
+from sparsefuse.sparse import sparse_matmul
+
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+def make_sae(M, d_in, d_sae, dtype, device, margin):
+    """Random SAE whose pre-activations stay at least `margin` away from the thresholds (so the float64 reference
+    and a low-precision matmul agree on which features fire)."""
+    x = torch.randn(M, d_in).to(dtype)
+    w = (torch.randn(d_in, d_sae) / d_in**0.5).to(dtype)
+    b_enc = torch.randn(d_sae) * 0.1
+    b_dec = (torch.randn(d_in) * 0.1).to(dtype)
+    pre = (x.double() - b_dec.double()) @ w.double() + b_enc.double()
+    threshold = torch.full((d_sae,), 1.2)
+    near = (pre - threshold.double()).abs() < margin
+    b_enc = b_enc - torch.where(near.any(0), 3 * margin, 0.0)  # shift the features that come too close
+    return [t.to(device) for t in (x, w, b_enc, threshold, b_dec)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M, d_in, d_sae", [(5, 40, 100), (33, 64, 256), (1, 17, 45)])
+def test_encode_matches_reference(M, d_in, d_sae, dtype, device):
+    x, w, b_enc, threshold, b_dec = make_sae(M, d_in, d_sae, dtype, device, margin=0.05)
+    assert_backend(x)
+    with track_launches() as launched:
+        ell = jumprelu_encode(x, w, b_enc, threshold, b_dec=b_dec, max_l0=d_sae)
+    assert launched["jumprelu_encode_kernel"] == 1
+    ref = torch_jumprelu_encode(x, w, b_enc, threshold, b_dec)
+    assert torch.equal(ell.counts.cpu(), (ref != 0).sum(1).to(torch.int32).cpu())
+    dense = ell.to_dense().double().cpu()
+    assert torch.equal(dense != 0, (ref != 0).cpu())
+    tol = 8 * torch.finfo(dtype).eps * ref.abs().max()
+    assert (dense - ref.cpu()).abs().max() <= tol
+
+
+def test_overflow_is_counted_flagged_and_never_silent(device):
+    x, w, b_enc, threshold, b_dec = make_sae(9, 32, 200, torch.float32, device, margin=0.05)
+    ref = torch_jumprelu_encode(x, w, b_enc, threshold, b_dec)
+    width = max(1, int((ref != 0).sum(1).max()) // 2)
+    ell = jumprelu_encode(x, w, b_enc, threshold, b_dec=b_dec, max_l0=width)
+    assert torch.equal(ell.counts.cpu(), (ref != 0).sum(1).to(torch.int32).cpu())
+    over = ell.overflowed()
+    assert over.any()
+    decoded = sparse_matmul(ell, torch.randn(200, 8, device=device))
+    assert torch.isnan(decoded[over]).all() and not torch.isnan(decoded[~over]).any()
+    with pytest.raises(ValueError, match=f"but max_l0={width}"):
+        jumprelu_encode(x, w, b_enc, threshold, b_dec=b_dec, max_l0=width, validate=True)
+
+
+def test_encode_errors(device):
+    x, w, b_enc, threshold, b_dec = make_sae(2, 8, 16, torch.float32, device, margin=0.05)
+    with pytest.raises(ValueError, match=r"expected x \[..., d_in\]"):
+        jumprelu_encode(x[:, :7], w, b_enc, threshold)
+    with pytest.raises(TypeError, match="W_enc must have a floating dtype"):
+        jumprelu_encode(x, w.long(), b_enc, threshold)
+    with pytest.raises(ValueError, match="b_dec must be a floating"):
+        jumprelu_encode(x, w, b_enc, threshold, b_dec=b_dec[:3])
+    with pytest.raises(ValueError, match="max_l0 must be a positive int"):
+        jumprelu_encode(x, w, b_enc, threshold, max_l0=0)
