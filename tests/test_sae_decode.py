@@ -146,3 +146,21 @@ def test_sparse_jumprelu_sae_module(device):
     ref_acts = torch.relu(pre) * (pre > p["threshold"])
     assert torch.equal(acts != 0, ref_acts != 0)
     assert_close_to_reference(recon, ref_acts @ p["W_dec"] + p["b_dec"], sae.encode(x) @ sae.W_dec + sae.b_dec)
+
+
+def test_sparse_jumprelu_sae_fused_inference_with_overflow(device):
+    import sparsefuse
+
+    torch.manual_seed(1)
+    sae = sparsefuse.nn.SparseJumpReLUSAE(32, 512, max_l0=4).to(device)  # tiny width: most tokens overflow
+    with torch.no_grad():
+        sae.threshold.fill_(0.5)
+    x = torch.randn(2, 3, 32, device=device)
+    with torch.no_grad(), track_launches() as launched:
+        recon = sae(x)
+    assert launched["jumprelu_encode_kernel"] == 1 and launched["gather_accumulate_kernel"] == 1
+    p = {k: v.detach().double() for k, v in sae.state_dict().items()}
+    pre = (x.double() - p["b_dec"]) @ p["W_enc"] + p["b_enc"]
+    ref = (torch.relu(pre) * (pre > p["threshold"])) @ p["W_dec"] + p["b_dec"]
+    assert recon.shape == x.shape
+    assert (recon.double() - ref).abs().max() <= 1e-4 * ref.abs().max()

@@ -65,3 +65,31 @@ def test_encode_errors(device):
         jumprelu_encode(x, w, b_enc, threshold, b_dec=b_dec[:3])
     with pytest.raises(ValueError, match="max_l0 must be a positive int"):
         jumprelu_encode(x, w, b_enc, threshold, max_l0=0)
+
+
+def test_fused_encode_then_decode_completes_overflowed_tokens_on_device(device):
+    from sparsefuse.sparse import JumpReLUEncoder
+
+    x, w, b_enc, threshold, b_dec = make_sae(9, 32, 200, torch.float32, device, margin=0.05)
+    w_dec = torch.randn(200, 24, device=device)
+    ref_acts = torch_jumprelu_encode(x, w, b_enc, threshold, b_dec)
+    width = max(1, int((ref_acts != 0).sum(1).max()) // 2)
+    ell = jumprelu_encode(x, w, b_enc, threshold, b_dec=b_dec, max_l0=width)
+    assert ell.overflowed().any()
+    out = sparse_matmul(ell, w_dec, encoder=JumpReLUEncoder(x, w, b_enc, threshold, b_dec))
+    ref = ref_acts @ w_dec.double()
+    assert (out.double().cpu() - ref.cpu()).abs().max() <= 1e-4 * ref.abs().max()
+    with pytest.raises(ValueError, match="pass dense or encoder, not both"):
+        sparse_matmul(ell, w_dec, dense=ref_acts.float(), encoder=JumpReLUEncoder(x, w, b_enc, threshold, b_dec))
+
+
+def test_opcheck_and_fullgraph_compile(device):
+    from sparsefuse.sae.encode import jumprelu_encode_op
+
+    x, w, b_enc, threshold, b_dec = make_sae(5, 24, 64, torch.float32, device, margin=0.05)
+    torch.library.opcheck(jumprelu_encode_op, (x, w, b_enc, threshold, b_dec, 64), test_utils=(
+        "test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))  # fmt: skip  (slot order may vary by run)
+    backend = "inductor" if device.type == "cuda" else "aot_eager"
+    fn = torch.compile(lambda *a: jumprelu_encode(*a, b_dec=b_dec, max_l0=64).counts, fullgraph=True, backend=backend)
+    ref = torch_jumprelu_encode(x, w, b_enc, threshold, b_dec)
+    assert torch.equal(fn(x, w, b_enc, threshold).cpu(), (ref != 0).sum(1).to(torch.int32).cpu())

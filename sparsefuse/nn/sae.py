@@ -1,8 +1,9 @@
 """A JumpReLU SAE module whose parameters (and state_dict keys) are SAELens' ``JumpReLUSAE``'s.
 
-Forward: ``acts = jumprelu((x - b_dec) @ W_enc + b_enc, threshold)``, ``recon = sparse_decode(acts, W_dec) + b_dec``.
-The encode is still the dense matmul (the fused encode that emits a sparse format is the next step); the decode
-touches only the decoder rows of features that fired.
+Forward: ``acts = jumprelu((x - b_dec) @ W_enc + b_enc, threshold)``, ``recon = acts @ W_dec + b_dec``.
+Inference (no autograd, ``max_l0`` set, activations not requested): the fused encode writes the fired features
+straight into ELL and the decode gathers only their decoder rows; a token that fired more than ``max_l0`` features
+is recomputed on the device, never truncated. Otherwise the encode is the dense matmul and the decode sparse.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import torch
 from torch import nn
 
 from ..sae.decode import sparse_decode
+from ..sae.encode import jumprelu_encode
+from ..sparse import JumpReLUEncoder, sparse_matmul
 
 
 class SparseJumpReLUSAE(nn.Module):
@@ -41,6 +44,15 @@ class SparseJumpReLUSAE(nn.Module):
         return sparse_decode(feature_acts, self.W_dec, method=method, max_l0=self.max_l0) + self.b_dec
 
     def forward(self, x: torch.Tensor, *, return_feature_acts: bool = False):
+        params = (x, self.W_enc, self.b_enc, self.threshold, self.b_dec)
+        fused = self.max_l0 is not None and not return_feature_acts
+        if fused and not (torch.is_grad_enabled() and any(t.requires_grad for t in params)):
+            b_dec = self.b_dec if self.apply_b_dec_to_input else None
+            x2 = x.reshape(-1, x.shape[-1])
+            ell = jumprelu_encode(x2, self.W_enc, self.b_enc, self.threshold, b_dec=b_dec, max_l0=self.max_l0)
+            encoder = JumpReLUEncoder(x2, self.W_enc, self.b_enc, self.threshold, b_dec)
+            recon = sparse_matmul(ell, self.W_dec, encoder=encoder) + self.b_dec
+            return recon.reshape(*x.shape[:-1], self.W_dec.shape[1])
         acts = self.encode(x)
         recon = self.decode(acts)
         return (recon, acts) if return_feature_acts else recon

@@ -23,15 +23,14 @@ from .. import _backend
 from .._backend import Backend, backend_for, record_launch
 from .._validation import check_float, check_same_device, describe
 from ..sparse import ELL
+from ..sparse.spmm import JumpReLUEncoder
 
 _MATMUL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def torch_jumprelu_encode(x, W_enc, b_enc, threshold, b_dec=None) -> torch.Tensor:
     """Dense reference activations [M, d_sae] in float64."""
-    sae_in = x.double() - (b_dec.double() if b_dec is not None else 0.0)
-    pre = sae_in @ W_enc.double() + b_enc.double()
-    return torch.relu(pre) * (pre > threshold.double())
+    return JumpReLUEncoder(x.reshape(-1, x.shape[-1]), W_enc, b_enc, threshold, b_dec).reference_activations()
 
 
 @triton.jit
@@ -71,6 +70,46 @@ def jumprelu_encode_kernel(x_ptr, w_ptr, b_enc_ptr, threshold_ptr, b_dec_ptr, va
     tl.store(indices_ptr + dst, cols[None, :] + tl.zeros_like(slot), mask=keep)
 
 
+def _encode(x2: torch.Tensor, W_enc: torch.Tensor, b_enc: torch.Tensor, threshold: torch.Tensor,
+            b_dec: torch.Tensor | None, max_l0: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    M, (d_in, d_sae) = x2.shape[0], W_enc.shape
+    if backend_for(x2) is Backend.TORCH:
+        _backend.warn_reference_once("jumprelu_encode")
+        ell = ELL.from_dense(torch_jumprelu_encode(x2, W_enc, b_enc, threshold, b_dec).to(x2.dtype), max_l0)
+        return ell.values, ell.indices, ell.counts
+    values = torch.zeros(M, max_l0, dtype=x2.dtype, device=x2.device)
+    indices = torch.zeros(M, max_l0, dtype=torch.int32, device=x2.device)
+    counts = torch.zeros(M, dtype=torch.int32, device=x2.device)
+    if M and d_sae:
+        x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+        W = W_enc.to(x2.dtype)
+        W = W if W.stride(-1) == 1 else W.contiguous()
+        bm, bn, bk = (16, 32, 32) if _backend.INTERPRET else (64, 128, 64)
+        grid = (triton.cdiv(M, bm), triton.cdiv(d_sae, bn))
+        jumprelu_encode_kernel[grid](
+            x2, W, b_enc, threshold, b_dec if b_dec is not None else b_enc, values, indices, counts,
+            M, d_in, d_sae, max_l0, x2.stride(0), W.stride(0),
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_B_DEC=b_dec is not None, IEEE_FP32=x2.dtype == torch.float32,
+        )  # fmt: skip
+        record_launch("jumprelu_encode_kernel")
+    return values, indices, counts
+
+
+# Inference op: no autograd is registered (a sparse format is not a differentiable output); differentiate through
+# the dense encode (sparsefuse.nn.SparseJumpReLUSAE does when gradients are needed).
+@torch.library.custom_op("sparsefuse::jumprelu_encode", mutates_args=())
+def jumprelu_encode_op(x: torch.Tensor, W_enc: torch.Tensor, b_enc: torch.Tensor, threshold: torch.Tensor,
+                       b_dec: torch.Tensor | None, max_l0: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    return _encode(x, W_enc, b_enc, threshold, b_dec, max_l0)
+
+
+@jumprelu_encode_op.register_fake
+def _(x, W_enc, b_enc, threshold, b_dec, max_l0):
+    M = x.shape[0]
+    return (x.new_empty((M, max_l0)), x.new_empty((M, max_l0), dtype=torch.int32),
+            x.new_empty((M,), dtype=torch.int32))  # fmt: skip
+
+
 def jumprelu_encode(x: torch.Tensor, W_enc: torch.Tensor, b_enc: torch.Tensor, threshold: torch.Tensor, *,
                     b_dec: torch.Tensor | None = None, max_l0: int = 256, validate: bool = False) -> ELL:  # fmt: skip
     """Fused JumpReLU encode straight into ELL (see module docstring). x [..., d_in] -> ELL of [M, d_sae]."""
@@ -87,30 +126,9 @@ def jumprelu_encode(x: torch.Tensor, W_enc: torch.Tensor, b_enc: torch.Tensor, t
         raise ValueError(f"{op}: b_dec must be a floating [{d_in}] tensor; got {describe(b_dec)}")
     if not isinstance(max_l0, int) or isinstance(max_l0, bool) or max_l0 <= 0:
         raise ValueError(f"{op}: max_l0 must be a positive int; got {max_l0!r}")
-    x2 = x.reshape(-1, d_in)
-    M = x2.shape[0]
-    values = torch.zeros(M, max_l0, dtype=x.dtype, device=x.device)
-    indices = torch.zeros(M, max_l0, dtype=torch.int32, device=x.device)
-    counts = torch.zeros(M, dtype=torch.int32, device=x.device)
-    if backend_for(x) is Backend.TORCH:
-        _backend.warn_reference_once(op)
-        ell = ELL.from_dense(torch_jumprelu_encode(x2, W_enc, b_enc, threshold, b_dec).to(x.dtype), max_l0)
-    elif M and d_sae:
-        x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-        W = W_enc.to(x.dtype)
-        W = W if W.stride(-1) == 1 else W.contiguous()
-        bm, bn, bk = (16, 32, 32) if _backend.INTERPRET else (64, 128, 64)
-        grid = (triton.cdiv(M, bm), triton.cdiv(d_sae, bn))
-        jumprelu_encode_kernel[grid](
-            x2, W, b_enc, threshold, b_dec if b_dec is not None else b_enc, values, indices, counts,
-            M, d_in, d_sae, max_l0, x2.stride(0), W.stride(0),
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_B_DEC=b_dec is not None, IEEE_FP32=x.dtype == torch.float32,
-        )  # fmt: skip
-        record_launch("jumprelu_encode_kernel")
-        ell = ELL(values, indices, counts, d_sae)
-    else:
-        ell = ELL(values, indices, counts, d_sae)
-    if validate and M:
+    values, indices, counts = jumprelu_encode_op(x.reshape(-1, d_in), W_enc, b_enc, threshold, b_dec, max_l0)
+    ell = ELL(values, indices, counts, d_sae)
+    if validate and values.shape[0]:
         largest = int(ell.counts.max())
         if largest > max_l0:
             raise ValueError(f"{op}: a token fired {largest} features but max_l0={max_l0}; raise max_l0")

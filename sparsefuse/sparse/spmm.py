@@ -14,6 +14,8 @@ Without the dense activations an overflowed row is written as NaN -- visibly wro
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -24,13 +26,49 @@ from .._validation import check_float, check_same_device, describe
 from .formats import CSR, ELL
 
 
+@dataclass(frozen=True)
+class JumpReLUEncoder:
+    """The inputs of a JumpReLU encode, so a consumer can recompute an overflowed token's activations on the device:
+    ``relu(pre) * (pre > threshold)`` with ``pre = (x - b_dec) @ W_enc + b_enc``."""
+
+    x: torch.Tensor  # [M, d_in]
+    W_enc: torch.Tensor  # [d_in, d_sae]
+    b_enc: torch.Tensor  # [d_sae]
+    threshold: torch.Tensor  # [d_sae]
+    b_dec: torch.Tensor | None = None  # [d_in]
+
+    def prepared(self) -> tuple[torch.Tensor, ...]:
+        """(x, W_enc, b_enc, threshold, b_dec) with unit column strides, b_dec defaulting to a placeholder."""
+        x = self.x if self.x.stride(-1) == 1 else self.x.contiguous()
+        w = self.W_enc if self.W_enc.stride(-1) == 1 else self.W_enc.contiguous()
+        return x, w, self.b_enc, self.threshold, self.b_dec if self.b_dec is not None else self.b_enc
+
+    def reference_activations(self) -> torch.Tensor:
+        sae_in = self.x.double() - (self.b_dec.double() if self.b_dec is not None else 0.0)
+        pre = sae_in @ self.W_enc.double() + self.b_enc.double()
+        return torch.relu(pre) * (pre > self.threshold.double())
+
+
+@triton.jit
+def _accumulate_dense_chunk(acc, a, f, w_ptr, stride_w, d, d_mask):
+    """acc [BLOCK_D] += sum_f a[f] * W[f, d] over one chunk of activations a [BLOCK_K]; W rows whose activation is
+    zero are not loaded (masked), so a dense fallback costs the rows actually used."""
+    used = a != 0
+    w = tl.load(w_ptr + f[:, None].to(tl.int64) * stride_w + d[None, :], mask=used[:, None] & d_mask[None, :],
+                other=0.0)  # [BLOCK_K, BLOCK_D]  # fmt: skip
+    return acc + tl.sum(tl.where(used[:, None], a[:, None] * w.to(tl.float32), 0.0), axis=0)
+
+
 @triton.jit
 def gather_accumulate_kernel(values_ptr, indices_ptr, counts_ptr, row_offsets_ptr, dense_ptr, w_ptr, out_ptr,
-                             n_out, n_in, width, stride_w, stride_out, stride_dense,
+                             x_ptr, w_enc_ptr, b_enc_ptr, threshold_ptr, b_dec_ptr,
+                             n_out, n_in, width, stride_w, stride_out, stride_dense, d_enc, stride_x, stride_w_enc,
                              BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, IS_ELL: tl.constexpr,
-                             HAS_DENSE: tl.constexpr):  # fmt: skip
+                             FALLBACK: tl.constexpr, HAS_B_DEC: tl.constexpr):  # fmt: skip
     # ELL: values/indices [M, width], counts [M]; CSR: values/indices [nnz], row_offsets [M + 1].
-    # w [n_in, n_out] (unit column stride); out [M, n_out]; dense [M, n_in] (ELL overflow fallback only).
+    # w [n_in, n_out] (unit column stride); out [M, n_out].
+    # Overflowed ELL rows (FALLBACK): 1 = recompute from dense [M, n_in]; 2 = recompute the JumpReLU activations
+    # from x [M, d_enc], w_enc [d_enc, n_in], b_enc/threshold [n_in], b_dec [d_enc]; 0 = write NaN.
     row = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
     d_mask = d < n_out
@@ -45,7 +83,7 @@ def gather_accumulate_kernel(values_ptr, indices_ptr, counts_ptr, row_offsets_pt
         n = (tl.load(row_offsets_ptr + row + 1) - start).to(tl.int32)
         overflowed = n < 0  # never
     if overflowed:
-        n = 0  # the stored entries are incomplete: recomputed from the dense row below
+        n = 0  # the stored entries are incomplete: recomputed below
     for k0 in range(0, n, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
         k_mask = k < n
@@ -55,14 +93,29 @@ def gather_accumulate_kernel(values_ptr, indices_ptr, counts_ptr, row_offsets_pt
         acc += tl.sum(val[:, None] * w.to(tl.float32), axis=0)  # [BLOCK_D]
     if IS_ELL:
         if overflowed:
-            if HAS_DENSE:
+            if FALLBACK == 1:
                 for f0 in range(0, n_in, BLOCK_K):
                     f = f0 + tl.arange(0, BLOCK_K)
                     a = tl.load(dense_ptr + row * stride_dense + f, mask=f < n_in, other=0.0).to(tl.float32)
-                    used = a != 0
-                    w = tl.load(w_ptr + f[:, None].to(tl.int64) * stride_w + d[None, :],
-                                mask=used[:, None] & d_mask[None, :], other=0.0)  # fmt: skip
-                    acc += tl.sum(tl.where(used[:, None], a[:, None] * w.to(tl.float32), 0.0), axis=0)
+                    acc = _accumulate_dense_chunk(acc, a, f, w_ptr, stride_w, d, d_mask)
+            elif FALLBACK == 2:
+                for f0 in range(0, n_in, BLOCK_K):
+                    f = f0 + tl.arange(0, BLOCK_K)
+                    f_mask = f < n_in
+                    pre = tl.zeros([BLOCK_K], dtype=tl.float32)
+                    for e0 in range(0, d_enc, BLOCK_D):
+                        e = e0 + tl.arange(0, BLOCK_D)
+                        e_mask = e < d_enc
+                        xe = tl.load(x_ptr + row * stride_x + e, mask=e_mask, other=0.0).to(tl.float32)
+                        if HAS_B_DEC:
+                            xe -= tl.load(b_dec_ptr + e, mask=e_mask, other=0.0).to(tl.float32)
+                        we = tl.load(w_enc_ptr + e[:, None].to(tl.int64) * stride_w_enc + f[None, :],
+                                     mask=e_mask[:, None] & f_mask[None, :], other=0.0)  # [BLOCK_D, BLOCK_K]  # fmt: skip
+                        pre += tl.sum(xe[:, None] * we.to(tl.float32), axis=0)
+                    pre += tl.load(b_enc_ptr + f, mask=f_mask, other=0.0).to(tl.float32)
+                    threshold = tl.load(threshold_ptr + f, mask=f_mask, other=float("inf")).to(tl.float32)
+                    a = tl.where((pre > threshold) & (pre > 0), pre, 0.0)
+                    acc = _accumulate_dense_chunk(acc, a, f, w_ptr, stride_w, d, d_mask)
             else:
                 acc += float("nan")
     tl.store(out_ptr + row * stride_out + d, acc.to(out_ptr.dtype.element_ty), mask=d_mask)
@@ -74,14 +127,17 @@ def torch_sparse_matmul(sparse: ELL | CSR, weight: torch.Tensor) -> torch.Tensor
 
 
 def sparse_matmul(sparse: ELL | CSR, weight: torch.Tensor, *, dense: torch.Tensor | None = None,
-                  out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
+                  encoder: JumpReLUEncoder | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
     """``sparse @ weight`` -> [M, n_out] with fp32 accumulation.
 
     Args:
         sparse: ELL or CSR, [M, n_in].
         weight: [n_in, n_out], float32/float16/bfloat16 (any row stride; columns contiguous or copied once).
         dense: for ELL, the dense [M, n_in] rows the format came from: overflowed rows are recomputed from them on
-            the device. Without it an overflowed row comes out as NaN.
+            the device.
+        encoder: for ELL produced by a JumpReLU encode, its inputs: overflowed rows' activations are recomputed on
+            the device (a GEMV per overflowed row and output tile: meant for rare rows). Without ``dense`` or
+            ``encoder`` an overflowed row comes out as NaN.
         out_dtype: defaults to the promoted dtype of values and weight.
     """
     op = "sparse_matmul"
@@ -91,6 +147,10 @@ def sparse_matmul(sparse: ELL | CSR, weight: torch.Tensor, *, dense: torch.Tenso
                          f"{list(sparse.shape)}; got {describe(weight)}")  # fmt: skip
     check_same_device(op, values=sparse.values, weight=weight)
     is_ell = isinstance(sparse, ELL)
+    if dense is not None and encoder is not None:
+        raise ValueError(f"{op}: pass dense or encoder, not both")
+    if encoder is not None and (not is_ell or encoder.x.shape[0] != sparse.shape[0]):
+        raise ValueError(f"{op}: encoder completes overflowed ELL rows and needs one input row per sparse row")
     if dense is not None:
         if not is_ell:
             raise ValueError(f"{op}: dense is only used to complete overflowed ELL rows; a CSR is always complete")
@@ -107,17 +167,25 @@ def sparse_matmul(sparse: ELL | CSR, weight: torch.Tensor, *, dense: torch.Tenso
         _backend.warn_reference_once(op)
         if is_ell and dense is not None:
             return (dense.double() @ weight.double()).to(out_dtype)
+        if is_ell and encoder is not None:
+            return (encoder.reference_activations() @ weight.double()).to(out_dtype)
         return torch_sparse_matmul(sparse, weight).to(out_dtype)
     block_d = 32 if _backend.INTERPRET else min(256, max(32, triton.next_power_of_2(n_out)))
     block_k = 16 if _backend.INTERPRET else 32
     placeholder = sparse.values
+    enc = encoder.prepared() if encoder is not None else None
     gather_accumulate_kernel[(M, triton.cdiv(n_out, block_d))](
         sparse.values, sparse.indices,
         sparse.counts if is_ell else placeholder, placeholder if is_ell else sparse.row_offsets,
         dense if dense is not None else placeholder, weight, out,
+        *(enc if enc is not None else (placeholder,) * 5),
         n_out, sparse.n_cols, sparse.width if is_ell else 0, weight.stride(0), out.stride(0),
         dense.stride(0) if dense is not None else 0,
-        BLOCK_K=block_k, BLOCK_D=block_d, IS_ELL=is_ell, HAS_DENSE=dense is not None,
+        enc[1].shape[0] if enc is not None else 0, enc[0].stride(0) if enc is not None else 0,
+        enc[1].stride(0) if enc is not None else 0,
+        BLOCK_K=block_k, BLOCK_D=block_d, IS_ELL=is_ell,
+        FALLBACK=1 if dense is not None else (2 if encoder is not None else 0),
+        HAS_B_DEC=encoder is not None and encoder.b_dec is not None,
     )  # fmt: skip
     record_launch("gather_accumulate_kernel")
     return out
