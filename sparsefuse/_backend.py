@@ -54,6 +54,11 @@ def backend_for(*tensors: torch.Tensor) -> Backend:
     return Backend.TORCH
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The precision kernels (and the torch fallback) compute in: float64 for float64 inputs, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 _warned: set[str] = set()
 
 

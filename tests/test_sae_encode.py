@@ -93,3 +93,10 @@ def test_opcheck_and_fullgraph_compile(device):
     fn = torch.compile(lambda *a: jumprelu_encode(*a, b_dec=b_dec, max_l0=64).counts, fullgraph=True, backend=backend)
     ref = torch_jumprelu_encode(x, w, b_enc, threshold, b_dec)
     assert torch.equal(fn(x, w, b_enc, threshold).cpu(), (ref != 0).sum(1).to(torch.int32).cpu())
+
+
+def test_encoder_weight_in_another_dtype_is_cast_per_tile(device):
+    x, w, b_enc, threshold, b_dec = make_sae(7, 40, 96, torch.float16, device, margin=0.05)
+    ref = jumprelu_encode(x, w, b_enc, threshold, b_dec=b_dec, max_l0=96)
+    mixed = jumprelu_encode(x, w.float(), b_enc, threshold, b_dec=b_dec, max_l0=96)  # fp32 W_enc, fp16 x
+    assert torch.equal(mixed.counts, ref.counts) and torch.equal(mixed.to_dense(), ref.to_dense())

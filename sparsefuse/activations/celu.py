@@ -143,7 +143,7 @@ def _celu_into(x: torch.Tensor, out: torch.Tensor, alpha: float, scale: float, i
         return
     if backend_for(x) is Backend.TORCH:
         _backend.warn_reference_once("celu")
-        compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+        compute = _backend.compute_dtype(x.dtype)
         out.copy_(torch_celu(x.to(compute), alpha, scale, input_scale))
         return
     celu_fwd_kernel[_flat_grid(n)](x, out, n, alpha, scale, input_scale, _tune_key(n))
@@ -168,7 +168,7 @@ def _celu_backward(grad_y: torch.Tensor, y: torch.Tensor, alpha: float, scale: f
         return grad_x
     if backend_for(y) is Backend.TORCH:
         _backend.warn_reference_once("celu")
-        compute = torch.float64 if y.dtype == torch.float64 else torch.float32
+        compute = _backend.compute_dtype(y.dtype)
         g, yy = grad_y.to(compute), y.to(compute)
         slope = torch.where(yy * scale > 0, scale * input_scale, input_scale * (yy / alpha + scale))
         grad_x.copy_(g * slope)

@@ -359,7 +359,7 @@ def _snake_forward(x: torch.Tensor, alpha: torch.Tensor, eps: float, fast_sin: b
         return y
     if backend_for(x) is Backend.TORCH:
         _backend.warn_reference_once("snake")
-        compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+        compute = _backend.compute_dtype(x.dtype)
         return torch_snake(x.to(compute), alpha.to(compute), eps).to(x.dtype)
     x = _unit_time_stride(x)
     mode = _sin_mode(x.dtype, fast_sin)
@@ -388,7 +388,7 @@ def _snake_backward(
         return grad_x, torch.zeros_like(alpha)
     if backend_for(x) is Backend.TORCH:
         _backend.warn_reference_once("snake")
-        compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+        compute = _backend.compute_dtype(x.dtype)
         gx, ga = torch_snake_backward(grad_y.to(compute), x.to(compute), alpha.to(compute), eps)
         return gx.to(x.dtype), ga.to(alpha.dtype)
     x, grad_y = _unit_time_stride(x), _unit_time_stride(grad_y)
@@ -400,8 +400,7 @@ def _snake_backward(
     else:  # the kernel's alpha branch is compiled out
         grad_alpha = torch.zeros_like(alpha)
     if need_alpha_grad and not one_program_per_channel:
-        partial = torch.empty(n_programs, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32,
-                              device=x.device)  # fmt: skip
+        partial = torch.empty(n_programs, dtype=_backend.compute_dtype(x.dtype), device=x.device)
         arrivals = torch.zeros(C, dtype=torch.int32, device=x.device)
     else:  # placeholders, never touched
         partial = arrivals = grad_alpha

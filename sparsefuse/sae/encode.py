@@ -53,7 +53,7 @@ def jumprelu_encode_kernel(x_ptr, w_ptr, b_enc_ptr, threshold_ptr, b_dec_ptr, va
             b_dec = tl.load(b_dec_ptr + k, mask=k_mask, other=0.0)
             x = tl.where(k_mask[None, :], x.to(tl.float32) - b_dec.to(tl.float32)[None, :], 0.0).to(x.dtype)
         w = tl.load(w_ptr + k[:, None].to(tl.int64) * stride_wk + cols[None, :],
-                    mask=k_mask[:, None] & col_mask[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]  # fmt: skip
+                    mask=k_mask[:, None] & col_mask[None, :], other=0.0).to(x.dtype)  # [BLOCK_K, BLOCK_N]  # fmt: skip
         if IEEE_FP32:
             acc += tl.dot(x, w, input_precision="ieee")
         else:
@@ -82,8 +82,7 @@ def _encode(x2: torch.Tensor, W_enc: torch.Tensor, b_enc: torch.Tensor, threshol
     counts = torch.zeros(M, dtype=torch.int32, device=x2.device)
     if M and d_sae:
         x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-        W = W_enc.to(x2.dtype)
-        W = W if W.stride(-1) == 1 else W.contiguous()
+        W = W_enc if W_enc.stride(-1) == 1 else W_enc.contiguous()  # dtype cast per tile in the kernel, not here
         bm, bn, bk = (16, 32, 32) if _backend.INTERPRET else (64, 128, 64)
         grid = (triton.cdiv(M, bm), triton.cdiv(d_sae, bn))
         jumprelu_encode_kernel[grid](

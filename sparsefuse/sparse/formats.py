@@ -22,6 +22,12 @@ def _check_rows(name: str, t: torch.Tensor, dims: int) -> None:
         raise ValueError(f"{name} must have {dims} dimension(s); got shape {list(t.shape)}")
 
 
+def _check_indices(fmt: str, values: torch.Tensor, indices: torch.Tensor) -> None:
+    if indices.shape != values.shape or indices.dtype != torch.int32:
+        raise ValueError(f"{fmt}.indices must be int32 of shape {list(values.shape)}; got "
+                         f"{indices.dtype} {list(indices.shape)}")  # fmt: skip
+
+
 @dataclass(frozen=True)
 class ELL:
     values: torch.Tensor  # [M, width]
@@ -31,9 +37,7 @@ class ELL:
 
     def __post_init__(self) -> None:
         _check_rows("ELL.values", self.values, 2)
-        if self.indices.shape != self.values.shape or self.indices.dtype != torch.int32:
-            raise ValueError(f"ELL.indices must be int32 of shape {list(self.values.shape)}; got "
-                             f"{self.indices.dtype} {list(self.indices.shape)}")  # fmt: skip
+        _check_indices("ELL", self.values, self.indices)
         if self.counts.shape != (self.values.shape[0],) or self.counts.dtype != torch.int32:
             raise ValueError(f"ELL.counts must be int32 of shape [{self.values.shape[0]}]; got "
                              f"{self.counts.dtype} {list(self.counts.shape)}")  # fmt: skip
@@ -89,9 +93,7 @@ class CSR:
 
     def __post_init__(self) -> None:
         _check_rows("CSR.values", self.values, 1)
-        if self.indices.shape != self.values.shape or self.indices.dtype != torch.int32:
-            raise ValueError(f"CSR.indices must be int32 of shape {list(self.values.shape)}; got "
-                             f"{self.indices.dtype} {list(self.indices.shape)}")  # fmt: skip
+        _check_indices("CSR", self.values, self.indices)
         if self.row_offsets.dim() != 1 or self.row_offsets.dtype != torch.int64:
             raise ValueError(f"CSR.row_offsets must be int64 [M + 1]; got {self.row_offsets.dtype} "
                              f"{list(self.row_offsets.shape)}")  # fmt: skip
