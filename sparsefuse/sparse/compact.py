@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .. import _backend
-from .._backend import Backend, backend_for, record_launch
+from .._backend import Backend, backend_for, new_output, record_launch
 from .._validation import check_float, describe
 from .formats import CSR, ELL
 
@@ -113,7 +113,7 @@ def dense_to_csr(dense: torch.Tensor) -> CSR:
     row_offsets = torch.zeros(M + 1, dtype=torch.int64, device=dense.device)
     row_offsets[1:] = counts.cumsum(0)
     nnz = int(row_offsets[-1])  # the one host sync: exact allocation
-    values = torch.empty(nnz, dtype=dense.dtype, device=dense.device)
+    values = new_output((nnz,), dense.dtype, dense.device)  # NaN-poisoned under test: every slot must be written
     indices = torch.empty(nnz, dtype=torch.int32, device=dense.device)
     scatter_nonzero_kernel[(M, starts.shape[1])](dense, starts, row_offsets, values, indices, N, dense.stride(0),
                                                  starts.shape[1], 0, BLOCK=block, FORMAT=1)  # fmt: skip
