@@ -36,7 +36,7 @@ def compare_to_reference(
     torch_lowp: torch.Tensor | None = None,
     *,
     dtype: torch.dtype | None = None,
-    extra_abs: float = 0.0,
+    extra_abs: float | torch.Tensor = 0.0,
     name: str = "output",
 ) -> Comparison:
     """Elementwise check of ``ours`` against a float64 reference (see module docstring for the bound).
@@ -68,6 +68,8 @@ def compare_to_reference(
     err = (o - r).abs()
     eps = dtype_eps(dtype)
     scale = float(r.abs().max())
+    if isinstance(extra_abs, torch.Tensor):  # per element (e.g. accumulation_allowance)
+        extra_abs = extra_abs.detach().to("cpu", torch.float64).expand_as(ref64)[finite]
     tol = eps * (2 * r.abs() + scale) + extra_abs
     if torch_lowp is not None:
         tol = tol + 2 * (torch_lowp.detach().to("cpu", torch.float64)[finite] - r).abs().nan_to_num(0.0)
@@ -80,6 +82,16 @@ def compare_to_reference(
                           f"{name}: {int(bad.sum())}/{r.numel()} elements out of tolerance; worst: ours={float(o[i])!r} "
                           f"ref={float(r[i])!r} |err|={float(err[i]):.3g} > tol={float(tol[i]):.3g}")  # fmt: skip
     return Comparison(True, max_abs, max_rel, 0, f"{name}: ok (max abs err {max_abs:.3g}, rel {max_rel:.3g})")
+
+
+def accumulation_allowance(a: torch.Tensor, b: torch.Tensor, acc_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Per-element rounding allowance of ``a @ b`` summed in ``acc_dtype`` in an order other than torch's:
+    Higham's bound for recursive summation, ``gamma_n * (|a| @ |b|)`` with ``gamma_n = n u / (1 - n u)``, n the most
+    non-zero terms in a row of ``a`` and u the unit roundoff. Two correct kernels may differ by this much."""
+    n = int((a != 0).sum(-1).max()) if a.numel() else 0
+    u = torch.finfo(acc_dtype).eps / 2
+    gamma = n * u / (1 - n * u)
+    return gamma * (a.detach().double().abs().nan_to_num(0.0) @ b.detach().double().abs())
 
 
 def assert_close_to_reference(ours, ref64, torch_lowp=None, **kwargs) -> Comparison:

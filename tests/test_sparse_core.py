@@ -5,8 +5,9 @@ import torch
 from conftest import assert_backend
 
 from sparsefuse import track_launches
-from sparsefuse.sparse import CSR, ELL, dense_to_csr, dense_to_ell, sparse_matmul
-from sparsefuse.testing import assert_close_to_reference
+from sparsefuse.sparse import CSR, ELL, dense_to_csr, dense_to_ell, matmul_skip_zeros, sparse_matmul
+from sparsefuse.sparse.sddmm import sampled_dot_dense_pattern
+from sparsefuse.testing import accumulation_allowance, assert_close_to_reference
 
 
 def sparse_rows(m: int, n: int, l0s: list[int], dtype=torch.float32, device="cpu") -> torch.Tensor:
@@ -87,3 +88,48 @@ def test_sparse_matmul_errors(device):
         sparse_matmul(ell, torch.randn(10, 5, device=device), dense=torch.randn(3, 10, device=device))
     with pytest.raises(ValueError, match="width must be a positive int"):
         dense_to_ell(torch.randn(2, 3, device=device), 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "m, n, d, l0s, splits",
+    [(4, 300, 40, [0, 5, 300, 17], None), (4, 300, 40, [0, 5, 300, 17], 3), (1, 64, 7, [9], 1000),
+     (9, 97, 65, [2, 0, 33], 1)],
+)  # fmt: skip
+def test_matmul_skip_zeros_matches_the_dense_product(m, n, d, l0s, splits, dtype, device):
+    a = sparse_rows(m, n, l0s, dtype, device)
+    w = (torch.randn(n, d) / 4).to(dtype).to(device)
+    assert_backend(a)
+    with track_launches() as launched:
+        out = matmul_skip_zeros(a, w, splits=splits)
+    assert launched["gather_accumulate_kernel"] == 1
+    assert out.dtype == dtype and out.shape == (m, d)
+    assert_close_to_reference(out, a.double() @ w.double(), (a.float() @ w.float()).to(dtype),
+                              extra_abs=accumulation_allowance(a, w))  # fmt: skip
+    assert torch.equal(out, matmul_skip_zeros(a, w, splits=splits))  # split partials summed in a fixed order
+
+
+def test_matmul_skip_zeros_strided_nan_and_empty(device):
+    a = sparse_rows(50, 6, [2, 0, 6], device=device).t()  # [6, 50] with column stride 6: read in place
+    w = torch.randn(70, 50, device=device).t()  # [50, 70], non-contiguous
+    a[2, 7] = float("nan")
+    out = matmul_skip_zeros(a, w, splits=4, out_dtype=torch.float16)
+    ref = a.double() @ w.double()
+    assert out.dtype == torch.float16 and torch.isnan(out[2]).all()
+    keep = [0, 1, 3, 4, 5]
+    assert_close_to_reference(out[keep], ref[keep], (a @ w).half()[keep], extra_abs=accumulation_allowance(a[keep], w))
+    assert matmul_skip_zeros(a[:0], w).shape == (0, 70)
+    assert torch.equal(matmul_skip_zeros(a[:, :0], w[:0]).cpu(), torch.zeros(6, 70))
+    with pytest.raises(ValueError, match=r"expected a \[M, n_in\] and weight \[n_in, n_out\]"):
+        matmul_skip_zeros(a, w[:49])
+
+
+def test_sampled_dot_dense_pattern(device):
+    pattern = sparse_rows(6, 130, [0, 3, 130, 11], device=device)
+    a, b = torch.randn(6, 37, device=device), torch.randn(130, 37, device=device)
+    with track_launches() as launched:
+        out = sampled_dot_dense_pattern(pattern, a, b)
+    assert launched["sampled_dot_dense_pattern_kernel"] == 1
+    mask = pattern != 0
+    assert_close_to_reference(out, (a.double() @ b.double().t()) * mask, (a @ b.t()) * mask,
+                              extra_abs=accumulation_allowance(a, b.t()))  # fmt: skip

@@ -3,17 +3,23 @@
     feature_acts [..., d_sae] (mostly zeros), W_dec [d_sae, d_model] -> [..., d_model]
 
 Methods (all built on the shared core in :mod:`sparsefuse.sparse`):
+* ``"scan"`` -- one kernel straight from the dense activations: each token's row is scanned for non-zeros and only
+  their decoder rows are gathered (:func:`~sparsefuse.sparse.matmul_skip_zeros`). No format, no capacity to
+  overflow, no host sync, deterministic.
 * ``"fixed"`` -- compact into ELL of width ``max_l0`` (no host sync), gather-accumulate; a token that fired more
   than ``max_l0`` features is recomputed from its dense row on the device, so the result is always complete.
   ``validate=True`` instead raises ``ValueError`` naming the largest count (one sync).
 * ``"exact"`` -- compact into exact-size CSR (one sync to size it), gather-accumulate.
 * ``"dense"`` -- ``torch.matmul`` (cuBLAS).
-* ``"auto"`` -- provisional rule until the GPU benchmark grid tunes it: dense for small dictionaries
-  (d_sae < 4096), else fixed with ``max_l0`` (default 256).
+* ``"auto"`` -- ``"dense"`` for small dictionaries (d_sae < 4096); otherwise ``"scan"``, except that where the dense
+  product is big enough for a host sync to be cheap (over ~1e11 flops: a sync costs < 2% of it), the activations'
+  mean L0 is counted and ``"dense"`` is chosen above the measured crossover density. Small batches skip the count
+  and assume SAE-like sparsity (mean L0 below ~1% of d_sae): pass ``method="dense"`` for denser activations.
 
-Backward: the gradient for W_dec is ``feature_acts^T @ grad_out`` (dense, deterministic); the gradient for the
-activations is the sampled product ``grad_out[m] . W_dec[f]`` on the activations' own sparsity pattern (zero
-elsewhere) -- the gradient a thresholded activation (JumpReLU, TopK) passes on.
+Backward, without a host sync: the gradient for W_dec is ``feature_acts^T @ grad_out`` computed by the same
+skip-zeros kernel on the transposed activations (deterministic: no float atomics); the gradient for the activations
+is the sampled product ``grad_out[m] . W_dec[f]`` on the activations' own sparsity pattern (zero elsewhere) -- the
+gradient a thresholded activation (JumpReLU, TopK) passes on.
 """
 
 from __future__ import annotations
@@ -21,12 +27,14 @@ from __future__ import annotations
 import torch
 
 from .._validation import check_float, check_same_device, describe
-from ..sparse import CSR, ELL, dense_to_csr, dense_to_ell, sparse_matmul
-from ..sparse.sddmm import sampled_dot
+from ..sparse import ELL, dense_to_csr, dense_to_ell, matmul_skip_zeros, sparse_matmul
+from ..sparse.sddmm import sampled_dot_dense_pattern
 
-METHODS = ("auto", "fixed", "exact", "dense")
+METHODS = ("auto", "scan", "fixed", "exact", "dense")
 DEFAULT_MAX_L0 = 256
 AUTO_DENSE_BELOW_D_SAE = 4096
+AUTO_COUNT_ABOVE_FLOPS = 1e11  # dense products this big take >~150 us: counting the non-zeros (one sync) is cheap
+AUTO_DENSE_ABOVE_DENSITY = 1 / 512  # mean L0 / d_sae beyond which cuBLAS wins at large batch (bench: L0 sweep)
 
 
 def torch_sparse_decode(feature_acts: torch.Tensor, W_dec: torch.Tensor) -> torch.Tensor:
@@ -34,10 +42,22 @@ def torch_sparse_decode(feature_acts: torch.Tensor, W_dec: torch.Tensor) -> torc
     return feature_acts.double() @ W_dec.double()
 
 
-def _resolve(method: str, d_sae: int, max_l0: int | None) -> tuple[str, int]:
+def _resolve(method: str, acts: torch.Tensor, W_dec: torch.Tensor, max_l0: int | None) -> tuple[str, int]:
+    d_sae = W_dec.shape[0]
     if method == "auto":
-        method = "dense" if d_sae < AUTO_DENSE_BELOW_D_SAE else "fixed"
+        method = "dense" if d_sae < AUTO_DENSE_BELOW_D_SAE else "scan"
+        dense_flops = 2 * acts.numel() * W_dec.shape[1]
+        if method == "scan" and dense_flops >= AUTO_COUNT_ABOVE_FLOPS and not _tracing(acts):
+            mean_l0 = int(torch.count_nonzero(acts)) / max(1, acts.shape[0])  # the one sync, cheap at this size
+            if mean_l0 > AUTO_DENSE_ABOVE_DENSITY * d_sae:
+                method = "dense"
     return method, (max_l0 if max_l0 is not None else min(DEFAULT_MAX_L0, d_sae))
+
+
+def _tracing(t: torch.Tensor) -> bool:
+    """Under torch.compile / fake tensors / CUDA-graph capture the data cannot be looked at: auto stays on shapes."""
+    return (torch.compiler.is_compiling() or type(t) is not torch.Tensor
+            or (t.is_cuda and torch.cuda.is_current_stream_capturing()))  # fmt: skip
 
 
 def _decode_forward(acts: torch.Tensor, W_dec: torch.Tensor, method: str, max_l0: int, validate: bool,
@@ -46,6 +66,8 @@ def _decode_forward(acts: torch.Tensor, W_dec: torch.Tensor, method: str, max_l0
     if method == "dense":
         compute = torch.promote_types(acts.dtype, W_dec.dtype)
         return (acts.to(compute) @ W_dec.to(compute)).to(out_dtype)
+    if method == "scan":
+        return matmul_skip_zeros(acts, W_dec, out_dtype=out_dtype)
     if method == "exact":
         return sparse_matmul(dense_to_csr(acts), W_dec, out_dtype=out_dtype)
     ell = dense_to_ell(acts, max_l0)
@@ -68,21 +90,15 @@ def _(feature_acts, W_dec, method, max_l0, validate, out_dtype):
     return feature_acts.new_empty((feature_acts.shape[0], W_dec.shape[1]), dtype=out_dtype)
 
 
-def _sampled_grad(pattern: CSR, grad_out: torch.Tensor, W_dec: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    values = sampled_dot(pattern, grad_out, W_dec).to(dtype)
-    return CSR(values, pattern.indices, pattern.row_offsets, pattern.n_cols).to_dense()
-
-
 @torch.library.custom_op("sparsefuse::sparse_decode_backward", mutates_args=())
 def sparse_decode_backward_op(grad_out: torch.Tensor, feature_acts: torch.Tensor, W_dec: torch.Tensor,
                               need_acts: bool, need_weight: bool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    grad_acts = (_sampled_grad(dense_to_csr(feature_acts), grad_out, W_dec, feature_acts.dtype) if need_acts
+    # grad_acts [M, d_sae] on the activations' pattern; grad_weight [d_sae, d_model] = acts^T @ grad_out, whose
+    # rows are non-zero only for features that fired: the skip-zeros kernel over acts^T (a strided view, no copy).
+    grad_acts = (sampled_dot_dense_pattern(feature_acts, grad_out, W_dec) if need_acts
                  else feature_acts.new_zeros(0))  # fmt: skip
-    if need_weight:
-        compute = torch.promote_types(feature_acts.dtype, grad_out.dtype)
-        grad_weight = (feature_acts.to(compute).t() @ grad_out.to(compute)).to(W_dec.dtype)
-    else:
-        grad_weight = W_dec.new_zeros(0)
+    grad_weight = (matmul_skip_zeros(feature_acts.t(), grad_out, out_dtype=W_dec.dtype) if need_weight
+                   else W_dec.new_zeros(0))  # fmt: skip
     return grad_acts, grad_weight
 
 
@@ -115,7 +131,7 @@ def sparse_decode(feature_acts: torch.Tensor, W_dec: torch.Tensor, *, method: st
     Args:
         feature_acts: [..., d_sae], float32/float16/bfloat16, mostly zeros.
         W_dec: [d_sae, d_model], float32/float16/bfloat16, same device.
-        method: "auto", "fixed", "exact" or "dense".
+        method: "auto", "scan", "fixed", "exact" or "dense" (see module docstring).
         max_l0: slots per token for "fixed" (default 256, capped at d_sae).
         validate: "fixed" raises ValueError if a token fired more than max_l0 features (one host sync).
         out_dtype: defaults to ``torch.result_type(feature_acts, W_dec)``.
@@ -132,9 +148,9 @@ def sparse_decode(feature_acts: torch.Tensor, W_dec: torch.Tensor, *, method: st
         raise ValueError(f"{op}: method must be one of {', '.join(METHODS)}; got {method!r}")
     if max_l0 is not None and (not isinstance(max_l0, int) or isinstance(max_l0, bool) or max_l0 <= 0):
         raise ValueError(f"{op}: max_l0 must be a positive int; got {max_l0!r}")
-    method, max_l0 = _resolve(method, W_dec.shape[0], max_l0)
     out_dtype = out_dtype or torch.promote_types(feature_acts.dtype, W_dec.dtype)  # (result_type: not traceable)
     acts = feature_acts.reshape(-1, feature_acts.shape[-1])
+    method, max_l0 = _resolve(method, acts, W_dec, max_l0)
     out = sparse_decode_op(acts, W_dec, method, max_l0, bool(validate), out_dtype)
     return out.reshape(*feature_acts.shape[:-1], W_dec.shape[1])
 

@@ -6,6 +6,6 @@ Status: building blocks of the SAE issue; the public ``sparse_decode`` / encode 
 
 from .compact import dense_to_csr, dense_to_ell
 from .formats import CSR, ELL
-from .spmm import JumpReLUEncoder, sparse_matmul, torch_sparse_matmul
+from .spmm import JumpReLUEncoder, matmul_skip_zeros, sparse_matmul, torch_sparse_matmul
 
-__all__ = ["CSR", "ELL", "JumpReLUEncoder", "dense_to_csr", "dense_to_ell", "sparse_matmul", "torch_sparse_matmul"]
+__all__ = ["CSR", "ELL", "JumpReLUEncoder", "dense_to_csr", "dense_to_ell", "matmul_skip_zeros", "sparse_matmul", "torch_sparse_matmul"]

@@ -50,80 +50,189 @@ class JumpReLUEncoder:
 
 
 @triton.jit
-def _accumulate_dense_chunk(acc, a, f, w_ptr, stride_w, d, d_mask):
-    """acc [BLOCK_D] += sum_f a[f] * W[f, d] over one chunk of activations a [BLOCK_K]; W rows whose activation is
-    zero are not loaded (masked), so a dense fallback costs the rows actually used."""
-    used = a != 0
-    w = tl.load(w_ptr + f[:, None].to(tl.int64) * stride_w + d[None, :], mask=used[:, None] & d_mask[None, :],
-                other=0.0)  # [BLOCK_K, BLOCK_D]  # fmt: skip
-    return acc + tl.sum(tl.where(used[:, None], a[:, None] * w.to(tl.float32), 0.0), axis=0)
+def rank_nonzeros(a):
+    """(non-zero count, rank [BLOCK_F] of each non-zero among them, -1 elsewhere) of a chunk ``a`` [BLOCK_F].
+    NaN counts as non-zero, so it propagates into whatever consumes the picks."""
+    nonzero = a != 0
+    rank = tl.where(nonzero, tl.cumsum(nonzero.to(tl.int32), axis=0) - 1, -1)
+    return tl.sum(nonzero.to(tl.int32), axis=0), rank
+
+
+@triton.jit
+def pick_nonzeros(a, f, rank, j):
+    """(feature ids [GROUP], values [GROUP]) of the non-zeros of rank j [GROUP] (0 where j >= count): one
+    [GROUP, BLOCK_F] select-and-sum, cheap for the few non-zeros a chunk of SAE activations holds."""
+    pick = rank[None, :] == j[:, None]  # [GROUP, BLOCK_F], at most one True per row
+    return tl.sum(tl.where(pick, f[None, :], 0), axis=1), tl.sum(tl.where(pick, a[None, :], 0.0), axis=1)
+
+
+@triton.jit
+def accumulate_nonzeros(acc, a, f, w_ptr, stride_w, d, d_mask, GROUP: tl.constexpr):
+    """acc [BLOCK_D] += sum_f a[f] * W[f, d] over a chunk of activations a [BLOCK_F] (fp32) of features f [BLOCK_F],
+    loading only the W rows whose activation is non-zero: an all-zero chunk costs one load of ``a``, a chunk with n
+    non-zeros n rows of W."""
+    n, rank = rank_nonzeros(a)
+    if n > 0:
+        for g0 in range(0, n, GROUP):
+            j = g0 + tl.arange(0, GROUP)  # [GROUP]
+            idx, val = pick_nonzeros(a, f, rank, j)
+            w = tl.load(w_ptr + idx[:, None].to(tl.int64) * stride_w + d[None, :],
+                        mask=(j < n)[:, None] & d_mask[None, :], other=0.0)  # [GROUP, BLOCK_D]  # fmt: skip
+            acc += tl.sum(val[:, None] * w.to(tl.float32), axis=0)
+    return acc
+
+
+@triton.jit
+def _jumprelu_chunk(row, f, f_mask, x_ptr, stride_x, w_enc_ptr, stride_w_enc, b_enc_ptr, threshold_ptr, b_dec_ptr,
+                    d_enc, HAS_B_DEC: tl.constexpr, BLOCK_E: tl.constexpr):  # fmt: skip
+    """JumpReLU activations [BLOCK_F] of token ``row`` for features f: relu(pre) * (pre > threshold)."""
+    pre = tl.zeros(f.shape, dtype=tl.float32)
+    for e0 in range(0, d_enc, BLOCK_E):
+        e = e0 + tl.arange(0, BLOCK_E)
+        e_mask = e < d_enc
+        xe = tl.load(x_ptr + row * stride_x + e, mask=e_mask, other=0.0).to(tl.float32)
+        if HAS_B_DEC:
+            xe -= tl.load(b_dec_ptr + e, mask=e_mask, other=0.0).to(tl.float32)
+        we = tl.load(w_enc_ptr + e[:, None].to(tl.int64) * stride_w_enc + f[None, :],
+                     mask=e_mask[:, None] & f_mask[None, :], other=0.0)  # [BLOCK_E, BLOCK_F]  # fmt: skip
+        pre += tl.sum(xe[:, None] * we.to(tl.float32), axis=0)
+    pre += tl.load(b_enc_ptr + f, mask=f_mask, other=0.0).to(tl.float32)
+    threshold = tl.load(threshold_ptr + f, mask=f_mask, other=float("inf")).to(tl.float32)
+    return tl.where((pre > threshold) & (pre > 0), pre, 0.0)
+
+
+_FORMAT_ELL = tl.constexpr(0)
+_FORMAT_CSR = tl.constexpr(1)
+_FORMAT_DENSE = tl.constexpr(2)
 
 
 @triton.jit
 def gather_accumulate_kernel(values_ptr, indices_ptr, counts_ptr, row_offsets_ptr, dense_ptr, w_ptr, out_ptr,
+                             partial_ptr, split_nnz_ptr, arrivals_ptr,
                              x_ptr, w_enc_ptr, b_enc_ptr, threshold_ptr, b_dec_ptr,
-                             n_out, n_in, width, stride_w, stride_out, stride_dense, d_enc, stride_x, stride_w_enc,
-                             BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, IS_ELL: tl.constexpr,
+                             n_out, n_in, width, stride_w, stride_out, stride_dense, stride_dense_col,
+                             chunks_per_split, n_splits, d_enc, stride_x, stride_w_enc,
+                             BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
+                             GROUP: tl.constexpr, REDUCE_SPLITS: tl.constexpr, FORMAT: tl.constexpr,
                              FALLBACK: tl.constexpr, HAS_B_DEC: tl.constexpr):  # fmt: skip
-    # ELL: values/indices [M, width], counts [M]; CSR: values/indices [nnz], row_offsets [M + 1].
+    # Grid (D blocks, splits, rows): the D blocks of one row are neighbours, so a row's activations are read from
+    # DRAM once and from L2 by the other blocks.
+    # ELL: values/indices [M, width], counts [M]; CSR: values/indices [nnz], row_offsets [M + 1];
+    # DENSE: dense [M, n_in] (strides stride_dense, stride_dense_col) scanned for non-zeros, its columns split over
+    #   n_splits programs of chunks_per_split chunks of BLOCK_F; with n_splits > 1 each program writes an fp32
+    #   partial [M, n_splits, n_out] (if its chunks had any non-zero: split_nnz [M, n_splits]) and the last to
+    #   arrive (arrivals [M, D blocks] int32, zeroed) sums them in split order: deterministic, no float atomics.
     # w [n_in, n_out] (unit column stride); out [M, n_out].
     # Overflowed ELL rows (FALLBACK): 1 = recompute from dense [M, n_in]; 2 = recompute the JumpReLU activations
     # from x [M, d_enc], w_enc [d_enc, n_in], b_enc/threshold [n_in], b_dec [d_enc]; 0 = write NaN.
-    row = tl.program_id(0).to(tl.int64)
-    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    d_block = tl.program_id(0)
+    split = tl.program_id(1)
+    row = tl.program_id(2).to(tl.int64)
+    d = d_block * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
     d_mask = d < n_out
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    if IS_ELL:
-        start = row * width
-        count = tl.load(counts_ptr + row)
-        n = tl.minimum(count, width)
-        overflowed = count > width
+    if FORMAT == _FORMAT_DENSE:
+        split_nnz = tl.zeros([], dtype=tl.int32)
+        c_begin = split * chunks_per_split
+        c_end = tl.minimum(c_begin + chunks_per_split, tl.cdiv(n_in, BLOCK_F))
+        row_ptr = dense_ptr + row * stride_dense
+        f_end = tl.minimum(n_in, c_end * BLOCK_F)  # this split's columns end here
+        f_next = c_begin * BLOCK_F + tl.arange(0, BLOCK_F)  # [BLOCK_F]
+        a_next = tl.load(row_ptr + f_next.to(tl.int64) * stride_dense_col, mask=f_next < f_end, other=0.0)
+        for c in range(c_begin, c_end):
+            # The next chunk's load is issued before this chunk's W gathers, so scanning is not one DRAM latency
+            # per chunk.
+            f, a = f_next, a_next.to(tl.float32)
+            f_next = f + BLOCK_F
+            a_next = tl.load(row_ptr + f_next.to(tl.int64) * stride_dense_col, mask=f_next < f_end, other=0.0)
+            split_nnz += tl.sum((a != 0).to(tl.int32), axis=0)
+            acc = accumulate_nonzeros(acc, a, f, w_ptr, stride_w, d, d_mask, GROUP)
+        if n_splits > 1:
+            part = (row * n_splits + split) * n_out
+            if split_nnz > 0:  # an empty split writes nothing; the sum below skips it
+                tl.store(partial_ptr + part + d, acc, mask=d_mask)
+            tl.store(split_nnz_ptr + row * n_splits + split, split_nnz)
+            tl.debug_barrier()  # every thread's stores precede the release below
+            arrived = tl.atomic_add(arrivals_ptr + row * tl.num_programs(0) + d_block, 1) + 1  # acq_rel
+            if arrived == n_splits:
+                acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+                for s0 in range(0, n_splits, REDUCE_SPLITS):  # fixed order: deterministic
+                    s = s0 + tl.arange(0, REDUCE_SPLITS)  # [REDUCE_SPLITS]
+                    used = tl.load(split_nnz_ptr + row * n_splits + s, mask=s < n_splits, other=0,
+                                   cache_modifier=".cg") > 0  # fmt: skip
+                    p = tl.load(partial_ptr + (row * n_splits + s[:, None]) * n_out + d[None, :],
+                                mask=used[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
+                    acc += tl.sum(p, axis=0)
+                tl.store(out_ptr + row * stride_out + d, acc.to(out_ptr.dtype.element_ty), mask=d_mask)
+            return
     else:
-        start = tl.load(row_offsets_ptr + row)
-        n = (tl.load(row_offsets_ptr + row + 1) - start).to(tl.int32)
-        overflowed = n < 0  # never
-    if overflowed:
-        n = 0  # the stored entries are incomplete: recomputed below
-    for k0 in range(0, n, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
-        k_mask = k < n
-        idx = tl.load(indices_ptr + start + k, mask=k_mask, other=0).to(tl.int64)
-        val = tl.load(values_ptr + start + k, mask=k_mask, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + idx[:, None] * stride_w + d[None, :], mask=k_mask[:, None] & d_mask[None, :], other=0.0)
-        acc += tl.sum(val[:, None] * w.to(tl.float32), axis=0)  # [BLOCK_D]
-    if IS_ELL:
+        if FORMAT == _FORMAT_ELL:
+            start = row * width
+            count = tl.load(counts_ptr + row)
+            n = tl.minimum(count, width)
+            overflowed = count > width
+        else:
+            start = tl.load(row_offsets_ptr + row)
+            n = (tl.load(row_offsets_ptr + row + 1) - start).to(tl.int32)
+            overflowed = n < 0  # never
         if overflowed:
-            if FALLBACK == 1:
-                for f0 in range(0, n_in, BLOCK_K):
-                    f = f0 + tl.arange(0, BLOCK_K)
-                    a = tl.load(dense_ptr + row * stride_dense + f, mask=f < n_in, other=0.0).to(tl.float32)
-                    acc = _accumulate_dense_chunk(acc, a, f, w_ptr, stride_w, d, d_mask)
-            elif FALLBACK == 2:
-                for f0 in range(0, n_in, BLOCK_K):
-                    f = f0 + tl.arange(0, BLOCK_K)
-                    f_mask = f < n_in
-                    pre = tl.zeros([BLOCK_K], dtype=tl.float32)
-                    for e0 in range(0, d_enc, BLOCK_D):
-                        e = e0 + tl.arange(0, BLOCK_D)
-                        e_mask = e < d_enc
-                        xe = tl.load(x_ptr + row * stride_x + e, mask=e_mask, other=0.0).to(tl.float32)
-                        if HAS_B_DEC:
-                            xe -= tl.load(b_dec_ptr + e, mask=e_mask, other=0.0).to(tl.float32)
-                        we = tl.load(w_enc_ptr + e[:, None].to(tl.int64) * stride_w_enc + f[None, :],
-                                     mask=e_mask[:, None] & f_mask[None, :], other=0.0)  # [BLOCK_D, BLOCK_K]  # fmt: skip
-                        pre += tl.sum(xe[:, None] * we.to(tl.float32), axis=0)
-                    pre += tl.load(b_enc_ptr + f, mask=f_mask, other=0.0).to(tl.float32)
-                    threshold = tl.load(threshold_ptr + f, mask=f_mask, other=float("inf")).to(tl.float32)
-                    a = tl.where((pre > threshold) & (pre > 0), pre, 0.0)
-                    acc = _accumulate_dense_chunk(acc, a, f, w_ptr, stride_w, d, d_mask)
-            else:
+            n = 0  # the stored entries are incomplete: recomputed below
+        for k0 in range(0, n, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+            k_mask = k < n
+            idx = tl.load(indices_ptr + start + k, mask=k_mask, other=0).to(tl.int64)
+            val = tl.load(values_ptr + start + k, mask=k_mask, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + idx[:, None] * stride_w + d[None, :], mask=k_mask[:, None] & d_mask[None, :],
+                        other=0.0)  # fmt: skip
+            acc += tl.sum(val[:, None] * w.to(tl.float32), axis=0)  # [BLOCK_D]
+        if overflowed:
+            if FALLBACK == 0:
                 acc += float("nan")
+            else:
+                for f0 in range(0, n_in, BLOCK_F):
+                    f = f0 + tl.arange(0, BLOCK_F)
+                    if FALLBACK == 1:
+                        a = tl.load(dense_ptr + row * stride_dense + f.to(tl.int64) * stride_dense_col,
+                                    mask=f < n_in, other=0.0).to(tl.float32)  # fmt: skip
+                    else:
+                        a = _jumprelu_chunk(row, f, f < n_in, x_ptr, stride_x, w_enc_ptr, stride_w_enc, b_enc_ptr,
+                                            threshold_ptr, b_dec_ptr, d_enc, HAS_B_DEC, BLOCK_K)  # fmt: skip
+                    acc = accumulate_nonzeros(acc, a, f, w_ptr, stride_w, d, d_mask, GROUP)
     tl.store(out_ptr + row * stride_out + d, acc.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 def torch_sparse_matmul(sparse: ELL | CSR, weight: torch.Tensor) -> torch.Tensor:
     """Reference: ``sparse.to_dense() @ weight`` in float64 (ELL must not have overflowed)."""
     return sparse.to_dense().double() @ weight.double()
+
+
+@dataclass(frozen=True)
+class _LaunchConfig:
+    block_d: int
+    block_f: int  # activations scanned per step (dense rows, overflow fallback)
+    block_k: int  # stored entries gathered per step (ELL/CSR)
+    group: int  # non-zeros picked per step from a scanned chunk
+    num_warps: int
+
+
+def _launch_config(n_out: int, scan: bool) -> _LaunchConfig:
+    """Blocks measured on an H200 (scripts/probe_decode.py): a dense-row scan wants one program per row to cover a
+    wide D slice (each D block re-scans the row, from L2); stored entries are gathered with narrower D blocks."""
+    if _backend.INTERPRET:
+        return _LaunchConfig(block_d=32, block_f=64, block_k=16, group=16, num_warps=4)  # few interpreted steps
+    block_d = min(1024 if scan else 256, max(32, triton.next_power_of_2(n_out)))
+    return _LaunchConfig(block_d=block_d, block_f=1024, block_k=32, group=2, num_warps=4)
+
+
+def _device_programs(device: torch.device) -> int:
+    """How many programs keep every SM busy with loads in flight (a scan is latency-bound per program)."""
+    if device.type != "cuda":
+        return 8
+    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _weight_for_gather(weight: torch.Tensor) -> torch.Tensor:
+    return weight if weight.stride(1) == 1 or weight.shape[1] <= 1 else weight.contiguous()
 
 
 def sparse_matmul(sparse: ELL | CSR, weight: torch.Tensor, *, dense: torch.Tensor | None = None,
@@ -156,8 +265,7 @@ def sparse_matmul(sparse: ELL | CSR, weight: torch.Tensor, *, dense: torch.Tenso
             raise ValueError(f"{op}: dense is only used to complete overflowed ELL rows; a CSR is always complete")
         if dense.shape != sparse.shape:
             raise ValueError(f"{op}: dense must have shape {list(sparse.shape)}; got {describe(dense)}")
-        dense = dense if dense.stride(1) == 1 else dense.contiguous()
-    weight = weight if weight.stride(1) == 1 or weight.shape[1] <= 1 else weight.contiguous()
+    weight = _weight_for_gather(weight)
     M, n_out = sparse.shape[0], weight.shape[1]
     out_dtype = out_dtype or torch.promote_types(sparse.values.dtype, weight.dtype)
     out = new_output((M, n_out), out_dtype, weight.device)
@@ -170,22 +278,73 @@ def sparse_matmul(sparse: ELL | CSR, weight: torch.Tensor, *, dense: torch.Tenso
         if is_ell and encoder is not None:
             return (encoder.reference_activations() @ weight.double()).to(out_dtype)
         return torch_sparse_matmul(sparse, weight).to(out_dtype)
-    block_d = 32 if _backend.INTERPRET else min(256, max(32, triton.next_power_of_2(n_out)))
-    block_k = 16 if _backend.INTERPRET else 32
+    cfg = _launch_config(n_out, scan=False)
     placeholder = sparse.values
     enc = encoder.prepared() if encoder is not None else None
-    gather_accumulate_kernel[(M, triton.cdiv(n_out, block_d))](
+    gather_accumulate_kernel[(triton.cdiv(n_out, cfg.block_d), 1, M)](
         sparse.values, sparse.indices,
         sparse.counts if is_ell else placeholder, placeholder if is_ell else sparse.row_offsets,
-        dense if dense is not None else placeholder, weight, out,
+        dense if dense is not None else placeholder, weight, out, placeholder, placeholder, placeholder,
         *(enc if enc is not None else (placeholder,) * 5),
         n_out, sparse.n_cols, sparse.width if is_ell else 0, weight.stride(0), out.stride(0),
-        dense.stride(0) if dense is not None else 0,
+        dense.stride(0) if dense is not None else 0, dense.stride(1) if dense is not None else 1, 0, 1,
         enc[1].shape[0] if enc is not None else 0, enc[0].stride(0) if enc is not None else 0,
         enc[1].stride(0) if enc is not None else 0,
-        BLOCK_K=block_k, BLOCK_D=block_d, IS_ELL=is_ell,
-        FALLBACK=1 if dense is not None else (2 if encoder is not None else 0),
-        HAS_B_DEC=encoder is not None and encoder.b_dec is not None,
+        BLOCK_K=cfg.block_k, BLOCK_D=cfg.block_d, BLOCK_F=cfg.block_f, GROUP=cfg.group, REDUCE_SPLITS=1,
+        FORMAT=0 if is_ell else 1, FALLBACK=1 if dense is not None else (2 if encoder is not None else 0),
+        HAS_B_DEC=encoder is not None and encoder.b_dec is not None, num_warps=cfg.num_warps,
+    )  # fmt: skip
+    record_launch("gather_accumulate_kernel")
+    return out
+
+
+def matmul_skip_zeros(a: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | None = None,
+                      splits: int | None = None) -> torch.Tensor:  # fmt: skip
+    """``a @ weight`` for a mostly-zero ``a`` [M, n_in], straight from its dense form: each row is scanned for
+    non-zeros and only their rows of ``weight`` [n_in, n_out] are loaded (fp32 accumulation). No sparse format, no
+    capacity, no host sync; any strides. Cost: one read of ``a`` plus nnz(a) * n_out weight elements -- against the
+    dense product's full read of ``weight``, a win while nnz per row is small.
+
+    ``splits``: how many programs share one row's columns (default: enough to fill the GPU when M is small); with
+    more than one, per-split fp32 partials are summed in a fixed order (deterministic).
+    """
+    op = "matmul_skip_zeros"
+    check_float(op, "a", a)
+    check_float(op, "weight", weight)
+    check_same_device(op, a=a, weight=weight)
+    if a.dim() != 2 or weight.dim() != 2 or a.shape[1] != weight.shape[0]:
+        raise ValueError(f"{op}: expected a [M, n_in] and weight [n_in, n_out]; got a {describe(a)}, "
+                         f"weight {describe(weight)}")  # fmt: skip
+    weight = _weight_for_gather(weight)
+    (M, n_in), n_out = a.shape, weight.shape[1]
+    out_dtype = out_dtype or torch.promote_types(a.dtype, weight.dtype)
+    out = new_output((M, n_out), out_dtype, weight.device)
+    if M == 0 or n_out == 0:
+        return out
+    if n_in == 0:
+        return out.zero_()
+    if backend_for(a, weight) is Backend.TORCH:
+        _backend.warn_reference_once(op)
+        return (a.double() @ weight.double()).to(out_dtype)
+    cfg = _launch_config(n_out, scan=True)
+    d_blocks, n_chunks = triton.cdiv(n_out, cfg.block_d), triton.cdiv(n_in, cfg.block_f)
+    if splits is None:
+        splits = triton.cdiv(_device_programs(a.device), M * d_blocks)
+    chunks_per_split = triton.cdiv(n_chunks, max(1, min(splits, n_chunks)))
+    n_splits = triton.cdiv(n_chunks, chunks_per_split)
+    if n_splits > 1:
+        partial = torch.empty(M, n_splits, n_out, dtype=torch.float32, device=a.device)  # read where written only
+        split_nnz = torch.empty(M, n_splits, dtype=torch.int32, device=a.device)
+        arrivals = torch.zeros(M, d_blocks, dtype=torch.int32, device=a.device)
+    else:
+        partial = split_nnz = arrivals = out
+    gather_accumulate_kernel[(d_blocks, n_splits, M)](
+        a, a, a, a, a, weight, out, partial, split_nnz, arrivals, a, a, a, a, a,
+        n_out, n_in, 0, weight.stride(0), out.stride(0), a.stride(0), a.stride(1), chunks_per_split, n_splits,
+        0, 0, 0,
+        BLOCK_K=cfg.block_k, BLOCK_D=cfg.block_d, BLOCK_F=cfg.block_f, GROUP=cfg.group,
+        REDUCE_SPLITS=max(1, min(triton.next_power_of_2(n_splits), 8192 // cfg.block_d)), FORMAT=2, FALLBACK=0,
+        HAS_B_DEC=False, num_warps=cfg.num_warps,
     )  # fmt: skip
     record_launch("gather_accumulate_kernel")
     return out

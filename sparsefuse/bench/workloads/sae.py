@@ -1,7 +1,10 @@
-"""Benchmark workload ``sae_decode``: sparse SAE decode against dense cuBLAS, cuSPARSE and torch.compile.
+"""Benchmark workload ``sae_decode``: sparse SAE decode against dense cuBLAS, cuSPARSE, embedding_bag, torch.compile.
 
-Shapes from the seed write-up (B=32/256, F=65536, D=768, L0=64; B=32, F=131072, D=512, L0=128) and Gemma Scope 2B
-65k (D=2304, L0=72). Minimal traffic: the activations read once (dense input), the fired rows of W_dec, the output.
+Shapes: the seed write-up's (B=32/256, F=65536, D=768, L0=64; B=32, F=131072, D=512, L0=128), Gemma Scope 2B 65k
+(D=2304, L0=72) and 262k (L0=100), Gemma Scope 9B 131k (D=3584), Qwen Scope (F=32768, D=2048, L0=100); an L0 sweep
+(16..16384) at B=32 and B=1024 showing the crossover with dense; a batch sweep (1..4096) on Gemma 2B 65k.
+Minimal traffic: the dense activations read once, the fired rows of W_dec, the output written once.
+Activations have exactly L0 random features per token with positive values (as after JumpReLU).
 """
 
 from __future__ import annotations
@@ -9,46 +12,70 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F_
 
 from ...sae import sparse_decode
 from ..harness import Case, Options, register
 
-SAE_SHAPES: list[tuple[int, int, int, int]] = [  # (B, F, D, L0)
-    (32, 65536, 768, 64), (256, 65536, 768, 64), (32, 131072, 512, 128), (4096, 65536, 2304, 72),
+# (B, F, D, L0)
+MAIN_SHAPES: list[tuple[int, int, int, int]] = [
+    (32, 65536, 768, 64), (256, 65536, 768, 64), (32, 131072, 512, 128),  # the seed's
+    (4096, 65536, 2304, 72),  # Gemma Scope 2B 65k
+    (1024, 262144, 2304, 100),  # Gemma Scope 2B 262k
+    (1024, 131072, 3584, 72),  # Gemma Scope 9B 131k
+    (1024, 32768, 2048, 100),  # Qwen Scope
 ]  # fmt: skip
-SAE_QUICK_SHAPES = SAE_SHAPES[:1]
+L0_SWEEP = [16, 64, 256, 1024, 4096, 16384]
+BATCH_SWEEP = [1, 8, 64, 512, 4096]
+QUICK_SHAPES = MAIN_SHAPES[:1]
 
 
-def _acts(B: int, F: int, l0: int, dtype: torch.dtype, device: str) -> torch.Tensor:
-    """Exactly l0 random features per token with positive values (as after JumpReLU)."""
-    cols = torch.rand(B, F, device=device).argsort(dim=1)[:, :l0]
+def _acts(B: int, F: int, l0: int, dtype: torch.dtype, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    cols = torch.rand(B, F, device=device).argsort(dim=1)[:, :l0].sort(dim=1).values
     acts = torch.zeros(B, F, device=device, dtype=dtype)
-    return acts.scatter_(1, cols, torch.rand(B, l0, device=device, dtype=dtype) + 0.1)
+    return acts.scatter_(1, cols, torch.rand(B, l0, device=device, dtype=dtype) + 0.1), cols
 
 
-def _case(shape: tuple[int, int, int, int], dtype: torch.dtype, device: str) -> Case:
+def _case(shape: tuple[int, int, int, int], dtype: torch.dtype, device: str, label: str, full: bool) -> Case:
     B, F, D, l0 = shape
-    e = torch.tensor([], dtype=dtype).element_size()
+    e = dtype.itemsize
 
     def make_inputs() -> tuple[Any, ...]:
-        return _acts(B, F, l0, dtype, device), torch.randn(F, D, device=device, dtype=dtype) / 16
+        acts, cols = _acts(B, F, l0, dtype, device)
+        w = torch.randn(F, D, device=device, dtype=dtype) / 16
+        return acts, w, acts.to_sparse_csr(), cols, acts.gather(1, cols)
 
     impls = {
-        "sparsefuse fixed": lambda a, w: sparse_decode(a, w, method="fixed", max_l0=2 * l0),
-        "sparsefuse exact": lambda a, w: sparse_decode(a, w, method="exact"),
-        "eager": lambda a, w: a @ w,  # dense cuBLAS in the case's dtype
-        "dense fp32": lambda a, w: a.float() @ w.float(),
-        "torch.compile": torch.compile(lambda a, w: a @ w),
-        "torch.sparse.mm (with to_sparse_csr)": lambda a, w: torch.sparse.mm(a.to_sparse_csr(), w),
+        "sparsefuse auto": lambda a, w, *_: sparse_decode(a, w),
+        "sparsefuse scan": lambda a, w, *_: sparse_decode(a, w, method="scan"),
+        "eager": lambda a, w, *_: a @ w,  # dense cuBLAS in the case's dtype
+        "dense fp32": lambda a, w, *_: a.float() @ w.float(),
     }
+    if full:
+        impls |= {
+            "sparsefuse fixed (max_l0=2*L0)": lambda a, w, *_: sparse_decode(a, w, method="fixed", max_l0=2 * l0),
+            "sparsefuse exact (1 sync)": lambda a, w, *_: sparse_decode(a, w, method="exact"),
+            "dense bf16": lambda a, w, *_: a.bfloat16() @ w.bfloat16(),
+            "torch.compile": torch.compile(lambda a, w, *_: a @ w),
+            "torch.sparse.mm (prebuilt CSR)": lambda a, w, csr, *_: torch.sparse.mm(csr, w),
+            "torch.sparse.mm (with to_sparse_csr)": lambda a, w, *_: torch.sparse.mm(a.to_sparse_csr(), w),
+            "F.embedding_bag (prebuilt indices)": lambda a, w, csr, cols, vals: F_.embedding_bag(
+                cols, w, per_sample_weights=vals, mode="sum"),
+        }  # fmt: skip
     return Case(
-        workload="sae_decode", shape=f"B={B} F={F} D={D} L0={l0}", dtype=dtype, direction="fwd",
+        workload="sae_decode", shape=f"{label}B={B} F={F} D={D} L0={l0}", dtype=dtype, direction="fwd",
         bytes_moved=B * F * e + B * l0 * D * e + B * D * e, flops=2 * B * l0 * D, ceiling="copy",
-        make_inputs=make_inputs, impls=impls,
+        make_inputs=make_inputs, impls=impls, compile_impl="torch.compile" if full else None,
     )  # fmt: skip
 
 
 @register("sae_decode")
 def sae_decode_cases(options: Options) -> list[Case]:
-    shapes = SAE_QUICK_SHAPES if options.quick else SAE_SHAPES
-    return [_case(shape, dtype, options.device) for dtype in options.dtypes if dtype != torch.float16 for shape in shapes]
+    dtypes = [d for d in options.dtypes if d in (torch.float32, torch.bfloat16)]
+    if options.quick:
+        return [_case(s, d, options.device, "", True) for d in dtypes for s in QUICK_SHAPES]
+    cases = [_case(s, d, options.device, "", True) for d in dtypes for s in MAIN_SHAPES]
+    cases += [_case((B, 65536, 768, l0), torch.bfloat16, options.device, "L0 sweep ", False)
+              for B in (32, 1024) for l0 in L0_SWEEP]  # fmt: skip
+    cases += [_case((B, 65536, 2304, 72), torch.bfloat16, options.device, "batch sweep ", False) for B in BATCH_SWEEP]
+    return cases
