@@ -171,3 +171,20 @@ def test_sparse_jumprelu_sae_fused_inference_with_overflow(device):
     ref = (torch.relu(pre) * (pre > p["threshold"])) @ p["W_dec"] + p["b_dec"]
     assert recon.shape == x.shape
     assert (recon.double() - ref).abs().max() <= 1e-4 * ref.abs().max()
+
+
+def test_auto_picks_by_shape_and_density(device, monkeypatch):
+    import sparsefuse.sae.decode as decode
+
+    monkeypatch.setattr(decode, "AUTO_DENSE_BELOW_D_SAE", 256)
+    monkeypatch.setattr(decode, "AUTO_SCAN_BELOW_TOKENS", 4)
+    monkeypatch.setattr(decode, "AUTO_COUNT_ABOVE_FLOPS", 0)
+    w = torch.randn(512, 8, device=device)
+    for rows, l0, kernels in [(2, 3, {"gather_accumulate_kernel"}),  # few tokens: scan
+                              (6, 1, {"count_nonzero_kernel", "scatter_nonzero_kernel", "gather_accumulate_kernel"}),
+                              (6, 40, {"count_nonzero_kernel"})]:  # denser than d_sae / 512: cuBLAS  # fmt: skip
+        acts = sparse_rows(rows, 512, [l0], device=device)
+        with track_launches() as launched:
+            out = sparse_decode(acts, w)
+        assert set(launched) == kernels, (rows, l0, dict(launched))
+        assert_close_to_reference(out, *reference(acts, w), **allowance(acts, w))

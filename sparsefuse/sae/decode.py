@@ -11,10 +11,12 @@ Methods (all built on the shared core in :mod:`sparsefuse.sparse`):
   ``validate=True`` instead raises ``ValueError`` naming the largest count (one sync).
 * ``"exact"`` -- compact into exact-size CSR (one sync to size it), gather-accumulate.
 * ``"dense"`` -- ``torch.matmul`` (cuBLAS).
-* ``"auto"`` -- ``"dense"`` for small dictionaries (d_sae < 4096); otherwise ``"scan"``, except that where the dense
-  product is big enough for a host sync to be cheap (over ~1e11 flops: a sync costs < 2% of it), the activations'
-  mean L0 is counted and ``"dense"`` is chosen above the measured crossover density. Small batches skip the count
-  and assume SAE-like sparsity (mean L0 below ~1% of d_sae): pass ``method="dense"`` for denser activations.
+* ``"auto"`` -- from the shapes (measured on an H200, benchmarks/results/): ``"dense"`` for small dictionaries
+  (d_sae < 4096); ``"scan"`` for small batches (< 128 tokens), where no sync is affordable; for large batches
+  whose dense product is big enough that one host sync is cheap (over 1e11 flops), the exact CSR path, whose count
+  pass (the sync) also measures the sparsity and hands over to ``"dense"`` past the crossover density (mean L0 above
+  d_sae / 512); otherwise ``"fixed"``. Small batches assume SAE-like sparsity: pass ``method="dense"`` for dense
+  activations.
 
 Backward, without a host sync: the gradient for W_dec is ``feature_acts^T @ grad_out`` computed by the same
 skip-zeros kernel on the transposed activations (deterministic: no float atomics); the gradient for the activations
@@ -33,8 +35,10 @@ from ..sparse.sddmm import sampled_dot_dense_pattern
 METHODS = ("auto", "scan", "fixed", "exact", "dense")
 DEFAULT_MAX_L0 = 256
 AUTO_DENSE_BELOW_D_SAE = 4096
+AUTO_SCAN_BELOW_TOKENS = 128
 AUTO_COUNT_ABOVE_FLOPS = 1e11  # dense products this big take >~150 us: counting the non-zeros (one sync) is cheap
 AUTO_DENSE_ABOVE_DENSITY = 1 / 512  # mean L0 / d_sae beyond which cuBLAS wins at large batch (bench: L0 sweep)
+_EXACT_OR_DENSE = "exact_or_dense"  # auto's large-batch path (internal method name)
 
 
 def torch_sparse_decode(feature_acts: torch.Tensor, W_dec: torch.Tensor) -> torch.Tensor:
@@ -43,33 +47,34 @@ def torch_sparse_decode(feature_acts: torch.Tensor, W_dec: torch.Tensor) -> torc
 
 
 def _resolve(method: str, acts: torch.Tensor, W_dec: torch.Tensor, max_l0: int | None) -> tuple[str, int]:
-    d_sae = W_dec.shape[0]
     if method == "auto":
-        method = "dense" if d_sae < AUTO_DENSE_BELOW_D_SAE else "scan"
-        dense_flops = 2 * acts.numel() * W_dec.shape[1]
-        if method == "scan" and dense_flops >= AUTO_COUNT_ABOVE_FLOPS and not _tracing(acts):
-            mean_l0 = int(torch.count_nonzero(acts)) / max(1, acts.shape[0])  # the one sync, cheap at this size
-            if mean_l0 > AUTO_DENSE_ABOVE_DENSITY * d_sae:
-                method = "dense"
-    return method, (max_l0 if max_l0 is not None else min(DEFAULT_MAX_L0, d_sae))
-
-
-def _tracing(t: torch.Tensor) -> bool:
-    """Under torch.compile / fake tensors / CUDA-graph capture the data cannot be looked at: auto stays on shapes."""
-    return (torch.compiler.is_compiling() or type(t) is not torch.Tensor
-            or (t.is_cuda and torch.cuda.is_current_stream_capturing()))  # fmt: skip
+        if W_dec.shape[0] < AUTO_DENSE_BELOW_D_SAE:
+            method = "dense"
+        elif acts.shape[0] < AUTO_SCAN_BELOW_TOKENS:
+            method = "scan"
+        elif 2 * acts.numel() * W_dec.shape[1] >= AUTO_COUNT_ABOVE_FLOPS:
+            method = _EXACT_OR_DENSE
+        else:
+            method = "fixed"
+    return method, (max_l0 if max_l0 is not None else min(DEFAULT_MAX_L0, W_dec.shape[0]))
 
 
 def _decode_forward(acts: torch.Tensor, W_dec: torch.Tensor, method: str, max_l0: int, validate: bool,
                     out_dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
     # acts [M, d_sae] -> [M, d_model]
+    if method == "scan":
+        return matmul_skip_zeros(acts, W_dec, out_dtype=out_dtype)
+    if method == _EXACT_OR_DENSE and acts.is_cuda and torch.cuda.is_current_stream_capturing():
+        method = "fixed"  # no host sync inside a CUDA graph capture
+    if method in ("exact", _EXACT_OR_DENSE):
+        max_nnz = int(AUTO_DENSE_ABOVE_DENSITY * acts.numel()) if method == _EXACT_OR_DENSE else None
+        csr = dense_to_csr(acts, max_nnz=max_nnz)
+        if csr is not None:
+            return sparse_matmul(csr, W_dec, out_dtype=out_dtype)
+        method = "dense"  # denser than the crossover: cuBLAS wins
     if method == "dense":
         compute = torch.promote_types(acts.dtype, W_dec.dtype)
         return (acts.to(compute) @ W_dec.to(compute)).to(out_dtype)
-    if method == "scan":
-        return matmul_skip_zeros(acts, W_dec, out_dtype=out_dtype)
-    if method == "exact":
-        return sparse_matmul(dense_to_csr(acts), W_dec, out_dtype=out_dtype)
     ell = dense_to_ell(acts, max_l0)
     if validate and acts.shape[0]:
         largest = int(ell.counts.max())

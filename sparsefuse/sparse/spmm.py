@@ -215,12 +215,13 @@ class _LaunchConfig:
     num_warps: int
 
 
-def _launch_config(n_out: int, scan: bool) -> _LaunchConfig:
-    """Blocks measured on an H200 (scripts/probe_decode.py): a dense-row scan wants one program per row to cover a
-    wide D slice (each D block re-scans the row, from L2); stored entries are gathered with narrower D blocks."""
+def _launch_config(n_out: int, scan: bool, weight_itemsize: int = 4) -> _LaunchConfig:
+    """Blocks measured on an H200 (scripts/probe_decode*.py): a dense-row scan wants one program to cover all of D
+    (each D block re-scans and re-ranks the row); stored entries are gathered best 1 KiB of a W row at a time."""
     if _backend.INTERPRET:
         return _LaunchConfig(block_d=32, block_f=64, block_k=16, group=16, num_warps=4)  # few interpreted steps
-    block_d = min(1024 if scan else 256, max(32, triton.next_power_of_2(n_out)))
+    widest = 4096 if scan else 1024 // weight_itemsize
+    block_d = min(widest, max(32, triton.next_power_of_2(n_out)))
     return _LaunchConfig(block_d=block_d, block_f=1024, block_k=32, group=2, num_warps=4)
 
 
@@ -278,7 +279,7 @@ def sparse_matmul(sparse: ELL | CSR, weight: torch.Tensor, *, dense: torch.Tenso
         if is_ell and encoder is not None:
             return (encoder.reference_activations() @ weight.double()).to(out_dtype)
         return torch_sparse_matmul(sparse, weight).to(out_dtype)
-    cfg = _launch_config(n_out, scan=False)
+    cfg = _launch_config(n_out, scan=False, weight_itemsize=weight.element_size())
     placeholder = sparse.values
     enc = encoder.prepared() if encoder is not None else None
     gather_accumulate_kernel[(triton.cdiv(n_out, cfg.block_d), 1, M)](
