@@ -33,9 +33,21 @@ def torch_jumprelu_encode(x, W_enc, b_enc, threshold, b_dec=None) -> torch.Tenso
     return JumpReLUEncoder(x.reshape(-1, x.shape[-1]), W_enc, b_enc, threshold, b_dec).reference_activations()
 
 
+def _encode_configs() -> list[triton.Config]:
+    shapes = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4),
+              (64, 256, 64, 8, 3), (256, 128, 64, 8, 3), (32, 128, 64, 4, 4)]  # fmt: skip
+    return _backend.tuning_configs(
+        [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
+         for bm, bn, bk, w, st in shapes],
+        interpret_config=triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32}),
+    )  # fmt: skip
+
+
+# Tuned per (d_in, d_sae, power-of-two token bucket); the slot counters are re-zeroed between trial runs.
+@triton.autotune(configs=_encode_configs(), key=["K", "N", "M_BUCKET"], reset_to_zero=["counts_ptr"])
 @triton.jit
 def jumprelu_encode_kernel(x_ptr, w_ptr, b_enc_ptr, threshold_ptr, b_dec_ptr, values_ptr, indices_ptr, counts_ptr,
-                           M, K, N, width, stride_xm, stride_wk,
+                           M, K, N, width, stride_xm, stride_wk, M_BUCKET,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            HAS_B_DEC: tl.constexpr, IEEE_FP32: tl.constexpr):  # fmt: skip
     # x [M, K], w [K, N] (unit column strides), b_enc/threshold [N], b_dec [K];
@@ -83,12 +95,11 @@ def _encode(x2: torch.Tensor, W_enc: torch.Tensor, b_enc: torch.Tensor, threshol
     if M and d_sae:
         x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
         W = W_enc if W_enc.stride(-1) == 1 else W_enc.contiguous()  # dtype cast per tile in the kernel, not here
-        bm, bn, bk = (16, 32, 32) if _backend.INTERPRET else (64, 128, 64)
-        grid = (triton.cdiv(M, bm), triton.cdiv(d_sae, bn))
+        grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(d_sae, meta["BLOCK_N"]))  # noqa: E731
         jumprelu_encode_kernel[grid](
             x2, W, b_enc, threshold, b_dec if b_dec is not None else b_enc, values, indices, counts,
-            M, d_in, d_sae, max_l0, x2.stride(0), W.stride(0),
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_B_DEC=b_dec is not None, IEEE_FP32=x2.dtype == torch.float32,
+            M, d_in, d_sae, max_l0, x2.stride(0), W.stride(0), min(triton.next_power_of_2(M), 8192),
+            HAS_B_DEC=b_dec is not None, IEEE_FP32=x2.dtype == torch.float32,
         )  # fmt: skip
         record_launch("jumprelu_encode_kernel")
     return values, indices, counts
