@@ -16,7 +16,7 @@ PY=${PYTHON:-python3}
   $PY -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)'
 } 2>&1 | tee "$out/env.txt"
 
-$PY -m pytest tests -q -x -n ${PYTEST_WORKERS:-4} -p no:cacheprovider 2>&1 | tee "$out/gpu-tests.log"
+$PY -m pytest tests -q -n ${PYTEST_WORKERS:-4} -p no:cacheprovider 2>&1 | tee "$out/gpu-tests.log"
 tests_status=${PIPESTATUS[0]}
 
 $PY -m sparsefuse bench --out "$out" "$@" 2>&1 | tee "$out/bench.log"

@@ -133,3 +133,16 @@ def test_sampled_dot_dense_pattern(device):
     mask = pattern != 0
     assert_close_to_reference(out, (a.double() @ b.double().t()) * mask, (a @ b.t()) * mask,
                               extra_abs=accumulation_allowance(a, b.t()))  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_more_rows_than_a_cuda_grid_axis_holds():
+    """Rows are folded into grid axis 0, so more than 65535 rows (a W_dec gradient over 65536 features, a SPLADE
+    backward over B*S positions) launch in one go."""
+    a = sparse_rows(70_000, 48, [3, 0, 1], device="cuda")
+    w = torch.randn(48, 300, device="cuda")
+    ref = a.double() @ w.double()
+    allowance = accumulation_allowance(a, w)
+    assert_close_to_reference(matmul_skip_zeros(a, w), ref, a @ w, extra_abs=allowance)
+    assert_close_to_reference(sparse_matmul(dense_to_csr(a), w), ref, a @ w, extra_abs=allowance)
+    assert_close_to_reference(sparse_matmul(dense_to_ell(a, 4), w, dense=a), ref, a @ w, extra_abs=allowance)

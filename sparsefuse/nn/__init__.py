@@ -2,5 +2,6 @@
 
 from .activations import CELU, Snake1d
 from .sae import SparseJumpReLUSAE
+from .splade import SpladeHead
 
-__all__ = ["Snake1d", "CELU", "SparseJumpReLUSAE"]
+__all__ = ["Snake1d", "CELU", "SparseJumpReLUSAE", "SpladeHead"]

@@ -64,9 +64,9 @@ def sampled_dot_dense_pattern_kernel(pattern_ptr, a_ptr, b_ptr, out_ptr, N, D, s
                                      stride_out, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
                                      GROUP: tl.constexpr):  # fmt: skip
     # pattern [M, N] (dense, its non-zeros are the pattern), a [M, D], b [N, D]; out [M, N]: a[m] . b[f] on the
-    # pattern, 0 elsewhere. Grid (column chunks, rows); every element of the chunk is written.
-    row = tl.program_id(1).to(tl.int64)
-    f = tl.program_id(0) * BLOCK_F + tl.arange(0, BLOCK_F)  # [BLOCK_F]
+    # pattern, 0 elsewhere. Grid (rows, column chunks); every element of the chunk is written.
+    row = tl.program_id(0).to(tl.int64)
+    f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)  # [BLOCK_F]
     f_mask = f < N
     p = tl.load(pattern_ptr + row * stride_pattern + f, mask=f_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_out + f, tl.zeros_like(p).to(out_ptr.dtype.element_ty), mask=f_mask & (p == 0))
@@ -102,7 +102,7 @@ def sampled_dot_dense_pattern(pattern: torch.Tensor, a: torch.Tensor, b: torch.T
         _backend.warn_reference_once("sampled_dot_dense_pattern")
         return ((a.double() @ b.double().t()) * (pattern != 0)).to(out.dtype)
     block_f, block_d, group = (32, 32, 16) if _backend.INTERPRET else (1024, min(256, max(32, triton.next_power_of_2(D))), 2)
-    sampled_dot_dense_pattern_kernel[(triton.cdiv(N, block_f), M)](
+    sampled_dot_dense_pattern_kernel[(M, triton.cdiv(N, block_f))](
         pattern, a, b, out, N, D, pattern.stride(0), a.stride(0), b.stride(0), out.stride(0),
         BLOCK_F=block_f, BLOCK_D=block_d, GROUP=group,
     )  # fmt: skip

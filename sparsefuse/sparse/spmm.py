@@ -115,8 +115,8 @@ def gather_accumulate_kernel(values_ptr, indices_ptr, counts_ptr, row_offsets_pt
                              BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
                              GROUP: tl.constexpr, REDUCE_SPLITS: tl.constexpr, FORMAT: tl.constexpr,
                              FALLBACK: tl.constexpr, HAS_B_DEC: tl.constexpr):  # fmt: skip
-    # Grid (D blocks, splits, rows): the D blocks of one row are neighbours, so a row's activations are read from
-    # DRAM once and from L2 by the other blocks.
+    # Grid (rows * D blocks, splits): the D blocks of one row are neighbours, so a row's activations are read from
+    # DRAM once and from L2 by the other blocks (rows live on axis 0: the other axes are capped at 65535).
     # ELL: values/indices [M, width], counts [M]; CSR: values/indices [nnz], row_offsets [M + 1];
     # DENSE: dense [M, n_in] (strides stride_dense, stride_dense_col) scanned for non-zeros, its columns split over
     #   n_splits programs of chunks_per_split chunks of BLOCK_F; with n_splits > 1 each program writes an fp32
@@ -125,9 +125,10 @@ def gather_accumulate_kernel(values_ptr, indices_ptr, counts_ptr, row_offsets_pt
     # w [n_in, n_out] (unit column stride); out [M, n_out].
     # Overflowed ELL rows (FALLBACK): 1 = recompute from dense [M, n_in]; 2 = recompute the JumpReLU activations
     # from x [M, d_enc], w_enc [d_enc, n_in], b_enc/threshold [n_in], b_dec [d_enc]; 0 = write NaN.
-    d_block = tl.program_id(0)
+    n_d_blocks = tl.cdiv(n_out, BLOCK_D)
+    d_block = tl.program_id(0) % n_d_blocks
+    row = (tl.program_id(0) // n_d_blocks).to(tl.int64)
     split = tl.program_id(1)
-    row = tl.program_id(2).to(tl.int64)
     d = d_block * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
     d_mask = d < n_out
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -153,7 +154,7 @@ def gather_accumulate_kernel(values_ptr, indices_ptr, counts_ptr, row_offsets_pt
                 tl.store(partial_ptr + part + d, acc, mask=d_mask)
             tl.store(split_nnz_ptr + row * n_splits + split, split_nnz)
             tl.debug_barrier()  # every thread's stores precede the release below
-            arrived = tl.atomic_add(arrivals_ptr + row * tl.num_programs(0) + d_block, 1) + 1  # acq_rel
+            arrived = tl.atomic_add(arrivals_ptr + row * n_d_blocks + d_block, 1) + 1  # acq_rel
             if arrived == n_splits:
                 acc = tl.zeros([BLOCK_D], dtype=tl.float32)
                 for s0 in range(0, n_splits, REDUCE_SPLITS):  # fixed order: deterministic
@@ -282,7 +283,7 @@ def sparse_matmul(sparse: ELL | CSR, weight: torch.Tensor, *, dense: torch.Tenso
     cfg = _launch_config(n_out, scan=False, weight_itemsize=weight.element_size())
     placeholder = sparse.values
     enc = encoder.prepared() if encoder is not None else None
-    gather_accumulate_kernel[(triton.cdiv(n_out, cfg.block_d), 1, M)](
+    gather_accumulate_kernel[(triton.cdiv(n_out, cfg.block_d) * M, 1)](
         sparse.values, sparse.indices,
         sparse.counts if is_ell else placeholder, placeholder if is_ell else sparse.row_offsets,
         dense if dense is not None else placeholder, weight, out, placeholder, placeholder, placeholder,
@@ -339,7 +340,7 @@ def matmul_skip_zeros(a: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch
         arrivals = torch.zeros(M, d_blocks, dtype=torch.int32, device=a.device)
     else:
         partial = split_nnz = arrivals = out
-    gather_accumulate_kernel[(d_blocks, n_splits, M)](
+    gather_accumulate_kernel[(d_blocks * M, n_splits)](
         a, a, a, a, a, weight, out, partial, split_nnz, arrivals, a, a, a, a, a,
         n_out, n_in, 0, weight.stride(0), out.stride(0), a.stride(0), a.stride(1), chunks_per_split, n_splits,
         0, 0, 0,
