@@ -2,6 +2,7 @@
 
 from .activations import CELU, Snake1d
 from .sae import SparseJumpReLUSAE
+from .ffn import SparseGatedMLP
 from .splade import SpladeHead
 
-__all__ = ["Snake1d", "CELU", "SparseJumpReLUSAE", "SpladeHead"]
+__all__ = ["Snake1d", "CELU", "SparseJumpReLUSAE", "SpladeHead", "SparseGatedMLP"]

@@ -1,0 +1,60 @@
+"""Patch transformers Llama models whose MLP activation is ReLU so every ``LlamaMLP`` runs the TwELL kernels.
+
+    model = transformers.LlamaForCausalLM(LlamaConfig(..., hidden_act="relu"))
+    patch_llama(model)                  # in place; returns the model
+
+transformers is imported lazily. A module is swapped when it is a ``LlamaMLP`` (or a subclass) whose ``act_fn`` is
+``nn.ReLU``; other activations (SiLU, GELU, ...) are left alone -- TwELL needs exact zeros. The replacement
+:class:`sparsefuse.nn.SparseGatedMLP` takes over the original ``gate_proj``/``up_proj``/``down_proj`` Linear
+modules themselves (same Parameter objects, so tied weights, hooks on the projections and ``state_dict`` keys are
+unchanged); ``down_proj.weight`` is re-laid out column-major in place (same values and shape: one copy per layer,
+done once).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..ffn.twell import DEFAULT_COMPRESSION
+from ..nn.ffn import SparseGatedMLP
+
+__all__ = ["patch_llama", "is_relu_llama_mlp"]
+
+
+def is_relu_llama_mlp(module: nn.Module) -> bool:
+    """True for a transformers ``LlamaMLP`` whose activation is ReLU."""
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    return isinstance(module, LlamaMLP) and isinstance(getattr(module, "act_fn", None), nn.ReLU) \
+        and not isinstance(module, SparseGatedMLP)  # fmt: skip
+
+
+def _replacement(mlp: nn.Module, compression: int, tile: int | None, method: str) -> SparseGatedMLP:
+    gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+    fused = SparseGatedMLP(gate.in_features, gate.out_features, bias=gate.bias is not None, compression=compression,
+                           tile=tile, method=method, device="meta")  # fmt: skip
+    fused.gate_proj, fused.up_proj, fused.down_proj = gate, up, down  # the modules themselves, not copies
+    fused.relayout_down_proj()
+    fused.train(mlp.training)
+    return fused
+
+
+def patch_llama(model: nn.Module, *, compression: int = DEFAULT_COMPRESSION, tile: int | None = None,
+                method: str = "auto") -> nn.Module:  # fmt: skip
+    """Replace every ReLU ``LlamaMLP`` inside ``model`` (in place) with :class:`sparsefuse.nn.SparseGatedMLP`.
+
+    Returns the model (or, if ``model`` itself is a ReLU LlamaMLP, its replacement). Raises ``ValueError`` if no
+    ReLU LlamaMLP was found (e.g. a model with ``hidden_act="silu"``: TwELL needs the ReLU's exact zeros)."""
+    if is_relu_llama_mlp(model):
+        return _replacement(model, compression, tile, method)
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if is_relu_llama_mlp(child):
+                setattr(parent, name, _replacement(child, compression, tile, method))
+                replaced += 1
+    if replaced == 0:
+        act = getattr(getattr(model, "config", None), "hidden_act", None)
+        raise ValueError(f"sparsefuse patch_llama: no LlamaMLP with a ReLU activation found in "
+                         f"{type(model).__name__}" + (f" (config.hidden_act={act!r})" if act else ""))  # fmt: skip
+    return model

@@ -1,0 +1,56 @@
+"""A gated ReLU feed-forward block whose parameters (and state_dict keys) are transformers' ``LlamaMLP``'s.
+
+``forward(x) = down_proj(relu(gate_proj(x)) * up_proj(x))``, run by :func:`sparsefuse.ffn.twell_mlp`: the gate
+matmul writes TwELL and only the fired rows of up_proj / down_proj are read. ``down_proj.weight`` keeps its
+[hidden, intermediate] shape but is stored column-major (``stride(0) == 1``) so that each neuron's row of
+W_down^T is contiguous; ``load_state_dict`` copies into that layout, ``.to()`` preserves it, and ``F.linear`` reads
+it as is. A :class:`~sparsefuse.ffn.SparsityMonitor` keeps a sync-free estimate of the non-zeros per token for
+``method="auto"`` (its first call probes with one host sync). Inference uses the sparse kernels; when autograd
+needs gradients the block runs densely (differentiable).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..ffn.twell import DEFAULT_COMPRESSION, METHODS, SparsityMonitor, twell_down_layout, twell_mlp
+
+
+class SparseGatedMLP(nn.Module):
+    """Parameters: gate_proj.weight [intermediate, hidden], up_proj.weight [intermediate, hidden],
+    down_proj.weight [hidden, intermediate] (+ biases when ``bias=True``, as ``LlamaConfig(mlp_bias=True)``)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, bias: bool = False,
+                 compression: int = DEFAULT_COMPRESSION, tile: int | None = None, method: str = "auto",
+                 device=None, dtype=None) -> None:  # fmt: skip
+        super().__init__()
+        if method not in METHODS:
+            raise ValueError(f"SparseGatedMLP: method must be one of {', '.join(METHODS)}; got {method!r}")
+        kw = dict(device=device, dtype=dtype)
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, **kw)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, **kw)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, **kw)
+        self.compression, self.tile, self.method = compression, tile, method
+        self.monitor = SparsityMonitor()
+        self.relayout_down_proj()
+
+    @torch.no_grad()
+    def relayout_down_proj(self) -> None:
+        """Store down_proj.weight column-major in place (same Parameter object, same values)."""
+        weight = self.down_proj.weight
+        if weight.device.type != "meta" and weight.stride(0) != 1 and weight.shape[1] > 1:
+            weight.data = twell_down_layout(weight.data)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.down_proj.weight.stride(0) != 1 and not torch.compiler.is_compiling():
+            self.relayout_down_proj()  # a new weight was assigned or loaded with another layout
+        return twell_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight,
+                         b_gate=self.gate_proj.bias, b_up=self.up_proj.bias, b_down=self.down_proj.bias,
+                         compression=self.compression, tile=self.tile, method=self.method,
+                         monitor=self.monitor)  # fmt: skip
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
+                f"compression={self.compression}, method={self.method!r}")  # fmt: skip

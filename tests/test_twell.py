@@ -1,0 +1,392 @@
+"""TwELL format, the gate kernel (matmul -> TwELL epilogue), the fused up/down kernel, the non-gated path on the
+shared gather-accumulate kernel, method="auto", errors, ops. Interpreter: fp16/fp32 (bf16 tl.dot is wrong there);
+GPU tests add bf16 and the real shapes."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import DEVICE, assert_backend
+
+from sparsefuse import track_launches
+from sparsefuse.ffn import (
+    SparsityMonitor,
+    predicted_times,
+    torch_relu_mlp,
+    torch_twell_mlp,
+    twell_down_layout,
+    twell_gate,
+    twell_mlp,
+    twell_relu_mlp,
+    twell_to_ell,
+    twell_up_down,
+)
+from sparsefuse.ffn.synthetic import gate_statistics, synthetic_ffn
+from sparsefuse.sparse.formats import TwELL
+from sparsefuse.testing import assert_close_to_reference
+
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+GATED_KERNELS = ("twell_gate_fwd_kernel", "twell_up_down_fwd_kernel")
+
+
+def mlp_weights(K, N, dtype, device, *, bias=False, gate_shift=0.0, seed=0):
+    """Random gated-MLP weights (nn.Linear layouts, w_down column-major). Feature 0 of x is a shift input:
+    w_gate[:, 0] = -1, so x[m, 0] = +big makes token m fire nothing and -big makes it fire everything."""
+    g = torch.Generator().manual_seed(seed)
+    w_gate = torch.randn(N, K, generator=g) / K**0.5
+    w_gate[:, 0] = -1.0
+    w_up = torch.randn(N, K, generator=g) / K**0.5
+    w_down = torch.randn(K, N, generator=g) / N**0.5
+    b = [torch.randn(n, generator=g) * 0.1 for n in (N, N, K)] if bias else [None] * 3
+    if bias:
+        b[0] = b[0] + gate_shift
+    cast = lambda t: t.to(device=device, dtype=dtype) if t is not None else None  # noqa: E731
+    return cast(w_gate), cast(w_up), twell_down_layout(cast(w_down)), *map(cast, b)
+
+
+def torch_lowp_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None):
+    """Plain torch in the low-precision dtype (the error scale of the comparison); fp16 runs in fp32 on CPU tensors
+    whose fp16 matmul rounds the same way at these sizes."""
+    return F.linear(torch.relu(F.linear(x, w_gate, b_gate)) * F.linear(x, w_up, b_up), w_down, b_down)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Format
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_twell_format_reference_roundtrip_and_overflow():
+    dense = torch.relu(torch.randn(6, 70)) * (torch.rand(6, 70) < 0.3)
+    twell = TwELL.from_dense(dense, tile=32, compression=2)  # 16 slots per tile: nothing overflows
+    assert twell.values.shape == (6, 3 * 16) and twell.counts.shape == (6, 3)
+    assert torch.equal(twell.to_dense(), dense)
+    assert torch.equal(twell.row_nnz(), (dense != 0).sum(1).to(torch.int32))
+    tight = TwELL.from_dense(torch.ones(2, 40), tile=16, compression=4)  # 4 slots, 16 (and 8) non-zeros per tile
+    assert tight.overflowed().all() and tight.counts.tolist() == [[16, 16, 8]] * 2
+    with pytest.raises(ValueError, match="overflowed 4 slots"):
+        tight.to_dense()
+    with pytest.raises(ValueError, match="does not divide tile"):
+        TwELL.from_dense(dense, tile=32, compression=3)
+    with pytest.raises(ValueError, match="power of two"):
+        TwELL.from_dense(dense, tile=48, compression=4)
+    with pytest.raises(ValueError, match="TwELL.values must have 3 tiles"):
+        TwELL(twell.values[:, :40], twell.indices[:, :40], twell.counts, 70, 32, 2)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Kernel 1: gate matmul with the TwELL epilogue
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M, K, N, tile, compression", [(37, 40, 100, 32, 4), (1, 24, 64, 16, 1), (20, 70, 33, 64, 8)])
+def test_gate_kernel_is_exact_on_integer_data(M, K, N, tile, compression, dtype, device):
+    # Small integers: every product and sum is exact in the fp32 accumulator, so counts, indices and values must
+    # equal the float64 reference bit for bit (no sign ambiguity at zero).
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(-3, 4, (M, K), generator=g).to(device=device, dtype=dtype)
+    w = torch.randint(-2, 3, (N, K), generator=g).to(device=device, dtype=dtype)
+    b = torch.randint(-6, 2, (N,), generator=g).to(device=device, dtype=dtype)
+    assert_backend(x)
+    with track_launches() as launched:
+        twell = twell_gate(x, w, b, tile=tile, compression=compression)
+    assert launched["twell_gate_fwd_kernel"] == 1
+    ref = TwELL.from_dense(torch.relu(x.double() @ w.double().t() + b.double()).to(dtype).cpu(), tile, compression)
+    assert twell.overflowed().any() == ref.overflowed().any()
+    for name in ("counts", "indices", "values"):  # unused slots too: (index 0, value 0), never the NaN poison
+        assert torch.equal(getattr(twell, name).cpu(), getattr(ref, name)), name
+
+
+def test_gate_kernel_transposed_weight_view_and_batch_dims(device):
+    x = torch.randn(2, 5, 24, device=device)
+    w_t = torch.randn(24, 48, device=device)  # w = w_t.t(): a [N, K] view with unit row stride
+    twell = twell_gate(x, w_t.t(), tile=16, compression=1)
+    assert twell.shape == (10, 48)
+    ref = torch.relu(x.reshape(10, 24).double() @ w_t.double())
+    assert torch.allclose(twell.to_dense().double(), ref, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Kernel 2 and the gated block
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", ["synthetic", "overflow", "bias"])
+def test_twell_mlp_matches_float64_reference(case, dtype, device):
+    # M, K, N: no multiple of any block; K spans two dot blocks. 8 slots per 32-column tile.
+    M, K, N, tile, compression = (37, 80, 100, 32, 4) if case == "synthetic" else (13, 40, 70, 32, 4)
+    if case == "synthetic":  # realistic sparsity: ~6 of 100 per token with a heavy tail
+        ffn = synthetic_ffn(K, N, dtype=dtype, device=device, seed=2)
+        x = ffn.make_input(M, 6.0)
+        w_gate, w_up, w_down, b_gate, b_up, b_down = ffn.w_gate, ffn.w_up, ffn.w_down, None, None, None
+    else:  # random weights: ~50% fire, so most tiles overflow their 8 slots (recomputed in kernel 2)
+        w_gate, w_up, w_down, b_gate, b_up, b_down = mlp_weights(K, N, dtype, device, bias=case == "bias")
+        x = torch.randn(M, K, device=device).to(dtype)
+    assert_backend(x)
+    with track_launches() as launched:
+        y = twell_mlp(x, w_gate, w_up, w_down, b_gate=b_gate, b_up=b_up, b_down=b_down, tile=tile,
+                      compression=compression, method="twell")  # fmt: skip
+    assert all(launched[k] == 1 for k in GATED_KERNELS), launched
+    twell = twell_gate(x, w_gate, b_gate, tile=tile, compression=compression)
+    if case != "synthetic":
+        assert twell.overflowed().any()  # the recompute path is exercised
+    ref = torch_twell_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
+    lowp = torch_lowp_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
+    assert_close_to_reference(y, ref, lowp)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_zero_dense_and_nan_rows_and_tiny_batches(dtype, device):
+    K, N = 40, 64
+    w_gate, w_up, w_down, *_ = mlp_weights(K, N, dtype, device)
+    x = torch.randn(7, K).to(dtype)
+    x[1, 0] = 200.0  # fires nothing: an all-zero row
+    x[2, 0] = -200.0  # fires every neuron: a fully dense row, every tile overflowed
+    x[4, 3] = float("nan")  # a NaN input poisons exactly its own row
+    x = x.to(device)
+    with track_launches() as launched:
+        y = twell_mlp(x, w_gate, w_up, w_down, tile=16, compression=2, method="twell")
+    assert all(launched[k] == 1 for k in GATED_KERNELS)
+    ref = torch_twell_mlp(x, w_gate, w_up, w_down)
+    assert torch.isnan(ref[4]).all() and not torch.isnan(ref[[0, 1, 2, 3, 5, 6]]).any()
+    assert_close_to_reference(y, ref, torch_lowp_mlp(x, w_gate, w_up, w_down))
+    twell = twell_gate(x, w_gate, tile=16, compression=2)
+    assert twell.counts[1].sum() == 0 and twell.counts[2].sum() == N and twell.overflowed()[2].all()
+    one = twell_mlp(x[5:6], w_gate, w_up, w_down, tile=16, compression=2, method="twell")  # M = 1
+    assert_close_to_reference(one, ref[5:6], torch_lowp_mlp(x[5:6], w_gate, w_up, w_down))
+    empty = twell_mlp(x[:0], w_gate, w_up, w_down, method="twell")
+    assert empty.shape == (0, K)
+
+
+def test_separate_kernels_match_the_fused_call(device):
+    w_gate, w_up, w_down, *_ = mlp_weights(32, 96, torch.float32, device, seed=3)
+    x = torch.randn(3, 4, 32, device=device)
+    twell = twell_gate(x, w_gate, tile=32, compression=4)
+    y = twell_up_down(twell, x, w_gate, w_up, w_down)
+    assert y.shape == (3, 4, 32)
+    assert torch.equal(y, twell_mlp(x, w_gate, w_up, w_down, tile=32, compression=4, method="twell"))
+
+
+def test_row_major_down_weight_is_copied_with_a_warning(device):
+    w_gate, w_up, w_down, *_ = mlp_weights(24, 48, torch.float32, device)
+    x = torch.randn(5, 24, device=device)
+    expected = twell_mlp(x, w_gate, w_up, w_down, tile=16, compression=2, method="twell")
+    row_major = w_down.contiguous()
+    assert row_major.stride(0) != 1
+    from sparsefuse.ffn import twell as twell_module
+
+    twell_module._warned_down_copy.discard("twell_mlp")
+    with pytest.warns(UserWarning, match="copied to column-major on every call"):
+        y = twell_mlp(x, w_gate, w_up, row_major, tile=16, compression=2, method="twell")
+    assert torch.equal(y, expected)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Non-gated block: TwELL -> ELL -> shared sparse_matmul, overflowed tiles completed in place
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gate_shift", [0.0, -0.8])  # ~50% (most tiles overflow) and sparse
+def test_relu_mlp_matches_reference(gate_shift, dtype, device):
+    M, K, N = 13, 72, 90
+    w_up, _, w_down, b_up, _, b_down = mlp_weights(K, N, dtype, device, bias=True, gate_shift=gate_shift)
+    x = torch.randn(M, K).to(dtype)
+    x[3, 0] = -100.0  # a fully dense row
+    x = x.to(device)
+    with track_launches() as launched:
+        y = twell_relu_mlp(x, w_up, w_down, b_up=b_up, b_down=b_down, tile=32, compression=4)
+    for kernel in ("twell_gate_fwd_kernel", "twell_to_ell_kernel", "gather_accumulate_kernel",
+                   "twell_overflow_down_kernel"):  # fmt: skip
+        assert launched[kernel] == 1, launched
+    ref = torch_relu_mlp(x, w_up, w_down, b_up, b_down)
+    lowp = F.linear(torch.relu(F.linear(x, w_up, b_up)), w_down, b_down)
+    assert_close_to_reference(y, ref, lowp)
+
+
+def test_twell_to_ell_packs_complete_tiles(device):
+    dense = torch.relu(torch.randn(9, 50)) * (torch.rand(9, 50) < 0.4)
+    dense[2] = 1.0  # overflows its tiles: left out of the ELL
+    ref = TwELL.from_dense(dense, 16, 2)
+    twell = TwELL(*(t.to(device) for t in (ref.values, ref.indices, ref.counts)), 50, 16, 2)
+    with track_launches() as launched:
+        ell = twell_to_ell(twell)
+    assert launched["twell_to_ell_kernel"] == 1
+    complete = dense.clone()
+    complete[ref.overflowed().repeat_interleave(16, dim=1)[:, :50]] = 0
+    assert torch.equal(ell.to_dense().cpu(), complete)
+    assert ell.width == twell.values.shape[1] and not ell.overflowed().any()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# method="auto"
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_auto_uses_the_estimate_and_the_monitor(device, monkeypatch):
+    from sparsefuse.ffn import twell as twell_module
+
+    # Tiny shapes always favour twell in the cost model; slow its gathers so that a dense hint flips the decision.
+    monkeypatch.setattr(twell_module.COST_MODEL, "gather_bytes_per_s", 5e10)
+    K, N = 32, 64
+    ffn = synthetic_ffn(K, N, dtype=torch.float32, device=device, seed=5)
+    x = ffn.make_input(24, 4.0)
+    ref = torch_twell_mlp(x, ffn.w_gate, ffn.w_up, ffn.w_down)
+    args = (x, ffn.w_gate, ffn.w_up, ffn.w_down)
+    for hint, sparse in ((1.0, True), (float(N), False)):
+        with track_launches() as launched:
+            y = twell_mlp(*args, method="auto", expected_nnz=hint, tile=16, compression=2)
+        assert (launched["twell_up_down_fwd_kernel"] == 1) == sparse, (hint, launched)
+        assert_close_to_reference(y, ref, torch_lowp_mlp(*args))
+    monitor = SparsityMonitor()
+    assert monitor.estimate() is None
+    twell_mlp(*args, method="auto", monitor=monitor, tile=16, compression=2)  # probe, then observe
+    counts = twell_gate(x, ffn.w_gate, tile=16, compression=2).counts
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    assert monitor.estimate() == pytest.approx(gate_statistics(counts)["mean"], rel=0.05)
+
+
+def test_predicted_crossover_is_monotone():
+    # For a fixed batch, twell wins at low density and loses at high density, with a single crossover.
+    for M in (1, 256, 8192):
+        wins = [predicted_times(M, 2048, 5632, nnz, torch.bfloat16)[0] < predicted_times(M, 2048, 5632, nnz,
+                torch.bfloat16)[1] for nnz in (8, 32, 128, 512, 2048, 5632)]  # fmt: skip
+        assert wins == sorted(wins, reverse=True) and wins[0] and not wins[-1], (M, wins)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Errors, autograd, ops
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_bad_input_errors(device):
+    w_gate, w_up, w_down, *_ = mlp_weights(16, 32, torch.float32, device)
+    x = torch.randn(3, 16, device=device)
+    with pytest.raises(ValueError, match=r"x must be \[..., hidden_size=16\]"):
+        twell_mlp(x[:, :15], w_gate, w_up, w_down)
+    with pytest.raises(ValueError, match=r"w_up must have shape \[32, 16\]"):
+        twell_mlp(x, w_gate, w_up[:31], w_down)
+    with pytest.raises(ValueError, match=r"w_down must have shape \[16, 32\]"):
+        twell_mlp(x, w_gate, w_up, w_down.t())
+    with pytest.raises(ValueError, match="w_gate is on meta but x is on"):
+        twell_mlp(x, w_gate.to("meta"), w_up, w_down)
+    with pytest.raises(TypeError, match=r"x must have a floating dtype"):
+        twell_mlp(x.double(), w_gate, w_up, w_down)
+    with pytest.raises(TypeError, match="w_up must have x's dtype float32"):
+        twell_mlp(x, w_gate, w_up.half(), w_down)
+    with pytest.raises(ValueError, match="compression=3 does not divide tile=32"):
+        twell_mlp(x, w_gate, w_up, w_down, tile=32, compression=3)
+    with pytest.raises(ValueError, match="compression must be a power of two"):
+        twell_mlp(x, w_gate, w_up, w_down, compression=6)
+    with pytest.raises(ValueError, match="tile must be a power of two"):
+        twell_gate(x, w_gate, tile=24, compression=4)
+    with pytest.raises(ValueError, match="method must be one of auto, twell, dense"):
+        twell_mlp(x, w_gate, w_up, w_down, method="sparse")
+    with pytest.raises(ValueError, match=r"b_up must be a \[32\] tensor"):
+        twell_mlp(x, w_gate, w_up, w_down, b_up=torch.zeros(16, device=device))
+    with pytest.raises(ValueError, match=r"w_up must be \[intermediate_size, hidden_size\]"):
+        twell_relu_mlp(x, w_up[0], w_down)
+    with pytest.raises(TypeError, match="w_gate must be a torch.Tensor"):
+        twell_mlp(x, None, w_up, w_down)
+
+
+def test_autograd_runs_dense_and_the_ops_refuse_backward(device):
+    w_gate, w_up, w_down, *_ = mlp_weights(16, 32, torch.float32, device)
+    x = torch.randn(4, 16, device=device, requires_grad=True)
+    with track_launches() as launched:
+        y = twell_mlp(x, w_gate, w_up, w_down, method="twell")
+    assert not launched  # autograd needs gradients: the dense, differentiable computation ran
+    (grad,) = torch.autograd.grad(y.sum(), x)
+    x64 = x.detach().double().requires_grad_()
+    (grad_ref,) = torch.autograd.grad(torch_twell_mlp(x64, w_gate, w_up, w_down).sum(), x64)
+    assert torch.allclose(grad.double(), grad_ref, atol=1e-5, rtol=1e-4)
+    from sparsefuse.ffn.twell import twell_mlp_op
+
+    y, _ = twell_mlp_op(x, w_gate, None, w_up, None, w_down.t(), None, 16, 2, "twell", False)
+    with pytest.raises(RuntimeError, match="inference-only"):
+        y.sum().backward()
+
+
+def test_opcheck_and_fullgraph_compile(device):
+    from sparsefuse.ffn.twell import twell_gate_op, twell_mlp_op, twell_relu_mlp_op, twell_up_down_op
+
+    w_gate, w_up, w_down, b_gate, b_up, b_down = mlp_weights(24, 40, torch.float32, device, bias=True)
+    x = torch.randn(3, 24, device=device)
+    w_down_t = w_down.t()
+    values, indices, counts = twell_gate_op(x, w_gate, b_gate, 16, 2)
+    utils = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(twell_gate_op, (x, w_gate, b_gate, 16, 2), test_utils=utils)
+    torch.library.opcheck(twell_up_down_op, (values, indices, counts, x, w_gate, b_gate, w_up, b_up, w_down_t,
+                                             b_down, 16, 2), test_utils=utils)  # fmt: skip
+    torch.library.opcheck(twell_mlp_op, (x, w_gate, None, w_up, None, w_down_t, None, 0, 2, "twell", True),
+                          test_utils=utils)  # fmt: skip
+    torch.library.opcheck(twell_relu_mlp_op, (x, w_up, b_up, w_down_t, b_down, 16, 4), test_utils=utils)
+    backend = "inductor" if device.type == "cuda" else "aot_eager"
+    fn = torch.compile(lambda *a: twell_mlp(*a, b_gate=b_gate, tile=16, compression=2, method="auto"),
+                       fullgraph=True, backend=backend)  # fmt: skip
+    with track_launches() as launched:
+        y = fn(x, w_gate, w_up, w_down)
+    assert launched["twell_up_down_fwd_kernel"] == 1  # auto without an estimate under compile: twell, no sync
+    ref = torch_twell_mlp(x, w_gate, w_up, w_down, b_gate)
+    assert_close_to_reference(y, ref, torch_lowp_mlp(x, w_gate, w_up, w_down, b_gate))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GPU: bf16 and the real shapes
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M, K, N, mean_nnz", [(1, 2048, 5632, 30.0), (16, 2048, 5632, 30.0),
+                                               (3001, 2048, 5632, 30.0), (8192, 2048, 5632, 30.0),
+                                               (257, 4096, 14336, 60.0), (300, 2048, 11008, 200.0),
+                                               (129, 4096, 8192, 30.0)])  # fmt: skip
+def test_real_shapes_gpu(M, K, N, mean_nnz, dtype, device):
+    ffn = synthetic_ffn(K, N, dtype=dtype, device=device, seed=11)
+    x = ffn.make_input(M, mean_nnz)
+    with track_launches() as launched:
+        y = twell_mlp(x, ffn.w_gate, ffn.w_up, ffn.w_down, method="twell")
+    assert all(launched[k] == 1 for k in GATED_KERNELS)
+    rows = torch.arange(M, device=device)[:: max(1, M // 512)]  # float64 reference on a sample of tokens
+    ref = torch_twell_mlp(x[rows], ffn.w_gate, ffn.w_up, ffn.w_down)
+    lowp = torch_lowp_mlp(x[rows], ffn.w_gate, ffn.w_up, ffn.w_down)
+    assert_close_to_reference(y[rows], ref, lowp)
+    stats = gate_statistics(twell_gate(x, ffn.w_gate, tile=256, compression=8).counts)
+    assert stats["mean"] < 3 * mean_nnz
+
+
+@pytest.mark.gpu
+def test_overflow_heavy_batch_and_relu_variant_gpu(device):
+    K, N = 2048, 5632
+    ffn = synthetic_ffn(K, N, dtype=torch.bfloat16, device=device, seed=12)
+    x = ffn.make_input(1024, 400.0)  # many tiles past their 32 slots
+    twell = twell_gate(x, ffn.w_gate, tile=256, compression=8)
+    assert twell.overflowed().any()
+    y = twell_mlp(x, ffn.w_gate, ffn.w_up, ffn.w_down, tile=256, compression=8, method="twell")
+    rows = torch.arange(0, 1024, 7, device=device)
+    ref = torch_twell_mlp(x[rows], ffn.w_gate, ffn.w_up, ffn.w_down)
+    assert_close_to_reference(y[rows], ref, torch_lowp_mlp(x[rows], ffn.w_gate, ffn.w_up, ffn.w_down))
+    y = twell_relu_mlp(x, ffn.w_gate, ffn.w_down, tile=256, compression=8)
+    ref = torch_relu_mlp(x[rows], ffn.w_gate, ffn.w_down)
+    lowp = F.linear(torch.relu(F.linear(x[rows], ffn.w_gate)), ffn.w_down)
+    assert_close_to_reference(y[rows], ref, lowp)
+
+
+@pytest.mark.gpu
+def test_auto_under_cuda_graph_capture_gpu(device):
+    ffn = synthetic_ffn(2048, 5632, dtype=torch.bfloat16, device=device, seed=13)
+    x = ffn.make_input(2048, 30.0)
+    monitor = SparsityMonitor()
+    for _ in range(3):  # warm up: probe, autotune, monitor estimate arrives
+        y = twell_mlp(x, ffn.w_gate, ffn.w_up, ffn.w_down, monitor=monitor)
+    torch.cuda.synchronize()
+    assert monitor.estimate() is not None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # no host sync may happen in here
+        y_graph = twell_mlp(x, ffn.w_gate, ffn.w_up, ffn.w_down, monitor=monitor)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y_graph, y)
+
