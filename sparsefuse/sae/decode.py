@@ -11,12 +11,11 @@ Methods (all built on the shared core in :mod:`sparsefuse.sparse`):
   ``validate=True`` instead raises ``ValueError`` naming the largest count (one sync).
 * ``"exact"`` -- compact into exact-size CSR (one sync to size it), gather-accumulate.
 * ``"dense"`` -- ``torch.matmul`` (cuBLAS).
-* ``"auto"`` -- from the shapes (measured on an H200, benchmarks/results/): ``"dense"`` for small dictionaries
-  (d_sae < 4096); ``"scan"`` for small batches (< 128 tokens), where no sync is affordable; for large batches
-  whose dense product is big enough that one host sync is cheap (over 1e11 flops), the exact CSR path, whose count
-  pass (the sync) also measures the sparsity and hands over to ``"dense"`` past the crossover density (mean L0 above
-  d_sae / 512); otherwise ``"fixed"``. Small batches assume SAE-like sparsity: pass ``method="dense"`` for dense
-  activations.
+* ``"auto"`` -- ``"dense"`` for small dictionaries (d_sae < 4096); otherwise ``"scan"`` unless a cost model
+  fitted to the H200 benchmark (benchmarks/results/) says cuBLAS is faster at the activations' mean L0: scan time
+  ~ rows x (d_sae bytes / 1.56 TB/s + L0 x d_model bytes / 2.2 TB/s), dense time ~ max(flops / matmul rate,
+  W_dec bytes / 3.3 TB/s). Batches of 128+ tokens measure the mean L0 on up to 64 sampled rows (one host sync);
+  smaller batches, CUDA-graph capture and torch.compile tracing assume SAE-like sparsity (L0 = d_sae / 1024).
 
 Backward, without a host sync: the gradient for W_dec is ``feature_acts^T @ grad_out`` computed by the same
 skip-zeros kernel on the transposed activations (deterministic: no float atomics); the gradient for the activations
@@ -35,10 +34,13 @@ from ..sparse.sddmm import sampled_dot_dense_pattern
 METHODS = ("auto", "scan", "fixed", "exact", "dense")
 DEFAULT_MAX_L0 = 256
 AUTO_DENSE_BELOW_D_SAE = 4096
-AUTO_SCAN_BELOW_TOKENS = 128
-AUTO_COUNT_ABOVE_FLOPS = 1e11  # dense products this big take >~150 us: counting the non-zeros (one sync) is cheap
-AUTO_DENSE_ABOVE_DENSITY = 1 / 512  # mean L0 / d_sae beyond which cuBLAS wins at large batch (bench: L0 sweep)
-_EXACT_OR_DENSE = "exact_or_dense"  # auto's large-batch path (internal method name)
+AUTO_MEASURE_FROM_TOKENS = 128  # below this a host sync costs more than the decode it would steer
+AUTO_SAMPLE_ROWS = 64
+# Cost model of "auto", fitted to the H200 sae_decode benchmark (L0 and batch sweeps): effective rates in bytes/s
+# and flop/s. The ratios, not the absolute values, decide, so they carry over to other GPUs roughly.
+_SCAN_ROW_RATE, _SCAN_GATHER_RATE, _DENSE_WEIGHT_RATE = 1.56e12, 2.2e12, 3.3e12
+_DENSE_FLOP_RATE = {torch.float32: 50e12, torch.float16: 750e12, torch.bfloat16: 750e12}
+_LAUNCH_S = 5e-6
 
 
 def torch_sparse_decode(feature_acts: torch.Tensor, W_dec: torch.Tensor) -> torch.Tensor:
@@ -46,17 +48,36 @@ def torch_sparse_decode(feature_acts: torch.Tensor, W_dec: torch.Tensor) -> torc
     return feature_acts.double() @ W_dec.double()
 
 
+def _scan_is_faster(M: int, d_sae: int, d_model: int, mean_l0: float, acts_dtype: torch.dtype,
+                    w_dtype: torch.dtype) -> bool:  # fmt: skip
+    """The cost model of ``method="auto"`` (see module docstring)."""
+    e_a, e_w = acts_dtype.itemsize, w_dtype.itemsize
+    scan = _LAUNCH_S + M * (d_sae * e_a / _SCAN_ROW_RATE + mean_l0 * d_model * e_w / _SCAN_GATHER_RATE)
+    compute = torch.promote_types(acts_dtype, w_dtype)
+    dense = _LAUNCH_S + max(2 * M * d_sae * d_model / _DENSE_FLOP_RATE.get(compute, 50e12),
+                            d_sae * d_model * compute.itemsize / _DENSE_WEIGHT_RATE)  # fmt: skip
+    return scan <= dense
+
+
+def _observable(t: torch.Tensor) -> bool:
+    """Whether the activations' values may be looked at (not under torch.compile tracing, fake tensors or CUDA-graph
+    capture)."""
+    return not (torch.compiler.is_compiling() or type(t) not in (torch.Tensor, torch.nn.Parameter)
+                or (t.is_cuda and torch.cuda.is_current_stream_capturing()))  # fmt: skip
+
+
 def _resolve(method: str, acts: torch.Tensor, W_dec: torch.Tensor, max_l0: int | None) -> tuple[str, int]:
+    (M, d_sae), d_model = acts.shape, W_dec.shape[1]
     if method == "auto":
-        if W_dec.shape[0] < AUTO_DENSE_BELOW_D_SAE:
+        if d_sae < AUTO_DENSE_BELOW_D_SAE:
             method = "dense"
-        elif acts.shape[0] < AUTO_SCAN_BELOW_TOKENS:
-            method = "scan"
-        elif 2 * acts.numel() * W_dec.shape[1] >= AUTO_COUNT_ABOVE_FLOPS:
-            method = _EXACT_OR_DENSE
         else:
-            method = "fixed"
-    return method, (max_l0 if max_l0 is not None else min(DEFAULT_MAX_L0, W_dec.shape[0]))
+            mean_l0 = d_sae / 1024  # SAE-like sparsity, assumed where measuring is not worth a sync
+            if M >= AUTO_MEASURE_FROM_TOKENS and _observable(acts):
+                sample = acts[:: max(1, M // AUTO_SAMPLE_ROWS)][:AUTO_SAMPLE_ROWS]
+                mean_l0 = int(torch.count_nonzero(sample)) / sample.shape[0]  # the one sync
+            method = "scan" if _scan_is_faster(M, d_sae, d_model, mean_l0, acts.dtype, W_dec.dtype) else "dense"
+    return method, (max_l0 if max_l0 is not None else min(DEFAULT_MAX_L0, d_sae))
 
 
 def _decode_forward(acts: torch.Tensor, W_dec: torch.Tensor, method: str, max_l0: int, validate: bool,
@@ -64,14 +85,8 @@ def _decode_forward(acts: torch.Tensor, W_dec: torch.Tensor, method: str, max_l0
     # acts [M, d_sae] -> [M, d_model]
     if method == "scan":
         return matmul_skip_zeros(acts, W_dec, out_dtype=out_dtype)
-    if method == _EXACT_OR_DENSE and acts.is_cuda and torch.cuda.is_current_stream_capturing():
-        method = "fixed"  # no host sync inside a CUDA graph capture
-    if method in ("exact", _EXACT_OR_DENSE):
-        max_nnz = int(AUTO_DENSE_ABOVE_DENSITY * acts.numel()) if method == _EXACT_OR_DENSE else None
-        csr = dense_to_csr(acts, max_nnz=max_nnz)
-        if csr is not None:
-            return sparse_matmul(csr, W_dec, out_dtype=out_dtype)
-        method = "dense"  # denser than the crossover: cuBLAS wins
+    if method == "exact":
+        return sparse_matmul(dense_to_csr(acts), W_dec, out_dtype=out_dtype)
     if method == "dense":
         compute = torch.promote_types(acts.dtype, W_dec.dtype)
         return (acts.to(compute) @ W_dec.to(compute)).to(out_dtype)

@@ -100,23 +100,19 @@ def dense_to_ell(dense: torch.Tensor, width: int) -> ELL:
     return ELL(values, indices, counts, N)
 
 
-def dense_to_csr(dense: torch.Tensor, *, max_nnz: int | None = None) -> CSR | None:
-    """Exact-size CSR of ``dense`` [M, N] (column order). Synchronizes once to size the arrays; with ``max_nnz``,
-    returns None instead of building a CSR with more entries than that (the caller's cue to stay dense)."""
+def dense_to_csr(dense: torch.Tensor) -> CSR:
+    """Exact-size CSR of ``dense`` [M, N] (column order). Synchronizes once to size the arrays."""
     dense = _check_dense("dense_to_csr", dense)
     M, N = dense.shape
     if backend_for(dense) is Backend.TORCH or M == 0 or N == 0:
         if backend_for(dense) is Backend.TORCH:
             _backend.warn_reference_once("dense_to_csr")
-        csr = CSR.from_dense(dense)
-        return None if max_nnz is not None and csr.values.numel() > max_nnz else csr
+        return CSR.from_dense(dense)
     block = _compaction_block(N)
     starts, counts = _chunk_starts(dense, block)
     row_offsets = torch.zeros(M + 1, dtype=torch.int64, device=dense.device)
     row_offsets[1:] = counts.cumsum(0)
     nnz = int(row_offsets[-1])  # the one host sync: exact allocation
-    if max_nnz is not None and nnz > max_nnz:
-        return None
     values = new_output((nnz,), dense.dtype, dense.device)  # NaN-poisoned under test: every slot must be written
     indices = torch.empty(nnz, dtype=torch.int32, device=dense.device)
     scatter_nonzero_kernel[(M, starts.shape[1])](dense, starts, row_offsets, values, indices, N, dense.stride(0),

@@ -329,11 +329,18 @@ def matmul_skip_zeros(a: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch
         _backend.warn_reference_once(op)
         return (a.double() @ weight.double()).to(out_dtype)
     cfg = _launch_config(n_out, scan=True)
-    d_blocks, n_chunks = triton.cdiv(n_out, cfg.block_d), triton.cdiv(n_in, cfg.block_f)
-    if splits is None:
-        splits = triton.cdiv(_device_programs(a.device), M * d_blocks)
-    chunks_per_split = triton.cdiv(n_chunks, max(1, min(splits, n_chunks)))
-    n_splits = triton.cdiv(n_chunks, chunks_per_split)
+    block_d, n_chunks, programs = cfg.block_d, triton.cdiv(n_in, cfg.block_f), _device_programs(a.device)
+
+    def n_splits_for(block_d: int) -> int:
+        wanted = splits if splits is not None else triton.cdiv(programs, M * triton.cdiv(n_out, block_d))
+        return triton.cdiv(n_chunks, triton.cdiv(n_chunks, max(1, min(wanted, n_chunks))))
+
+    # One program per (row, D block) sums that row's split partials: keep its read (n_splits * block_d fp32) within
+    # ~64 KiB by narrowing the D blocks when rows are few (at B=1, D=2304 a single 4096-wide block took 25 us).
+    while splits is None and block_d > 128 and n_splits_for(block_d) * block_d * 4 > 65536:
+        block_d //= 2
+    d_blocks, n_splits = triton.cdiv(n_out, block_d), n_splits_for(block_d)
+    chunks_per_split = triton.cdiv(n_chunks, n_splits)
     if n_splits > 1:
         partial = torch.empty(M, n_splits, n_out, dtype=torch.float32, device=a.device)  # read where written only
         split_nnz = torch.empty(M, n_splits, dtype=torch.int32, device=a.device)
@@ -344,8 +351,8 @@ def matmul_skip_zeros(a: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch
         a, a, a, a, a, weight, out, partial, split_nnz, arrivals, a, a, a, a, a,
         n_out, n_in, 0, weight.stride(0), out.stride(0), a.stride(0), a.stride(1), chunks_per_split, n_splits,
         0, 0, 0,
-        BLOCK_K=cfg.block_k, BLOCK_D=cfg.block_d, BLOCK_F=cfg.block_f, GROUP=cfg.group,
-        REDUCE_SPLITS=max(1, min(triton.next_power_of_2(n_splits), 8192 // cfg.block_d)), FORMAT=2, FALLBACK=0,
+        BLOCK_K=cfg.block_k, BLOCK_D=block_d, BLOCK_F=cfg.block_f, GROUP=cfg.group,
+        REDUCE_SPLITS=max(1, min(triton.next_power_of_2(n_splits), 8192 // block_d)), FORMAT=2, FALLBACK=0,
         HAS_B_DEC=False, num_warps=cfg.num_warps,
     )  # fmt: skip
     record_launch("gather_accumulate_kernel")
