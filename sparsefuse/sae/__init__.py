@@ -1,6 +1,9 @@
-"""Sparse autoencoder inference built on the shared sparse core: decode, fused JumpReLU encode (SAELens patch next)."""
+"""Sparse autoencoder inference built on the shared sparse core: decode, fused JumpReLU and TopK encodes; the SAELens
+patch lives in :mod:`sparsefuse.integrations.sae_lens`."""
 
 from .decode import sparse_decode, topk_decode, torch_sparse_decode
 from .encode import jumprelu_encode, torch_jumprelu_encode
+from .topk import topk_encode, torch_topk_encode
 
-__all__ = ["sparse_decode", "topk_decode", "torch_sparse_decode", "jumprelu_encode", "torch_jumprelu_encode"]
+__all__ = ["sparse_decode", "topk_decode", "torch_sparse_decode", "jumprelu_encode", "torch_jumprelu_encode",
+           "topk_encode", "torch_topk_encode"]  # fmt: skip

@@ -1,0 +1,233 @@
+"""Run SAELens JumpReLU and TopK SAEs on sparsefuse's sparse kernels.
+
+    from sae_lens import SAE
+    import sparsefuse.integrations.sae_lens as sf_sae_lens
+    sae = SAE.from_pretrained("gemma-scope-2b-pt-res-canonical", "layer_12/width_65k/canonical", device="cuda")
+    sf_sae_lens.patch(sae)              # in place; returns sae
+    with torch.no_grad():
+        recon = sae(x)                  # fused: the dense [tokens, d_sae] activations never exist
+        acts = sae.encode(x)            # still the dense activations SAELens returns
+    sf_sae_lens.unpatch(sae)            # back to SAELens' own methods
+
+What ``patch`` changes (instance attributes: the class, parameters and ``state_dict`` are untouched):
+
+* ``forward``, when no gradient is needed (``torch.no_grad()``, ``torch.inference_mode()`` or parameters with
+  ``requires_grad=False``), no hook is attached to ``hook_sae_acts_pre``/``hook_sae_acts_post`` and
+  ``use_error_term`` is off, runs the fused path:
+  JumpReLU -- :func:`sparsefuse.sae.jumprelu_encode` writes the fired features straight into ELL (width
+  ``max_l0``) and :func:`sparsefuse.sparse.sparse_matmul` gathers only their decoder rows; a token that fired more
+  than ``max_l0`` features is recomputed on the device from the encoder inputs, never truncated.
+  TopK -- :func:`sparsefuse.sae.topk_encode` then :func:`sparsefuse.sae.topk_decode`.
+  ``hook_sae_input``, ``hook_sae_recons`` and ``hook_sae_output`` are called as usual; the two activation hooks are
+  skipped because the activations are never materialised -- attach a hook to either and ``forward`` takes the
+  unfused path below instead, so hooks always see what SAELens would give them. Otherwise ``forward`` is SAELens'
+  own (calling the patched ``encode``/``decode``).
+* ``encode``: JumpReLU keeps SAELens' dense encode (its result is the dense activations anyway). TopK runs
+  ``topk_encode`` and scatters the k values into the dense result, skipping the dense pre-activations and
+  ``torch.topk`` over them (SAELens' own encode when gradients are needed or ``hook_sae_acts_pre`` has a hook).
+* ``decode``: :func:`sparsefuse.sae.sparse_decode` (differentiable) instead of the dense ``feature_acts @ W_dec``.
+
+Everything SAELens does around the product is kept by calling the SAE's own pieces: the cast to the SAE dtype,
+``reshape_activations="hook_z"``, run-time ``normalize_activations`` (``constant_norm_rescale``, ``layer_norm``),
+``apply_b_dec_to_input`` and TopK's ``rescale_acts_by_decoder_norm``. float64 SAEs (no float64 kernels) run
+SAELens' code unchanged.
+
+Numerics: the fused paths decide which features fire (JumpReLU: ``pre > threshold``) or are selected (TopK) on the
+float32 pre-activation; SAELens decides on the pre-activation rounded to the SAE dtype. In bfloat16/float16 the two
+can differ for a feature whose pre-activation lies within that rounding of its threshold (or, for TopK, of the k-th
+value) -- ours is the decision on the more precise value.
+
+Supported: ``sae_lens >= 6`` ``JumpReLUSAE`` and ``TopKSAE`` (and subclasses that keep their encode, decode,
+forward and activation). Anything else -- other architectures, training SAEs, transcoders, ``AbsTopKSAE`` --
+raises ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..sae.decode import sparse_decode, topk_decode
+from ..sae.encode import jumprelu_encode
+from ..sae.topk import topk_encode
+from ..sparse import JumpReLUEncoder, sparse_matmul
+
+__all__ = ["patch", "unpatch", "is_patched"]
+
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_PATCHED_METHODS = ("forward", "encode", "decode")
+_ATTR = "_sparsefuse_patch"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Patch:
+    architecture: str  # "jumprelu" or "topk"
+    max_l0: int  # ELL width of the fused JumpReLU encode and of sparse_decode's fixed-width methods
+    decode_method: str  # sparse_decode's method
+
+
+def _sae_lens_classes() -> dict[str, Any]:
+    try:
+        import sae_lens
+        from sae_lens.saes.jumprelu_sae import JumpReLUSAE
+        from sae_lens.saes.sae import SAE
+        from sae_lens.saes.topk_sae import TopK, TopKSAE
+    except ImportError as exc:
+        raise ImportError(
+            "sparsefuse.integrations.sae_lens needs sae_lens >= 6 (pip install 'sae-lens>=6'); "
+            f"importing it failed: {exc}"
+        ) from exc
+    return dict(version=getattr(sae_lens, "__version__", "?"), SAE=SAE, JumpReLUSAE=JumpReLUSAE, TopKSAE=TopKSAE,
+                TopK=TopK)  # fmt: skip
+
+
+def _architecture(sae: nn.Module) -> str:
+    """"jumprelu" or "topk" when the SAE computes exactly what SAELens' JumpReLUSAE / TopKSAE compute; else raises."""
+    c = _sae_lens_classes()
+    if not isinstance(sae, c["SAE"]):
+        raise TypeError(f"sparsefuse.integrations.sae_lens.patch: expected a sae_lens SAE, got {type(sae).__name__}")
+    cls, act = type(sae), getattr(sae, "activation_fn", None)
+    keeps = lambda base: all(getattr(cls, m) is getattr(base, m) for m in ("encode", "decode"))  # noqa: E731
+    if isinstance(sae, c["JumpReLUSAE"]) and keeps(c["JumpReLUSAE"]) and type(act) is nn.ReLU:
+        architecture = "jumprelu"
+    elif isinstance(sae, c["TopKSAE"]) and keeps(c["TopKSAE"]) and type(act) is c["TopK"]:
+        if act.use_sparse_activations:
+            raise ValueError("sparsefuse.integrations.sae_lens.patch: TopK with use_sparse_activations=True "
+                             "(sparse COO activations) is not supported")  # fmt: skip
+        architecture = "topk"
+    else:
+        arch = getattr(getattr(sae, "cfg", None), "architecture", lambda: "?")
+        raise ValueError(
+            f"sparsefuse.integrations.sae_lens.patch supports SAELens JumpReLUSAE and TopKSAE (inference SAEs with "
+            f"their own encode, decode and activation); got {cls.__name__} (architecture {arch()!r}, activation "
+            f"{type(act).__name__}, sae_lens {c['version']})"
+        )
+    if cls.forward is not c["SAE"].forward:
+        raise ValueError(f"sparsefuse.integrations.sae_lens.patch: {cls.__name__} overrides SAE.forward; not supported")
+    return architecture
+
+
+def patch(sae: nn.Module, *, max_l0: int | None = None, decode_method: str = "auto") -> nn.Module:
+    """Route a SAELens JumpReLUSAE/TopKSAE through sparsefuse's kernels, in place (see module docstring).
+
+    Args:
+        sae: a ``sae_lens`` ``JumpReLUSAE`` or ``TopKSAE``.
+        max_l0: JumpReLU fused forward -- fired features stored per token before the overflow path (default 256,
+            capped at d_sae; tokens above it are recomputed, never truncated); also passed to ``sparse_decode``.
+        decode_method: ``sparse_decode``'s method for ``decode`` ("auto", "fixed", ...).
+    Returns: ``sae``. Patching an already patched SAE updates its settings.
+    """
+    architecture = _architecture(sae)
+    d_sae = sae.W_dec.shape[0]
+    if max_l0 is not None and (not isinstance(max_l0, int) or isinstance(max_l0, bool) or max_l0 <= 0):
+        raise ValueError(f"sparsefuse.integrations.sae_lens.patch: max_l0 must be a positive int; got {max_l0!r}")
+    width = min(max_l0 if max_l0 is not None else 256, d_sae)
+    setattr(sae, _ATTR, _Patch(architecture, width, decode_method))
+    methods = {"jumprelu": (_jumprelu_forward, None, _decode), "topk": (_topk_forward, _topk_encode, _decode)}
+    for name, fn in zip(_PATCHED_METHODS, methods[architecture]):
+        if fn is not None:
+            setattr(sae, name, types.MethodType(fn, sae))
+    return sae
+
+
+def unpatch(sae: nn.Module) -> nn.Module:
+    """Undo :func:`patch` (SAELens' own methods again). Returns ``sae``."""
+    for name in (*_PATCHED_METHODS, _ATTR):
+        sae.__dict__.pop(name, None)
+    return sae
+
+
+def is_patched(sae: nn.Module) -> bool:
+    return _ATTR in sae.__dict__
+
+
+# --- when the fused paths apply -----------------------------------------------------------------------------------
+def _has_hooks(module: Any) -> bool:
+    return isinstance(module, nn.Module) and bool(
+        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
+    )
+
+
+def _needs_grad(sae: nn.Module, x: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in sae.parameters()))
+
+
+def _runs_kernels(sae: nn.Module, x: torch.Tensor) -> bool:
+    """Whether the sparse encode may replace SAELens' (see module docstring)."""
+    return sae.W_enc.dtype in _KERNEL_DTYPES and not _needs_grad(sae, x) and not _has_hooks(sae.hook_sae_acts_pre)
+
+
+def _sae_input(sae: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """SAELens' ``process_sae_in`` up to (not including) the b_dec subtraction, which the kernels fuse."""
+    sae_in = sae.reshape_fn_in(x.to(sae.dtype))
+    return sae.run_time_activation_norm_fn_in(sae.hook_sae_input(sae_in))
+
+
+def _decode_tail(sae: nn.Module, recon: torch.Tensor) -> torch.Tensor:
+    """What SAELens' decode does after ``feature_acts @ W_dec + b_dec``."""
+    recon = sae.run_time_activation_norm_fn_out(sae.hook_sae_recons(recon))
+    return sae.reshape_fn_out(recon, sae.d_head)
+
+
+def _input_b_dec(sae: nn.Module) -> torch.Tensor | None:
+    return sae.b_dec if sae.cfg.apply_b_dec_to_input else None
+
+
+def _decoder_scale(sae: nn.Module) -> torch.Tensor | None:
+    """TopK ``rescale_acts_by_decoder_norm``: the pre-activations are scaled by the decoder row norms."""
+    return sae.W_dec.norm(dim=-1) if getattr(sae.cfg, "rescale_acts_by_decoder_norm", False) else None
+
+
+# --- patched methods (bound to the SAE instance by patch) ---------------------------------------------------------
+def _decode(self: nn.Module, feature_acts: torch.Tensor) -> torch.Tensor:
+    settings: _Patch = getattr(self, _ATTR)
+    if feature_acts.is_sparse or self.W_dec.dtype not in _KERNEL_DTYPES:
+        return type(self).decode(self, feature_acts)
+    scale = _decoder_scale(self) if settings.architecture == "topk" else None
+    if scale is not None:
+        feature_acts = feature_acts * (1 / scale)  # SAELens' act_times_W_dec
+    recon = sparse_decode(feature_acts, self.W_dec, method=settings.decode_method, max_l0=settings.max_l0)
+    return _decode_tail(self, recon + self.b_dec)
+
+
+def _topk_encode(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if not _runs_kernels(self, x):
+        return type(self).encode(self, x)
+    sae_in = _sae_input(self, x)
+    indices, acts = topk_encode(sae_in, self.W_enc, self.b_enc, self.activation_fn.k, b_dec=_input_b_dec(self),
+                                feature_scale=_decoder_scale(self))  # fmt: skip
+    dense = acts.new_zeros(*acts.shape[:-1], self.W_enc.shape[1]).scatter_(-1, indices, acts)
+    return self.hook_sae_acts_post(dense)
+
+
+def _fused_forward_applies(sae: nn.Module, x: torch.Tensor) -> bool:
+    return _runs_kernels(sae, x) and not _has_hooks(sae.hook_sae_acts_post) and not sae.use_error_term
+
+
+def _jumprelu_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if not _fused_forward_applies(self, x):
+        return type(self).forward(self, x)
+    sae_in = _sae_input(self, x)
+    x2, b_dec = sae_in.reshape(-1, sae_in.shape[-1]), _input_b_dec(self)
+    width = getattr(self, _ATTR).max_l0
+    ell = jumprelu_encode(x2, self.W_enc, self.b_enc, self.threshold, b_dec=b_dec, max_l0=width)
+    recon = sparse_matmul(ell, self.W_dec, encoder=JumpReLUEncoder(x2, self.W_enc, self.b_enc, self.threshold, b_dec))
+    recon = (recon + self.b_dec).reshape(sae_in.shape)
+    return self.hook_sae_output(_decode_tail(self, recon))
+
+
+def _topk_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if not _fused_forward_applies(self, x):
+        return type(self).forward(self, x)
+    sae_in = _sae_input(self, x)
+    scale = _decoder_scale(self)
+    indices, acts = topk_encode(sae_in, self.W_enc, self.b_enc, self.activation_fn.k, b_dec=_input_b_dec(self),
+                                feature_scale=scale)  # fmt: skip
+    if scale is not None:
+        acts = acts * (1 / scale)[indices]  # SAELens' act_times_W_dec
+    recon = topk_decode(indices, acts, self.W_dec) + self.b_dec
+    return self.hook_sae_output(_decode_tail(self, recon))
