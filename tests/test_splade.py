@@ -121,6 +121,16 @@ def reference_gradients(hidden, weight, bias, mask, pooling, grad):
     allowances = [reduction_allowance(dlogit @ weight.double().abs(), rounding),
                   reduction_allowance((dlogit.transpose(1, 2) @ hidden.double().abs()).sum(0), rounding),
                   reduction_allowance(dlogit.sum(dim=(0, 1)))]  # fmt: skip
+    if pooling == "sum":
+        # relu's kink: a logit within the kernel's fp32 accumulation error of 0 may take the other side, which moves
+        # its term of each gradient by |grad| (the slope jumps by 1 there) times the other factor.
+        h_abs, w_abs = hidden.detach().double().abs(), weight.detach().double().abs()
+        window = hidden.shape[-1] * torch.finfo(torch.float32).eps * (h_abs @ w_abs.t())  # [B, S, V]
+        kink = (logits.detach().abs() <= window) * grad.double().abs().unsqueeze(1)
+        if mask is not None:
+            kink = kink * (mask != 0).unsqueeze(-1)
+        allowances = [allowances[0] + kink @ w_abs, allowances[1] + (kink.transpose(1, 2) @ h_abs).sum(0),
+                      allowances[2] + kink.sum(dim=(0, 1))]  # fmt: skip
     return ref64, lowp, allowances
 
 

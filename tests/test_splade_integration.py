@@ -142,7 +142,7 @@ def test_patch_unpatch_and_errors(checkpoint, device):
     sf_st.patch(model)
     assert sf_st.is_patched(model[1])
     sf_st.patch(model)  # patching twice is a no-op
-    features = model.preprocess(QUERIES)
+    features = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in model.preprocess(QUERIES).items()}
     with torch.no_grad():
         hidden = model[0](dict(features))["token_embeddings"]
         assert hidden.shape[-1] == 32  # the transformer now hands over hidden states, not logits

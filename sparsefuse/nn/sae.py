@@ -1,9 +1,15 @@
 """A JumpReLU SAE module whose parameters (and state_dict keys) are SAELens' ``JumpReLUSAE``'s.
 
 Forward: ``acts = jumprelu((x - b_dec) @ W_enc + b_enc, threshold)``, ``recon = acts @ W_dec + b_dec``.
-Inference (no autograd, ``max_l0`` set, activations not requested): the fused encode writes the fired features
-straight into ELL and the decode gathers only their decoder rows; a token that fired more than ``max_l0`` features
-is recomputed on the device, never truncated. Otherwise the encode is the dense matmul and the decode sparse.
+Two inference paths (no autograd):
+* default (``max_l0=None``): cuBLAS encode, JumpReLU in place, then ``sparse_decode`` (auto: the skip-zeros scan) --
+  the fastest at large batches (H200, Gemma 2B 65k, B=4096, bf16: 1.62x the dense forward), but the dense
+  [tokens, d_sae] activations exist for a moment;
+* ``max_l0`` set: the fused encode writes the fired features straight into ELL (the dense activations never reach
+  memory: 44 MB peak instead of 2.1 GB there) and the decode gathers only their decoder rows; a token that fired
+  more than ``max_l0`` features is recomputed on the device, never truncated. Slower today (0.95x): the epilogue
+  matmul runs at a third of cuBLAS's rate.
+With autograd the encode is the dense matmul and the decode sparse.
 """
 
 from __future__ import annotations
@@ -37,7 +43,9 @@ class SparseJumpReLUSAE(nn.Module):
         """[..., d_in] -> feature activations [..., d_sae] (zero where pre-activation <= threshold)."""
         sae_in = x - self.b_dec if self.apply_b_dec_to_input else x
         pre = sae_in @ self.W_enc + self.b_enc
-        return torch.relu(pre) * (pre > self.threshold)
+        if torch.is_grad_enabled() and pre.requires_grad:
+            return torch.relu(pre) * (pre > self.threshold)
+        return pre.masked_fill_(pre <= self.threshold.clamp(min=0), 0)  # inference: one in-place pass
 
     def decode(self, feature_acts: torch.Tensor) -> torch.Tensor:
         method = "fixed" if self.max_l0 is not None else "auto"

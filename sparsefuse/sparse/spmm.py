@@ -44,7 +44,11 @@ class JumpReLUEncoder:
         return x, w, self.b_enc, self.threshold, self.b_dec if self.b_dec is not None else self.b_enc
 
     def reference_activations(self) -> torch.Tensor:
-        sae_in = self.x.double() - (self.b_dec.double() if self.b_dec is not None else 0.0)
+        """float64 activations [M, d_sae]; ``x - b_dec`` is rounded to x's dtype first, as SAELens computes it in the
+        SAE's dtype (and the kernels feed it to tl.dot in that dtype)."""
+        sae_in = self.x.double()
+        if self.b_dec is not None:
+            sae_in = (sae_in - self.b_dec.double()).to(self.x.dtype).double()
         pre = sae_in @ self.W_enc.double() + self.b_enc.double()
         return torch.relu(pre) * (pre > self.threshold.double())
 
