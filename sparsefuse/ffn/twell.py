@@ -509,18 +509,22 @@ def _relu_down(x2, w_up, b_up, w_down_t, b_down, tile: int, compression: int) ->
 
 @dataclasses.dataclass
 class CostModel:
-    """Rates for the auto decision (H100/H200-class defaults, to be refined from ``python -m sparsefuse bench ffn``).
+    """Rates for the auto decision, fitted to the H200 ``python -m sparsefuse bench ffn --quick`` run
+    (benchmarks/results/bench-NVIDIA-H200-ffn-quick.md, 1.5B shape, bf16): at M=8192 the TwELL gate kernel took
+    2.65x cuBLAS's gate matmul and kernel 2 gathered at ~0.9 TB/s; at M=16 kernel 2 took ~3.5 us per non-zero of a
+    token (a serial chain per program). With these the model predicts dense on that whole grid, as measured.
 
-    ``gather_bytes_per_s`` is kernel 2's effective rate for weight-row gathers (mostly L2 hits) when the GPU is
-    full; with fewer than ``2 * n_sms`` programs it scales down in proportion. ``twell_overhead`` scales the gate
-    matmul for the TwELL epilogue."""
+    ``gather_bytes_per_s`` is kernel 2's effective rate for weight-row gathers when the GPU is full; with fewer than
+    ``2 * n_sms`` programs it scales down in proportion. ``twell_overhead`` scales the gate matmul for the TwELL
+    epilogue; ``serial_s_per_nonzero`` is kernel 2's floor per non-zero of a token."""
 
     matmul_flops_per_s: float = 600e12  # bf16/fp16 tensor cores
     fp32_matmul_flops_per_s: float = 50e12
     dram_bytes_per_s: float = 3.0e12
-    gather_bytes_per_s: float = 6.0e12
+    gather_bytes_per_s: float = 0.9e12
     launch_s: float = 3e-6
-    twell_overhead: float = 1.1
+    twell_overhead: float = 2.65
+    serial_s_per_nonzero: float = 3.5e-6
     n_sms: int = 132
 
 
@@ -556,7 +560,8 @@ def predicted_times(M: int, K: int, N: int, mean_nnz: float, dtype: torch.dtype,
     occupancy = min(1.0, M * splits / (2.0 * cm.n_sms))
     gathered = M * mean_nnz * K * elem * (splits + 1.0)
     distinct_rows = N * (1.0 - (1.0 - min(mean_nnz, N) / N) ** M) if N else 0.0
-    gathers = max(gathered / (cm.gather_bytes_per_s * occupancy), distinct_rows * 2.0 * K * elem / cm.dram_bytes_per_s)
+    gathers = max(gathered / (cm.gather_bytes_per_s * occupancy), distinct_rows * 2.0 * K * elem / cm.dram_bytes_per_s,
+                  mean_nnz * cm.serial_s_per_nonzero)  # fmt: skip
     twell = cm.twell_overhead * gate + gathers + 2.0 * M * K * elem / cm.dram_bytes_per_s + cm.launch_s
     return twell, dense
 
