@@ -33,6 +33,30 @@ def torch_jumprelu_encode(x, W_enc, b_enc, threshold, b_dec=None) -> torch.Tenso
     return JumpReLUEncoder(x.reshape(-1, x.shape[-1]), W_enc, b_enc, threshold, b_dec).reference_activations()
 
 
+@triton.jit
+def encoder_pre_tile(x_ptr, w_ptr, b_enc_ptr, b_dec_ptr, rows, cols, row_mask, col_mask, K, stride_xm, stride_wk,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_B_DEC: tl.constexpr,
+                     IEEE_FP32: tl.constexpr):  # fmt: skip
+    """SAE pre-activations ``(x - b_dec) @ W + b_enc`` of one [BLOCK_M tokens, BLOCK_N features] tile, fp32
+    (shared by the JumpReLU and TopK encodes). ``x - b_dec`` is rounded to x's dtype, as SAELens computes it."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < K
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + k[None, :],
+                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]  # fmt: skip
+        if HAS_B_DEC:
+            b_dec = tl.load(b_dec_ptr + k, mask=k_mask, other=0.0)
+            x = tl.where(k_mask[None, :], x.to(tl.float32) - b_dec.to(tl.float32)[None, :], 0.0).to(x.dtype)
+        w = tl.load(w_ptr + k[:, None].to(tl.int64) * stride_wk + cols[None, :],
+                    mask=k_mask[:, None] & col_mask[None, :], other=0.0).to(x.dtype)  # [BLOCK_K, BLOCK_N]  # fmt: skip
+        if IEEE_FP32:
+            acc += tl.dot(x, w, input_precision="ieee")
+        else:
+            acc += tl.dot(x, w)
+    return acc + tl.load(b_enc_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+
+
 def _encode_configs() -> list[triton.Config]:
     shapes = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4),
               (64, 256, 64, 8, 3), (256, 128, 64, 8, 3), (32, 128, 64, 4, 4)]  # fmt: skip
@@ -55,22 +79,8 @@ def jumprelu_encode_kernel(x_ptr, w_ptr, b_enc_ptr, threshold_ptr, b_dec_ptr, va
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     row_mask, col_mask = rows < M, cols < N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = k < K
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + k[None, :],
-                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]  # fmt: skip
-        if HAS_B_DEC:
-            b_dec = tl.load(b_dec_ptr + k, mask=k_mask, other=0.0)
-            x = tl.where(k_mask[None, :], x.to(tl.float32) - b_dec.to(tl.float32)[None, :], 0.0).to(x.dtype)
-        w = tl.load(w_ptr + k[:, None].to(tl.int64) * stride_wk + cols[None, :],
-                    mask=k_mask[:, None] & col_mask[None, :], other=0.0).to(x.dtype)  # [BLOCK_K, BLOCK_N]  # fmt: skip
-        if IEEE_FP32:
-            acc += tl.dot(x, w, input_precision="ieee")
-        else:
-            acc += tl.dot(x, w)
-    pre = acc + tl.load(b_enc_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    pre = encoder_pre_tile(x_ptr, w_ptr, b_enc_ptr, b_dec_ptr, rows, cols, row_mask, col_mask, K, stride_xm, stride_wk,
+                           BLOCK_M, BLOCK_N, BLOCK_K, HAS_B_DEC, IEEE_FP32)  # fmt: skip
     threshold = tl.load(threshold_ptr + cols, mask=col_mask, other=float("inf")).to(tl.float32)
     fired = (pre > threshold[None, :]) & (pre > 0) & row_mask[:, None] & col_mask[None, :]  # [BLOCK_M, BLOCK_N]
     fired_i = fired.to(tl.int32)

@@ -35,6 +35,7 @@ import triton.language as tl
 from .. import _backend
 from .._backend import Backend, backend_for, compute_dtype, new_output, record_launch
 from .._validation import check_float, check_same_device, describe
+from .encode import encoder_pre_tile
 
 _MATMUL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ACTIVATIONS = ("relu", "none")
@@ -111,23 +112,8 @@ def topk_encode_fwd_kernel(x_ptr, w_ptr, b_enc_ptr, b_dec_ptr, scale_ptr, keys_p
     for n0 in range(col_start, col_end, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         col_mask = cols < col_end
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            k_mask = kk < K
-            x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + kk[None, :],
-                        mask=row_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]  # fmt: skip
-            if HAS_B_DEC:
-                b_dec = tl.load(b_dec_ptr + kk, mask=k_mask, other=0.0)
-                x = tl.where(k_mask[None, :], x.to(tl.float32) - b_dec.to(tl.float32)[None, :], 0.0).to(x.dtype)
-            w = tl.load(w_ptr + kk[:, None].to(tl.int64) * stride_wk + cols[None, :],
-                        mask=k_mask[:, None] & col_mask[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]  # fmt: skip
-            w = w.to(x.dtype)
-            if IEEE_FP32:
-                acc += tl.dot(x, w, input_precision="ieee")
-            else:
-                acc += tl.dot(x, w)
-        pre = acc + tl.load(b_enc_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        pre = encoder_pre_tile(x_ptr, w_ptr, b_enc_ptr, b_dec_ptr, rows, cols, row_mask, col_mask, K, stride_xm,
+                               stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, HAS_B_DEC, IEEE_FP32)  # [BLOCK_M, BLOCK_N]  # fmt: skip
         if HAS_SCALE:
             pre = pre * tl.load(scale_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         keys = tl.where(row_mask[:, None] & col_mask[None, :], _sort_keys(pre, cols), EMPTY_KEY)
