@@ -143,6 +143,19 @@ def test_jumprelu_forward_decode_and_encode_match_sae_lens(dtype, device):
     assert_close_to_reference(recon, ref_out, torch_out, name="decode(encode(x))")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_jumprelu_default_forward_is_cublas_encode_then_scan_decode(dtype, device):
+    sae = build_sae(JumpReLUSAE, JumpReLUSAEConfig, SMALL["d_in"], SMALL["d_sae"], dtype, device)
+    x = torch.randn(SMALL["tokens"], SMALL["d_in"], device=device).to(dtype)
+    set_jumprelu_thresholds(sae, x, SMALL["l0"])
+    ref_out, torch_out = reference_and_torch(sae, x)
+    sf_sae_lens.patch(sae, decode_method="scan")  # (auto would pick cuBLAS for this small dictionary)
+    with torch.no_grad(), track_launches() as launched:
+        out = sae(x)
+    assert dict(launched) == {"gather_accumulate_kernel": 1}  # no epilogue encode: cuBLAS, then the scan
+    assert_close_to_reference(out, ref_out, torch_out, name="reconstruction")
+
+
 def test_jumprelu_overflowing_tokens_are_recomputed_not_truncated(device):
     sae = build_sae(JumpReLUSAE, JumpReLUSAEConfig, SMALL["d_in"], SMALL["d_sae"], torch.float32, device)
     x = torch.randn(SMALL["tokens"], SMALL["d_in"], device=device)
@@ -164,7 +177,7 @@ def test_gradients_and_hooks_take_the_unfused_path(device):
     x = torch.randn(6, SMALL["d_in"], device=device)
     set_jumprelu_thresholds(sae, x, SMALL["l0"])
     ref_out, torch_out = reference_and_torch(sae, x)
-    sf_sae_lens.patch(sae, decode_method="fixed")
+    sf_sae_lens.patch(sae, decode_method="fixed", fused_encode=True)
     with track_launches() as launched:  # parameters require grad: SAELens encode + differentiable sparse_decode
         out = sae(x)
     assert launched["jumprelu_encode_kernel"] == 0 and launched["gather_accumulate_kernel"] == 1
@@ -195,7 +208,7 @@ def test_normalization_reshape_and_error_term(config, device):
     sae.run_time_activation_norm_fn_out(sae_in)  # (clears the stored normalisation state)
     set_jumprelu_thresholds(sae, sae_in, SMALL["l0"])
     ref_out, torch_out = reference_and_torch(sae, x)
-    sf_sae_lens.patch(sae)
+    sf_sae_lens.patch(sae, fused_encode=True)
     with torch.no_grad(), track_launches() as launched:
         out = sae(x)
     assert launched["jumprelu_encode_kernel"] == 1
