@@ -122,6 +122,8 @@ def test_matmul_skip_zeros_strided_nan_and_empty(device):
     assert torch.equal(matmul_skip_zeros(a[:, :0], w[:0]).cpu(), torch.zeros(6, 70))
     with pytest.raises(ValueError, match=r"expected a \[M, n_in\] and weight \[n_in, n_out\]"):
         matmul_skip_zeros(a, w[:49])
+    with pytest.raises(ValueError, match="splits must be a positive int or None; got 0"):
+        matmul_skip_zeros(a, w, splits=0)
 
 
 def test_sampled_dot_dense_pattern(device):

@@ -321,6 +321,8 @@ def matmul_skip_zeros(a: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch
     if a.dim() != 2 or weight.dim() != 2 or a.shape[1] != weight.shape[0]:
         raise ValueError(f"{op}: expected a [M, n_in] and weight [n_in, n_out]; got a {describe(a)}, "
                          f"weight {describe(weight)}")  # fmt: skip
+    if splits is not None and (not isinstance(splits, int) or isinstance(splits, bool) or splits < 1):
+        raise ValueError(f"{op}: splits must be a positive int or None; got {splits!r}")
     weight = _weight_for_gather(weight)
     (M, n_in), n_out = a.shape, weight.shape[1]
     out_dtype = out_dtype or torch.promote_types(a.dtype, weight.dtype)
