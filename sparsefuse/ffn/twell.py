@@ -56,7 +56,8 @@ from .. import _backend
 from .._backend import Backend, backend_for, new_output, record_launch
 from .._validation import FLOAT_DTYPES, check_float, check_same_device, check_tensor, describe
 from ..sparse.formats import ELL, TwELL, check_twell_geometry
-from ..sparse.spmm import sparse_matmul
+from ..sparse.sddmm import row_dots
+from ..sparse.spmm import accumulate_rows, sparse_matmul
 
 __all__ = [
     "torch_twell_mlp",
@@ -167,30 +168,6 @@ def twell_gate_fwd_kernel(x_ptr, w_ptr, b_ptr, values_ptr, indices_ptr, counts_p
 
 
 @triton.jit
-def _gather_row_dots(x_row_ptr, w_ptr, rows, row_mask, K, stride_wn, stride_wk,
-                     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    """[BLOCK_R] fp32: ``x_row . W[rows[r], :]``; rows outside ``row_mask`` are not loaded (0)."""
-    out = tl.zeros([BLOCK_R], dtype=tl.float32)
-    base = rows.to(tl.int64) * stride_wn  # [BLOCK_R]
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = k < K
-        xk = tl.load(x_row_ptr + k, mask=k_mask, other=0.0).to(tl.float32)  # [BLOCK_K]
-        w = tl.load(w_ptr + base[:, None] + k[None, :].to(tl.int64) * stride_wk,
-                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_K]  # fmt: skip
-        out += tl.sum(w.to(tl.float32) * xk[None, :], axis=1)
-    return out
-
-
-@triton.jit
-def _accumulate_rows(acc, coef, rows, row_mask, w_ptr, stride_wn, d, d_mask):
-    """acc [BLOCK_D] += sum_r coef[r] * W[rows[r], d]; rows outside ``row_mask`` are not loaded."""
-    w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_wn + d[None, :],
-                mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_D]  # fmt: skip
-    return acc + tl.sum(coef[:, None] * w.to(tl.float32), axis=0)
-
-
-@triton.jit
 def _recompute_overflowed_tiles(acc, row, counts_ptr, n_tiles, x_row_ptr, wa_ptr, stride_wa_n, stride_wa_k, ba_ptr,
                                 wu_ptr, stride_wu, bu_ptr, wd_ptr, stride_wd, d, d_mask, K, N,
                                 TILE: tl.constexpr, SLOTS: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -205,18 +182,18 @@ def _recompute_overflowed_tiles(acc, row, counts_ptr, n_tiles, x_row_ptr, wa_ptr
             for c0 in range(0, TILE, BLOCK_C):
                 cols = t * TILE + c0 + tl.arange(0, BLOCK_C)  # [BLOCK_C]
                 col_mask = cols < N
-                pre = _gather_row_dots(x_row_ptr, wa_ptr, cols, col_mask, K, stride_wa_n, stride_wa_k,
+                pre = row_dots(x_row_ptr, wa_ptr, cols, col_mask, K, stride_wa_n, stride_wa_k,
                                        BLOCK_C, BLOCK_K)  # fmt: skip
                 if HAS_BA:
                     pre += tl.load(ba_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
                 fired = col_mask & ((pre > 0) | (pre != pre))
                 coef = tl.where(fired, pre, 0.0)
                 if GATED:
-                    u = _gather_row_dots(x_row_ptr, wu_ptr, cols, fired, K, stride_wu, 1, BLOCK_C, BLOCK_K)
+                    u = row_dots(x_row_ptr, wu_ptr, cols, fired, K, stride_wu, 1, BLOCK_C, BLOCK_K)
                     if HAS_BU:
                         u += tl.load(bu_ptr + cols, mask=fired, other=0.0).to(tl.float32)
                     coef = tl.where(fired, coef * u, 0.0)
-                acc = _accumulate_rows(acc, coef, cols, fired, wd_ptr, stride_wd, d, d_mask)
+                acc = accumulate_rows(acc, coef, cols, fired, wd_ptr, stride_wd, d, d_mask)
     return acc
 
 
@@ -252,10 +229,10 @@ def twell_up_down_fwd_kernel(values_ptr, indices_ptr, counts_ptr, x_ptr, wg_ptr,
         slot = row * width + tile_of_j * SLOTS + (j - first_of_tile)
         n = tl.load(indices_ptr + slot, mask=j_mask, other=0)  # [BLOCK_NZ] neuron ids
         h_gate = tl.load(values_ptr + slot, mask=j_mask, other=0.0).to(tl.float32)
-        u = _gather_row_dots(x_row_ptr, wu_ptr, n, j_mask, K, stride_wu, 1, BLOCK_NZ, BLOCK_K)
+        u = row_dots(x_row_ptr, wu_ptr, n, j_mask, K, stride_wu, 1, BLOCK_NZ, BLOCK_K)
         if HAS_B_UP:
             u += tl.load(bu_ptr + n, mask=j_mask, other=0.0).to(tl.float32)
-        acc = _accumulate_rows(acc, tl.where(j_mask, h_gate * u, 0.0), n, j_mask, wd_ptr, stride_wd, d, d_mask)
+        acc = accumulate_rows(acc, tl.where(j_mask, h_gate * u, 0.0), n, j_mask, wd_ptr, stride_wd, d, d_mask)
     if tl.max(counts, axis=0) > SLOTS:
         acc = _recompute_overflowed_tiles(acc, row, counts_ptr, n_tiles, x_row_ptr, wg_ptr, stride_wg_n, stride_wg_k,
                                           bg_ptr, wu_ptr, stride_wu, bu_ptr, wd_ptr, stride_wd, d, d_mask, K, N,

@@ -18,6 +18,23 @@ from .spmm import pick_nonzeros, rank_nonzeros
 
 
 @triton.jit
+def row_dots(a_row_ptr, b_ptr, rows, row_mask, D, stride_b_row, stride_b_col,
+             BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    """[BLOCK_R] fp32: ``a_row . b[rows[r], :]`` over D, BLOCK_D at a time; rows outside ``row_mask`` are not loaded
+    (0). The inner step of every sampled product (and of the TwELL up projection)."""
+    out = tl.zeros([BLOCK_R], dtype=tl.float32)
+    base = rows.to(tl.int64) * stride_b_row  # [BLOCK_R]
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        d_mask = d < D
+        av = tl.load(a_row_ptr + d, mask=d_mask, other=0.0).to(tl.float32)  # [BLOCK_D]
+        bv = tl.load(b_ptr + base[:, None] + d[None, :].to(tl.int64) * stride_b_col,
+                     mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_D]  # fmt: skip
+        out += tl.sum(bv.to(tl.float32) * av[None, :], axis=1)
+    return out
+
+
+@triton.jit
 def sampled_dot_kernel(indices_ptr, row_offsets_ptr, a_ptr, b_ptr, out_ptr, D, stride_a, stride_b,
                        BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
     # CSR pattern: indices [nnz], row_offsets [M + 1]; a [M, D], b [N, D] (unit column strides); out [nnz] fp32
@@ -27,15 +44,8 @@ def sampled_dot_kernel(indices_ptr, row_offsets_ptr, a_ptr, b_ptr, out_ptr, D, s
     for k0 in range(0, n, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
         k_mask = k < n
-        col = tl.load(indices_ptr + start + k, mask=k_mask, other=0).to(tl.int64)
-        acc = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for d0 in range(0, D, BLOCK_D):
-            d = d0 + tl.arange(0, BLOCK_D)
-            d_mask = d < D
-            a = tl.load(a_ptr + row * stride_a + d, mask=d_mask, other=0.0).to(tl.float32)  # [BLOCK_D]
-            b = tl.load(b_ptr + col[:, None] * stride_b + d[None, :], mask=k_mask[:, None] & d_mask[None, :],
-                        other=0.0).to(tl.float32)  # [BLOCK_K, BLOCK_D]  # fmt: skip
-            acc += tl.sum(b * a[None, :], axis=1)
+        col = tl.load(indices_ptr + start + k, mask=k_mask, other=0)
+        acc = row_dots(a_ptr + row * stride_a, b_ptr, col, k_mask, D, stride_b, 1, BLOCK_K, BLOCK_D)
         tl.store(out_ptr + start + k, acc, mask=k_mask)
 
 
@@ -75,14 +85,7 @@ def sampled_dot_dense_pattern_kernel(pattern_ptr, a_ptr, b_ptr, out_ptr, N, D, s
         j = g0 + tl.arange(0, GROUP)  # [GROUP]
         j_mask = j < n
         col, _ = pick_nonzeros(p, f, rank, j)
-        acc = tl.zeros([GROUP], dtype=tl.float32)
-        for d0 in range(0, D, BLOCK_D):
-            d = d0 + tl.arange(0, BLOCK_D)
-            d_mask = d < D
-            av = tl.load(a_ptr + row * stride_a + d, mask=d_mask, other=0.0).to(tl.float32)  # [BLOCK_D]
-            bv = tl.load(b_ptr + col[:, None].to(tl.int64) * stride_b + d[None, :],
-                         mask=j_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)  # [GROUP, BLOCK_D]  # fmt: skip
-            acc += tl.sum(bv * av[None, :], axis=1)
+        acc = row_dots(a_ptr + row * stride_a, b_ptr, col, j_mask, D, stride_b, 1, GROUP, BLOCK_D)
         tl.store(out_ptr + row * stride_out + col, acc.to(out_ptr.dtype.element_ty), mask=j_mask)
 
 

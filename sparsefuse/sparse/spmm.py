@@ -71,6 +71,15 @@ def pick_nonzeros(a, f, rank, j):
 
 
 @triton.jit
+def accumulate_rows(acc, coef, rows, row_mask, w_ptr, stride_w, d, d_mask):
+    """acc [BLOCK_D] += sum_r coef[r] * W[rows[r], d] (fp32); rows outside ``row_mask`` are not loaded. The inner
+    step of every gather-accumulate (stored entries, picked non-zeros, the TwELL up/down kernel)."""
+    w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_w + d[None, :],
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_D]  # fmt: skip
+    return acc + tl.sum(coef[:, None] * w.to(tl.float32), axis=0)
+
+
+@triton.jit
 def accumulate_nonzeros(acc, a, f, w_ptr, stride_w, d, d_mask, GROUP: tl.constexpr):
     """acc [BLOCK_D] += sum_f a[f] * W[f, d] over a chunk of activations a [BLOCK_F] (fp32) of features f [BLOCK_F],
     loading only the W rows whose activation is non-zero: an all-zero chunk costs one load of ``a``, a chunk with n
@@ -80,9 +89,7 @@ def accumulate_nonzeros(acc, a, f, w_ptr, stride_w, d, d_mask, GROUP: tl.constex
         for g0 in range(0, n, GROUP):
             j = g0 + tl.arange(0, GROUP)  # [GROUP]
             idx, val = pick_nonzeros(a, f, rank, j)
-            w = tl.load(w_ptr + idx[:, None].to(tl.int64) * stride_w + d[None, :],
-                        mask=(j < n)[:, None] & d_mask[None, :], other=0.0)  # [GROUP, BLOCK_D]  # fmt: skip
-            acc += tl.sum(val[:, None] * w.to(tl.float32), axis=0)
+            acc = accumulate_rows(acc, val, idx, j < n, w_ptr, stride_w, d, d_mask)
     return acc
 
 
@@ -185,11 +192,9 @@ def gather_accumulate_kernel(values_ptr, indices_ptr, counts_ptr, row_offsets_pt
         for k0 in range(0, n, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
             k_mask = k < n
-            idx = tl.load(indices_ptr + start + k, mask=k_mask, other=0).to(tl.int64)
+            idx = tl.load(indices_ptr + start + k, mask=k_mask, other=0)
             val = tl.load(values_ptr + start + k, mask=k_mask, other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + idx[:, None] * stride_w + d[None, :], mask=k_mask[:, None] & d_mask[None, :],
-                        other=0.0)  # fmt: skip
-            acc += tl.sum(val[:, None] * w.to(tl.float32), axis=0)  # [BLOCK_D]
+            acc = accumulate_rows(acc, val, idx, k_mask, w_ptr, stride_w, d, d_mask)  # [BLOCK_D]
         if overflowed:
             if FALLBACK == 0:
                 acc += float("nan")
