@@ -245,5 +245,5 @@ def _topk_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
                                 feature_scale=scale)  # fmt: skip
     if scale is not None:
         acts = acts * (1 / scale)[indices]  # SAELens' act_times_W_dec
-    recon = topk_decode(indices, acts, self.W_dec) + self.b_dec
+    recon = topk_decode(indices, acts, self.W_dec, check_indices=False) + self.b_dec
     return self.hook_sae_output(_decode_tail(self, recon))

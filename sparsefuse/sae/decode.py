@@ -175,11 +175,13 @@ def sparse_decode(feature_acts: torch.Tensor, W_dec: torch.Tensor, *, method: st
     return out.reshape(*feature_acts.shape[:-1], W_dec.shape[1])
 
 
-def topk_decode(top_indices: torch.Tensor, top_acts: torch.Tensor, W_dec: torch.Tensor) -> torch.Tensor:
+def topk_decode(top_indices: torch.Tensor, top_acts: torch.Tensor, W_dec: torch.Tensor, *,
+                check_indices: bool = True) -> torch.Tensor:  # fmt: skip
     """TopK SAE decode: ``sum_j top_acts[..., j] * W_dec[top_indices[..., j]]`` -> [..., d_model].
 
     top_indices: [..., k] integer feature ids in [0, d_sae); top_acts: [..., k] floating. Forward only for now.
-    Indices are range-checked (one host sync) -- an out-of-range id would read outside W_dec."""
+    Indices are range-checked (one host sync) -- an out-of-range id would read outside W_dec; pass
+    ``check_indices=False`` for ids that are in range by construction (``topk_encode``'s), e.g. inside a CUDA graph."""
     op = "topk_decode"
     check_float(op, "top_acts", top_acts)
     check_float(op, "W_dec", W_dec)
@@ -188,7 +190,7 @@ def topk_decode(top_indices: torch.Tensor, top_acts: torch.Tensor, W_dec: torch.
                         f"{describe(top_indices)}")  # fmt: skip
     check_same_device(op, top_acts=top_acts, top_indices=top_indices, W_dec=W_dec)
     d_sae = W_dec.shape[0]
-    if top_indices.numel() and (int(top_indices.min()) < 0 or int(top_indices.max()) >= d_sae):
+    if check_indices and top_indices.numel() and (int(top_indices.min()) < 0 or int(top_indices.max()) >= d_sae):
         raise ValueError(f"{op}: top_indices must lie in [0, {d_sae}); got range [{int(top_indices.min())}, "
                          f"{int(top_indices.max())}]")  # fmt: skip
     k = top_acts.shape[-1]

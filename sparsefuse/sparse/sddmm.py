@@ -1,8 +1,8 @@
-"""Sampled dense x dense: ``out[e] = A[row(e), :] . B[col(e), :]`` for every stored entry e of a sparse pattern.
+"""Sampled dense x dense: ``out[m, f] = A[m, :] . B[f, :]`` only where a sparsity pattern has an entry.
 
-Used for gradients on a sparsity pattern (e.g. an SAE decode's gradient w.r.t. its feature activations:
-``grad_acts[m, f] = grad_out[m] . W_dec[f]`` only where feature f fired for token m). A program owns one row and
-BLOCK_K of its entries; it walks D in BLOCK_D slices, gathering the entries' rows of B as a [BLOCK_K, BLOCK_D] tile.
+Used for gradients on a sparsity pattern (an SAE decode's gradient w.r.t. its feature activations:
+``grad_acts[m, f] = grad_out[m] . W_dec[f]`` only where feature f fired for token m). The pattern is read in its
+dense form (no format, no host sync); :func:`row_dots` is the shared inner step.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import triton.language as tl
 
 from .. import _backend
 from .._backend import Backend, backend_for, new_output, record_launch
-from .formats import CSR
 from .spmm import pick_nonzeros, rank_nonzeros
 
 
@@ -31,41 +30,6 @@ def row_dots(a_row_ptr, b_ptr, rows, row_mask, D, stride_b_row, stride_b_col,
         bv = tl.load(b_ptr + base[:, None] + d[None, :].to(tl.int64) * stride_b_col,
                      mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_D]  # fmt: skip
         out += tl.sum(bv.to(tl.float32) * av[None, :], axis=1)
-    return out
-
-
-@triton.jit
-def sampled_dot_kernel(indices_ptr, row_offsets_ptr, a_ptr, b_ptr, out_ptr, D, stride_a, stride_b,
-                       BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
-    # CSR pattern: indices [nnz], row_offsets [M + 1]; a [M, D], b [N, D] (unit column strides); out [nnz] fp32
-    row = tl.program_id(0).to(tl.int64)
-    start = tl.load(row_offsets_ptr + row)
-    n = (tl.load(row_offsets_ptr + row + 1) - start).to(tl.int32)
-    for k0 in range(0, n, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
-        k_mask = k < n
-        col = tl.load(indices_ptr + start + k, mask=k_mask, other=0)
-        acc = row_dots(a_ptr + row * stride_a, b_ptr, col, k_mask, D, stride_b, 1, BLOCK_K, BLOCK_D)
-        tl.store(out_ptr + start + k, acc, mask=k_mask)
-
-
-def sampled_dot(pattern: CSR, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """[nnz] fp32: ``a[m] . b[col]`` for every entry (m, col) of ``pattern``; a [M, D], b [N, D]."""
-    a = a if a.stride(-1) == 1 else a.contiguous()
-    b = b if b.stride(-1) == 1 else b.contiguous()
-    nnz = pattern.values.shape[0]
-    out = new_output((nnz,), torch.float32, a.device)
-    M, D = a.shape
-    if nnz == 0 or M == 0:
-        return out.zero_()
-    if backend_for(a) is Backend.TORCH:
-        _backend.warn_reference_once("sampled_dot")
-        rows = torch.repeat_interleave(torch.arange(M, device=a.device), pattern.row_offsets.diff())
-        return (a[rows].float() * b[pattern.indices.long()].float()).sum(-1)
-    block_d = 32 if _backend.INTERPRET else min(128, max(32, triton.next_power_of_2(D)))
-    sampled_dot_kernel[(M,)](pattern.indices, pattern.row_offsets, a, b, out, D, a.stride(0), b.stride(0),
-                             BLOCK_K=16, BLOCK_D=block_d)  # fmt: skip
-    record_launch("sampled_dot_kernel")
     return out
 
 

@@ -136,7 +136,7 @@ def dense_encode_scan_decode_forward(x, W_enc, b_enc, threshold, W_dec, b_dec):
 
 def fused_topk_forward(x, W_enc, b_enc, W_dec, b_dec):
     indices, acts = topk_encode(x, W_enc, b_enc, TOPK_K, b_dec=b_dec)
-    return topk_decode(indices, acts, W_dec) + b_dec
+    return topk_decode(indices, acts, W_dec, check_indices=False) + b_dec
 
 
 def _case(architecture: str, shape: tuple[str, int, int, int], dtype: torch.dtype, device: str) -> Case:
