@@ -114,7 +114,10 @@ def test_gate_kernel_transposed_weight_view_and_batch_dims(device):
 @pytest.mark.parametrize("case", ["synthetic", "overflow", "bias"])
 def test_twell_mlp_matches_float64_reference(case, dtype, device):
     # M, K, N: no multiple of any block; K spans two dot blocks. 8 slots per 32-column tile.
-    M, K, N, tile, compression = (37, 80, 100, 32, 4) if case == "synthetic" else (13, 40, 70, 32, 4)
+    # 37 tokens: one program per token, heavy ones first; 13: each token's tiles split over programs (the
+    # interpreter's "GPU" has 8 SMs), partials summed by the last to arrive.
+    M, K, N, tile, compression = {"synthetic": (37, 80, 100, 32, 4), "overflow": (37, 40, 70, 32, 4),
+                                  "bias": (13, 40, 70, 32, 4)}[case]  # fmt: skip
     if case == "synthetic":  # realistic sparsity: ~6 of 100 per token with a heavy tail
         ffn = synthetic_ffn(K, N, dtype=dtype, device=device, seed=2)
         x = ffn.make_input(M, 6.0)
@@ -133,6 +136,17 @@ def test_twell_mlp_matches_float64_reference(case, dtype, device):
     ref = torch_twell_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
     lowp = torch_lowp_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
     assert_close_to_reference(y, ref, lowp)
+
+
+def test_heavy_first_order_is_a_permutation(device):
+    from sparsefuse.ffn.twell import _heavy_first_order
+
+    counts = torch.randint(0, 3, (70, 5), dtype=torch.int32)  # light: at most 10 entries
+    counts[[3, 40, 66], 1] = 9  # overflowed tiles (4 slots) make a token heavy
+    counts[[10, 50]] = 4  # 20 stored entries: heavy at 16 * block_j = 16
+    order = _heavy_first_order(counts.to(device), slots=4, block_j=1).cpu()
+    assert sorted(order.tolist()) == list(range(70))
+    assert set(order[:5].tolist()) == {3, 10, 40, 50, 66}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -228,6 +242,7 @@ def test_auto_uses_the_estimate_and_the_monitor(device, monkeypatch):
 
     # Tiny shapes always favour twell in the cost model; slow its gathers so that a dense hint flips the decision.
     monkeypatch.setattr(twell_module.COST_MODEL, "gather_bytes_per_s", 5e10)
+    monkeypatch.setattr(twell_module.COST_MODEL, "min_s", 0.0)
     K, N = 32, 64
     ffn = synthetic_ffn(K, N, dtype=torch.float32, device=device, seed=5)
     x = ffn.make_input(24, 4.0)
@@ -253,7 +268,7 @@ def test_predicted_crossover_is_monotone_and_matches_the_measured_grid():
         wins = [predicted_times(M, 2048, 5632, nnz, torch.bfloat16)[0] < predicted_times(M, 2048, 5632, nnz,
                 torch.bfloat16)[1] for nnz in (8, 32, 128, 512, 2048, 5632)]  # fmt: skip
         assert wins == sorted(wins, reverse=True) and not wins[-1], (M, wins)
-    # H200 bench ffn --quick: dense won at M=16 and M=8192 for 32 and 512 non-zeros per token.
+    # H200 (bench ffn --quick, scripts/probe_twell.py): dense won at M=1..8192 for 32 and 512 non-zeros per token.
     for M, nnz in ((16, 32), (16, 512), (8192, 32), (8192, 512)):
         twell, dense = predicted_times(M, 2048, 5632, nnz, torch.bfloat16)
         assert dense < twell, (M, nnz, twell, dense)

@@ -57,7 +57,7 @@ from .._backend import Backend, backend_for, new_output, record_launch
 from .._validation import FLOAT_DTYPES, check_float, check_same_device, check_tensor, describe
 from ..sparse.formats import ELL, TwELL, check_twell_geometry
 from ..sparse.sddmm import row_dots
-from ..sparse.spmm import accumulate_rows, sparse_matmul
+from ..sparse.spmm import accumulate_rows, pick_nonzeros, rank_nonzeros, sparse_matmul, sum_split_partials
 
 __all__ = [
     "torch_twell_mlp",
@@ -168,16 +168,16 @@ def twell_gate_fwd_kernel(x_ptr, w_ptr, b_ptr, values_ptr, indices_ptr, counts_p
 
 
 @triton.jit
-def _recompute_overflowed_tiles(acc, row, counts_ptr, n_tiles, x_row_ptr, wa_ptr, stride_wa_n, stride_wa_k, ba_ptr,
-                                wu_ptr, stride_wu, bu_ptr, wd_ptr, stride_wd, d, d_mask, K, N,
+def _recompute_overflowed_tiles(acc, row, counts_ptr, t_begin, t_end, n_tiles, x_row_ptr, wa_ptr, stride_wa_n,
+                                stride_wa_k, ba_ptr, wu_ptr, stride_wu, bu_ptr, wd_ptr, stride_wd, d, d_mask, K, N,
                                 TILE: tl.constexpr, SLOTS: tl.constexpr, BLOCK_C: tl.constexpr,
-                                BLOCK_K: tl.constexpr, HAS_BA: tl.constexpr, HAS_BU: tl.constexpr,
-                                GATED: tl.constexpr):  # fmt: skip
-    """acc += the whole contribution of every overflowed tile of ``row``, recomputed from x: the activation
-    ``a = relu(x . W_a[n] + b_a)`` (W_a = W_gate, or W_up for the non-gated block) over the tile's columns,
-    BLOCK_C at a time, times ``x . W_up[n] + b_up`` when GATED, times row n of W_down^T. Only rows that fired are
-    loaded from W_up / W_down; the GEMV over W_a reads TILE rows. Meant for rare (token, tile) pairs."""
-    for t in range(0, n_tiles):
+                                BLOCK_K: tl.constexpr, PICK: tl.constexpr, HAS_BA: tl.constexpr,
+                                HAS_BU: tl.constexpr, GATED: tl.constexpr):  # fmt: skip
+    """acc += the whole contribution of every overflowed tile t in [t_begin, t_end) of ``row``, recomputed from x:
+    the activation ``a = relu(x . W_a[n] + b_a)`` (W_a = W_gate, or W_up for the non-gated block) over the tile's
+    columns, BLOCK_C at a time, times ``x . W_up[n] + b_up`` when GATED, times row n of W_down^T. Only rows that
+    fired are loaded from W_up / W_down; the GEMV over W_a reads TILE rows. Meant for rare (token, tile) pairs."""
+    for t in range(t_begin, t_end):
         if tl.load(counts_ptr + row * n_tiles + t) > SLOTS:
             for c0 in range(0, TILE, BLOCK_C):
                 cols = t * TILE + c0 + tl.arange(0, BLOCK_C)  # [BLOCK_C]
@@ -193,53 +193,103 @@ def _recompute_overflowed_tiles(acc, row, counts_ptr, n_tiles, x_row_ptr, wa_ptr
                     if HAS_BU:
                         u += tl.load(bu_ptr + cols, mask=fired, other=0.0).to(tl.float32)
                     coef = tl.where(fired, coef * u, 0.0)
-                acc = accumulate_rows(acc, coef, cols, fired, wd_ptr, stride_wd, d, d_mask)
+                # down projection of the fired columns PICK at a time: [PICK, BLOCK_D] tiles, no wider than the main
+                # loop's, so this rare path does not raise the kernel's register count (and cut its occupancy)
+                n_fired, rank = rank_nonzeros(coef)
+                for g0 in range(0, n_fired, PICK):
+                    j = g0 + tl.arange(0, PICK)
+                    n, c = pick_nonzeros(coef, cols, rank, j)
+                    acc = accumulate_rows(acc, c, n, j < n_fired, wd_ptr, stride_wd, d, d_mask)
     return acc
 
 
 @triton.jit
-def twell_up_down_fwd_kernel(values_ptr, indices_ptr, counts_ptr, x_ptr, wg_ptr, bg_ptr, wu_ptr, bu_ptr, wd_ptr,
-                             bd_ptr, y_ptr, K, N, n_tiles, tune_key, stride_xm, stride_wg_n, stride_wg_k, stride_wu,
-                             stride_wd, stride_ym,
+def twell_up_down_fwd_kernel(values_ptr, indices_ptr, counts_ptr, order_ptr, x_ptr, wg_ptr, bg_ptr, wu_ptr, bu_ptr,
+                             wd_ptr, bd_ptr, y_ptr, partial_ptr, used_ptr, arrivals_ptr,
+                             K, N, n_tiles, tiles_per_split, n_splits, stride_xm, stride_wg_n, stride_wg_k,
+                             stride_wu, stride_wd, stride_ym,
                              TILE: tl.constexpr, SLOTS: tl.constexpr, BLOCK_TILES: tl.constexpr,
-                             BLOCK_NZ: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+                             BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+                             BLOCK_K: tl.constexpr, REDUCE_SPLITS: tl.constexpr, HAS_ORDER: tl.constexpr,
                              HAS_B_GATE: tl.constexpr, HAS_B_UP: tl.constexpr, HAS_B_DOWN: tl.constexpr):  # fmt: skip
-    # TwELL of h_g: values/indices [M, n_tiles * SLOTS], counts [M, n_tiles]; x [M, K];
+    # TwELL of h_g: values/indices [M, n_tiles * SLOTS], counts [M, n_tiles]; x [M, K] (unit column stride);
     # wg [N, K] (any strides; read only for overflowed tiles); wu [N, K] and wd = W_down^T [N, K] with unit column
     # strides (row n contiguous: coalesced); biases bg/bu [N], bd [K]; y [M, K].
-    row = tl.program_id(0).to(tl.int64)
-    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D] output columns of this program
+    # Grid (tokens, splits): program (p, s) owns token order[p] (heavy tokens first, so their long chains overlap
+    # the rest) and tiles [s * tiles_per_split, ...) of it, over the whole output row (BLOCK_D >= K: the x row stays
+    # in registers). With n_splits > 1 the splits' fp32 partials are summed in order by the last to arrive.
+    if HAS_ORDER:
+        row = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
+    else:
+        row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)  # [BLOCK_D] the whole output row
     d_mask = d < K
     x_row_ptr = x_ptr + row * stride_xm
-    tiles = tl.arange(0, BLOCK_TILES)
-    counts = tl.load(counts_ptr + row * n_tiles + tiles, mask=tiles < n_tiles, other=0)  # [BLOCK_TILES]
+    x = tl.load(x_row_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
+    t_begin = split * tiles_per_split
+    t_end = tl.minimum(t_begin + tiles_per_split, n_tiles)
+    local = tl.arange(0, BLOCK_TILES)
+    counts = tl.load(counts_ptr + row * n_tiles + t_begin + local, mask=t_begin + local < t_end, other=0)
     stored = tl.where(counts > SLOTS, 0, counts)  # overflowed tiles: recomputed whole, below
     ends = tl.cumsum(stored, axis=0)
     starts = ends - stored
     total = tl.sum(stored, axis=0)
-    width = n_tiles * SLOTS
+    row_slots = row * (n_tiles * SLOTS) + t_begin * SLOTS
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    # The row's stored entries as one dense sequence j = 0..total-1 (tile by tile), BLOCK_NZ at a time: with ~1
-    # non-zero per tile, walking tile by tile would leave most lanes idle.
-    for j0 in range(0, total, BLOCK_NZ):
-        j = j0 + tl.arange(0, BLOCK_NZ)  # [BLOCK_NZ]
+    # The stored entries as one sequence j = 0..total-1 (tile by tile), BLOCK_J at a time: with ~1 non-zero per
+    # tile, walking tile by tile would leave most of a step idle.
+    for j0 in range(0, total, BLOCK_J):
+        j = j0 + tl.arange(0, BLOCK_J)  # [BLOCK_J]
         j_mask = j < total
         tile_of_j = tl.sum((ends[None, :] <= j[:, None]).to(tl.int32), axis=1)
-        first_of_tile = tl.sum(tl.where(tiles[None, :] == tile_of_j[:, None], starts[None, :], 0), axis=1)
-        slot = row * width + tile_of_j * SLOTS + (j - first_of_tile)
-        n = tl.load(indices_ptr + slot, mask=j_mask, other=0)  # [BLOCK_NZ] neuron ids
+        first_of_tile = tl.sum(tl.where(local[None, :] == tile_of_j[:, None], starts[None, :], 0), axis=1)
+        slot = row_slots + tile_of_j * SLOTS + (j - first_of_tile)
+        n = tl.load(indices_ptr + slot, mask=j_mask, other=0)  # [BLOCK_J] neuron ids
         h_gate = tl.load(values_ptr + slot, mask=j_mask, other=0.0).to(tl.float32)
-        u = row_dots(x_row_ptr, wu_ptr, n, j_mask, K, stride_wu, 1, BLOCK_NZ, BLOCK_K)
+        w_up = tl.load(wu_ptr + n[:, None].to(tl.int64) * stride_wu + d[None, :],
+                       mask=j_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_J, BLOCK_D]  # fmt: skip
+        u = tl.sum(w_up.to(tl.float32) * x[None, :], axis=1)  # [BLOCK_J]
         if HAS_B_UP:
             u += tl.load(bu_ptr + n, mask=j_mask, other=0.0).to(tl.float32)
         acc = accumulate_rows(acc, tl.where(j_mask, h_gate * u, 0.0), n, j_mask, wd_ptr, stride_wd, d, d_mask)
-    if tl.max(counts, axis=0) > SLOTS:
-        acc = _recompute_overflowed_tiles(acc, row, counts_ptr, n_tiles, x_row_ptr, wg_ptr, stride_wg_n, stride_wg_k,
-                                          bg_ptr, wu_ptr, stride_wu, bu_ptr, wd_ptr, stride_wd, d, d_mask, K, N,
-                                          TILE, SLOTS, BLOCK_NZ, BLOCK_K, HAS_B_GATE, HAS_B_UP, True)  # fmt: skip
-    if HAS_B_DOWN:
-        acc += tl.load(bd_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * stride_ym + d, acc.to(y_ptr.dtype.element_ty), mask=d_mask)
+    has_overflow = tl.max(counts, axis=0) > SLOTS
+    if has_overflow:
+        acc = _recompute_overflowed_tiles(acc, row, counts_ptr, t_begin, t_end, n_tiles, x_row_ptr, wg_ptr,
+                                          stride_wg_n, stride_wg_k, bg_ptr, wu_ptr, stride_wu, bu_ptr, wd_ptr,
+                                          stride_wd, d, d_mask, K, N, TILE, SLOTS, BLOCK_C, BLOCK_K, BLOCK_J,
+                                          HAS_B_GATE, HAS_B_UP, True)  # fmt: skip
+    if n_splits > 1:
+        last, acc = sum_split_partials(acc, (total > 0) | has_overflow, partial_ptr, used_ptr, arrivals_ptr, row,
+                                       split, n_splits, 0, 1, K, d, d_mask, REDUCE_SPLITS)  # fmt: skip
+        if last:
+            if HAS_B_DOWN:
+                acc += tl.load(bd_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
+            tl.store(y_ptr + row * stride_ym + d, acc.to(y_ptr.dtype.element_ty), mask=d_mask)
+    else:
+        if HAS_B_DOWN:
+            acc += tl.load(bd_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * stride_ym + d, acc.to(y_ptr.dtype.element_ty), mask=d_mask)
+
+
+@triton.jit
+def heavy_first_order_kernel(counts_ptr, order_ptr, cursors_ptr, M, n_tiles, heavy_min,
+                             SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_TILES: tl.constexpr):  # fmt: skip
+    # order [M] (int32): a permutation of the tokens with the heavy ones (>= heavy_min stored non-zeros, or any
+    # overflowed tile) at the front and the rest at the back; cursors [2] int32 (zeroed) count the two ends. Order
+    # within each class depends on program timing -- it only schedules work, the results do not depend on it.
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    row_mask = rows < M
+    tiles = tl.arange(0, BLOCK_TILES)
+    counts = tl.load(counts_ptr + rows[:, None].to(tl.int64) * n_tiles + tiles[None, :],
+                     mask=row_mask[:, None] & (tiles[None, :] < n_tiles), other=0)  # fmt: skip
+    work = tl.sum(tl.where(counts > SLOTS, heavy_min, counts), axis=1)
+    heavy = row_mask & (work >= heavy_min)
+    light = row_mask & (work < heavy_min)
+    front = tl.atomic_add(cursors_ptr, tl.sum(heavy.to(tl.int32), axis=0))
+    back = tl.atomic_add(cursors_ptr + 1, tl.sum(light.to(tl.int32), axis=0))
+    tl.store(order_ptr + front + tl.cumsum(heavy.to(tl.int32), axis=0) - 1, rows, mask=heavy)
+    tl.store(order_ptr + (M - back) - tl.cumsum(light.to(tl.int32), axis=0), rows, mask=light)
 
 
 @triton.jit
@@ -278,10 +328,10 @@ def twell_overflow_down_kernel(counts_ptr, x_ptr, wa_ptr, ba_ptr, wd_ptr, y_ptr,
         d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         d_mask = d < K
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-        acc = _recompute_overflowed_tiles(acc, row, counts_ptr, n_tiles, x_ptr + row * stride_xm, wa_ptr,
+        acc = _recompute_overflowed_tiles(acc, row, counts_ptr, 0, n_tiles, n_tiles, x_ptr + row * stride_xm, wa_ptr,
                                           stride_wa_n, stride_wa_k, ba_ptr, wa_ptr, stride_wa_n, ba_ptr, wd_ptr,
-                                          stride_wd, d, d_mask, K, N, TILE, SLOTS, BLOCK_C, BLOCK_K, HAS_BA, False,
-                                          False)  # fmt: skip
+                                          stride_wd, d, d_mask, K, N, TILE, SLOTS, BLOCK_C, BLOCK_K, BLOCK_C, HAS_BA,
+                                          False, False)  # fmt: skip
         y_ptrs = y_ptr + row * stride_ym + d
         y = tl.load(y_ptrs, mask=d_mask, other=0.0).to(tl.float32)
         tl.store(y_ptrs, (y + acc).to(y_ptr.dtype.element_ty), mask=d_mask)
@@ -320,25 +370,6 @@ _twell_gate_kernel = triton.autotune(
 )(twell_gate_fwd_kernel)  # fmt: skip
 
 
-def _up_down_configs() -> list[triton.Config]:
-    configs = [triton.Config({"BLOCK_NZ": nz}, num_warps=w) for nz, w in
-               [(2, 4), (4, 4), (8, 4), (2, 8), (4, 8), (8, 8), (16, 8)]]  # fmt: skip
-    return _backend.tuning_configs(configs, triton.Config({"BLOCK_NZ": 16}))  # interpreter: few, wide steps
-
-
-def _prune_up_down_configs(configs, named_args, **kwargs):
-    # [BLOCK_NZ, BLOCK_D] weight tiles live in registers: keep them at most 16K elements.
-    block_d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D", 1024))
-    kept = [c for c in configs if c.kwargs["BLOCK_NZ"] * block_d <= 16384]
-    return kept or configs[:1]
-
-
-_twell_up_down_kernel = triton.autotune(
-    configs=_up_down_configs(), key=["tune_key", "K", "n_tiles", "BLOCK_D", "SLOTS"],
-    prune_configs_by={"early_config_prune": _prune_up_down_configs},
-)(twell_up_down_fwd_kernel)  # fmt: skip
-
-
 def _n_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 8
@@ -361,6 +392,43 @@ def _auto_tile(M: int, N: int, compression: int) -> int:
     tile = 256 if M > 64 else 64
     tile = min(tile, max(16, triton.next_power_of_2(N)))
     return max(tile, triton.next_power_of_2(compression))
+
+
+@dataclasses.dataclass(frozen=True)
+class _UpDownPlan:
+    block_d: int  # the whole output row
+    block_j: int  # stored entries per step: [block_j, block_d] weight tiles
+    num_warps: int
+    n_splits: int  # programs per token (each a share of its tiles)
+    ordered: bool  # heavy tokens scheduled first
+    block_c: int  # overflowed-tile recompute: columns per step ...
+    block_k: int  # ... and hidden elements per step (small: the recompute must not raise the kernel's registers)
+
+
+def _up_down_plan(M: int, K: int, n_tiles: int, device: torch.device) -> _UpDownPlan:
+    """Kernel 2's launch, measured on an H200 (scripts/probe_twell.py): 4 entries per step with ~64 weight elements
+    per thread per tile; one program per token once the batch fills the GPU (the heavy ones first), otherwise
+    each token's tiles split over enough programs to fill it."""
+    block_d = triton.next_power_of_2(max(K, 1))
+    block_j = 4 if block_d <= 16384 else max(1, 65536 // block_d)
+    num_warps = min(32, max(4, block_j * block_d // 2048))
+    wave = 2 * _n_sms(device)
+    n_splits = 1 if M >= wave else min(n_tiles, triton.cdiv(wave, max(M, 1)))
+    block_c, block_k = (16, 64) if _backend.INTERPRET else (8, 1024)
+    return _UpDownPlan(block_d, block_j, num_warps, n_splits, M >= wave, block_c, block_k)
+
+
+def _heavy_first_order(counts: torch.Tensor, slots: int, block_j: int) -> torch.Tensor:
+    """[M] int32 permutation of the tokens, those with >= 16 steps of work (or an overflowed tile) first."""
+    M, n_tiles = counts.shape
+    order = torch.empty(M, dtype=torch.int32, device=counts.device)
+    cursors = torch.zeros(2, dtype=torch.int32, device=counts.device)
+    block_m = 16 if _backend.INTERPRET else 256
+    heavy_first_order_kernel[(triton.cdiv(M, block_m),)](counts, order, cursors, M, n_tiles, 16 * block_j,
+                                                        SLOTS=slots, BLOCK_M=block_m,
+                                                        BLOCK_TILES=triton.next_power_of_2(n_tiles))  # fmt: skip
+    record_launch("heavy_first_order_kernel")
+    return order
 
 
 def _launch_gate(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tile: int,
@@ -405,15 +473,24 @@ def _launch_up_down(values, indices, counts, x2, w_gate, b_gate, w_up, b_up, w_d
         h = h_gate * F.linear(x2.to(compute), w_up.to(compute), _opt(b_up, compute))
         return y.copy_(F.linear(h, w_down_t.t().to(compute), _opt(b_down, compute)))
     n_tiles, slots = triton.cdiv(N, tile), tile // compression
-    block_d = _output_block(M, K, x2.device)
-    block_k = 64 if _backend.INTERPRET else min(block_d, 1024)
-    _twell_up_down_kernel[(M, triton.cdiv(K, block_d))](
-        values, indices, counts, x2, w_gate, b_gate if b_gate is not None else x2, w_up,
-        b_up if b_up is not None else x2, w_down_t, b_down if b_down is not None else x2, y,
-        K, N, n_tiles, _tune_key(M), x2.stride(0), w_gate.stride(0), w_gate.stride(1), w_up.stride(0),
-        w_down_t.stride(0), y.stride(0),
-        TILE=tile, SLOTS=slots, BLOCK_TILES=triton.next_power_of_2(n_tiles), BLOCK_K=block_k, BLOCK_D=block_d,
-        HAS_B_GATE=b_gate is not None, HAS_B_UP=b_up is not None, HAS_B_DOWN=b_down is not None,
+    plan = _up_down_plan(M, K, n_tiles, x2.device)
+    order = _heavy_first_order(counts, slots, plan.block_j) if plan.ordered else counts
+    if plan.n_splits > 1:
+        partial = torch.empty(M, plan.n_splits, K, dtype=torch.float32, device=x2.device)  # read where written only
+        used = torch.empty(M, plan.n_splits, dtype=torch.int32, device=x2.device)
+        arrivals = torch.zeros(M, 1, dtype=torch.int32, device=x2.device)
+    else:
+        partial = used = arrivals = y
+    twell_up_down_fwd_kernel[(M, plan.n_splits)](
+        values, indices, counts, order, x2, w_gate, b_gate if b_gate is not None else x2, w_up,
+        b_up if b_up is not None else x2, w_down_t, b_down if b_down is not None else x2, y, partial, used, arrivals,
+        K, N, n_tiles, triton.cdiv(n_tiles, plan.n_splits), plan.n_splits, x2.stride(0), w_gate.stride(0),
+        w_gate.stride(1), w_up.stride(0), w_down_t.stride(0), y.stride(0),
+        TILE=tile, SLOTS=slots, BLOCK_TILES=triton.next_power_of_2(triton.cdiv(n_tiles, plan.n_splits)),
+        BLOCK_J=plan.block_j, BLOCK_D=plan.block_d, BLOCK_C=plan.block_c, BLOCK_K=plan.block_k,
+        REDUCE_SPLITS=max(1, min(triton.next_power_of_2(plan.n_splits), 8192 // plan.block_d)),
+        HAS_ORDER=plan.ordered, HAS_B_GATE=b_gate is not None, HAS_B_UP=b_up is not None,
+        HAS_B_DOWN=b_down is not None, num_warps=plan.num_warps,
     )  # fmt: skip
     record_launch("twell_up_down_fwd_kernel")
     return y
@@ -486,22 +563,26 @@ def _relu_down(x2, w_up, b_up, w_down_t, b_down, tile: int, compression: int) ->
 
 @dataclasses.dataclass
 class CostModel:
-    """Rates for the auto decision, fitted to the H200 ``python -m sparsefuse bench ffn --quick`` run
-    (benchmarks/results/bench-NVIDIA-H200-ffn-quick.md, 1.5B shape, bf16): at M=8192 the TwELL gate kernel took
-    2.65x cuBLAS's gate matmul and kernel 2 gathered at ~0.9 TB/s; at M=16 kernel 2 took ~3.5 us per non-zero of a
-    token (a serial chain per program). With these the model predicts dense on that whole grid, as measured.
+    """Rates for the auto decision, fitted to the H200 runs of ``scripts/probe_twell.py`` (1.5B shape, bf16,
+    synthetic heavy-tailed sparsity, ~31 non-zeros per token; benchmarks/NOTES.md): the TwELL gate kernel took
+    2.3-2.8x cuBLAS's gate matmul from 2048 tokens up (its epilogue, not its mainloop: a counts-only epilogue ran at
+    1.1-1.2x); kernel 2 moved its weight rows at ~0.9 TB/s on the heavy-tailed batch (its overflowed tiles are
+    recomputed by a GEMV inside the token's program) against ~6 TB/s on a tail-free one; and the fused path never
+    took less than ~150 us at 1-16 tokens. With these the model predicts dense on the whole measured grid, as measured.
 
     ``gather_bytes_per_s`` is kernel 2's effective rate for weight-row gathers when the GPU is full; with fewer than
     ``2 * n_sms`` programs it scales down in proportion. ``twell_overhead`` scales the gate matmul for the TwELL
-    epilogue; ``serial_s_per_nonzero`` is kernel 2's floor per non-zero of a token."""
+    epilogue; ``serial_s_per_step`` is kernel 2's time per step of a token's chain (4 entries); ``min_s`` is the
+    fused path's floor at tiny batches."""
 
     matmul_flops_per_s: float = 600e12  # bf16/fp16 tensor cores
     fp32_matmul_flops_per_s: float = 50e12
     dram_bytes_per_s: float = 3.0e12
     gather_bytes_per_s: float = 0.9e12
     launch_s: float = 3e-6
-    twell_overhead: float = 2.65
-    serial_s_per_nonzero: float = 3.5e-6
+    twell_overhead: float = 2.5
+    serial_s_per_step: float = 1.5e-6
+    min_s: float = 100e-6
     n_sms: int = 132
 
 
@@ -511,14 +592,6 @@ COST_MODEL = CostModel()
 def _matmul_s(M: int, K: int, N: int, elem: int, fp32: bool, cm: CostModel) -> float:
     rate = cm.fp32_matmul_flops_per_s if fp32 else cm.matmul_flops_per_s
     return max(2.0 * M * K * N / rate, (M * K + K * N + M * N) * elem / cm.dram_bytes_per_s) + cm.launch_s
-
-
-def _output_splits(M: int, K: int, n_sms: int) -> int:
-    """Programs per token of kernel 2 (mirrors :func:`_output_block` on a GPU)."""
-    block = min(4096, triton.next_power_of_2(max(K, 1)))
-    while block > 128 and M * triton.cdiv(K, block) < 2 * n_sms:
-        block //= 2
-    return triton.cdiv(K, block)
 
 
 def predicted_times(M: int, K: int, N: int, mean_nnz: float, dtype: torch.dtype,
@@ -533,13 +606,15 @@ def predicted_times(M: int, K: int, N: int, mean_nnz: float, dtype: torch.dtype,
     fp32 = dtype == torch.float32
     gate = _matmul_s(M, K, N, elem, fp32, cm)
     dense = 3 * gate + 5.0 * M * N * elem / cm.dram_bytes_per_s + 2 * cm.launch_s
-    splits = _output_splits(M, K, cm.n_sms)
-    occupancy = min(1.0, M * splits / (2.0 * cm.n_sms))
-    gathered = M * mean_nnz * K * elem * (splits + 1.0)
+    wave = 2 * cm.n_sms
+    splits = 1 if M >= wave else min(triton.cdiv(N, _auto_tile(M, N, 1)), triton.cdiv(wave, max(M, 1)))
+    occupancy = min(1.0, M * splits / wave)
+    gathered = M * mean_nnz * 2.0 * K * elem  # a W_up row and a W_down row per non-zero
     distinct_rows = N * (1.0 - (1.0 - min(mean_nnz, N) / N) ** M) if N else 0.0
+    steps = mean_nnz / (4.0 * splits)  # a token's serial chain: 4 entries per step, its tiles over `splits`
     gathers = max(gathered / (cm.gather_bytes_per_s * occupancy), distinct_rows * 2.0 * K * elem / cm.dram_bytes_per_s,
-                  mean_nnz * cm.serial_s_per_nonzero)  # fmt: skip
-    twell = cm.twell_overhead * gate + gathers + 2.0 * M * K * elem / cm.dram_bytes_per_s + cm.launch_s
+                  steps * cm.serial_s_per_step)  # fmt: skip
+    twell = max(cm.min_s, cm.twell_overhead * gate + gathers + 2.0 * M * K * elem / cm.dram_bytes_per_s + cm.launch_s)
     return twell, dense
 
 

@@ -112,6 +112,31 @@ def _jumprelu_chunk(row, f, f_mask, x_ptr, stride_x, w_enc_ptr, stride_w_enc, b_
     return tl.where((pre > threshold) & (pre > 0), pre, 0.0)
 
 
+@triton.jit
+def sum_split_partials(acc, has_work, partial_ptr, used_ptr, arrivals_ptr, row, split, n_splits, d_block, n_d_blocks,
+                       n_out, d, d_mask, REDUCE_SPLITS: tl.constexpr):  # fmt: skip
+    """Combine the fp32 partial sums of a row whose work is split over ``n_splits`` programs, deterministically and
+    without float atomics. Each program stores its partial ``acc`` [BLOCK_D] into partial [M, n_splits, n_out]
+    (only if ``has_work``: used [M, n_splits] records which did), then arrives on arrivals [M, n_d_blocks] (int32,
+    zeroed); the last to arrive sums the partials in split order. Returns (is_last, the row's total in that program
+    -- meaningful only where is_last)."""
+    part = (row * n_splits + split) * n_out
+    if has_work:  # an empty split writes nothing; the sum below skips it
+        tl.store(partial_ptr + part + d, acc, mask=d_mask)
+    tl.store(used_ptr + row * n_splits + split, has_work.to(tl.int32))
+    tl.debug_barrier()  # every thread's stores precede the release below
+    arrived = tl.atomic_add(arrivals_ptr + row * n_d_blocks + d_block, 1) + 1  # acq_rel
+    total = tl.zeros_like(acc)
+    if arrived == n_splits:
+        for s0 in range(0, n_splits, REDUCE_SPLITS):  # fixed order: deterministic
+            s = s0 + tl.arange(0, REDUCE_SPLITS)  # [REDUCE_SPLITS]
+            used = tl.load(used_ptr + row * n_splits + s, mask=s < n_splits, other=0, cache_modifier=".cg") > 0
+            p = tl.load(partial_ptr + (row * n_splits + s[:, None]) * n_out + d[None, :],
+                        mask=used[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")  # fmt: skip
+            total += tl.sum(p, axis=0)
+    return arrived == n_splits, total
+
+
 _FORMAT_ELL = tl.constexpr(0)
 _FORMAT_CSR = tl.constexpr(1)
 _FORMAT_DENSE = tl.constexpr(2)
@@ -160,21 +185,9 @@ def gather_accumulate_kernel(values_ptr, indices_ptr, counts_ptr, row_offsets_pt
             split_nnz += tl.sum((a != 0).to(tl.int32), axis=0)
             acc = accumulate_nonzeros(acc, a, f, w_ptr, stride_w, d, d_mask, GROUP)
         if n_splits > 1:
-            part = (row * n_splits + split) * n_out
-            if split_nnz > 0:  # an empty split writes nothing; the sum below skips it
-                tl.store(partial_ptr + part + d, acc, mask=d_mask)
-            tl.store(split_nnz_ptr + row * n_splits + split, split_nnz)
-            tl.debug_barrier()  # every thread's stores precede the release below
-            arrived = tl.atomic_add(arrivals_ptr + row * n_d_blocks + d_block, 1) + 1  # acq_rel
-            if arrived == n_splits:
-                acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-                for s0 in range(0, n_splits, REDUCE_SPLITS):  # fixed order: deterministic
-                    s = s0 + tl.arange(0, REDUCE_SPLITS)  # [REDUCE_SPLITS]
-                    used = tl.load(split_nnz_ptr + row * n_splits + s, mask=s < n_splits, other=0,
-                                   cache_modifier=".cg") > 0  # fmt: skip
-                    p = tl.load(partial_ptr + (row * n_splits + s[:, None]) * n_out + d[None, :],
-                                mask=used[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
-                    acc += tl.sum(p, axis=0)
+            last, acc = sum_split_partials(acc, split_nnz > 0, partial_ptr, split_nnz_ptr, arrivals_ptr, row, split,
+                                           n_splits, d_block, n_d_blocks, n_out, d, d_mask, REDUCE_SPLITS)  # fmt: skip
+            if last:
                 tl.store(out_ptr + row * stride_out + d, acc.to(out_ptr.dtype.element_ty), mask=d_mask)
             return
     else:
