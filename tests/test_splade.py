@@ -178,6 +178,27 @@ def test_forward_matches_float64_reference(B, S, H, V, bias, mask, pooling, dtyp
         assert torch.equal(out[:, ::7].cpu(), torch.zeros_like(out[:, ::7].cpu()))  # all-negative columns
 
 
+@pytest.mark.parametrize("persistent, tma", [(False, False), (True, False), (False, True), (True, True)])
+def test_every_forward_schedule(persistent, tma, monkeypatch, device):
+    """The config rule picks TMA + persistent for inference and one tile per program with pointer loads for the
+    training forward; force each (schedule, loads) pair for both: sequences over several tiles (partials + combine
+    kernel) and within one tile, a vocabulary tail, padding, max with and without the saved argmax, and sum."""
+    import sparsefuse.splade.head as head
+
+    if device.type == "cuda" and tma and torch.cuda.get_device_capability(device)[0] != 9:
+        pytest.skip("TMA loads are used on Hopper only")
+    config = head._FwdConfig(16, 32, 16, num_warps=4, num_stages=1, persistent=persistent, tma=tma)
+    monkeypatch.setattr(head, "_fwd_config", lambda hidden, weight, save_aux: config)
+    for B, S in [(3, 40), (2, 9)]:
+        hidden, weight, bias, mask = make_inputs(B, S, 32, 70, torch.float16, device)
+        assert head._tma_eligible(hidden, weight) or not tma
+        with track_launches() as launched:
+            check_forward(hidden, weight, bias, mask, "max")
+            check_forward(hidden, weight, bias, mask, "sum")
+        assert launched["splade_fwd_combine_kernel"] == (2 if S > 16 else 0)
+        check_gradients(hidden, weight, bias, mask, "max")
+
+
 def test_vocabulary_tail_over_many_tiles(device):
     """A prime vocabulary over 32 tiles (V = 30522 itself runs in the GPU tests: under the interpreter every one of
     its ~1000 programs costs tens of milliseconds)."""

@@ -7,15 +7,24 @@
 Masked positions contribute 0 -- so a column whose unmasked logits are all negative scores 0, and a fully masked
 row is all zeros. The mask is an attention mask: any non-zero value keeps the position.
 
-Forward: ONE kernel. A program owns a (batch row b, vocabulary tile) pair and walks the sequence in BLOCK_S tiles,
-so its weight tile is reused across the whole sequence; each [BLOCK_S, BLOCK_V] logit tile comes from ``tl.dot``
-(fp32 accumulation) and is reduced on the spot. For max pooling the reduction is over the raw logits: since
-``log1p(relu(.))`` is non-decreasing, ``max_s f(x_s) = f(max_s x_s)``, and because fp32 rounding is monotone,
-``max_s (x_s + bias) = max_s x_s + bias`` exactly, so the bias and ``log1p(relu(.))`` are applied once per
-(b, v) at the end. Sum pooling does not commute, so each logit goes through ``log1p(relu(. + bias))`` before being
-summed. Fully masked sequence tiles (padding) are skipped. Programs are ordered in groups of batch rows whose hidden
-states fit in L2 together, so each weight tile is read from DRAM about once per group. Nothing of size [B, S, V] or
-[B, S, BLOCK_V] ever reaches global memory.
+Forward: a GEMM over hidden viewed as [B*S, H] times weight^T [H, V] whose [BLOCK_M, BLOCK_N] output tiles never
+cross a batch row (an M tile holds BLOCK_M positions of one batch row; positions past S and masked ones are
+excluded), with the pooling as the matmul's epilogue: each logit tile comes from ``tl.dot`` (fp32 accumulation) and
+is reduced over its rows on the spot, so nothing of size [B, S, V] ever reaches global memory. For max pooling the
+reduction is over the raw logits: since ``log1p(relu(.))`` is non-decreasing, ``max_s f(x_s) = f(max_s x_s)``, and
+because fp32 rounding is monotone, ``max_s (x_s + bias) = max_s x_s + bias`` exactly, so the bias and
+``log1p(relu(.))`` are applied once per (b, v) at the end; the first row equal to the column max gives the argmax.
+Sum pooling does not commute, so each logit goes through ``log1p(relu(. + bias))`` before being summed; both
+poolings run in the same kernel. When one M tile covers the sequence (BLOCK_M >= S) the epilogue writes the output
+directly; otherwise each tile writes fp32 partials [B, cdiv(S, BLOCK_M), V] (column max or sum, and the first
+argmax position as int32) and a small combine kernel folds them in sequence order (strictly greater wins, so ties
+keep the first position; deterministic). Tiles are ordered in groups of M tiles whose hidden rows fit in L2
+together, so each weight tile is read from DRAM about once per group. Two schedules: one tile per program (fully
+masked padding tiles then skip their matmul), or persistent (one program per SM) with the tile loop flattened into
+the K loop (``tl.range(flatten=True)``) so the software pipeline keeps loading across tiles; padding tiles are then
+computed and masked. Loads are pointer loads, or on Hopper TMA loads through ``tl.make_tensor_descriptor`` (which
+needs ``triton.set_allocator``: set only before a TMA launch and only when no allocator is set yet, to one that
+allocates with torch on the current device and stream, so it works under CUDA graph capture).
 
 Backward, max pooling: only the argmax position of each (b, v) receives a gradient. When gradients are needed the
 forward also stores ``argmax`` [B, V] (int32; first position on ties, like ``torch.max``) and the derivative
@@ -42,10 +51,25 @@ results are bitwise reproducible run to run; this is the only mode and needs no 
 ``dlogit * weight[v]`` into grad_hidden would read each weight row once instead of once per batch row, at the price
 of B*V*H float atomics and run-to-run variation; it is not implemented.)
 
-Tuning: the forward autotunes (BLOCK_S, BLOCK_V, warps, stages) per (V, H, dtype, pooling) and power-of-two class of
-B and S. ``SPARSEFUSE_SPLADE_FLATTEN=1`` (read at import) adds candidates that let Triton flatten the sequence x
-hidden loop nest (``tl.range(flatten=True)``) so the software pipeline does not drain at every sequence tile;
-those candidates do not skip padding tiles.
+Tuning: the forward uses a fixed rule (``_fwd_config``), no autotuning. Measured by scripts/probe_splade_fwd.py on an
+H200 (Triton 3.6, torch 2.11), bf16 max pooling at B=32, S=256, H=768, V=30522, inference / with SAVE_AUX:
+
+* previous kernel (a program per (b, vocabulary tile) walking the sequence; autotuned, picked 128x128 w4 s3):
+  875 / 990 us;
+* TMA + persistent, BLOCK_M x BLOCK_N x BLOCK_K = 128x256x64, 8 warps, 3 stages: 628 us (88% of the measured
+  matmul rate) / 778 us;
+* the same without TMA (pointer loads): 702 / 831 us;
+* one tile per program, pointer loads, 128x128x64, 4 warps, 3 stages: 655 / 729 us (best with SAVE_AUX).
+
+At B=64, S=512: previous 3442 / 3753 us, TMA + persistent 128x256 2433 / 3038 us; at V=250002: 7410 / 8179 us
+vs 5505 / 6429 us. Hence the rule: on Hopper (capability 9.x), 16-bit inputs whose layout TMA accepts (16-byte
+aligned bases and row strides, hidden's rows equally spaced), inference (sum pooling too, which saves nothing;
+not measured) runs TMA + persistent 128x256x64 w8 s3; with SAVE_AUX, and for 16-bit inputs elsewhere, one tile per
+program with pointer loads, 128x128x64 w4 s3 (2 stages where a block gets < 128 KiB of shared memory). BLOCK_M is
+64 when S <= 64 (short queries). fp32 uses 64x128x32 w4 s3 with pointer loads. The S <= 64, fp32 and
+non-Hopper choices are reasonable defaults, not measurements. Under the interpreter the same rule runs with
+16x32x16 tiles (and 4 persistent programs), so the CPU tests cover both the TMA + persistent and the pointer-load
+paths.
 
 Precision: fp32/fp16/bf16 inputs (hidden and weight of one dtype; bias any float dtype); logits accumulate in fp32,
 ``log1p`` is evaluated accurately near 0, the output is rounded once to the input dtype. fp32 products use exact
@@ -55,7 +79,9 @@ NaN logits propagate to the output (the argmax stored for a NaN column is unspec
 
 from __future__ import annotations
 
-import os
+import dataclasses
+import functools
+import threading
 
 import torch
 import triton
@@ -156,25 +182,6 @@ def _logit_tile(hidden_row_ptr, weight_ptr, s_load, v_load, H, stride_hs, stride
 
 
 @triton.jit
-def _pool_tile(acc, keep, s, S, bias, best, best_s, total, POOL_MAX: tl.constexpr, SAVE_AUX: tl.constexpr,
-               NATIVE_NAN_MAX: tl.constexpr):  # fmt: skip
-    """Fold one [BLOCK_S, BLOCK_V] logit tile (no bias yet) into the running (best, best_s, total) of a program."""
-    if POOL_MAX:
-        logits = tl.where(keep[:, None], acc, float("-inf"))
-        tile_max = _column_max(logits, NATIVE_NAN_MAX)  # [BLOCK_V]
-        # strictly greater: on ties the earlier tile keeps the max (first position, like torch.max); NaN sticks
-        better = (tile_max > best) | ((tile_max != tile_max) & (best == best))
-        best = tl.where(better, tile_max, best)
-        if SAVE_AUX:
-            first = tl.min(tl.where(logits == tile_max[None, :], s[:, None], 2147483647), axis=0)
-            best_s = tl.where(better, tl.minimum(first, S - 1), best_s)  # NaN column: clamped, unspecified
-    else:
-        scores = _log1p_nonneg(tl.maximum(acc + bias[None, :], 0.0, propagate_nan=tl.PropagateNan.ALL))
-        total += tl.sum(tl.where(keep[:, None], scores, 0.0), axis=0)
-    return best, best_s, total
-
-
-@triton.jit
 def _kept_positions(mask_ptr, b, s, S, stride_mb, stride_ms, HAS_MASK: tl.constexpr):
     """[BLOCK_S] bool: in range and not masked out."""
     keep = s < S
@@ -184,82 +191,160 @@ def _kept_positions(mask_ptr, b, s, S, stride_mb, stride_ms, HAS_MASK: tl.conste
     return keep
 
 
-def _fwd_configs() -> list[triton.Config]:
-    configs = [
-        triton.Config({"BLOCK_S": bs, "BLOCK_V": bv, "FLATTEN": False}, num_warps=w, num_stages=st)
-        for bs, bv, w, st in [
-            (128, 128, 8, 3), (128, 128, 8, 4), (128, 128, 4, 3), (64, 128, 4, 4), (64, 128, 4, 3),
-            (128, 256, 8, 3), (64, 256, 8, 3), (128, 64, 4, 4),
-        ]
-    ]  # fmt: skip
-    if os.environ.get("SPARSEFUSE_SPLADE_FLATTEN", "0") == "1":
-        # Experimental: let Triton flatten the sequence x hidden loop nest so the pipeline does not drain at every
-        # sequence tile. Off by default until measured on the target GPU/Triton.
-        configs += [triton.Config({**c.kwargs, "FLATTEN": True}, num_warps=c.num_warps, num_stages=c.num_stages)
-                    for c in configs[:4]]  # fmt: skip
-    return tuning_configs(configs, interpret_config=triton.Config({"BLOCK_S": 16, "BLOCK_V": 32, "FLATTEN": False}))
-
-
-@triton.autotune(configs=_fwd_configs(), key=["V", "H", "s_bucket", "b_bucket", "POOL_MAX", "SAVE_AUX"])
 @triton.jit
-def splade_fwd_kernel(hidden_ptr, weight_ptr, bias_ptr, mask_ptr, out_ptr, argmax_ptr, slope_ptr,
-                      B, S, V, H, stride_hb, stride_hs, stride_wv, stride_mb, stride_ms, group_b, s_bucket, b_bucket,
-                      BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, FLATTEN: tl.constexpr,
-                      POOL_MAX: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
-                      SAVE_AUX: tl.constexpr, EVEN_H: tl.constexpr, IEEE_FP32: tl.constexpr,
-                      NATIVE_NAN_MAX: tl.constexpr):  # fmt: skip
-    # hidden [B, S, H], weight [V, H] (unit last strides), bias [V], mask [B, S] (any int/float dtype);
-    # out [B, V] (hidden's dtype); max pooling with SAVE_AUX: argmax [B, V] int32, slope [B, V] fp32.
-    # s_bucket/b_bucket only key the autotuner.
+def _dot(a, b, acc, IEEE_FP32: tl.constexpr):
+    if IEEE_FP32:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _tile_coords(tile_id, num_pid_m, num_pid_n, group_m):
+    """(M tile, N tile) of a linear tile id, grouped: group_m consecutive M tiles (hidden rows that fit in L2
+    together) sweep the vocabulary tiles side by side, so consecutive tiles share a weight tile and each weight
+    tile is read from DRAM about once per group."""
+    per_group = group_m * num_pid_n
+    first_m = (tile_id // per_group) * group_m
+    rows = tl.minimum(num_pid_m - first_m, group_m)
+    local = tile_id % per_group
+    return first_m + local % rows, local // rows
+
+
+@triton.jit
+def _finish_columns(value, best_s, b, v, v_ok, V, bias_ptr, out_ptr, argmax_ptr, slope_ptr, POOL_MAX: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, SAVE_AUX: tl.constexpr):  # fmt: skip
+    """Writes out[b, v] (and argmax/slope) from the pooled value of a [BLOCK_N] column block of batch row b: for max
+    pooling the masked max raw logit (no bias yet; -inf when every position is masked), for sum pooling the sum."""
+    offsets = b.to(tl.int64) * V + v
+    if POOL_MAX:
+        m = value
+        if HAS_BIAS:
+            m = m + tl.load(bias_ptr + tl.minimum(v, V - 1)).to(tl.float32)
+        y = _log1p_nonneg(tl.maximum(m, 0.0, propagate_nan=tl.PropagateNan.ALL))  # -inf (fully masked) -> 0
+        if SAVE_AUX:
+            tl.store(argmax_ptr + offsets, best_s, mask=v_ok)
+            tl.store(slope_ptr + offsets, tl.where(m > 0, 1.0 / (1.0 + m), 0.0), mask=v_ok)
+    else:
+        y = value
+    tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=v_ok)
+
+
+@triton.jit
+def splade_fwd_kernel(hidden_ptr, weight_ptr, bias_ptr, mask_ptr, out_ptr, argmax_ptr, slope_ptr, part_ptr,
+                      part_arg_ptr, B, S, V, stride_hb, stride_hs, stride_wv, stride_mb, stride_ms, n_s_tiles, group_m,
+                      H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      POOL_MAX: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, SAVE_AUX: tl.constexpr,
+                      SINGLE_PASS: tl.constexpr, PERSISTENT: tl.constexpr, USE_TMA: tl.constexpr,
+                      IEEE_FP32: tl.constexpr, NATIVE_NAN_MAX: tl.constexpr):  # fmt: skip
+    # A GEMM over hidden viewed as [B*S, H] times weight^T [H, V] whose M tiles never cross a batch row: M tile
+    # pid_m = b * n_s_tiles + j holds positions s = j*BLOCK_M ... j*BLOCK_M + BLOCK_M - 1 of batch row b (s >= S and
+    # masked positions are excluded by `keep`). hidden [B, S, H], weight [V, H] (unit last strides), bias [V],
+    # mask [B, S] (any int/float dtype); out [B, V] (hidden's dtype); SAVE_AUX: argmax [B, V] int32, slope fp32.
+    # SINGLE_PASS (n_s_tiles == 1): each tile finishes its columns. Otherwise each tile writes the partials
+    # part [B * n_s_tiles, V] fp32 (column max of the raw logits, or column sum of the scores) and part_arg (the
+    # first position of the max) for splade_fwd_combine_kernel. A program walks tiles pid, pid + #programs, ...:
+    # PERSISTENT grids have one program per SM and flatten that loop with the K loop (the pipeline keeps loading
+    # across tiles); otherwise there is one tile per program and fully masked (padding) tiles skip their matmul.
+    K_TILES: tl.constexpr = (H + BLOCK_K - 1) // BLOCK_K
+    EVEN_K: tl.constexpr = H % BLOCK_K == 0
+    num_pid_m = B * n_s_tiles
+    num_pid_n = tl.cdiv(V, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    if USE_TMA:  # hidden rows are equally spaced ([B*S, H] view); rows past S read the next batch row, masked below
+        hidden_desc = tl.make_tensor_descriptor(hidden_ptr, shape=[B * S, H], strides=[stride_hs, 1],
+                                                block_shape=[BLOCK_M, BLOCK_K])  # fmt: skip
+        weight_desc = tl.make_tensor_descriptor(weight_ptr, shape=[V, H], strides=[stride_wv, 1],
+                                                block_shape=[BLOCK_N, BLOCK_K])  # fmt: skip
+    for tile_id in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=PERSISTENT):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, group_m)
+        b = pid_m // n_s_tiles
+        s0 = (pid_m % n_s_tiles) * BLOCK_M
+        s = s0 + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+        v = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        v_ok = v < V
+        v_load = tl.minimum(v, V - 1)
+        keep = _kept_positions(mask_ptr, b, s, S, stride_mb, stride_ms, HAS_MASK)  # [BLOCK_M]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        run = True
+        if HAS_MASK and not PERSISTENT:  # (a branch inside the flattened loop nest would stop the flattening)
+            run = tl.max(keep.to(tl.int32), axis=0) > 0
+        if run:
+            if USE_TMA:  # out-of-range rows, columns and the K tail are zero-filled by the TMA unit
+                row0 = b * S + s0
+                for ki in range(K_TILES):
+                    x = hidden_desc.load([row0, ki * BLOCK_K])  # [BLOCK_M, BLOCK_K]
+                    w = weight_desc.load([pid_n * BLOCK_N, ki * BLOCK_K])  # [BLOCK_N, BLOCK_K]
+                    acc = _dot(x, tl.trans(w), acc, IEEE_FP32)
+            else:  # clamped row/column indices (tails are excluded by keep / v_ok); only the K tail needs a mask
+                k = tl.arange(0, BLOCK_K)
+                s_load = tl.minimum(s, S - 1)
+                x_ptrs = (hidden_ptr + b.to(tl.int64) * stride_hb + s_load[:, None].to(tl.int64) * stride_hs
+                          + k[None, :])  # [BLOCK_M, BLOCK_K]  # fmt: skip
+                w_ptrs = weight_ptr + v_load[None, :].to(tl.int64) * stride_wv + k[:, None]  # [BLOCK_K, BLOCK_N]
+                for ki in range(K_TILES):
+                    if EVEN_K:
+                        x = tl.load(x_ptrs + ki * BLOCK_K)
+                        w = tl.load(w_ptrs + ki * BLOCK_K)
+                    else:
+                        x = tl.load(x_ptrs + ki * BLOCK_K, mask=(ki * BLOCK_K + k)[None, :] < H, other=0.0)
+                        w = tl.load(w_ptrs + ki * BLOCK_K, mask=(ki * BLOCK_K + k)[:, None] < H, other=0.0)
+                    acc = _dot(x, w, acc, IEEE_FP32)
+        if POOL_MAX:  # over the raw logits: the bias and log1p(relu(.)) commute with the max (module docstring)
+            logits = tl.where(keep[:, None], acc, float("-inf"))  # [BLOCK_M, BLOCK_N]
+            value = _column_max(logits, NATIVE_NAN_MAX)  # [BLOCK_N]
+            if SAVE_AUX:  # first position equal to the max (ties: first, like torch.max); NaN column: clamped
+                best_s = tl.min(tl.where(logits == value[None, :], s[:, None], 2147483647), axis=0)
+                best_s = tl.minimum(best_s, S - 1)
+            else:
+                best_s = tl.zeros([BLOCK_N], dtype=tl.int32)
+        else:
+            if HAS_BIAS:
+                bias = tl.load(bias_ptr + v_load).to(tl.float32)  # [BLOCK_N]
+            else:
+                bias = tl.zeros([BLOCK_N], dtype=tl.float32)
+            scores = _log1p_nonneg(tl.maximum(acc + bias[None, :], 0.0, propagate_nan=tl.PropagateNan.ALL))
+            value = tl.sum(tl.where(keep[:, None], scores, 0.0), axis=0)  # [BLOCK_N]
+            best_s = tl.zeros([BLOCK_N], dtype=tl.int32)
+        if SINGLE_PASS:
+            _finish_columns(value, best_s, b, v, v_ok, V, bias_ptr, out_ptr, argmax_ptr, slope_ptr, POOL_MAX,
+                            HAS_BIAS, SAVE_AUX)  # fmt: skip
+        else:
+            part_offsets = pid_m.to(tl.int64) * V + v
+            tl.store(part_ptr + part_offsets, value, mask=v_ok)
+            if SAVE_AUX:
+                tl.store(part_arg_ptr + part_offsets, best_s, mask=v_ok)
+
+
+@triton.jit
+def splade_fwd_combine_kernel(part_ptr, part_arg_ptr, bias_ptr, out_ptr, argmax_ptr, slope_ptr, V, n_s_tiles,
+                              BLOCK_V: tl.constexpr, POOL_MAX: tl.constexpr, HAS_BIAS: tl.constexpr,
+                              SAVE_AUX: tl.constexpr):  # fmt: skip
+    # Folds the n_s_tiles partials of each (b, v) in sequence order (fixed order: deterministic) and finishes them.
     pid = tl.program_id(0)
     n_v_tiles = tl.cdiv(V, BLOCK_V)
-    tiles_per_group = group_b * n_v_tiles
-    first_b = (pid // tiles_per_group) * group_b
-    rows_in_group = tl.minimum(B - first_b, group_b)
-    local = pid % tiles_per_group
-    b = first_b + local % rows_in_group  # consecutive programs: same vocabulary tile, different batch rows
-    v = (local // rows_in_group) * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+    b = pid // n_v_tiles
+    v = (pid % n_v_tiles) * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V]
     v_ok = v < V
-    v_load = tl.minimum(v, V - 1)
-    hidden_row_ptr = hidden_ptr + b.to(tl.int64) * stride_hb
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + v_load).to(tl.float32)  # [BLOCK_V]
-    else:
-        bias = tl.zeros([BLOCK_V], dtype=tl.float32)
-
-    best = tl.full([BLOCK_V], float("-inf"), dtype=tl.float32)  # running max of the masked raw logits (no bias)
-    best_s = tl.zeros([BLOCK_V], dtype=tl.int32)
-    total = tl.zeros([BLOCK_V], dtype=tl.float32)  # running sum of log1p(relu(logit + bias))
-    for s0 in tl.range(0, S, BLOCK_S, flatten=FLATTEN):
-        s = s0 + tl.arange(0, BLOCK_S)  # [BLOCK_S]
-        s_load = tl.minimum(s, S - 1)
-        keep = _kept_positions(mask_ptr, b, s, S, stride_mb, stride_ms, HAS_MASK)
-        if FLATTEN:  # the hidden-dimension loop sits directly in this loop's body, so the nest can be flattened
-            acc = _logit_tile(hidden_row_ptr, weight_ptr, s_load, v_load, H, stride_hs, stride_wv,
-                              BLOCK_S, BLOCK_V, BLOCK_H, EVEN_H, IEEE_FP32)  # [BLOCK_S, BLOCK_V]  # fmt: skip
-            best, best_s, total = _pool_tile(acc, keep, s, S, bias, best, best_s, total, POOL_MAX, SAVE_AUX,
-                                             NATIVE_NAN_MAX)  # fmt: skip
-        else:
-            if HAS_MASK:
-                has_tokens = tl.max(keep.to(tl.int32), axis=0) > 0
-            else:
-                has_tokens = s0 < S
-            if has_tokens:  # a tile of padding contributes nothing: skip its matmul
-                acc = _logit_tile(hidden_row_ptr, weight_ptr, s_load, v_load, H, stride_hs, stride_wv,
-                                  BLOCK_S, BLOCK_V, BLOCK_H, EVEN_H, IEEE_FP32)  # [BLOCK_S, BLOCK_V]  # fmt: skip
-                best, best_s, total = _pool_tile(acc, keep, s, S, bias, best, best_s, total, POOL_MAX, SAVE_AUX,
-                                                 NATIVE_NAN_MAX)  # fmt: skip
-
-    out_offsets = b.to(tl.int64) * V + v
     if POOL_MAX:
-        m = best + bias  # -inf for a fully masked row: relu makes it 0
-        y = _log1p_nonneg(tl.maximum(m, 0.0, propagate_nan=tl.PropagateNan.ALL))
-        if SAVE_AUX:
-            tl.store(argmax_ptr + out_offsets, best_s, mask=v_ok)
-            tl.store(slope_ptr + out_offsets, tl.where(m > 0, 1.0 / (1.0 + m), 0.0), mask=v_ok)
+        value = tl.full([BLOCK_V], float("-inf"), dtype=tl.float32)
     else:
-        y = total
-    tl.store(out_ptr + out_offsets, y.to(out_ptr.dtype.element_ty), mask=v_ok)
+        value = tl.zeros([BLOCK_V], dtype=tl.float32)
+    best_s = tl.zeros([BLOCK_V], dtype=tl.int32)
+    for j in range(0, n_s_tiles):
+        offsets = (b.to(tl.int64) * n_s_tiles + j) * V + v
+        x = tl.load(part_ptr + offsets, mask=v_ok, other=0.0)
+        if POOL_MAX:
+            # strictly greater: on ties the earlier tile keeps the max (first position); NaN sticks
+            better = (x > value) | ((x != x) & (value == value))
+            value = tl.where(better, x, value)
+            if SAVE_AUX:
+                best_s = tl.where(better, tl.load(part_arg_ptr + offsets, mask=v_ok, other=0), best_s)
+        else:
+            value += x
+    _finish_columns(value, best_s, b, v, v_ok, V, bias_ptr, out_ptr, argmax_ptr, slope_ptr, POOL_MAX, HAS_BIAS,
+                    SAVE_AUX)  # fmt: skip
 
 
 @triton.jit
@@ -417,6 +502,98 @@ def _tune_buckets(B: int, S: int) -> tuple[int, int]:
     return S.bit_length(), B.bit_length()  # autotune once per power-of-two size class, not per padded length
 
 
+@dataclasses.dataclass(frozen=True)
+class _FwdConfig:
+    """Tile shape and schedule of splade_fwd_kernel (chosen by :func:`_fwd_config`)."""
+
+    block_m: int  # sequence positions of one batch row per tile
+    block_n: int  # vocabulary columns per tile
+    block_k: int  # hidden (reduction) slice per step
+    num_warps: int
+    num_stages: int
+    persistent: bool = False  # one program per SM, the tile loop flattened with the K loop
+    tma: bool = False  # tensor-descriptor (TMA) loads instead of pointer loads
+
+
+_TMA_API = hasattr(tl, "make_tensor_descriptor") and hasattr(triton, "set_allocator")
+_INTERPRET_PROGRAMS = 4  # "SMs" of a persistent grid under the interpreter (several tiles per program)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_info(index: int) -> tuple[int, int, int]:
+    """(compute capability major, SM count, opt-in shared memory per block in bytes) of a CUDA device."""
+    p = torch.cuda.get_device_properties(index)
+    smem = getattr(p, "shared_memory_per_block_optin", 0)
+    if not smem:  # older torch: the datacenter parts have >= 164 KiB, the others ~100 KiB
+        smem = 164 << 10 if p.major in (9, 10) or (p.major, p.minor) == (8, 0) else 99 << 10
+    return p.major, p.multi_processor_count, smem
+
+
+def _cuda_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _tma_eligible(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """TMA loads are possible for this call: Triton has device-side tensor descriptors, the GPU is a Hopper (or the
+    interpreter runs), the inputs are 16-bit, the bases and row strides are 16-byte aligned, and hidden's rows are
+    equally spaced so that it can be described as one [B*S, H] matrix."""
+    if not _TMA_API or hidden.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if not _backend.INTERPRET and not (hidden.is_cuda and _device_info(_cuda_index(hidden.device))[0] == 9):
+        return False
+    B, S, H = hidden.shape
+    size = hidden.element_size()
+    return (H * size >= 16 and B * S < 2**31 and hidden.stride(2) == 1 and weight.stride(1) == 1
+            and (B == 1 or hidden.stride(0) == S * hidden.stride(1))
+            and all(x % 16 == 0 for x in (hidden.data_ptr(), weight.data_ptr(), hidden.stride(1) * size,
+                                          weight.stride(0) * size)))  # fmt: skip
+
+
+def _fwd_config(hidden: torch.Tensor, weight: torch.Tensor, save_aux: bool) -> _FwdConfig:
+    """The forward's config rule (module docstring, "Tuning"). Under the interpreter the same rule with small tiles,
+    so the CPU tests run the TMA + persistent kernel for inference and the pointer-load kernel with SAVE_AUX."""
+    tma = not save_aux and _tma_eligible(hidden, weight)
+    if _backend.INTERPRET:
+        return _FwdConfig(16, 32, 16, num_warps=4, num_stages=1, persistent=tma, tma=tma)
+    block_m = 64 if hidden.shape[1] <= 64 else 128  # short sequences (queries): half the masked rows
+    if tma:  # measured best for inference on an H200
+        return _FwdConfig(block_m, 256, 64, num_warps=8, num_stages=3, persistent=True, tma=True)
+    if hidden.dtype == torch.float32:
+        return _FwdConfig(64, 128, 32, num_warps=4, num_stages=3)
+    big_smem = _device_info(_cuda_index(hidden.device))[2] >= 128 << 10
+    return _FwdConfig(block_m, 128, 64, num_warps=4, num_stages=3 if big_smem else 2)  # measured best with SAVE_AUX
+
+
+def _torch_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Triton's global scratch (device-side tensor descriptors) from torch's caching allocator, on the current
+    device and stream, i.e. where Triton launches. Stream-ordered like any temporary, and under CUDA graph capture
+    it comes from the graph's private pool, so captured launches replay with a valid buffer."""
+    del stream  # torch.empty allocates on the current stream, the one Triton launches on
+    buffer = torch.empty(size + alignment, dtype=torch.int8, device=torch.device("cuda", torch.cuda.current_device()))
+    start = -buffer.data_ptr() % alignment  # 0 in practice: torch's blocks are 512-byte aligned
+    return buffer[start:start + size]
+
+
+_allocator_fallback = threading.local()
+
+
+def _ensure_tma_allocator() -> None:
+    """Installs :func:`_torch_scratch` with ``triton.set_allocator`` unless an allocator is already set. Called
+    only before TMA launches. Triton keeps the allocator in a ContextVar, so this sets it once per thread/context
+    and never replaces one that the application installed."""
+    try:
+        from triton.runtime import _allocation
+
+        current = _allocation._allocator
+        current = current.get() if hasattr(current, "get") else current  # ContextVar, or a module global (older)
+        missing = isinstance(current, _allocation.NullAllocator)
+    except (ImportError, AttributeError):  # private layout changed: set ours once per thread
+        missing = not getattr(_allocator_fallback, "done", False)
+        _allocator_fallback.done = True
+    if missing:
+        triton.set_allocator(_torch_scratch)
+
+
 def _torch_reference_forward(hidden, weight, bias, mask, pooling, save_aux):
     compute = _backend.compute_dtype(hidden.dtype)
     h, w = hidden.to(compute), weight.to(compute)
@@ -464,21 +641,43 @@ def _splade_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         return out, argmax, slope
     hidden, weight, bias = _kernel_layout(hidden, weight, bias)
     kmask = _mask_for_kernel(mask)
-    block_h = _block_h()
-    group_b = max(1, min(B, _L2_BUDGET_BYTES // max(1, S * H * hidden.element_size())))
-    s_bucket, b_bucket = _tune_buckets(B, S)
-    grid = lambda meta: (B * triton.cdiv(V, meta["BLOCK_V"]),)  # noqa: E731
+    cfg = _fwd_config(hidden, weight, keep_aux)
+    n_s_tiles = triton.cdiv(S, cfg.block_m)
+    single_pass = n_s_tiles == 1
+    num_tiles = B * n_s_tiles * triton.cdiv(V, cfg.block_n)
+    if cfg.persistent:
+        n_sms = _INTERPRET_PROGRAMS if _backend.INTERPRET else _device_info(_cuda_index(hidden.device))[1]
+        grid = (min(num_tiles, n_sms),)
+    else:
+        grid = (num_tiles,)
+    if cfg.tma and hidden.is_cuda:
+        _ensure_tma_allocator()
+    # M tiles whose hidden rows fit in L2 together sweep the vocabulary side by side
+    group_m = max(1, min(B * n_s_tiles, _L2_BUDGET_BYTES // (cfg.block_m * max(H, 1) * hidden.element_size())))
+    part = part_arg = out  # placeholders (never read or written)
+    if not single_pass:
+        part = torch.empty((B * n_s_tiles, V), dtype=torch.float32, device=hidden.device)
+        if keep_aux:
+            part_arg = torch.empty((B * n_s_tiles, V), dtype=torch.int32, device=hidden.device)
+    bias_arg = bias if bias is not None else out
+    argmax_arg, slope_arg = (argmax, slope) if keep_aux else (out, out)
     splade_fwd_kernel[grid](
-        hidden, weight, bias if bias is not None else out, kmask if kmask is not None else out, out,
-        argmax if keep_aux else out, slope if keep_aux else out,
-        B, S, V, H, hidden.stride(0), hidden.stride(1), weight.stride(0),
-        kmask.stride(0) if kmask is not None else 0, kmask.stride(1) if kmask is not None else 0,
-        group_b, s_bucket, b_bucket,
-        BLOCK_H=block_h, POOL_MAX=pooling == "max", HAS_BIAS=bias is not None, HAS_MASK=kmask is not None,
-        SAVE_AUX=keep_aux, EVEN_H=H % block_h == 0, IEEE_FP32=_ieee_fp32(hidden.dtype),
-        NATIVE_NAN_MAX=not _backend.INTERPRET,
+        hidden, weight, bias_arg, kmask if kmask is not None else out, out, argmax_arg, slope_arg, part, part_arg,
+        B, S, V, hidden.stride(0), hidden.stride(1), weight.stride(0),
+        kmask.stride(0) if kmask is not None else 0, kmask.stride(1) if kmask is not None else 0, n_s_tiles, group_m,
+        H=H, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, POOL_MAX=pooling == "max",
+        HAS_BIAS=bias is not None, HAS_MASK=kmask is not None, SAVE_AUX=keep_aux, SINGLE_PASS=single_pass,
+        PERSISTENT=cfg.persistent, USE_TMA=cfg.tma, IEEE_FP32=_ieee_fp32(hidden.dtype),
+        NATIVE_NAN_MAX=not _backend.INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     record_launch("splade_fwd_kernel")
+    if not single_pass:
+        block_v = 128 if _backend.INTERPRET else 1024
+        splade_fwd_combine_kernel[(B * triton.cdiv(V, block_v),)](
+            part, part_arg, bias_arg, out, argmax_arg, slope_arg, V, n_s_tiles,
+            BLOCK_V=block_v, POOL_MAX=pooling == "max", HAS_BIAS=bias is not None, SAVE_AUX=keep_aux, num_warps=4,
+        )  # fmt: skip
+        record_launch("splade_fwd_combine_kernel")
     return out, argmax, slope
 
 
