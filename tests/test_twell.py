@@ -268,10 +268,11 @@ def test_predicted_crossover_is_monotone_and_matches_the_measured_grid():
         wins = [predicted_times(M, 2048, 5632, nnz, torch.bfloat16)[0] < predicted_times(M, 2048, 5632, nnz,
                 torch.bfloat16)[1] for nnz in (8, 32, 128, 512, 2048, 5632)]  # fmt: skip
         assert wins == sorted(wins, reverse=True) and not wins[-1], (M, wins)
-    # H200 (bench ffn --quick, scripts/probe_twell.py): dense won at M=1..8192 for 32 and 512 non-zeros per token.
-    for M, nnz in ((16, 32), (16, 512), (8192, 32), (8192, 512)):
+    # H200 (bench ffn --quick at 0733a45): twell won at M=16 x 32 non-zeros (28 us vs 29 us dense), dense won at
+    # M=16 x 512 and at M=8192 (heavy-tailed batches whose overflowed tiles are recomputed).
+    for M, nnz, twell_wins in ((16, 32, True), (16, 512, False), (8192, 32, False), (8192, 512, False)):
         twell, dense = predicted_times(M, 2048, 5632, nnz, torch.bfloat16)
-        assert dense < twell, (M, nnz, twell, dense)
+        assert (twell < dense) == twell_wins, (M, nnz, twell, dense)
 
 
 # ----------------------------------------------------------------------------------------------------------------

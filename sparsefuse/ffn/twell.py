@@ -567,8 +567,9 @@ class CostModel:
     synthetic heavy-tailed sparsity, ~31 non-zeros per token; benchmarks/NOTES.md): the TwELL gate kernel took
     2.3-2.8x cuBLAS's gate matmul from 2048 tokens up (its epilogue, not its mainloop: a counts-only epilogue ran at
     1.1-1.2x); kernel 2 moved its weight rows at ~0.9 TB/s on the heavy-tailed batch (its overflowed tiles are
-    recomputed by a GEMV inside the token's program) against ~6 TB/s on a tail-free one; and the fused path never
-    took less than ~150 us at 1-16 tokens. With these the model predicts dense on the whole measured grid, as measured.
+    recomputed by a GEMV inside the token's program) against ~6 TB/s on a tail-free one; and the fused path took
+    28 us at 16 tokens (1.05x dense eager at 32 non-zeros; 201 us at 512). With these the model picks twell at 16
+    tokens x 32 non-zeros and dense elsewhere on the measured grid, as measured.
 
     ``gather_bytes_per_s`` is kernel 2's effective rate for weight-row gathers when the GPU is full; with fewer than
     ``2 * n_sms`` programs it scales down in proportion. ``twell_overhead`` scales the gate matmul for the TwELL
@@ -582,7 +583,7 @@ class CostModel:
     launch_s: float = 3e-6
     twell_overhead: float = 2.5
     serial_s_per_step: float = 1.5e-6
-    min_s: float = 100e-6
+    min_s: float = 25e-6
     n_sms: int = 132
 
 
