@@ -2,10 +2,11 @@
 
 Times, at B=32 S=256 H=768 V=30522 bf16 (then B=64 S=512 and V=250002 while the time budget lasts):
 
-* ``current``      sparsefuse.splade_pool (autotuned splade_fwd_kernel), inference and with requires_grad inputs
+* ``current``      sparsefuse.splade_pool (splade_fwd_kernel with its config rule), inference and with requires_grad inputs
                    (SAVE_AUX: argmax + slope), and the autotuner's chosen config;
-* ``old:*``        the same kernel (``splade_fwd_kernel.fn``) launched with fixed configs: BLOCK_S = S (one sequence
-                   tile per program), FLATTEN (sequence x hidden loop nest flattened), BLOCK_H 128;
+  (the kernel this probe first compared against -- a program per (batch row, vocabulary tile) walking the
+  sequence -- was replaced by the gemm design below; its ``old:*`` variants went with it, their times are in
+  benchmarks/results/probe-splade-fwd-NVIDIA-H200.log)
 * ``gemm:*``       a GEMM-shaped kernel over the flattened [B*S, H] x [H, V] whose tiles never cross a batch row
                    (BLOCK_M rows of one batch row; rows past S are masked), with grouped program order (all M tiles
                    whose hidden rows fit in 16 MiB of L2 sweep a vocabulary tile together), epilogue = per-column max
@@ -42,39 +43,14 @@ import triton.testing
 import sparsefuse
 from sparsefuse.splade import head as _head
 from sparsefuse.splade import torch_splade_pool
+from sparsefuse.splade.head import _column_max, _log1p_nonneg, _tile_coords
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() not in ("", "0", "false", "off")
 _L2_BUDGET_BYTES = 16 << 20
 
 # ----------------------------------------------------------------------------------------------------------------
-# Kernels (own code; small helpers copied from head.py so the probe does not depend on private names)
+# Kernels (own code; the small jit helpers are the library's, from sparsefuse.splade.head)
 # ----------------------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _log1p_nonneg(x):
-    u = 1.0 + x
-    d = u - 1.0
-    tiny = d == 0.0
-    huge = x > 1.0e30
-    ratio = x / tl.where(tiny | huge, 1.0, d)
-    log_u = tl.log(u)
-    return tl.where(tiny, x, tl.where(huge, log_u, log_u * ratio))
-
-
-@triton.jit
-def _nan_max(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
-def _column_max(x, NATIVE_NAN_MAX: tl.constexpr):
-    if NATIVE_NAN_MAX:
-        result = tl.reduce(x, 0, _nan_max)
-    else:
-        has_nan = tl.max((x != x).to(tl.int32), axis=0) > 0
-        result = tl.where(has_nan, float("nan"), tl.max(x, axis=0))
-    return result
 
 
 @triton.jit
@@ -89,17 +65,6 @@ def _finish(best, best_s, b, v, v_ok, V, bias_ptr, out_ptr, argmax_ptr, slope_pt
     if SAVE_AUX:
         tl.store(argmax_ptr + offs, best_s, mask=v_ok)
         tl.store(slope_ptr + offs, tl.where(best > 0, 1.0 / (1.0 + best), 0.0), mask=v_ok)
-
-
-@triton.jit
-def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M):
-    """Grouped order: GROUP_M consecutive M tiles (hidden rows kept in L2) walk the vocabulary tiles together;
-    consecutive programs share a vocabulary (weight) tile."""
-    per_group = GROUP_M * num_pid_n
-    first_m = (tile_id // per_group) * GROUP_M
-    rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    local = tile_id % per_group
-    return first_m + local % rows, local // rows
 
 
 @triton.jit
@@ -266,31 +231,6 @@ def gemm_pool(hidden, weight, bias, mask, save_aux, cfg):
     return (out, argmax, slope) if save_aux else (out, None, None)
 
 
-def old_kernel(hidden, weight, bias, mask, save_aux, cfg):
-    """head.splade_fwd_kernel's JIT function with a fixed config (bypasses the autotuner)."""
-    B, S, H = hidden.shape
-    V = weight.shape[0]
-    dev = hidden.device
-    out = torch.empty(B, V, dtype=hidden.dtype, device=dev)
-    argmax = torch.empty(B, V, dtype=torch.int32, device=dev) if save_aux else out
-    slope = torch.empty(B, V, dtype=torch.float32, device=dev) if save_aux else out
-    kmask = mask.view(torch.uint8) if mask is not None and mask.dtype == torch.bool else mask
-    bh = cfg["BH"]
-    group_b = max(1, min(B, _L2_BUDGET_BYTES // max(1, S * H * hidden.element_size())))
-    grid = (B * triton.cdiv(V, cfg["BV"]),)
-    _head.splade_fwd_kernel.fn[grid](
-        hidden, weight, bias if bias is not None else out, kmask if kmask is not None else out, out, argmax, slope,
-        B, S, V, H, hidden.stride(0), hidden.stride(1), weight.stride(0),
-        kmask.stride(0) if kmask is not None else 0, kmask.stride(1) if kmask is not None else 0,
-        group_b, S.bit_length(), B.bit_length(),
-        BLOCK_S=cfg["BS"], BLOCK_V=cfg["BV"], BLOCK_H=bh, FLATTEN=cfg.get("flatten", False), POOL_MAX=True,
-        HAS_BIAS=bias is not None, HAS_MASK=kmask is not None, SAVE_AUX=save_aux, EVEN_H=H % bh == 0,
-        IEEE_FP32=hidden.dtype == torch.float32, NATIVE_NAN_MAX=not INTERPRET,
-        num_warps=cfg["warps"], num_stages=cfg["stages"],
-    )  # fmt: skip
-    return (out, argmax, slope) if save_aux else (out, None, None)
-
-
 def current(hidden, weight, bias, mask, save_aux, cfg=None):
     """The library as a user calls it; with save_aux the inputs require grad (forward only)."""
     if not save_aux:
@@ -316,10 +256,6 @@ def _g(name, **cfg):
     return (f"gemm:{name}", gemm_pool, cfg)
 
 
-def _o(name, **cfg):
-    return (f"old:{name}", old_kernel, cfg)
-
-
 def gpu_variants():
     w8 = dict(warps=8)
     # most promising first: the main shape stops adding variants when its share of the time budget is spent
@@ -330,8 +266,6 @@ def gpu_variants():
         _g("np 128x256x64 w8s3 am1", BM=128, BN=256, BK=64, stages=3, am1=True, **w8),
         _g("tma p 128x256x64 w8s3 am1", BM=128, BN=256, BK=64, stages=3, tma=True, persistent=True, am1=True, **w8),
         _g("tma np 128x256x64 w8s3", BM=128, BN=256, BK=64, stages=3, tma=True, **w8),
-        _o("S128xV256 H64 w8s3 flat", BS=128, BV=256, BH=64, warps=8, stages=3, flatten=True),
-        _o("S256xV128 H64 w8s3", BS=256, BV=128, BH=64, warps=8, stages=3),
         _g("np 256x128x64 w8s3", BM=256, BN=128, BK=64, stages=3, **w8),
         _g("tma p 128x256x64 w8s4", BM=128, BN=256, BK=64, stages=4, tma=True, persistent=True, **w8),
         _g("tma p 128x256x64 w8s3 ws", BM=128, BN=256, BK=64, stages=3, tma=True, persistent=True, ws=True, **w8),
@@ -342,9 +276,6 @@ def gpu_variants():
         _g("np 128x256x128 w8s2", BM=128, BN=256, BK=128, stages=2, **w8),
         _g("np 128x128x64 w8s4", BM=128, BN=128, BK=64, stages=4, **w8),
         _g("p 128x128x64 w8s4", BM=128, BN=128, BK=64, stages=4, persistent=True, **w8),
-        _o("S128xV128 H64 w8s4 flat", BS=128, BV=128, BH=64, warps=8, stages=4, flatten=True),
-        _o("S128xV256 H128 w8s2", BS=128, BV=256, BH=128, warps=8, stages=2),
-        _o("S128xV256 H64 w8s3", BS=128, BV=256, BH=64, warps=8, stages=3),
         _g("tma p 128x128x64 w4s4 ws", BM=128, BN=128, BK=64, warps=4, stages=4, tma=True, persistent=True,
            ws=True),
         _g("np 128x256x64 w8s3 ks", BM=128, BN=256, BK=64, stages=3, kstatic=True, **w8),
@@ -353,8 +284,6 @@ def gpu_variants():
 
 def cpu_variants():
     return [
-        _o("S16xV32 H16 flat", BS=16, BV=32, BH=16, warps=4, stages=1, flatten=True),
-        _o("S64xV32 H32", BS=64, BV=32, BH=32, warps=4, stages=1),
         _g("np 16x32x16 (combine)", BM=16, BN=32, BK=16, warps=4, stages=1),
         _g("np 64x32x32 (single, crosses rows)", BM=64, BN=32, BK=32, warps=4, stages=1),
         _g("np 16x64x16 ks", BM=16, BN=64, BK=16, warps=4, stages=1, kstatic=True),

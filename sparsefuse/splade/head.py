@@ -156,6 +156,16 @@ def _column_max(x, NATIVE_NAN_MAX: tl.constexpr):
 
 
 @triton.jit
+def _dot(a, b, acc, IEEE_FP32: tl.constexpr):
+    """acc + a @ b; exact fp32 products (``input_precision="ieee"``) when IEEE_FP32, else Triton's default."""
+    if IEEE_FP32:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
 def _logit_tile(hidden_row_ptr, weight_ptr, s_load, v_load, H, stride_hs, stride_wv,
                 BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, EVEN_H: tl.constexpr,
                 IEEE_FP32: tl.constexpr):  # fmt: skip
@@ -172,10 +182,7 @@ def _logit_tile(hidden_row_ptr, weight_ptr, s_load, v_load, H, stride_hs, stride
         else:
             x = tl.load(x_ptrs, mask=(h0 + h)[None, :] < H, other=0.0)
             w = tl.load(w_ptrs, mask=(h0 + h)[:, None] < H, other=0.0)
-        if IEEE_FP32:
-            acc = tl.dot(x, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, w, acc)
+        acc = _dot(x, w, acc, IEEE_FP32)
         x_ptrs += BLOCK_H
         w_ptrs += BLOCK_H
     return acc
@@ -189,15 +196,6 @@ def _kept_positions(mask_ptr, b, s, S, stride_mb, stride_ms, HAS_MASK: tl.conste
         m = tl.load(mask_ptr + b.to(tl.int64) * stride_mb + s.to(tl.int64) * stride_ms, mask=keep, other=0)
         keep = keep & (m != 0)
     return keep
-
-
-@triton.jit
-def _dot(a, b, acc, IEEE_FP32: tl.constexpr):
-    if IEEE_FP32:
-        acc = tl.dot(a, b, acc, input_precision="ieee")
-    else:
-        acc = tl.dot(a, b, acc)
-    return acc
 
 
 @triton.jit
@@ -404,10 +402,7 @@ def splade_sum_bwd_hidden_kernel(grad_ptr, hidden_ptr, weight_ptr, bias_ptr, mas
             d = _sum_dlogit(logits, bias, g, keep)  # [BLOCK_S, BLOCK_V]
             w = tl.load(weight_ptr + v_load[:, None].to(tl.int64) * stride_wv + ho[None, :], mask=ho_ok[None, :],
                         other=0.0)  # [BLOCK_V, BLOCK_HO]  # fmt: skip
-            if IEEE_FP32:
-                acc = tl.dot(d.to(w.dtype), w, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(d.to(w.dtype), w, acc)
+            acc = _dot(d.to(w.dtype), w, acc, IEEE_FP32)
     dst = grad_hidden_ptr + (b.to(tl.int64) * S + s[:, None]) * H + ho[None, :]
     tl.store(dst, acc.to(grad_hidden_ptr.dtype.element_ty), mask=(s < S)[:, None] & ho_ok[None, :])
 
@@ -456,10 +451,7 @@ def splade_sum_bwd_weight_kernel(grad_ptr, hidden_ptr, weight_ptr, bias_ptr, mas
                 d = _sum_dlogit(logits, bias, g, keep)  # [BLOCK_S, BLOCK_V]; 0 on rows that are not kept
                 x = tl.load(hidden_row_ptr + s_load[:, None].to(tl.int64) * stride_hs + ho[None, :],
                             mask=ho_ok[None, :], other=0.0)  # [BLOCK_S, BLOCK_HO]  # fmt: skip
-                if IEEE_FP32:
-                    acc = tl.dot(tl.trans(d.to(x.dtype)), x, acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(tl.trans(d.to(x.dtype)), x, acc)
+                acc = _dot(tl.trans(d.to(x.dtype)), x, acc, IEEE_FP32)
                 if NEED_BIAS:
                     bias_acc += tl.sum(d, axis=0)
     dst = grad_weight_ptr + v[:, None].to(tl.int64) * H + ho[None, :]
