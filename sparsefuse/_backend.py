@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import enum
+import functools
 import os
 import warnings
 from typing import Iterator
@@ -34,6 +35,7 @@ __all__ = [
     "new_output",
     "new_output_like",
     "poison_outputs",
+    "sm_count",
 ]
 
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0").lower() not in ("", "0", "false", "off")
@@ -43,6 +45,19 @@ class Backend(str, enum.Enum):
     TRITON = "triton"
     INTERPRETER = "interpreter"
     TORCH = "torch"
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device, interpreted: int = 8) -> int:
+    """Streaming multiprocessors of a CUDA device (cached); ``interpreted`` stands in for CPU tensors, so grids
+    sized by it still give the interpreter several programs per "SM" to run."""
+    if device.type != "cuda":
+        return interpreted
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def backend_for(*tensors: torch.Tensor) -> Backend:

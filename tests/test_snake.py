@@ -96,7 +96,8 @@ def test_sin_squared_error_bound(mode, limit, bound, device):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("alpha_shape", ["1c1", "c"])
 @pytest.mark.parametrize("fast_sin", [False, True])
-@pytest.mark.parametrize("shape", [(2, 3, 150), (1, 3, 50)])  # alpha's sum over several programs / one program
+# alpha's sum: several programs per channel (finished in the kernel / interpreted, by a second launch), one program
+@pytest.mark.parametrize("shape", [(2, 3, 150), (4, 8, 150), (1, 3, 50)])
 def test_backward_matches_float64_reference(shape, dtype, alpha_shape, fast_sin, device):
     x, alpha = make_inputs(shape, dtype, device, alpha_shape=alpha_shape)
     grad = torch.randn(x.shape, dtype=torch.float32).to(dtype).to(device)
@@ -119,26 +120,39 @@ def test_backward_matches_float64_reference(shape, dtype, alpha_shape, fast_sin,
 
 
 def test_division_magic_numbers():
-    """The flat kernel's multiply-shift division is exact for every int32 numerator."""
+    """The flat kernel's high-multiply division is exact for every int32 numerator, in uint32 arithmetic."""
     import random
 
     rng = random.Random(0)
     for d in list(range(1, 2000)) + [rng.randrange(1, 2**31) for _ in range(2000)]:
         m, s = snake_module.division_magic(d)
+        assert 0 < m < 2**32
         for n in [0, 1, d - 1, d, d + 1, 2**31 - 1] + [rng.randrange(0, 2**31) for _ in range(10)]:
-            assert (n * m) >> s == n // d and n * m < 2**63
+            if n < 0:
+                continue
+            assert ((2 * n * m) >> 32) >> s == n // d
 
 
-def test_alpha_gradient_is_bitwise_reproducible(device):
-    """No float atomics: the same inputs give the same bits, whatever order the programs ran in."""
+@pytest.mark.parametrize("finish", ["last_arriver", "partials"])
+def test_alpha_gradient_is_bitwise_reproducible(finish, device, monkeypatch):
+    """No float atomics: the same inputs give the same bits, whatever order the programs ran in; each way of
+    finishing alpha's sum (in the kernel, or in a second launch) matches the float64 reference."""
+    mode = {"last_arriver": snake_module.ALPHA_LAST_ARRIVER, "partials": snake_module.ALPHA_PARTIALS}[finish]
+    monkeypatch.setattr(snake_module, "_alpha_finish", lambda n_programs, n_channels: mode.value)
     x, alpha = make_inputs((3, 4, 500), torch.float32, device)
     grad = torch.randn_like(x)
     results = []
     for _ in range(3):
         ar = alpha.clone().requires_grad_()
-        (ga,) = torch.autograd.grad(sparsefuse.snake(x, ar), ar, grad)
+        with track_launches() as launched:
+            (ga,) = torch.autograd.grad(sparsefuse.snake(x, ar), ar, grad)
         results.append(ga)
+    assert launched["snake_bwd_alpha_sum"] == (finish == "partials")
     assert all(torch.equal(results[0], r) for r in results[1:])
+    _, ga64 = torch_snake_backward(grad.double(), x.double(), alpha.double().reshape(-1))
+    terms = (grad.double() * x.double()).abs().sum().item() / 0.3
+    assert_close_to_reference(results[0].reshape(-1), ga64, dtype=torch.float32, name="grad_alpha",
+                              extra_abs=terms * 1e-6)  # fmt: skip
 
 
 def test_only_x_or_only_alpha_requires_grad(device):

@@ -84,6 +84,10 @@ _PI_C = tl.constexpr(-1.279515686292143e-06)
 _PI_LO = tl.constexpr(9.676535897932795e-04)  # pi - _PI_A, for the two-part reduction
 _R_LIMIT = tl.constexpr(2.0)
 _PARTS_PER_STEP = tl.constexpr(256)  # alpha partial sums read per step by the channel's last program
+# How the backward finishes alpha's gradient (a sum over batch and time tiles), all deterministic:
+ALPHA_DIRECT = tl.constexpr(0)  # one program per channel: it stores the sum itself
+ALPHA_LAST_ARRIVER = tl.constexpr(1)  # per-program partials; the channel's last program (integer counter) sums them
+ALPHA_PARTIALS = tl.constexpr(2)  # per-program partials; a separate reduction sums them
 
 
 @triton.jit
@@ -164,9 +168,9 @@ def _row_tile(pid, n_channels, T, BLOCK_T: tl.constexpr, WIDE_INDEX: tl.constexp
     n_time_blocks = tl.cdiv(T, BLOCK_T)
     row = pid // n_time_blocks  # = b * C + c
     time_block = pid - row * n_time_blocks
-    t = time_block * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
     if WIDE_INDEX:
-        t = t.to(tl.int64)
+        time_block = time_block.to(tl.int64)  # before the multiply: time_block * BLOCK_T can pass 2^31
+    t = time_block * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
     return row // n_channels, row % n_channels, row, t, t < T
 
 
@@ -219,12 +223,14 @@ def snake_fwd_kernel(
 def snake_fwd_flat_kernel(x_ptr, alpha_ptr, y_ptr, n_elements, n_channels, t_magic, t_shift, c_magic, c_shift, eps,
                           tune_key, BLOCK: tl.constexpr, SIN_MODE: tl.constexpr):  # fmt: skip
     # Short rows (T below a block): x and y contiguous [B*C*T] walked flat, so every block is full and loads are
-    # aligned vectors. Each element finds its channel as (i // T) % C; both divisions are multiply-shifts by magic
-    # numbers computed on the host (a runtime integer division would cost ~30 instructions per element).
+    # aligned vectors. Each element finds its channel as (i // T) % C; both divisions are a 32-bit high multiply
+    # and a shift by magic numbers computed on the host (a runtime integer division would cost ~30 instructions per
+    # element, a 64-bit multiply-shift ~12).
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]; int32: the launcher keeps n below 2^31
     mask = offs < n_elements
-    row = (offs.to(tl.int64) * t_magic) >> t_shift
-    channel = row - ((row * c_magic) >> c_shift) * n_channels
+    row = tl.umulhi(offs.to(tl.uint32) * 2, t_magic.to(tl.uint32)) >> t_shift  # offs // T
+    channel = row - (tl.umulhi(row * 2, c_magic.to(tl.uint32)) >> c_shift) * n_channels  # row % C
+    channel = channel.to(tl.int32)
     compute_dtype = tl.float64 if x_ptr.dtype.element_ty == tl.float64 else tl.float32
     alpha = tl.load(alpha_ptr + channel, mask=mask, other=1.0).to(compute_dtype)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(compute_dtype)
@@ -254,10 +260,10 @@ def snake_bwd_kernel(
     SIN_MODE: tl.constexpr,
     WIDE_INDEX: tl.constexpr,
     NEED_ALPHA_GRAD: tl.constexpr,
-    ONE_PROGRAM_PER_CHANNEL: tl.constexpr,
+    ALPHA_FINISH: tl.constexpr,
 ):
     # grad_y, x [B, C, T] unit time stride; grad_x [B, C, T] contiguous; grad_alpha [C];
-    # alpha_partial [B, C, n_time_blocks] fp32/64 scratch; arrivals [C] int32, zeroed
+    # alpha_partial [B, C, n_time_blocks] fp32/64 scratch; arrivals [C] int32, zeroed (ALPHA_LAST_ARRIVER only)
     pid = tl.program_id(0)
     b, c, row, t, mask = _row_tile(pid, n_channels, T, BLOCK_T, WIDE_INDEX)
     compute_dtype = tl.float64 if x_ptr.dtype.element_ty == tl.float64 else tl.float32
@@ -267,30 +273,34 @@ def snake_bwd_kernel(
     x = tl.load(x_ptr + b64 * stride_xb + c64 * stride_xc + t, mask=mask, other=0.0).to(compute_dtype)
     g = tl.load(grad_y_ptr + b64 * stride_gb + c64 * stride_gc + t, mask=mask, other=0.0).to(compute_dtype)
     s, co = _sin_cos_mod_pi(alpha * x, True, SIN_MODE)
-    sin_2u = 2.0 * s * co
-    grad_x = g * (1.0 + alpha * inv_alpha * sin_2u)
+    sc = s * co  # sin(2u) / 2
+    grad_x = g + g * ((2.0 * alpha * inv_alpha) * sc)  # dy/dx = 1 + 2 alpha/(alpha+eps) sin(u)cos(u)
+    # grad_x is stored first, so that its stores drain while the tile's alpha partial is reduced
     tl.store(grad_x_ptr + row.to(tl.int64) * T + t, grad_x.to(grad_x_ptr.dtype.element_ty), mask=mask)
-    if NEED_ALPHA_GRAD:
-        # d/dalpha summed over this tile; masked lanes have x = g = 0 and contribute 0
-        d_alpha = g * (x * inv_alpha * sin_2u - (s * s) * (inv_alpha * inv_alpha))
-        if ONE_PROGRAM_PER_CHANNEL:  # B == 1 and the row fits one tile (the SNAC shapes): nothing to combine
-            tl.store(grad_alpha_ptr + c, tl.sum(d_alpha, axis=0).to(grad_alpha_ptr.dtype.element_ty))
-            return
-        tl.store(alpha_partial_ptr + pid, tl.sum(d_alpha, axis=0))
-        # Deterministic finish without float atomics: the last of the channel's B * n_time_blocks programs to
-        # arrive (integer counter, acq_rel) sums the channel's partials in a fixed order.
-        tl.debug_barrier()  # every thread's partial store precedes the release below
-        # (Masks instead of a branch on the atomic's result: every program runs the loop, but only the last one's
-        # loads are enabled; usually one iteration.)
-        n_time_blocks = tl.cdiv(T, BLOCK_T)  # n_parts = B * n_time_blocks, passed in (a plain int for range())
-        arrived = tl.atomic_add(arrivals_ptr + c, 1) + 1
-        n_read = tl.where(arrived == n_parts, n_parts, 0)  # partials this program sums: all, or none
+    if not NEED_ALPHA_GRAD:
+        return
+    # dy/dalpha = inv * (2 x sin(u)cos(u) - inv sin(u)^2), summed over the tile with the common factor inv taken out;
+    # masked lanes have x = g = 0 and contribute 0.
+    partial = tl.sum(g * (2.0 * x * sc - (s * s) * inv_alpha), axis=0) * inv_alpha
+    if ALPHA_FINISH == ALPHA_DIRECT:  # B == 1 and the row fits one tile (the SNAC shapes): nothing to combine
+        tl.store(grad_alpha_ptr + c, partial.to(grad_alpha_ptr.dtype.element_ty))
+        return
+    tl.store(alpha_partial_ptr + pid, partial)
+    if ALPHA_FINISH == ALPHA_PARTIALS:  # the launcher sums alpha_partial over batch and time blocks afterwards
+        return
+    # ALPHA_LAST_ARRIVER: the last of the channel's B * n_time_blocks programs to arrive (integer counter, acq_rel)
+    # sums the channel's partials in a fixed order. Every program waits here for its stores to be released and for
+    # the counter's round trip (~20% of the bf16 backward on the H200), so only small grids finish this way.
+    tl.debug_barrier()  # the partial's store (one thread) precedes the release below (maybe another thread)
+    arrived = tl.atomic_add(arrivals_ptr + c, 1) + 1
+    if arrived == n_parts:
+        n_time_blocks = tl.cdiv(T, BLOCK_T)  # n_parts = B * n_time_blocks (a plain int for range())
         acc = tl.zeros([_PARTS_PER_STEP], dtype=compute_dtype)
         for first in range(0, n_parts, _PARTS_PER_STEP):
             j = first + tl.arange(0, _PARTS_PER_STEP)  # j = b * n_time_blocks + time block
             src = (j // n_time_blocks) * n_channels * n_time_blocks + c * n_time_blocks + j % n_time_blocks
-            acc += tl.load(alpha_partial_ptr + src, mask=j < n_read, other=0.0, cache_modifier=".cg")
-        tl.store(grad_alpha_ptr + c, tl.sum(acc, axis=0).to(grad_alpha_ptr.dtype.element_ty), mask=n_read > 0)
+            acc += tl.load(alpha_partial_ptr + src, mask=j < n_parts, other=0.0, cache_modifier=".cg")
+        tl.store(grad_alpha_ptr + c, tl.sum(acc, axis=0).to(grad_alpha_ptr.dtype.element_ty))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -331,10 +341,12 @@ def _wide_index(*tensors: torch.Tensor) -> bool:
 
 
 def division_magic(divisor: int) -> tuple[int, int]:
-    """(m, s) with n // divisor == (n * m) >> s for every 0 <= n < 2^31 (Granlund & Montgomery 1994, Thm 4.2 with
-    N = 31: m = ceil(2^(31+l) / d), l = ceil(log2 d); n * m < 2^63 fits int64)."""
-    shift = 31 + (divisor - 1).bit_length()
-    return -(-(1 << shift) // divisor), shift
+    """(m, l) with n // divisor == umulhi(2n, m) >> l for every 0 <= n < 2^31, where umulhi(a, b) = (a * b) >> 32 on
+    uint32. Granlund & Montgomery 1994, Thm 4.2 with N = 31: n // d == (n * m) >> (31 + l) for
+    m = ceil(2^(31+l) / d), l = ceil(log2 d); m < 2^32 because d > 2^(l-1), and 2n < 2^32, so both fit uint32 and
+    (n * m) >> (31 + l) == ((2n * m) >> 32) >> l."""
+    log2_ceil = (divisor - 1).bit_length()
+    return -(-(1 << (31 + log2_ceil)) // divisor), log2_ceil
 
 
 def _sin_mode(dtype: torch.dtype, fast_sin: bool) -> int:
@@ -345,11 +357,11 @@ def _sin_mode(dtype: torch.dtype, fast_sin: bool) -> int:
 
 def _backward_config(T: int) -> tuple[int, int]:
     """(BLOCK_T, num_warps), fixed rather than autotuned: the partial-sum layout and the reduction order (hence the
-    exact bits of alpha's gradient) must not depend on a timing-based choice."""
+    exact bits of alpha's gradient) must not depend on a timing-based choice. 2048/4 measured level with 4096/8 on
+    long rows and ahead on short ones (H200, scripts/probe_snake.py)."""
     if _backend.INTERPRET:
         return 64, 4
-    block = min(4096, max(256, triton.next_power_of_2(T)))
-    return block, (8 if block >= 2048 else 4)
+    return min(2048, max(256, triton.next_power_of_2(T))), 4
 
 
 def _snake_forward(x: torch.Tensor, alpha: torch.Tensor, eps: float, fast_sin: bool) -> torch.Tensor:
@@ -393,25 +405,50 @@ def _snake_backward(
         return gx.to(x.dtype), ga.to(alpha.dtype)
     x, grad_y = _unit_time_stride(x), _unit_time_stride(grad_y)
     block_t, num_warps = _backward_config(T)
-    n_programs = B * C * triton.cdiv(T, block_t)
-    one_program_per_channel = n_programs == C
+    n_time_blocks = triton.cdiv(T, block_t)
+    n_programs = B * C * n_time_blocks
+    finish = _alpha_finish(n_programs, C)
     if need_alpha_grad:
         grad_alpha = new_output((C,), alpha.dtype, x.device)
     else:  # the kernel's alpha branch is compiled out
         grad_alpha = torch.zeros_like(alpha)
-    if need_alpha_grad and not one_program_per_channel:
+    partial = arrivals = grad_alpha  # placeholders, never touched, unless:
+    if need_alpha_grad and finish != ALPHA_DIRECT.value:
         partial = torch.empty(n_programs, dtype=_backend.compute_dtype(x.dtype), device=x.device)
+    if need_alpha_grad and finish == ALPHA_LAST_ARRIVER.value:
         arrivals = torch.zeros(C, dtype=torch.int32, device=x.device)
-    else:  # placeholders, never touched
-        partial = arrivals = grad_alpha
     snake_bwd_kernel[(n_programs,)](
-        grad_y, x, alpha, grad_x, grad_alpha, partial, arrivals, B * triton.cdiv(T, block_t), C, T,
+        grad_y, x, alpha, grad_x, grad_alpha, partial, arrivals, B * n_time_blocks, C, T,
         grad_y.stride(0), grad_y.stride(1), x.stride(0), x.stride(1), eps,
         BLOCK_T=block_t, SIN_MODE=_sin_mode(x.dtype, fast_sin), WIDE_INDEX=_wide_index(x, grad_y),
-        NEED_ALPHA_GRAD=need_alpha_grad, ONE_PROGRAM_PER_CHANNEL=one_program_per_channel, num_warps=num_warps,
+        NEED_ALPHA_GRAD=need_alpha_grad, ALPHA_FINISH=finish, num_warps=num_warps,
     )  # fmt: skip
     record_launch("snake_bwd_kernel")
+    if need_alpha_grad and finish == ALPHA_PARTIALS.value:
+        # torch's sum is deterministic (fixed reduction tree), like the in-kernel finish it replaces here
+        partials = partial.view(B, C, n_time_blocks)
+        if grad_alpha.dtype == partial.dtype:
+            torch.sum(partials, dim=(0, 2), out=grad_alpha)
+        else:
+            grad_alpha = partials.sum(dim=(0, 2)).to(alpha.dtype)
+        record_launch("snake_bwd_alpha_sum")
     return grad_x, grad_alpha
+
+
+def _alpha_finish(n_programs: int, n_channels: int) -> int:
+    """How the backward completes alpha's gradient. Large grids write partials and sum them in a second launch:
+    in one launch, each program would wait for its partial's release and the channel counter's round trip before it
+    can retire (measured on the H200: ~20% of the bf16 backward). Small grids, where a launch costs more than that
+    wait, finish in the kernel."""
+    if n_programs == n_channels:
+        return ALPHA_DIRECT.value
+    if n_programs >= (_PARTIALS_MIN_PROGRAMS_INTERPRETED if _backend.INTERPRET else _PARTIALS_MIN_PROGRAMS):
+        return ALPHA_PARTIALS.value
+    return ALPHA_LAST_ARRIVER.value
+
+
+_PARTIALS_MIN_PROGRAMS = 2048
+_PARTIALS_MIN_PROGRAMS_INTERPRETED = 64  # CPU tests cover both finishes
 
 
 # ----------------------------------------------------------------------------------------------------------------

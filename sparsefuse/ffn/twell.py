@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 
 from .. import _backend
-from .._backend import Backend, backend_for, new_output, record_launch
+from .._backend import Backend, backend_for, new_output, record_launch, sm_count
 from .._validation import FLOAT_DTYPES, check_float, check_same_device, check_tensor, describe
 from ..sparse.formats import ELL, TwELL, check_twell_geometry
 from ..sparse.sddmm import row_dots
@@ -371,9 +371,7 @@ _twell_gate_kernel = triton.autotune(
 
 
 def _n_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return sm_count(device)
 
 
 def _output_block(M: int, K: int, device: torch.device) -> int:

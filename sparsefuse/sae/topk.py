@@ -26,7 +26,6 @@ Autograd: gradients for x, W_enc, b_enc and b_dec (the backward scatters the k g
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
@@ -133,12 +132,6 @@ def topk_encode_fwd_kernel(x_ptr, w_ptr, b_enc_ptr, b_dec_ptr, scale_ptr, keys_p
 
 
 # --- launcher -----------------------------------------------------------------------------------------------------
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    index = device_index if device_index >= 0 else torch.cuda.current_device()
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _launch_shape(M: int, N: int, k_pad: int, dtype: torch.dtype, device: torch.device) -> tuple[int, ...]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, columns per group). GPU blocks keep the tile, its keys and the running
     top-k in registers without spilling on sm_90 (checked with cuobjdump --dump-resource-usage)."""
@@ -147,7 +140,7 @@ def _launch_shape(M: int, N: int, k_pad: int, dtype: torch.dtype, device: torch.
     else:
         bm = 64 if k_pad <= 64 else (32 if k_pad <= 128 else 16)  # the running top-k lives in registers
         bn = 64 if dtype == torch.float32 else 128
-        bk, warps, target_programs = 32, 8, 4 * _sm_count(device.index if device.index is not None else -1)
+        bk, warps, target_programs = 32, 8, 4 * _backend.sm_count(device)
     tiles = triton.cdiv(N, bn)
     groups = max(1, min(tiles, triton.cdiv(target_programs, triton.cdiv(M, bm))))
     # At least 16 k columns per group: fewer would write more candidates than they save, and the first tiles of

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .. import _backend
-from .._backend import Backend, backend_for, new_output, record_launch
+from .._backend import Backend, backend_for, new_output, record_launch, sm_count
 from .._validation import check_float, check_same_device, describe
 from .formats import CSR, ELL
 
@@ -250,9 +250,7 @@ def _launch_config(n_out: int, scan: bool, weight_itemsize: int = 4) -> _LaunchC
 
 def _device_programs(device: torch.device) -> int:
     """How many programs keep every SM busy with loads in flight (a scan is latency-bound per program)."""
-    if device.type != "cuda":
-        return 8
-    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 4 * sm_count(device, interpreted=2)
 
 
 def _weight_for_gather(weight: torch.Tensor) -> torch.Tensor:
