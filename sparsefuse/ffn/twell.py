@@ -617,15 +617,17 @@ def predicted_times(M: int, K: int, N: int, mean_nnz: float, dtype: torch.dtype,
     return twell, dense
 
 
-# auto takes twell only for a predicted win of at least this much: on the H200 grid the model's twell time is off
-# by up to ~35% where the two paths are close at large batches (the heavy tail's serial chains are not modelled), and
-# one wrong pick there cost 26% (benchmarks/NOTES.md, row 23).
+# From a full GPU's worth of tokens (2 x SMs) up, auto takes twell only for a predicted win of at least this much:
+# there the model's twell time is off by up to ~35% either way near the crossover (the heavy tail's serial chains are
+# not modelled), and one wrong pick cost 26% (M=2048, 8B layer, 8 non-zeros; benchmarks/NOTES.md row 23). Below
+# that the model erred only on the pessimistic side (predicted 0.81-0.90 of dense, measured 0.55-0.87), so no margin.
 AUTO_MARGIN = 0.92
 
 
 def _prefer_twell(M: int, K: int, N: int, mean_nnz: float, dtype: torch.dtype) -> bool:
     twell, dense = predicted_times(M, K, N, mean_nnz, dtype)
-    return twell < AUTO_MARGIN * dense
+    margin = AUTO_MARGIN if M >= 2 * COST_MODEL.n_sms else 1.0
+    return twell < margin * dense
 
 
 def _probe_mean_nnz(x2: torch.Tensor, w_gate: torch.Tensor, b_gate: torch.Tensor | None) -> float:
