@@ -10,11 +10,12 @@ device-to-device copy bandwidth.
 Layout: each program owns one (batch*channel row, time block) tile, so a channel's alpha is one scalar load per
 program and no per-element integer division is needed. Programs are enumerated on a 1-D grid (row-major over
 (row, time block)) so that neither grid axis limit (65535 on y/z) can be hit for any B*C. Rows shorter than
-FLAT_MAX_T take a flat forward kernel instead (full, aligned blocks; channel by multiply-shift division).
+FLAT_MAX_T take a flat forward kernel instead (full, aligned blocks; channel by high-multiply division).
 
 Alpha's gradient is a reduction over batch and time. The backward kernel writes one fp32 partial sum per program
-while it computes grad_x (no second pass over x); the last program of each channel to arrive (integer counter)
-sums that channel's partials in a fixed order. No float atomics, so results are bitwise reproducible.
+while it computes grad_x (no second pass over x). Large grids sum the partials with torch in a second launch; small
+ones let the last program of each channel to arrive (integer counter) sum that channel's partials in a fixed order
+(see _alpha_finish). No float atomics either way, so results are bitwise reproducible.
 """
 
 from __future__ import annotations
