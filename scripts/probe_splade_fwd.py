@@ -43,7 +43,8 @@ import triton.testing
 import sparsefuse
 from sparsefuse.splade import head as _head
 from sparsefuse.splade import torch_splade_pool
-from sparsefuse.splade.head import _column_max, _log1p_nonneg, _tile_coords
+from sparsefuse._schedule import grouped_tile_coords
+from sparsefuse.splade.head import _column_max, _log1p_nonneg
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() not in ("", "0", "false", "off")
 _L2_BUDGET_BYTES = 16 << 20
@@ -85,7 +86,7 @@ def gemm_pool_kernel(hidden_ptr, weight_ptr, bias_ptr, mask_ptr, out_ptr, argmax
         a_desc = tl.make_tensor_descriptor(hidden_ptr, shape=[B * S, H], strides=[H, 1], block_shape=[BM, BK])
         w_desc = tl.make_tensor_descriptor(weight_ptr, shape=[V, H], strides=[stride_wv, 1], block_shape=[BN, BK])
     for tile_id in tl.range(tl.program_id(0), num_tiles, num_programs, flatten=FLATTEN, warp_specialize=WARP_SPEC):
-        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = grouped_tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         b = pid_m // NJ
         j = pid_m % NJ
         s = j * BM + tl.arange(0, BM)  # [BM]

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 from triton.testing import do_bench
 
+from sparsefuse._schedule import grouped_tile_coords
 from sparsefuse.ffn import twell as tw
 from sparsefuse.ffn.synthetic import gate_statistics, synthetic_ffn
 from sparsefuse.sparse import TwELL
@@ -50,12 +51,7 @@ def gate_probe_kernel(x_ptr, w_ptr, dense_ptr, values_ptr, indices_ptr, counts_p
     # The repo gate kernel's mainloop (x [M, K], w [N, K] row-major) with MODE: 1 dense relu store, 2 counts only,
     # 3 TwELL epilogue (cumsum ranks), 4 TwELL epilogue without the clear of unused slots.
     pid = tl.program_id(0)
-    n_blocks_m = tl.cdiv(M, BLOCK_M)
-    per_group = GROUP_M * n_tiles
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(n_blocks_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    tile = (pid % per_group) // group_rows
+    pid_m, tile = grouped_tile_coords(pid, tl.cdiv(M, BLOCK_M), n_tiles, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tile * TILE + tl.arange(0, TILE)
     row_mask, col_mask = rows < M, cols < N

@@ -54,6 +54,7 @@ import triton.language as tl
 
 from .. import _backend
 from .._backend import Backend, backend_for, new_output, record_launch, sm_count
+from .._schedule import grouped_tile_coords
 from .._validation import FLOAT_DTYPES, check_float, check_same_device, check_tensor, describe
 from ..sparse.formats import ELL, TwELL, check_twell_geometry
 from ..sparse.sddmm import row_dots
@@ -123,12 +124,7 @@ def twell_gate_fwd_kernel(x_ptr, w_ptr, b_ptr, values_ptr, indices_ptr, counts_p
     # out: values/indices [M, n_tiles * SLOTS], counts [M, n_tiles] int32 (true counts)
     pid = tl.program_id(0)
     # Grouped ordering: GROUP_M row blocks sweep all tiles together, so their W columns are reused from L2.
-    n_blocks_m = tl.cdiv(M, BLOCK_M)
-    per_group = GROUP_M * n_tiles
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(n_blocks_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    tile = (pid % per_group) // group_rows
+    pid_m, tile = grouped_tile_coords(pid, tl.cdiv(M, BLOCK_M), n_tiles, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     cols = tile * TILE + tl.arange(0, TILE)  # [TILE]
     row_mask, col_mask = rows < M, cols < N

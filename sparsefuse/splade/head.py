@@ -90,6 +90,7 @@ import triton.language as tl
 from .. import _backend
 from .._backend import Backend, backend_for, new_output, record_launch, tuning_configs
 from .._validation import FLOAT_DTYPES, check_float, check_same_device, check_tensor, describe
+from .._schedule import grouped_tile_coords
 from ..sparse import CSR, ELL, dense_to_ell, sparse_matmul
 
 __all__ = ["splade_pool", "torch_splade_pool", "splade_pool_op", "splade_pool_backward_op", "POOLINGS"]
@@ -199,18 +200,6 @@ def _kept_positions(mask_ptr, b, s, S, stride_mb, stride_ms, HAS_MASK: tl.conste
 
 
 @triton.jit
-def _tile_coords(tile_id, num_pid_m, num_pid_n, group_m):
-    """(M tile, N tile) of a linear tile id, grouped: group_m consecutive M tiles (hidden rows that fit in L2
-    together) sweep the vocabulary tiles side by side, so consecutive tiles share a weight tile and each weight
-    tile is read from DRAM about once per group."""
-    per_group = group_m * num_pid_n
-    first_m = (tile_id // per_group) * group_m
-    rows = tl.minimum(num_pid_m - first_m, group_m)
-    local = tile_id % per_group
-    return first_m + local % rows, local // rows
-
-
-@triton.jit
 def _finish_columns(value, best_s, b, v, v_ok, V, bias_ptr, out_ptr, argmax_ptr, slope_ptr, POOL_MAX: tl.constexpr,
                     HAS_BIAS: tl.constexpr, SAVE_AUX: tl.constexpr):  # fmt: skip
     """Writes out[b, v] (and argmax/slope) from the pooled value of a [BLOCK_N] column block of batch row b: for max
@@ -256,7 +245,8 @@ def splade_fwd_kernel(hidden_ptr, weight_ptr, bias_ptr, mask_ptr, out_ptr, argma
         weight_desc = tl.make_tensor_descriptor(weight_ptr, shape=[V, H], strides=[stride_wv, 1],
                                                 block_shape=[BLOCK_N, BLOCK_K])  # fmt: skip
     for tile_id in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=PERSISTENT):
-        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, group_m)
+        # hidden rows that fit in L2 together sweep the vocabulary tiles side by side
+        pid_m, pid_n = grouped_tile_coords(tile_id, num_pid_m, num_pid_n, group_m)
         b = pid_m // n_s_tiles
         s0 = (pid_m % n_s_tiles) * BLOCK_M
         s = s0 + tl.arange(0, BLOCK_M)  # [BLOCK_M]
