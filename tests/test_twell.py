@@ -265,18 +265,21 @@ def test_predicted_crossover_is_monotone_and_matches_the_measured_grid():
         wins = [predicted_times(M, 2048, 5632, nnz, torch.bfloat16)[0] < predicted_times(M, 2048, 5632, nnz,
                 torch.bfloat16)[1] for nnz in (8, 32, 128, 512, 2048, 5632)]  # fmt: skip
         assert wins == sorted(wins, reverse=True) and not wins[-1], (M, wins)
-    # H200, full `bench ffn` grid at 3675065 (benchmarks/results/bench-NVIDIA-H200-ffn.md): auto must pick twell where
-    # it won clearly and dense where it lost, including the case where the old rule picked twell and lost 26%
-    # (M=2048, 8B layer, 8 non-zeros). Close calls (within ~15%) are left to the model either way.
-    measured = [  # (M, K, N, mean non-zeros, twell won)
-        (1, 2048, 5632, 8, True), (1, 2048, 5632, 32, True), (16, 2048, 5632, 8, True), (16, 2048, 5632, 32, True),
-        (16, 4096, 14336, 8, True), (16, 4096, 14336, 32, True),
-        (16, 2048, 5632, 128, False), (256, 2048, 5632, 8, False), (2048, 2048, 5632, 8, False),
-        (8192, 2048, 5632, 8, False), (8192, 2048, 5632, 32, False), (2048, 4096, 14336, 8, False),
-        (2048, 4096, 14336, 32, False), (16, 4096, 14336, 512, False), (1, 2048, 5632, 512, False),
+    # H200, full `bench ffn` grid at 3675065 (benchmarks/results/bench-NVIDIA-H200-ffn.md) and the block-path probe
+    # (scripts/probe_twell_block.py; NOTES row 24): auto must pick the method that won clearly -- including the case
+    # where the old rule picked twell and lost 26% (M=2048, 8B layer, 8 non-zeros) -- and dense where both sparse
+    # methods lost. Close calls (within ~15%) are left to the model either way.
+    measured = [  # (M, K, N, mean non-zeros, acceptable picks)
+        (1, 2048, 5632, 8, {"twell"}), (1, 2048, 5632, 32, {"twell"}), (16, 2048, 5632, 8, {"twell"}),
+        (16, 2048, 5632, 32, {"twell"}), (16, 4096, 14336, 8, {"twell"}), (16, 4096, 14336, 32, {"twell"}),
+        (16, 2048, 5632, 128, {"dense"}), (256, 2048, 5632, 8, {"dense"}), (2048, 2048, 5632, 32, {"dense"}),
+        (8192, 2048, 5632, 8, {"block"}), (8192, 2048, 5632, 32, {"block"}), (16384, 2048, 5632, 32, {"block"}),
+        (8192, 4096, 14336, 32, {"block"}), (8192, 2048, 5632, 128, {"dense"}), (2048, 2048, 5632, 8, {"dense", "block"}),
+        (2048, 4096, 14336, 8, {"dense", "block"}), (2048, 4096, 14336, 32, {"dense", "block"}),
+        (16, 4096, 14336, 512, {"dense"}), (1, 2048, 5632, 512, {"dense"}),
     ]  # fmt: skip
-    for M, K, N, nnz, twell_wins in measured:
-        assert twell_module._prefer_twell(M, K, N, nnz, torch.bfloat16) == twell_wins, (M, K, N, nnz)
+    for M, K, N, nnz, picks in measured:
+        assert twell_module._auto_method(M, K, N, nnz, torch.bfloat16) in picks, (M, K, N, nnz)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -305,7 +308,7 @@ def test_bad_input_errors(device):
         twell_mlp(x, w_gate, w_up, w_down, compression=6)
     with pytest.raises(ValueError, match="tile must be a power of two"):
         twell_gate(x, w_gate, tile=24, compression=4)
-    with pytest.raises(ValueError, match="method must be one of auto, twell, dense"):
+    with pytest.raises(ValueError, match="method must be one of auto, twell, block, dense"):
         twell_mlp(x, w_gate, w_up, w_down, method="sparse")
     with pytest.raises(ValueError, match=r"b_up must be a \[32\] tensor"):
         twell_mlp(x, w_gate, w_up, w_down, b_up=torch.zeros(16, device=device))
@@ -343,8 +346,9 @@ def test_opcheck_and_fullgraph_compile(device):
     torch.library.opcheck(twell_gate_op, (x, w_gate, b_gate, 16, 2), test_utils=utils)
     torch.library.opcheck(twell_up_down_op, (values, indices, counts, x, w_gate, b_gate, w_up, b_up, w_down_t,
                                              b_down, 16, 2), test_utils=utils)  # fmt: skip
-    torch.library.opcheck(twell_mlp_op, (x, w_gate, None, w_up, None, w_down_t, None, 0, 2, "twell", True),
-                          test_utils=utils)  # fmt: skip
+    for method in ("twell", "block"):
+        torch.library.opcheck(twell_mlp_op, (x, w_gate, None, w_up, None, w_down_t, None, 0, 2, method, True),
+                              test_utils=utils)  # fmt: skip
     torch.library.opcheck(twell_relu_mlp_op, (x, w_up, b_up, w_down_t, b_down, 16, 4), test_utils=utils)
     backend = "inductor" if device.type == "cuda" else "aot_eager"
     fn = torch.compile(lambda *a: twell_mlp(*a, b_gate=b_gate, tile=16, compression=2, method="auto"),

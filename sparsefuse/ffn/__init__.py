@@ -6,7 +6,9 @@ from .twell import (
     COST_MODEL,
     DEFAULT_COMPRESSION,
     CostModel,
+    BlockPlan,
     SparsityMonitor,
+    predicted_block_time,
     predicted_times,
     torch_relu_mlp,
     torch_twell_mlp,
@@ -31,5 +33,7 @@ __all__ = [
     "CostModel",
     "COST_MODEL",
     "predicted_times",
+    "predicted_block_time",
+    "BlockPlan",
     "DEFAULT_COMPRESSION",
 ]

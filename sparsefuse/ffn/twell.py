@@ -56,9 +56,11 @@ from .. import _backend
 from .._backend import Backend, backend_for, new_output, record_launch, sm_count
 from .._schedule import grouped_tile_coords
 from .._validation import FLOAT_DTYPES, check_float, check_same_device, check_tensor, describe
+from ..sparse.compact import dense_to_row_block_pattern
 from ..sparse.formats import ELL, TwELL, check_twell_geometry
-from ..sparse.sddmm import row_dots
-from ..sparse.spmm import accumulate_rows, pick_nonzeros, rank_nonzeros, sparse_matmul, sum_split_partials
+from ..sparse.sddmm import block_sddmm, row_dots
+from ..sparse.spmm import (accumulate_rows, block_sparse_matmul, pick_nonzeros, rank_nonzeros, sparse_matmul,
+                           sum_split_partials)
 
 __all__ = [
     "torch_twell_mlp",
@@ -73,11 +75,13 @@ __all__ = [
     "CostModel",
     "COST_MODEL",
     "predicted_times",
+    "predicted_block_time",
+    "BlockPlan",
     "DEFAULT_COMPRESSION",
     "METHODS",
 ]
 
-METHODS = ("auto", "twell", "dense")
+METHODS = ("auto", "twell", "block", "dense")
 DEFAULT_COMPRESSION = 8  # slots = tile / 8: 32 slots per 256-column tile (the paper's setting)
 PROBE_TOKENS = 64  # tokens whose gate the auto probe computes densely
 STATS_TOKENS = 256  # tokens whose non-zeros the dense path counts for a SparsityMonitor
@@ -451,6 +455,47 @@ def _launch_gate(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tile
     return values, indices, counts
 
 
+@dataclasses.dataclass(frozen=True)
+class BlockPlan:
+    """The row-block path (``method="block"``): tokens grouped ``block_rows`` at a time (in token order, or sorted by
+    gate non-zero count), unions per ``tile`` columns. Measured on an H200 (scripts/probe_twell_block.py, M=8192,
+    1.5B shape, 30 non-zeros): 64 rows beat 32 and 128; sorting shrank the unions from 22% to 13% of N but the
+    whole path was no faster (659 vs 636 us)."""
+
+    block_rows: int = 64
+    tile: int = 256
+    sort_rows: bool = False
+
+
+BLOCK_PLAN = BlockPlan()
+_INTERPRET_BLOCK_PLAN = BlockPlan(block_rows=16, tile=64)
+
+
+def _block_plan(N: int) -> BlockPlan:
+    plan = _INTERPRET_BLOCK_PLAN if _backend.INTERPRET else BLOCK_PLAN
+    tile = min(plan.tile, max(16, triton.next_power_of_2(N)))
+    return dataclasses.replace(plan, tile=tile) if tile != plan.tile else plan
+
+
+def _launch_block_mlp(x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down,
+                      plan: BlockPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The gated block through row-block unions (tensor cores throughout; for large batches):
+
+    1. ``pre = x W_gate^T + b_gate`` by cuBLAS (dense [M, N] in x's dtype, as the dense block has it);
+    2. :func:`sparsefuse.sparse.dense_to_row_block_pattern`: per block of ``block_rows`` tokens and tile of columns,
+       the union of the columns where ``pre > 0``;
+    3. :func:`sparsefuse.sparse.block_sddmm`: ``h = relu(pre) * (x W_up^T + b_up)`` on the unions only (BlockELL,
+       rounded to x's dtype as the dense block rounds h);
+    4. :func:`sparsefuse.sparse.block_sparse_matmul`: ``y = h W_down^T + b_down``.
+
+    The up and down products cost the dense ones times the unions' share of N. Returns (y [M, K], pre)."""
+    plan = plan or _block_plan(w_gate.shape[0])
+    pre = F.linear(x2, w_gate, b_gate)
+    pattern = dense_to_row_block_pattern(pre, plan.tile, plan.block_rows, relu=True, sort_rows=plan.sort_rows)
+    h = block_sddmm(pattern, pre, x2, w_up, b_up, relu=True, out_dtype=x2.dtype)
+    return block_sparse_matmul(h, w_down_t, bias=b_down, out_dtype=x2.dtype), pre
+
+
 def _launch_up_down(values, indices, counts, x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile: int,
                     compression: int) -> torch.Tensor:  # fmt: skip
     # w_up and w_down_t: [N, K] with unit column strides (checked by the caller).
@@ -579,6 +624,11 @@ class CostModel:
     serial_s_per_step: float = 1.5e-6
     min_s: float = 25e-6
     n_sms: int = 132
+    # row-block path (method="block"): the up/down products' rate on the model's uniform-firing union estimate,
+    # fitted to scripts/probe_twell_block.py on an H200 (8192 tokens: 2 x 172 us; 2048: 2 x 60 us), scaled like the
+    # dense terms (which the model over-predicts by ~1.25x) so the two compare fairly
+    block_flops_per_s: float = 260e12
+    block_min_tokens: int = 1024  # fewer than 16 row blocks of 64 tokens cannot fill the GPU
 
 
 COST_MODEL = CostModel()
@@ -613,6 +663,25 @@ def predicted_times(M: int, K: int, N: int, mean_nnz: float, dtype: torch.dtype,
     return twell, dense
 
 
+def predicted_block_time(M: int, K: int, N: int, mean_nnz: float, dtype: torch.dtype,
+                         cost_model: CostModel | None = None, block_rows: int = 64) -> float:  # fmt: skip
+    """Seconds predicted for ``method="block"``: the cuBLAS gate, one pass over the [M, N] pre-activations (the
+    unions), and the up and down products on the unions. A block's union is estimated as if neurons fired
+    independently and uniformly, ``N * (1 - (1 - nnz / N) ** block_rows)`` -- an over-estimate for real layers,
+    whose hot neurons are shared (the synthetic FFN at 30 non-zeros: 22% of N measured, 29% estimated)."""
+    cm = cost_model or COST_MODEL
+    elem = torch.finfo(dtype).bits // 8
+    fp32 = dtype == torch.float32
+    gate = _matmul_s(M, K, N, elem, fp32, cm)
+    union = 1.0 - (1.0 - min(mean_nnz, N) / max(N, 1)) ** block_rows
+    n_blocks = triton.cdiv(max(M, 1), block_rows)
+    fill = min(1.0, M / 8192) ** 0.31 * min(1.0, n_blocks * triton.cdiv(K, 256) / (2 * cm.n_sms))
+    rate = cm.block_flops_per_s * (cm.fp32_matmul_flops_per_s / cm.matmul_flops_per_s if fp32 else 1.0) * fill
+    products = 2 * 2.0 * M * K * N * union / rate
+    traffic = (M * N + 3 * M * N * union + 2 * M * K) * elem / cm.dram_bytes_per_s
+    return gate + products + traffic + 4 * cm.launch_s
+
+
 # From a full GPU's worth of tokens (2 x SMs) up, auto takes twell only for a predicted win of at least this much:
 # there the model's twell time is off by up to ~35% either way near the crossover (the heavy tail's serial chains are
 # not modelled), and one wrong pick cost 26% (M=2048, 8B layer, 8 non-zeros; benchmarks/NOTES.md row 23). Below
@@ -620,10 +689,17 @@ def predicted_times(M: int, K: int, N: int, mean_nnz: float, dtype: torch.dtype,
 AUTO_MARGIN = 0.92
 
 
-def _prefer_twell(M: int, K: int, N: int, mean_nnz: float, dtype: torch.dtype) -> bool:
+def _auto_method(M: int, K: int, N: int, mean_nnz: float, dtype: torch.dtype) -> str:
+    """The method auto runs: the fastest predicted of twell, block (from ``block_min_tokens``) and dense, a sparse
+    one only if it beats dense by the margin."""
     twell, dense = predicted_times(M, K, N, mean_nnz, dtype)
     margin = AUTO_MARGIN if M >= 2 * COST_MODEL.n_sms else 1.0
-    return twell < margin * dense
+    best, method = twell, "twell"
+    if M >= COST_MODEL.block_min_tokens:
+        block = predicted_block_time(M, K, N, mean_nnz, dtype)
+        if block < best:
+            best, method = block, "block"
+    return method if best < margin * dense else "dense"
 
 
 def _probe_mean_nnz(x2: torch.Tensor, w_gate: torch.Tensor, b_gate: torch.Tensor | None) -> float:
@@ -727,20 +803,32 @@ def _mlp_forward(x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile: int, co
     M, K = x2.shape
     N = w_gate.shape[0]
     if method == "auto":  # no estimate was given: the probe (one host sync)
-        method = "twell" if M and _prefer_twell(M, K, N, _probe_mean_nnz(x2, w_gate, b_gate), x2.dtype) else "dense"
+        method = _auto_method(M, K, N, _probe_mean_nnz(x2, w_gate, b_gate), x2.dtype) if M else "dense"
     if method == "dense":
         h_gate = torch.relu(F.linear(x2, w_gate, b_gate))
         y = F.linear(h_gate * F.linear(x2, w_up, b_up), w_down_t.t(), b_down)
         if not with_stats or M == 0:
             return y, _no_stats(x2, with_stats)
-        sample = h_gate[torch.linspace(0, M - 1, min(M, STATS_TOKENS), device=x2.device).long()]
-        return y, torch.stack([(sample != 0).sum(), _device_scalar(sample.shape[0], x2.device)])
+        return y, _sampled_gate_stats(h_gate)
+    if method == "block":
+        y, pre = _launch_block_mlp(x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down)
+        if not with_stats or M == 0:
+            return y, _no_stats(x2, with_stats)
+        return y, _sampled_gate_stats(pre)
     tile = tile or _auto_tile(M, N, compression)
     values, indices, counts = _launch_gate(x2, w_gate, b_gate, tile, compression)
     y = _launch_up_down(values, indices, counts, x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile, compression)
     if not with_stats:
         return y, _no_stats(x2, with_stats)
     return y, torch.stack([counts.sum(dtype=torch.int64), _device_scalar(M, x2.device)])
+
+
+def _sampled_gate_stats(h_gate: torch.Tensor) -> torch.Tensor:
+    """[2] int64 (gate non-zeros, tokens) over <= STATS_TOKENS evenly spaced tokens of the dense gate activations
+    (or pre-activations: positives are counted), without a sync."""
+    M = h_gate.shape[0]
+    sample = h_gate[torch.linspace(0, M - 1, min(M, STATS_TOKENS), device=h_gate.device).long()]
+    return torch.stack([(sample > 0).sum(), _device_scalar(sample.shape[0], h_gate.device)])
 
 
 def _no_stats(x2: torch.Tensor, with_stats: bool) -> torch.Tensor:
@@ -946,10 +1034,12 @@ def twell_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down:
         compression: C; each tile of ``tile`` columns keeps ``tile // C`` non-zeros (more are recomputed, never
             dropped). A power of two dividing the tile.
         tile: TwELL tile width (power of two, 16..1024); None: 256, or 64 for batches of <= 64 tokens.
-        method: "twell" (the two fused kernels), "dense" (three cuBLAS matmuls), or "auto": twell when its predicted
-            time (:func:`predicted_times`) beats dense for the batch's mean non-zeros per token, which comes from
-            ``expected_nnz``, else ``monitor`` (sync-free, from earlier calls), else a probe of <= 64 tokens (one
-            host sync).
+        method: "twell" (the two fused TwELL kernels: small batches), "block" (cuBLAS gate, then the up and down
+            products on tensor cores over each 64-token block's union of fired neurons: large batches; see
+            :func:`_launch_block_mlp`), "dense" (three cuBLAS matmuls), or "auto": the fastest predicted
+            (:func:`predicted_times`, :func:`predicted_block_time`) for the batch's mean non-zeros per token, a sparse
+            method only if it beats dense by the margin. The estimate comes from ``expected_nnz``, else ``monitor``
+            (sync-free, from earlier calls), else a probe of <= 64 tokens (one host sync).
         monitor: a :class:`SparsityMonitor` updated by this call (without a sync).
     Returns: [..., K] in x's dtype; fp32 accumulation. When autograd needs a gradient the dense computation runs
     (differentiable); the sparse kernels are inference-only.
@@ -971,7 +1061,7 @@ def twell_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down:
         if estimate is None and monitor is not None and not torch.compiler.is_compiling():
             estimate = monitor.estimate()
         if estimate is not None:
-            method = "twell" if _prefer_twell(M, K, w_gate.shape[0], estimate, x.dtype) else "dense"
+            method = _auto_method(M, K, w_gate.shape[0], estimate, x.dtype)
         elif torch.compiler.is_compiling():
             # No sync inside a compiled graph, and a monitor's changing estimate would recompile it: without
             # expected_nnz a compiled call assumes the sparse regime.

@@ -4,11 +4,13 @@ gather-accumulate product (:mod:`.spmm`) that every sparse x dense product in sp
 Used by the SAE decode/encode (:mod:`sparsefuse.sae`), the SPLADE backward and the TwELL FFN (:mod:`sparsefuse.ffn`).
 """
 
-from .compact import dense_to_csr, dense_to_ell
-from .formats import CSR, ELL, TwELL
-from .spmm import JumpReLUEncoder, matmul_skip_zeros, sparse_matmul, torch_sparse_matmul
+from .compact import dense_to_csr, dense_to_ell, dense_to_row_block_pattern
+from .formats import CSR, ELL, BlockELL, RowBlockPattern, TwELL
+from .sddmm import block_sddmm, torch_block_sddmm
+from .spmm import JumpReLUEncoder, block_sparse_matmul, matmul_skip_zeros, sparse_matmul, torch_sparse_matmul
 
 __all__ = [
-    "CSR", "ELL", "TwELL", "JumpReLUEncoder", "dense_to_csr", "dense_to_ell", "matmul_skip_zeros", "sparse_matmul",
-    "torch_sparse_matmul",
+    "CSR", "ELL", "TwELL", "RowBlockPattern", "BlockELL", "JumpReLUEncoder", "dense_to_csr", "dense_to_ell", "dense_to_row_block_pattern",
+    "matmul_skip_zeros", "sparse_matmul", "torch_sparse_matmul", "block_sddmm", "torch_block_sddmm",
+    "block_sparse_matmul",
 ]  # fmt: skip

@@ -5,6 +5,10 @@ Two launches over a [M, N] dense tensor tiled into (row, column chunk) programs:
   2. an exclusive cumulative sum over chunks (torch, on the device) gives each chunk its first slot in its row;
   3. ``scatter_nonzero_kernel`` writes every non-zero at ``row base + chunk start + rank within the chunk``.
 
+:func:`dense_to_row_block_pattern` builds a :class:`RowBlockPattern` (row-block unions; optionally rows sorted by
+their count of non-zeros first, so that tokens of similar sparsity share a block) with one union kernel; no host
+sync.
+
 ELL needs no device->host sync (its row base is ``row * width`` and entries past the width are counted but not
 stored). CSR needs the total nnz on the host to allocate exactly (one sync). NaN counts as a non-zero, so it
 propagates into whatever consumes the format.
@@ -19,7 +23,7 @@ import triton.language as tl
 from .. import _backend
 from .._backend import Backend, backend_for, new_output, record_launch
 from .._validation import check_float, describe
-from .formats import CSR, ELL
+from .formats import CSR, ELL, RowBlockPattern, check_twell_geometry
 
 _FORMAT_ELL = tl.constexpr(0)
 _FORMAT_CSR = tl.constexpr(1)
@@ -119,3 +123,92 @@ def dense_to_csr(dense: torch.Tensor) -> CSR:
                                                  starts.shape[1], 0, BLOCK=block, FORMAT=1)  # fmt: skip
     record_launch("scatter_nonzero_kernel")
     return CSR(values, indices, row_offsets, N)
+
+
+@triton.jit
+def _is_nonzero(v, RELU: tl.constexpr):
+    """Non-zero test of the compaction kernels; with RELU, of relu(v) (v > 0), for pre-activations. NaN counts."""
+    if RELU:
+        return (v > 0) | (v != v)
+    return v != 0
+
+
+@triton.jit
+def count_row_nonzeros_kernel(dense_ptr, counts_ptr, M, N, stride_row, RELU: tl.constexpr, BLOCK_R: tl.constexpr,
+                              BLOCK_N: tl.constexpr):  # fmt: skip
+    # dense [M, N] (unit column stride) -> counts [M] int32 non-zeros per row (of relu(dense) with RELU).
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
+    row_mask = rows < M
+    total = tl.zeros([BLOCK_R], dtype=tl.int32)
+    for n0 in range(0, N, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        v = tl.load(dense_ptr + rows[:, None].to(tl.int64) * stride_row + cols[None, :],
+                    mask=row_mask[:, None] & (cols[None, :] < N), other=0.0)  # [BLOCK_R, BLOCK_N]  # fmt: skip
+        total += tl.sum(_is_nonzero(v, RELU).to(tl.int32), axis=1)
+    tl.store(counts_ptr + rows, total, mask=row_mask)
+
+
+@triton.jit
+def row_block_union_kernel(dense_ptr, order_ptr, indices_ptr, counts_ptr, M, N, n_tiles, stride_row,
+                           TILE: tl.constexpr, BLOCK_ROWS: tl.constexpr, RELU: tl.constexpr,
+                           HAS_ORDER: tl.constexpr):  # fmt: skip
+    # dense [M, N]; order [M] int32 (block b = rows order[b * BLOCK_ROWS ...]); out: indices [n_blocks, n_tiles *
+    # TILE] (the union of tile t at [t * TILE, t * TILE + count), column order), counts [n_blocks, n_tiles].
+    tile = tl.program_id(0)
+    block = tl.program_id(1)
+    slots = block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    slot_mask = slots < M
+    rows = tl.load(order_ptr + slots, mask=slot_mask, other=0) if HAS_ORDER else slots
+    cols = tile * TILE + tl.arange(0, TILE)  # [TILE]
+    v = tl.load(dense_ptr + rows[:, None].to(tl.int64) * stride_row + cols[None, :],
+                mask=slot_mask[:, None] & (cols[None, :] < N), other=0.0)  # [BLOCK_ROWS, TILE]  # fmt: skip
+    in_union = tl.max(_is_nonzero(v, RELU).to(tl.int32), axis=0)  # [TILE]
+    rank = tl.cumsum(in_union, axis=0) - 1
+    tl.store(indices_ptr + block.to(tl.int64) * (n_tiles * TILE) + tile * TILE + rank, cols, mask=in_union > 0)
+    tl.store(counts_ptr + block * n_tiles + tile, tl.sum(in_union, axis=0))
+
+
+def _descending_order(counts: torch.Tensor) -> torch.Tensor:
+    """[M] int32: rows by decreasing count (stable: deterministic), so the heaviest row blocks start first."""
+    return torch.sort(counts, descending=True, stable=True).indices.to(torch.int32)
+
+
+def _union_warps(block_rows: int, tile: int) -> int:
+    return 4 if block_rows * tile <= 8192 else 8
+
+
+def dense_to_row_block_pattern(dense: torch.Tensor, tile: int, block_rows: int, *, relu: bool = False,
+                               sort_rows: bool = False) -> RowBlockPattern:  # fmt: skip
+    """The :class:`RowBlockPattern` of ``dense`` [M, N] (of ``relu(dense)`` when ``relu``: pre-activations), rows
+    sorted by decreasing non-zero count when ``sort_rows`` (tokens of similar sparsity then share blocks, whose
+    unions shrink: on the synthetic ReLU FFN at 30 non-zeros per token, 64-row unions cover 13% of the columns
+    against 22% in token order; but the count pass, the sort and the imbalance between light and heavy blocks
+    cost about what the smaller products save on an H200, so it is off by default). No host sync; reads ``dense``
+    once (twice when sorting)."""
+    op = "dense_to_row_block_pattern"
+    dense = _check_dense(op, dense)
+    check_twell_geometry(op, tile, 1)
+    M, N = dense.shape
+    n_tiles, n_blocks = triton.cdiv(N, tile), triton.cdiv(M, block_rows)
+    if backend_for(dense) is Backend.TORCH or M == 0:
+        if M:
+            _backend.warn_reference_once(op)
+        fired = (dense > 0) | dense.isnan() if relu else dense != 0
+        order = _descending_order(fired.sum(dim=1, dtype=torch.int32)) if sort_rows else None
+        return RowBlockPattern.from_dense(fired.to(torch.uint8), tile, block_rows, order)
+    order = None
+    if sort_rows:
+        counts = torch.empty(M, dtype=torch.int32, device=dense.device)
+        block_r, block_n = (16, 64) if _backend.INTERPRET else (8, 1024)
+        count_row_nonzeros_kernel[(triton.cdiv(M, block_r),)](dense, counts, M, N, dense.stride(0), RELU=relu,
+                                                            BLOCK_R=block_r, BLOCK_N=block_n)  # fmt: skip
+        record_launch("count_row_nonzeros_kernel")
+        order = _descending_order(counts)
+    indices = torch.empty(n_blocks, n_tiles * tile, dtype=torch.int32, device=dense.device)
+    union_counts = torch.empty(n_blocks, n_tiles, dtype=torch.int32, device=dense.device)
+    row_block_union_kernel[(n_tiles, n_blocks)](dense, order if order is not None else dense, indices, union_counts,
+                                                M, N, n_tiles, dense.stride(0), TILE=tile, BLOCK_ROWS=block_rows,
+                                                RELU=relu, HAS_ORDER=order is not None,
+                                                num_warps=_union_warps(block_rows, tile))  # fmt: skip
+    record_launch("row_block_union_kernel")
+    return RowBlockPattern(indices, union_counts, order, M, N, tile, block_rows)

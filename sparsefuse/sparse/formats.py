@@ -10,6 +10,9 @@ Both formats store each row's non-zeros in increasing column order (compaction i
   (never silently drop it). Unused slots hold index 0 and value 0.
 * :class:`TwELL` -- tile-wise ELL: per (row, column tile of width T) ``T / C`` slots and the tile's true count;
   written by a matmul epilogue (the FFN gate), overflowed tiles are recomputed by the consumer.
+* :class:`RowBlockPattern` -- per (block of rows, column tile) the union of the rows' non-zero columns, shared by
+  the block (rows optionally permuted first); never overflows. :class:`BlockELL` -- values on such unions, one
+  compacted column list per row block. For tensor-core products at large batches.
 """
 
 from __future__ import annotations
@@ -235,3 +238,163 @@ class TwELL:
         values[rows, dest] = padded[rows, global_cols]
         indices[rows, dest] = global_cols.to(torch.int32)
         return TwELL(values, indices, counts, N, tile, compression)
+
+
+def _check_block_rows(fmt: str, block_rows: object) -> None:
+    if not isinstance(block_rows, int) or isinstance(block_rows, bool) or not _is_power_of_two(block_rows) \
+            or not 16 <= block_rows <= 256:  # fmt: skip
+        raise ValueError(f"{fmt}: block_rows must be a power of two in [16, 256] (a tensor-core row block); got "
+                         f"{block_rows!r}")  # fmt: skip
+
+
+def _check_row_order(fmt: str, row_order: torch.Tensor | None, M: int) -> None:
+    if row_order is not None and (row_order.shape != (M,) or row_order.dtype != torch.int32):
+        raise ValueError(f"{fmt}.row_order must be None or int32 of shape [{M}] (a permutation of the rows); got "
+                         f"{row_order.dtype} {list(row_order.shape)}")  # fmt: skip
+
+
+def _block_rows_of(M: int, block_rows: int, b: int, row_order: torch.Tensor | None):
+    """Row indices (into the original matrix) of block b."""
+    rows = torch.arange(b * block_rows, min(M, (b + 1) * block_rows))
+    return row_order[rows.to(row_order.device)].long() if row_order is not None else rows
+
+
+@dataclass(frozen=True)
+class RowBlockPattern:
+    """The sparsity pattern of an [M, N] matrix as row-block unions: rows are taken in ``row_order`` (a permutation;
+    None = natural order) and grouped in blocks of ``block_rows``; columns are cut into tiles of ``tile``. For each
+    (row block, tile) it lists the columns in which **any** row of the block is non-zero (their union), shared by
+    the block's rows. A union holds at most ``tile`` columns, so the pattern never overflows. Tensor-core consumers
+    multiply [block_rows, union] blocks: the work is the union's, which for a sparse ReLU layer is a fraction of the
+    dense work (hot neurons are shared across tokens, more so when tokens of similar sparsity share a block).
+
+    * ``indices`` [n_blocks, n_tiles * tile] int32: block b's union in tile t at ``[t * tile, t * tile + count)``,
+      global column numbers in increasing order (slots past the count are never read).
+    * ``counts`` [n_blocks, n_tiles] int32: union sizes.
+    * ``row_order`` [M] int32 or None: block b holds rows ``row_order[b * block_rows : (b + 1) * block_rows]``.
+    """
+
+    indices: torch.Tensor  # [n_blocks, n_tiles * tile] int32
+    counts: torch.Tensor  # [n_blocks, n_tiles] int32
+    row_order: torch.Tensor | None  # [M] int32
+    n_rows: int
+    n_cols: int
+    tile: int
+    block_rows: int
+
+    def __post_init__(self) -> None:
+        check_twell_geometry("RowBlockPattern", self.tile, 1)
+        _check_block_rows("RowBlockPattern", self.block_rows)
+        n_blocks, width = -(-self.n_rows // self.block_rows), self.n_tiles * self.tile
+        if self.indices.shape != (n_blocks, width) or self.indices.dtype != torch.int32:
+            raise ValueError(f"RowBlockPattern.indices must be int32 of shape [{n_blocks}, {width}]; got "
+                             f"{self.indices.dtype} {list(self.indices.shape)}")  # fmt: skip
+        if self.counts.shape != (n_blocks, self.n_tiles) or self.counts.dtype != torch.int32:
+            raise ValueError(f"RowBlockPattern.counts must be int32 of shape [{n_blocks}, {self.n_tiles}]; got "
+                             f"{self.counts.dtype} {list(self.counts.shape)}")  # fmt: skip
+        _check_row_order("RowBlockPattern", self.row_order, self.n_rows)
+
+    @property
+    def n_tiles(self) -> int:
+        return -(-self.n_cols // self.tile)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n_rows, self.n_cols)
+
+    def union_sizes(self) -> torch.Tensor:
+        """[n_blocks] int32: columns in each row block's union (the sparse work per block)."""
+        return self.counts.sum(dim=1, dtype=torch.int32)
+
+    def block_columns(self, b: int) -> torch.Tensor:
+        """Block b's union, all tiles, in column order (int64)."""
+        slot = torch.arange(self.tile, device=self.indices.device)
+        return self.indices[b][(slot[None, :] < self.counts[b][:, None]).flatten()].long()
+
+    def to_mask(self) -> torch.Tensor:
+        """[M, N] bool: True in every (row, union column) of the row's block."""
+        mask = torch.zeros(self.n_rows, self.n_cols, dtype=torch.bool, device=self.indices.device)
+        for b in range(self.counts.shape[0]):
+            rows = _block_rows_of(self.n_rows, self.block_rows, b, self.row_order).to(mask.device)
+            mask[rows[:, None], self.block_columns(b)[None, :]] = True
+        return mask
+
+    @staticmethod
+    def from_dense(dense: torch.Tensor, tile: int, block_rows: int,
+                   row_order: torch.Tensor | None = None) -> RowBlockPattern:  # fmt: skip
+        """Plain-torch reference: the unions of ``dense != 0`` (NaN counts as non-zero)."""
+        check_twell_geometry("RowBlockPattern.from_dense", tile, 1)
+        _check_block_rows("RowBlockPattern.from_dense", block_rows)
+        _check_rows("dense", dense, 2)
+        M, N = dense.shape
+        _check_row_order("RowBlockPattern", row_order, M)
+        n_tiles, n_blocks = -(-N // tile), -(-M // block_rows)
+        indices = torch.zeros(n_blocks, n_tiles * tile, dtype=torch.int32, device=dense.device)
+        counts = torch.zeros(n_blocks, n_tiles, dtype=torch.int32, device=dense.device)
+        for b in range(n_blocks):
+            fired = (dense[_block_rows_of(M, block_rows, b, row_order).to(dense.device)] != 0).any(dim=0)
+            for t in range(n_tiles):
+                cols = fired[t * tile: (t + 1) * tile].nonzero().flatten() + t * tile
+                indices[b, t * tile: t * tile + cols.numel()] = cols.to(torch.int32)
+                counts[b, t] = cols.numel()
+        return RowBlockPattern(indices, counts, row_order, M, N, tile, block_rows)
+
+
+@dataclass(frozen=True)
+class BlockELL:
+    """ELL with indices shared by a block of rows: slot row r (in block b = r // block_rows) has ``values[r, j]`` in
+    column ``indices[b, j]`` for ``j < counts[b]``, and stands for matrix row ``row_order[r]`` (r when None). Slots
+    past a block's count are never read. What :func:`sparsefuse.sparse.block_sddmm` writes and the tensor-core
+    gather product :func:`sparsefuse.sparse.block_sparse_matmul` walks in one loop."""
+
+    values: torch.Tensor  # [M, width]
+    indices: torch.Tensor  # [n_blocks, width] int32
+    counts: torch.Tensor  # [n_blocks] int32 (<= width)
+    n_cols: int
+    block_rows: int
+    row_order: torch.Tensor | None = None  # [M] int32
+
+    def __post_init__(self) -> None:
+        _check_block_rows("BlockELL", self.block_rows)
+        _check_rows("BlockELL.values", self.values, 2)
+        M, width = self.values.shape
+        n_blocks = -(-M // self.block_rows)
+        if self.indices.shape != (n_blocks, width) or self.indices.dtype != torch.int32:
+            raise ValueError(f"BlockELL.indices must be int32 of shape [{n_blocks}, {width}]; got "
+                             f"{self.indices.dtype} {list(self.indices.shape)}")  # fmt: skip
+        if self.counts.shape != (n_blocks,) or self.counts.dtype != torch.int32:
+            raise ValueError(f"BlockELL.counts must be int32 of shape [{n_blocks}]; got {self.counts.dtype} "
+                             f"{list(self.counts.shape)}")  # fmt: skip
+        _check_row_order("BlockELL", self.row_order, M)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.values.shape[0], self.n_cols)
+
+    def to_dense(self) -> torch.Tensor:
+        M = self.values.shape[0]
+        dense = torch.zeros(M, self.n_cols, dtype=self.values.dtype, device=self.values.device)
+        for b, count in enumerate(self.counts.tolist()):
+            slots = slice(b * self.block_rows, min(M, (b + 1) * self.block_rows))
+            rows = _block_rows_of(M, self.block_rows, b, self.row_order).to(dense.device)
+            dense[rows[:, None], self.indices[b, :count].long()[None, :]] = self.values[slots, :count]
+        return dense
+
+    @staticmethod
+    def from_dense(dense: torch.Tensor, block_rows: int) -> BlockELL:
+        """Plain-torch reference: each row block's union of non-zero columns, in column order."""
+        _check_block_rows("BlockELL.from_dense", block_rows)
+        _check_rows("dense", dense, 2)
+        M, N = dense.shape
+        n_blocks = -(-M // block_rows)
+        unions = [(dense[b * block_rows: (b + 1) * block_rows] != 0).any(dim=0).nonzero().flatten()
+                  for b in range(n_blocks)]  # fmt: skip
+        width = max([u.numel() for u in unions] + [1])
+        values = torch.zeros(M, width, dtype=dense.dtype, device=dense.device)
+        indices = torch.zeros(n_blocks, width, dtype=torch.int32, device=dense.device)
+        for b, cols in enumerate(unions):
+            rows = slice(b * block_rows, min(M, (b + 1) * block_rows))
+            indices[b, : cols.numel()] = cols.to(torch.int32)
+            values[rows, : cols.numel()] = dense[rows][:, cols]
+        counts = torch.tensor([u.numel() for u in unions], dtype=torch.int32, device=dense.device)
+        return BlockELL(values, indices, counts, N, block_rows)

@@ -3,6 +3,10 @@
 Used for gradients on a sparsity pattern (an SAE decode's gradient w.r.t. its feature activations:
 ``grad_acts[m, f] = grad_out[m] . W_dec[f]`` only where feature f fired for token m). The pattern is read in its
 dense form (no format, no host sync); :func:`row_dots` is the shared inner step.
+
+:func:`block_sddmm` is the tensor-core form for a :class:`~sparsefuse.sparse.RowBlockPattern` (the gated FFN's up
+projection at large batches): ``out = scale * (A @ B^T + bias)`` on each row block's union of columns, written as
+the compacted :class:`~sparsefuse.sparse.BlockELL` that :func:`~sparsefuse.sparse.block_sparse_matmul` consumes.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import triton.language as tl
 
 from .. import _backend
 from .._backend import Backend, backend_for, new_output, record_launch
+from .formats import BlockELL, RowBlockPattern
 from .spmm import pick_nonzeros, rank_nonzeros
 
 
@@ -74,4 +79,127 @@ def sampled_dot_dense_pattern(pattern: torch.Tensor, a: torch.Tensor, b: torch.T
         BLOCK_F=block_f, BLOCK_D=block_d, GROUP=group,
     )  # fmt: skip
     record_launch("sampled_dot_dense_pattern_kernel")
+    return out
+
+
+@triton.jit
+def block_sddmm_kernel(scale_ptr, indices_ptr, counts_ptr, order_ptr, a_ptr, b_ptr, bias_ptr, out_values_ptr,
+                       out_indices_ptr, out_counts_ptr, M, D, n_tiles, stride_scale, stride_a, stride_b,
+                       TILE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+                       BLOCK_TILES: tl.constexpr, HAS_ORDER: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       RELU: tl.constexpr, IEEE_FP32: tl.constexpr):  # fmt: skip
+    # Pattern (RowBlockPattern): indices [n_blocks, width], counts [n_blocks, n_tiles] (width = n_tiles * TILE),
+    # order [M] int32 (block rows -> matrix rows). scale [M, N] dense (relu'd when RELU); a [M, D], b [N, D] (unit
+    # column strides), bias [N]. Out: BlockELL values [M, width] (slot rows), indices [n_blocks, width], counts
+    # [n_blocks]. Grid (chunks, row blocks): program (c, blk) computes compacted union slots
+    # [c * BLOCK_C, (c + 1) * BLOCK_C) of its block -- the tiles' unions laid end to end, so a chunk spans tiles and
+    # every tensor-core tile is full but the block's last -- and stores them in that compacted order.
+    chunk = tl.program_id(0)
+    block = tl.program_id(1)
+    width = n_tiles * TILE
+    tiles = tl.arange(0, BLOCK_TILES)
+    counts = tl.load(counts_ptr + block * n_tiles + tiles, mask=tiles < n_tiles, other=0)  # [BLOCK_TILES]
+    ends = tl.cumsum(counts, axis=0)
+    total = tl.sum(counts, axis=0)
+    if chunk == 0:
+        tl.store(out_counts_ptr + block, total)
+    if chunk * BLOCK_C < total:
+        p = chunk * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C] compacted slots
+        p_mask = p < total
+        # each slot's tile (how many tiles end at or before it) and its place in that tile's union
+        tile_of_p = tl.sum((ends[None, :] <= p[:, None]).to(tl.int32), axis=1)  # [BLOCK_C]
+        first_of_tile = tl.sum(tl.where(tiles[None, :] == tile_of_p[:, None], (ends - counts)[None, :], 0), axis=1)
+        src = tile_of_p * TILE + p - first_of_tile  # [BLOCK_C] slot in the per-tile layout
+        cols = tl.load(indices_ptr + block.to(tl.int64) * width + src, mask=p_mask, other=0)
+        slots = block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [BLOCK_ROWS]
+        row_mask = slots < M
+        rows = tl.load(order_ptr + slots, mask=row_mask, other=0) if HAS_ORDER else slots
+        a_rows_ptr = a_ptr + rows[:, None].to(tl.int64) * stride_a  # [BLOCK_ROWS, 1]
+        b_cols_ptr = b_ptr + cols[None, :].to(tl.int64) * stride_b  # [1, BLOCK_C]
+        acc = tl.zeros([BLOCK_ROWS, BLOCK_C], dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)  # [BLOCK_D]
+            d_mask = d < D
+            a = tl.load(a_rows_ptr + d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+            bt = tl.load(b_cols_ptr + d[:, None], mask=d_mask[:, None] & p_mask[None, :], other=0.0)  # [BLOCK_D, BLOCK_C]
+            if IEEE_FP32:
+                acc += tl.dot(a, bt.to(a.dtype), input_precision="ieee")
+            else:
+                acc += tl.dot(a, bt.to(a.dtype))
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=p_mask, other=0.0).to(tl.float32)[None, :]
+        mask = row_mask[:, None] & p_mask[None, :]
+        scale = tl.load(scale_ptr + rows[:, None].to(tl.int64) * stride_scale + cols[None, :], mask=mask,
+                        other=0.0).to(tl.float32)  # fmt: skip
+        if RELU:
+            scale = tl.where((scale > 0) | (scale != scale), scale, 0.0)
+        out_block_ptr = out_values_ptr + block.to(tl.int64) * BLOCK_ROWS * width  # 32-bit offsets within the block
+        tl.store(out_block_ptr + tl.arange(0, BLOCK_ROWS)[:, None] * width + p[None, :],
+                 (scale * acc).to(out_values_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+        tl.store(out_indices_ptr + block.to(tl.int64) * width + p, cols, mask=p_mask)
+
+
+def torch_block_sddmm(pattern: RowBlockPattern, scale: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                      bias: torch.Tensor | None = None, relu: bool = False) -> torch.Tensor:  # fmt: skip
+    """Reference: the dense [M, N] ``pattern * relu?(scale) * (a @ b^T + bias)`` in float64."""
+    prod = a.double() @ b.double().t()
+    if bias is not None:
+        prod = prod + bias.double()
+    s = scale.double()
+    if relu:
+        s = torch.where((s > 0) | s.isnan(), s, 0.0)
+    return pattern.to_mask() * s * prod
+
+
+def _block_sddmm_blocks(D: int, block_rows: int) -> tuple[int, int, int, int]:
+    """(BLOCK_C, BLOCK_D, num_warps, num_stages): measured on an H200 (scripts/probe_twell_block.py)."""
+    if _backend.INTERPRET:
+        return 16, 32, 4, 1
+    return 128, 64, 8, 4
+
+
+def block_sddmm(pattern: RowBlockPattern, scale: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                bias: torch.Tensor | None = None, *, relu: bool = False,
+                out_dtype: torch.dtype | None = None) -> BlockELL:  # fmt: skip
+    """``relu?(scale) * (a @ b^T + bias)`` on the pattern's row-block unions, compacted: pattern [M, N]
+    (:class:`RowBlockPattern`), scale [M, N] dense (e.g. gate pre-activations, relu'd when ``relu``), a [M, D],
+    b [N, D], bias [N] -> :class:`BlockELL` [M, N] (same block rows and row order, width n_tiles * tile) in
+    ``out_dtype`` (default: scale's). fp32 accumulation on tensor cores, no host sync; the work is
+    ``2 * block_rows * D * sum(union sizes)`` flops."""
+    a = a if a.stride(-1) == 1 else a.contiguous()
+    b = b if b.stride(-1) == 1 else b.contiguous()
+    scale = scale if scale.stride(-1) == 1 else scale.contiguous()
+    M, N = pattern.shape
+    n_blocks, n_tiles = pattern.counts.shape
+    width, D = n_tiles * pattern.tile, a.shape[1]
+    out_dtype = out_dtype or scale.dtype
+    values = new_output((M, width), out_dtype, a.device)  # slots past a block's count are never read
+    indices = torch.empty(n_blocks, width, dtype=torch.int32, device=a.device)
+    counts = torch.empty(n_blocks, dtype=torch.int32, device=a.device)
+    out = BlockELL(values, indices, counts, N, pattern.block_rows, pattern.row_order)
+    if M == 0:
+        return out
+    if backend_for(a) is Backend.TORCH:
+        _backend.warn_reference_once("block_sddmm")
+        dense = torch_block_sddmm(pattern, scale, a, b, bias, relu).to(out_dtype)
+        for blk in range(n_blocks):
+            cols = pattern.block_columns(blk)
+            slots = slice(blk * pattern.block_rows, min(M, (blk + 1) * pattern.block_rows))
+            rows = torch.arange(M)[slots].to(a.device)
+            rows = pattern.row_order[rows].long() if pattern.row_order is not None else rows
+            indices[blk, : cols.numel()] = cols.to(torch.int32)
+            values[slots, : cols.numel()] = dense[rows[:, None], cols[None, :]]
+        counts.copy_(pattern.union_sizes())
+        return out
+    block_c, block_d, warps, stages = _block_sddmm_blocks(D, pattern.block_rows)
+    order = pattern.row_order
+    block_sddmm_kernel[(triton.cdiv(width, block_c), n_blocks)](
+        scale, pattern.indices, pattern.counts, order if order is not None else pattern.counts, a, b,
+        bias if bias is not None else a, values, indices, counts, M, D, n_tiles, scale.stride(0), a.stride(0),
+        b.stride(0),
+        TILE=pattern.tile, BLOCK_ROWS=pattern.block_rows, BLOCK_C=block_c, BLOCK_D=block_d,
+        BLOCK_TILES=triton.next_power_of_2(n_tiles), HAS_ORDER=order is not None, HAS_BIAS=bias is not None,
+        RELU=relu, IEEE_FP32=a.dtype == torch.float32, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    record_launch("block_sddmm_kernel")
     return out

@@ -23,7 +23,7 @@ import triton.language as tl
 from .. import _backend
 from .._backend import Backend, backend_for, new_output, record_launch, sm_count
 from .._validation import check_float, check_same_device, describe
-from .formats import CSR, ELL
+from .formats import CSR, ELL, BlockELL
 
 
 @dataclass(frozen=True)
@@ -378,4 +378,87 @@ def matmul_skip_zeros(a: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch
         HAS_B_DEC=False, num_warps=cfg.num_warps,
     )  # fmt: skip
     record_launch("gather_accumulate_kernel")
+    return out
+
+
+@triton.jit
+def block_ell_matmul_kernel(values_ptr, indices_ptr, counts_ptr, order_ptr, w_ptr, bias_ptr, out_ptr, M, n_out,
+                            width, stride_w, stride_out,
+                            BLOCK_ROWS: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr,
+                            HAS_ORDER: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE_FP32: tl.constexpr):  # fmt: skip
+    # BlockELL values [M, width] (slot rows), indices [n_blocks, width], counts [n_blocks], order [M] int32 (slot
+    # row -> output row); w [n_in, n_out] (unit column stride), bias [n_out]; out [M, n_out]. Grid (D blocks, row blocks): program (db, blk) walks its block's
+    # column list BLOCK_J at a time -- a [BLOCK_ROWS, BLOCK_J] tile of values times BLOCK_J gathered rows of w --
+    # on tensor cores (the gather-accumulate of sparsefuse.sparse.spmm, batched over a row block's shared columns).
+    d_block = tl.program_id(0)
+    block = tl.program_id(1)
+    count = tl.load(counts_ptr + block)
+    local_rows = tl.arange(0, BLOCK_ROWS)
+    slots = block * BLOCK_ROWS + local_rows
+    row_mask = slots < M
+    d = d_block * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    d_mask = d < n_out
+    values_block_ptr = values_ptr + block.to(tl.int64) * BLOCK_ROWS * width + local_rows[:, None] * width
+    indices_block_ptr = indices_ptr + block.to(tl.int64) * width
+    acc = tl.zeros([BLOCK_ROWS, BLOCK_D], dtype=tl.float32)
+    for j0 in range(0, count, BLOCK_J):
+        j = j0 + tl.arange(0, BLOCK_J)  # [BLOCK_J]
+        j_mask = j < count
+        a = tl.load(values_block_ptr + j[None, :], mask=row_mask[:, None] & j_mask[None, :], other=0.0)
+        cols = tl.load(indices_block_ptr + j, mask=j_mask, other=0)
+        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_w + d[None, :],
+                    mask=j_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_J, BLOCK_D]  # fmt: skip
+        if IEEE_FP32:
+            acc += tl.dot(a, w.to(a.dtype), input_precision="ieee")
+        else:
+            acc += tl.dot(a, w.to(a.dtype))
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    rows = tl.load(order_ptr + slots, mask=row_mask, other=0) if HAS_ORDER else slots
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_out + d[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & d_mask[None, :])  # fmt: skip
+
+
+def _block_matmul_blocks(n_out: int) -> tuple[int, int, int, int]:
+    """(BLOCK_J, BLOCK_D, num_warps, num_stages): measured on an H200 (scripts/probe_twell_block.py)."""
+    if _backend.INTERPRET:
+        return 16, 32, 4, 1
+    return 64, 256, 8, 4
+
+
+def block_sparse_matmul(sparse: BlockELL, weight: torch.Tensor, *, bias: torch.Tensor | None = None,
+                        out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
+    """``sparse @ weight + bias`` -> [M, n_out] for a :class:`BlockELL` [M, n_in] (rows in blocks sharing their
+    column lists; slot rows written to their ``row_order`` rows) and weight [n_in, n_out] (columns contiguous or copied once): per row block, tensor-core tiles of
+    its values times the gathered weight rows of its columns, fp32 accumulation. ``2 * block_rows * n_out`` flops
+    per listed column: the dense product's work times the union's share of n_in."""
+    op = "block_sparse_matmul"
+    check_float(op, "weight", weight)
+    if weight.dim() != 2 or weight.shape[0] != sparse.n_cols:
+        raise ValueError(f"{op}: weight must be [{sparse.n_cols}, n_out] for a sparse matrix of shape "
+                         f"{list(sparse.shape)}; got {describe(weight)}")  # fmt: skip
+    check_same_device(op, values=sparse.values, weight=weight)
+    weight = _weight_for_gather(weight)
+    M, n_out = sparse.shape[0], weight.shape[1]
+    if bias is not None and (bias.shape != (n_out,) or bias.device != weight.device):
+        raise ValueError(f"{op}: bias must be [{n_out}] on {weight.device}; got {describe(bias)}")
+    out_dtype = out_dtype or torch.promote_types(sparse.values.dtype, weight.dtype)
+    out = new_output((M, n_out), out_dtype, weight.device)
+    if M == 0 or n_out == 0:
+        return out
+    if backend_for(weight) is Backend.TORCH:
+        _backend.warn_reference_once(op)
+        ref = sparse.to_dense().double() @ weight.double()
+        return (ref + bias.double() if bias is not None else ref).to(out_dtype)
+    block_j, block_d, warps, stages = _block_matmul_blocks(n_out)
+    n_blocks = sparse.counts.shape[0]
+    block_ell_matmul_kernel[(triton.cdiv(n_out, block_d), n_blocks)](
+        sparse.values, sparse.indices, sparse.counts,
+        sparse.row_order if sparse.row_order is not None else sparse.counts, weight,
+        bias if bias is not None else weight, out, M, n_out, sparse.values.shape[1], weight.stride(0), out.stride(0),
+        BLOCK_ROWS=sparse.block_rows, BLOCK_J=block_j, BLOCK_D=block_d, HAS_ORDER=sparse.row_order is not None,
+        HAS_BIAS=bias is not None,
+        IEEE_FP32=sparse.values.dtype == torch.float32, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    record_launch("block_ell_matmul_kernel")
     return out

@@ -13,6 +13,8 @@ requested). ``--quick``: the 1.5B shape at M in {16, 8192}, nnz in {32, 512}. Ro
 * ``twell gate kernel``  sparsefuse's gate matmul with the TwELL epilogue alone (kernel 1)
 * ``twell nnz=S``        ``twell_mlp(method="twell")`` at S mean non-zeros per token (omitted where the cost model
                          predicts > 8x dense: those rows would dominate the run time and say nothing new)
+* ``block nnz=S``        ``twell_mlp(method="block")`` (cuBLAS gate, row-block unions, tensor-core up/down on the
+                         unions), from 1024 tokens up
 * ``auto nnz=S``         ``twell_mlp(method="auto")`` with a :class:`~sparsefuse.ffn.SparsityMonitor` (sync-free
                          after the warm-up calls), i.e. what :class:`sparsefuse.nn.SparseGatedMLP` runs
 
@@ -29,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ...ffn import SparsityMonitor, predicted_times, twell_gate, twell_mlp
+from ...ffn import SparsityMonitor, predicted_block_time, predicted_times, twell_gate, twell_mlp
 from ...ffn.synthetic import synthetic_ffn
 from ..harness import Case, Options, Result, register
 
@@ -76,6 +78,8 @@ def _case(K: int, N: int, M: int, nnz_values: list[int], dtype: torch.dtype, dev
             impls[f"twell nnz={s}"] = lambda *a, i=i: twell_mlp(a[i], *a[n:], method="twell")
         else:
             log(f"ffn: M={M} K={K} N={N} nnz={s}: forced twell predicted {twell_s / dense_s:.0f}x dense, not timed")
+        if M >= 1024 and predicted_block_time(M, K, N, s, dtype) <= SKIP_TWELL_ABOVE * dense_s:
+            impls[f"block nnz={s}"] = lambda *a, i=i: twell_mlp(a[i], *a[n:], method="block")
         monitor = SparsityMonitor()
         impls[f"auto nnz={s}"] = lambda *a, i=i, monitor=monitor: twell_mlp(a[i], *a[n:], method="auto",
                                                                             monitor=monitor)  # fmt: skip
@@ -98,21 +102,25 @@ def ffn_cases(options: Options) -> list[Case]:
 
 
 def crossover(rows: list[Result]) -> list[str]:
-    """Markdown lines: per (shape, dtype) the largest mean non-zeros per token at which ``twell`` beats eager, and
-    the worst ``auto`` time relative to eager (target: <= 1.10) with where it happens."""
+    """Markdown lines: per (shape, dtype) the largest mean non-zeros per token at which ``twell`` (and ``block``)
+    beats eager, and the worst ``auto`` time relative to eager (target: <= 1.10) with where it happens."""
     groups: dict[tuple[str, str], list[Result]] = {}
     for r in rows:
         if r.workload == "ffn" and r.status == "ok":
             groups.setdefault((r.shape, r.dtype), []).append(r)
     lines = ["| shape | dtype | eager us | gate matmul us | twell beats eager up to nnz | best twell x eager | "
-             "worst auto / eager |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+             "block beats eager up to nnz | best block x eager | worst auto / eager |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for (shape, dtype), group in sorted(groups.items()):
         times = {r.impl: r.median_us for r in group}
         eager = times.get("eager", math.nan)
         wins = [int(k.split("=")[1]) for k, t in times.items() if k.startswith("twell nnz=") and t < eager]
         best = max((eager / t for k, t in times.items() if k.startswith("twell nnz=")), default=math.nan)
+        block_wins = [int(k.split("=")[1]) for k, t in times.items() if k.startswith("block nnz=") and t < eager]
+        best_block = max((eager / t for k, t in times.items() if k.startswith("block nnz=")), default=math.nan)
         autos = {k: t / eager for k, t in times.items() if k.startswith("auto nnz=")}
         worst = max(autos.items(), key=lambda kv: kv[1], default=("-", math.nan))
         lines.append(f"| {shape} | {dtype} | {eager:.1f} | {times.get('gate matmul', math.nan):.1f} | "
-                     f"{max(wins) if wins else 'none'} | {best:.2f} | {worst[1]:.2f} ({worst[0]}) |")  # fmt: skip
+                     f"{max(wins) if wins else 'none'} | {best:.2f} | {max(block_wins) if block_wins else '-'} | "
+                     f"{best_block:.2f} | {worst[1]:.2f} ({worst[0]}) |")  # fmt: skip
     return lines

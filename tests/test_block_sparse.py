@@ -1,0 +1,146 @@
+"""Row-block unions (RowBlockPattern), the tensor-core block SDDMM and block gather product of the shared sparse
+core, and the gated FFN's ``method="block"`` built on them. Interpreter: fp16/fp32 (bf16 tl.dot is wrong there);
+GPU tests add bf16 and the real shapes. Every kernel output is NaN-poisoned before launch (conftest)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_backend
+
+from sparsefuse import track_launches
+from sparsefuse.ffn import torch_twell_mlp, twell_mlp
+from sparsefuse.ffn.synthetic import synthetic_ffn
+from sparsefuse.sparse import (
+    BlockELL,
+    RowBlockPattern,
+    block_sddmm,
+    block_sparse_matmul,
+    dense_to_row_block_pattern,
+    torch_block_sddmm,
+)
+from sparsefuse.testing import assert_close_to_reference
+
+MATMUL_DTYPES = [torch.float32, torch.float16]  # interpreted tl.dot on bf16 is wrong (triton#11584)
+
+
+def sparse_pre(M, N, device, dtype=torch.float32, seed=0):
+    """Pre-activations with ~15% positives, a NaN, an all-negative row and a fully positive row."""
+    g = torch.Generator().manual_seed(seed)
+    pre = torch.randn(M, N, generator=g) - 1.0
+    if M > 3:
+        pre[1] = -1.0
+        pre[2] = 1.0
+        pre[3, 5] = float("nan")
+    return pre.to(device=device, dtype=dtype)
+
+
+def used_slots(pattern: RowBlockPattern) -> torch.Tensor:
+    slot = torch.arange(pattern.tile, device=pattern.counts.device)
+    return (slot[None, None, :] < pattern.counts[:, :, None]).flatten(1)
+
+
+@pytest.mark.parametrize("relu", [True, False])
+@pytest.mark.parametrize("sort_rows", [False, True])
+@pytest.mark.parametrize("M, N, tile", [(37, 70, 32), (16, 64, 64), (1, 20, 16)])
+def test_row_block_pattern_matches_reference(M, N, tile, sort_rows, relu, device):
+    pre = sparse_pre(M, N, device)
+    dense = torch.relu(pre).nan_to_num(nan=1.0) if not relu else pre
+    with track_launches() as launched:
+        pattern = dense_to_row_block_pattern(dense, tile, 16, relu=relu, sort_rows=sort_rows)
+    assert_backend(dense)
+    assert launched["row_block_union_kernel"] == 1
+    fired = (pre > 0) | pre.isnan()
+    ref = RowBlockPattern.from_dense(fired.to(torch.uint8), tile, 16, pattern.row_order)
+    assert torch.equal(pattern.counts, ref.counts)
+    used = used_slots(pattern)
+    assert torch.equal(pattern.indices[used], ref.indices[used])
+    assert torch.equal(pattern.to_mask() & fired, fired)  # every non-zero is inside its block's union
+    if sort_rows:
+        counts = fired.sum(dim=1)[pattern.row_order.long()]
+        assert torch.equal(torch.sort(pattern.row_order.long()).values, torch.arange(M, device=device))
+        assert bool((counts[:-1] >= counts[1:]).all())  # heaviest rows first
+    else:
+        assert pattern.row_order is None
+
+
+@pytest.mark.parametrize("dtype", MATMUL_DTYPES)
+@pytest.mark.parametrize("sort_rows", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_block_sddmm_and_block_matmul_match_float64(bias, sort_rows, dtype, device):
+    M, N, D, tile = 37, 70, 40, 32  # no multiple of any block; D spans two dot steps
+    pre = sparse_pre(M, N, device, dtype)
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(M, D, generator=g).to(device=device, dtype=dtype)
+    b = (torch.randn(N, D, generator=g) / D**0.5).to(device=device, dtype=dtype)
+    bias_up = (torch.randn(N, generator=g) * 0.1).to(device=device, dtype=dtype) if bias else None
+    w = (torch.randn(N, 24, generator=g) / N**0.5).to(device=device, dtype=dtype)
+    bias_out = (torch.randn(24, generator=g) * 0.1).to(device=device, dtype=dtype) if bias else None
+    pattern = dense_to_row_block_pattern(pre, tile, 16, relu=True, sort_rows=sort_rows)
+    with track_launches() as launched:
+        h = block_sddmm(pattern, pre, a, b, bias_up, relu=True)
+        y = block_sparse_matmul(h, w, bias=bias_out)
+    assert_backend(a)
+    assert launched["block_sddmm_kernel"] == 1 and launched["block_ell_matmul_kernel"] == 1
+    assert torch.equal(h.counts, pattern.union_sizes())
+    ref_h = torch_block_sddmm(pattern, pre, a, b, bias_up, relu=True)
+    clean = lambda t: t.nan_to_num(nan=0.0)  # noqa: E731  (row 3 carries a NaN pre-activation: compared apart)
+    lowp_h = torch.relu(pre.float()).to(dtype) * (F.linear(a.float(), b.float(), None if bias_up is None else
+                                                           bias_up.float())).to(dtype)  # fmt: skip
+    rows = torch.arange(M, device=device) != 3
+    assert_close_to_reference(clean(h.to_dense())[rows], clean(ref_h)[rows], clean(lowp_h * pattern.to_mask())[rows])
+    assert bool(h.to_dense()[3].isnan().any())  # NaN propagates
+    ref_y = ref_h.double() @ w.double() + (bias_out.double() if bias else 0.0)
+    lowp_y = F.linear(lowp_h.float(), w.float().t(), None if bias_out is None else bias_out.float()).to(dtype)
+    assert_close_to_reference(y[rows], ref_y[rows], lowp_y[rows])
+    assert bool(y[3].isnan().all())
+
+
+def test_block_formats_roundtrip_and_validation(device):
+    dense = torch.relu(torch.randn(20, 50, device=device)) * (torch.rand(20, 50, device=device) < 0.2)
+    ell = BlockELL.from_dense(dense, 16)
+    assert torch.equal(ell.to_dense(), dense)
+    order = torch.randperm(20, device=device).to(torch.int32)
+    pattern = RowBlockPattern.from_dense(dense, 16, 16, order)
+    assert torch.equal(pattern.to_mask() & (dense != 0), dense != 0)
+    with pytest.raises(ValueError, match="block_rows must be a power of two"):
+        BlockELL.from_dense(dense, 24)
+    with pytest.raises(ValueError, match="row_order must be None or int32"):
+        RowBlockPattern.from_dense(dense, 16, 16, order.long())
+    with pytest.raises(ValueError, match="weight must be"):
+        block_sparse_matmul(ell, torch.randn(49, 8, device=device))
+
+
+@pytest.mark.parametrize("dtype", MATMUL_DTYPES)
+@pytest.mark.parametrize("M, bias", [(37, False), (70, True), (1, False), (0, False)])
+def test_twell_mlp_block_method_matches_float64(M, bias, dtype, device):
+    K, N = 48, 100
+    ffn = synthetic_ffn(K, N, dtype=dtype, device=device, seed=3)
+    x = ffn.make_input(M, 8.0)
+    g = torch.Generator().manual_seed(4)
+    b = [(torch.randn(n, generator=g) * 0.1).to(device=device, dtype=dtype) if bias else None for n in (N, N, K)]
+    with track_launches() as launched:
+        y = twell_mlp(x, ffn.w_gate, ffn.w_up, ffn.w_down, b_gate=b[0], b_up=b[1], b_down=b[2], method="block")
+    assert y.shape == (M, K)
+    if M == 0:
+        return
+    assert_backend(x)
+    assert launched["block_sddmm_kernel"] == 1 and launched["block_ell_matmul_kernel"] == 1, launched
+    ref = torch_twell_mlp(x, ffn.w_gate, ffn.w_up, ffn.w_down, *b)
+    lowp = F.linear(torch.relu(F.linear(x, ffn.w_gate, b[0])) * F.linear(x, ffn.w_up, b[1]), ffn.w_down, b[2])
+    assert_close_to_reference(y, ref, lowp)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M, K, N, mean_nnz", [(3001, 2048, 5632, 30.0), (8192, 2048, 5632, 30.0),
+                                               (1031, 4096, 14336, 60.0), (2048, 2048, 5632, 600.0)])  # fmt: skip
+def test_block_method_real_shapes_gpu(M, K, N, mean_nnz, dtype, device):
+    ffn = synthetic_ffn(K, N, dtype=dtype, device=device, seed=21)
+    x = ffn.make_input(M, mean_nnz)
+    with track_launches() as launched:
+        y = twell_mlp(x, ffn.w_gate, ffn.w_up, ffn.w_down, method="block")
+    assert launched["block_ell_matmul_kernel"] == 1
+    rows = torch.arange(M, device=device)[:: max(1, M // 512)]  # float64 reference on a sample of tokens
+    ref = torch_twell_mlp(x[rows], ffn.w_gate, ffn.w_up, ffn.w_down)
+    lowp = F.linear(torch.relu(F.linear(x[rows], ffn.w_gate)) * F.linear(x[rows], ffn.w_up), ffn.w_down)
+    assert_close_to_reference(y[rows], ref, lowp)
