@@ -18,7 +18,7 @@ from sparsefuse.sparse import (
     dense_to_row_block_pattern,
     torch_block_sddmm,
 )
-from sparsefuse.testing import assert_close_to_reference
+from sparsefuse.testing import accumulation_allowance, assert_close_to_reference
 
 MATMUL_DTYPES = [torch.float32, torch.float16]  # interpreted tl.dot on bf16 is wrong (triton#11584)
 
@@ -91,7 +91,9 @@ def test_block_sddmm_and_block_matmul_match_float64(bias, sort_rows, dtype, devi
     assert bool(h.to_dense()[3].isnan().any())  # NaN propagates
     ref_y = ref_h.double() @ w.double() + (bias_out.double() if bias else 0.0)
     lowp_y = F.linear(lowp_h.float(), w.float().t(), None if bias_out is None else bias_out.float()).to(dtype)
-    assert_close_to_reference(y[rows], ref_y[rows], lowp_y[rows])
+    # h's fp32 sums run in another order than torch's: allow for it (two correct kernels differ by this much)
+    allowance = accumulation_allowance(clean(ref_h), w) + (accumulation_allowance(a, b.t()) * clean(pre.double()).clamp(min=0)) @ w.double().abs()
+    assert_close_to_reference(y[rows], ref_y[rows], lowp_y[rows], extra_abs=allowance[rows])
     assert bool(y[3].isnan().all())
 
 

@@ -18,7 +18,7 @@ import triton.language as tl
 from .. import _backend
 from .._backend import Backend, backend_for, new_output, record_launch
 from .formats import BlockELL, RowBlockPattern
-from .spmm import pick_nonzeros, rank_nonzeros
+from .spmm import dot_accumulate, pick_nonzeros, rank_nonzeros
 
 
 @triton.jit
@@ -122,10 +122,7 @@ def block_sddmm_kernel(scale_ptr, indices_ptr, counts_ptr, order_ptr, a_ptr, b_p
             d_mask = d < D
             a = tl.load(a_rows_ptr + d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
             bt = tl.load(b_cols_ptr + d[:, None], mask=d_mask[:, None] & p_mask[None, :], other=0.0)  # [BLOCK_D, BLOCK_C]
-            if IEEE_FP32:
-                acc += tl.dot(a, bt.to(a.dtype), input_precision="ieee")
-            else:
-                acc += tl.dot(a, bt.to(a.dtype))
+            acc = dot_accumulate(acc, a, bt, IEEE_FP32)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=p_mask, other=0.0).to(tl.float32)[None, :]
         mask = row_mask[:, None] & p_mask[None, :]

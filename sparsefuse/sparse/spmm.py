@@ -80,6 +80,14 @@ def accumulate_rows(acc, coef, rows, row_mask, w_ptr, stride_w, d, d_mask):
 
 
 @triton.jit
+def dot_accumulate(acc, a, b, IEEE_FP32: tl.constexpr):
+    """acc += a @ b on tensor cores (b cast to a's dtype); fp32 operands in exact IEEE arithmetic, not TF32."""
+    if IEEE_FP32:
+        return acc + tl.dot(a, b.to(a.dtype), input_precision="ieee")
+    return acc + tl.dot(a, b.to(a.dtype))
+
+
+@triton.jit
 def accumulate_nonzeros(acc, a, f, w_ptr, stride_w, d, d_mask, GROUP: tl.constexpr):
     """acc [BLOCK_D] += sum_f a[f] * W[f, d] over a chunk of activations a [BLOCK_F] (fp32) of features f [BLOCK_F],
     loading only the W rows whose activation is non-zero: an all-zero chunk costs one load of ``a``, a chunk with n
@@ -257,6 +265,14 @@ def _weight_for_gather(weight: torch.Tensor) -> torch.Tensor:
     return weight if weight.stride(1) == 1 or weight.shape[1] <= 1 else weight.contiguous()
 
 
+def _check_weight(op: str, sparse: ELL | CSR | BlockELL, weight: torch.Tensor) -> None:
+    check_float(op, "weight", weight)
+    if weight.dim() != 2 or weight.shape[0] != sparse.n_cols:
+        raise ValueError(f"{op}: weight must be [{sparse.n_cols}, n_out] for a sparse matrix of shape "
+                         f"{list(sparse.shape)}; got {describe(weight)}")  # fmt: skip
+    check_same_device(op, values=sparse.values, weight=weight)
+
+
 def sparse_matmul(sparse: ELL | CSR, weight: torch.Tensor, *, dense: torch.Tensor | None = None,
                   encoder: JumpReLUEncoder | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
     """``sparse @ weight`` -> [M, n_out] with fp32 accumulation.
@@ -272,11 +288,7 @@ def sparse_matmul(sparse: ELL | CSR, weight: torch.Tensor, *, dense: torch.Tenso
         out_dtype: defaults to the promoted dtype of values and weight.
     """
     op = "sparse_matmul"
-    check_float(op, "weight", weight)
-    if weight.dim() != 2 or weight.shape[0] != sparse.n_cols:
-        raise ValueError(f"{op}: weight must be [{sparse.n_cols}, n_out] for a sparse matrix of shape "
-                         f"{list(sparse.shape)}; got {describe(weight)}")  # fmt: skip
-    check_same_device(op, values=sparse.values, weight=weight)
+    _check_weight(op, sparse, weight)
     is_ell = isinstance(sparse, ELL)
     if dense is not None and encoder is not None:
         raise ValueError(f"{op}: pass dense or encoder, not both")
@@ -408,10 +420,7 @@ def block_ell_matmul_kernel(values_ptr, indices_ptr, counts_ptr, order_ptr, w_pt
         cols = tl.load(indices_block_ptr + j, mask=j_mask, other=0)
         w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_w + d[None, :],
                     mask=j_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_J, BLOCK_D]  # fmt: skip
-        if IEEE_FP32:
-            acc += tl.dot(a, w.to(a.dtype), input_precision="ieee")
-        else:
-            acc += tl.dot(a, w.to(a.dtype))
+        acc = dot_accumulate(acc, a, w, IEEE_FP32)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     rows = tl.load(order_ptr + slots, mask=row_mask, other=0) if HAS_ORDER else slots
@@ -429,15 +438,12 @@ def _block_matmul_blocks(n_out: int) -> tuple[int, int, int, int]:
 def block_sparse_matmul(sparse: BlockELL, weight: torch.Tensor, *, bias: torch.Tensor | None = None,
                         out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
     """``sparse @ weight + bias`` -> [M, n_out] for a :class:`BlockELL` [M, n_in] (rows in blocks sharing their
-    column lists; slot rows written to their ``row_order`` rows) and weight [n_in, n_out] (columns contiguous or copied once): per row block, tensor-core tiles of
-    its values times the gathered weight rows of its columns, fp32 accumulation. ``2 * block_rows * n_out`` flops
+    column lists; slot rows written to their ``row_order`` rows) and weight [n_in, n_out] (columns contiguous or
+    copied once): per row block, tensor-core tiles of its values times the gathered weight rows of its columns, fp32
+    accumulation. ``2 * block_rows * n_out`` flops
     per listed column: the dense product's work times the union's share of n_in."""
     op = "block_sparse_matmul"
-    check_float(op, "weight", weight)
-    if weight.dim() != 2 or weight.shape[0] != sparse.n_cols:
-        raise ValueError(f"{op}: weight must be [{sparse.n_cols}, n_out] for a sparse matrix of shape "
-                         f"{list(sparse.shape)}; got {describe(weight)}")  # fmt: skip
-    check_same_device(op, values=sparse.values, weight=weight)
+    _check_weight(op, sparse, weight)
     weight = _weight_for_gather(weight)
     M, n_out = sparse.shape[0], weight.shape[1]
     if bias is not None and (bias.shape != (n_out,) or bias.device != weight.device):
