@@ -71,11 +71,10 @@ def main():
             log(f"{tag} {plan}: union per block mean {unions.mean():.0f} ({unions.mean() / N:.1%} of N), max "
                 f"{unions.max():.0f}; up/down work = {part_flops / (2 * M * K * N):.1%} of a dense one each")
             if plan.sort_rows:
-                counts = torch.empty(M, dtype=torch.int32, device="cuda")
-                bench(lambda: compact.count_row_nonzeros_kernel[(M // 8,)](pre, counts, M, N, N, RELU=True, BLOCK_R=8,
-                                                                          BLOCK_N=1024), "  row counts", nbytes=2 * M * N)
+                bench(lambda: compact._chunk_starts(pre, compact._compaction_block(N), True), "  row counts",
+                      nbytes=2 * M * N)  # fmt: skip
+                counts = compact._chunk_starts(pre, compact._compaction_block(N), True)[1]
                 bench(lambda: torch.sort(counts, stable=True), "  (torch stable sort of the counts, for scale)")
-                pass
                 for warps in (4, 8, 16):
                     compact._union_warps = lambda br, t, warps=warps: warps
                     bench(lambda: compact.dense_to_row_block_pattern(pre, plan.tile, plan.block_rows, relu=True),

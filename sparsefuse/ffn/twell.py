@@ -32,7 +32,11 @@ neurons are shared across tokens) plus x and y. At M=8192, K=2048, 30 non-zeros 
 gathers against ~380 GFLOP of dense up/down matmuls: kernel 2 is bound by the L2 rate, so the fused path costs the
 gate matmul plus an L2-bound gather.
 
-``method="auto"`` compares predicted times of both paths (:class:`CostModel`) for the batch's mean non-zeros per
+Large batches: ``method="block"`` (:func:`_launch_block_mlp`) runs the gate on cuBLAS, lists per block of 64 tokens
+the union of their fired neurons (:class:`sparsefuse.sparse.RowBlockPattern`) and does the up and down products on
+those unions with tensor cores (:func:`sparsefuse.sparse.block_sddmm`, :func:`sparsefuse.sparse.block_sparse_matmul`).
+
+``method="auto"`` compares predicted times of the paths (:class:`CostModel`) for the batch's mean non-zeros per
 token, taken (in this order, first available) from ``expected_nnz``, a :class:`SparsityMonitor` (sync-free running
 estimate from earlier calls: :class:`sparsefuse.nn.SparseGatedMLP` keeps one), or a probe that computes the gate of
 at most 64 sampled tokens densely and reads its count -- the one host sync, documented.

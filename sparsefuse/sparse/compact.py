@@ -30,13 +30,22 @@ _FORMAT_CSR = tl.constexpr(1)
 
 
 @triton.jit
-def count_nonzero_kernel(dense_ptr, chunk_counts_ptr, n_cols, stride_row, n_chunks, BLOCK: tl.constexpr):
-    # dense [M, N] (unit column stride); chunk_counts [M, n_chunks] int32
+def _is_nonzero(v, RELU: tl.constexpr):
+    """Non-zero test of the compaction kernels; with RELU, of relu(v) (v > 0), for pre-activations. NaN counts."""
+    if RELU:
+        return (v > 0) | (v != v)
+    return v != 0
+
+
+@triton.jit
+def count_nonzero_kernel(dense_ptr, chunk_counts_ptr, n_cols, stride_row, n_chunks, BLOCK: tl.constexpr,
+                         RELU: tl.constexpr = False):  # fmt: skip
+    # dense [M, N] (unit column stride); chunk_counts [M, n_chunks] int32 (non-zeros of relu(dense) with RELU)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     v = tl.load(dense_ptr + row * stride_row + cols, mask=cols < n_cols, other=0.0)
-    tl.store(chunk_counts_ptr + row * n_chunks + chunk, tl.sum((v != 0).to(tl.int32), axis=0))
+    tl.store(chunk_counts_ptr + row * n_chunks + chunk, tl.sum(_is_nonzero(v, RELU).to(tl.int32), axis=0))
 
 
 @triton.jit
@@ -71,12 +80,13 @@ def _check_dense(op: str, dense: torch.Tensor) -> torch.Tensor:
     return dense if dense.stride(1) == 1 or dense.shape[1] <= 1 else dense.contiguous()
 
 
-def _chunk_starts(dense: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(chunk_starts [M, n_chunks] int32, row counts [M] int32) from the count kernel and a device cumsum."""
+def _chunk_starts(dense: torch.Tensor, block: int, relu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chunk_starts [M, n_chunks] int32, row counts [M] int32) from the count kernel and a device cumsum; with
+    ``relu`` the non-zeros of relu(dense)."""
     M, N = dense.shape
     n_chunks = triton.cdiv(N, block)
     chunk_counts = torch.empty(M, n_chunks, dtype=torch.int32, device=dense.device)
-    count_nonzero_kernel[(M, n_chunks)](dense, chunk_counts, N, dense.stride(0), n_chunks, BLOCK=block)
+    count_nonzero_kernel[(M, n_chunks)](dense, chunk_counts, N, dense.stride(0), n_chunks, BLOCK=block, RELU=relu)
     record_launch("count_nonzero_kernel")
     inclusive = chunk_counts.cumsum(dim=1, dtype=torch.int32)
     return inclusive - chunk_counts, inclusive[:, -1].contiguous()
@@ -123,29 +133,6 @@ def dense_to_csr(dense: torch.Tensor) -> CSR:
                                                  starts.shape[1], 0, BLOCK=block, FORMAT=1)  # fmt: skip
     record_launch("scatter_nonzero_kernel")
     return CSR(values, indices, row_offsets, N)
-
-
-@triton.jit
-def _is_nonzero(v, RELU: tl.constexpr):
-    """Non-zero test of the compaction kernels; with RELU, of relu(v) (v > 0), for pre-activations. NaN counts."""
-    if RELU:
-        return (v > 0) | (v != v)
-    return v != 0
-
-
-@triton.jit
-def count_row_nonzeros_kernel(dense_ptr, counts_ptr, M, N, stride_row, RELU: tl.constexpr, BLOCK_R: tl.constexpr,
-                              BLOCK_N: tl.constexpr):  # fmt: skip
-    # dense [M, N] (unit column stride) -> counts [M] int32 non-zeros per row (of relu(dense) with RELU).
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
-    row_mask = rows < M
-    total = tl.zeros([BLOCK_R], dtype=tl.int32)
-    for n0 in range(0, N, BLOCK_N):
-        cols = n0 + tl.arange(0, BLOCK_N)
-        v = tl.load(dense_ptr + rows[:, None].to(tl.int64) * stride_row + cols[None, :],
-                    mask=row_mask[:, None] & (cols[None, :] < N), other=0.0)  # [BLOCK_R, BLOCK_N]  # fmt: skip
-        total += tl.sum(_is_nonzero(v, RELU).to(tl.int32), axis=1)
-    tl.store(counts_ptr + rows, total, mask=row_mask)
 
 
 @triton.jit
@@ -198,12 +185,7 @@ def dense_to_row_block_pattern(dense: torch.Tensor, tile: int, block_rows: int, 
         return RowBlockPattern.from_dense(fired.to(torch.uint8), tile, block_rows, order)
     order = None
     if sort_rows:
-        counts = torch.empty(M, dtype=torch.int32, device=dense.device)
-        block_r, block_n = (16, 64) if _backend.INTERPRET else (8, 1024)
-        count_row_nonzeros_kernel[(triton.cdiv(M, block_r),)](dense, counts, M, N, dense.stride(0), RELU=relu,
-                                                            BLOCK_R=block_r, BLOCK_N=block_n)  # fmt: skip
-        record_launch("count_row_nonzeros_kernel")
-        order = _descending_order(counts)
+        order = _descending_order(_chunk_starts(dense, _compaction_block(N), relu)[1])
     indices = torch.empty(n_blocks, n_tiles * tile, dtype=torch.int32, device=dense.device)
     union_counts = torch.empty(n_blocks, n_tiles, dtype=torch.int32, device=dense.device)
     row_block_union_kernel[(n_tiles, n_blocks)](dense, order if order is not None else dense, indices, union_counts,
