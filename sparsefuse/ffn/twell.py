@@ -62,6 +62,7 @@ from .._schedule import grouped_tile_coords
 from .._validation import FLOAT_DTYPES, check_float, check_same_device, check_tensor, describe
 from ..sparse.compact import dense_to_row_block_pattern
 from ..sparse.formats import ELL, TwELL, check_twell_geometry
+from ..sparse.monitor import SparsityMonitor, device_scalar, sampled_nonzero_stats
 from ..sparse.sddmm import block_sddmm, row_dots
 from ..sparse.spmm import (accumulate_rows, block_sparse_matmul, pick_nonzeros, rank_nonzeros, sparse_matmul,
                            sum_split_partials)
@@ -714,49 +715,6 @@ def _probe_mean_nnz(x2: torch.Tensor, w_gate: torch.Tensor, b_gate: torch.Tensor
     return float(fired) / rows.numel()  # the sync
 
 
-class SparsityMonitor:
-    """Sync-free running estimate of the gate's mean non-zeros per token, for ``method="auto"``.
-
-    Each call hands it a device tensor (non-zeros, tokens counted); it is copied to pinned host memory without
-    blocking and folded into the estimate (exponential average) on a *later* call, once its CUDA event has
-    completed -- the estimate lags by a call or so, and no call ever waits for the GPU. During CUDA-graph capture
-    it neither records nor reads (the estimate at capture time is used). On the CPU it updates at once."""
-
-    def __init__(self, momentum: float = 0.5) -> None:
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"SparsityMonitor: momentum must be in [0, 1); got {momentum!r}")
-        self.momentum = momentum
-        self.mean_nnz: float | None = None
-        self._pending: tuple[torch.Tensor, torch.cuda.Event] | None = None
-
-    def _fold(self, nnz: float, tokens: float) -> None:
-        if tokens <= 0:
-            return
-        value = nnz / tokens
-        self.mean_nnz = value if self.mean_nnz is None else self.momentum * self.mean_nnz + (1 - self.momentum) * value
-
-    def observe(self, stats: torch.Tensor) -> None:
-        """``stats``: [2] int64 device tensor (non-zeros, tokens)."""
-        if stats.device.type != "cuda":
-            self._fold(*(float(v) for v in stats.tolist()))
-            return
-        if self._pending is not None or torch.cuda.is_current_stream_capturing():
-            return
-        host = torch.empty(2, dtype=torch.int64, pin_memory=True)
-        host.copy_(stats, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._pending = (host, event)
-
-    def estimate(self) -> float | None:
-        """The current estimate (None before the first observation has arrived); never blocks."""
-        if self._pending is not None and not torch.cuda.is_current_stream_capturing() and self._pending[1].query():
-            host, _ = self._pending
-            self._pending = None
-            self._fold(float(host[0]), float(host[1]))
-        return self.mean_nnz
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # torch.library ops
 # ----------------------------------------------------------------------------------------------------------------
@@ -813,36 +771,24 @@ def _mlp_forward(x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile: int, co
         y = F.linear(h_gate * F.linear(x2, w_up, b_up), w_down_t.t(), b_down)
         if not with_stats or M == 0:
             return y, _no_stats(x2, with_stats)
-        return y, _sampled_gate_stats(h_gate)
+        return y, sampled_nonzero_stats(h_gate, STATS_TOKENS, positive=True)
     if method == "block":
         y, pre = _launch_block_mlp(x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down)
         if not with_stats or M == 0:
             return y, _no_stats(x2, with_stats)
-        return y, _sampled_gate_stats(pre)
+        return y, sampled_nonzero_stats(pre, STATS_TOKENS, positive=True)
     tile = tile or _auto_tile(M, N, compression)
     values, indices, counts = _launch_gate(x2, w_gate, b_gate, tile, compression)
     y = _launch_up_down(values, indices, counts, x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile, compression)
     if not with_stats:
         return y, _no_stats(x2, with_stats)
-    return y, torch.stack([counts.sum(dtype=torch.int64), _device_scalar(M, x2.device)])
-
-
-def _sampled_gate_stats(h_gate: torch.Tensor) -> torch.Tensor:
-    """[2] int64 (gate non-zeros, tokens) over <= STATS_TOKENS evenly spaced tokens of the dense gate activations
-    (or pre-activations: positives are counted), without a sync."""
-    M = h_gate.shape[0]
-    sample = h_gate[torch.linspace(0, M - 1, min(M, STATS_TOKENS), device=h_gate.device).long()]
-    return torch.stack([(sample > 0).sum(), _device_scalar(sample.shape[0], h_gate.device)])
+    return y, torch.stack([counts.sum(dtype=torch.int64), device_scalar(M, x2.device)])
 
 
 def _no_stats(x2: torch.Tensor, with_stats: bool) -> torch.Tensor:
     """Stats when none were asked for: an empty tensor (no kernel; a zero-filled [2] cost a launch, ~3 us at one
     token), or zeros for an empty batch that was asked for them."""
     return x2.new_zeros(2, dtype=torch.int64) if with_stats else x2.new_empty(0, dtype=torch.int64)
-
-
-def _device_scalar(value: int, device: torch.device) -> torch.Tensor:
-    return torch.full((), value, dtype=torch.int64, device=device)  # a fill kernel: no host copy (graph-safe)
 
 
 @torch.library.custom_op("sparsefuse::twell_mlp", mutates_args=())

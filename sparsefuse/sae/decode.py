@@ -11,11 +11,14 @@ Methods (all built on the shared core in :mod:`sparsefuse.sparse`):
   ``validate=True`` instead raises ``ValueError`` naming the largest count (one sync).
 * ``"exact"`` -- compact into exact-size CSR (one sync to size it), gather-accumulate.
 * ``"dense"`` -- ``torch.matmul`` (cuBLAS).
-* ``"auto"`` -- ``"dense"`` for small dictionaries (d_sae < 4096); otherwise ``"scan"`` unless a cost model
-  fitted to the H200 benchmark (benchmarks/results/) says cuBLAS is faster at the activations' mean L0: scan time
-  ~ rows x (d_sae bytes / 1.56 TB/s + L0 x d_model bytes / 2.2 TB/s), dense time ~ max(flops / matmul rate,
-  W_dec bytes / 3.3 TB/s). Batches of 128+ tokens measure the mean L0 on up to 64 sampled rows (one host sync);
-  smaller batches, CUDA-graph capture and torch.compile tracing assume SAE-like sparsity (L0 = d_sae / 1024).
+* ``"auto"`` -- ``"dense"`` for small dictionaries (d_sae < 4096); otherwise ``"scan"`` when a cost model fitted to
+  the H200 benchmark (benchmarks/results/) predicts it at least 10% faster than cuBLAS at the activations' mean L0:
+  scan ~ rows x (d_sae bytes / row rate + L0 x d_model bytes / gather rate), dense ~ max(flops / matmul rate,
+  W_dec bytes / 3.3 TB/s). The mean L0 is, first available: ``expected_l0``; the running estimate kept per decoder
+  (a :class:`~sparsefuse.sparse.SparsityMonitor` per ``W_dec`` tensor, fed without a sync every 8th eager call
+  from up to 64 sampled rows); on the first eager call with a new ``W_dec``, a count of those rows (the one host
+  sync). Under CUDA-graph capture the estimate from the warm-up calls decides; under torch.compile tracing, without
+  ``expected_l0``, SAE-like sparsity (L0 = d_sae / 1024) is assumed.
 
 Backward, without a host sync: the gradient for W_dec is ``feature_acts^T @ grad_out`` computed by the same
 skip-zeros kernel on the transposed activations (deterministic: no float atomics); the gradient for the activations
@@ -26,21 +29,28 @@ gradient a thresholded activation (JumpReLU, TopK) passes on.
 from __future__ import annotations
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .._validation import check_float, check_same_device, describe
 from ..sparse import ELL, dense_to_csr, dense_to_ell, matmul_skip_zeros, sparse_matmul
+from ..sparse.monitor import SparsityMonitor, sampled_nonzero_stats
 from ..sparse.sddmm import sampled_dot_dense_pattern
 
 METHODS = ("auto", "scan", "fixed", "exact", "dense")
 DEFAULT_MAX_L0 = 256
 AUTO_DENSE_BELOW_D_SAE = 4096
-AUTO_MEASURE_FROM_TOKENS = 128  # below this a host sync costs more than the decode it would steer
-AUTO_SAMPLE_ROWS = 64
-# Cost model of "auto", fitted to the H200 sae_decode benchmark (L0 and batch sweeps): effective rates in bytes/s
-# and flop/s. The ratios, not the absolute values, decide, so they carry over to other GPUs roughly.
-_SCAN_ROW_RATE, _SCAN_GATHER_RATE, _DENSE_WEIGHT_RATE = 1.56e12, 2.2e12, 3.3e12
-_DENSE_FLOP_RATE = {torch.float32: 50e12, torch.float16: 750e12, torch.bfloat16: 750e12}
+AUTO_SAMPLE_ROWS = 64  # rows whose non-zeros are counted for the estimate
+AUTO_OBSERVE_EVERY = 8  # eager calls per (sync-free) observation
+AUTO_MARGIN = 0.9  # scan must be predicted this much faster: the model's error on the benchmark grid is ~10%
+# Cost model of "auto", least-squares fits to the H200 sae_decode benchmark (main shapes, L0 and batch sweeps):
+# effective rates in bytes/s per activation element size (fp32 rows are scanned with fewer, wider loads), flop/s.
+# The ratios, not the absolute values, decide, so they carry over to other GPUs roughly.
+_SCAN_ROW_RATE = {4: 1.6e12, 2: 1.5e12}
+_SCAN_GATHER_RATE = {4: 2.6e12, 2: 2.0e12}
+_DENSE_WEIGHT_RATE = 3.3e12
+_DENSE_FLOP_RATE = {torch.float32: 50e12, torch.float16: 800e12, torch.bfloat16: 800e12}
 _LAUNCH_S = 5e-6
+_MONITORS = WeakIdKeyDictionary()  # W_dec -> [SparsityMonitor, calls]: dies with the decoder
 
 
 def torch_sparse_decode(feature_acts: torch.Tensor, W_dec: torch.Tensor) -> torch.Tensor:
@@ -52,11 +62,12 @@ def _scan_is_faster(M: int, d_sae: int, d_model: int, mean_l0: float, acts_dtype
                     w_dtype: torch.dtype) -> bool:  # fmt: skip
     """The cost model of ``method="auto"`` (see module docstring)."""
     e_a, e_w = acts_dtype.itemsize, w_dtype.itemsize
-    scan = _LAUNCH_S + M * (d_sae * e_a / _SCAN_ROW_RATE + mean_l0 * d_model * e_w / _SCAN_GATHER_RATE)
+    scan = _LAUNCH_S + M * (d_sae * e_a / _SCAN_ROW_RATE.get(e_a, 1.5e12)
+                            + mean_l0 * d_model * e_w / _SCAN_GATHER_RATE.get(e_a, 2.0e12))  # fmt: skip
     compute = torch.promote_types(acts_dtype, w_dtype)
     dense = _LAUNCH_S + max(2 * M * d_sae * d_model / _DENSE_FLOP_RATE.get(compute, 50e12),
                             d_sae * d_model * compute.itemsize / _DENSE_WEIGHT_RATE)  # fmt: skip
-    return scan <= dense
+    return scan <= AUTO_MARGIN * dense
 
 
 def _observable(t: torch.Tensor) -> bool:
@@ -66,16 +77,39 @@ def _observable(t: torch.Tensor) -> bool:
                 or (t.is_cuda and torch.cuda.is_current_stream_capturing()))  # fmt: skip
 
 
-def _resolve(method: str, acts: torch.Tensor, W_dec: torch.Tensor, max_l0: int | None) -> tuple[str, int]:
+def _estimated_l0(acts: torch.Tensor, W_dec: torch.Tensor) -> float | None:
+    """Mean L0 from the decoder's monitor, fed by this call when it is eager (see module docstring); None when
+    nothing is known (compile tracing, or a capture without a warm-up call)."""
+    if torch.compiler.is_compiling() or type(W_dec) not in (torch.Tensor, torch.nn.Parameter):
+        return None
+    entry = _MONITORS.get(W_dec)
+    observable = _observable(acts) and acts.shape[0] > 0
+    if entry is None:
+        if not observable:
+            return None
+        monitor = SparsityMonitor()
+        monitor.update(*(float(v) for v in sampled_nonzero_stats(acts, AUTO_SAMPLE_ROWS).tolist()))  # the sync
+        _MONITORS[W_dec] = [monitor, 0]
+        return monitor.mean_nnz
+    monitor = entry[0]
+    estimate = monitor.estimate()
+    if observable:
+        entry[1] += 1
+        if entry[1] % AUTO_OBSERVE_EVERY == 0 and monitor.accepts:
+            monitor.observe(sampled_nonzero_stats(acts, AUTO_SAMPLE_ROWS))
+    return estimate
+
+
+def _resolve(method: str, acts: torch.Tensor, W_dec: torch.Tensor, max_l0: int | None,
+             expected_l0: float | None) -> tuple[str, int]:  # fmt: skip
     (M, d_sae), d_model = acts.shape, W_dec.shape[1]
     if method == "auto":
         if d_sae < AUTO_DENSE_BELOW_D_SAE:
             method = "dense"
         else:
-            mean_l0 = d_sae / 1024  # SAE-like sparsity, assumed where measuring is not worth a sync
-            if M >= AUTO_MEASURE_FROM_TOKENS and _observable(acts):
-                sample = acts[:: max(1, M // AUTO_SAMPLE_ROWS)][:AUTO_SAMPLE_ROWS]
-                mean_l0 = int(torch.count_nonzero(sample)) / sample.shape[0]  # the one sync
+            mean_l0 = expected_l0 if expected_l0 is not None else _estimated_l0(acts, W_dec)
+            if mean_l0 is None:
+                mean_l0 = d_sae / 1024  # SAE-like sparsity, assumed where nothing was observed
             method = "scan" if _scan_is_faster(M, d_sae, d_model, mean_l0, acts.dtype, W_dec.dtype) else "dense"
     return method, (max_l0 if max_l0 is not None else min(DEFAULT_MAX_L0, d_sae))
 
@@ -145,7 +179,7 @@ sparse_decode_op.register_autograd(_decode_backward, setup_context=_decode_setup
 
 def sparse_decode(feature_acts: torch.Tensor, W_dec: torch.Tensor, *, method: str = "auto",
                   max_l0: int | None = None, validate: bool = False,
-                  out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
+                  out_dtype: torch.dtype | None = None, expected_l0: float | None = None) -> torch.Tensor:  # fmt: skip
     """Drop-in for ``feature_acts @ W_dec`` that skips features that did not fire (see module docstring).
 
     Args:
@@ -155,6 +189,8 @@ def sparse_decode(feature_acts: torch.Tensor, W_dec: torch.Tensor, *, method: st
         max_l0: slots per token for "fixed" (default 256, capped at d_sae).
         validate: "fixed" raises ValueError if a token fired more than max_l0 features (one host sync).
         out_dtype: defaults to ``torch.result_type(feature_acts, W_dec)``.
+        expected_l0: for "auto", the mean number of features that fire per token, if known (e.g. under
+            torch.compile, where nothing is observed); otherwise it is estimated (see module docstring).
     Returns: [..., d_model]. Accumulation is in float32.
     """
     op = "sparse_decode"
@@ -168,9 +204,12 @@ def sparse_decode(feature_acts: torch.Tensor, W_dec: torch.Tensor, *, method: st
         raise ValueError(f"{op}: method must be one of {', '.join(METHODS)}; got {method!r}")
     if max_l0 is not None and (not isinstance(max_l0, int) or isinstance(max_l0, bool) or max_l0 <= 0):
         raise ValueError(f"{op}: max_l0 must be a positive int; got {max_l0!r}")
+    if expected_l0 is not None and (isinstance(expected_l0, bool) or not isinstance(expected_l0, (int, float))
+                                    or not expected_l0 >= 0):  # fmt: skip
+        raise ValueError(f"{op}: expected_l0 must be a non-negative number; got {expected_l0!r}")
     out_dtype = out_dtype or torch.promote_types(feature_acts.dtype, W_dec.dtype)  # (result_type: not traceable)
     acts = feature_acts.reshape(-1, feature_acts.shape[-1])
-    method, max_l0 = _resolve(method, acts, W_dec, max_l0)
+    method, max_l0 = _resolve(method, acts, W_dec, max_l0, expected_l0)
     out = sparse_decode_op(acts, W_dec, method, max_l0, bool(validate), out_dtype)
     return out.reshape(*feature_acts.shape[:-1], W_dec.shape[1])
 

@@ -6,11 +6,12 @@ Used by the SAE decode/encode (:mod:`sparsefuse.sae`), the SPLADE backward and t
 
 from .compact import dense_to_csr, dense_to_ell, dense_to_row_block_pattern
 from .formats import CSR, ELL, BlockELL, RowBlockPattern, TwELL
+from .monitor import SparsityMonitor, sampled_nonzero_stats
 from .sddmm import block_sddmm, torch_block_sddmm
 from .spmm import JumpReLUEncoder, block_sparse_matmul, matmul_skip_zeros, sparse_matmul, torch_sparse_matmul
 
 __all__ = [
     "CSR", "ELL", "TwELL", "RowBlockPattern", "BlockELL", "JumpReLUEncoder", "dense_to_csr", "dense_to_ell", "dense_to_row_block_pattern",
     "matmul_skip_zeros", "sparse_matmul", "torch_sparse_matmul", "block_sddmm", "torch_block_sddmm",
-    "block_sparse_matmul",
+    "block_sparse_matmul", "SparsityMonitor", "sampled_nonzero_stats",
 ]  # fmt: skip

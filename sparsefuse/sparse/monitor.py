@@ -1,0 +1,79 @@
+"""Sync-free observations of activation sparsity, for the ``method="auto"`` choices (TwELL FFN, SAE decode).
+
+A choice between a sparse kernel and cuBLAS depends on how many features fire per token, which lives on the GPU.
+Reading it costs a host sync per call and is impossible inside a CUDA-graph capture. Instead each call may hand a
+[2] int64 device tensor (non-zeros, rows counted) to a :class:`SparsityMonitor`, which copies it to pinned host
+memory without blocking and folds it into a running estimate on a later call, once it has arrived.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def device_scalar(value: int, device: torch.device) -> torch.Tensor:
+    """A 0-dim int64 tensor on ``device`` made by a fill kernel: no host copy (safe inside a CUDA-graph capture)."""
+    return torch.full((), value, dtype=torch.int64, device=device)
+
+
+def sampled_nonzero_stats(t: torch.Tensor, max_rows: int, positive: bool = False) -> torch.Tensor:
+    """[2] int64 (non-zeros, rows) over <= ``max_rows`` evenly spaced rows of ``t`` [M, n] (M >= 1), without a sync.
+    ``positive``: count entries > 0 (pre-activations of a ReLU) instead of entries != 0 (NaN counts as fired)."""
+    M = t.shape[0]
+    sample = t[torch.linspace(0, M - 1, min(M, max_rows), device=t.device).long()]
+    fired = sample > 0 if positive else sample != 0
+    return torch.stack([fired.sum(dtype=torch.int64), device_scalar(sample.shape[0], t.device)])
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class SparsityMonitor:
+    """Sync-free running estimate of the mean non-zeros per token, for ``method="auto"``.
+
+    Each call hands it a device tensor (non-zeros, tokens counted); it is copied to pinned host memory without
+    blocking and folded into the estimate (exponential average) on a *later* call, once its CUDA event has
+    completed -- the estimate lags by a call or so, and no call ever waits for the GPU. During CUDA-graph capture
+    it neither records nor reads (the estimate at capture time is used). On the CPU it updates at once."""
+
+    def __init__(self, momentum: float = 0.5) -> None:
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"SparsityMonitor: momentum must be in [0, 1); got {momentum!r}")
+        self.momentum = momentum
+        self.mean_nnz: float | None = None
+        self._pending: tuple[torch.Tensor, torch.cuda.Event] | None = None
+
+    def update(self, nnz: float, tokens: float) -> None:
+        """Fold a count taken on the host (``nnz`` non-zeros over ``tokens`` tokens) into the estimate now."""
+        if tokens <= 0:
+            return
+        value = nnz / tokens
+        self.mean_nnz = value if self.mean_nnz is None else self.momentum * self.mean_nnz + (1 - self.momentum) * value
+
+    @property
+    def accepts(self) -> bool:
+        """Whether :meth:`observe` would take a new observation now (none in flight, not capturing): lets a caller
+        skip computing stats that would be dropped."""
+        return self._pending is None and not _capturing()
+
+    def observe(self, stats: torch.Tensor) -> None:
+        """``stats``: [2] int64 device tensor (non-zeros, tokens). Dropped while an earlier one is in flight."""
+        if stats.device.type != "cuda":
+            self.update(*(float(v) for v in stats.tolist()))
+            return
+        if not self.accepts:
+            return
+        host = torch.empty(2, dtype=torch.int64, pin_memory=True)
+        host.copy_(stats, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._pending = (host, event)
+
+    def estimate(self) -> float | None:
+        """The current estimate (None before the first observation has arrived); never blocks."""
+        if self._pending is not None and not _capturing() and self._pending[1].query():
+            host, _ = self._pending
+            self._pending = None
+            self.update(float(host[0]), float(host[1]))
+        return self.mean_nnz
