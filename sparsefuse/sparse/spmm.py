@@ -246,6 +246,14 @@ class _LaunchConfig:
     num_warps: int
 
 
+def _scan_warps(block_d: int, weight_itemsize: int) -> int:
+    """Warps of a scan program: as many as one row of its [GROUP, BLOCK_D] weight tile fills with 16-byte loads, at
+    most 4. More would split the tile's rows over warps, and every accumulate's sum over the group would cross warps
+    through shared memory: with 4 warps on 512 bf16 columns the scan took twice its fp32 time
+    (benchmarks/results/probe-decode-dtype-NVIDIA-H200.log)."""
+    return max(1, min(4, block_d * weight_itemsize // (32 * 16)))
+
+
 def _launch_config(n_out: int, scan: bool, weight_itemsize: int = 4) -> _LaunchConfig:
     """Blocks measured on an H200 (scripts/probe_decode*.py): a dense-row scan wants one program to cover all of D
     (each D block re-scans and re-ranks the row); stored entries are gathered best 1 KiB of a W row at a time."""
@@ -375,6 +383,7 @@ def matmul_skip_zeros(a: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch
         block_d //= 2
     d_blocks, n_splits = triton.cdiv(n_out, block_d), n_splits_for(block_d)
     chunks_per_split = triton.cdiv(n_chunks, n_splits)
+    warps = cfg.num_warps if _backend.INTERPRET else _scan_warps(block_d, weight.element_size())
     if n_splits > 1:
         partial = torch.empty(M, n_splits, n_out, dtype=torch.float32, device=a.device)  # read where written only
         split_nnz = torch.empty(M, n_splits, dtype=torch.int32, device=a.device)
@@ -387,7 +396,7 @@ def matmul_skip_zeros(a: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch
         0, 0, 0,
         BLOCK_K=cfg.block_k, BLOCK_D=block_d, BLOCK_F=cfg.block_f, GROUP=cfg.group,
         REDUCE_SPLITS=max(1, min(triton.next_power_of_2(n_splits), 8192 // block_d)), FORMAT=2, FALLBACK=0,
-        HAS_B_DEC=False, num_warps=cfg.num_warps,
+        HAS_B_DEC=False, num_warps=warps,
     )  # fmt: skip
     record_launch("gather_accumulate_kernel")
     return out
