@@ -347,10 +347,12 @@ def test_sae_forward_benchmark_implementations_agree(device, monkeypatch):
         case = sae_forward._case(architecture, ("tiny", 32, 256, 6), torch.float32, str(device))
         (x,) = case.make_inputs()
         weights = sae_forward.weights_for((architecture, 32, 256, 6, torch.float32, str(device)))
-        assert set(weights.sae_lens) == {"sae_lens", "sparsefuse sae_lens.patch"}
+        assert set(weights.sae_lens) == set(sae_forward.SAE_LENS_IMPLS[architecture])
         with torch.no_grad(), track_launches() as launched:
-            outs = {name: case.impls[name](x) for name in ("sparsefuse fused", "sparsefuse sae_lens.patch", "eager",
-                                                          "sae_lens")}  # fmt: skip
+            outs = {name: case.impls[name](x) for name in ("sparsefuse fused", "eager",
+                                                          *sae_forward.SAE_LENS_IMPLS[architecture])}  # fmt: skip
+        # one gather each: fused and, for JumpReLU, the max_l0 patch (the default patch decodes 256 features with
+        # cuBLAS: auto's small-dictionary rule); for TopK, the default patch
         assert launched["gather_accumulate_kernel"] == 2
         dense = sae_forward.dense_jumprelu_forward if architecture == "jumprelu" else sae_forward.dense_topk_forward
         params = [getattr(weights, n).double() for n in ("W_enc", "b_enc", "threshold", "W_dec", "b_dec")

@@ -9,7 +9,9 @@ Implementations:
 
 * ``sparsefuse fused``        JumpReLU: ``jumprelu_encode`` -> ELL -> ``sparse_matmul`` (overflow recomputed);
                               TopK: ``topk_encode`` -> ``topk_decode``. Functional calls, no SAELens.
-* ``sparsefuse sae_lens.patch``  the same through a patched SAELens SAE (its hook points and checks included)
+* ``sparsefuse sae_lens.patch``  a SAELens SAE patched with the defaults (hook points and checks included); JumpReLU:
+                              cuBLAS encode + in-place JumpReLU + scan decode
+* ``... patch(max_l0=256)``   JumpReLU patched for low memory: the fused epilogue encode above
 * ``sae_lens``                SAELens' own forward (dense encode, dense decode) -- the baseline of the speed-up column
 * ``eager``                   the same dense math as a plain torch function (the baseline when sae_lens is missing)
 * ``torch.compile``           ``torch.compile`` of ``eager``
@@ -39,6 +41,9 @@ SAE_SHAPES: list[tuple[str, int, int, int]] = [  # (name, d_in, d_sae, L0)
 QUICK_SHAPES = SAE_SHAPES[:1]
 CALIBRATION_TOKENS = 512
 MAX_L0 = 256  # ELL width of the fused JumpReLU path (tokens above it are recomputed, not truncated)
+FUSED_PATCH = f"sparsefuse sae_lens.patch(max_l0={MAX_L0})"
+SAE_LENS_IMPLS = {"jumprelu": ("sae_lens", "sparsefuse sae_lens.patch", FUSED_PATCH),
+                  "topk": ("sae_lens", "sparsefuse sae_lens.patch")}  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -83,12 +88,14 @@ def _attach_sae_lens(weights: SAEWeights, architecture: str, dtype: torch.dtype,
         sae_class, config_class, config["k"] = sae_lens.TopKSAE, sae_lens.TopKSAEConfig, TOPK_K
         names = ("W_enc", "b_enc", "W_dec", "b_dec")
     modules = {}
-    for impl in ("sae_lens", "sparsefuse sae_lens.patch"):
+    for impl in SAE_LENS_IMPLS[architecture]:
         sae = sae_class(config_class(**config))  # on the meta device: SAELens' own init is replaced by our weights
         for name in names:
             setattr(sae, name, torch.nn.Parameter(getattr(weights, name), requires_grad=False))
         modules[impl] = sae.to(device)
-    sf_sae_lens.patch(modules["sparsefuse sae_lens.patch"], max_l0=MAX_L0)
+    sf_sae_lens.patch(modules["sparsefuse sae_lens.patch"])  # the defaults (JumpReLU: cuBLAS encode + scan decode)
+    if architecture == "jumprelu":
+        sf_sae_lens.patch(modules[FUSED_PATCH], max_l0=MAX_L0)  # the epilogue-compacting encode: low memory
     weights.sae_lens = modules
 
 
@@ -170,7 +177,7 @@ def _case(architecture: str, shape: tuple[str, int, int, int], dtype: torch.dtyp
         import sae_lens  # noqa: F401
 
         has_sae_lens = True
-        for impl in ("sae_lens", "sparsefuse sae_lens.patch"):
+        for impl in SAE_LENS_IMPLS[architecture]:
             impls[impl] = (lambda impl: lambda x: weights_for(key).sae_lens[impl](x))(impl)
     except ImportError:
         has_sae_lens = False
