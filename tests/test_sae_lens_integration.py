@@ -236,23 +236,25 @@ def test_normalization_reshape_and_error_term(config, device):
 
 
 # --- TopK ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fused_encode", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_topk_forward_decode_and_encode_match_sae_lens(dtype, device):
+def test_topk_forward_decode_and_encode_match_sae_lens(dtype, fused_encode, device):
+    """Default: SAELens' encode matmul and torch.topk, then topk_decode; fused_encode: topk_encode's epilogue."""
     k = SMALL["l0"]
     sae = build_sae(TopKSAE, TopKSAEConfig, SMALL["d_in"], SMALL["d_sae"], dtype, device, k=k)
     x = separated_tokens(sae, SMALL["tokens"], k, device)
     ref_out, torch_out = reference_and_torch(sae, x)
     ref_acts, torch_acts = reference_and_torch(sae, x, "encode")
     acts_slack, recon_slack = summation_allowances(sae, x, ref_acts)
-    sf_sae_lens.patch(sae, decode_method="fixed")
+    sf_sae_lens.patch(sae, decode_method="fixed", fused_encode=fused_encode or None)
     with torch.no_grad(), track_launches() as launched:
         out = sae(x)
-    assert launched["topk_encode_fwd_kernel"] == 1 and launched["gather_accumulate_kernel"] == 1
+    assert launched["topk_encode_fwd_kernel"] == int(fused_encode) and launched["gather_accumulate_kernel"] == 1
     assert_close_to_reference(out, ref_out, torch_out, name="reconstruction", **recon_slack)
     with torch.no_grad(), track_launches() as launched:
         acts = sae.encode(x)
         recon = sae.decode(acts)
-    assert launched["topk_encode_fwd_kernel"] == 1 and launched["gather_accumulate_kernel"] == 1
+    assert launched["topk_encode_fwd_kernel"] == int(fused_encode) and launched["gather_accumulate_kernel"] == 1
     assert torch.equal(acts != 0, ref_acts != 0) and int((acts != 0).sum(1).max()) == k
     assert_close_to_reference(acts, ref_acts, torch_acts, name="feature activations", **acts_slack)
     assert_close_to_reference(recon, ref_out, torch_out, name="decode(encode(x))", **recon_slack)
@@ -266,10 +268,11 @@ def test_topk_rescale_acts_by_decoder_norm(device):
     x = separated_tokens(sae, 8, 8, device)
     ref_out, torch_out = reference_and_torch(sae, x)
     ref_acts, torch_acts = reference_and_torch(sae, x, "encode")
-    sf_sae_lens.patch(sae)
-    with torch.no_grad():
-        assert_close_to_reference(sae(x), ref_out, torch_out)
-        assert_close_to_reference(sae.encode(x), ref_acts, torch_acts)
+    for fused_encode in (False, True):
+        sf_sae_lens.patch(sae, fused_encode=fused_encode)
+        with torch.no_grad():
+            assert_close_to_reference(sae(x), ref_out, torch_out)
+            assert_close_to_reference(sae.encode(x), ref_acts, torch_acts)
 
 
 # --- patch bookkeeping --------------------------------------------------------------------------------------------
@@ -317,21 +320,27 @@ def test_gpu_gemma_scope_2b_jumprelu(dtype, device):
 
 
 @pytest.mark.gpu
-def test_gpu_gemma_scope_2b_topk(device):
-    """bf16 at k = 64: SAELens picks among bf16-rounded near-ties, we pick on float32 values; the reconstruction
-    must be at least as close to the float64 run as SAELens' (norm-wise), and our selection a valid top-k."""
+@pytest.mark.parametrize("fused_encode", [False, True])
+def test_gpu_gemma_scope_2b_topk(fused_encode, device):
+    """bf16 at k = 64. Default: SAELens' own selection, then the sparse decode. fused_encode: SAELens picks among
+    bf16-rounded near-ties, we pick on float32 values. Either way the reconstruction must be at least as close to
+    the float64 run as SAELens' (norm-wise), and the selection a valid top-k."""
     from test_topk_encode import assert_valid_topk, pre_activations_and_bound
 
     sae = build_sae(TopKSAE, TopKSAEConfig, GEMMA_2B["d_in"], GEMMA_2B["d_sae"], torch.bfloat16, device, k=64,
                     apply_b_dec_to_input=False)  # fmt: skip
     x = torch.randn(GEMMA_2B["tokens"], GEMMA_2B["d_in"], device=device).to(torch.bfloat16)
     ref_out, torch_out = reference_and_torch(sae, x)
-    sf_sae_lens.patch(sae)
+    sae_lens_acts = reference_and_torch(sae, x, "encode")[1]
+    sf_sae_lens.patch(sae, fused_encode=fused_encode)
     with torch.no_grad(), track_launches() as launched:
         out = sae(x)
         acts = sae.encode(x)
-    assert launched["topk_encode_fwd_kernel"] == 2
+    assert launched["topk_encode_fwd_kernel"] == 2 * fused_encode and launched["gather_accumulate_kernel"] == 1
     assert_norm_close_to_reference(out, ref_out, torch_out)
+    if not fused_encode:
+        assert torch.equal(acts, sae_lens_acts)  # SAELens' own encode
+        return
     values, indices = acts.float().topk(64, dim=1)
     pre, bound = pre_activations_and_bound(x, sae.W_enc.detach(), sae.b_enc.detach())
     assert_valid_topk(indices, values.to(torch.bfloat16), pre, bound, 64)
@@ -351,9 +360,9 @@ def test_sae_forward_benchmark_implementations_agree(device, monkeypatch):
         with torch.no_grad(), track_launches() as launched:
             outs = {name: case.impls[name](x) for name in ("sparsefuse fused", "eager",
                                                           *sae_forward.SAE_LENS_IMPLS[architecture])}  # fmt: skip
-        # one gather each: fused and, for JumpReLU, the max_l0 patch (the default patch decodes 256 features with
-        # cuBLAS: auto's small-dictionary rule); for TopK, the default patch
-        assert launched["gather_accumulate_kernel"] == 2
+        # one gather each: "sparsefuse fused", the low-memory patch, and TopK's default patch (JumpReLU's decodes
+        # 256 features on cuBLAS: auto's small-dictionary rule)
+        assert launched["gather_accumulate_kernel"] == (2 if architecture == "jumprelu" else 3)
         dense = sae_forward.dense_jumprelu_forward if architecture == "jumprelu" else sae_forward.dense_topk_forward
         params = [getattr(weights, n).double() for n in ("W_enc", "b_enc", "threshold", "W_dec", "b_dec")
                   if architecture == "jumprelu" or n != "threshold"]  # fmt: skip

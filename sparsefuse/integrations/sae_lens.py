@@ -16,20 +16,25 @@ What ``patch`` changes (instance attributes: the class, parameters and ``state_d
   ``use_error_term`` is off, runs the fused path:
   JumpReLU, by default -- the encode matmul on cuBLAS, JumpReLU applied in place, then
   :func:`sparsefuse.sae.sparse_decode` (auto: the skip-zeros scan). The fastest at large batches (H200, Gemma 2B
-  65k, 4096 tokens, bf16: 1.62x the dense forward), but the dense [tokens, d_sae] activations exist for a moment.
+  65k, 4096 tokens, bf16: 1.64x SAELens' own forward), but the dense [tokens, d_sae] activations exist for a moment.
   JumpReLU with ``fused_encode=True`` (the default when ``max_l0`` is given) -- :func:`sparsefuse.sae.jumprelu_encode`
   writes the fired features straight into ELL (width ``max_l0``) and :func:`sparsefuse.sparse.sparse_matmul`
   gathers only their decoder rows; a token that fired more than ``max_l0`` features is recomputed on the device from
   the encoder inputs, never truncated. The dense activations never exist (44 MB peak instead of 2.1 GB in the case
   above) but today it is slower (0.95x): the epilogue matmul runs at a third of cuBLAS's rate.
-  TopK -- :func:`sparsefuse.sae.topk_encode` then :func:`sparsefuse.sae.topk_decode`.
+  TopK, by default -- SAELens' encode matmul and ``torch.topk`` (the same selection as SAELens), then
+  :func:`sparsefuse.sae.topk_decode` gathers only the k decoder rows per token instead of SAELens' scatter into a
+  dense [tokens, d_sae] tensor and dense decode. TopK with ``fused_encode=True`` -- :func:`sparsefuse.sae.topk_encode`
+  selects inside the encode matmul's epilogue (no dense pre-activations: 40 MB peak instead of 1.1 GB at 4096
+  tokens) but today is 0.37-0.46x SAELens' forward at 4096 tokens.
   ``hook_sae_input``, ``hook_sae_recons`` and ``hook_sae_output`` are called as usual; the two activation hooks are
   skipped because the activations are never materialised -- attach a hook to either and ``forward`` takes the
   unfused path below instead, so hooks always see what SAELens would give them. Otherwise ``forward`` is SAELens'
   own (calling the patched ``encode``/``decode``).
-* ``encode``: JumpReLU keeps SAELens' dense encode (its result is the dense activations anyway). TopK runs
-  ``topk_encode`` and scatters the k values into the dense result, skipping the dense pre-activations and
-  ``torch.topk`` over them (SAELens' own encode when gradients are needed or ``hook_sae_acts_pre`` has a hook).
+* ``encode``: SAELens' dense encode (its result is the dense activations anyway), except TopK with
+  ``fused_encode=True``: ``topk_encode``, its k values scattered into the dense result, skipping the dense
+  pre-activations and ``torch.topk`` over them (SAELens' own encode when gradients are needed or
+  ``hook_sae_acts_pre`` has a hook).
 * ``decode``: :func:`sparsefuse.sae.sparse_decode` (differentiable) instead of the dense ``feature_acts @ W_dec``.
 
 Everything SAELens does around the product is kept by calling the SAE's own pieces: the cast to the SAE dtype,
@@ -73,7 +78,7 @@ class _Patch:
     architecture: str  # "jumprelu" or "topk"
     max_l0: int  # ELL width of the fused JumpReLU encode and of sparse_decode's fixed-width methods
     decode_method: str  # sparse_decode's method
-    fused_encode: bool  # JumpReLU forward: epilogue-compacting encode (memory) or cuBLAS encode (speed)
+    fused_encode: bool  # epilogue-compacting encode (memory) or cuBLAS encode (speed)
 
 
 def _sae_lens_classes() -> dict[str, Any]:
@@ -126,8 +131,10 @@ def patch(sae: nn.Module, *, max_l0: int | None = None, decode_method: str = "au
         max_l0: JumpReLU fused forward -- fired features stored per token before the overflow path (default 256,
             capped at d_sae; tokens above it are recomputed, never truncated); also passed to ``sparse_decode``.
         decode_method: ``sparse_decode``'s method for ``decode`` and the JumpReLU forward ("auto", "fixed", ...).
-        fused_encode: JumpReLU forward through the epilogue-compacting encode (no dense activations in memory)
-            instead of cuBLAS + in-place JumpReLU (faster); default: True exactly when ``max_l0`` is given.
+        fused_encode: the epilogue-compacting encodes (no dense [tokens, d_sae] tensor in memory) instead of the
+            cuBLAS encode (faster). JumpReLU: ``jumprelu_encode`` instead of cuBLAS + in-place JumpReLU, by default
+            exactly when ``max_l0`` is given. TopK: ``topk_encode`` for ``forward`` and ``encode`` instead of the
+            cuBLAS encode + ``torch.topk``, off by default.
     Returns: ``sae``. Patching an already patched SAE updates its settings.
     """
     architecture = _architecture(sae)
@@ -135,7 +142,7 @@ def patch(sae: nn.Module, *, max_l0: int | None = None, decode_method: str = "au
     if max_l0 is not None and (not isinstance(max_l0, int) or isinstance(max_l0, bool) or max_l0 <= 0):
         raise ValueError(f"sparsefuse.integrations.sae_lens.patch: max_l0 must be a positive int; got {max_l0!r}")
     width = min(max_l0 if max_l0 is not None else 256, d_sae)
-    fused = fused_encode if fused_encode is not None else max_l0 is not None
+    fused = fused_encode if fused_encode is not None else (architecture == "jumprelu" and max_l0 is not None)
     setattr(sae, _ATTR, _Patch(architecture, width, decode_method, bool(fused)))
     methods = {"jumprelu": (_jumprelu_forward, None, _decode), "topk": (_topk_forward, _topk_encode, _decode)}
     for name, fn in zip(_PATCHED_METHODS, methods[architecture]):
@@ -205,7 +212,7 @@ def _decode(self: nn.Module, feature_acts: torch.Tensor) -> torch.Tensor:
 
 
 def _topk_encode(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    if not _runs_kernels(self, x):
+    if not _runs_kernels(self, x) or not getattr(self, _ATTR).fused_encode:
         return type(self).encode(self, x)
     sae_in = _sae_input(self, x)
     indices, acts = topk_encode(sae_in, self.W_enc, self.b_enc, self.activation_fn.k, b_dec=_input_b_dec(self),
@@ -240,9 +247,13 @@ def _topk_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if not _fused_forward_applies(self, x):
         return type(self).forward(self, x)
     sae_in = _sae_input(self, x)
-    scale = _decoder_scale(self)
-    indices, acts = topk_encode(sae_in, self.W_enc, self.b_enc, self.activation_fn.k, b_dec=_input_b_dec(self),
-                                feature_scale=scale)  # fmt: skip
+    scale, k, b_dec = _decoder_scale(self), self.activation_fn.k, _input_b_dec(self)
+    if getattr(self, _ATTR).fused_encode:
+        indices, acts = topk_encode(sae_in, self.W_enc, self.b_enc, k, b_dec=b_dec, feature_scale=scale)
+    else:  # SAELens' own ops up to the selection (so it selects exactly what SAELens does), then the sparse decode
+        pre = (sae_in - b_dec if b_dec is not None else sae_in) @ self.W_enc + self.b_enc
+        values, indices = (pre * scale if scale is not None else pre).topk(k, dim=-1, sorted=False)
+        acts = values.relu()
     if scale is not None:
         acts = acts * (1 / scale)[indices]  # SAELens' act_times_W_dec
     recon = topk_decode(indices, acts, self.W_dec, check_indices=False) + self.b_dec

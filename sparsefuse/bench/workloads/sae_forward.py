@@ -9,9 +9,9 @@ Implementations:
 
 * ``sparsefuse fused``        JumpReLU: ``jumprelu_encode`` -> ELL -> ``sparse_matmul`` (overflow recomputed);
                               TopK: ``topk_encode`` -> ``topk_decode``. Functional calls, no SAELens.
-* ``sparsefuse sae_lens.patch``  a SAELens SAE patched with the defaults (hook points and checks included); JumpReLU:
-                              cuBLAS encode + in-place JumpReLU + scan decode
-* ``... patch(max_l0=256)``   JumpReLU patched for low memory: the fused epilogue encode above
+* ``sparsefuse sae_lens.patch``  a SAELens SAE patched with the defaults (hook points and checks included): the
+                              cuBLAS encode, then JumpReLU in place + scan decode, or torch.topk + ``topk_decode``
+* ``... patch(max_l0=256)`` / ``patch(fused_encode=True)``  patched for low memory: the fused encodes above
 * ``sae_lens``                SAELens' own forward (dense encode, dense decode) -- the baseline of the speed-up column
 * ``eager``                   the same dense math as a plain torch function (the baseline when sae_lens is missing)
 * ``torch.compile``           ``torch.compile`` of ``eager``
@@ -41,9 +41,10 @@ SAE_SHAPES: list[tuple[str, int, int, int]] = [  # (name, d_in, d_sae, L0)
 QUICK_SHAPES = SAE_SHAPES[:1]
 CALIBRATION_TOKENS = 512
 MAX_L0 = 256  # ELL width of the fused JumpReLU path (tokens above it are recomputed, not truncated)
-FUSED_PATCH = f"sparsefuse sae_lens.patch(max_l0={MAX_L0})"
-SAE_LENS_IMPLS = {"jumprelu": ("sae_lens", "sparsefuse sae_lens.patch", FUSED_PATCH),
-                  "topk": ("sae_lens", "sparsefuse sae_lens.patch")}  # fmt: skip
+# SAELens SAEs: unpatched, patched with the defaults (fastest), patched for low memory (the fused encodes)
+FUSED_PATCH = {"jumprelu": (f"sparsefuse sae_lens.patch(max_l0={MAX_L0})", dict(max_l0=MAX_L0)),
+               "topk": ("sparsefuse sae_lens.patch(fused_encode=True)", dict(fused_encode=True))}  # fmt: skip
+SAE_LENS_IMPLS = {arch: ("sae_lens", "sparsefuse sae_lens.patch", FUSED_PATCH[arch][0]) for arch in FUSED_PATCH}
 
 
 @dataclasses.dataclass
@@ -93,9 +94,9 @@ def _attach_sae_lens(weights: SAEWeights, architecture: str, dtype: torch.dtype,
         for name in names:
             setattr(sae, name, torch.nn.Parameter(getattr(weights, name), requires_grad=False))
         modules[impl] = sae.to(device)
-    sf_sae_lens.patch(modules["sparsefuse sae_lens.patch"])  # the defaults (JumpReLU: cuBLAS encode + scan decode)
-    if architecture == "jumprelu":
-        sf_sae_lens.patch(modules[FUSED_PATCH], max_l0=MAX_L0)  # the epilogue-compacting encode: low memory
+    sf_sae_lens.patch(modules["sparsefuse sae_lens.patch"])  # cuBLAS encode, then the sparse decode
+    fused_name, fused_options = FUSED_PATCH[architecture]
+    sf_sae_lens.patch(modules[fused_name], **fused_options)  # the epilogue-compacting encode: low memory
     weights.sae_lens = modules
 
 
