@@ -6,6 +6,7 @@ Usage: cd scripts && python probe_decode_dtype.py"""
 from __future__ import annotations
 
 import itertools
+import sys
 
 import torch
 
@@ -36,5 +37,30 @@ def main() -> None:
             del sets
 
 
+def configs() -> None:
+    """The seed's small-batch shapes: launch configurations of the scan against cuSPARSE on a prebuilt CSR."""
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+    default_programs, default_config = spmm._device_programs, spmm._launch_config
+    for (B, F, D, l0), dtype in itertools.product([(32, 131072, 512, 128), (32, 65536, 768, 64)],
+                                                  [torch.float32, torch.bfloat16]):  # fmt: skip
+        per_set = B * F * dtype.itemsize + F * D * dtype.itemsize
+        n_sets = max(2, min(16, (3 * l2) // per_set + 1))
+        sets = [(acts_with_l0(B, F, l0, dtype), (torch.randn(F, D, device="cuda") / 16).to(dtype))
+                for _ in range(n_sets)]  # fmt: skip
+        csr = time_graph(lambda c, w: torch.sparse.mm(c, w), [(a.to_sparse_csr(), w) for a, w in sets])
+        print(f"B={B} F={F} D={D} L0={l0} {dtype}: cuSPARSE prebuilt {csr:.2f} us, "
+              f"default scan {time_graph(matmul_skip_zeros, sets):.2f} us")
+        for mult, block_f, group in itertools.product([2, 4, 8, 16], [512, 1024, 2048], [2, 4]):
+            base = default_config(D, scan=True)
+            cfg = spmm._LaunchConfig(block_d=base.block_d, block_f=block_f, block_k=32, group=group, num_warps=4)
+            spmm._launch_config = lambda n_out, scan=True, cfg=cfg: cfg
+            spmm._device_programs = lambda dev, mult=mult: mult * n_sm
+            t = time_graph(matmul_skip_zeros, sets)
+            print(f"  x{mult:<2d} f{block_f:<4d} g{group}  {t:7.2f} us  {csr / t:5.2f}x cuSPARSE")
+        spmm._launch_config, spmm._device_programs = default_config, default_programs
+        del sets
+
+
 if __name__ == "__main__":
-    main()
+    configs() if "--configs" in sys.argv else main()
