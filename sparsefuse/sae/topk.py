@@ -34,7 +34,7 @@ import triton.language as tl
 from .. import _backend
 from .._backend import Backend, backend_for, compute_dtype, new_output, record_launch
 from .._validation import check_float, check_same_device, describe
-from .encode import encoder_pre_tile
+from .encode import encoder_pre_tile, sae_input
 
 _MATMUL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ACTIVATIONS = ("relu", "none")
@@ -92,12 +92,12 @@ def _sort_keys(pre, cols):
 
 
 @triton.jit
-def topk_encode_fwd_kernel(x_ptr, w_ptr, b_enc_ptr, b_dec_ptr, scale_ptr, keys_ptr,
+def topk_encode_fwd_kernel(x_ptr, w_ptr, b_enc_ptr, scale_ptr, keys_ptr,
                            M, K, N, k, cols_per_group, n_candidates, stride_xm, stride_wk,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           K_PAD: tl.constexpr, HAS_B_DEC: tl.constexpr, HAS_SCALE: tl.constexpr,
+                           K_PAD: tl.constexpr, HAS_SCALE: tl.constexpr,
                            IEEE_FP32: tl.constexpr):  # fmt: skip
-    # x [M, K], w [K, N] (unit column strides), b_enc/scale [N], b_dec [K];
+    # x [M, K] (x - b_dec), w [K, N] (unit column strides), b_enc/scale [N];
     # out: keys [M, n_candidates], this program's k best keys at columns [group * k, group * k + k)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     row_mask = rows < M
@@ -111,8 +111,8 @@ def topk_encode_fwd_kernel(x_ptr, w_ptr, b_enc_ptr, b_dec_ptr, scale_ptr, keys_p
     for n0 in range(col_start, col_end, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         col_mask = cols < col_end
-        pre = encoder_pre_tile(x_ptr, w_ptr, b_enc_ptr, b_dec_ptr, rows, cols, row_mask, col_mask, K, stride_xm,
-                               stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, HAS_B_DEC, IEEE_FP32)  # [BLOCK_M, BLOCK_N]  # fmt: skip
+        pre = encoder_pre_tile(x_ptr, w_ptr, b_enc_ptr, rows, cols, row_mask, col_mask, K, stride_xm, stride_wk,
+                               BLOCK_M, BLOCK_N, BLOCK_K, IEEE_FP32)  # [BLOCK_M, BLOCK_N]  # fmt: skip
         if HAS_SCALE:
             pre = pre * tl.load(scale_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         keys = tl.where(row_mask[:, None] & col_mask[None, :], _sort_keys(pre, cols), EMPTY_KEY)
@@ -153,8 +153,7 @@ def _topk_keys_torch(x2, W_enc, b_enc, b_dec, feature_scale, k) -> torch.Tensor:
     """The same selection in plain torch, TORCH_CHUNK features at a time (memory: M * (k + chunk) keys).
     Returns the k best keys per row, sorted decreasing."""
     dtype = compute_dtype(x2.dtype)
-    sae_in = x2 if b_dec is None else (x2.to(dtype) - b_dec.to(dtype)).to(x2.dtype)
-    sae_in = sae_in.to(dtype)
+    sae_in = sae_input(x2, b_dec).to(dtype)
     best = None
     for f0 in range(0, W_enc.shape[1], TORCH_CHUNK):
         f1 = min(f0 + TORCH_CHUNK, W_enc.shape[1])
@@ -180,16 +179,15 @@ def _topk_encode(x2: torch.Tensor, W_enc: torch.Tensor, b_enc: torch.Tensor, b_d
             _backend.warn_reference_once("topk_encode")
         keys = _topk_keys_torch(x2, W_enc, b_enc, b_dec, feature_scale, k)
     else:
-        x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+        x2 = sae_input(x2, b_dec)
         W = W_enc if W_enc.stride(-1) == 1 else W_enc.contiguous()  # dtype cast per tile in the kernel, not here
         bm, bn, bk, warps, cols_per_group = _launch_shape(M, d_sae, k_pad, x2.dtype, x2.device)
         groups = triton.cdiv(d_sae, cols_per_group)
         candidates = new_output((M, groups * k), torch.int64, x2.device)  # every element is written
         topk_encode_fwd_kernel[(triton.cdiv(M, bm), groups)](
-            x2, W, b_enc, b_dec if b_dec is not None else b_enc, feature_scale if feature_scale is not None else b_enc,
+            x2, W, b_enc, feature_scale if feature_scale is not None else b_enc,
             candidates, M, d_in, d_sae, k, cols_per_group, groups * k, x2.stride(0), W.stride(0),
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_PAD=k_pad, HAS_B_DEC=b_dec is not None,
-            HAS_SCALE=feature_scale is not None, IEEE_FP32=x2.dtype == torch.float32, num_warps=warps,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_PAD=k_pad, HAS_SCALE=feature_scale is not None, IEEE_FP32=x2.dtype == torch.float32, num_warps=warps,
         )  # fmt: skip
         record_launch("topk_encode_fwd_kernel")
         keys = candidates.topk(k, dim=1).values  # sorted, decreasing
