@@ -39,6 +39,11 @@ def test_encode_matches_reference(M, d_in, d_sae, dtype, device):
     assert torch.equal(dense != 0, (ref != 0).cpu())
     tol = 8 * torch.finfo(dtype).eps * ref.abs().max()
     assert (dense - ref.cpu()).abs().max() <= tol
+    # entries in feature order (the same ELL on every run, whatever order the slots were claimed in)
+    fired_ids = [ref[m].nonzero().flatten().tolist() for m in range(M)]
+    assert [ell.indices[m, : len(ids)].tolist() for m, ids in enumerate(fired_ids)] == fired_ids
+    again = jumprelu_encode(x, w, b_enc, threshold, b_dec=b_dec, max_l0=d_sae)
+    assert torch.equal(again.values, ell.values) and torch.equal(again.indices, ell.indices)
 
 
 def test_overflow_is_counted_flagged_and_never_silent(device):
@@ -88,7 +93,7 @@ def test_opcheck_and_fullgraph_compile(device):
 
     x, w, b_enc, threshold, b_dec = make_sae(5, 24, 64, torch.float32, device, margin=0.05)
     torch.library.opcheck(jumprelu_encode_op, (x, w, b_enc, threshold, b_dec, 64), test_utils=(
-        "test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))  # fmt: skip  (slot order may vary by run)
+        "test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))  # fmt: skip
     backend = "inductor" if device.type == "cuda" else "aot_eager"
     fn = torch.compile(lambda *a: jumprelu_encode(*a, b_dec=b_dec, max_l0=64).counts, fullgraph=True, backend=backend)
     ref = torch_jumprelu_encode(x, w, b_enc, threshold, b_dec)
