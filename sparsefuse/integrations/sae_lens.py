@@ -20,13 +20,13 @@ What ``patch`` changes (instance attributes: the class, parameters and ``state_d
   JumpReLU with ``fused_encode=True`` (the default when ``max_l0`` is given) -- :func:`sparsefuse.sae.jumprelu_encode`
   writes the fired features straight into ELL (width ``max_l0``) and :func:`sparsefuse.sparse.sparse_matmul`
   gathers only their decoder rows; a token that fired more than ``max_l0`` features is recomputed on the device from
-  the encoder inputs, never truncated. The dense activations never exist (44 MB peak instead of 2.1 GB in the case
-  above) but today it is slower (0.95x): the epilogue matmul runs at a third of cuBLAS's rate.
+  the encoder inputs, never truncated. The dense activations never exist (46 MB peak instead of 2.2 GB in the case
+  above) at 1.49x SAELens' forward; the epilogue matmul runs at about half cuBLAS's rate, so it trails the default.
   TopK, by default -- SAELens' encode matmul and ``torch.topk`` (the same selection as SAELens), then
   :func:`sparsefuse.sae.topk_decode` gathers only the k decoder rows per token instead of SAELens' scatter into a
   dense [tokens, d_sae] tensor and dense decode. TopK with ``fused_encode=True`` -- :func:`sparsefuse.sae.topk_encode`
   selects inside the encode matmul's epilogue (no dense pre-activations: 40 MB peak instead of 1.1 GB at 4096
-  tokens) but today is 0.37-0.46x SAELens' forward at 4096 tokens.
+  tokens) but today is 0.43-0.56x SAELens' forward at 4096 tokens.
   ``hook_sae_input``, ``hook_sae_recons`` and ``hook_sae_output`` are called as usual; the two activation hooks are
   skipped because the activations are never materialised -- attach a hook to either and ``forward`` takes the
   unfused path below instead, so hooks always see what SAELens would give them. Otherwise ``forward`` is SAELens'
