@@ -133,8 +133,7 @@ def _in_feature_order(values: torch.Tensor, indices: torch.Tensor, counts: torch
     stored = torch.arange(values.shape[1], device=values.device)[None, :] < counts[:, None]
     keys, order = torch.where(stored, indices, d_sae).sort(dim=1)
     stored_sorted = keys < d_sae
-    return (torch.where(stored_sorted, values.gather(1, order), 0).to(values.dtype),
-            torch.where(stored_sorted, keys, 0).to(indices.dtype))  # fmt: skip
+    return torch.where(stored_sorted, values.gather(1, order), 0), torch.where(stored_sorted, keys, 0)
 
 
 # Inference op: no autograd is registered (a sparse format is not a differentiable output); differentiate through

@@ -273,6 +273,15 @@ def _weight_for_gather(weight: torch.Tensor) -> torch.Tensor:
     return weight if weight.stride(1) == 1 or weight.shape[1] <= 1 else weight.contiguous()
 
 
+def _product_operands(a_dtype: torch.dtype, M: int, weight: torch.Tensor,
+                      out_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(weight with unit column stride, the [M, n_out] output in ``out_dtype`` or the promoted dtype of the sparse
+    values and weight) for every sparse x dense product launcher."""
+    weight = _weight_for_gather(weight)
+    out_dtype = out_dtype or torch.promote_types(a_dtype, weight.dtype)
+    return weight, new_output((M, weight.shape[1]), out_dtype, weight.device)
+
+
 def _check_weight(op: str, sparse: ELL | CSR | BlockELL, weight: torch.Tensor) -> None:
     check_float(op, "weight", weight)
     if weight.dim() != 2 or weight.shape[0] != sparse.n_cols:
@@ -307,10 +316,8 @@ def sparse_matmul(sparse: ELL | CSR, weight: torch.Tensor, *, dense: torch.Tenso
             raise ValueError(f"{op}: dense is only used to complete overflowed ELL rows; a CSR is always complete")
         if dense.shape != sparse.shape:
             raise ValueError(f"{op}: dense must have shape {list(sparse.shape)}; got {describe(dense)}")
-    weight = _weight_for_gather(weight)
-    M, n_out = sparse.shape[0], weight.shape[1]
-    out_dtype = out_dtype or torch.promote_types(sparse.values.dtype, weight.dtype)
-    out = new_output((M, n_out), out_dtype, weight.device)
+    weight, out = _product_operands(sparse.values.dtype, sparse.shape[0], weight, out_dtype)
+    (M, n_out), out_dtype = out.shape, out.dtype
     if M == 0 or n_out == 0:
         return out
     if backend_for(weight) is Backend.TORCH:
@@ -359,10 +366,8 @@ def matmul_skip_zeros(a: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch
                          f"weight {describe(weight)}")  # fmt: skip
     if splits is not None and (not isinstance(splits, int) or isinstance(splits, bool) or splits < 1):
         raise ValueError(f"{op}: splits must be a positive int or None; got {splits!r}")
-    weight = _weight_for_gather(weight)
-    (M, n_in), n_out = a.shape, weight.shape[1]
-    out_dtype = out_dtype or torch.promote_types(a.dtype, weight.dtype)
-    out = new_output((M, n_out), out_dtype, weight.device)
+    weight, out = _product_operands(a.dtype, a.shape[0], weight, out_dtype)
+    (M, n_in), n_out, out_dtype = a.shape, weight.shape[1], out.dtype
     if M == 0 or n_out == 0:
         return out
     if n_in == 0:
@@ -453,12 +458,11 @@ def block_sparse_matmul(sparse: BlockELL, weight: torch.Tensor, *, bias: torch.T
     per listed column: the dense product's work times the union's share of n_in."""
     op = "block_sparse_matmul"
     _check_weight(op, sparse, weight)
-    weight = _weight_for_gather(weight)
-    M, n_out = sparse.shape[0], weight.shape[1]
+    n_out = weight.shape[1]
     if bias is not None and (bias.shape != (n_out,) or bias.device != weight.device):
         raise ValueError(f"{op}: bias must be [{n_out}] on {weight.device}; got {describe(bias)}")
-    out_dtype = out_dtype or torch.promote_types(sparse.values.dtype, weight.dtype)
-    out = new_output((M, n_out), out_dtype, weight.device)
+    weight, out = _product_operands(sparse.values.dtype, sparse.shape[0], weight, out_dtype)
+    M, out_dtype = out.shape[0], out.dtype
     if M == 0 or n_out == 0:
         return out
     if backend_for(weight) is Backend.TORCH:
