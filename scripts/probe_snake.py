@@ -81,8 +81,9 @@ def probe_backward() -> None:
                     if finish is not None and finish.value == S.ALPHA_LAST_ARRIVER.value:
                         arr.zero_()
                     xx, gg = sets[i]
-                    k = S.snake_bwd_kernel[(n_programs,)](
-                        gg, xx, alpha, outs[i], ga, part, arr, B * n_tb, C, T, C * T, T, C * T, T, 1e-9,
+                    k = S.snake_bwd_kernel[S._row_grid(B * C, n_tb)](
+                        gg, xx, alpha, outs[i], ga, part, arr, B * n_tb, B * C, S.ROWS_PER_SLICE, C,
+                        *S.division_magic(C), T, C * T, T, C * T, T, 1e-9,
                         BLOCK_T=block, SIN_MODE=0, WIDE_INDEX=False, NEED_ALPHA_GRAD=finish is not None,
                         ALPHA_FINISH=(finish or S.ALPHA_DIRECT).value, num_warps=warps)
                     if finish is not None and finish.value == S.ALPHA_PARTIALS.value:
@@ -136,8 +137,8 @@ def probe_small_forward() -> None:
             print(f"  flat best         {best[0]:6.2f} us at {best[1]}/{best[2]}")
             row = S.snake_fwd_kernel.fn
             best = min(
-                (graph_time_us(lambda i: row[(B * C * triton.cdiv(T, block),)](
-                    xs[i], a1, ys[i], C, T, C * T, T, 1e-9, 0, BLOCK_T=block, SIN_MODE=0, WIDE_INDEX=False,
+                (graph_time_us(lambda i: row[S._row_grid(B * C, triton.cdiv(T, block))](
+                    xs[i], a1, ys[i], B * C, S.ROWS_PER_SLICE, C, *S.division_magic(C), T, C * T, T, 1e-9, 0, BLOCK_T=block, SIN_MODE=0, WIDE_INDEX=False,
                     num_warps=warps), n_sets), block, warps)
                 for block, warps in [(256, 2), (512, 4), (1024, 4), (2048, 4), (2048, 8)]
             )  # fmt: skip
@@ -155,10 +156,59 @@ def probe_small_forward() -> None:
             sys.stdout.flush()
 
 
+def probe_forward_configs() -> None:
+    """Every bench shape: the library's forward against torch.compile and a same-size copy, and the best row and flat
+    kernel configurations (sine mode as the library picks it), to set the forward's dispatch rule."""
+    from sparsefuse.bench.workloads.activations import SNAKE_SHAPES, eager_snake
+
+    row_cfgs = [(256, 2), (512, 4), (1024, 4), (2048, 4), (2048, 8), (4096, 8), (8192, 16), (4096, 4), (8192, 8)]
+    flat_cfgs = [(256, 2), (512, 4), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8), (8192, 16)]
+    for dtype in (torch.float32, torch.bfloat16):
+        mode = S._sin_mode(dtype, False)
+        for B, C, T in SNAKE_SHAPES:
+            n = B * C * T
+            e = torch.tensor([], dtype=dtype).element_size()
+            n_sets = max(2, -(-4 * L2_BYTES // (2 * n * e)))
+            xs = [torch.randn(B, C, T, device="cuda", dtype=dtype) for _ in range(n_sets)]
+            ys = [torch.empty_like(xs[0]) for _ in range(n_sets)]
+            alpha = torch.empty(1, C, 1, device="cuda").uniform_(0.5, 2.0)
+            a1 = alpha.reshape(C).contiguous()
+            torch._dynamo.reset()
+            compiled_fn = torch.compile(eager_snake)
+            t_lib = graph_time_us(lambda i: sparsefuse.snake(xs[i], alpha), n_sets)
+            t_cmp = graph_time_us(lambda i: compiled_fn(xs[i], alpha), n_sets)
+            t_copy = graph_time_us(lambda i: ys[i].copy_(xs[i]), n_sets)
+            gbs = 2 * n * e / 1e3
+            print(f"== fwd {B}x{C}x{T} {str(dtype)[6:]}: library {t_lib:7.2f} us ({gbs / t_lib:5.0f} GB/s) "
+                  f"compile {t_cmp:7.2f} copy {t_copy:7.2f}  lib/compile {t_cmp / t_lib:.3f}x  lib/copy {t_copy / t_lib:.3f}")
+            row = S.snake_fwd_kernel.fn
+            magic = S.division_magic(C)
+            results = []
+            for block, warps in row_cfgs:
+                if block > max(256, triton.next_power_of_2(T)):
+                    continue
+                t = graph_time_us(lambda i: row[S._row_grid(B * C, triton.cdiv(T, block))](
+                    xs[i], a1, ys[i], B * C, S.ROWS_PER_SLICE, C, *magic, T, C * T, T, 1e-9, 0, BLOCK_T=block,
+                    SIN_MODE=mode, WIDE_INDEX=False, num_warps=warps), n_sets)  # fmt: skip
+                results.append((t, f"row {block}/{warps}"))
+            if n < 2**31 - 8192:
+                flat = S.snake_fwd_flat_kernel.fn
+                for block, warps in flat_cfgs:
+                    t = graph_time_us(lambda i: flat[(triton.cdiv(n, block),)](
+                        xs[i], a1, ys[i], n, C, *S.division_magic(T), *magic, 1e-9, 0, BLOCK=block, SIN_MODE=mode,
+                        num_warps=warps), n_sets)  # fmt: skip
+                    results.append((t, f"flat {block}/{warps}"))
+            results.sort()
+            print("   " + "  ".join(f"{name} {t:.2f}" for t, name in results))
+            sys.stdout.flush()
+
+
 if __name__ == "__main__":
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
-    which = sys.argv[1:] or ["bwd", "small"]
+    which = sys.argv[1:] or ["bwd", "small", "fwd"]
     if "bwd" in which:
         probe_backward()
     if "small" in which:
         probe_small_forward()
+    if "fwd" in which:
+        probe_forward_configs()

@@ -18,6 +18,7 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # divided by alpha (>= 0.2 in these tests). The default sine's error (3e-7) is within the dtype tolerance.
 FAST_SIN_SIN2_ERROR = 1e-5
 FAST_SIN_EXTRA = FAST_SIN_SIN2_ERROR / 0.2
+HARDWARE_SIN2_ERROR = 1e-6  # fp16 / bf16 inputs: reduction mod pi, then the SFU's sin.approx (README)
 FORWARD_KERNELS = ("snake_fwd_kernel", "snake_fwd_flat_kernel")
 
 
@@ -82,6 +83,7 @@ def _sin_squared_probe_kernel(u_ptr, out_ptr, n, SIN_MODE: tl.constexpr, BLOCK: 
         (snake_module.SIN_ACCURATE.value, 1e4, 5e-7),  # polynomial path
         (snake_module.SIN_ACCURATE.value, 1e5, 5e-7),
         (snake_module.SIN_FAST.value, 1e5, FAST_SIN_SIN2_ERROR),
+        (snake_module.SIN_HARDWARE.value, 1e5, HARDWARE_SIN2_ERROR),  # the SFU on a GPU (tl.sin when interpreted)
     ],
 )
 def test_sin_squared_error_bound(mode, limit, bound, device):
@@ -117,6 +119,27 @@ def test_backward_matches_float64_reference(shape, dtype, alpha_shape, fast_sin,
     terms = (grad.double() * x.double()).abs().sum().item() / 0.3
     assert_close_to_reference(ar.grad.reshape(-1), ga64, dtype=torch.float32, name="grad_alpha",
                               extra_abs=terms * (1e-6 + (2 * FAST_SIN_EXTRA if fast_sin else 0.0)))  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_past_a_grid_slice(dtype, device, monkeypatch):
+    """More rows than grid y holds: the rest go to further slices along grid z, the last one overhanging."""
+    monkeypatch.setattr(snake_module, "ROWS_PER_SLICE", 4)
+    monkeypatch.setattr(snake_module, "FLAT_MAX_T", 0)
+    x, alpha = make_inputs((3, 5, 70), dtype, device)  # 15 rows: slices of 4, 4, 4, 3
+    y = sparsefuse.snake(x, alpha)
+    assert_close_to_reference(y, *reference(x, alpha))
+    grad = torch.randn(x.shape, dtype=torch.float32).to(dtype).to(device)
+    xr, ar = x.clone().requires_grad_(), alpha.clone().requires_grad_()
+    with track_launches() as launched:
+        sparsefuse.snake(xr, ar).backward(grad)
+    assert launched["snake_bwd_kernel"] == 1
+    gx64, ga64 = torch_snake_backward(grad.double(), x.double(), alpha.double().reshape(-1))
+    xl = x.clone().requires_grad_()
+    torch_snake(xl, alpha.to(dtype)).backward(grad)  # plain torch in the low dtype, as the yardstick
+    assert_close_to_reference(xr.grad, gx64, xl.grad, name="grad_x")
+    terms = (grad.double() * x.double()).abs().sum().item() / 0.3
+    assert_close_to_reference(ar.grad.reshape(-1), ga64, dtype=torch.float32, name="grad_alpha", extra_abs=terms * 1e-6)
 
 
 def test_division_magic_numbers():

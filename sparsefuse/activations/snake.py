@@ -8,9 +8,9 @@ x and writes grad_x (3E bytes); alpha and its per-program partial sums are O(B*C
 device-to-device copy bandwidth.
 
 Layout: each program owns one (batch*channel row, time block) tile, so a channel's alpha is one scalar load per
-program and no per-element integer division is needed. Programs are enumerated on a 1-D grid (row-major over
-(row, time block)) so that neither grid axis limit (65535 on y/z) can be hit for any B*C. Rows shorter than
-FLAT_MAX_T take a flat forward kernel instead (full, aligned blocks; channel by high-multiply division).
+program and no per-element integer division is needed. The grid is 2-D over (time blocks, rows), with rows past
+65535 (the limit on grid y) folded into grid z. Rows shorter than FLAT_MAX_T take a flat forward kernel instead
+(full, aligned blocks; channel by high-multiply division).
 
 Alpha's gradient is a reduction over batch and time. The backward kernel writes one fp32 partial sum per program
 while it computes grad_x (no second pass over x). Large grids sum the partials with torch in a second launch; small
@@ -65,20 +65,25 @@ def torch_snake_backward(
 # ----------------------------------------------------------------------------------------------------------------
 
 # Sine. Snake needs sin(u)^2 (forward) and sin(u)cos(u) (backward), and both only depend on u modulo pi: with
-# u = k*pi + r, sin(u) = ±sin(r) and cos(u) = ±cos(r) with the same sign. Reducing to |r| <= pi/2 and evaluating a
-# polynomial costs ~12 instructions where libdevice's sinf costs ~40, which made the bf16/fp16 kernel compute-bound
-# (H200: 64-71% of copy bandwidth with tl.sin).
+# u = k*pi + r, sin(u) = ±sin(r) and cos(u) = ±cos(r) with the same sign. Reducing to |r| <= pi/2 first keeps every
+# mode below accurate for |u| up to 2e5 (PI_A and PI_B have 8 significant bits, so k*PI_A and k*PI_B are exact for
+# |k| < 2^16). Beyond 2e5 the error grows like |u| * 2^-24 -- the size of the rounding of alpha * x to float32 itself,
+# so no float32 sine is meaningfully better there. libdevice's sinf costs ~40 instructions an element.
 #
-# SIN_ACCURATE (default): Cody-Waite reduction with pi split in three (PI_A and PI_B have 8 significant bits, so
-#   k*PI_A and k*PI_B are exact for |k| < 2^16, i.e. |u| < 2e5) and near-minimax polynomials of degree 9 / 10:
-#   |sin^2 error| <= 3.5e-7 for |u| <= 1e5 (libdevice: 1.5e-7). Beyond 2e5 the error grows like |u| * 2^-24 -- the same size as
-#   the rounding of alpha * x to float32 itself, so no float32 sine is meaningfully better there.
-# SIN_FAST (fast_sin=True): two-part reduction, polynomials of degree 7 / 8: |sin^2 error| <= 1e-5 for |u| <= 1e5.
+# SIN_ACCURATE (fp32 default): Cody-Waite reduction with pi split in three and near-minimax polynomials of degree 9 / 10:
+#   |sin^2 error| <= 3.5e-7 for |u| <= 1e5 (libdevice: 1.5e-7). ~20 instructions an element.
+# SIN_FAST (fp32, fast_sin=True): two-part reduction, polynomials of degree 7 / 8: |sin^2 error| <= 1e-5.
+# SIN_HARDWARE (fp16 / bf16 on the GPU): three-part reduction, then the SFU's sin.approx / cos.approx (one MUFU
+#   instruction each, 2^-21.4 absolute error for |r| <= pi): |sin^2 error| <= 1e-6, over 2^10 below an fp16 or bf16
+#   output's rounding. At 2 bytes an element the polynomial made the forward issue-bound (88% of copy bandwidth on
+#   the H200); this mode costs ~9 instructions an element. The interpreter has no SFU: it runs tl.sin in its place.
 # SIN_LIBDEVICE: tl.sin/tl.cos (float64 inputs, where the polynomials would be the accuracy bottleneck).
 SIN_ACCURATE = tl.constexpr(0)
 SIN_FAST = tl.constexpr(1)
 SIN_LIBDEVICE = tl.constexpr(2)
+SIN_HARDWARE = tl.constexpr(3)
 _INV_PI = tl.constexpr(0.3183098861837907)
+_ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: (t + M) - M rounds |t| < 2^22 to an integer, without FRND
 _PI_A = tl.constexpr(3.140625)
 _PI_B = tl.constexpr(9.6893310546875e-04)
 _PI_C = tl.constexpr(-1.279515686292143e-06)
@@ -92,17 +97,40 @@ ALPHA_PARTIALS = tl.constexpr(2)  # per-program partials; a separate reduction s
 
 
 @triton.jit
-def _reduce_mod_pi(u, PARTS: tl.constexpr):
-    k = tl.floor(u * _INV_PI + 0.5)
+def _reduce_mod_pi(u, PARTS: tl.constexpr, CLAMP: tl.constexpr):
+    k = (u * _INV_PI + _ROUND_MAGIC) - _ROUND_MAGIC  # nearest integer to u / pi (an FADD, not the slower FRND)
     if PARTS == 3:
         r = ((u - k * _PI_A) - k * _PI_B) - k * _PI_C
     else:
         r = (u - k * _PI_A) - k * _PI_LO
-    # |r| <= pi/2 up to k's rounding (0.03 at |u| = 2e5). Past the exact range r is rounding noise that can be huge
-    # (|u| ~ 1e30): clamping to |r| <= 2, where the polynomials still hold, keeps sin^2 in [0, 1] and y within
-    # O(1/alpha) of x, as with any float32 sine there. NaN (u = ±inf or NaN) must survive the clamp.
-    r = tl.minimum(r, _R_LIMIT, propagate_nan=tl.PropagateNan.ALL)
-    return tl.maximum(r, -_R_LIMIT, propagate_nan=tl.PropagateNan.ALL)
+    if CLAMP:
+        # |r| <= pi/2 up to k's rounding (0.03 at |u| = 2e5). Past the exact range r is rounding noise that can be
+        # huge (|u| ~ 1e30): clamping to |r| <= 2, where the polynomials still hold, keeps sin^2 in [0, 1] and y
+        # within O(1/alpha) of x, as with any float32 sine there. NaN (u = ±inf or NaN) must survive the clamp.
+        r = tl.minimum(r, _R_LIMIT, propagate_nan=tl.PropagateNan.ALL)
+        r = tl.maximum(r, -_R_LIMIT, propagate_nan=tl.PropagateNan.ALL)
+    return r
+
+
+if _backend.INTERPRET:  # numpy has no SFU approximation; the reduction in front of it is still exercised
+
+    @triton.jit
+    def _sfu_sin(r):
+        return tl.sin(r)
+
+    @triton.jit
+    def _sfu_cos(r):
+        return tl.cos(r)
+
+else:
+
+    @triton.jit
+    def _sfu_sin(r):
+        return tl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=r,r", [r], dtype=tl.float32, is_pure=True, pack=1)
+
+    @triton.jit
+    def _sfu_cos(r):
+        return tl.inline_asm_elementwise("cos.approx.f32 $0, $1;", "=r,r", [r], dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -144,17 +172,23 @@ def _poly_cos(r, DEGREE: tl.constexpr):
 def _sin_cos_mod_pi(u, NEED_COS: tl.constexpr, SIN_MODE: tl.constexpr):
     """(s, c) = ±(sin u, cos u) with one common sign: enough for s*s and s*c. c is s when NEED_COS is False."""
     if SIN_MODE == SIN_FAST:
-        r = _reduce_mod_pi(u, 2)
+        r = _reduce_mod_pi(u, 2, True)
         s = _poly_sin(r, 7)
         c = s
         if NEED_COS:
             c = _poly_cos(r, 8)
     elif SIN_MODE == SIN_ACCURATE:
-        r = _reduce_mod_pi(u, 3)
+        r = _reduce_mod_pi(u, 3, True)
         s = _poly_sin(r, 9)
         c = s
         if NEED_COS:
             c = _poly_cos(r, 10)
+    elif SIN_MODE == SIN_HARDWARE:  # the SFU takes any r (NaN stays NaN): no clamp
+        r = _reduce_mod_pi(u, 3, False)
+        s = _sfu_sin(r)
+        c = s
+        if NEED_COS:
+            c = _sfu_cos(r)
     else:
         s = tl.sin(u)
         c = s
@@ -164,15 +198,18 @@ def _sin_cos_mod_pi(u, NEED_COS: tl.constexpr, SIN_MODE: tl.constexpr):
 
 
 @triton.jit
-def _row_tile(pid, n_channels, T, BLOCK_T: tl.constexpr, WIDE_INDEX: tl.constexpr):
-    """Decode a 1-D program id into (batch, channel, row, time offsets [BLOCK_T], mask [BLOCK_T])."""
-    n_time_blocks = tl.cdiv(T, BLOCK_T)
-    row = pid // n_time_blocks  # = b * C + c
-    time_block = pid - row * n_time_blocks
+def _row_tile(rows_per_slice, n_channels, c_magic, c_shift, T, BLOCK_T: tl.constexpr, WIDE_INDEX: tl.constexpr):
+    """This program's (batch, channel, row, time offsets [BLOCK_T], mask [BLOCK_T]) on the grid (time blocks,
+    rows_per_slice, row slices) of _row_grid. The channel is row % C by a high multiply with host-computed magic
+    numbers: a runtime division would put ~25 dependent instructions before every load."""
+    row = tl.program_id(1) + tl.program_id(2) * rows_per_slice  # = b * C + c
+    b = (tl.umulhi(row.to(tl.uint32) * 2, c_magic.to(tl.uint32)) >> c_shift).to(tl.int32)
+    c = row - b * n_channels
+    time_block = tl.program_id(0)
     if WIDE_INDEX:
         time_block = time_block.to(tl.int64)  # before the multiply: time_block * BLOCK_T can pass 2^31
     t = time_block * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
-    return row // n_channels, row % n_channels, row, t, t < T
+    return b, c, row, t, t < T
 
 
 def _prune_by_length(configs: list[triton.Config], nargs: dict, **kwargs) -> list[triton.Config]:
@@ -194,7 +231,11 @@ def snake_fwd_kernel(
     x_ptr,
     alpha_ptr,
     y_ptr,
+    n_rows,
+    rows_per_slice,
     n_channels,
+    c_magic,
+    c_shift,
     T,
     stride_xb,
     stride_xc,
@@ -205,7 +246,9 @@ def snake_fwd_kernel(
     WIDE_INDEX: tl.constexpr,
 ):
     # x [B, C, T] with unit time stride (rows may be strided); y [B, C, T] contiguous; alpha [C]
-    b, c, row, t, mask = _row_tile(tl.program_id(0), n_channels, T, BLOCK_T, WIDE_INDEX)
+    b, c, row, t, mask = _row_tile(rows_per_slice, n_channels, c_magic, c_shift, T, BLOCK_T, WIDE_INDEX)
+    if row >= n_rows:  # the last row slice overhangs when B * C > 65535
+        return
     compute_dtype = tl.float64 if x_ptr.dtype.element_ty == tl.float64 else tl.float32
     alpha = tl.load(alpha_ptr + c).to(compute_dtype)
     inv_alpha = 1.0 / (alpha + eps)
@@ -250,7 +293,11 @@ def snake_bwd_kernel(
     alpha_partial_ptr,
     arrivals_ptr,
     n_parts,
+    n_rows,
+    rows_per_slice,
     n_channels,
+    c_magic,
+    c_shift,
     T,
     stride_gb,
     stride_gc,
@@ -265,8 +312,10 @@ def snake_bwd_kernel(
 ):
     # grad_y, x [B, C, T] unit time stride; grad_x [B, C, T] contiguous; grad_alpha [C];
     # alpha_partial [B, C, n_time_blocks] fp32/64 scratch; arrivals [C] int32, zeroed (ALPHA_LAST_ARRIVER only)
-    pid = tl.program_id(0)
-    b, c, row, t, mask = _row_tile(pid, n_channels, T, BLOCK_T, WIDE_INDEX)
+    b, c, row, t, mask = _row_tile(rows_per_slice, n_channels, c_magic, c_shift, T, BLOCK_T, WIDE_INDEX)
+    if row >= n_rows:  # the last row slice overhangs when B * C > 65535
+        return
+    pid = row * tl.num_programs(0) + tl.program_id(0)  # = row * n_time_blocks + time block
     compute_dtype = tl.float64 if x_ptr.dtype.element_ty == tl.float64 else tl.float32
     alpha = tl.load(alpha_ptr + c).to(compute_dtype)
     inv_alpha = 1.0 / (alpha + eps)
@@ -331,6 +380,14 @@ def _unit_time_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(2) == 1 or t.shape[2] <= 1 else t.contiguous()
 
 
+ROWS_PER_SLICE = 65535  # CUDA caps grid y and z at 65535 (x at 2^31 - 1)
+
+
+def _row_grid(n_rows: int, n_time_blocks: int) -> tuple[int, int, int]:
+    """(time blocks, rows in a slice, row slices): rows past ROWS_PER_SLICE go to further slices along grid z."""
+    return (n_time_blocks, min(n_rows, ROWS_PER_SLICE), triton.cdiv(n_rows, ROWS_PER_SLICE))
+
+
 def _tune_key(n_rows: int, T: int) -> int:
     # Autotune once per (length, rows) power-of-two bucket, not once per distinct audio length.
     return (T.bit_length() << 8) | n_rows.bit_length()
@@ -353,6 +410,8 @@ def division_magic(divisor: int) -> tuple[int, int]:
 def _sin_mode(dtype: torch.dtype, fast_sin: bool) -> int:
     if dtype == torch.float64:
         return SIN_LIBDEVICE.value
+    if dtype in (torch.float16, torch.bfloat16):
+        return SIN_HARDWARE.value  # more accurate than SIN_FAST and cheaper than both polynomials
     return SIN_FAST.value if fast_sin else SIN_ACCURATE.value
 
 
@@ -383,9 +442,9 @@ def _snake_forward(x: torch.Tensor, alpha: torch.Tensor, eps: float, fast_sin: b
                                     SIN_MODE=mode)  # fmt: skip
         record_launch("snake_fwd_flat_kernel")
         return y
-    grid = lambda meta: (B * C * triton.cdiv(T, meta["BLOCK_T"]),)  # noqa: E731
+    grid = lambda meta: _row_grid(B * C, triton.cdiv(T, meta["BLOCK_T"]))  # noqa: E731
     snake_fwd_kernel[grid](
-        x, alpha, y, C, T, x.stride(0), x.stride(1), eps, _tune_key(B * C, T),
+        x, alpha, y, B * C, ROWS_PER_SLICE, C, *division_magic(C), T, x.stride(0), x.stride(1), eps, _tune_key(B * C, T),
         SIN_MODE=mode, WIDE_INDEX=_wide_index(x),
     )  # fmt: skip
     record_launch("snake_fwd_kernel")
@@ -418,8 +477,8 @@ def _snake_backward(
         partial = torch.empty(n_programs, dtype=_backend.compute_dtype(x.dtype), device=x.device)
     if need_alpha_grad and finish == ALPHA_LAST_ARRIVER.value:
         arrivals = torch.zeros(C, dtype=torch.int32, device=x.device)
-    snake_bwd_kernel[(n_programs,)](
-        grad_y, x, alpha, grad_x, grad_alpha, partial, arrivals, B * n_time_blocks, C, T,
+    snake_bwd_kernel[_row_grid(B * C, n_time_blocks)](
+        grad_y, x, alpha, grad_x, grad_alpha, partial, arrivals, B * n_time_blocks, B * C, ROWS_PER_SLICE, C, *division_magic(C), T,
         grad_y.stride(0), grad_y.stride(1), x.stride(0), x.stride(1), eps,
         BLOCK_T=block_t, SIN_MODE=_sin_mode(x.dtype, fast_sin), WIDE_INDEX=_wide_index(x, grad_y),
         NEED_ALPHA_GRAD=need_alpha_grad, ALPHA_FINISH=finish, num_warps=num_warps,
