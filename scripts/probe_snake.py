@@ -130,15 +130,15 @@ def probe_small_forward() -> None:
             flat = S.snake_fwd_flat_kernel.fn
             best = min(
                 (graph_time_us(lambda i: flat[(triton.cdiv(n, block),)](
-                    xs[i], a1, ys[i], n, C, *S.division_magic(T), *S.division_magic(C), 1e-9, 0,
-                    BLOCK=block, SIN_MODE=0, num_warps=warps), n_sets), block, warps)
+                    xs[i], a1, ys[i], n, C, *S.division_magic(T), *S.division_magic(C), 1e-9,
+                    BLOCK=block, VECTOR=4, RUN_SHARES_CHANNEL=T % 4 == 0, SIN_MODE=0, num_warps=warps), n_sets), block, warps)
                 for block, warps in [(256, 2), (512, 4), (1024, 4), (1024, 8), (2048, 8)]
             )  # fmt: skip
             print(f"  flat best         {best[0]:6.2f} us at {best[1]}/{best[2]}")
             row = S.snake_fwd_kernel.fn
             best = min(
                 (graph_time_us(lambda i: row[S._row_grid(B * C, triton.cdiv(T, block))](
-                    xs[i], a1, ys[i], B * C, S.ROWS_PER_SLICE, C, *S.division_magic(C), T, C * T, T, 1e-9, 0, BLOCK_T=block, SIN_MODE=0, WIDE_INDEX=False,
+                    xs[i], a1, ys[i], B * C, S.ROWS_PER_SLICE, C, *S.division_magic(C), T, C * T, T, 1e-9, BLOCK_T=block, SIN_MODE=0, WIDE_INDEX=False,
                     num_warps=warps), n_sets), block, warps)
                 for block, warps in [(256, 2), (512, 4), (1024, 4), (2048, 4), (2048, 8)]
             )  # fmt: skip
@@ -156,48 +156,61 @@ def probe_small_forward() -> None:
             sys.stdout.flush()
 
 
-def probe_forward_configs() -> None:
-    """Every bench shape: the library's forward against torch.compile and a same-size copy, and the best row and flat
-    kernel configurations (sine mode as the library picks it), to set the forward's dispatch rule."""
+def probe_forward_configs(shapes=None, dtypes=(torch.float32, torch.bfloat16), extra_modes=False) -> None:
+    """Every bench shape: the library's forward against torch.compile and a same-size copy, and each row and flat
+    kernel configuration (sine mode as the library picks it), to set the forward's dispatch rule. Every variant
+    allocates its output inside the graph, as the library, torch.compile and clone do (the graph's pool then hands
+    each call the same block)."""
+    from torch._inductor.utils import run_and_get_code
+
     from sparsefuse.bench.workloads.activations import SNAKE_SHAPES, eager_snake
 
-    row_cfgs = [(256, 2), (512, 4), (1024, 4), (2048, 4), (2048, 8), (4096, 8), (8192, 16), (4096, 4), (8192, 8)]
-    flat_cfgs = [(256, 2), (512, 4), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8), (8192, 16)]
-    for dtype in (torch.float32, torch.bfloat16):
-        mode = S._sin_mode(dtype, False)
-        for B, C, T in SNAKE_SHAPES:
+    row_cfgs = [(256, 2), (512, 4), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8), (8192, 16), (4096, 4)]
+    flat_cfgs = [(256, 2), (512, 2), (512, 4), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8)]
+    for dtype in dtypes:
+        modes = [S._sin_mode(dtype, False)] + ([S.SIN_HARDWARE.value] if extra_modes and dtype == torch.float32 else [])
+        for B, C, T in shapes or SNAKE_SHAPES:
             n = B * C * T
             e = torch.tensor([], dtype=dtype).element_size()
             n_sets = max(2, -(-4 * L2_BYTES // (2 * n * e)))
             xs = [torch.randn(B, C, T, device="cuda", dtype=dtype) for _ in range(n_sets)]
-            ys = [torch.empty_like(xs[0]) for _ in range(n_sets)]
             alpha = torch.empty(1, C, 1, device="cuda").uniform_(0.5, 2.0)
             a1 = alpha.reshape(C).contiguous()
             torch._dynamo.reset()
             compiled_fn = torch.compile(eager_snake)
             t_lib = graph_time_us(lambda i: sparsefuse.snake(xs[i], alpha), n_sets)
             t_cmp = graph_time_us(lambda i: compiled_fn(xs[i], alpha), n_sets)
-            t_copy = graph_time_us(lambda i: ys[i].copy_(xs[i]), n_sets)
+            t_copy = graph_time_us(lambda i: xs[i].clone(), n_sets)
             gbs = 2 * n * e / 1e3
             print(f"== fwd {B}x{C}x{T} {str(dtype)[6:]}: library {t_lib:7.2f} us ({gbs / t_lib:5.0f} GB/s) "
-                  f"compile {t_cmp:7.2f} copy {t_copy:7.2f}  lib/compile {t_cmp / t_lib:.3f}x  lib/copy {t_copy / t_lib:.3f}")
+                  f"compile {t_cmp:7.2f} clone {t_copy:7.2f}  compile/lib {t_cmp / t_lib:.3f}x  clone/lib {t_copy / t_lib:.3f}")
+            if n <= 1 << 22:  # Inductor's kernel and launch for the short shapes
+                _, code = run_and_get_code(compiled_fn, xs[0], alpha)
+                for line in code[0].splitlines():
+                    if any(k in line for k in ("triton_meta", "@triton_heuristics", "XBLOCK :", "xnumel =", "tl.load",
+                                               "grid=", ".run(")):  # fmt: skip
+                        print("   inductor:", line.strip()[:160])
             row = S.snake_fwd_kernel.fn
             magic = S.division_magic(C)
             results = []
-            for block, warps in row_cfgs:
-                if block > max(256, triton.next_power_of_2(T)):
-                    continue
-                t = graph_time_us(lambda i: row[S._row_grid(B * C, triton.cdiv(T, block))](
-                    xs[i], a1, ys[i], B * C, S.ROWS_PER_SLICE, C, *magic, T, C * T, T, 1e-9, 0, BLOCK_T=block,
-                    SIN_MODE=mode, WIDE_INDEX=False, num_warps=warps), n_sets)  # fmt: skip
-                results.append((t, f"row {block}/{warps}"))
-            if n < 2**31 - 8192:
-                flat = S.snake_fwd_flat_kernel.fn
-                for block, warps in flat_cfgs:
-                    t = graph_time_us(lambda i: flat[(triton.cdiv(n, block),)](
-                        xs[i], a1, ys[i], n, C, *S.division_magic(T), *magic, 1e-9, 0, BLOCK=block, SIN_MODE=mode,
-                        num_warps=warps), n_sets)  # fmt: skip
-                    results.append((t, f"flat {block}/{warps}"))
+            for mode in modes:
+                tag = "" if mode == modes[0] else " hw"
+                for block, warps in row_cfgs:
+                    if block > max(256, triton.next_power_of_2(T)):
+                        continue
+                    t = graph_time_us(lambda i: row[S._row_grid(B * C, triton.cdiv(T, block))](
+                        xs[i], a1, torch.empty_like(xs[i]), B * C, S.ROWS_PER_SLICE, C, *magic, T, C * T, T, 1e-9,
+                        BLOCK_T=block, SIN_MODE=mode, WIDE_INDEX=False, num_warps=warps), n_sets)  # fmt: skip
+                    results.append((t, f"row {block}/{warps}{tag}"))
+                if n < 2**31 - 8192:
+                    flat = S.snake_fwd_flat_kernel.fn
+                    for block, warps in flat_cfgs:
+                        t = graph_time_us(lambda i: flat[(triton.cdiv(n, block),)](
+                            xs[i], a1, torch.empty_like(xs[i]), n, C, *S.division_magic(T), *magic, 1e-9,
+                            BLOCK=block, VECTOR=16 // e, RUN_SHARES_CHANNEL=T % (16 // e) == 0, SIN_MODE=mode,
+                            num_warps=warps),
+                            n_sets)  # fmt: skip
+                        results.append((t, f"flat {block}/{warps}{tag}"))
             results.sort()
             print("   " + "  ".join(f"{name} {t:.2f}" for t, name in results))
             sys.stdout.flush()
@@ -212,3 +225,5 @@ if __name__ == "__main__":
         probe_small_forward()
     if "fwd" in which:
         probe_forward_configs()
+    if "fwd-short" in which:  # the shapes where torch.compile was ahead, with the SFU sine tried on fp32 too
+        probe_forward_configs([(1, 1024, 236), (1, 128, 60416), (1, 64, 120832)], extra_modes=True)

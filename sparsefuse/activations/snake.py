@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .. import _backend
-from .._backend import Backend, backend_for, block_configs, new_output, record_launch
+from .._backend import Backend, backend_for, new_output, record_launch
 from .._validation import check_float, check_same_device, check_scalar, check_tensor, describe
 
 SNAKE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -212,21 +212,7 @@ def _row_tile(rows_per_slice, n_channels, c_magic, c_shift, T, BLOCK_T: tl.const
     return b, c, row, t, t < T
 
 
-def _prune_by_length(configs: list[triton.Config], nargs: dict, **kwargs) -> list[triton.Config]:
-    # Row tiles much longer than a row only add masked lanes.
-    longest_useful = max(256, triton.next_power_of_2(int(nargs["T"])))
-    kept = [cfg for cfg in configs if cfg.kwargs["BLOCK_T"] <= longest_useful]
-    return kept or configs[:1]
-
-
-@triton.autotune(
-    configs=block_configs(
-        "BLOCK_T", [(256, 2), (512, 4), (1024, 4), (2048, 4), (2048, 8), (4096, 8), (8192, 16)], interpret_block=64
-    ),
-    key=["tune_key"],
-    prune_configs_by={"early_config_prune": _prune_by_length},
-)
-@triton.jit(do_not_specialize=["tune_key"])
+@triton.jit
 def snake_fwd_kernel(
     x_ptr,
     alpha_ptr,
@@ -240,7 +226,6 @@ def snake_fwd_kernel(
     stride_xb,
     stride_xc,
     eps,
-    tune_key,
     BLOCK_T: tl.constexpr,
     SIN_MODE: tl.constexpr,
     WIDE_INDEX: tl.constexpr,
@@ -259,25 +244,24 @@ def snake_fwd_kernel(
     tl.store(y_ptr + row.to(tl.int64) * T + t, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.autotune(
-    configs=block_configs("BLOCK", [(256, 2), (512, 4), (1024, 4), (2048, 4), (4096, 8)], interpret_block=128),
-    key=["tune_key"],
-)
-@triton.jit(do_not_specialize=["tune_key"])
+@triton.jit
 def snake_fwd_flat_kernel(x_ptr, alpha_ptr, y_ptr, n_elements, n_channels, t_magic, t_shift, c_magic, c_shift, eps,
-                          tune_key, BLOCK: tl.constexpr, SIN_MODE: tl.constexpr):  # fmt: skip
-    # Short rows (T below a block): x and y contiguous [B*C*T] walked flat, so every block is full and loads are
-    # aligned vectors. Each element finds its channel as (i // T) % C; both divisions are a 32-bit high multiply
-    # and a shift by magic numbers computed on the host (a runtime integer division would cost ~30 instructions per
-    # element, a 64-bit multiply-shift ~12).
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]; int32: the launcher keeps n below 2^31
+                          BLOCK: tl.constexpr, VECTOR: tl.constexpr, RUN_SHARES_CHANNEL: tl.constexpr,
+                          SIN_MODE: tl.constexpr):  # fmt: skip
+    # Short rows (T below a block): x and y contiguous [B*C*T] walked flat, as [BLOCK // VECTOR, VECTOR] runs of one
+    # 16-byte vector each, so every block is full and loads are aligned vectors. Each element finds its channel as
+    # (i // T) % C by two 32-bit high multiplies with host-computed magic numbers (a runtime integer division costs
+    # ~30 instructions an element). When VECTOR divides T, a run never crosses a row: its channel and alpha are
+    # computed and loaded once per run (RUN_SHARES_CHANNEL).
+    first = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK // VECTOR) * VECTOR  # [RUNS]; int32: n < 2^31
+    offs = first[:, None] + tl.arange(0, VECTOR)[None, :]  # [RUNS, VECTOR]
     mask = offs < n_elements
-    row = tl.umulhi(offs.to(tl.uint32) * 2, t_magic.to(tl.uint32)) >> t_shift  # offs // T
-    channel = row - (tl.umulhi(row * 2, c_magic.to(tl.uint32)) >> c_shift) * n_channels  # row % C
-    channel = channel.to(tl.int32)
     compute_dtype = tl.float64 if x_ptr.dtype.element_ty == tl.float64 else tl.float32
-    alpha = tl.load(alpha_ptr + channel, mask=mask, other=1.0).to(compute_dtype)
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(compute_dtype)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(compute_dtype)  # issued before the channel arithmetic
+    where = first[:, None] if RUN_SHARES_CHANNEL else offs  # [RUNS, 1] or [RUNS, VECTOR]
+    row = tl.umulhi(where.to(tl.uint32) * 2, t_magic.to(tl.uint32)) >> t_shift  # // T
+    channel = (row - (tl.umulhi(row * 2, c_magic.to(tl.uint32)) >> c_shift) * n_channels).to(tl.int32)  # % C
+    alpha = tl.load(alpha_ptr + channel, mask=where < n_elements, other=1.0).to(compute_dtype)
     s, _ = _sin_cos_mod_pi(alpha * x, False, SIN_MODE)
     y = x + (1.0 / (alpha + eps)) * (s * s)
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
@@ -359,6 +343,16 @@ def snake_bwd_kernel(
 
 _INT32_LIMIT = 2**31 - 1
 FLAT_MAX_T = 1024  # rows shorter than this take the flat forward kernel (when x is contiguous)
+# Forward launch configuration, measured rather than autotuned (H200, CUDA-graph replay with inputs rotated past L2,
+# 9 row and 8 flat configurations at every bench shape; benchmarks/results/probe-snake-*.log). A row tile of 4 KB of x
+# (1024 fp32 or 2048 half elements) over 4 warps was within 6% of the best at every shape and within 1% of it from 7M
+# elements up; 512-element flat blocks were the best short-row choice in both dtypes. Triton's autotuner
+# times each candidate on the same, L2-resident input, which picked configurations up to 3% slower on the real,
+# streaming case, and cost seconds on every new shape bucket.
+FORWARD_WARPS = 4
+FORWARD_TILE_BYTES = 4096
+FLAT_BLOCK = 512
+_INTERPRET_ROW_BLOCK, _INTERPRET_FLAT_BLOCK = 64, 128  # CPU tests: several programs and ragged tails at small shapes
 
 
 def _canonical_shape(shape: torch.Size) -> tuple[int, int, int]:
@@ -388,9 +382,11 @@ def _row_grid(n_rows: int, n_time_blocks: int) -> tuple[int, int, int]:
     return (n_time_blocks, min(n_rows, ROWS_PER_SLICE), triton.cdiv(n_rows, ROWS_PER_SLICE))
 
 
-def _tune_key(n_rows: int, T: int) -> int:
-    # Autotune once per (length, rows) power-of-two bucket, not once per distinct audio length.
-    return (T.bit_length() << 8) | n_rows.bit_length()
+def _forward_block_t(T: int, element_size: int) -> int:
+    """The row kernel's time block: FORWARD_TILE_BYTES of x, but no longer than the row needs (256 at least)."""
+    if _backend.INTERPRET:
+        return _INTERPRET_ROW_BLOCK
+    return min(FORWARD_TILE_BYTES // element_size, max(256, triton.next_power_of_2(T)))
 
 
 def _wide_index(*tensors: torch.Tensor) -> bool:
@@ -437,15 +433,18 @@ def _snake_forward(x: torch.Tensor, alpha: torch.Tensor, eps: float, fast_sin: b
     mode = _sin_mode(x.dtype, fast_sin)
     if T < FLAT_MAX_T and x.is_contiguous() and x.numel() < _INT32_LIMIT - 8192:
         n = x.numel()
-        grid = lambda meta: (triton.cdiv(n, meta["BLOCK"]),)  # noqa: E731
-        snake_fwd_flat_kernel[grid](x, alpha, y, n, C, *division_magic(T), *division_magic(C), eps, _tune_key(B * C, T),
-                                    SIN_MODE=mode)  # fmt: skip
+        block = _INTERPRET_FLAT_BLOCK if _backend.INTERPRET else FLAT_BLOCK
+        vector = max(1, 16 // x.element_size())  # elements in one 16-byte load
+        snake_fwd_flat_kernel[(triton.cdiv(n, block),)](
+            x, alpha, y, n, C, *division_magic(T), *division_magic(C), eps,
+            BLOCK=block, VECTOR=vector, RUN_SHARES_CHANNEL=T % vector == 0, SIN_MODE=mode, num_warps=FORWARD_WARPS,
+        )  # fmt: skip
         record_launch("snake_fwd_flat_kernel")
         return y
-    grid = lambda meta: _row_grid(B * C, triton.cdiv(T, meta["BLOCK_T"]))  # noqa: E731
-    snake_fwd_kernel[grid](
-        x, alpha, y, B * C, ROWS_PER_SLICE, C, *division_magic(C), T, x.stride(0), x.stride(1), eps, _tune_key(B * C, T),
-        SIN_MODE=mode, WIDE_INDEX=_wide_index(x),
+    block_t = _forward_block_t(T, x.element_size())
+    snake_fwd_kernel[_row_grid(B * C, triton.cdiv(T, block_t))](
+        x, alpha, y, B * C, ROWS_PER_SLICE, C, *division_magic(C), T, x.stride(0), x.stride(1), eps,
+        BLOCK_T=block_t, SIN_MODE=mode, WIDE_INDEX=_wide_index(x), num_warps=FORWARD_WARPS,
     )  # fmt: skip
     record_launch("snake_fwd_kernel")
     return y
