@@ -127,7 +127,7 @@ def probe_small_forward() -> None:
             print(f"  torch.compile     {graph_time_us(lambda i: compiled_fn(xs[i], alpha.to(dtype)), n_sets):6.2f} us")
             print(f"  x.clone()         {graph_time_us(lambda i: xs[i].clone(), n_sets):6.2f} us")
             n = B * C * T
-            flat = S.snake_fwd_flat_kernel.fn
+            flat = S.snake_fwd_flat_kernel
             best = min(
                 (graph_time_us(lambda i: flat[(triton.cdiv(n, block),)](
                     xs[i], a1, ys[i], n, C, *S.division_magic(T), *S.division_magic(C), 1e-9,
@@ -135,7 +135,7 @@ def probe_small_forward() -> None:
                 for block, warps in [(256, 2), (512, 4), (1024, 4), (1024, 8), (2048, 8)]
             )  # fmt: skip
             print(f"  flat best         {best[0]:6.2f} us at {best[1]}/{best[2]}")
-            row = S.snake_fwd_kernel.fn
+            row = S.snake_fwd_kernel
             best = min(
                 (graph_time_us(lambda i: row[S._row_grid(B * C, triton.cdiv(T, block))](
                     xs[i], a1, ys[i], B * C, S.ROWS_PER_SLICE, C, *S.division_magic(C), T, C * T, T, 1e-9, BLOCK_T=block, SIN_MODE=0, WIDE_INDEX=False,
@@ -190,7 +190,7 @@ def probe_forward_configs(shapes=None, dtypes=(torch.float32, torch.bfloat16), e
                     if any(k in line for k in ("triton_meta", "@triton_heuristics", "XBLOCK :", "xnumel =", "tl.load",
                                                "grid=", ".run(")):  # fmt: skip
                         print("   inductor:", line.strip()[:160])
-            row = S.snake_fwd_kernel.fn
+            row = S.snake_fwd_kernel
             magic = S.division_magic(C)
             results = []
             for mode in modes:
@@ -203,7 +203,7 @@ def probe_forward_configs(shapes=None, dtypes=(torch.float32, torch.bfloat16), e
                         BLOCK_T=block, SIN_MODE=mode, WIDE_INDEX=False, num_warps=warps), n_sets)  # fmt: skip
                     results.append((t, f"row {block}/{warps}{tag}"))
                 if n < 2**31 - 8192:
-                    flat = S.snake_fwd_flat_kernel.fn
+                    flat = S.snake_fwd_flat_kernel
                     for block, warps in flat_cfgs:
                         t = graph_time_us(lambda i: flat[(triton.cdiv(n, block),)](
                             xs[i], a1, torch.empty_like(xs[i]), n, C, *S.division_magic(T), *magic, 1e-9,
