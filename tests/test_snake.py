@@ -28,9 +28,9 @@ def forward_launches(launched) -> int:
 
 @pytest.fixture(params=["flat", "rows"])
 def forward_path(request, monkeypatch):
-    """Run a test through both forward kernels: rows shorter than FLAT_MAX_T take the flat one."""
+    """Run a test through both forward kernels: a contiguous x takes the flat one."""
     if request.param == "rows":
-        monkeypatch.setattr(snake_module, "FLAT_MAX_T", 0)
+        monkeypatch.setattr(snake_module, "FLAT_FORWARD", False)
     return request.param
 
 
@@ -54,7 +54,7 @@ def test_forward_matches_float64_reference(shape, dtype, device, forward_path):
     assert_backend(x)
     with track_launches() as launched:
         y = sparsefuse.snake(x, alpha)
-    expected = "snake_fwd_flat_kernel" if forward_path == "flat" and shape[-1] < snake_module.FLAT_MAX_T else "snake_fwd_kernel"
+    expected = "snake_fwd_flat_kernel" if forward_path == "flat" else "snake_fwd_kernel"
     assert launched[expected] == 1 and forward_launches(launched) == 1
     assert y.shape == x.shape and y.dtype == dtype
     assert_close_to_reference(y, *reference(x, alpha))
@@ -125,7 +125,7 @@ def test_backward_matches_float64_reference(shape, dtype, alpha_shape, fast_sin,
 def test_rows_past_a_grid_slice(dtype, device, monkeypatch):
     """More rows than grid y holds: the rest go to further slices along grid z, the last one overhanging."""
     monkeypatch.setattr(snake_module, "ROWS_PER_SLICE", 4)
-    monkeypatch.setattr(snake_module, "FLAT_MAX_T", 0)
+    monkeypatch.setattr(snake_module, "FLAT_FORWARD", False)
     x, alpha = make_inputs((3, 5, 70), dtype, device)  # 15 rows: slices of 4, 4, 4, 3
     y = sparsefuse.snake(x, alpha)
     assert_close_to_reference(y, *reference(x, alpha))
@@ -243,7 +243,7 @@ def test_nan_and_inf_propagate_like_the_reference(device):
 def test_wide_index_path(device, monkeypatch):
     """The int64 per-element offset path (taken for rows above 2^31 elements) computes the same values."""
     monkeypatch.setattr(snake_module, "_INT32_LIMIT", 64)
-    monkeypatch.setattr(snake_module, "FLAT_MAX_T", 0)
+    monkeypatch.setattr(snake_module, "FLAT_FORWARD", False)
     x, alpha = make_inputs((2, 3, 300), torch.float16, device)
     y = sparsefuse.snake(x, alpha)
     assert_close_to_reference(y, *reference(x, alpha))

@@ -9,8 +9,8 @@ device-to-device copy bandwidth.
 
 Layout: each program owns one (batch*channel row, time block) tile, so a channel's alpha is one scalar load per
 program and no per-element integer division is needed. The grid is 2-D over (time blocks, rows), with rows past
-65535 (the limit on grid y) folded into grid z. Rows shorter than FLAT_MAX_T take a flat forward kernel instead
-(full, aligned blocks; channel by high-multiply division).
+65535 (the limit on grid y) folded into grid z. A contiguous x takes a flat forward kernel instead: full, aligned
+blocks whatever T is, channel by high-multiply division once per 16-byte run.
 
 Alpha's gradient is a reduction over batch and time. The backward kernel writes one fp32 partial sum per program
 while it computes grad_x (no second pass over x). Large grids sum the partials with torch in a second launch; small
@@ -342,16 +342,15 @@ def snake_bwd_kernel(
 # ----------------------------------------------------------------------------------------------------------------
 
 _INT32_LIMIT = 2**31 - 1
-FLAT_MAX_T = 1024  # rows shorter than this take the flat forward kernel (when x is contiguous)
+FLAT_FORWARD = True  # a contiguous x below 2^31 elements takes the flat forward kernel (tests turn it off)
 # Forward launch configuration, measured rather than autotuned (H200, CUDA-graph replay with inputs rotated past L2,
-# 9 row and 8 flat configurations at every bench shape; benchmarks/results/probe-snake-*.log). A row tile of 4 KB of x
-# (1024 fp32 or 2048 half elements) over 4 warps was within 6% of the best at every shape and within 1% of it from 7M
-# elements up; 512-element flat blocks were the best short-row choice in both dtypes. Triton's autotuner
-# times each candidate on the same, L2-resident input, which picked configurations up to 3% slower on the real,
-# streaming case, and cost seconds on every new shape bucket.
+# 9 row and 8 flat configurations at every bench shape; benchmarks/results/probe-snake-*.log). Tiles of 4 KB of x
+# (1024 fp32 or 2048 half elements) over 4 warps were within 2% of the best configuration from 1M elements up, in
+# either kernel; below four such tiles per SM, 2 KB tiles keep every SM busy. The flat kernel matched or beat the row
+# kernel at every shape. Triton's autotuner times each candidate on one L2-resident input, which picked
+# configurations up to 3% slower on the real, streaming case, and cost seconds on every new shape bucket.
 FORWARD_WARPS = 4
 FORWARD_TILE_BYTES = 4096
-FLAT_BLOCK = 512
 _INTERPRET_ROW_BLOCK, _INTERPRET_FLAT_BLOCK = 64, 128  # CPU tests: several programs and ragged tails at small shapes
 
 
@@ -387,6 +386,26 @@ def _forward_block_t(T: int, element_size: int) -> int:
     if _backend.INTERPRET:
         return _INTERPRET_ROW_BLOCK
     return min(FORWARD_TILE_BYTES // element_size, max(256, triton.next_power_of_2(T)))
+
+
+def _flat_block(n: int, element_size: int, device: torch.device) -> int:
+    """The flat kernel's block: FORWARD_TILE_BYTES of x, halved when that would leave fewer than 4 tiles per SM."""
+    if _backend.INTERPRET:
+        return _INTERPRET_FLAT_BLOCK
+    tile = FORWARD_TILE_BYTES
+    if n * element_size < 4 * tile * _backend.sm_count(device):
+        tile //= 2
+    return tile // element_size
+
+
+def _flat_run(T: int, element_size: int) -> tuple[int, bool]:
+    """(run, shares_channel): the flat kernel walks runs of `run` elements, one aligned vector load each. A 16-byte
+    run when T allows: when the run divides T, a run never crosses a row, so its channel and alpha are found once
+    (shares_channel). If T's largest power-of-two factor is half a vector, 8-byte runs that share a channel beat
+    16-byte runs that do not (bf16 at SNAC's T = 236 = 4 * 59); below that, 16-byte runs with a channel per element."""
+    vector = max(1, 16 // element_size)
+    run = min(vector, T & -T)
+    return (run, True) if 2 * run >= vector else (vector, False)
 
 
 def _wide_index(*tensors: torch.Tensor) -> bool:
@@ -431,13 +450,13 @@ def _snake_forward(x: torch.Tensor, alpha: torch.Tensor, eps: float, fast_sin: b
         return torch_snake(x.to(compute), alpha.to(compute), eps).to(x.dtype)
     x = _unit_time_stride(x)
     mode = _sin_mode(x.dtype, fast_sin)
-    if T < FLAT_MAX_T and x.is_contiguous() and x.numel() < _INT32_LIMIT - 8192:
+    if FLAT_FORWARD and x.is_contiguous() and x.numel() < _INT32_LIMIT - 8192:
         n = x.numel()
-        block = _INTERPRET_FLAT_BLOCK if _backend.INTERPRET else FLAT_BLOCK
-        vector = max(1, 16 // x.element_size())  # elements in one 16-byte load
+        block = _flat_block(n, x.element_size(), x.device)
+        run, shares_channel = _flat_run(T, x.element_size())
         snake_fwd_flat_kernel[(triton.cdiv(n, block),)](
             x, alpha, y, n, C, *division_magic(T), *division_magic(C), eps,
-            BLOCK=block, VECTOR=vector, RUN_SHARES_CHANNEL=T % vector == 0, SIN_MODE=mode, num_warps=FORWARD_WARPS,
+            BLOCK=block, VECTOR=run, RUN_SHARES_CHANNEL=shares_channel, SIN_MODE=mode, num_warps=FORWARD_WARPS,
         )  # fmt: skip
         record_launch("snake_fwd_flat_kernel")
         return y
