@@ -28,6 +28,8 @@ __all__ = [
     "Backend",
     "backend_for",
     "INTERPRET",
+    "STREAMING_WARPS",
+    "streaming_block",
     "track_launches",
     "record_launch",
     "tuning_configs",
@@ -58,6 +60,25 @@ def sm_count(device: torch.device, interpreted: int = 8) -> int:
     if device.type != "cuda":
         return interpreted
     return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+# Launch rule for the elementwise (streaming) kernels, measured rather than autotuned (H200, CUDA-graph replay with
+# inputs rotated past L2; benchmarks/results/probe-snake-fwd-NVIDIA-H200.log): tiles of 4 KB of the input over 4 warps
+# were within 2% of the best of 9 configurations from 1M elements up; below four such tiles per SM, 2 KB tiles keep
+# every SM busy. Triton's autotuner times each candidate on one L2-resident input: it picked configurations up to 3%
+# slower on the real, streaming case, and cost seconds on every new size bucket.
+STREAMING_WARPS = 4
+STREAMING_TILE_BYTES = 4096
+
+
+def streaming_block(n: int, element_size: int, device: torch.device, interpret_block: int) -> int:
+    """Elements per program for an elementwise kernel over n elements of element_size bytes (see above)."""
+    if INTERPRET:
+        return interpret_block
+    tile = STREAMING_TILE_BYTES
+    if n * element_size < 4 * tile * sm_count(device):
+        tile //= 2
+    return max(1, tile // element_size)
 
 
 def backend_for(*tensors: torch.Tensor) -> Backend:

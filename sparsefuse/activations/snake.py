@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .. import _backend
-from .._backend import Backend, backend_for, new_output, record_launch
+from .._backend import STREAMING_WARPS, Backend, backend_for, new_output, record_launch, streaming_block
 from .._validation import check_float, check_same_device, check_scalar, check_tensor, describe
 
 SNAKE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -343,14 +343,8 @@ def snake_bwd_kernel(
 
 _INT32_LIMIT = 2**31 - 1
 FLAT_FORWARD = True  # a contiguous x below 2^31 elements takes the flat forward kernel (tests turn it off)
-# Forward launch configuration, measured rather than autotuned (H200, CUDA-graph replay with inputs rotated past L2,
-# 9 row and 8 flat configurations at every bench shape; benchmarks/results/probe-snake-*.log). Tiles of 4 KB of x
-# (1024 fp32 or 2048 half elements) over 4 warps were within 2% of the best configuration from 1M elements up, in
-# either kernel; below four such tiles per SM, 2 KB tiles keep every SM busy. The flat kernel matched or beat the row
-# kernel at every shape. Triton's autotuner times each candidate on one L2-resident input, which picked
-# configurations up to 3% slower on the real, streaming case, and cost seconds on every new shape bucket.
-FORWARD_WARPS = 4
-FORWARD_TILE_BYTES = 4096
+# Forward launches follow _backend.streaming_block (measured, not autotuned); at every bench shape the flat kernel
+# matched or beat the row kernel (benchmarks/results/probe-snake-fwd-NVIDIA-H200.log).
 _INTERPRET_ROW_BLOCK, _INTERPRET_FLAT_BLOCK = 64, 128  # CPU tests: several programs and ragged tails at small shapes
 
 
@@ -382,20 +376,10 @@ def _row_grid(n_rows: int, n_time_blocks: int) -> tuple[int, int, int]:
 
 
 def _forward_block_t(T: int, element_size: int) -> int:
-    """The row kernel's time block: FORWARD_TILE_BYTES of x, but no longer than the row needs (256 at least)."""
+    """The row kernel's time block: a streaming tile of x, but no longer than the row needs (256 at least)."""
     if _backend.INTERPRET:
         return _INTERPRET_ROW_BLOCK
-    return min(FORWARD_TILE_BYTES // element_size, max(256, triton.next_power_of_2(T)))
-
-
-def _flat_block(n: int, element_size: int, device: torch.device) -> int:
-    """The flat kernel's block: FORWARD_TILE_BYTES of x, halved when that would leave fewer than 4 tiles per SM."""
-    if _backend.INTERPRET:
-        return _INTERPRET_FLAT_BLOCK
-    tile = FORWARD_TILE_BYTES
-    if n * element_size < 4 * tile * _backend.sm_count(device):
-        tile //= 2
-    return tile // element_size
+    return min(_backend.STREAMING_TILE_BYTES // element_size, max(256, triton.next_power_of_2(T)))
 
 
 def _flat_run(T: int, element_size: int) -> tuple[int, bool]:
@@ -452,18 +436,18 @@ def _snake_forward(x: torch.Tensor, alpha: torch.Tensor, eps: float, fast_sin: b
     mode = _sin_mode(x.dtype, fast_sin)
     if FLAT_FORWARD and x.is_contiguous() and x.numel() < _INT32_LIMIT - 8192:
         n = x.numel()
-        block = _flat_block(n, x.element_size(), x.device)
+        block = streaming_block(n, x.element_size(), x.device, _INTERPRET_FLAT_BLOCK)
         run, shares_channel = _flat_run(T, x.element_size())
         snake_fwd_flat_kernel[(triton.cdiv(n, block),)](
             x, alpha, y, n, C, *division_magic(T), *division_magic(C), eps,
-            BLOCK=block, VECTOR=run, RUN_SHARES_CHANNEL=shares_channel, SIN_MODE=mode, num_warps=FORWARD_WARPS,
+            BLOCK=block, VECTOR=run, RUN_SHARES_CHANNEL=shares_channel, SIN_MODE=mode, num_warps=STREAMING_WARPS,
         )  # fmt: skip
         record_launch("snake_fwd_flat_kernel")
         return y
     block_t = _forward_block_t(T, x.element_size())
     snake_fwd_kernel[_row_grid(B * C, triton.cdiv(T, block_t))](
         x, alpha, y, B * C, ROWS_PER_SLICE, C, *division_magic(C), T, x.stride(0), x.stride(1), eps,
-        BLOCK_T=block_t, SIN_MODE=mode, WIDE_INDEX=_wide_index(x), num_warps=FORWARD_WARPS,
+        BLOCK_T=block_t, SIN_MODE=mode, WIDE_INDEX=_wide_index(x), num_warps=STREAMING_WARPS,
     )  # fmt: skip
     record_launch("snake_fwd_kernel")
     return y
