@@ -23,6 +23,7 @@ import triton.language as tl
 
 from .. import _backend
 from .._backend import STREAMING_WARPS, Backend, backend_for, new_output_like, record_launch, streaming_block
+from ._sfu import sfu_exp2_ftz
 from .._validation import check_float, check_scalar, describe
 
 CELU_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -49,23 +50,6 @@ def torch_celu_backward(
 # ----------------------------------------------------------------------------------------------------------------
 
 
-if _backend.INTERPRET:  # numpy has no SFU approximation
-
-    @triton.jit
-    def _exp_f32(w):
-        return tl.exp(w)
-
-else:
-
-    @triton.jit
-    def _exp_f32(w):
-        # What tl.exp(w) lowers to for float32 (ex2.approx), minus the guards that keep a denormal result: flushed
-        # to zero here, which expm1 = exp(w) - 1 cannot tell apart (-1 + 1e-38 rounds to -1). Saves 3 compares and
-        # 5 multiplies an element.
-        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [w * 1.4426950408889634],
-                                         dtype=tl.float32, is_pure=True, pack=1)  # fmt: skip
-
-
 @triton.jit
 def _expm1(w, SERIES_DEGREE: tl.constexpr):
     # exp(w) - 1 cancels catastrophically for |w| << 1; there a Taylor series is used. To w^8 it is exact to < 1 ulp
@@ -85,8 +69,8 @@ def _expm1(w, SERIES_DEGREE: tl.constexpr):
     series = w + w2 * p
     if w.dtype == tl.float64:
         e = tl.exp(w)
-    else:
-        e = _exp_f32(w)
+    else:  # the hardware exp2 without tl.exp's denormal guards (3 compares and 5 multiplies an element): a flushed
+        e = sfu_exp2_ftz(w * 1.4426950408889634)  # denormal is invisible to exp(w) - 1 (-1 + 1e-38 rounds to -1)
     return tl.where(tl.abs(w) < 0.25, series, e - 1.0)
 
 

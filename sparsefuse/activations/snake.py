@@ -26,6 +26,7 @@ import triton.language as tl
 
 from .. import _backend
 from .._backend import STREAMING_WARPS, Backend, backend_for, new_output, record_launch, streaming_block
+from ._sfu import sfu_cos, sfu_sin
 from .._validation import check_float, check_same_device, check_scalar, check_tensor, describe
 
 SNAKE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -112,27 +113,6 @@ def _reduce_mod_pi(u, PARTS: tl.constexpr, CLAMP: tl.constexpr):
     return r
 
 
-if _backend.INTERPRET:  # numpy has no SFU approximation; the reduction in front of it is still exercised
-
-    @triton.jit
-    def _sfu_sin(r):
-        return tl.sin(r)
-
-    @triton.jit
-    def _sfu_cos(r):
-        return tl.cos(r)
-
-else:
-
-    @triton.jit
-    def _sfu_sin(r):
-        return tl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=r,r", [r], dtype=tl.float32, is_pure=True, pack=1)
-
-    @triton.jit
-    def _sfu_cos(r):
-        return tl.inline_asm_elementwise("cos.approx.f32 $0, $1;", "=r,r", [r], dtype=tl.float32, is_pure=True, pack=1)
-
-
 @triton.jit
 def _poly_sin(r, DEGREE: tl.constexpr):
     # Near-minimax odd polynomials on |r| <= pi/2 (Lawson-weighted least squares, leading term fixed to r):
@@ -185,10 +165,10 @@ def _sin_cos_mod_pi(u, NEED_COS: tl.constexpr, SIN_MODE: tl.constexpr):
             c = _poly_cos(r, 10)
     elif SIN_MODE == SIN_HARDWARE:  # the SFU takes any r (NaN stays NaN): no clamp
         r = _reduce_mod_pi(u, 3, False)
-        s = _sfu_sin(r)
+        s = sfu_sin(r)
         c = s
         if NEED_COS:
-            c = _sfu_cos(r)
+            c = sfu_cos(r)
     else:
         s = tl.sin(u)
         c = s
