@@ -127,7 +127,9 @@ def test_rows_past_a_grid_slice(dtype, device, monkeypatch):
     monkeypatch.setattr(snake_module, "ROWS_PER_SLICE", 4)
     monkeypatch.setattr(snake_module, "FLAT_FORWARD", False)
     x, alpha = make_inputs((3, 5, 70), dtype, device)  # 15 rows: slices of 4, 4, 4, 3
-    y = sparsefuse.snake(x, alpha)
+    with track_launches() as launched:
+        y = sparsefuse.snake(x, alpha)
+    assert launched["snake_fwd_kernel"] == 1
     assert_close_to_reference(y, *reference(x, alpha))
     grad = torch.randn(x.shape, dtype=torch.float32).to(dtype).to(device)
     xr, ar = x.clone().requires_grad_(), alpha.clone().requires_grad_()

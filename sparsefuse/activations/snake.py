@@ -178,12 +178,18 @@ def _sin_cos_mod_pi(u, NEED_COS: tl.constexpr, SIN_MODE: tl.constexpr):
 
 
 @triton.jit
+def _magic_div(n, magic, shift):
+    """n // d for 0 <= n < 2^31 by a 32-bit high multiply, with (magic, shift) = division_magic(d) from the host."""
+    return (tl.umulhi(n.to(tl.uint32) * 2, magic.to(tl.uint32)) >> shift).to(tl.int32)
+
+
+@triton.jit
 def _row_tile(rows_per_slice, n_channels, c_magic, c_shift, T, BLOCK_T: tl.constexpr, WIDE_INDEX: tl.constexpr):
     """This program's (batch, channel, row, time offsets [BLOCK_T], mask [BLOCK_T]) on the grid (time blocks,
     rows_per_slice, row slices) of _row_grid. The channel is row % C by a high multiply with host-computed magic
     numbers: a runtime division would put ~25 dependent instructions before every load."""
     row = tl.program_id(1) + tl.program_id(2) * rows_per_slice  # = b * C + c
-    b = (tl.umulhi(row.to(tl.uint32) * 2, c_magic.to(tl.uint32)) >> c_shift).to(tl.int32)
+    b = _magic_div(row, c_magic, c_shift)
     c = row - b * n_channels
     time_block = tl.program_id(0)
     if WIDE_INDEX:
@@ -228,19 +234,19 @@ def snake_fwd_kernel(
 def snake_fwd_flat_kernel(x_ptr, alpha_ptr, y_ptr, n_elements, n_channels, t_magic, t_shift, c_magic, c_shift, eps,
                           BLOCK: tl.constexpr, VECTOR: tl.constexpr, RUN_SHARES_CHANNEL: tl.constexpr,
                           SIN_MODE: tl.constexpr):  # fmt: skip
-    # Short rows (T below a block): x and y contiguous [B*C*T] walked flat, as [BLOCK // VECTOR, VECTOR] runs of one
-    # 16-byte vector each, so every block is full and loads are aligned vectors. Each element finds its channel as
-    # (i // T) % C by two 32-bit high multiplies with host-computed magic numbers (a runtime integer division costs
-    # ~30 instructions an element). When VECTOR divides T, a run never crosses a row: its channel and alpha are
-    # computed and loaded once per run (RUN_SHARES_CHANNEL).
+    # A contiguous x [B*C*T] walked flat, as [BLOCK // VECTOR, VECTOR] runs of one aligned vector load each (8 or 16
+    # bytes, see _flat_run), so every block is full whatever T is. Each element finds its channel as (i // T) % C by
+    # two 32-bit high multiplies with host-computed magic numbers (a runtime integer division costs ~30 instructions
+    # an element). When VECTOR divides T, a run never crosses a row: its channel and alpha are computed and loaded
+    # once per run (RUN_SHARES_CHANNEL).
     first = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK // VECTOR) * VECTOR  # [RUNS]; int32: n < 2^31
     offs = first[:, None] + tl.arange(0, VECTOR)[None, :]  # [RUNS, VECTOR]
     mask = offs < n_elements
     compute_dtype = tl.float64 if x_ptr.dtype.element_ty == tl.float64 else tl.float32
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(compute_dtype)  # issued before the channel arithmetic
     where = first[:, None] if RUN_SHARES_CHANNEL else offs  # [RUNS, 1] or [RUNS, VECTOR]
-    row = tl.umulhi(where.to(tl.uint32) * 2, t_magic.to(tl.uint32)) >> t_shift  # // T
-    channel = (row - (tl.umulhi(row * 2, c_magic.to(tl.uint32)) >> c_shift) * n_channels).to(tl.int32)  # % C
+    row = _magic_div(where, t_magic, t_shift)  # // T
+    channel = row - _magic_div(row, c_magic, c_shift) * n_channels  # % C
     alpha = tl.load(alpha_ptr + channel, mask=where < n_elements, other=1.0).to(compute_dtype)
     s, _ = _sin_cos_mod_pi(alpha * x, False, SIN_MODE)
     y = x + (1.0 / (alpha + eps)) * (s * s)
@@ -460,8 +466,8 @@ def _snake_backward(
     if need_alpha_grad and finish == ALPHA_LAST_ARRIVER.value:
         arrivals = torch.zeros(C, dtype=torch.int32, device=x.device)
     snake_bwd_kernel[_row_grid(B * C, n_time_blocks)](
-        grad_y, x, alpha, grad_x, grad_alpha, partial, arrivals, B * n_time_blocks, B * C, ROWS_PER_SLICE, C, *division_magic(C), T,
-        grad_y.stride(0), grad_y.stride(1), x.stride(0), x.stride(1), eps,
+        grad_y, x, alpha, grad_x, grad_alpha, partial, arrivals, B * n_time_blocks, B * C, ROWS_PER_SLICE,
+        C, *division_magic(C), T, grad_y.stride(0), grad_y.stride(1), x.stride(0), x.stride(1), eps,
         BLOCK_T=block_t, SIN_MODE=_sin_mode(x.dtype, fast_sin), WIDE_INDEX=_wide_index(x, grad_y),
         NEED_ALPHA_GRAD=need_alpha_grad, ALPHA_FINISH=finish, num_warps=num_warps,
     )  # fmt: skip
