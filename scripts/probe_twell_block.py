@@ -75,11 +75,8 @@ def main():
                       nbytes=2 * M * N)  # fmt: skip
                 counts = compact._chunk_starts(pre, compact._compaction_block(N), True)[1]
                 bench(lambda: torch.sort(counts, stable=True), "  (torch stable sort of the counts, for scale)")
-                for warps in (4, 8, 16):
-                    compact._union_warps = lambda br, t, warps=warps: warps
-                    bench(lambda: compact.dense_to_row_block_pattern(pre, plan.tile, plan.block_rows, relu=True),
-                          f"  pattern total, union kernel {warps} warps")  # fmt: skip
-                compact._union_warps = lambda br, t: 4 if br * t <= 8192 else 8
+                bench(lambda: compact.dense_to_row_block_pattern(pre, plan.tile, plan.block_rows, relu=True),
+                      "  pattern total, unions only (scripts/probe_union.py varies its kernel)")  # fmt: skip
             bench(lambda: compact.dense_to_row_block_pattern(pre, plan.tile, plan.block_rows, relu=True,
                                                              sort_rows=plan.sort_rows), "  pattern total (counts, sort, unions)")
             sd_cfgs = [(128, 64, 8, 4), (128, 64, 8, 3), (64, 64, 4, 4), (128, 32, 4, 4), (256, 64, 8, 3), (128, 128, 8, 3)]

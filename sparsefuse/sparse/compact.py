@@ -137,19 +137,25 @@ def dense_to_csr(dense: torch.Tensor) -> CSR:
 
 @triton.jit
 def row_block_union_kernel(dense_ptr, order_ptr, indices_ptr, counts_ptr, M, N, n_tiles, stride_row,
-                           TILE: tl.constexpr, BLOCK_ROWS: tl.constexpr, RELU: tl.constexpr,
-                           HAS_ORDER: tl.constexpr):  # fmt: skip
+                           TILE: tl.constexpr, BLOCK_ROWS: tl.constexpr, SUB_ROWS: tl.constexpr,
+                           RELU: tl.constexpr, HAS_ORDER: tl.constexpr):  # fmt: skip
     # dense [M, N]; order [M] int32 (block b = rows order[b * BLOCK_ROWS ...]); out: indices [n_blocks, n_tiles *
     # TILE] (the union of tile t at [t * TILE, t * TILE + count), column order), counts [n_blocks, n_tiles].
+    # The block's rows are or-ed SUB_ROWS at a time in registers and reduced across rows once: one [BLOCK_ROWS,
+    # TILE] load and reduction per program read the pre-activations at 1.4 TB/s on an H200, this at 2.1
+    # (benchmarks/results/probe-union-NVIDIA-H200.log).
     tile = tl.program_id(0)
     block = tl.program_id(1)
-    slots = block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    slot_mask = slots < M
-    rows = tl.load(order_ptr + slots, mask=slot_mask, other=0) if HAS_ORDER else slots
     cols = tile * TILE + tl.arange(0, TILE)  # [TILE]
-    v = tl.load(dense_ptr + rows[:, None].to(tl.int64) * stride_row + cols[None, :],
-                mask=slot_mask[:, None] & (cols[None, :] < N), other=0.0)  # [BLOCK_ROWS, TILE]  # fmt: skip
-    in_union = tl.max(_is_nonzero(v, RELU).to(tl.int32), axis=0)  # [TILE]
+    fired = tl.zeros([SUB_ROWS, TILE], dtype=tl.int1)
+    for r0 in range(0, BLOCK_ROWS, SUB_ROWS):
+        slots = block * BLOCK_ROWS + r0 + tl.arange(0, SUB_ROWS)
+        slot_mask = slots < M
+        rows = tl.load(order_ptr + slots, mask=slot_mask, other=0) if HAS_ORDER else slots
+        v = tl.load(dense_ptr + rows[:, None].to(tl.int64) * stride_row + cols[None, :],
+                    mask=slot_mask[:, None] & (cols[None, :] < N), other=0.0)  # [SUB_ROWS, TILE]  # fmt: skip
+        fired = fired | _is_nonzero(v, RELU)
+    in_union = tl.max(fired.to(tl.int32), axis=0)  # [TILE]
     rank = tl.cumsum(in_union, axis=0) - 1
     tl.store(indices_ptr + block.to(tl.int64) * (n_tiles * TILE) + tile * TILE + rank, cols, mask=in_union > 0)
     tl.store(counts_ptr + block * n_tiles + tile, tl.sum(in_union, axis=0))
@@ -158,10 +164,6 @@ def row_block_union_kernel(dense_ptr, order_ptr, indices_ptr, counts_ptr, M, N, 
 def _descending_order(counts: torch.Tensor) -> torch.Tensor:
     """[M] int32: rows by decreasing count (stable: deterministic), so the heaviest row blocks start first."""
     return torch.sort(counts, descending=True, stable=True).indices.to(torch.int32)
-
-
-def _union_warps(block_rows: int, tile: int) -> int:
-    return 4 if block_rows * tile <= 8192 else 8
 
 
 def dense_to_row_block_pattern(dense: torch.Tensor, tile: int, block_rows: int, *, relu: bool = False,
@@ -190,7 +192,7 @@ def dense_to_row_block_pattern(dense: torch.Tensor, tile: int, block_rows: int, 
     union_counts = torch.empty(n_blocks, n_tiles, dtype=torch.int32, device=dense.device)
     row_block_union_kernel[(n_tiles, n_blocks)](dense, order if order is not None else dense, indices, union_counts,
                                                 M, N, n_tiles, dense.stride(0), TILE=tile, BLOCK_ROWS=block_rows,
-                                                RELU=relu, HAS_ORDER=order is not None,
-                                                num_warps=_union_warps(block_rows, tile))  # fmt: skip
+                                                SUB_ROWS=min(16, block_rows), RELU=relu, HAS_ORDER=order is not None,
+                                                num_warps=2)  # fmt: skip
     record_launch("row_block_union_kernel")
     return RowBlockPattern(indices, union_counts, order, M, N, tile, block_rows)
