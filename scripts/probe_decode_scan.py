@@ -37,6 +37,23 @@ def _two_smallest(f1, a1, g1, b1, n1, f2, a2, g2, b2, n2):
 
 
 @triton.jit
+def _take(acc, coef, rows, mask, w_ptr, stride_w, d, d_mask, GATHER: tl.constexpr):
+    """Gather the picked rows (GATHER), or only consume the picks so that the picking is not compiled away."""
+    if GATHER:
+        return accumulate_rows(acc, coef, rows, mask, w_ptr, stride_w, d, d_mask)
+    return acc + tl.sum(coef + rows.to(tl.float32), axis=0)
+
+
+@triton.jit
+def _pick_groups(acc, a, f, rank, n, first, w_ptr, stride_w, d, d_mask, GROUP: tl.constexpr, GATHER: tl.constexpr):
+    for g0 in range(first, n, GROUP):
+        j = g0 + tl.arange(0, GROUP)
+        idx, val = pick_nonzeros(a, f, rank, j)
+        acc = _take(acc, val, idx, j < n, w_ptr, stride_w, d, d_mask, GATHER)
+    return acc
+
+
+@triton.jit
 def _chunk(a, f, acc, w_ptr, stride_w, d, d_mask, GROUP: tl.constexpr, STAGE: tl.constexpr):
     if STAGE == 0:
         acc += tl.sum(a, axis=0)
@@ -47,50 +64,37 @@ def _chunk(a, f, acc, w_ptr, stride_w, d, d_mask, GROUP: tl.constexpr, STAGE: tl
                                       _two_smallest)
         if n > 0:
             two = tl.arange(0, 2)
-            rows = tl.where(two == 0, f1, f2)
-            coef = tl.where(two == 0, a1, a2)
-            if STAGE == 4:
-                acc += tl.sum(coef + rows.to(tl.float32), axis=0)
-            else:
-                acc = accumulate_rows(acc, coef, rows, two < n, w_ptr, stride_w, d, d_mask)
+            acc = _take(acc, tl.where(two == 0, a1, a2), tl.where(two == 0, f1, f2), two < n, w_ptr, stride_w, d,
+                        d_mask, STAGE == 5)
             if n > 2:
                 _, rank = rank_nonzeros(a)
-                for g0 in range(2, n, GROUP):
-                    j = g0 + tl.arange(0, GROUP)
-                    idx, val = pick_nonzeros(a, f, rank, j)
-                    if STAGE == 4:
-                        acc += tl.sum(val + idx.to(tl.float32), axis=0)
-                    else:
-                        acc = accumulate_rows(acc, val, idx, j < n, w_ptr, stride_w, d, d_mask)
+                acc = _pick_groups(acc, a, f, rank, n, 2, w_ptr, stride_w, d, d_mask, GROUP, STAGE == 5)
     else:
         n, rank = rank_nonzeros(a)
         if STAGE == 1:
             acc += n.to(tl.float32)
-        else:
-            if n > 0:
-                for g0 in range(0, n, GROUP):
-                    j = g0 + tl.arange(0, GROUP)
-                    idx, val = pick_nonzeros(a, f, rank, j)
-                    if STAGE == 2:
-                        acc += tl.sum(val + idx.to(tl.float32), axis=0)
-                    else:
-                        acc = accumulate_rows(acc, val, idx, j < n, w_ptr, stride_w, d, d_mask)
+        elif n > 0:
+            acc = _pick_groups(acc, a, f, rank, n, 0, w_ptr, stride_w, d, d_mask, GROUP, STAGE == 3)
     return acc
+
+
+@triton.jit
+def _split_setup(a_ptr, n_in, stride_a, chunks_per_split, n_splits, BLOCK_F: tl.constexpr):
+    """(row pointer, first chunk, end chunk, end feature) of this program's (row, split)."""
+    row = (tl.program_id(0) // n_splits).to(tl.int64)
+    c_begin = (tl.program_id(0) % n_splits) * chunks_per_split
+    c_end = tl.minimum(c_begin + chunks_per_split, tl.cdiv(n_in, BLOCK_F))
+    return a_ptr + row * stride_a, c_begin, c_end, tl.minimum(n_in, c_end * BLOCK_F)
 
 
 @triton.jit
 def scan_probe_kernel(a_ptr, w_ptr, out_ptr, n_in, n_out, stride_a, stride_w, chunks_per_split, n_splits,
                       BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr, GROUP: tl.constexpr, STAGE: tl.constexpr,
                       AHEAD: tl.constexpr):
-    row = (tl.program_id(0) // n_splits).to(tl.int64)
-    split = tl.program_id(0) % n_splits
+    row_ptr, c_begin, c_end, f_end = _split_setup(a_ptr, n_in, stride_a, chunks_per_split, n_splits, BLOCK_F)
     d = tl.arange(0, BLOCK_D)
     d_mask = d < n_out
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    c_begin = split * chunks_per_split
-    c_end = tl.minimum(c_begin + chunks_per_split, tl.cdiv(n_in, BLOCK_F))
-    f_end = tl.minimum(n_in, c_end * BLOCK_F)
-    row_ptr = a_ptr + row * stride_a
     f0 = c_begin * BLOCK_F + tl.arange(0, BLOCK_F)
     a0 = tl.load(row_ptr + f0, mask=f0 < f_end, other=0.0)
     a1 = a0
@@ -124,15 +128,10 @@ def scatter_probe_kernel(a_ptr, w_ptr, out_ptr, list_f_ptr, list_a_ptr, n_in, n_
     """Each chunk's non-zeros are written (rank order) to this program's list in global memory, without waiting;
     after the scan, one barrier, then the list is read back and its W rows gathered KB at a time."""
     pid = tl.program_id(0)
-    row = (pid // n_splits).to(tl.int64)
-    split = pid % n_splits
+    row_ptr, c_begin, c_end, f_end = _split_setup(a_ptr, n_in, stride_a, chunks_per_split, n_splits, BLOCK_F)
     d = tl.arange(0, BLOCK_D)
     d_mask = d < n_out
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    c_begin = split * chunks_per_split
-    c_end = tl.minimum(c_begin + chunks_per_split, tl.cdiv(n_in, BLOCK_F))
-    f_end = tl.minimum(n_in, c_end * BLOCK_F)
-    row_ptr = a_ptr + row * stride_a
     base = pid.to(tl.int64) * CAP
     f0 = c_begin * BLOCK_F + tl.arange(0, BLOCK_F)
     a0 = tl.load(row_ptr + f0, mask=f0 < f_end, other=0.0)
