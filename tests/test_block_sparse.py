@@ -41,16 +41,19 @@ def used_slots(pattern: RowBlockPattern) -> torch.Tensor:
 
 @pytest.mark.parametrize("relu", [True, False])
 @pytest.mark.parametrize("sort_rows", [False, True])
-@pytest.mark.parametrize("M, N, tile", [(37, 70, 32), (16, 64, 64), (1, 20, 16)])
-def test_row_block_pattern_matches_reference(M, N, tile, sort_rows, relu, device):
+@pytest.mark.parametrize("M, N, tile, block_rows", [(37, 70, 32, 16), (16, 64, 64, 16), (1, 20, 16, 16),
+                                                    (101, 70, 32, 64)])  # 64: the kernel walks 16 rows at a time
+def test_row_block_pattern_matches_reference(M, N, tile, block_rows, sort_rows, relu, device):
     pre = sparse_pre(M, N, device)
+    if block_rows > 16:
+        pre -= 1.5  # ~0.6% fire: a 64-row union is then about a third of a tile, and depends on every row
     dense = torch.relu(pre).nan_to_num(nan=1.0) if not relu else pre
     with track_launches() as launched:
-        pattern = dense_to_row_block_pattern(dense, tile, 16, relu=relu, sort_rows=sort_rows)
+        pattern = dense_to_row_block_pattern(dense, tile, block_rows, relu=relu, sort_rows=sort_rows)
     assert_backend(dense)
     assert launched["row_block_union_kernel"] == 1
     fired = (pre > 0) | pre.isnan()
-    ref = RowBlockPattern.from_dense(fired.to(torch.uint8), tile, 16, pattern.row_order)
+    ref = RowBlockPattern.from_dense(fired.to(torch.uint8), tile, block_rows, pattern.row_order)
     assert torch.equal(pattern.counts, ref.counts)
     used = used_slots(pattern)
     assert torch.equal(pattern.indices[used], ref.indices[used])

@@ -128,8 +128,8 @@ def _encode(x2: torch.Tensor, W_enc: torch.Tensor, b_enc: torch.Tensor, threshol
 def _in_feature_order(values: torch.Tensor, indices: torch.Tensor, counts: torch.Tensor,
                       d_sae: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Each row's stored entries sorted by feature id (slots past the count: index 0, value 0). Fired entries claim
-    slots in whatever order the GPU runs them; sorting (~3% of the fused forward at Gemma Scope 2B) makes the ELL, and the
-    decode's summation order, the same on every run."""
+    slots in whatever order the GPU runs them; sorting (~3% of the fused forward at Gemma Scope 2B) makes the ELL,
+    and the decode's summation order, the same on every run."""
     stored = torch.arange(values.shape[1], device=values.device)[None, :] < counts[:, None]
     keys, order = torch.where(stored, indices, d_sae).sort(dim=1)
     stored_sorted = keys < d_sae

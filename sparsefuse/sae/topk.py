@@ -187,7 +187,8 @@ def _topk_encode(x2: torch.Tensor, W_enc: torch.Tensor, b_enc: torch.Tensor, b_d
         topk_encode_fwd_kernel[(triton.cdiv(M, bm), groups)](
             x2, W, b_enc, feature_scale if feature_scale is not None else b_enc,
             candidates, M, d_in, d_sae, k, cols_per_group, groups * k, x2.stride(0), W.stride(0),
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_PAD=k_pad, HAS_SCALE=feature_scale is not None, IEEE_FP32=x2.dtype == torch.float32, num_warps=warps,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_PAD=k_pad, HAS_SCALE=feature_scale is not None,
+            IEEE_FP32=x2.dtype == torch.float32, num_warps=warps,
         )  # fmt: skip
         record_launch("topk_encode_fwd_kernel")
         keys = candidates.topk(k, dim=1).values  # sorted, decreasing

@@ -454,8 +454,8 @@ def block_sparse_matmul(sparse: BlockELL, weight: torch.Tensor, *, bias: torch.T
     """``sparse @ weight + bias`` -> [M, n_out] for a :class:`BlockELL` [M, n_in] (rows in blocks sharing their
     column lists; slot rows written to their ``row_order`` rows) and weight [n_in, n_out] (columns contiguous or
     copied once): per row block, tensor-core tiles of its values times the gathered weight rows of its columns, fp32
-    accumulation. ``2 * block_rows * n_out`` flops
-    per listed column: the dense product's work times the union's share of n_in."""
+    accumulation. ``2 * block_rows * n_out`` flops per listed column: the dense product's work times the union's
+    share of n_in."""
     op = "block_sparse_matmul"
     _check_weight(op, sparse, weight)
     n_out = weight.shape[1]
