@@ -1,10 +1,13 @@
 """Probe: the row-block path of the gated FFN (``method="block"``, issue 5) at the paper's 1.5B shape (K=2048,
-N=5632, bf16, ~30 heavy-tailed non-zeros per token) -- union sizes with and without sorting the tokens, each step's
-time under explicit configs, and the whole path against dense eager and the cuBLAS gate matmul of the same run.
+N=5632, bf16, ~30 heavy-tailed non-zeros per token) -- union sizes in token order and with the tokens sorted by their
+(sampled) non-zero count, each step's time, and the whole path against dense eager and the cuBLAS gate matmul of
+the same run.
 
-Counting first: the path is the gate matmul (2 M K N flops, cuBLAS), two passes over the [M, N] pre-activations
-(row counts, unions), and ``2 * 2 * block_rows * K * sum(unions)`` flops of up and down products -- the dense
-up/down work times the unions' share of N. Usage: python scripts/probe_twell_block.py [--quick]"""
+Counting first: the path is the gate matmul (2 M K N flops, cuBLAS), a read of the [M, N] pre-activations for
+the unions (plus one of the sampled columns when sorting), and ``2 * 2 * block_rows * K * sum(unions)`` flops of up
+and down products -- the dense up/down work times the unions' share of N.
+
+Usage: python scripts/probe_twell_block.py [--quick]"""
 
 from __future__ import annotations
 
@@ -58,41 +61,27 @@ def main():
         gate = bench(lambda: F.linear(x, f.w_gate), f"{tag} cuBLAS gate", 2 * M * K * N)
         pre = F.linear(x, f.w_gate)
         ref = tw._dense_mlp(x.float(), f.w_gate.float(), None, f.w_up.float(), None, f.w_down.float(), None)
-        first = (M, K, N, nnz) == shapes[0]
-        plans = [tw.BlockPlan(64, 256, True), tw.BlockPlan(64, 256, False), tw.BlockPlan(128, 256, True),
-                 tw.BlockPlan(32, 256, True), tw.BlockPlan(64, 128, True)]
-        if quick or not first:
-            plans = plans[:1] + plans[2:3]
+        plans = [tw.BlockPlan(64, 256, False), tw.BlockPlan(64, 256, True, 1.0, 0), tw.BlockPlan(64, 256, True, 0.125, 0),
+                 tw.BlockPlan(64, 256, True, 0.0625, 0), tw.BlockPlan(128, 256, True, 0.125, 0)]
+        if quick or (M, K, N, nnz) != shapes[0]:
+            plans = [plans[0], plans[2]]
         for plan in plans:
-            pattern = compact.dense_to_row_block_pattern(pre, plan.tile, plan.block_rows, relu=True,
-                                                         sort_rows=plan.sort_rows)  # fmt: skip
+            sample = plan.sort_sample(N)
+            make = lambda: compact.dense_to_row_block_pattern(pre, plan.tile, plan.block_rows, relu=True,  # noqa: E731
+                                                              sort_rows=plan.sort_rows, sort_sample=sample)
+            pattern = make()
             unions = pattern.union_sizes().double()
             part_flops = 2 * plan.block_rows * K * float(unions.sum())
             log(f"{tag} {plan}: union per block mean {unions.mean():.0f} ({unions.mean() / N:.1%} of N), max "
                 f"{unions.max():.0f}; up/down work = {part_flops / (2 * M * K * N):.1%} of a dense one each")
             if plan.sort_rows:
-                bench(lambda: compact._chunk_starts(pre, compact._compaction_block(N), True), "  row counts",
-                      nbytes=2 * M * N)  # fmt: skip
-                counts = compact._chunk_starts(pre, compact._compaction_block(N), True)[1]
-                bench(lambda: torch.sort(counts, stable=True), "  (torch stable sort of the counts, for scale)")
-                bench(lambda: compact.dense_to_row_block_pattern(pre, plan.tile, plan.block_rows, relu=True),
-                      "  pattern total, unions only (scripts/probe_union.py varies its kernel)")  # fmt: skip
-            bench(lambda: compact.dense_to_row_block_pattern(pre, plan.tile, plan.block_rows, relu=True,
-                                                             sort_rows=plan.sort_rows), "  pattern total (counts, sort, unions)")
-            sd_cfgs = [(128, 64, 8, 4), (128, 64, 8, 3), (64, 64, 4, 4), (128, 32, 4, 4), (256, 64, 8, 3), (128, 128, 8, 3)]
-            mm_cfgs = [(64, 256, 8, 4), (64, 256, 8, 3), (32, 256, 8, 4), (64, 128, 4, 4), (128, 128, 8, 3)]
-            if quick or not first or plan != plans[0]:
-                sd_cfgs, mm_cfgs = sd_cfgs[:1], mm_cfgs[:1]
-            for cfg in sd_cfgs:
-                sddmm._block_sddmm_blocks = lambda D, br, cfg=cfg: cfg
-                bench(lambda: sddmm.block_sddmm(pattern, pre, x, f.w_up, relu=True), f"  block_sddmm {cfg}", part_flops)
-            sddmm._block_sddmm_blocks = lambda D, br: sd_cfgs[0]
+                bench(lambda: compact.count_order(pre, sample, relu=True), f"  count order ({sample} columns)",
+                      nbytes=M * sample * pre.element_size())  # fmt: skip
+            bench(make, "  pattern total")
+            bench(lambda: sddmm.block_sddmm(pattern, pre, x, f.w_up, relu=True), "  block_sddmm (up)", part_flops)
             h = sddmm.block_sddmm(pattern, pre, x, f.w_up, relu=True)
-            for cfg in mm_cfgs:
-                spmm._block_matmul_blocks = lambda n, cfg=cfg: cfg
-                bench(lambda: spmm.block_sparse_matmul(h, w_down_t, out_dtype=x.dtype), f"  block_sparse_matmul {cfg}",
-                      part_flops)  # fmt: skip
-            spmm._block_matmul_blocks = lambda n: mm_cfgs[0]
+            bench(lambda: spmm.block_sparse_matmul(h, w_down_t, out_dtype=x.dtype), "  block_sparse_matmul (down)",
+                  part_flops)  # fmt: skip
             total = bench(lambda: tw._launch_block_mlp(x, f.w_gate, None, f.w_up, None, w_down_t, None, plan),
                           "  block path total")  # fmt: skip
             y, _ = tw._launch_block_mlp(x, f.w_gate, None, f.w_up, None, w_down_t, None, plan)

@@ -18,6 +18,7 @@ from sparsefuse.sparse import (
     dense_to_row_block_pattern,
     torch_block_sddmm,
 )
+from sparsefuse.sparse.compact import count_order, torch_count_order
 from sparsefuse.testing import accumulation_allowance, assert_close_to_reference
 
 MATMUL_DTYPES = [torch.float32, torch.float16]  # interpreted tl.dot on bf16 is wrong (triton#11584)
@@ -59,11 +60,46 @@ def test_row_block_pattern_matches_reference(M, N, tile, block_rows, sort_rows, 
     assert torch.equal(pattern.indices[used], ref.indices[used])
     assert torch.equal(pattern.to_mask() & fired, fired)  # every non-zero is inside its block's union
     if sort_rows:
-        counts = fired.sum(dim=1)[pattern.row_order.long()]
-        assert torch.equal(torch.sort(pattern.row_order.long()).values, torch.arange(M, device=device))
-        assert bool((counts[:-1] >= counts[1:]).all())  # heaviest rows first
+        assert torch.equal(pattern.row_order, torch_count_order(fired))
     else:
         assert pattern.row_order is None
+
+
+@pytest.mark.parametrize("relu", [True, False])
+@pytest.mark.parametrize("sample", [None, 24])
+@pytest.mark.parametrize("group", [1024, 16])
+@pytest.mark.parametrize("M", [1, 37, 600])
+def test_count_order_matches_reference(M, group, sample, relu, device):
+    g = torch.Generator().manual_seed(M)
+    fire_rate = torch.rand(M, 1, generator=g) ** 3  # counts from 0 to ~N: many keys, many ties
+    pre = torch.where(torch.rand(M, 70, generator=g) < fire_rate, 1.0, -1.0)
+    if M > 3:
+        pre[3, 0] = float("nan")  # counts as fired
+    dense = pre if relu else torch.relu(pre).nan_to_num(nan=1.0)
+    dense = dense.to(device)
+    with track_launches() as launched:
+        order = count_order(dense, 70 if sample is None else sample, relu=relu, group=group)
+    assert_backend(dense)
+    assert launched["row_count_key_kernel"] == 1 and launched["group_rank_kernel"] == 1
+    fired = ((pre > 0) | pre.isnan())[:, :sample].to(device)
+    assert torch.equal(order, torch_count_order(fired, group))
+    for g0 in range(0, M, group):  # each group is a permutation of its own rows, heaviest first
+        part = order[g0:g0 + group].long()
+        assert torch.equal(torch.sort(part).values, torch.arange(g0, min(M, g0 + group), device=device))
+        counts = fired.sum(dim=1)[part]
+        assert bool((counts[:-1] * 4 >= counts[1:] * 3 - 3).all())  # decreasing up to a quarter octave
+
+
+def test_count_order_key_buckets():
+    fired = torch.zeros(9, 40, dtype=torch.bool)
+    for r, c in enumerate([0, 1, 2, 3, 4, 5, 6, 7, 39]):
+        fired[r, :c] = True
+    # counts + 1 = 1..8, 40: keys 0, 4, 6, 8, 9, 10, 11, 12, 21 (four per octave); ties keep row order
+    assert torch_count_order(fired).tolist() == [8, 7, 6, 5, 4, 3, 2, 1, 0]
+    fired[2, :] = False
+    fired[2, :1] = True  # rows 1 and 2 both count 1: row 1 first
+    assert torch_count_order(fired).tolist()[-3:] == [1, 2, 0]
+    assert torch_count_order(fired, group=4).tolist() == [3, 1, 2, 0, 7, 6, 5, 4, 8]  # sorted within 4-row groups
 
 
 @pytest.mark.parametrize("dtype", MATMUL_DTYPES)
@@ -130,6 +166,7 @@ def test_twell_mlp_block_method_matches_float64(M, bias, dtype, device):
         return
     assert_backend(x)
     assert launched["block_sddmm_kernel"] == 1 and launched["block_ell_matmul_kernel"] == 1, launched
+    assert launched.get("group_rank_kernel", 0) == (M >= 64)  # tokens sorted from 64 (interpreted plan)
     ref = torch_twell_mlp(x, ffn.w_gate, ffn.w_up, ffn.w_down, *b)
     lowp = F.linear(torch.relu(F.linear(x, ffn.w_gate, b[0])) * F.linear(x, ffn.w_up, b[1]), ffn.w_down, b[2])
     assert_close_to_reference(y, ref, lowp)

@@ -49,6 +49,7 @@ backward rather than return wrong gradients.
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 
 import torch
@@ -462,18 +463,31 @@ def _launch_gate(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tile
 
 @dataclasses.dataclass(frozen=True)
 class BlockPlan:
-    """The row-block path (``method="block"``): tokens grouped ``block_rows`` at a time (in token order, or sorted by
-    gate non-zero count), unions per ``tile`` columns. Measured on an H200 (scripts/probe_twell_block.py, M=8192,
-    1.5B shape, 30 non-zeros): 64 rows beat 32 and 128; sorting shrank the unions from 22% to 13% of N but the
-    whole path was no faster (659 vs 636 us)."""
+    """The row-block path (``method="block"``): tokens grouped ``block_rows`` at a time, unions per ``tile`` columns.
+    From ``sort_min_tokens`` tokens up (when ``sort_rows``) the tokens are first ordered by their gate non-zero
+    count, counted over the first ``sort_fraction`` of the columns (:func:`sparsefuse.sparse.compact.count_order`).
+
+    Measured on an H200 (scripts/probe_twell_block.py, scripts/probe_count_order.py; 1.5B shape, 30 non-zeros): 64
+    rows beat 32 and 128; sorting shrinks the unions from 22% to 14% of N and the whole path by 5-10% from 8192
+    tokens up (8B layer: 1.88x -> 2.00x dense), but cost 7-8% at 2048 and 4096 tokens, where a few heavy blocks'
+    long column lists leave the down product's grid with a tail."""
 
     block_rows: int = 64
     tile: int = 256
-    sort_rows: bool = False
+    sort_rows: bool = True
+    sort_fraction: float = 0.125
+    sort_min_tokens: int = 8192
+
+    def sort_sample(self, N: int) -> int:
+        """Columns counted to sort the tokens."""
+        return max(1, math.ceil(N * self.sort_fraction))
+
+    def sorts(self, M: int) -> bool:
+        return self.sort_rows and M >= self.sort_min_tokens
 
 
 BLOCK_PLAN = BlockPlan()
-_INTERPRET_BLOCK_PLAN = BlockPlan(block_rows=16, tile=64)
+_INTERPRET_BLOCK_PLAN = BlockPlan(block_rows=16, tile=64, sort_min_tokens=64)  # the tests cover both orders
 
 
 def _block_plan(N: int) -> BlockPlan:
@@ -488,7 +502,7 @@ def _launch_block_mlp(x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down,
 
     1. ``pre = x W_gate^T + b_gate`` by cuBLAS (dense [M, N] in x's dtype, as the dense block has it);
     2. :func:`sparsefuse.sparse.dense_to_row_block_pattern`: per block of ``block_rows`` tokens and tile of columns,
-       the union of the columns where ``pre > 0``;
+       the union of the columns where ``pre > 0`` (large batches: tokens sorted by non-zero count first);
     3. :func:`sparsefuse.sparse.block_sddmm`: ``h = relu(pre) * (x W_up^T + b_up)`` on the unions only (BlockELL,
        rounded to x's dtype as the dense block rounds h);
     4. :func:`sparsefuse.sparse.block_sparse_matmul`: ``y = h W_down^T + b_down``.
@@ -496,7 +510,9 @@ def _launch_block_mlp(x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down,
     The up and down products cost the dense ones times the unions' share of N. Returns (y [M, K], pre)."""
     plan = plan or _block_plan(w_gate.shape[0])
     pre = F.linear(x2, w_gate, b_gate)
-    pattern = dense_to_row_block_pattern(pre, plan.tile, plan.block_rows, relu=True, sort_rows=plan.sort_rows)
+    M, N = pre.shape
+    pattern = dense_to_row_block_pattern(pre, plan.tile, plan.block_rows, relu=True, sort_rows=plan.sorts(M),
+                                         sort_sample=plan.sort_sample(N))  # fmt: skip
     h = block_sddmm(pattern, pre, x2, w_up, b_up, relu=True, out_dtype=x2.dtype)
     return block_sparse_matmul(h, w_down_t, bias=b_down, out_dtype=x2.dtype), pre
 

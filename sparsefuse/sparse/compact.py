@@ -38,14 +38,13 @@ def _is_nonzero(v, RELU: tl.constexpr):
 
 
 @triton.jit
-def count_nonzero_kernel(dense_ptr, chunk_counts_ptr, n_cols, stride_row, n_chunks, BLOCK: tl.constexpr,
-                         RELU: tl.constexpr = False):  # fmt: skip
-    # dense [M, N] (unit column stride); chunk_counts [M, n_chunks] int32 (non-zeros of relu(dense) with RELU)
+def count_nonzero_kernel(dense_ptr, chunk_counts_ptr, n_cols, stride_row, n_chunks, BLOCK: tl.constexpr):
+    # dense [M, N] (unit column stride); chunk_counts [M, n_chunks] int32
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     v = tl.load(dense_ptr + row * stride_row + cols, mask=cols < n_cols, other=0.0)
-    tl.store(chunk_counts_ptr + row * n_chunks + chunk, tl.sum(_is_nonzero(v, RELU).to(tl.int32), axis=0))
+    tl.store(chunk_counts_ptr + row * n_chunks + chunk, tl.sum((v != 0).to(tl.int32), axis=0))
 
 
 @triton.jit
@@ -80,13 +79,12 @@ def _check_dense(op: str, dense: torch.Tensor) -> torch.Tensor:
     return dense if dense.stride(1) == 1 or dense.shape[1] <= 1 else dense.contiguous()
 
 
-def _chunk_starts(dense: torch.Tensor, block: int, relu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(chunk_starts [M, n_chunks] int32, row counts [M] int32) from the count kernel and a device cumsum; with
-    ``relu`` the non-zeros of relu(dense)."""
+def _chunk_starts(dense: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chunk_starts [M, n_chunks] int32, row counts [M] int32) from the count kernel and a device cumsum."""
     M, N = dense.shape
     n_chunks = triton.cdiv(N, block)
     chunk_counts = torch.empty(M, n_chunks, dtype=torch.int32, device=dense.device)
-    count_nonzero_kernel[(M, n_chunks)](dense, chunk_counts, N, dense.stride(0), n_chunks, BLOCK=block, RELU=relu)
+    count_nonzero_kernel[(M, n_chunks)](dense, chunk_counts, N, dense.stride(0), n_chunks, BLOCK=block)
     record_launch("count_nonzero_kernel")
     inclusive = chunk_counts.cumsum(dim=1, dtype=torch.int32)
     return inclusive - chunk_counts, inclusive[:, -1].contiguous()
@@ -161,33 +159,124 @@ def row_block_union_kernel(dense_ptr, order_ptr, indices_ptr, counts_ptr, M, N, 
     tl.store(counts_ptr + block * n_tiles + tile, tl.sum(in_union, axis=0))
 
 
-def _descending_order(counts: torch.Tensor) -> torch.Tensor:
-    """[M] int32: rows by decreasing count (stable: deterministic), so the heaviest row blocks start first."""
-    return torch.sort(counts, descending=True, stable=True).indices.to(torch.int32)
+# Sorting rows for row-block unions. What shrinks a block's union is grouping rows of similar non-zero counts, not
+# their exact order, so rows are bucketed by a log-scale key of their count with four buckets per octave,
+# key = 4 * floor(log2(c + 1)) + (the two bits after the leading one of c + 1), and ordered by decreasing key within
+# groups of SORT_GROUP consecutive rows (each group is ordered on its own: no prefix across the whole batch). On the
+# synthetic ReLU FFN (8192 tokens, 30 non-zeros per token, 64-row blocks) the unions cover 21.9% of N in token order,
+# 12.9% after an exact global sort, 13.6% with keys counted over the first eighth of the columns and sorted globally,
+# and 13.8% with those keys sorted in groups of 1024 -- whose heaviest blocks are then spread over the batch (largest
+# union 60% of N, against 68% with one global sort), which balances the products' grid.
+SORT_GROUP = 1024
+
+
+def _sort_keys(n_sample: int) -> int:
+    """Key count (a power of two) covering counts 0..n_sample."""
+    return triton.next_power_of_2(4 * (n_sample + 1).bit_length())
+
+
+@triton.jit
+def _count_key(count):
+    """The quarter-octave key [ROWS] int32 of non-zero counts [ROWS] int32 (see the comment above)."""
+    v = count + 1
+    e = tl.zeros_like(v)
+    for k in tl.static_range(1, 31):
+        e += (v >= (1 << k)).to(tl.int32)
+    return 4 * e + ((v.to(tl.int64) * 4) >> e.to(tl.int64)).to(tl.int32) - 4
+
+
+@triton.jit
+def row_count_key_kernel(dense_ptr, keys_ptr, M, n_sample, stride_row, ROWS: tl.constexpr, BLOCK_C: tl.constexpr,
+                         RELU: tl.constexpr):  # fmt: skip
+    # dense [M, >= n_sample] -> keys [M] int32: the key of each row's non-zero count among its first n_sample columns
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS]
+    row_mask = rows < M
+    count = tl.zeros([ROWS], dtype=tl.int32)
+    for c0 in range(0, n_sample, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        v = tl.load(dense_ptr + rows[:, None].to(tl.int64) * stride_row + cols[None, :],
+                    mask=row_mask[:, None] & (cols[None, :] < n_sample), other=0.0)  # fmt: skip
+        count += tl.sum(_is_nonzero(v, RELU).to(tl.int32), axis=1)
+    tl.store(keys_ptr + rows, _count_key(count), mask=row_mask)
+
+
+@triton.jit
+def group_rank_kernel(keys_ptr, order_ptr, M, GROUP: tl.constexpr, SUB: tl.constexpr, KEYS: tl.constexpr):
+    # A stable counting sort by decreasing key of the GROUP rows of this program (keys [M] int32): row r goes to
+    #   group start + (the group's rows with a larger key) + (its earlier rows with r's key); order[position] = r.
+    base = tl.program_id(0) * GROUP
+    k = tl.arange(0, KEYS)
+    totals = tl.zeros([KEYS], dtype=tl.int32)
+    for r0 in range(0, GROUP, SUB):
+        rows = base + r0 + tl.arange(0, SUB)
+        key = tl.load(keys_ptr + rows, mask=rows < M, other=-1)
+        totals += tl.sum((key[:, None] == k[None, :]).to(tl.int32), axis=0)
+    first = base + tl.sum(totals, axis=0) - tl.cumsum(totals, axis=0)  # [KEYS]: first position of each key
+    for r0 in range(0, GROUP, SUB):
+        rows = base + r0 + tl.arange(0, SUB)
+        row_mask = rows < M
+        key = tl.load(keys_ptr + rows, mask=row_mask, other=-1)
+        onehot = (key[:, None] == k[None, :]).to(tl.int32)  # [SUB, KEYS]
+        position = tl.sum(onehot * (first[None, :] + tl.cumsum(onehot, axis=0) - onehot), axis=1)
+        tl.store(order_ptr + position, rows, mask=row_mask)
+        first += tl.sum(onehot, axis=0)
+
+
+def torch_count_order(fired: torch.Tensor, group: int = SORT_GROUP) -> torch.Tensor:
+    """Reference of :func:`count_order` from a boolean [M, n_sample] of non-zeros: [M] int32."""
+    v = fired.sum(dim=1).long() + 1
+    e = torch.floor(torch.log2(v.double())).long()  # exact: v < 2**31
+    key = 4 * e + torch.bitwise_right_shift(4 * v, e) - 4
+    return torch.cat([g0 + torch.sort(key[g0:g0 + group], descending=True, stable=True).indices
+                      for g0 in range(0, fired.shape[0], group)]).to(torch.int32)  # fmt: skip
+
+
+def count_order(dense: torch.Tensor, n_sample: int, relu: bool = False, group: int = SORT_GROUP) -> torch.Tensor:
+    """[M] int32 row order: within each ``group`` consecutive rows of ``dense`` [M, N], the rows by decreasing count
+    of non-zeros (of relu(dense) when ``relu``) among their first ``n_sample`` columns, bucketed four buckets per
+    octave, stable within a bucket: heavy rows first. Two Triton launches, no host sync; reads ``M * n_sample``
+    elements."""
+    M = dense.shape[0]
+    if backend_for(dense) is Backend.TORCH or M == 0:
+        if M:
+            _backend.warn_reference_once("count_order")
+        fired = dense[:, :n_sample]
+        return torch_count_order((fired > 0) | fired.isnan() if relu else fired != 0, group)
+    rows, block_c, sub = (4, 32, 8) if _backend.INTERPRET else (16, 256, 128)
+    keys = torch.empty(M, dtype=torch.int32, device=dense.device)
+    order = torch.empty(M, dtype=torch.int32, device=dense.device)
+    row_count_key_kernel[(triton.cdiv(M, rows),)](dense, keys, M, n_sample, dense.stride(0), ROWS=rows,
+                                                 BLOCK_C=block_c, RELU=relu)  # fmt: skip
+    group_rank_kernel[(triton.cdiv(M, group),)](keys, order, M, GROUP=group, SUB=min(sub, group),
+                                                KEYS=_sort_keys(n_sample))  # fmt: skip
+    record_launch("row_count_key_kernel")
+    record_launch("group_rank_kernel")
+    return order
 
 
 def dense_to_row_block_pattern(dense: torch.Tensor, tile: int, block_rows: int, *, relu: bool = False,
-                               sort_rows: bool = False) -> RowBlockPattern:  # fmt: skip
-    """The :class:`RowBlockPattern` of ``dense`` [M, N] (of ``relu(dense)`` when ``relu``: pre-activations), rows
-    sorted by decreasing non-zero count when ``sort_rows`` (tokens of similar sparsity then share blocks, whose
-    unions shrink: on the synthetic ReLU FFN at 30 non-zeros per token, 64-row unions cover 13% of the columns
-    against 22% in token order; but the count pass, the sort and the imbalance between light and heavy blocks
-    cost about what the smaller products save on an H200, so it is off by default). No host sync; reads ``dense``
-    once (twice when sorting)."""
+                               sort_rows: bool = False, sort_sample: int | None = None) -> RowBlockPattern:  # fmt: skip
+    """The :class:`RowBlockPattern` of ``dense`` [M, N] (of ``relu(dense)`` when ``relu``: pre-activations).
+
+    With ``sort_rows`` the rows are first ordered by :func:`count_order` -- heavy rows first within each group of
+    :data:`SORT_GROUP` rows, counted over the first ``sort_sample`` columns (default: all) -- so tokens of similar
+    sparsity share blocks and the unions shrink: on the synthetic ReLU FFN at 30 non-zeros per token, 64-row unions
+    cover 14% of the columns against 22% in token order. No host sync; reads ``dense`` once, plus ``M * sort_sample`` elements when sorting."""
     op = "dense_to_row_block_pattern"
     dense = _check_dense(op, dense)
     check_twell_geometry(op, tile, 1)
+    if sort_sample is not None and (not isinstance(sort_sample, int) or isinstance(sort_sample, bool)
+                                    or sort_sample <= 0):  # fmt: skip
+        raise ValueError(f"{op}: sort_sample must be a positive int or None; got {sort_sample!r}")
     M, N = dense.shape
+    n_sample = N if sort_sample is None else min(N, sort_sample)
     n_tiles, n_blocks = triton.cdiv(N, tile), triton.cdiv(M, block_rows)
+    order = count_order(dense, n_sample, relu) if sort_rows else None
     if backend_for(dense) is Backend.TORCH or M == 0:
         if M:
             _backend.warn_reference_once(op)
         fired = (dense > 0) | dense.isnan() if relu else dense != 0
-        order = _descending_order(fired.sum(dim=1, dtype=torch.int32)) if sort_rows else None
         return RowBlockPattern.from_dense(fired.to(torch.uint8), tile, block_rows, order)
-    order = None
-    if sort_rows:
-        order = _descending_order(_chunk_starts(dense, _compaction_block(N), relu)[1])
     indices = torch.empty(n_blocks, n_tiles * tile, dtype=torch.int32, device=dense.device)
     union_counts = torch.empty(n_blocks, n_tiles, dtype=torch.int32, device=dense.device)
     row_block_union_kernel[(n_tiles, n_blocks)](dense, order if order is not None else dense, indices, union_counts,

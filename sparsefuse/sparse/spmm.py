@@ -427,11 +427,16 @@ def block_ell_matmul_kernel(values_ptr, indices_ptr, counts_ptr, order_ptr, w_pt
     values_block_ptr = values_ptr + block.to(tl.int64) * BLOCK_ROWS * width + local_rows[:, None] * width
     indices_block_ptr = indices_ptr + block.to(tl.int64) * width
     acc = tl.zeros([BLOCK_ROWS, BLOCK_D], dtype=tl.float32)
+    # Each step's column indices are loaded one step ahead: the weight gather that depends on them then does not
+    # wait an L2 round trip for them (4-6% on an H200, scripts/probe_block_variants.py).
+    j = tl.arange(0, BLOCK_J)
+    cols_next = tl.load(indices_block_ptr + j, mask=j < count, other=0)
     for j0 in range(0, count, BLOCK_J):
         j = j0 + tl.arange(0, BLOCK_J)  # [BLOCK_J]
         j_mask = j < count
+        cols = cols_next
+        cols_next = tl.load(indices_block_ptr + j + BLOCK_J, mask=j + BLOCK_J < count, other=0)
         a = tl.load(values_block_ptr + j[None, :], mask=row_mask[:, None] & j_mask[None, :], other=0.0)
-        cols = tl.load(indices_block_ptr + j, mask=j_mask, other=0)
         w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_w + d[None, :],
                     mask=j_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_J, BLOCK_D]  # fmt: skip
         acc = dot_accumulate(acc, a, w, IEEE_FP32)
@@ -443,10 +448,11 @@ def block_ell_matmul_kernel(values_ptr, indices_ptr, counts_ptr, order_ptr, w_pt
 
 
 def _block_matmul_blocks(n_out: int) -> tuple[int, int, int, int]:
-    """(BLOCK_J, BLOCK_D, num_warps, num_stages): measured on an H200 (scripts/probe_twell_block.py)."""
+    """(BLOCK_J, BLOCK_D, num_warps, num_stages): measured on an H200 (scripts/probe_twell_block.py,
+    scripts/probe_block_variants.py: with the indices loaded ahead, 4 stages ran 1.5x slower than 3)."""
     if _backend.INTERPRET:
         return 16, 32, 4, 1
-    return 64, 256, 8, 4
+    return 64, 256, 8, 3
 
 
 def block_sparse_matmul(sparse: BlockELL, weight: torch.Tensor, *, bias: torch.Tensor | None = None,
