@@ -9,6 +9,7 @@ from conftest import assert_backend
 
 from sparsefuse import track_launches
 from sparsefuse.ffn import torch_twell_mlp, twell_mlp
+from sparsefuse.ffn.twell import _block_plan
 from sparsefuse.ffn.synthetic import synthetic_ffn
 from sparsefuse.sparse import (
     BlockELL,
@@ -166,7 +167,7 @@ def test_twell_mlp_block_method_matches_float64(M, bias, dtype, device):
         return
     assert_backend(x)
     assert launched["block_sddmm_kernel"] == 1 and launched["block_ell_matmul_kernel"] == 1, launched
-    assert launched.get("group_rank_kernel", 0) == (M >= 64)  # tokens sorted from 64 (interpreted plan)
+    assert launched.get("group_rank_kernel", 0) == _block_plan(N).sorts(M)  # interpreted plan: from 64 tokens
     ref = torch_twell_mlp(x, ffn.w_gate, ffn.w_up, ffn.w_down, *b)
     lowp = F.linear(torch.relu(F.linear(x, ffn.w_gate, b[0])) * F.linear(x, ffn.w_up, b[1]), ffn.w_down, b[2])
     assert_close_to_reference(y, ref, lowp)
@@ -174,7 +175,7 @@ def test_twell_mlp_block_method_matches_float64(M, bias, dtype, device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("M, K, N, mean_nnz", [(3001, 2048, 5632, 30.0), (8192, 2048, 5632, 30.0),
+@pytest.mark.parametrize("M, K, N, mean_nnz", [(3001, 2048, 5632, 30.0), (8219, 2048, 5632, 30.0),
                                                (1031, 4096, 14336, 60.0), (2048, 2048, 5632, 600.0)])  # fmt: skip
 def test_block_method_real_shapes_gpu(M, K, N, mean_nnz, dtype, device):
     ffn = synthetic_ffn(K, N, dtype=dtype, device=device, seed=21)
@@ -182,6 +183,7 @@ def test_block_method_real_shapes_gpu(M, K, N, mean_nnz, dtype, device):
     with track_launches() as launched:
         y = twell_mlp(x, ffn.w_gate, ffn.w_up, ffn.w_down, method="block")
     assert launched["block_ell_matmul_kernel"] == 1
+    assert launched.get("group_rank_kernel", 0) == (M >= 8192)  # sorted tokens (8219: a partial rank group)
     rows = torch.arange(M, device=device)[:: max(1, M // 512)]  # float64 reference on a sample of tokens
     ref = torch_twell_mlp(x[rows], ffn.w_gate, ffn.w_up, ffn.w_down)
     lowp = F.linear(torch.relu(F.linear(x[rows], ffn.w_gate)) * F.linear(x[rows], ffn.w_up), ffn.w_down)
