@@ -170,24 +170,25 @@ def block_configs(block_name: str, blocks_and_warps: list[tuple[int, int]], inte
 _POISON = os.environ.get("SPARSEFUSE_POISON_OUTPUTS", "0") == "1"
 
 
-def new_output(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    out = torch.empty(shape, dtype=dtype, device=device)
-    if _POISON and out.is_floating_point():
-        out.fill_(float("nan"))
+def _poison(out: torch.Tensor) -> torch.Tensor:
+    """Under poison_outputs: NaN in a float output, -1 (no valid index, count or position) in an integer one."""
+    if _POISON and out.numel():
+        out.fill_(float("nan") if out.is_floating_point() else -1)
     return out
+
+
+def new_output(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return _poison(torch.empty(shape, dtype=dtype, device=device))
 
 
 def new_output_like(t: torch.Tensor) -> torch.Tensor:
     """torch.empty_like (dense inputs keep their strides), poisoned like new_output."""
-    out = torch.empty_like(t)
-    if _POISON and out.is_floating_point():
-        out.fill_(float("nan"))
-    return out
+    return _poison(torch.empty_like(t))
 
 
 @contextlib.contextmanager
 def poison_outputs(enabled: bool = True) -> Iterator[None]:
-    """Fill every kernel output with NaN before launch while inside the block (tests use this)."""
+    """Fill every kernel output with NaN (integer outputs: -1) before launch while inside the block (tests use this)."""
     global _POISON
     previous, _POISON = _POISON, enabled
     try:

@@ -101,6 +101,8 @@ def test_count_order_key_buckets():
     fired[2, :1] = True  # rows 1 and 2 both count 1: row 1 first
     assert torch_count_order(fired).tolist()[-3:] == [1, 2, 0]
     assert torch_count_order(fired, group=4).tolist() == [3, 1, 2, 0, 7, 6, 5, 4, 8]  # sorted within 4-row groups
+    empty = dense_to_row_block_pattern(torch.zeros(0, 40), 16, 16, sort_rows=True)  # no rows: nothing to sort
+    assert empty.row_order.numel() == 0 and empty.counts.numel() == 0
 
 
 @pytest.mark.parametrize("dtype", MATMUL_DTYPES)

@@ -227,8 +227,9 @@ def torch_count_order(fired: torch.Tensor, group: int = SORT_GROUP) -> torch.Ten
     v = fired.sum(dim=1).long() + 1
     e = torch.floor(torch.log2(v.double())).long()  # exact: v < 2**31
     key = 4 * e + torch.bitwise_right_shift(4 * v, e) - 4
-    return torch.cat([g0 + torch.sort(key[g0:g0 + group], descending=True, stable=True).indices
-                      for g0 in range(0, fired.shape[0], group)]).to(torch.int32)  # fmt: skip
+    parts = [g0 + torch.sort(key[g0:g0 + group], descending=True, stable=True).indices
+             for g0 in range(0, fired.shape[0], group)]  # fmt: skip
+    return torch.cat(parts).to(torch.int32) if parts else key.to(torch.int32)
 
 
 def count_order(dense: torch.Tensor, n_sample: int, relu: bool = False, group: int = SORT_GROUP) -> torch.Tensor:
@@ -244,7 +245,7 @@ def count_order(dense: torch.Tensor, n_sample: int, relu: bool = False, group: i
         return torch_count_order((fired > 0) | fired.isnan() if relu else fired != 0, group)
     rows, block_c, sub = (4, 32, 8) if _backend.INTERPRET else (16, 256, 128)
     keys = torch.empty(M, dtype=torch.int32, device=dense.device)
-    order = torch.empty(M, dtype=torch.int32, device=dense.device)
+    order = new_output((M,), torch.int32, dense.device)  # poisoned (-1) under test: every position is written
     row_count_key_kernel[(triton.cdiv(M, rows),)](dense, keys, M, n_sample, dense.stride(0), ROWS=rows,
                                                  BLOCK_C=block_c, RELU=relu)  # fmt: skip
     group_rank_kernel[(triton.cdiv(M, group),)](keys, order, M, GROUP=group, SUB=min(sub, group),
