@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from probe_decode_compact import acts_for, graph_us
+from probe_decode import time_graph
+from probe_decode_compact import decode_cases
 from sparsefuse.sparse import matmul_skip_zeros
 from sparsefuse.sparse.spmm import accumulate_rows, sum_split_partials
 
@@ -108,35 +109,26 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     shapes = [(32, 65536, 768, 64), (32, 131072, 512, 128), (256, 65536, 768, 64), (1024, 65536, 768, 64),
               (4096, 65536, 2304, 72), (1024, 131072, 3584, 72), (1024, 32768, 2048, 100)]  # fmt: skip
-    for B, F, D, l0 in shapes:
-        for dtype in (torch.float32, torch.bfloat16):
-            if B * F * D > 2**37 and dtype == torch.float32:
-                continue
-            e = dtype.itemsize
-            n_sets = max(2, min(16, int(2 * 2 * 63e6 // (B * F * e + F * D * e)) + 1))
-            sets = []
-            for _ in range(n_sets):
-                a = acts_for(B, F, l0, dtype)
-                sets.append((a, torch.randn(F, D, device="cuda", dtype=dtype) / 16, a.to_sparse_csr()))
-            ref = sets[0][0].double() @ sets[0][1].double()
-            t = {"cuSPARSE prebuilt": graph_us(lambda a, w, c: torch.sparse.mm(c, w), sets),
-                 "library scan": graph_us(lambda a, w, c: matmul_skip_zeros(a, w), sets)}  # fmt: skip
-            errs = {}
-            for block_f in (1024, 2048, 4096):
-                for g in (8, 16, 32):
-                    for pick, mult in ((2, 4), (4, 4), (2, 8)):
-                        key = f"F{block_f} G{g} P{pick} x{mult}"
-                        fn = lambda a, w, c, bf=block_f, g_=g, p=pick, m=mult: scan_grouped(a, w, bf, g_, p, m * sms)  # noqa: E731
-                        got = fn(*sets[0]).double()
-                        errs[key] = float((got - ref).abs().max() / ref.abs().max())
-                        t[key] = graph_us(fn, sets)
-            cus, lib = t["cuSPARSE prebuilt"], t["library scan"]
-            ranked = sorted((k for k in t if k.startswith("F")), key=t.get)
-            print(f"\nB={B} F={F} D={D} L0={l0} {str(dtype)[6:]}: cuSPARSE {cus:.1f} us, library scan {lib:.1f} us "
-                  f"({cus / lib:.2f}x cuSPARSE); worst rel err of the variants {max(errs.values()):.1e}")
-            for k in ranked[:5]:
-                print(f"  {k:>20s} {t[k]:8.1f} us  {cus / t[k]:5.2f}x cuSPARSE  {lib / t[k]:5.2f}x library scan")
-            print("  all: " + ", ".join(f"{k} {t[k]:.1f}" for k in ranked), flush=True)
+    for B, F, D, l0, dtype, sets in decode_cases(shapes):
+        ref = sets[0][0].double() @ sets[0][1].double()
+        t = {"cuSPARSE prebuilt": time_graph(lambda a, w, c: torch.sparse.mm(c, w), sets),
+             "library scan": time_graph(lambda a, w, c: matmul_skip_zeros(a, w), sets)}  # fmt: skip
+        errs = {}
+        for block_f in (1024, 2048, 4096):
+            for g in (8, 16, 32):
+                for pick, mult in ((2, 4), (4, 4), (2, 8)):
+                    key = f"F{block_f} G{g} P{pick} x{mult}"
+                    fn = lambda a, w, c, bf=block_f, g_=g, p=pick, m=mult: scan_grouped(a, w, bf, g_, p, m * sms)  # noqa: E731
+                    got = fn(*sets[0]).double()
+                    errs[key] = float((got - ref).abs().max() / ref.abs().max())
+                    t[key] = time_graph(fn, sets)
+        cus, lib = t["cuSPARSE prebuilt"], t["library scan"]
+        ranked = sorted((k for k in t if k.startswith("F")), key=t.get)
+        print(f"\nB={B} F={F} D={D} L0={l0} {str(dtype)[6:]}: cuSPARSE {cus:.1f} us, library scan {lib:.1f} us "
+              f"({cus / lib:.2f}x cuSPARSE); worst rel err of the variants {max(errs.values()):.1e}")
+        for k in ranked[:5]:
+            print(f"  {k:>20s} {t[k]:8.1f} us  {cus / t[k]:5.2f}x cuSPARSE  {lib / t[k]:5.2f}x library scan")
+        print("  all: " + ", ".join(f"{k} {t[k]:.1f}" for k in ranked), flush=True)
 
 
 if __name__ == "__main__":
