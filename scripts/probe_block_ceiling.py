@@ -16,12 +16,14 @@ Run from scripts/ with PYTHONPATH=..:. on a GPU."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from triton.testing import do_bench
 
+from probe_decode import time_graph
 from sparsefuse.ffn import twell
 from sparsefuse.ffn.synthetic import synthetic_ffn
 from sparsefuse.sparse import compact, sddmm, spmm
@@ -49,18 +51,8 @@ def gather_only_kernel(indices_ptr, counts_ptr, w_ptr, out_ptr, width, stride_w,
 
 
 def graph_us(fn, reps: int = 10) -> float:
-    """Median µs per call of ``fn``, replayed ``reps`` calls to a CUDA graph (no launch overhead)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    return do_bench(graph.replay, warmup=5, rep=200, return_mode="median") * 1e3 / reps
+    """Median µs per call of ``fn``: ``reps`` calls replayed from one CUDA graph (probe_decode's timer)."""
+    return time_graph(lambda: fn(), [()] * reps)
 
 
 @triton.jit
@@ -88,7 +80,8 @@ def main() -> None:
     w_down_t = f.w_down.t()  # [N, K] rows contiguous, as the library passes it
     plan = twell.BLOCK_PLAN
     pre = F.linear(x, f.w_gate)
-    print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
+    print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, "commit",
+          os.environ.get("SPARSEFUSE_COMMIT", "unknown"), flush=True)
     t = {}
     t["eager"] = graph_us(lambda: F.linear(F.relu(F.linear(x, f.w_gate)) * F.linear(x, f.w_up), f.w_down))
     t["gate"] = graph_us(lambda: F.linear(x, f.w_gate))
