@@ -408,16 +408,48 @@ def matmul_skip_zeros(a: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch
 
 
 @triton.jit
-def block_ell_matmul_kernel(values_ptr, indices_ptr, counts_ptr, order_ptr, w_ptr, bias_ptr, out_ptr, M, n_out,
-                            width, stride_w, stride_out,
+def heavy_first_schedule_kernel(counts_ptr, schedule_ptr, n, BLOCK: tl.constexpr):
+    # counts [n] int32 (>= 0) -> schedule [n] int32: the indices by decreasing count, ties in index order. Each
+    # index's rank is counted by comparing it with every other count (n is a number of row blocks: M / 64).
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    i_mask = i < n
+    count_i = tl.load(counts_ptr + i, mask=i_mask, other=0)
+    rank = tl.zeros([BLOCK], dtype=tl.int32)
+    for j0 in range(0, n, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        count_j = tl.load(counts_ptr + j, mask=j < n, other=-1)  # -1: never ahead of a real count
+        tie = (count_j[None, :] == count_i[:, None]) & (j[None, :] < i[:, None])
+        ahead = (count_j[None, :] > count_i[:, None]) | tie
+        rank += tl.sum(ahead.to(tl.int32), axis=1)
+    tl.store(schedule_ptr + rank, i, mask=i_mask)
+
+
+def heavy_first_schedule(counts: torch.Tensor) -> torch.Tensor:
+    """[n] int32 indices of ``counts`` [n] (int32, >= 0, on the GPU) by decreasing count, ties in index order: one
+    Triton launch, no host sync. A grid whose programs' work grows with their count, dispatched in this order, is
+    longest-processing-time-first scheduled: the long programs start first and the short ones fill in behind them."""
+    n = counts.numel()
+    schedule = new_output((n,), torch.int32, counts.device)  # poisoned (-1) under test: every position is written
+    if n:
+        block = 16 if _backend.INTERPRET else 128
+        heavy_first_schedule_kernel[(triton.cdiv(n, block),)](counts, schedule, n, BLOCK=block)
+        record_launch("heavy_first_schedule_kernel")
+    return schedule
+
+
+@triton.jit
+def block_ell_matmul_kernel(values_ptr, indices_ptr, counts_ptr, order_ptr, schedule_ptr, w_ptr, bias_ptr, out_ptr,
+                            M, n_out, width, stride_w, stride_out,
                             BLOCK_ROWS: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr,
-                            HAS_ORDER: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE_FP32: tl.constexpr):  # fmt: skip
+                            HAS_ORDER: tl.constexpr, HAS_SCHEDULE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                            IEEE_FP32: tl.constexpr):  # fmt: skip
     # BlockELL values [M, width] (slot rows), indices [n_blocks, width], counts [n_blocks], order [M] int32 (slot
-    # row -> output row); w [n_in, n_out] (unit column stride), bias [n_out]; out [M, n_out]. Grid (D blocks, row blocks): program (db, blk) walks its block's
+    # row -> output row); schedule [n_blocks] int32 (grid row -> row block, heaviest first); w [n_in, n_out] (unit
+    # column stride), bias [n_out]; out [M, n_out]. Grid (D blocks, row blocks): program (db, blk) walks its block's
     # column list BLOCK_J at a time -- a [BLOCK_ROWS, BLOCK_J] tile of values times BLOCK_J gathered rows of w --
     # on tensor cores (the gather-accumulate of sparsefuse.sparse.spmm, batched over a row block's shared columns).
     d_block = tl.program_id(0)
-    block = tl.program_id(1)
+    block = tl.load(schedule_ptr + tl.program_id(1)) if HAS_SCHEDULE else tl.program_id(1)
     count = tl.load(counts_ptr + block)
     local_rows = tl.arange(0, BLOCK_ROWS)
     slots = block * BLOCK_ROWS + local_rows
@@ -456,12 +488,16 @@ def _block_matmul_blocks(n_out: int) -> tuple[int, int, int, int]:
 
 
 def block_sparse_matmul(sparse: BlockELL, weight: torch.Tensor, *, bias: torch.Tensor | None = None,
-                        out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
+                        out_dtype: torch.dtype | None = None, heavy_first: bool = True) -> torch.Tensor:  # fmt: skip
     """``sparse @ weight + bias`` -> [M, n_out] for a :class:`BlockELL` [M, n_in] (rows in blocks sharing their
     column lists; slot rows written to their ``row_order`` rows) and weight [n_in, n_out] (columns contiguous or
     copied once): per row block, tensor-core tiles of its values times the gathered weight rows of its columns, fp32
     accumulation. ``2 * block_rows * n_out`` flops per listed column: the dense product's work times the union's
-    share of n_in."""
+    share of n_in.
+
+    A block's programs take time in proportion to its column count, which varies several-fold between blocks. With
+    ``heavy_first`` (default) the blocks are launched longest first (:func:`heavy_first_schedule`, one small extra
+    launch) so that no long block starts last and runs alone at the end of the grid."""
     op = "block_sparse_matmul"
     _check_weight(op, sparse, weight)
     n_out = weight.shape[1]
@@ -477,12 +513,14 @@ def block_sparse_matmul(sparse: BlockELL, weight: torch.Tensor, *, bias: torch.T
         return (ref + bias.double() if bias is not None else ref).to(out_dtype)
     block_j, block_d, warps, stages = _block_matmul_blocks(n_out)
     n_blocks = sparse.counts.shape[0]
+    schedule = heavy_first_schedule(sparse.counts) if heavy_first and n_blocks > 1 else None
     block_ell_matmul_kernel[(triton.cdiv(n_out, block_d), n_blocks)](
         sparse.values, sparse.indices, sparse.counts,
-        sparse.row_order if sparse.row_order is not None else sparse.counts, weight,
+        sparse.row_order if sparse.row_order is not None else sparse.counts,
+        schedule if schedule is not None else sparse.counts, weight,
         bias if bias is not None else weight, out, M, n_out, sparse.values.shape[1], weight.stride(0), out.stride(0),
         BLOCK_ROWS=sparse.block_rows, BLOCK_J=block_j, BLOCK_D=block_d, HAS_ORDER=sparse.row_order is not None,
-        HAS_BIAS=bias is not None,
+        HAS_SCHEDULE=schedule is not None, HAS_BIAS=bias is not None,
         IEEE_FP32=sparse.values.dtype == torch.float32, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     record_launch("block_ell_matmul_kernel")
