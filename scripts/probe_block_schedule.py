@@ -9,11 +9,14 @@ blocks (1 per SM); longest first: 1.11x and 1.02x. The up product's programs eac
 is already even. This probe times, at 64 and 128 rows: the down product in block order and heavy first over a few
 launch configurations, the up product's configurations at 128 rows, the schedule kernel alone, and the whole path.
 
-Run from scripts/ with PYTHONPATH=..:. on a GPU."""
+Run from scripts/ with PYTHONPATH=..:. on a GPU; ``--sort-threshold`` times the whole path sorted and unsorted
+at 1024-4096 tokens instead."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +55,28 @@ def up(pattern, pre, x, w_up, out, block_c, block_d, warps, stages):
         HAS_BIAS=False, RELU=True, IEEE_FP32=False, num_warps=warps, num_stages=stages)  # fmt: skip
 
 
+def sort_threshold() -> None:
+    """Whole block path with and without sorting the tokens, at the batch sizes where sorting was left off (its
+    heaviest blocks left the down product a tail, which heavy-first launching now removes)."""
+    default = twell.BLOCK_PLAN
+    for (K, N), M, nnz in [((2048, 5632), 2048, 30.0), ((2048, 5632), 4096, 30.0), ((2048, 5632), 4096, 8.0),
+                           ((4096, 14336), 2048, 30.0), ((2048, 5632), 1024, 30.0)]:  # fmt: skip
+        f = synthetic_ffn(K, N, dtype=torch.bfloat16, device="cuda")
+        x = f.make_input(M, nnz)
+        eager = graph_us(lambda: F.linear(F.relu(F.linear(x, f.w_gate)) * F.linear(x, f.w_up), f.w_down))
+        line = f"M={M} K={K} N={N} nnz={nnz:.0f}: eager {eager:.1f} us"
+        for label, plan in [("token order", dataclasses.replace(default, sort_rows=False)),
+                            ("sorted", dataclasses.replace(default, sort_min_tokens=0))]:  # fmt: skip
+            twell.BLOCK_PLAN = plan
+            us = graph_us(lambda: twell.twell_mlp(x, f.w_gate, f.w_up, f.w_down, method="block"))
+            line += f", {label} {us:.1f} us ({eager / us:.2f}x)"
+        twell.BLOCK_PLAN = default
+        print(line, flush=True)
+
+
 def main() -> None:
+    if "--sort-threshold" in sys.argv:
+        return sort_threshold()
     torch.manual_seed(0)
     M, K, N, nnz = 8192, 2048, 5632, 30.0
     f = synthetic_ffn(K, N, dtype=torch.bfloat16, device="cuda")
