@@ -10,7 +10,7 @@ is already even. This probe times, at 64 and 128 rows: the down product in block
 launch configurations, the up product's configurations at 128 rows, the schedule kernel alone, and the whole path.
 
 Run from scripts/ with PYTHONPATH=..:. on a GPU; ``--sort-threshold`` times the whole path sorted and unsorted
-at 1024-4096 tokens instead."""
+at 1024-4096 tokens instead; ``--traffic`` times wider tiles of both products at 64 rows (heavy first)."""
 
 from __future__ import annotations
 
@@ -92,7 +92,15 @@ def main() -> None:
     print(f"eager {eager:.1f} us, gate {gate:.1f} us, library block path (heavy first) {path:.1f} us = "
           f"{eager / path:.2f}x", flush=True)
 
-    for rows in (64, 128):
+    traffic = "--traffic" in sys.argv
+    down_cfgs = [(64, 256, 8, 3), (64, 128, 8, 3), (64, 128, 4, 3), (64, 128, 4, 4), (32, 128, 4, 4), (64, 64, 4, 4),
+                 (128, 128, 8, 3)]  # fmt: skip
+    up_cfgs = [(128, 64, 8, 4), (128, 64, 4, 4), (128, 64, 8, 3), (64, 64, 4, 4), (64, 128, 4, 3), (256, 64, 8, 3)]
+    if traffic:  # wider tiles re-read x (up) and h (down) fewer times: fewer bytes through L2 per flop
+        down_cfgs = [(64, 256, 8, 3), (64, 256, 8, 4), (32, 512, 8, 3), (64, 512, 8, 2), (128, 256, 8, 2)]
+        up_cfgs = [(128, 64, 8, 4), (256, 64, 8, 2), (256, 32, 8, 4), (256, 32, 8, 3), (256, 64, 4, 2),
+                   (128, 32, 4, 4), (128, 128, 8, 2), (512, 32, 8, 3)]  # fmt: skip
+    for rows in (64,) if traffic else (64, 128):
         pattern = compact.dense_to_row_block_pattern(pre, plan.tile, rows, relu=True, sort_rows=True,
                                                      sort_sample=plan.sort_sample(N))  # fmt: skip
         h = sddmm.block_sddmm(pattern, pre, x, f.w_up, relu=True)
@@ -108,9 +116,8 @@ def main() -> None:
         print(f"  pattern {pattern_us:.1f} us")
         ref = spmm.block_sparse_matmul(h, w_down_t, out_dtype=x.dtype, heavy_first=False)
         best = {}
-        for cfg in [(64, 256, 8, 3), (64, 128, 8, 3), (64, 128, 4, 3), (64, 128, 4, 4), (32, 128, 4, 4),
-                    (64, 64, 4, 4), (128, 128, 8, 3)]:  # fmt: skip
-            for sched in (None, schedule):
+        for cfg in down_cfgs:
+            for sched in (schedule,) if traffic else (None, schedule):
                 out = torch.empty_like(ref)
                 down(h, w_down_t, out, sched, *cfg)
                 same = "same" if torch.equal(out, ref) else "DIFFERS"
@@ -120,8 +127,7 @@ def main() -> None:
                 print(f"  down J,D,w,s={cfg} {key:>11s}: {us:7.1f} us {work / us / 1e6:5.0f} TFLOP/s {same}",
                       flush=True)
         ups = {}
-        for cfg in [(128, 64, 8, 4), (128, 64, 4, 4), (128, 64, 8, 3), (64, 64, 4, 4), (64, 128, 4, 3),
-                    (256, 64, 8, 3)]:  # fmt: skip
+        for cfg in up_cfgs:
             out = sddmm.block_sddmm(pattern, pre, x, f.w_up, relu=True)
             up(pattern, pre, x, f.w_up, out, *cfg)
             y = spmm.block_sparse_matmul(out, w_down_t, out_dtype=x.dtype)

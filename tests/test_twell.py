@@ -265,17 +265,19 @@ def test_predicted_crossover_is_monotone_and_matches_the_measured_grid():
         wins = [predicted_times(M, 2048, 5632, nnz, torch.bfloat16)[0] < predicted_times(M, 2048, 5632, nnz,
                 torch.bfloat16)[1] for nnz in (8, 32, 128, 512, 2048, 5632)]  # fmt: skip
         assert wins == sorted(wins, reverse=True) and not wins[-1], (M, wins)
-    # H200, full `bench ffn` grid at 3675065 (benchmarks/results/bench-NVIDIA-H200-ffn.md) and the block-path probe
-    # (scripts/probe_twell_block.py; NOTES row 24): auto must pick the method that won clearly -- including the case
+    # H200, full `bench ffn` grids at 3675065 (TwELL rows) and 84620c3 (block rows, down product heavy first;
+    # benchmarks/results/bench-NVIDIA-H200-ffn.md): auto must pick the method that won clearly -- including the case
     # where the old rule picked twell and lost 26% (M=2048, 8B layer, 8 non-zeros) -- and dense where both sparse
     # methods lost. Close calls (within ~15%) are left to the model either way.
     measured = [  # (M, K, N, mean non-zeros, acceptable picks)
         (1, 2048, 5632, 8, {"twell"}), (1, 2048, 5632, 32, {"twell"}), (16, 2048, 5632, 8, {"twell"}),
         (16, 2048, 5632, 32, {"twell"}), (16, 4096, 14336, 8, {"twell"}), (16, 4096, 14336, 32, {"twell"}),
-        (16, 2048, 5632, 128, {"dense"}), (256, 2048, 5632, 8, {"dense"}), (2048, 2048, 5632, 32, {"dense"}),
+        (16, 2048, 5632, 128, {"dense"}), (256, 2048, 5632, 8, {"dense"}), (2048, 2048, 5632, 32, {"dense", "block"}),
         (8192, 2048, 5632, 8, {"block"}), (8192, 2048, 5632, 32, {"block"}), (16384, 2048, 5632, 32, {"block"}),
-        (8192, 4096, 14336, 32, {"block"}), (8192, 2048, 5632, 128, {"dense"}), (2048, 2048, 5632, 8, {"dense", "block"}),
-        (2048, 4096, 14336, 8, {"dense", "block"}), (2048, 4096, 14336, 32, {"dense", "block"}),
+        (8192, 4096, 14336, 32, {"block"}), (8192, 2048, 5632, 128, {"dense", "block"}),
+        (2048, 2048, 5632, 8, {"block"}),
+        (2048, 4096, 14336, 8, {"block"}), (2048, 4096, 14336, 32, {"block"}), (2048, 2048, 5632, 128, {"dense"}),
+        (8192, 4096, 14336, 512, {"dense"}), (16384, 2048, 5632, 512, {"dense"}),
         (16, 4096, 14336, 512, {"dense"}), (1, 2048, 5632, 512, {"dense"}),
     ]  # fmt: skip
     for M, K, N, nnz, picks in measured:

@@ -646,9 +646,11 @@ class CostModel:
     min_s: float = 25e-6
     n_sms: int = 132
     # row-block path (method="block"): the up/down products' rate on the model's uniform-firing union estimate,
-    # fitted to scripts/probe_twell_block.py on an H200 (8192 tokens: 2 x 172 us; 2048: 2 x 60 us), scaled like the
-    # dense terms (which the model over-predicts by ~1.25x) so the two compare fairly
-    block_flops_per_s: float = 260e12
+    # scaled like the dense terms (which the model over-predicts by ~1.25x) so the two compare fairly. Refitted to
+    # the full ffn grid at 84620c3 on an H200 (down product launched heavy first): the model then predicts the
+    # block path within -28%..+7% of its measured ratio to dense at <= 32 non-zeros and under-predicts above, so
+    # auto never took block where it lost (the fit it replaced, 260e12, missed the 1.08x win at 2048 tokens)
+    block_flops_per_s: float = 330e12
     block_min_tokens: int = 1024  # fewer than 16 row blocks of 64 tokens cannot fill the GPU
 
 
