@@ -10,7 +10,8 @@ is already even. This probe times, at 64 and 128 rows: the down product in block
 launch configurations, the up product's configurations at 128 rows, the schedule kernel alone, and the whole path.
 
 Run from scripts/ with PYTHONPATH=..:. on a GPU; ``--sort-threshold`` times the whole path sorted and unsorted
-at 1024-4096 tokens instead; ``--traffic`` times wider tiles of both products at 64 rows (heavy first)."""
+at 1024-4096 tokens instead; ``--traffic`` times wider tiles of both products at 64 rows (heavy first); ``--pattern`` times the
+pattern pass stage by stage."""
 
 from __future__ import annotations
 
@@ -74,9 +75,30 @@ def sort_threshold() -> None:
         print(line, flush=True)
 
 
+def pattern_stages() -> None:
+    """The pattern pass stage by stage: the bits pass (with sort keys), the group rank, the union kernel."""
+    K, N, nnz = 2048, 5632, 30.0
+    f = synthetic_ffn(K, N, dtype=torch.bfloat16, device="cuda")
+    for M in (2048, 8192, 16384):
+        pre = F.linear(f.make_input(M, nnz), f.w_gate)
+        bits, keys = compact._row_bits(pre, True, N, bits=True, keys=True)
+        read = graph_us(lambda: pre.sum(dtype=torch.float32))
+        t_bits = graph_us(lambda: compact._row_bits(pre, True, N, bits=True, keys=True))
+        t_rank = graph_us(lambda: compact._group_rank(keys, N, compact.SORT_GROUP))
+        t_all = graph_us(lambda: compact.dense_to_row_block_pattern(pre, 256, 64, relu=True, sort_rows=True))
+        t_unsorted = graph_us(lambda: compact.dense_to_row_block_pattern(pre, 256, 64, relu=True))
+        p = compact.dense_to_row_block_pattern(pre, 256, 64, relu=True, sort_rows=True)
+        print(f"M={M}: read of pre (torch sum) {read:.1f} us ({pre.numel() * 2 / read / 1e6:.2f} TB/s); bits pass "
+              f"{t_bits:.1f} us ({pre.numel() * 2 / t_bits / 1e6:.2f} TB/s); group rank {t_rank:.1f} us; whole "
+              f"pattern sorted {t_all:.1f} us (unions {p.union_sizes().double().mean() / N:.1%} of N), token order "
+              f"{t_unsorted:.1f} us", flush=True)
+
+
 def main() -> None:
     if "--sort-threshold" in sys.argv:
         return sort_threshold()
+    if "--pattern" in sys.argv:
+        return pattern_stages()
     torch.manual_seed(0)
     M, K, N, nnz = 8192, 2048, 5632, 30.0
     f = synthetic_ffn(K, N, dtype=torch.bfloat16, device="cuda")

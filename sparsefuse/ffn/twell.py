@@ -465,17 +465,18 @@ def _launch_gate(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tile
 class BlockPlan:
     """The row-block path (``method="block"``): tokens grouped ``block_rows`` at a time, unions per ``tile`` columns.
     From ``sort_min_tokens`` tokens up (when ``sort_rows``) the tokens are first ordered by their gate non-zero
-    count, counted over the first ``sort_fraction`` of the columns (:func:`sparsefuse.sparse.compact.count_order`).
+    count over the first ``sort_fraction`` of the columns (:func:`sparsefuse.sparse.compact.count_order`; counting
+    all of them costs nothing extra since the pattern's one pass over the gate output reads every column).
 
-    Measured on an H200 (scripts/probe_twell_block.py, scripts/probe_count_order.py; 1.5B shape, 30 non-zeros): 64
-    rows beat 32 and 128; sorting shrinks the unions from 22% to 14% of N and the whole path by 5-10% from 8192
-    tokens up (8B layer: 1.88x -> 2.00x dense), but cost 7-8% at 2048 and 4096 tokens, where a few heavy blocks'
-    long column lists leave the down product's grid with a tail."""
+    Measured on an H200 (scripts/probe_twell_block.py, scripts/probe_count_order.py, scripts/probe_block_schedule.py;
+    1.5B shape, 30 non-zeros): 64 rows beat 32 and 128; sorting shrinks the unions from 22% to 13-14% of N and the
+    whole path by 5-10% from 8192 tokens up (8B layer: 1.88x -> 2.00x dense), but still cost 5-30% at 1024-4096
+    tokens after the down product was launched heaviest block first (its tail was the first suspect)."""
 
     block_rows: int = 64
     tile: int = 256
     sort_rows: bool = True
-    sort_fraction: float = 0.125
+    sort_fraction: float = 1.0
     sort_min_tokens: int = 8192
 
     def sort_sample(self, N: int) -> int:

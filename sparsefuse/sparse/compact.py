@@ -6,8 +6,8 @@ Two launches over a [M, N] dense tensor tiled into (row, column chunk) programs:
   3. ``scatter_nonzero_kernel`` writes every non-zero at ``row base + chunk start + rank within the chunk``.
 
 :func:`dense_to_row_block_pattern` builds a :class:`RowBlockPattern` (row-block unions; optionally rows sorted by
-their count of non-zeros first, so that tokens of similar sparsity share a block) with one union kernel; no host
-sync.
+their count of non-zeros first, so that tokens of similar sparsity share a block): one streaming pass writes a
+bitmask of the non-zeros and the sort keys, and a union kernel or-s the bitmask's words per block; no host sync.
 
 ELL needs no device->host sync (its row base is ``row * width`` and entries past the width are counted but not
 stored). CSR needs the total nnz on the host to allocate exactly (one sync). NaN counts as a non-zero, so it
@@ -134,29 +134,77 @@ def dense_to_csr(dense: torch.Tensor) -> CSR:
 
 
 @triton.jit
-def row_block_union_kernel(dense_ptr, order_ptr, indices_ptr, counts_ptr, M, N, n_tiles, stride_row,
-                           TILE: tl.constexpr, BLOCK_ROWS: tl.constexpr, SUB_ROWS: tl.constexpr,
-                           RELU: tl.constexpr, HAS_ORDER: tl.constexpr):  # fmt: skip
-    # dense [M, N]; order [M] int32 (block b = rows order[b * BLOCK_ROWS ...]); out: indices [n_blocks, n_tiles *
-    # TILE] (the union of tile t at [t * TILE, t * TILE + count), column order), counts [n_blocks, n_tiles].
-    # The block's rows are or-ed SUB_ROWS at a time in registers and reduced across rows once: one [BLOCK_ROWS,
-    # TILE] load and reduction per program read the pre-activations at 1.4 TB/s on an H200, this at 2.1
-    # (benchmarks/results/probe-union-NVIDIA-H200.log).
+def _bitwise_or(a, b):
+    return a | b
+
+
+@triton.jit
+def row_bits_kernel(dense_ptr, bits_ptr, keys_ptr, M, N, n_words, n_sample, stride_row, ROWS: tl.constexpr,
+                    BLOCK_C: tl.constexpr, RELU: tl.constexpr, BITS: tl.constexpr, KEYS: tl.constexpr):  # fmt: skip
+    # dense [M, N] -> bits [M, n_words] int32 (bit c % 32 of word c // 32 set where column c is non-zero; BLOCK_C a
+    # multiple of 32) and keys [M] int32 (the sort key of each row's non-zero count among its first n_sample
+    # columns). Programs own ROWS whole rows and stream them in row order: the one pass over dense.
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS]
+    row_mask = rows < M
+    lane = tl.arange(0, 32)
+    count = tl.zeros([ROWS], dtype=tl.int32)
+    for c0 in range(0, N, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        v = tl.load(dense_ptr + rows[:, None].to(tl.int64) * stride_row + cols[None, :],
+                    mask=row_mask[:, None] & (cols[None, :] < N), other=0.0)  # fmt: skip
+        fired = _is_nonzero(v, RELU).to(tl.int32)  # [ROWS, BLOCK_C]
+        if KEYS:
+            count += tl.sum(tl.where(cols[None, :] < n_sample, fired, 0), axis=1)
+        if BITS:
+            words = tl.reduce(tl.reshape(fired, [ROWS, BLOCK_C // 32, 32]) << lane[None, None, :], 2, _bitwise_or)
+            w = c0 // 32 + tl.arange(0, BLOCK_C // 32)
+            tl.store(bits_ptr + rows[:, None].to(tl.int64) * n_words + w[None, :], words,
+                     mask=row_mask[:, None] & (w[None, :] < n_words))  # fmt: skip
+    if KEYS:
+        tl.store(keys_ptr + rows, _count_key(count), mask=row_mask)
+
+
+@triton.jit
+def row_block_union_kernel(bits_ptr, order_ptr, indices_ptr, counts_ptr, M, N, n_words, n_tiles,
+                           TILE: tl.constexpr, WORDS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                           HAS_ORDER: tl.constexpr):  # fmt: skip
+    # bits [M, n_words] (row_bits_kernel); order [M] int32 (block b = rows order[b * BLOCK_ROWS ...]); out: indices
+    # [n_blocks, n_tiles * TILE] (the union of tile t at [t * TILE, t * TILE + count), column order), counts
+    # [n_blocks, n_tiles]. A program or-s the WORDS = max(1, TILE / 32) words that hold its tile for each of the
+    # block's rows (a few KB, in L2 after the bits pass) and compacts the union's columns.
     tile = tl.program_id(0)
     block = tl.program_id(1)
+    slots = block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [BLOCK_ROWS]
+    slot_mask = slots < M
+    rows = tl.load(order_ptr + slots, mask=slot_mask, other=0) if HAS_ORDER else slots
+    first_word = (tile * TILE) // 32
+    w = tl.arange(0, WORDS)
+    words = tl.load(bits_ptr + rows[:, None].to(tl.int64) * n_words + first_word + w[None, :],
+                    mask=slot_mask[:, None] & (first_word + w[None, :] < n_words), other=0)  # fmt: skip
+    union = tl.reduce(words, 0, _bitwise_or)  # [WORDS]
     cols = tile * TILE + tl.arange(0, TILE)  # [TILE]
-    fired = tl.zeros([SUB_ROWS, TILE], dtype=tl.int1)
-    for r0 in range(0, BLOCK_ROWS, SUB_ROWS):
-        slots = block * BLOCK_ROWS + r0 + tl.arange(0, SUB_ROWS)
-        slot_mask = slots < M
-        rows = tl.load(order_ptr + slots, mask=slot_mask, other=0) if HAS_ORDER else slots
-        v = tl.load(dense_ptr + rows[:, None].to(tl.int64) * stride_row + cols[None, :],
-                    mask=slot_mask[:, None] & (cols[None, :] < N), other=0.0)  # [SUB_ROWS, TILE]  # fmt: skip
-        fired = fired | _is_nonzero(v, RELU)
-    in_union = tl.max(fired.to(tl.int32), axis=0)  # [TILE]
+    word_of_col = tl.reduce(tl.where((cols // 32 - first_word)[:, None] == w[None, :], union[None, :], 0), 1,
+                            _bitwise_or)  # fmt: skip
+    in_union = ((word_of_col >> (cols % 32)) & 1) * (cols < N)  # [TILE]
     rank = tl.cumsum(in_union, axis=0) - 1
     tl.store(indices_ptr + block.to(tl.int64) * (n_tiles * TILE) + tile * TILE + rank, cols, mask=in_union > 0)
     tl.store(counts_ptr + block * n_tiles + tile, tl.sum(in_union, axis=0))
+
+
+def _row_bits(dense: torch.Tensor, relu: bool, n_sample: int, bits: bool, keys: bool):
+    """(bits [M, ceil(N / 32)] int32 or None, keys [M] int32 or None) of ``dense`` [M, N] from one row_bits_kernel
+    launch (the one pass over ``dense``)."""
+    M, N = dense.shape
+    n_words = triton.cdiv(N, 32)
+    out_bits = new_output((M, n_words), torch.int32, dense.device) if bits else None  # poisoned under test
+    out_keys = new_output((M,), torch.int32, dense.device) if keys else None
+    rows, block_c = (2, 64) if _backend.INTERPRET else (4, 1024)
+    row_bits_kernel[(triton.cdiv(M, rows),)](dense, out_bits if bits else dense, out_keys if keys else dense, M, N,
+                                             n_words, n_sample, dense.stride(0), ROWS=rows,
+                                             BLOCK_C=min(block_c, max(32, triton.next_power_of_2(N))), RELU=relu,
+                                             BITS=bits, KEYS=keys, num_warps=4)  # fmt: skip
+    record_launch("row_bits_kernel")
+    return out_bits, out_keys
 
 
 # Sorting rows for row-block unions. What shrinks a block's union is grouping rows of similar non-zero counts, not
@@ -183,21 +231,6 @@ def _count_key(count):
     for k in tl.static_range(1, 31):
         e += (v >= (1 << k)).to(tl.int32)
     return 4 * e + ((v.to(tl.int64) * 4) >> e.to(tl.int64)).to(tl.int32) - 4
-
-
-@triton.jit
-def row_count_key_kernel(dense_ptr, keys_ptr, M, n_sample, stride_row, ROWS: tl.constexpr, BLOCK_C: tl.constexpr,
-                         RELU: tl.constexpr):  # fmt: skip
-    # dense [M, >= n_sample] -> keys [M] int32: the key of each row's non-zero count among its first n_sample columns
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS]
-    row_mask = rows < M
-    count = tl.zeros([ROWS], dtype=tl.int32)
-    for c0 in range(0, n_sample, BLOCK_C):
-        cols = c0 + tl.arange(0, BLOCK_C)
-        v = tl.load(dense_ptr + rows[:, None].to(tl.int64) * stride_row + cols[None, :],
-                    mask=row_mask[:, None] & (cols[None, :] < n_sample), other=0.0)  # fmt: skip
-        count += tl.sum(_is_nonzero(v, RELU).to(tl.int32), axis=1)
-    tl.store(keys_ptr + rows, _count_key(count), mask=row_mask)
 
 
 @triton.jit
@@ -232,27 +265,28 @@ def torch_count_order(fired: torch.Tensor, group: int = SORT_GROUP) -> torch.Ten
     return torch.cat(parts).to(torch.int32) if parts else key.to(torch.int32)
 
 
+def _group_rank(keys: torch.Tensor, n_sample: int, group: int) -> torch.Tensor:
+    M = keys.numel()
+    order = new_output((M,), torch.int32, keys.device)  # poisoned (-1) under test: every position is written
+    sub = 8 if _backend.INTERPRET else 128
+    group_rank_kernel[(triton.cdiv(M, group),)](keys, order, M, GROUP=group, SUB=min(sub, group),
+                                                KEYS=_sort_keys(n_sample))  # fmt: skip
+    record_launch("group_rank_kernel")
+    return order
+
+
 def count_order(dense: torch.Tensor, n_sample: int, relu: bool = False, group: int = SORT_GROUP) -> torch.Tensor:
     """[M] int32 row order: within each ``group`` consecutive rows of ``dense`` [M, N], the rows by decreasing count
     of non-zeros (of relu(dense) when ``relu``) among their first ``n_sample`` columns, bucketed four buckets per
-    octave, stable within a bucket: heavy rows first. Two Triton launches, no host sync; reads ``M * n_sample``
-    elements."""
+    octave, stable within a bucket: heavy rows first. Two Triton launches, no host sync; reads ``dense`` once."""
     M = dense.shape[0]
     if backend_for(dense) is Backend.TORCH or M == 0:
         if M:
             _backend.warn_reference_once("count_order")
         fired = dense[:, :n_sample]
         return torch_count_order((fired > 0) | fired.isnan() if relu else fired != 0, group)
-    rows, block_c, sub = (4, 32, 8) if _backend.INTERPRET else (16, 256, 128)
-    keys = torch.empty(M, dtype=torch.int32, device=dense.device)
-    order = new_output((M,), torch.int32, dense.device)  # poisoned (-1) under test: every position is written
-    row_count_key_kernel[(triton.cdiv(M, rows),)](dense, keys, M, n_sample, dense.stride(0), ROWS=rows,
-                                                 BLOCK_C=block_c, RELU=relu)  # fmt: skip
-    group_rank_kernel[(triton.cdiv(M, group),)](keys, order, M, GROUP=group, SUB=min(sub, group),
-                                                KEYS=_sort_keys(n_sample))  # fmt: skip
-    record_launch("row_count_key_kernel")
-    record_launch("group_rank_kernel")
-    return order
+    _, keys = _row_bits(dense, relu, n_sample, bits=False, keys=True)
+    return _group_rank(keys, n_sample, group)
 
 
 def dense_to_row_block_pattern(dense: torch.Tensor, tile: int, block_rows: int, *, relu: bool = False,
@@ -262,7 +296,9 @@ def dense_to_row_block_pattern(dense: torch.Tensor, tile: int, block_rows: int, 
     With ``sort_rows`` the rows are first ordered by :func:`count_order` -- heavy rows first within each group of
     :data:`SORT_GROUP` rows, counted over the first ``sort_sample`` columns (default: all) -- so tokens of similar
     sparsity share blocks and the unions shrink: on the synthetic ReLU FFN at 30 non-zeros per token, 64-row unions
-    cover 14% of the columns against 22% in token order. No host sync; reads ``dense`` once, plus ``M * sort_sample`` elements when sorting."""
+    cover 14% of the columns against 22% in token order. No host sync; reads ``dense`` once: one streaming pass
+    writes a bitmask of its non-zeros (N / 8 bytes per row) and the rows' sort keys, and the unions are or-ed from
+    the bitmask."""
     op = "dense_to_row_block_pattern"
     dense = _check_dense(op, dense)
     check_twell_geometry(op, tile, 1)
@@ -272,17 +308,19 @@ def dense_to_row_block_pattern(dense: torch.Tensor, tile: int, block_rows: int, 
     M, N = dense.shape
     n_sample = N if sort_sample is None else min(N, sort_sample)
     n_tiles, n_blocks = triton.cdiv(N, tile), triton.cdiv(M, block_rows)
-    order = count_order(dense, n_sample, relu) if sort_rows else None
     if backend_for(dense) is Backend.TORCH or M == 0:
+        order = count_order(dense, n_sample, relu) if sort_rows else None
         if M:
             _backend.warn_reference_once(op)
         fired = (dense > 0) | dense.isnan() if relu else dense != 0
         return RowBlockPattern.from_dense(fired.to(torch.uint8), tile, block_rows, order)
+    bits, keys = _row_bits(dense, relu, n_sample, bits=True, keys=sort_rows)
+    order = _group_rank(keys, n_sample, SORT_GROUP) if sort_rows else None
     indices = torch.empty(n_blocks, n_tiles * tile, dtype=torch.int32, device=dense.device)
     union_counts = torch.empty(n_blocks, n_tiles, dtype=torch.int32, device=dense.device)
-    row_block_union_kernel[(n_tiles, n_blocks)](dense, order if order is not None else dense, indices, union_counts,
-                                                M, N, n_tiles, dense.stride(0), TILE=tile, BLOCK_ROWS=block_rows,
-                                                SUB_ROWS=min(16, block_rows), RELU=relu, HAS_ORDER=order is not None,
-                                                num_warps=2)  # fmt: skip
+    row_block_union_kernel[(n_tiles, n_blocks)](bits, order if order is not None else bits, indices, union_counts,
+                                                M, N, bits.shape[1], n_tiles, TILE=tile, WORDS=max(1, tile // 32),
+                                                BLOCK_ROWS=block_rows, HAS_ORDER=order is not None,
+                                                num_warps=4)  # fmt: skip
     record_launch("row_block_union_kernel")
     return RowBlockPattern(indices, union_counts, order, M, N, tile, block_rows)
