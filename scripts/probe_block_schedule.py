@@ -88,6 +88,17 @@ def pattern_stages() -> None:
         t_all = graph_us(lambda: compact.dense_to_row_block_pattern(pre, 256, 64, relu=True, sort_rows=True))
         t_unsorted = graph_us(lambda: compact.dense_to_row_block_pattern(pre, 256, 64, relu=True))
         p = compact.dense_to_row_block_pattern(pre, 256, 64, relu=True, sort_rows=True)
+        sweep = []
+        for rows, block_c, warps in [(4, 1024, 4), (2, 2048, 4), (8, 512, 4), (4, 1024, 8), (16, 256, 4),
+                                     (1, 4096, 4), (8, 1024, 8), (2, 1024, 2)]:  # fmt: skip
+            b2, k2 = torch.empty_like(bits), torch.empty_like(keys)
+            launch = lambda: compact.row_bits_kernel[(triton.cdiv(M, rows),)](  # noqa: E731
+                pre, b2, k2, M, N, bits.shape[1], N, pre.stride(0), ROWS=rows, BLOCK_C=block_c, RELU=True,
+                BITS=True, KEYS=True, num_warps=warps)  # fmt: skip
+            launch()
+            same = torch.equal(b2, bits) and torch.equal(k2, keys)
+            sweep.append(f"{rows}x{block_c}/{warps}w {graph_us(launch):.1f}{'' if same else ' DIFFERS'}")
+        print(f"  bits pass (rows x columns / warps): " + ", ".join(sweep), flush=True)
         print(f"M={M}: read of pre (torch sum) {read:.1f} us ({pre.numel() * 2 / read / 1e6:.2f} TB/s); bits pass "
               f"{t_bits:.1f} us ({pre.numel() * 2 / t_bits / 1e6:.2f} TB/s); group rank {t_rank:.1f} us; whole "
               f"pattern sorted {t_all:.1f} us (unions {p.union_sizes().double().mean() / N:.1%} of N), token order "

@@ -68,7 +68,7 @@ def test_row_block_pattern_matches_reference(M, N, tile, block_rows, sort_rows, 
 
 @pytest.mark.parametrize("relu", [True, False])
 @pytest.mark.parametrize("sample", [None, 24])
-@pytest.mark.parametrize("group", [1024, 16])
+@pytest.mark.parametrize("group", [1024, 16, 24])
 @pytest.mark.parametrize("M", [1, 37, 600])
 def test_count_order_matches_reference(M, group, sample, relu, device):
     g = torch.Generator().manual_seed(M)

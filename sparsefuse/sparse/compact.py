@@ -235,24 +235,29 @@ def _count_key(count):
 
 @triton.jit
 def group_rank_kernel(keys_ptr, order_ptr, M, GROUP: tl.constexpr, SUB: tl.constexpr, KEYS: tl.constexpr):
-    # A stable counting sort by decreasing key of the GROUP rows of this program (keys [M] int32): row r goes to
+    # A stable counting sort by decreasing key within groups of GROUP rows (keys [M] int32): row r goes to
     #   group start + (the group's rows with a larger key) + (its earlier rows with r's key); order[position] = r.
+    # Program (g, c) places the SUB rows of chunk c of group g. It histograms the whole group's keys itself, so the
+    # chunks need nothing from each other: no serial walk over the group (18 us -> a few on an H200).
     base = tl.program_id(0) * GROUP
+    chunk = tl.program_id(1)
     k = tl.arange(0, KEYS)
     totals = tl.zeros([KEYS], dtype=tl.int32)
-    for r0 in range(0, GROUP, SUB):
-        rows = base + r0 + tl.arange(0, SUB)
-        key = tl.load(keys_ptr + rows, mask=rows < M, other=-1)
-        totals += tl.sum((key[:, None] == k[None, :]).to(tl.int32), axis=0)
-    first = base + tl.sum(totals, axis=0) - tl.cumsum(totals, axis=0)  # [KEYS]: first position of each key
-    for r0 in range(0, GROUP, SUB):
-        rows = base + r0 + tl.arange(0, SUB)
-        row_mask = rows < M
-        key = tl.load(keys_ptr + rows, mask=row_mask, other=-1)
-        onehot = (key[:, None] == k[None, :]).to(tl.int32)  # [SUB, KEYS]
-        position = tl.sum(onehot * (first[None, :] + tl.cumsum(onehot, axis=0) - onehot), axis=1)
-        tl.store(order_ptr + position, rows, mask=row_mask)
-        first += tl.sum(onehot, axis=0)
+    earlier = tl.zeros([KEYS], dtype=tl.int32)  # keys of the group's chunks before this one
+    for c in tl.static_range((GROUP + SUB - 1) // SUB):
+        local = c * SUB + tl.arange(0, SUB)
+        key = tl.load(keys_ptr + base + local, mask=(local < GROUP) & (base + local < M), other=-1)
+        hist = tl.sum((key[:, None] == k[None, :]).to(tl.int32), axis=0)
+        totals += hist
+        earlier += tl.where(c < chunk, hist, 0)
+    first = base + tl.sum(totals, axis=0) - tl.cumsum(totals, axis=0) + earlier  # [KEYS]: this chunk's first slots
+    local = chunk * SUB + tl.arange(0, SUB)
+    rows = base + local
+    row_mask = (local < GROUP) & (rows < M)
+    key = tl.load(keys_ptr + rows, mask=row_mask, other=-1)
+    onehot = (key[:, None] == k[None, :]).to(tl.int32)  # [SUB, KEYS]
+    position = tl.sum(onehot * (first[None, :] + tl.cumsum(onehot, axis=0) - onehot), axis=1)
+    tl.store(order_ptr + position, rows, mask=row_mask)
 
 
 def torch_count_order(fired: torch.Tensor, group: int = SORT_GROUP) -> torch.Tensor:
@@ -268,9 +273,9 @@ def torch_count_order(fired: torch.Tensor, group: int = SORT_GROUP) -> torch.Ten
 def _group_rank(keys: torch.Tensor, n_sample: int, group: int) -> torch.Tensor:
     M = keys.numel()
     order = new_output((M,), torch.int32, keys.device)  # poisoned (-1) under test: every position is written
-    sub = 8 if _backend.INTERPRET else 128
-    group_rank_kernel[(triton.cdiv(M, group),)](keys, order, M, GROUP=group, SUB=min(sub, group),
-                                                KEYS=_sort_keys(n_sample))  # fmt: skip
+    sub = min(triton.next_power_of_2(group), 64 if _backend.INTERPRET else 128)
+    grid = (triton.cdiv(M, group), triton.cdiv(min(M, group), sub))
+    group_rank_kernel[grid](keys, order, M, GROUP=group, SUB=sub, KEYS=_sort_keys(n_sample))
     record_launch("group_rank_kernel")
     return order
 
