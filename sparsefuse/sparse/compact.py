@@ -198,7 +198,8 @@ def _row_bits(dense: torch.Tensor, relu: bool, n_sample: int, bits: bool, keys: 
     n_words = triton.cdiv(N, 32)
     out_bits = new_output((M, n_words), torch.int32, dense.device) if bits else None  # poisoned under test
     out_keys = new_output((M,), torch.int32, dense.device) if keys else None
-    rows, block_c = (2, 64) if _backend.INTERPRET else (4, 1024)
+    # 8 rows x 512 columns per step, 4 warps: 9-16% faster than 4 x 1024 at 2048-16384 tokens (probe_block_schedule)
+    rows, block_c = (2, 64) if _backend.INTERPRET else (8, 512)
     row_bits_kernel[(triton.cdiv(M, rows),)](dense, out_bits if bits else dense, out_keys if keys else dense, M, N,
                                              n_words, n_sample, dense.stride(0), ROWS=rows,
                                              BLOCK_C=min(block_c, max(32, triton.next_power_of_2(N))), RELU=relu,
