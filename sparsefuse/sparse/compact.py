@@ -7,7 +7,7 @@ Two launches over a [M, N] dense tensor tiled into (row, column chunk) programs:
 
 :func:`dense_to_row_block_pattern` builds a :class:`RowBlockPattern` (row-block unions; optionally rows sorted by
 their count of non-zeros first, so that tokens of similar sparsity share a block): one streaming pass writes a
-bitmask of the non-zeros and the sort keys, and a union kernel or-s the bitmask's words per block; no host sync.
+bitmask of the non-zeros and per-row counts, and a union kernel or-s the bitmask's words per block; no host sync.
 
 ELL needs no device->host sync (its row base is ``row * width`` and entries past the width are counted but not
 stored). CSR needs the total nnz on the host to allocate exactly (one sync). NaN counts as a non-zero, so it
@@ -139,29 +139,29 @@ def _bitwise_or(a, b):
 
 
 @triton.jit
-def row_bits_kernel(dense_ptr, bits_ptr, keys_ptr, M, N, n_words, n_sample, stride_row, ROWS: tl.constexpr,
-                    BLOCK_C: tl.constexpr, RELU: tl.constexpr, BITS: tl.constexpr, KEYS: tl.constexpr):  # fmt: skip
+def row_bits_kernel(dense_ptr, bits_ptr, counts_ptr, M, N, n_words, n_sample, n_chunks, stride_row,
+                    ROWS: tl.constexpr, BLOCK_C: tl.constexpr, RELU: tl.constexpr, BITS: tl.constexpr,
+                    COUNTS: tl.constexpr):  # fmt: skip
     # dense [M, N] -> bits [M, n_words] int32 (bit c % 32 of word c // 32 set where column c is non-zero; BLOCK_C a
-    # multiple of 32) and keys [M] int32 (the sort key of each row's non-zero count among its first n_sample
-    # columns). Programs own ROWS whole rows and stream them in row order: the one pass over dense.
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS]
+    # multiple of 32) and counts [M, n_chunks] int32 (each row's non-zeros among its first n_sample columns, per
+    # chunk of BLOCK_C columns). Grid (column chunks, row chunks): one [ROWS, BLOCK_C] load per program, no loop,
+    # so even a few thousand rows give enough loads in flight (a program looping over whole rows had too few).
+    chunk = tl.program_id(0)
+    rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)  # [ROWS]
     row_mask = rows < M
-    lane = tl.arange(0, 32)
-    count = tl.zeros([ROWS], dtype=tl.int32)
-    for c0 in range(0, N, BLOCK_C):
-        cols = c0 + tl.arange(0, BLOCK_C)
-        v = tl.load(dense_ptr + rows[:, None].to(tl.int64) * stride_row + cols[None, :],
-                    mask=row_mask[:, None] & (cols[None, :] < N), other=0.0)  # fmt: skip
-        fired = _is_nonzero(v, RELU).to(tl.int32)  # [ROWS, BLOCK_C]
-        if KEYS:
-            count += tl.sum(tl.where(cols[None, :] < n_sample, fired, 0), axis=1)
-        if BITS:
-            words = tl.reduce(tl.reshape(fired, [ROWS, BLOCK_C // 32, 32]) << lane[None, None, :], 2, _bitwise_or)
-            w = c0 // 32 + tl.arange(0, BLOCK_C // 32)
-            tl.store(bits_ptr + rows[:, None].to(tl.int64) * n_words + w[None, :], words,
-                     mask=row_mask[:, None] & (w[None, :] < n_words))  # fmt: skip
-    if KEYS:
-        tl.store(keys_ptr + rows, _count_key(count), mask=row_mask)
+    cols = chunk * BLOCK_C + tl.arange(0, BLOCK_C)
+    v = tl.load(dense_ptr + rows[:, None].to(tl.int64) * stride_row + cols[None, :],
+                mask=row_mask[:, None] & (cols[None, :] < N), other=0.0)  # fmt: skip
+    fired = _is_nonzero(v, RELU).to(tl.int32)  # [ROWS, BLOCK_C]
+    if COUNTS:
+        count = tl.sum(tl.where(cols[None, :] < n_sample, fired, 0), axis=1)
+        tl.store(counts_ptr + rows.to(tl.int64) * n_chunks + chunk, count, mask=row_mask)
+    if BITS:
+        lane = tl.arange(0, 32)
+        words = tl.reduce(tl.reshape(fired, [ROWS, BLOCK_C // 32, 32]) << lane[None, None, :], 2, _bitwise_or)
+        w = chunk * (BLOCK_C // 32) + tl.arange(0, BLOCK_C // 32)
+        tl.store(bits_ptr + rows[:, None].to(tl.int64) * n_words + w[None, :], words,
+                 mask=row_mask[:, None] & (w[None, :] < n_words))  # fmt: skip
 
 
 @triton.jit
@@ -191,21 +191,24 @@ def row_block_union_kernel(bits_ptr, order_ptr, indices_ptr, counts_ptr, M, N, n
     tl.store(counts_ptr + block * n_tiles + tile, tl.sum(in_union, axis=0))
 
 
-def _row_bits(dense: torch.Tensor, relu: bool, n_sample: int, bits: bool, keys: bool):
-    """(bits [M, ceil(N / 32)] int32 or None, keys [M] int32 or None) of ``dense`` [M, N] from one row_bits_kernel
-    launch (the one pass over ``dense``)."""
+def _row_bits(dense: torch.Tensor, relu: bool, n_sample: int, bits: bool, counts: bool):
+    """(bits [M, ceil(N / 32)] int32 or None, partial counts [M, n_chunks] int32 or None) of ``dense`` [M, N] from
+    one row_bits_kernel launch (the one pass over ``dense``)."""
     M, N = dense.shape
     n_words = triton.cdiv(N, 32)
-    out_bits = new_output((M, n_words), torch.int32, dense.device) if bits else None  # poisoned under test
-    out_keys = new_output((M,), torch.int32, dense.device) if keys else None
-    # 8 rows x 512 columns per step, 4 warps: 9-16% faster than 4 x 1024 at 2048-16384 tokens (probe_block_schedule)
+    # 8 rows x 512 columns, 4 warps (scripts/probe_block_schedule.py --pattern); wider chunks for very wide rows
+    # keep the partial counts to at most 32 per row for the rank kernel
     rows, block_c = (2, 64) if _backend.INTERPRET else (8, 512)
-    row_bits_kernel[(triton.cdiv(M, rows),)](dense, out_bits if bits else dense, out_keys if keys else dense, M, N,
-                                             n_words, n_sample, dense.stride(0), ROWS=rows,
-                                             BLOCK_C=min(block_c, max(32, triton.next_power_of_2(N))), RELU=relu,
-                                             BITS=bits, KEYS=keys, num_warps=4)  # fmt: skip
+    block_c = max(block_c, triton.next_power_of_2(triton.cdiv(N, 32)))
+    block_c = min(block_c, max(32, triton.next_power_of_2(N)))
+    n_chunks = triton.cdiv(N, block_c)
+    out_bits = new_output((M, n_words), torch.int32, dense.device) if bits else None  # poisoned under test
+    out_counts = new_output((M, n_chunks), torch.int32, dense.device) if counts else None
+    row_bits_kernel[(n_chunks, triton.cdiv(M, rows))](
+        dense, out_bits if bits else dense, out_counts if counts else dense, M, N, n_words, n_sample, n_chunks,
+        dense.stride(0), ROWS=rows, BLOCK_C=block_c, RELU=relu, BITS=bits, COUNTS=counts, num_warps=4)  # fmt: skip
     record_launch("row_bits_kernel")
-    return out_bits, out_keys
+    return out_bits, out_counts
 
 
 # Sorting rows for row-block unions. What shrinks a block's union is grouping rows of similar non-zero counts, not
@@ -215,7 +218,8 @@ def _row_bits(dense: torch.Tensor, relu: bool, n_sample: int, bits: bool, keys: 
 # synthetic ReLU FFN (8192 tokens, 30 non-zeros per token, 64-row blocks) the unions cover 21.9% of N in token order,
 # 12.9% after an exact global sort, 13.6% with keys counted over the first eighth of the columns and sorted globally,
 # and 13.8% with those keys sorted in groups of 1024 -- whose heaviest blocks are then spread over the batch (largest
-# union 60% of N, against 68% with one global sort), which balances the products' grid.
+# union 60% of N, against 68% with one global sort), which balances the products' grid. Counting every column (free
+# since the bits pass reads them all; the FFN's block plan does) gives 13.1-13.3% in groups of 1024.
 SORT_GROUP = 1024
 
 
@@ -235,30 +239,40 @@ def _count_key(count):
 
 
 @triton.jit
-def group_rank_kernel(keys_ptr, order_ptr, M, GROUP: tl.constexpr, SUB: tl.constexpr, KEYS: tl.constexpr):
-    # A stable counting sort by decreasing key within groups of GROUP rows (keys [M] int32): row r goes to
+def _group_keys(counts_ptr, local, base, M, n_chunks, GROUP: tl.constexpr, CHUNKS: tl.constexpr):
+    """Sort keys [SUB] of the group rows ``base + local`` from their partial counts (-1 past the group or M)."""
+    rows = base + local
+    mask = (local < GROUP) & (rows < M)
+    c = tl.arange(0, CHUNKS)
+    parts = tl.load(counts_ptr + rows[:, None].to(tl.int64) * n_chunks + c[None, :],
+                    mask=mask[:, None] & (c[None, :] < n_chunks), other=0)  # fmt: skip
+    return tl.where(mask, _count_key(tl.sum(parts, axis=1)), -1)
+
+
+@triton.jit
+def group_rank_kernel(counts_ptr, order_ptr, M, n_chunks, GROUP: tl.constexpr, SUB: tl.constexpr,
+                      KEYS: tl.constexpr, CHUNKS: tl.constexpr):  # fmt: skip
+    # A stable counting sort by decreasing key within groups of GROUP rows (counts [M, n_chunks] int32: a row's key
+    # is the key of their sum): row r goes to
     #   group start + (the group's rows with a larger key) + (its earlier rows with r's key); order[position] = r.
     # Program (g, c) places the SUB rows of chunk c of group g. It histograms the whole group's keys itself, so the
-    # chunks need nothing from each other: no serial walk over the group (18 us -> a few on an H200).
+    # chunks need nothing from each other: no serial walk over the group (18 us -> 8 on an H200 at 8192 rows).
     base = tl.program_id(0) * GROUP
     chunk = tl.program_id(1)
     k = tl.arange(0, KEYS)
     totals = tl.zeros([KEYS], dtype=tl.int32)
     earlier = tl.zeros([KEYS], dtype=tl.int32)  # keys of the group's chunks before this one
     for c in tl.static_range((GROUP + SUB - 1) // SUB):
-        local = c * SUB + tl.arange(0, SUB)
-        key = tl.load(keys_ptr + base + local, mask=(local < GROUP) & (base + local < M), other=-1)
+        key = _group_keys(counts_ptr, c * SUB + tl.arange(0, SUB), base, M, n_chunks, GROUP, CHUNKS)
         hist = tl.sum((key[:, None] == k[None, :]).to(tl.int32), axis=0)
         totals += hist
         earlier += tl.where(c < chunk, hist, 0)
     first = base + tl.sum(totals, axis=0) - tl.cumsum(totals, axis=0) + earlier  # [KEYS]: this chunk's first slots
     local = chunk * SUB + tl.arange(0, SUB)
-    rows = base + local
-    row_mask = (local < GROUP) & (rows < M)
-    key = tl.load(keys_ptr + rows, mask=row_mask, other=-1)
+    key = _group_keys(counts_ptr, local, base, M, n_chunks, GROUP, CHUNKS)
     onehot = (key[:, None] == k[None, :]).to(tl.int32)  # [SUB, KEYS]
     position = tl.sum(onehot * (first[None, :] + tl.cumsum(onehot, axis=0) - onehot), axis=1)
-    tl.store(order_ptr + position, rows, mask=row_mask)
+    tl.store(order_ptr + position, base + local, mask=key >= 0)
 
 
 def torch_count_order(fired: torch.Tensor, group: int = SORT_GROUP) -> torch.Tensor:
@@ -271,12 +285,14 @@ def torch_count_order(fired: torch.Tensor, group: int = SORT_GROUP) -> torch.Ten
     return torch.cat(parts).to(torch.int32) if parts else key.to(torch.int32)
 
 
-def _group_rank(keys: torch.Tensor, n_sample: int, group: int) -> torch.Tensor:
-    M = keys.numel()
-    order = new_output((M,), torch.int32, keys.device)  # poisoned (-1) under test: every position is written
+def _group_rank(counts: torch.Tensor, n_sample: int, group: int) -> torch.Tensor:
+    """[M] int32 order from partial counts [M, n_chunks] (:func:`_row_bits`): heaviest first within groups."""
+    M, n_chunks = counts.shape
+    order = new_output((M,), torch.int32, counts.device)  # poisoned (-1) under test: every position is written
     sub = min(triton.next_power_of_2(group), 64 if _backend.INTERPRET else 128)
     grid = (triton.cdiv(M, group), triton.cdiv(min(M, group), sub))
-    group_rank_kernel[grid](keys, order, M, GROUP=group, SUB=sub, KEYS=_sort_keys(n_sample))
+    group_rank_kernel[grid](counts, order, M, n_chunks, GROUP=group, SUB=sub, KEYS=_sort_keys(n_sample),
+                            CHUNKS=triton.next_power_of_2(n_chunks))  # fmt: skip
     record_launch("group_rank_kernel")
     return order
 
@@ -291,8 +307,8 @@ def count_order(dense: torch.Tensor, n_sample: int, relu: bool = False, group: i
             _backend.warn_reference_once("count_order")
         fired = dense[:, :n_sample]
         return torch_count_order((fired > 0) | fired.isnan() if relu else fired != 0, group)
-    _, keys = _row_bits(dense, relu, n_sample, bits=False, keys=True)
-    return _group_rank(keys, n_sample, group)
+    _, counts = _row_bits(dense, relu, n_sample, bits=False, counts=True)
+    return _group_rank(counts, n_sample, group)
 
 
 def dense_to_row_block_pattern(dense: torch.Tensor, tile: int, block_rows: int, *, relu: bool = False,
@@ -303,7 +319,7 @@ def dense_to_row_block_pattern(dense: torch.Tensor, tile: int, block_rows: int, 
     :data:`SORT_GROUP` rows, counted over the first ``sort_sample`` columns (default: all) -- so tokens of similar
     sparsity share blocks and the unions shrink: on the synthetic ReLU FFN at 30 non-zeros per token, 64-row unions
     cover 14% of the columns against 22% in token order. No host sync; reads ``dense`` once: one streaming pass
-    writes a bitmask of its non-zeros (N / 8 bytes per row) and the rows' sort keys, and the unions are or-ed from
+    writes a bitmask of its non-zeros (N / 8 bytes per row) and the rows' counts, and the unions are or-ed from
     the bitmask."""
     op = "dense_to_row_block_pattern"
     dense = _check_dense(op, dense)
@@ -320,8 +336,8 @@ def dense_to_row_block_pattern(dense: torch.Tensor, tile: int, block_rows: int, 
             _backend.warn_reference_once(op)
         fired = (dense > 0) | dense.isnan() if relu else dense != 0
         return RowBlockPattern.from_dense(fired.to(torch.uint8), tile, block_rows, order)
-    bits, keys = _row_bits(dense, relu, n_sample, bits=True, keys=sort_rows)
-    order = _group_rank(keys, n_sample, SORT_GROUP) if sort_rows else None
+    bits, counts = _row_bits(dense, relu, n_sample, bits=True, counts=sort_rows)
+    order = _group_rank(counts, n_sample, SORT_GROUP) if sort_rows else None
     indices = torch.empty(n_blocks, n_tiles * tile, dtype=torch.int32, device=dense.device)
     union_counts = torch.empty(n_blocks, n_tiles, dtype=torch.int32, device=dense.device)
     row_block_union_kernel[(n_tiles, n_blocks)](bits, order if order is not None else bits, indices, union_counts,
