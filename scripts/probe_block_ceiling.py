@@ -72,16 +72,23 @@ def stream_read_kernel(w_ptr, out_ptr, n_rows, n_cols, BLOCK_J: tl.constexpr, BL
     tl.store(out_ptr + pid * BLOCK_D + d, tl.sum(acc, axis=0))
 
 
-def main() -> None:
+def headline_case():
+    """The issue's headline case on the GPU: (synthetic FFN, x [M, K], w_down_t [N, K], gate pre-activations); prints
+    the device, versions and the commit (SPARSEFUSE_COMMIT) the probe runs at."""
     torch.manual_seed(0)
     M, K, N, nnz = 8192, 2048, 5632, 30.0
     f = synthetic_ffn(K, N, dtype=torch.bfloat16, device="cuda")
     x = f.make_input(M, nnz)
     w_down_t = f.w_down.t()  # [N, K] rows contiguous, as the library passes it
-    plan = twell.BLOCK_PLAN
-    pre = F.linear(x, f.w_gate)
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, "commit",
           os.environ.get("SPARSEFUSE_COMMIT", "unknown"), flush=True)
+    return f, x, w_down_t, F.linear(x, f.w_gate)
+
+
+def main() -> None:
+    f, x, w_down_t, pre = headline_case()
+    (M, K), N = x.shape, pre.shape[1]
+    plan = twell.BLOCK_PLAN
     t = {}
     t["eager"] = graph_us(lambda: F.linear(F.relu(F.linear(x, f.w_gate)) * F.linear(x, f.w_up), f.w_down))
     t["gate"] = graph_us(lambda: F.linear(x, f.w_gate))

@@ -16,21 +16,16 @@ pattern pass stage by stage."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 
 import torch
 import torch.nn.functional as F
 import triton
 
-from probe_decode import time_graph
+from probe_block_ceiling import graph_us, headline_case
 from sparsefuse.ffn import twell
 from sparsefuse.ffn.synthetic import synthetic_ffn
 from sparsefuse.sparse import compact, sddmm, spmm
-
-
-def graph_us(fn, reps: int = 10) -> float:
-    return time_graph(lambda: fn(), [()] * reps)
 
 
 def down(h, w, out, schedule, block_j, block_d, warps, stages):
@@ -112,15 +107,9 @@ def main() -> None:
         return sort_threshold()
     if "--pattern" in sys.argv:
         return pattern_stages()
-    torch.manual_seed(0)
-    M, K, N, nnz = 8192, 2048, 5632, 30.0
-    f = synthetic_ffn(K, N, dtype=torch.bfloat16, device="cuda")
-    x = f.make_input(M, nnz)
-    w_down_t = f.w_down.t()  # [N, K] rows contiguous, as the library passes it
+    f, x, w_down_t, pre = headline_case()
+    K, N = x.shape[1], pre.shape[1]
     plan = twell.BLOCK_PLAN
-    pre = F.linear(x, f.w_gate)
-    print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, "commit",
-          os.environ.get("SPARSEFUSE_COMMIT", "unknown"), flush=True)
     eager = graph_us(lambda: F.linear(F.relu(F.linear(x, f.w_gate)) * F.linear(x, f.w_up), f.w_down))
     gate = graph_us(lambda: F.linear(x, f.w_gate))
     path = graph_us(lambda: twell.twell_mlp(x, f.w_gate, f.w_up, f.w_down, method="block"))
