@@ -144,10 +144,12 @@ def row_bits_kernel(dense_ptr, bits_ptr, counts_ptr, M, N, n_words, n_sample, n_
                     COUNTS: tl.constexpr):  # fmt: skip
     # dense [M, N] -> bits [M, n_words] int32 (bit c % 32 of word c // 32 set where column c is non-zero; BLOCK_C a
     # multiple of 32) and counts [M, n_chunks] int32 (each row's non-zeros among its first n_sample columns, per
-    # chunk of BLOCK_C columns). Grid (column chunks, row chunks): one [ROWS, BLOCK_C] load per program, no loop,
-    # so even a few thousand rows give enough loads in flight (a program looping over whole rows had too few).
-    chunk = tl.program_id(0)
-    rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)  # [ROWS]
+    # chunk of BLOCK_C columns). One [ROWS, BLOCK_C] load per program, no loop, so even a few thousand rows give
+    # enough loads in flight (a program looping over whole rows had too few). A 1-D grid (no 65535 limit on rows),
+    # column chunks fastest: neighbouring programs read neighbouring parts of the same rows.
+    pid = tl.program_id(0)
+    chunk = pid % n_chunks
+    rows = (pid // n_chunks) * ROWS + tl.arange(0, ROWS)  # [ROWS]
     row_mask = rows < M
     cols = chunk * BLOCK_C + tl.arange(0, BLOCK_C)
     v = tl.load(dense_ptr + rows[:, None].to(tl.int64) * stride_row + cols[None, :],
@@ -204,7 +206,7 @@ def _row_bits(dense: torch.Tensor, relu: bool, n_sample: int, bits: bool, counts
     n_chunks = triton.cdiv(N, block_c)
     out_bits = new_output((M, n_words), torch.int32, dense.device) if bits else None  # poisoned under test
     out_counts = new_output((M, n_chunks), torch.int32, dense.device) if counts else None
-    row_bits_kernel[(n_chunks, triton.cdiv(M, rows))](
+    row_bits_kernel[(n_chunks * triton.cdiv(M, rows),)](
         dense, out_bits if bits else dense, out_counts if counts else dense, M, N, n_words, n_sample, n_chunks,
         dense.stride(0), ROWS=rows, BLOCK_C=block_c, RELU=relu, BITS=bits, COUNTS=counts, num_warps=4)  # fmt: skip
     record_launch("row_bits_kernel")
