@@ -89,7 +89,7 @@ def pattern_stages() -> None:
             n_chunks = triton.cdiv(N, block_c)
             b2 = torch.empty_like(bits)
             c2 = torch.empty(M, n_chunks, dtype=torch.int32, device="cuda")
-            launch = lambda: compact.row_bits_kernel[(n_chunks * triton.cdiv(M, rows),)](  # noqa: E731
+            launch = lambda: compact.row_bits_kernel[(n_chunks, triton.cdiv(M, rows))](  # noqa: E731
                 pre, b2, c2, M, N, bits.shape[1], N, n_chunks, pre.stride(0), ROWS=rows, BLOCK_C=block_c,
                 RELU=True, BITS=True, COUNTS=True, num_warps=warps)  # fmt: skip
             launch()

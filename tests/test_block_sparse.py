@@ -19,6 +19,7 @@ from sparsefuse.sparse import (
     dense_to_row_block_pattern,
     torch_block_sddmm,
 )
+from sparsefuse.sparse import compact
 from sparsefuse.sparse.compact import count_order, torch_count_order
 from sparsefuse.testing import accumulation_allowance, assert_close_to_reference
 
@@ -89,6 +90,18 @@ def test_count_order_matches_reference(M, group, sample, relu, device):
         assert torch.equal(torch.sort(part).values, torch.arange(g0, min(M, g0 + group), device=device))
         counts = fired.sum(dim=1)[part]
         assert bool((counts[:-1] * 4 >= counts[1:] * 3 - 3).all())  # decreasing up to a quarter octave
+
+
+def test_row_bits_programs_loop_past_the_grid_limit(monkeypatch, device):
+    # Past MAX_GRID_Y row chunks each bits program takes several; shrink the limit so a small batch exercises that.
+    pre = sparse_pre(53, 70, device)
+    ref = dense_to_row_block_pattern(pre, 32, 16, relu=True, sort_rows=True)
+    monkeypatch.setattr(compact, "MAX_GRID_Y", 3)
+    looped = dense_to_row_block_pattern(pre, 32, 16, relu=True, sort_rows=True)
+    assert_backend(pre)
+    assert torch.equal(looped.row_order, ref.row_order) and torch.equal(looped.counts, ref.counts)
+    used = used_slots(ref)
+    assert torch.equal(looped.indices[used], ref.indices[used])
 
 
 def test_count_order_key_buckets():
