@@ -20,6 +20,7 @@ from sparsefuse.sparse import (
     torch_block_sddmm,
 )
 from sparsefuse.sparse import compact
+from sparsefuse.sparse.spmm import heavy_first_schedule
 from sparsefuse.sparse.compact import count_order, torch_count_order
 from sparsefuse.testing import accumulation_allowance, assert_close_to_reference
 
@@ -118,6 +119,17 @@ def test_count_order_key_buckets():
     assert empty.row_order.numel() == 0 and empty.counts.numel() == 0
 
 
+@pytest.mark.parametrize("n", [1, 5, 16, 17, 300])
+def test_heavy_first_schedule_orders_by_decreasing_count(n, device):
+    counts = torch.randint(0, 6, (n,), generator=torch.Generator().manual_seed(n), dtype=torch.int32)  # many ties
+    with track_launches() as launched:
+        schedule = heavy_first_schedule(counts.to(device))
+    assert_backend(counts.to(device))
+    assert launched["heavy_first_schedule_kernel"] == 1
+    expected = torch.sort(counts, descending=True, stable=True).indices.to(torch.int32)  # ties in index order
+    assert torch.equal(schedule.cpu(), expected)
+
+
 @pytest.mark.parametrize("dtype", MATMUL_DTYPES)
 @pytest.mark.parametrize("sort_rows", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
@@ -136,7 +148,10 @@ def test_block_sddmm_and_block_matmul_match_float64(bias, sort_rows, dtype, devi
         y = block_sparse_matmul(h, w, bias=bias_out)
     assert_backend(a)
     assert launched["block_sddmm_kernel"] == 1 and launched["block_ell_matmul_kernel"] == 1
+    assert launched["heavy_first_schedule_kernel"] == 1  # 3 row blocks: launched longest first
     assert torch.equal(h.counts, pattern.union_sizes())
+    in_block_order = block_sparse_matmul(h, w, bias=bias_out, heavy_first=False)
+    assert torch.equal(y.isnan(), in_block_order.isnan()) and torch.equal(y.nan_to_num(), in_block_order.nan_to_num())
     ref_h = torch_block_sddmm(pattern, pre, a, b, bias_up, relu=True)
     clean = lambda t: t.nan_to_num(nan=0.0)  # noqa: E731  (row 3 carries a NaN pre-activation: compared apart)
     lowp_h = torch.relu(pre.float()).to(dtype) * (F.linear(a.float(), b.float(), None if bias_up is None else
