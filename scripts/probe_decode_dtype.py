@@ -55,7 +55,7 @@ def configs() -> None:
             base = default_config(D, scan=True)
             cfg = spmm._LaunchConfig(block_d=base.block_d, block_f=block_f, block_k=32, group=group, num_warps=4)
             spmm._launch_config = lambda n_out, scan=True, cfg=cfg: cfg
-            spmm._device_programs = lambda dev, mult=mult: mult * n_sm
+            spmm._device_programs = lambda dev, mult=mult, **_: mult * n_sm
             t = time_graph(matmul_skip_zeros, sets)
             print(f"  x{mult:<2d} f{block_f:<4d} g{group}  {t:7.2f} us  {csr / t:5.2f}x cuSPARSE")
         spmm._launch_config, spmm._device_programs = default_config, default_programs

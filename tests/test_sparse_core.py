@@ -5,7 +5,7 @@ import torch
 from conftest import assert_backend
 
 from sparsefuse import track_launches
-from sparsefuse.sparse import CSR, ELL, dense_to_csr, dense_to_ell, matmul_skip_zeros, sparse_matmul
+from sparsefuse.sparse import CSR, ELL, dense_to_csr, dense_to_ell, matmul_skip_zeros, sparse_matmul, spmm
 from sparsefuse.sparse.sddmm import sampled_dot_dense_pattern
 from sparsefuse.testing import accumulation_allowance, assert_close_to_reference
 
@@ -90,23 +90,44 @@ def test_sparse_matmul_errors(device):
         dense_to_ell(torch.randn(2, 3, device=device), 0)
 
 
+@pytest.mark.parametrize("deterministic", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(
     "m, n, d, l0s, splits",
     [(4, 300, 40, [0, 5, 300, 17], None), (4, 300, 40, [0, 5, 300, 17], 3), (1, 64, 7, [9], 1000),
      (9, 97, 65, [2, 0, 33], 1)],
 )  # fmt: skip
-def test_matmul_skip_zeros_matches_the_dense_product(m, n, d, l0s, splits, dtype, device):
+def test_matmul_skip_zeros_matches_the_dense_product(m, n, d, l0s, splits, dtype, deterministic, device):
     a = sparse_rows(m, n, l0s, dtype, device)
     w = (torch.randn(n, d) / 4).to(dtype).to(device)
     assert_backend(a)
     with track_launches() as launched:
-        out = matmul_skip_zeros(a, w, splits=splits)
+        out = matmul_skip_zeros(a, w, splits=splits, deterministic=deterministic)
     assert launched["gather_accumulate_kernel"] == 1
     assert out.dtype == dtype and out.shape == (m, d)
     assert_close_to_reference(out, a.double() @ w.double(), (a.float() @ w.float()).to(dtype),
                               extra_abs=accumulation_allowance(a, w))  # fmt: skip
-    assert torch.equal(out, matmul_skip_zeros(a, w, splits=splits))  # split partials summed in a fixed order
+    if deterministic:  # split partials summed in a fixed order
+        assert torch.equal(out, matmul_skip_zeros(a, w, splits=splits, deterministic=True))
+
+
+@pytest.mark.parametrize("deterministic_mode", [True, False])
+def test_matmul_skip_zeros_follows_torch_deterministic_mode(deterministic_mode, device, monkeypatch):
+    """Split partials are added by fp32 atomics unless torch.use_deterministic_algorithms(True) is in force (or
+    deterministic=True is passed): the atomic path needs no [M, splits, n_out] partial buffer."""
+    a = sparse_rows(2, 3500, [40, 7], device=device)  # several 1024-column chunks on a GPU, so 3 splits
+    w = torch.randn(3500, 24, device=device)
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: deterministic_mode)
+    kernel, launches = spmm.gather_accumulate_kernel, []
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append(kw) or kernel[grid](*args, **kw)
+
+    monkeypatch.setattr(spmm, "gather_accumulate_kernel", Spy())
+    out = matmul_skip_zeros(a, w, splits=3)
+    assert [kw["ATOMIC_SPLITS"] for kw in launches] == [not deterministic_mode]
+    assert_close_to_reference(out, a.double() @ w.double(), a @ w, extra_abs=accumulation_allowance(a, w))
 
 
 def test_matmul_skip_zeros_strided_nan_and_empty(device):

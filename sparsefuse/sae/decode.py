@@ -5,7 +5,8 @@
 Methods (all built on the shared core in :mod:`sparsefuse.sparse`):
 * ``"scan"`` -- one kernel straight from the dense activations: each token's row is scanned for non-zeros and only
   their decoder rows are gathered (:func:`~sparsefuse.sparse.matmul_skip_zeros`). No format, no capacity to
-  overflow, no host sync, deterministic.
+  overflow, no host sync. Small batches split a row over programs whose sums are added by fp32 atomics, or in a
+  fixed order under ``torch.use_deterministic_algorithms(True)``.
 * ``"fixed"`` -- compact into ELL of width ``max_l0`` (no host sync), gather-accumulate; a token that fired more
   than ``max_l0`` features is recomputed from its dense row on the device, so the result is always complete.
   ``validate=True`` instead raises ``ValueError`` naming the largest count (one sync).
@@ -21,9 +22,10 @@ Methods (all built on the shared core in :mod:`sparsefuse.sparse`):
   ``expected_l0``, SAE-like sparsity (L0 = d_sae / 1024) is assumed.
 
 Backward, without a host sync: the gradient for W_dec is ``feature_acts^T @ grad_out`` computed by the same
-skip-zeros kernel on the transposed activations (deterministic: no float atomics); the gradient for the activations
-is the sampled product ``grad_out[m] . W_dec[f]`` on the activations' own sparsity pattern (zero elsewhere) -- the
-gradient a thresholded activation (JumpReLU, TopK) passes on.
+skip-zeros kernel on the transposed activations (d_sae rows fill the GPU, so no split and no float atomics, unless
+d_sae < 4 rows per SM); the gradient for the activations is the sampled product ``grad_out[m] . W_dec[f]`` on the
+activations' own sparsity pattern (zero elsewhere) -- the gradient a thresholded activation (JumpReLU, TopK) passes
+on.
 """
 
 from __future__ import annotations

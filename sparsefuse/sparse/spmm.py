@@ -158,14 +158,16 @@ def gather_accumulate_kernel(values_ptr, indices_ptr, counts_ptr, row_offsets_pt
                              chunks_per_split, n_splits, d_enc, stride_x, stride_w_enc,
                              BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
                              GROUP: tl.constexpr, REDUCE_SPLITS: tl.constexpr, FORMAT: tl.constexpr,
-                             FALLBACK: tl.constexpr, HAS_B_DEC: tl.constexpr):  # fmt: skip
+                             FALLBACK: tl.constexpr, HAS_B_DEC: tl.constexpr,
+                             ATOMIC_SPLITS: tl.constexpr = False):  # fmt: skip
     # Grid (rows * D blocks, splits): the D blocks of one row are neighbours, so a row's activations are read from
     # DRAM once and from L2 by the other blocks (rows live on axis 0: the other axes are capped at 65535).
     # ELL: values/indices [M, width], counts [M]; CSR: values/indices [nnz], row_offsets [M + 1];
     # DENSE: dense [M, n_in] (strides stride_dense, stride_dense_col) scanned for non-zeros, its columns split over
     #   n_splits programs of chunks_per_split chunks of BLOCK_F; with n_splits > 1 each program writes an fp32
     #   partial [M, n_splits, n_out] (if its chunks had any non-zero: split_nnz [M, n_splits]) and the last to
-    #   arrive (arrivals [M, D blocks] int32, zeroed) sums them in split order: deterministic, no float atomics.
+    #   arrive (arrivals [M, D blocks] int32, zeroed) sums them in split order: deterministic, no float atomics;
+    #   with ATOMIC_SPLITS each program instead adds its fp32 sum into partial [M, n_out] (zeroed) by atomics.
     # w [n_in, n_out] (unit column stride); out [M, n_out].
     # Overflowed ELL rows (FALLBACK): 1 = recompute from dense [M, n_in]; 2 = recompute the JumpReLU activations
     # from x [M, d_enc], w_enc [d_enc, n_in], b_enc/threshold [n_in], b_dec [d_enc]; 0 = write NaN.
@@ -192,6 +194,12 @@ def gather_accumulate_kernel(values_ptr, indices_ptr, counts_ptr, row_offsets_pt
             a_next = tl.load(row_ptr + f_next.to(tl.int64) * stride_dense_col, mask=f_next < f_end, other=0.0)
             split_nnz += tl.sum((a != 0).to(tl.int32), axis=0)
             acc = accumulate_nonzeros(acc, a, f, w_ptr, stride_w, d, d_mask, GROUP)
+        if ATOMIC_SPLITS:
+            # fp32 atomics into partial [M, n_out] (zeroed; out itself when out is fp32): no per-split buffer to
+            # write and re-read, no arrival counter, but the summation order varies from run to run.
+            if split_nnz > 0:
+                tl.atomic_add(partial_ptr + row * n_out + d, acc, mask=d_mask, sem="relaxed")
+            return
         if n_splits > 1:
             last, acc = sum_split_partials(acc, split_nnz > 0, partial_ptr, split_nnz_ptr, arrivals_ptr, row, split,
                                            n_splits, d_block, n_d_blocks, n_out, d, d_mask, REDUCE_SPLITS)  # fmt: skip
@@ -264,9 +272,11 @@ def _launch_config(n_out: int, scan: bool, weight_itemsize: int = 4) -> _LaunchC
     return _LaunchConfig(block_d=block_d, block_f=1024, block_k=32, group=2, num_warps=4)
 
 
-def _device_programs(device: torch.device) -> int:
-    """How many programs keep every SM busy with loads in flight (a scan is latency-bound per program)."""
-    return 4 * sm_count(device, interpreted=2)
+def _device_programs(device: torch.device, atomic_splits: bool = False) -> int:
+    """How many programs keep every SM busy with loads in flight (a scan is latency-bound per program). When rows
+    alone do not fill the GPU, splits summed by atomics cost no partial buffer, so more of them pay: shorter serial
+    scans per program (scripts/probe_decode_atomic.py). When rows do fill it, splitting them only adds atomics."""
+    return (32 if atomic_splits else 4) * sm_count(device, interpreted=2)
 
 
 def _weight_for_gather(weight: torch.Tensor) -> torch.Tensor:
@@ -348,14 +358,16 @@ def sparse_matmul(sparse: ELL | CSR, weight: torch.Tensor, *, dense: torch.Tenso
 
 
 def matmul_skip_zeros(a: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | None = None,
-                      splits: int | None = None) -> torch.Tensor:  # fmt: skip
+                      splits: int | None = None, deterministic: bool | None = None) -> torch.Tensor:  # fmt: skip
     """``a @ weight`` for a mostly-zero ``a`` [M, n_in], straight from its dense form: each row is scanned for
     non-zeros and only their rows of ``weight`` [n_in, n_out] are loaded (fp32 accumulation). No sparse format, no
     capacity, no host sync; any strides. Cost: one read of ``a`` plus nnz(a) * n_out weight elements -- against the
     dense product's full read of ``weight``, a win while nnz per row is small.
 
     ``splits``: how many programs share one row's columns (default: enough to fill the GPU when M is small); with
-    more than one, per-split fp32 partials are summed in a fixed order (deterministic).
+    more than one, per-split fp32 partials are summed in a fixed order when ``deterministic`` (default:
+    ``torch.are_deterministic_algorithms_enabled()``), else added with fp32 atomics (faster; the last bits of the
+    sum vary from run to run).
     """
     op = "matmul_skip_zeros"
     check_float(op, "a", a)
@@ -375,8 +387,13 @@ def matmul_skip_zeros(a: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch
     if backend_for(a, weight) is Backend.TORCH:
         _backend.warn_reference_once(op)
         return (a.double() @ weight.double()).to(out_dtype)
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
     cfg = _launch_config(n_out, scan=True)
-    block_d, n_chunks, programs = cfg.block_d, triton.cdiv(n_in, cfg.block_f), _device_programs(a.device)
+    block_d, n_chunks = cfg.block_d, triton.cdiv(n_in, cfg.block_f)
+    programs = _device_programs(a.device)
+    if not deterministic and M * triton.cdiv(n_out, block_d) < programs:  # rows alone do not fill the GPU
+        programs = _device_programs(a.device, atomic_splits=True)
 
     def n_splits_for(block_d: int) -> int:
         wanted = splits if splits is not None else triton.cdiv(programs, M * triton.cdiv(n_out, block_d))
@@ -384,27 +401,29 @@ def matmul_skip_zeros(a: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch
 
     # One program per (row, D block) sums that row's split partials: keep its read (n_splits * block_d fp32) within
     # ~64 KiB by narrowing the D blocks when rows are few (at B=1, D=2304 a single 4096-wide block took 25 us).
-    while splits is None and block_d > 128 and n_splits_for(block_d) * block_d * 4 > 65536:
+    while deterministic and splits is None and block_d > 128 and n_splits_for(block_d) * block_d * 4 > 65536:
         block_d //= 2
     d_blocks, n_splits = triton.cdiv(n_out, block_d), n_splits_for(block_d)
     chunks_per_split = triton.cdiv(n_chunks, n_splits)
     warps = cfg.num_warps if _backend.INTERPRET else _scan_warps(block_d, weight.element_size())
-    if n_splits > 1:
+    atomic = n_splits > 1 and not deterministic
+    partial = split_nnz = arrivals = out
+    if atomic:  # out itself when fp32; else an fp32 sum cast into out after the launch
+        partial = out.zero_() if out_dtype == torch.float32 else torch.zeros(M, n_out, device=a.device)
+    elif n_splits > 1:
         partial = torch.empty(M, n_splits, n_out, dtype=torch.float32, device=a.device)  # read where written only
         split_nnz = torch.empty(M, n_splits, dtype=torch.int32, device=a.device)
         arrivals = torch.zeros(M, d_blocks, dtype=torch.int32, device=a.device)
-    else:
-        partial = split_nnz = arrivals = out
     gather_accumulate_kernel[(d_blocks * M, n_splits)](
         a, a, a, a, a, weight, out, partial, split_nnz, arrivals, a, a, a, a, a,
         n_out, n_in, 0, weight.stride(0), out.stride(0), a.stride(0), a.stride(1), chunks_per_split, n_splits,
         0, 0, 0,
         BLOCK_K=cfg.block_k, BLOCK_D=block_d, BLOCK_F=cfg.block_f, GROUP=cfg.group,
         REDUCE_SPLITS=max(1, min(triton.next_power_of_2(n_splits), 8192 // block_d)), FORMAT=2, FALLBACK=0,
-        HAS_B_DEC=False, num_warps=warps,
+        HAS_B_DEC=False, ATOMIC_SPLITS=atomic, num_warps=warps,
     )  # fmt: skip
     record_launch("gather_accumulate_kernel")
-    return out
+    return out.copy_(partial) if atomic and partial is not out else out
 
 
 @triton.jit
