@@ -8,10 +8,12 @@ Usage: cd scripts && python probe_decode_sliced.py"""
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from probe_decode import acts_with_l0, time_graph
-from sparsefuse.sparse import dense_to_ell, matmul_skip_zeros, sparse_matmul
+from sparsefuse.sparse import dense_to_ell, matmul_skip_zeros, sparse_matmul, spmm
 
 
 def main() -> None:
@@ -50,5 +52,35 @@ def main() -> None:
         del sets, ells
 
 
+def chunks() -> None:
+    """The scan's chunk width, picks per step and warps at the large shapes (rows fill the GPU: no splits)."""
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    default_config, default_warps = spmm._launch_config, spmm._scan_warps
+    for B, F, D, l0, dtype in [(4096, 65536, 2304, 72, torch.bfloat16), (4096, 65536, 2304, 72, torch.float32),
+                               (1024, 131072, 3584, 72, torch.bfloat16), (1024, 32768, 2048, 100, torch.bfloat16),
+                               (256, 65536, 768, 64, torch.bfloat16)]:  # fmt: skip
+        per_set = B * F * dtype.itemsize + F * D * dtype.itemsize
+        n_sets = max(2, min(16, (3 * l2) // per_set + 1))
+        sets = [(acts_with_l0(B, F, l0, dtype), (torch.randn(F, D, device="cuda") / 16).to(dtype))
+                for _ in range(n_sets)]  # fmt: skip
+        csr = time_graph(lambda c, w: torch.sparse.mm(c, w), [(a.to_sparse_csr(), w) for a, w in sets])
+        base = time_graph(matmul_skip_zeros, sets)
+        print(f"B={B} F={F} D={D} L0={l0} {str(dtype)[6:]}: cuSPARSE {csr:7.1f} us  library scan {base:7.1f} us",
+              flush=True)  # fmt: skip
+        results = []
+        for block_f, group, warps in itertools.product([512, 1024, 2048, 4096], [1, 2, 4], [None, 8]):
+            cfg = spmm._LaunchConfig(block_d=default_config(D, scan=True).block_d, block_f=block_f, block_k=32,
+                                     group=group, num_warps=4)  # fmt: skip
+            spmm._launch_config = lambda n_out, scan=True, cfg=cfg: cfg
+            spmm._scan_warps = default_warps if warps is None else (lambda *_, w=warps: w)
+            results.append((time_graph(matmul_skip_zeros, sets), block_f, group, warps or "default"))
+        spmm._launch_config, spmm._scan_warps = default_config, default_warps
+        for t, block_f, group, warps in sorted(results)[:6]:
+            print(f"  f{block_f:<4d} g{group} warps {warps}: {t:7.1f} us  {csr / t:4.2f}x cuSPARSE", flush=True)
+        del sets
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    chunks() if "--chunks" in sys.argv else main()
