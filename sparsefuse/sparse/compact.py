@@ -1,13 +1,16 @@
 """Dense -> ELL / CSR compaction (Triton), deterministic and in column order.
 
-Two launches over a [M, N] dense tensor tiled into (row, column chunk) programs:
-  1. ``count_nonzero_kernel`` writes the non-zero count of every (row, chunk) -- no atomics;
-  2. an exclusive cumulative sum over chunks (torch, on the device) gives each chunk its first slot in its row;
-  3. ``scatter_nonzero_kernel`` writes every non-zero at ``row base + chunk start + rank within the chunk``.
+Two passes over a [M, N] dense tensor:
+  1. ``row_bits_kernel`` streams ``dense`` once and writes a bitmask of its non-zeros (bit c % 32 of word c // 32;
+     N / 8 bytes per row, a sixteenth of bf16 rows);
+  2. ``bits_to_sparse_kernel`` walks each row's words: a word's first slot is the row's running popcount, and its
+     set bits go to consecutive slots in column order, their values gathered from ``dense`` (one sector per
+     non-zero). At SAE sparsity a row is a few thousand words of which a few dozen are non-zero, so the ranking
+     runs over words, not over every column.
 
 :func:`dense_to_row_block_pattern` builds a :class:`RowBlockPattern` (row-block unions; optionally rows sorted by
-their count of non-zeros first, so that tokens of similar sparsity share a block): one streaming pass writes a
-bitmask of the non-zeros and per-row counts, and a union kernel or-s the bitmask's words per block; no host sync.
+their count of non-zeros first, so that tokens of similar sparsity share a block) from the same bitmask: a union
+kernel or-s its words per block; no host sync.
 
 ELL needs no device->host sync (its row base is ``row * width`` and entries past the width are counted but not
 stored). CSR needs the total nnz on the host to allocate exactly (one sync). NaN counts as a non-zero, so it
@@ -32,45 +35,67 @@ _FORMAT_CSR = tl.constexpr(1)
 
 @triton.jit
 def _is_nonzero(v, RELU: tl.constexpr):
-    """Non-zero test of the compaction kernels; with RELU, of relu(v) (v > 0), for pre-activations. NaN counts."""
+    """Non-zero test of the compaction kernels; with RELU, of relu(v) (v > 0), for pre-activations. NaN counts.
+    Compared in fp32: the interpreter compares bf16 by its bit pattern, so -0.0 would count and -1 be > 0."""
+    v = v.to(tl.float32)
     if RELU:
         return (v > 0) | (v != v)
     return v != 0
 
 
-@triton.jit
-def count_nonzero_kernel(dense_ptr, chunk_counts_ptr, n_cols, stride_row, n_chunks, BLOCK: tl.constexpr):
-    # dense [M, N] (unit column stride); chunk_counts [M, n_chunks] int32
-    row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    cols = chunk * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
-    v = tl.load(dense_ptr + row * stride_row + cols, mask=cols < n_cols, other=0.0)
-    tl.store(chunk_counts_ptr + row * n_chunks + chunk, tl.sum((v != 0).to(tl.int32), axis=0))
+_MODE_COUNT = tl.constexpr(0)
+_MODE_ELL = tl.constexpr(1)
+_MODE_CSR = tl.constexpr(2)
 
 
 @triton.jit
-def scatter_nonzero_kernel(dense_ptr, chunk_starts_ptr, row_offsets_ptr, values_ptr, indices_ptr, n_cols,
-                           stride_row, n_chunks, width, BLOCK: tl.constexpr, FORMAT: tl.constexpr):  # fmt: skip
-    # chunk_starts [M, n_chunks]: first slot of each chunk within its row. ELL: values/indices [M, width];
-    # CSR: values/indices [nnz] with row_offsets [M + 1].
+def _popcount(u):
+    """Set bits of each uint32 word (SWAR: no inline assembly, so the interpreter runs it too) as int32."""
+    u = u - ((u >> 1) & 0x55555555)
+    u = (u & 0x33333333) + ((u >> 2) & 0x33333333)
+    u = (u + (u >> 4)) & 0x0F0F0F0F
+    return ((u * 0x01010101) >> 24).to(tl.int32)
+
+
+@triton.jit
+def _lowest_bit(u):
+    """Index (int32) of the lowest set bit of each non-zero uint32 word: the exponent of that bit as an fp32, which
+    a power of two converts to exactly."""
+    low = (u & (~u + 1)).to(tl.float32)
+    return ((low.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+
+
+@triton.jit
+def bits_to_sparse_kernel(bits_ptr, dense_ptr, counts_ptr, row_offsets_ptr, values_ptr, indices_ptr, n_words,
+                          stride_dense, width, BLOCK_W: tl.constexpr, MODE: tl.constexpr):  # fmt: skip
+    # bits [M, n_words] int32 (row_bits_kernel) of dense [M, N] (unit column stride); one program per row.
+    # MODE count: counts [M] int32 = the row's set bits. ELL: values/indices [M, width] (the first width non-zeros)
+    # and counts [M] (all of them). CSR: values/indices [nnz] from row_offsets [M + 1] int64 on.
     row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    cols = chunk * BLOCK + tl.arange(0, BLOCK)
-    v = tl.load(dense_ptr + row * stride_row + cols, mask=cols < n_cols, other=0.0)
-    nonzero = v != 0
-    slot = tl.load(chunk_starts_ptr + row * n_chunks + chunk) + tl.cumsum(nonzero.to(tl.int32), axis=0) - 1
-    if FORMAT == _FORMAT_ELL:
-        base = row * width
-        keep = nonzero & (slot < width)  # past the width: counted (the row overflowed), not stored
-    else:
+    if MODE == _MODE_CSR:
         base = tl.load(row_offsets_ptr + row)
-        keep = nonzero
-    tl.store(values_ptr + base + slot, v, mask=keep)
-    tl.store(indices_ptr + base + slot, cols, mask=keep)
-
-
-def _compaction_block(n_cols: int) -> int:
-    return 64 if _backend.INTERPRET else min(4096, max(128, triton.next_power_of_2(n_cols)))
+    else:
+        base = row * width
+    filled = tl.zeros([], dtype=tl.int32)
+    for w0 in range(0, n_words, BLOCK_W):
+        w = w0 + tl.arange(0, BLOCK_W)  # [BLOCK_W]
+        word = tl.load(bits_ptr + row * n_words + w, mask=w < n_words, other=0).to(tl.uint32, bitcast=True)
+        pc = _popcount(word)
+        if MODE != _MODE_COUNT:
+            slot = filled + tl.cumsum(pc, axis=0) - pc  # each word's first slot in the row
+            rest = word
+            for _ in range(tl.max(pc, axis=0)):  # round k places every word's k-th set bit
+                live = rest != 0
+                col = w * 32 + _lowest_bit(rest)
+                keep = live & (slot < width) if MODE == _MODE_ELL else live
+                v = tl.load(dense_ptr + row * stride_dense + col, mask=keep, other=0.0)
+                tl.store(values_ptr + base + slot, v, mask=keep)
+                tl.store(indices_ptr + base + slot, col, mask=keep)
+                slot += live.to(tl.int32)
+                rest = rest & (rest - 1)
+        filled += tl.sum(pc, axis=0)
+    if MODE != _MODE_CSR:
+        tl.store(counts_ptr + row, filled)
 
 
 def _check_dense(op: str, dense: torch.Tensor) -> torch.Tensor:
@@ -80,15 +105,17 @@ def _check_dense(op: str, dense: torch.Tensor) -> torch.Tensor:
     return dense if dense.stride(1) == 1 or dense.shape[1] <= 1 else dense.contiguous()
 
 
-def _chunk_starts(dense: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(chunk_starts [M, n_chunks] int32, row counts [M] int32) from the count kernel and a device cumsum."""
-    M, N = dense.shape
-    n_chunks = triton.cdiv(N, block)
-    chunk_counts = torch.empty(M, n_chunks, dtype=torch.int32, device=dense.device)
-    count_nonzero_kernel[(M, n_chunks)](dense, chunk_counts, N, dense.stride(0), n_chunks, BLOCK=block)
-    record_launch("count_nonzero_kernel")
-    inclusive = chunk_counts.cumsum(dim=1, dtype=torch.int32)
-    return inclusive - chunk_counts, inclusive[:, -1].contiguous()
+def _bits_to_sparse(bits: torch.Tensor, dense: torch.Tensor, mode: int, *, counts: torch.Tensor | None = None,
+                    row_offsets: torch.Tensor | None = None, values: torch.Tensor | None = None,
+                    indices: torch.Tensor | None = None, width: int = 0) -> None:  # fmt: skip
+    """One bits_to_sparse_kernel launch over the rows of ``bits`` (see the kernel for the modes)."""
+    block_w = 8 if _backend.INTERPRET else min(1024, max(32, triton.next_power_of_2(bits.shape[1])))
+    unused = bits
+    bits_to_sparse_kernel[(bits.shape[0],)](
+        bits, dense, unused if counts is None else counts, unused if row_offsets is None else row_offsets,
+        unused if values is None else values, unused if indices is None else indices, bits.shape[1],
+        dense.stride(0), width, BLOCK_W=block_w, MODE=mode, num_warps=4)  # fmt: skip
+    record_launch("bits_to_sparse_kernel")
 
 
 def dense_to_ell(dense: torch.Tensor, width: int) -> ELL:
@@ -103,13 +130,11 @@ def dense_to_ell(dense: torch.Tensor, width: int) -> ELL:
         if backend_for(dense) is Backend.TORCH:
             _backend.warn_reference_once("dense_to_ell")
         return ELL.from_dense(dense, width)
-    block = _compaction_block(N)
-    starts, counts = _chunk_starts(dense, block)
+    bits, _ = _row_bits(dense, False, N, bits=True, counts=False)
     values = torch.zeros(M, width, dtype=dense.dtype, device=dense.device)
     indices = torch.zeros(M, width, dtype=torch.int32, device=dense.device)
-    scatter_nonzero_kernel[(M, starts.shape[1])](dense, starts, counts, values, indices, N, dense.stride(0),
-                                                 starts.shape[1], width, BLOCK=block, FORMAT=0)  # fmt: skip
-    record_launch("scatter_nonzero_kernel")
+    counts = new_output((M,), torch.int32, dense.device)
+    _bits_to_sparse(bits, dense, 1, counts=counts, values=values, indices=indices, width=width)
     return ELL(values, indices, counts, N)
 
 
@@ -121,16 +146,15 @@ def dense_to_csr(dense: torch.Tensor) -> CSR:
         if backend_for(dense) is Backend.TORCH:
             _backend.warn_reference_once("dense_to_csr")
         return CSR.from_dense(dense)
-    block = _compaction_block(N)
-    starts, counts = _chunk_starts(dense, block)
+    bits, _ = _row_bits(dense, False, N, bits=True, counts=False)
+    counts = new_output((M,), torch.int32, dense.device)
+    _bits_to_sparse(bits, dense, 0, counts=counts)
     row_offsets = torch.zeros(M + 1, dtype=torch.int64, device=dense.device)
     row_offsets[1:] = counts.cumsum(0)
     nnz = int(row_offsets[-1])  # the one host sync: exact allocation
     values = new_output((nnz,), dense.dtype, dense.device)  # NaN-poisoned under test: every slot must be written
     indices = torch.empty(nnz, dtype=torch.int32, device=dense.device)
-    scatter_nonzero_kernel[(M, starts.shape[1])](dense, starts, row_offsets, values, indices, N, dense.stride(0),
-                                                 starts.shape[1], 0, BLOCK=block, FORMAT=1)  # fmt: skip
-    record_launch("scatter_nonzero_kernel")
+    _bits_to_sparse(bits, dense, 2, row_offsets=row_offsets, values=values, indices=indices)
     return CSR(values, indices, row_offsets, N)
 
 
@@ -199,10 +223,11 @@ def _row_bits(dense: torch.Tensor, relu: bool, n_sample: int, bits: bool, counts
     one row_bits_kernel launch (the one pass over ``dense``)."""
     M, N = dense.shape
     n_words = triton.cdiv(N, 32)
-    # 8 rows x 512 columns, 4 warps (scripts/probe_block_schedule.py --pattern); wider chunks for very wide rows
-    # keep the partial counts to at most 32 per row for the rank kernel
+    # 8 rows x 512 columns, 4 warps (scripts/probe_block_schedule.py --pattern); when counts are wanted, wider
+    # chunks for very wide rows keep them to at most 32 per row for the rank kernel
     rows, block_c = (2, 64) if _backend.INTERPRET else (8, 512)
-    block_c = max(block_c, triton.next_power_of_2(triton.cdiv(N, 32)))
+    if counts:
+        block_c = max(block_c, triton.next_power_of_2(triton.cdiv(N, 32)))
     block_c = min(block_c, max(32, triton.next_power_of_2(N)))
     n_chunks = triton.cdiv(N, block_c)
     out_bits = new_output((M, n_words), torch.int32, dense.device) if bits else None  # poisoned under test
