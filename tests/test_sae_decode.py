@@ -174,18 +174,29 @@ def test_sparse_jumprelu_sae_fused_inference_with_overflow(device):
 
 
 def test_auto_cost_model_matches_the_measured_crossovers():
-    """H200 sae_decode benchmark at 1b61f9f: with the true L0 known, the model picks the faster of scan and cuBLAS at
-    every point of the grid where they differ by more than its 10% margin (benchmarks/results/)."""
-    from sparsefuse.sae.decode import _scan_is_faster
+    """H200 measurements with the true L0 known (sae_decode benchmark at 1b61f9f for scan vs cuBLAS;
+    benchmarks/results/probe-decode-bits-NVIDIA-H200.log for the two-pass "fixed"): the model picks the fastest of
+    scan, fixed and cuBLAS wherever they differ by more than its 10% margin."""
+    from sparsefuse.sae.decode import _fastest_method
 
     bf16, fp32 = torch.bfloat16, torch.float32
-    assert _scan_is_faster(32, 65536, 768, 64, bf16, bf16) and _scan_is_faster(32, 65536, 768, 256, bf16, bf16)
-    assert not _scan_is_faster(32, 65536, 768, 1024, bf16, bf16)  # 49 us vs 31
-    assert _scan_is_faster(4096, 65536, 2304, 72, bf16, bf16) and _scan_is_faster(1024, 65536, 768, 16, bf16, bf16)
-    assert not _scan_is_faster(1024, 65536, 768, 64, bf16, bf16)  # 147 us vs 123
-    assert not _scan_is_faster(1024, 32768, 2048, 100, bf16, bf16)  # Qwen Scope: 178 us vs 161
-    assert _scan_is_faster(512, 65536, 2304, 72, bf16, bf16) and _scan_is_faster(1, 65536, 2304, 72, bf16, bf16)
-    assert _scan_is_faster(4096, 65536, 2304, 72, fp32, fp32) and _scan_is_faster(32, 131072, 512, 128, fp32, fp32)
+    assert _fastest_method(32, 65536, 768, 64, bf16, bf16) == "scan"  # 10.5 us; fixed 15.0, cuBLAS 31
+    assert _fastest_method(32, 65536, 768, 256, bf16, bf16) == "scan"
+    assert _fastest_method(32, 65536, 768, 1024, bf16, bf16) == "dense"  # 49 us vs 31
+    assert _fastest_method(1, 65536, 2304, 72, bf16, bf16) == "scan"
+    assert _fastest_method(32, 131072, 512, 128, fp32, fp32) == "scan"
+    assert _fastest_method(4096, 65536, 2304, 72, bf16, bf16) == "fixed"  # 641 us; scan 785, cuBLAS 1575
+    assert _fastest_method(4096, 65536, 2304, 72, fp32, fp32) == "fixed"  # 948 us; scan 1249
+    assert _fastest_method(1024, 262144, 2304, 100, bf16, bf16) == "fixed"  # 340 us; scan 497
+    assert _fastest_method(1024, 131072, 3584, 72, bf16, bf16) == "fixed"  # 266 us; scan 313
+    assert _fastest_method(256, 65536, 768, 64, fp32, fp32) == "fixed"  # 45.8 us; scan 49.5, cuBLAS 505
+
+
+def test_auto_width_is_four_times_the_mean_l0_within_bounds():
+    from sparsefuse.sae.decode import _auto_width
+
+    assert _auto_width(72, 65536) == 512 and _auto_width(10, 65536) == 256 and _auto_width(0, 65536) == 256
+    assert _auto_width(10, 100) == 100 and _auto_width(5000, 16384) == 16384
 
 
 @pytest.fixture
@@ -195,8 +206,24 @@ def scan_below_10(monkeypatch):
 
     monkeypatch.setattr(decode, "AUTO_DENSE_BELOW_D_SAE", 256)
     seen = []
-    monkeypatch.setattr(decode, "_scan_is_faster", lambda M, F, D, l0, *_: seen.append(l0) or l0 < 10)
+    monkeypatch.setattr(decode, "_fastest_method", lambda M, F, D, l0, *_: seen.append(l0) or
+                        ("scan" if l0 < 10 else "dense"))  # fmt: skip
     return seen
+
+
+def test_auto_runs_the_two_pass_method_when_the_model_picks_it(device, monkeypatch):
+    """When the model picks "fixed", auto compacts at 4x the mean L0, at least 256 slots (here 256: the token
+    firing 300 features overflows and is decoded from its dense row) and gathers."""
+    import sparsefuse.sae.decode as decode
+
+    monkeypatch.setattr(decode, "AUTO_DENSE_BELOW_D_SAE", 256)
+    monkeypatch.setattr(decode, "_fastest_method", lambda *_: "fixed")
+    acts = sparse_rows(5, 600, [3, 300, 0, 40, 7], device=device)
+    w = torch.randn(600, 24, device=device)
+    with track_launches() as launched:
+        out = sparse_decode(acts, w, expected_l0=10)
+    assert dict(launched) == {"row_bits_kernel": 1, "bits_to_sparse_kernel": 1, "gather_accumulate_kernel": 1}
+    assert_close_to_reference(out, *reference(acts, w), **allowance(acts, w))
 
 
 def _auto_decode(acts, w, kernel, **kwargs):

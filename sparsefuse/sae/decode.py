@@ -12,14 +12,19 @@ Methods (all built on the shared core in :mod:`sparsefuse.sparse`):
   ``validate=True`` instead raises ``ValueError`` naming the largest count (one sync).
 * ``"exact"`` -- compact into exact-size CSR (one sync to size it), gather-accumulate.
 * ``"dense"`` -- ``torch.matmul`` (cuBLAS).
-* ``"auto"`` -- ``"dense"`` for small dictionaries (d_sae < 4096); otherwise ``"scan"`` when a cost model fitted to
-  the H200 benchmark (benchmarks/results/) predicts it at least 10% faster than cuBLAS at the activations' mean L0:
-  scan ~ rows x (d_sae bytes / row rate + L0 x d_model bytes / gather rate), dense ~ max(flops / matmul rate,
-  W_dec bytes / 3.3 TB/s). The mean L0 is, first available: ``expected_l0``; the running estimate kept per decoder
-  (a :class:`~sparsefuse.sparse.SparsityMonitor` per ``W_dec`` tensor, fed without a sync every 8th eager call
-  from up to 64 sampled rows); on the first eager call with a new ``W_dec``, a count of those rows (the one host
-  sync). Under CUDA-graph capture the estimate from the warm-up calls decides; under torch.compile tracing, without
-  ``expected_l0``, SAE-like sparsity (L0 = d_sae / 1024) is assumed.
+* ``"auto"`` -- ``"dense"`` for small dictionaries (d_sae < 4096); otherwise the fastest of ``"scan"``, ``"fixed"``
+  and cuBLAS by a cost model fitted to the H200 benchmark (benchmarks/results/), a sparse method only when predicted
+  at least 10% faster than cuBLAS at the activations' mean L0:
+  scan ~ rows x (d_sae bytes / row rate + L0 x d_model bytes / gather rate);
+  fixed ~ 3 launches + rows x (d_sae bytes / bitmask rate + d_sae / 8 bytes / word rate + L0 x d_model bytes /
+  gather rate) -- the scan wins small batches, the two-pass "fixed" large ones (from ~100 rows);
+  dense ~ max(flops / matmul rate, W_dec bytes / 3.3 TB/s). The mean L0 is, first available: ``expected_l0``; the
+  running estimate kept per decoder (a :class:`~sparsefuse.sparse.SparsityMonitor` per ``W_dec`` tensor, fed without
+  a sync every 8th eager call from up to 64 sampled rows); on the first eager call with a new ``W_dec``, a count of
+  those rows (the one host sync). Under CUDA-graph capture the estimate from the warm-up calls decides; under
+  torch.compile tracing, without ``expected_l0``, SAE-like sparsity (L0 = d_sae / 1024) is assumed. When auto picks
+  ``"fixed"`` without a ``max_l0``, the width is 4x the mean L0 (at least 256): tokens past it are still decoded
+  exactly, from their dense rows, just more slowly.
 
 Backward, without a host sync: the gradient for W_dec is ``feature_acts^T @ grad_out`` computed by the same
 skip-zeros kernel on the transposed activations (d_sae rows fill the GPU, so no split and no float atomics, unless
@@ -30,7 +35,10 @@ on.
 
 from __future__ import annotations
 
+import math
+
 import torch
+import triton
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .._validation import check_float, check_same_device, describe
@@ -49,9 +57,16 @@ AUTO_MARGIN = 0.9  # scan must be predicted this much faster: the model's error 
 # The ratios, not the absolute values, decide, so they carry over to other GPUs roughly.
 _SCAN_ROW_RATE = {4: 1.6e12, 2: 1.5e12}
 _SCAN_GATHER_RATE = {4: 2.6e12, 2: 2.0e12}
+# "fixed": the bitmask pass streams the activations near copy speed; the bits -> ELL pass is latency-bound (its
+# rate per bitmask byte is low); the ELL gather's rate per gathered W_dec byte depends on the weight's element size
+# (benchmarks/results/probe-decode-bits-NVIDIA-H200.log).
+_FIXED_BITS_RATE = 4.0e12
+_FIXED_WORDS_RATE = 0.7e12
+_FIXED_GATHER_RATE = {4: 4.2e12, 2: 3.0e12}
 _DENSE_WEIGHT_RATE = 3.3e12
 _DENSE_FLOP_RATE = {torch.float32: 50e12, torch.float16: 800e12, torch.bfloat16: 800e12}
 _LAUNCH_S = 5e-6
+AUTO_WIDTH_PER_L0 = 4  # auto's "fixed" width: this many times the mean L0, at least DEFAULT_MAX_L0
 _MONITORS = WeakIdKeyDictionary()  # W_dec -> [SparsityMonitor, calls]: dies with the decoder
 
 
@@ -60,16 +75,31 @@ def torch_sparse_decode(feature_acts: torch.Tensor, W_dec: torch.Tensor) -> torc
     return feature_acts.double() @ W_dec.double()
 
 
-def _scan_is_faster(M: int, d_sae: int, d_model: int, mean_l0: float, acts_dtype: torch.dtype,
-                    w_dtype: torch.dtype) -> bool:  # fmt: skip
-    """The cost model of ``method="auto"`` (see module docstring)."""
+def _predicted_seconds(M: int, d_sae: int, d_model: int, mean_l0: float, acts_dtype: torch.dtype,
+                       w_dtype: torch.dtype) -> dict[str, float]:  # fmt: skip
+    """The cost model of ``method="auto"`` (see module docstring): predicted seconds per method."""
     e_a, e_w = acts_dtype.itemsize, w_dtype.itemsize
+    gathered = mean_l0 * d_model * e_w  # W_dec bytes per row
     scan = _LAUNCH_S + M * (d_sae * e_a / _SCAN_ROW_RATE.get(e_a, 1.5e12)
-                            + mean_l0 * d_model * e_w / _SCAN_GATHER_RATE.get(e_a, 2.0e12))  # fmt: skip
+                            + gathered / _SCAN_GATHER_RATE.get(e_a, 2.0e12))  # fmt: skip
+    fixed = 3 * _LAUNCH_S + M * (d_sae * e_a / _FIXED_BITS_RATE + d_sae / 8 / _FIXED_WORDS_RATE
+                                 + gathered / _FIXED_GATHER_RATE.get(e_w, 3.0e12))  # fmt: skip
     compute = torch.promote_types(acts_dtype, w_dtype)
     dense = _LAUNCH_S + max(2 * M * d_sae * d_model / _DENSE_FLOP_RATE.get(compute, 50e12),
                             d_sae * d_model * compute.itemsize / _DENSE_WEIGHT_RATE)  # fmt: skip
-    return scan <= AUTO_MARGIN * dense
+    return {"scan": scan, "fixed": fixed, "dense": dense}
+
+
+def _fastest_method(M: int, d_sae: int, d_model: int, mean_l0: float, acts_dtype: torch.dtype,
+                    w_dtype: torch.dtype) -> str:  # fmt: skip
+    """auto's pick: the faster sparse method if predicted at least 1 - AUTO_MARGIN faster than cuBLAS, else dense."""
+    t = _predicted_seconds(M, d_sae, d_model, mean_l0, acts_dtype, w_dtype)
+    sparse = min(("scan", "fixed"), key=t.__getitem__)
+    return sparse if t[sparse] <= AUTO_MARGIN * t["dense"] else "dense"
+
+
+def _auto_width(mean_l0: float, d_sae: int) -> int:
+    return min(d_sae, max(DEFAULT_MAX_L0, triton.next_power_of_2(max(1, math.ceil(AUTO_WIDTH_PER_L0 * mean_l0)))))
 
 
 def _observable(t: torch.Tensor) -> bool:
@@ -105,6 +135,7 @@ def _estimated_l0(acts: torch.Tensor, W_dec: torch.Tensor) -> float | None:
 def _resolve(method: str, acts: torch.Tensor, W_dec: torch.Tensor, max_l0: int | None,
              expected_l0: float | None) -> tuple[str, int]:  # fmt: skip
     (M, d_sae), d_model = acts.shape, W_dec.shape[1]
+    width = max_l0 if max_l0 is not None else min(DEFAULT_MAX_L0, d_sae)
     if method == "auto":
         if d_sae < AUTO_DENSE_BELOW_D_SAE:
             method = "dense"
@@ -112,8 +143,10 @@ def _resolve(method: str, acts: torch.Tensor, W_dec: torch.Tensor, max_l0: int |
             mean_l0 = expected_l0 if expected_l0 is not None else _estimated_l0(acts, W_dec)
             if mean_l0 is None:
                 mean_l0 = d_sae / 1024  # SAE-like sparsity, assumed where nothing was observed
-            method = "scan" if _scan_is_faster(M, d_sae, d_model, mean_l0, acts.dtype, W_dec.dtype) else "dense"
-    return method, (max_l0 if max_l0 is not None else min(DEFAULT_MAX_L0, d_sae))
+            method = _fastest_method(M, d_sae, d_model, mean_l0, acts.dtype, W_dec.dtype)
+            if max_l0 is None:
+                width = _auto_width(mean_l0, d_sae)
+    return method, width
 
 
 def _decode_forward(acts: torch.Tensor, W_dec: torch.Tensor, method: str, max_l0: int, validate: bool,
@@ -188,7 +221,8 @@ def sparse_decode(feature_acts: torch.Tensor, W_dec: torch.Tensor, *, method: st
         feature_acts: [..., d_sae], float32/float16/bfloat16, mostly zeros.
         W_dec: [d_sae, d_model], float32/float16/bfloat16, same device.
         method: "auto", "scan", "fixed", "exact" or "dense" (see module docstring).
-        max_l0: slots per token for "fixed" (default 256, capped at d_sae).
+        max_l0: slots per token for "fixed" (default 256, capped at d_sae; when "auto" picks "fixed", 4x the mean
+            L0, at least 256).
         validate: "fixed" raises ValueError if a token fired more than max_l0 features (one host sync).
         out_dtype: defaults to ``torch.result_type(feature_acts, W_dec)``.
         expected_l0: for "auto", the mean number of features that fire per token, if known (e.g. under
