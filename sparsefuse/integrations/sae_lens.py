@@ -15,8 +15,9 @@ What ``patch`` changes (instance attributes: the class, parameters and ``state_d
   ``requires_grad=False``), no hook is attached to ``hook_sae_acts_pre``/``hook_sae_acts_post`` and
   ``use_error_term`` is off, runs the fused path:
   JumpReLU, by default -- the encode matmul on cuBLAS, JumpReLU applied in place, then
-  :func:`sparsefuse.sae.sparse_decode` (auto: the skip-zeros scan). The fastest at large batches (H200, Gemma 2B
-  65k, 4096 tokens, bf16: 1.64x SAELens' own forward), but the dense [tokens, d_sae] activations exist for a moment.
+  :func:`sparsefuse.sae.sparse_decode` (auto: at large batches the bitmask + ELL path). The fastest at large
+  batches (H200, Gemma 2B 65k, 4096 tokens, bf16: 1.71x SAELens' own forward), but the dense [tokens, d_sae]
+  activations exist for a moment.
   JumpReLU with ``fused_encode=True`` (the default when ``max_l0`` is given) -- :func:`sparsefuse.sae.jumprelu_encode`
   writes the fired features straight into ELL (width ``max_l0``) and :func:`sparsefuse.sparse.sparse_matmul`
   gathers only their decoder rows; a token that fired more than ``max_l0`` features is recomputed on the device from

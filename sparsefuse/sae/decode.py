@@ -7,8 +7,9 @@ Methods (all built on the shared core in :mod:`sparsefuse.sparse`):
   their decoder rows are gathered (:func:`~sparsefuse.sparse.matmul_skip_zeros`). No format, no capacity to
   overflow, no host sync. Small batches split a row over programs whose sums are added by fp32 atomics, or in a
   fixed order under ``torch.use_deterministic_algorithms(True)``.
-* ``"fixed"`` -- compact into ELL of width ``max_l0`` (no host sync), gather-accumulate; a token that fired more
-  than ``max_l0`` features is recomputed from its dense row on the device, so the result is always complete.
+* ``"fixed"`` -- compact into ELL of width ``max_l0`` (no host sync: a bitmask pass over the activations, then
+  the bits are placed), gather-accumulate; a token that fired more than ``max_l0`` features is recomputed from its
+  dense row on the device, so the result is always complete.
   ``validate=True`` instead raises ``ValueError`` naming the largest count (one sync).
 * ``"exact"`` -- compact into exact-size CSR (one sync to size it), gather-accumulate.
 * ``"dense"`` -- ``torch.matmul`` (cuBLAS).
@@ -18,13 +19,13 @@ Methods (all built on the shared core in :mod:`sparsefuse.sparse`):
   scan ~ rows x (d_sae bytes / row rate + L0 x d_model bytes / gather rate);
   fixed ~ 3 launches + rows x (d_sae bytes / bitmask rate + d_sae / 8 bytes / word rate + L0 x d_model bytes /
   gather rate) -- the scan wins small batches, the two-pass "fixed" large ones (from ~100 rows);
-  dense ~ the hypotenuse of flops / matmul rate and W_dec bytes / 3.3 TB/s. The mean L0 is, first available: ``expected_l0``; the
-  running estimate kept per decoder (a :class:`~sparsefuse.sparse.SparsityMonitor` per ``W_dec`` tensor, fed without
-  a sync every 8th eager call from up to 64 sampled rows); on the first eager call with a new ``W_dec``, a count of
-  those rows (the one host sync). Under CUDA-graph capture the estimate from the warm-up calls decides; under
-  torch.compile tracing, without ``expected_l0``, SAE-like sparsity (L0 = d_sae / 1024) is assumed. When auto picks
-  ``"fixed"`` without a ``max_l0``, the width is 4x the mean L0 (at least 256): tokens past it are still decoded
-  exactly, from their dense rows, just more slowly.
+  dense ~ the hypotenuse of flops / matmul rate and W_dec bytes / 3.3 TB/s. The mean L0 is, first available:
+  ``expected_l0``; the running estimate kept per decoder (a :class:`~sparsefuse.sparse.SparsityMonitor` per
+  ``W_dec`` tensor, fed without a sync every 8th eager call from up to 64 sampled rows); on the first eager call
+  with a new ``W_dec``, a count of those rows (the one host sync). Under CUDA-graph capture the estimate from the
+  warm-up calls decides; under torch.compile tracing, without ``expected_l0``, SAE-like sparsity (L0 = d_sae / 1024)
+  is assumed. When auto picks ``"fixed"`` without a ``max_l0``, the width is 4x the mean L0 (at least 256): tokens
+  past it are still decoded exactly, from their dense rows, just more slowly.
 
 Backward, without a host sync: the gradient for W_dec is ``feature_acts^T @ grad_out`` computed by the same
 skip-zeros kernel on the transposed activations (d_sae rows fill the GPU, so no split and no float atomics, unless

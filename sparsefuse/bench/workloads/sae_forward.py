@@ -10,7 +10,8 @@ Implementations:
 * ``sparsefuse fused``        JumpReLU: ``jumprelu_encode`` -> ELL -> ``sparse_matmul`` (overflow recomputed);
                               TopK: ``topk_encode`` -> ``topk_decode``. Functional calls, no SAELens.
 * ``sparsefuse sae_lens.patch``  a SAELens SAE patched with the defaults (hook points and checks included): the
-                              cuBLAS encode, then JumpReLU in place + scan decode, or torch.topk + ``topk_decode``
+                              cuBLAS encode, then JumpReLU in place + sparse_decode (auto), or torch.topk +
+                              ``topk_decode``
 * ``... patch(max_l0=256)`` / ``patch(fused_encode=True)``  patched for low memory: the fused encodes above
 * ``sae_lens``                SAELens' own forward (dense encode, dense decode) -- the baseline of the speed-up column
 * ``eager``                   the same dense math as a plain torch function (the baseline when sae_lens is missing)
@@ -134,9 +135,9 @@ def fused_jumprelu_forward(x, W_enc, b_enc, threshold, W_dec, b_dec):
     return sparse_matmul(ell, W_dec, encoder=JumpReLUEncoder(x, W_enc, b_enc, threshold, b_dec)) + b_dec
 
 
-def dense_encode_scan_decode_forward(x, W_enc, b_enc, threshold, W_dec, b_dec):
-    """cuBLAS encode, JumpReLU in place, then the skip-zeros decode (``sparse_decode`` auto): fastest at large
-    batches, at the price of the dense [tokens, d_sae] activations in memory."""
+def dense_encode_sparse_decode_forward(x, W_enc, b_enc, threshold, W_dec, b_dec):
+    """cuBLAS encode, JumpReLU in place, then ``sparse_decode`` (auto: the bitmask + ELL path at large batches):
+    fastest at large batches, at the price of the dense [tokens, d_sae] activations in memory."""
     pre = torch.addmm(b_enc, x - b_dec, W_enc)
     acts = pre.masked_fill_(pre <= threshold.clamp(min=0), 0)
     return sparse_decode(acts, W_dec) + b_dec
@@ -168,8 +169,8 @@ def _case(architecture: str, shape: tuple[str, int, int, int], dtype: torch.dtyp
     compiled = torch.compile(dense)
     impls: dict[str, Callable[..., Any]] = {
         "sparsefuse fused": lambda x: fused(x, *params()),
-        **({"sparsefuse cuBLAS encode + scan decode": lambda x: dense_encode_scan_decode_forward(x, *params())}
-           if architecture == "jumprelu" else {}),
+        **({"sparsefuse cuBLAS encode + sparse decode (auto)":
+            lambda x: dense_encode_sparse_decode_forward(x, *params())} if architecture == "jumprelu" else {}),
         "eager": lambda x: dense(x, *params()),
         "torch.compile": lambda x: compiled(x, *params()),
         "encode matmul only": lambda x: x @ weights_for(key).W_enc,
