@@ -1,11 +1,9 @@
-"""Probe: the bits -> ELL pass (bits_to_sparse_kernel) and variants of it. Its first design, one program per row
-walking the row's words in chunks of 1024 (867e534; kept here as ``staged_kernel``), took 57 us at the Gemma 2B
-decode shape for 33 MB of bits. Variants of that design: ``grouped`` loads a chunk of words as [G, 32] and ranks
-them with a cumsum along the 32 (within a warp) plus a cumsum over the G group totals; ``rows`` gives a program R
-rows as a [R, BLOCK_W] tile ranked along axis 1. The library's kernel now runs programs over (row, word block),
-each taking its first slot from the bitmask pass's per-chunk counts. Outputs are checked equal to the per-row
-design's. CUDA graphs over rotated inputs.
-``--stages``: where the per-row design's time goes: its copy with the value loads dropped, with the placement rounds
+"""Probe: why the bits -> ELL pass (bits_to_sparse_kernel) takes 55 us at the Gemma 2B decode shape for 33 MB of
+bits, and two variants of it. Its cost tracks the size of its cumsum (the previous scatter kernel's 4096-wide cumsums
+cost about the same per element), so: ``grouped`` loads a chunk of words as [G, 32] and ranks them with a cumsum
+along the 32 (within a warp) plus a cumsum over the G group totals; ``rows`` gives a program R rows as a
+[R, BLOCK_W] tile ranked along axis 1. Same output as the library's kernel (checked). CUDA graphs over rotated inputs.
+``--stages``: where the library kernel's time goes: its copy with the value loads dropped, with the placement rounds
 dropped (popcount, cumsum and counts only), and with the next chunk's words loaded ahead.
 Usage: cd scripts && python probe_bits_words.py [--stages]"""
 
@@ -110,8 +108,7 @@ def staged_kernel(bits_ptr, dense_ptr, counts_ptr, values_ptr, indices_ptr, n_wo
     tl.store(counts_ptr + row, filled)
 
 
-def staged(bc, a, width, values, rounds, ahead):
-    bits = bc[0]
+def staged(bits, a, width, values, rounds, ahead):
     v, i, c = outputs(a, width)
     staged_kernel[(a.shape[0],)](bits, a, c, v, i, bits.shape[1], a.stride(0), width, BLOCK_W=1024, VALUES=values,
                                  ROUNDS=rounds, AHEAD=ahead, num_warps=4)  # fmt: skip
@@ -125,27 +122,20 @@ def outputs(a, width):
             torch.empty(M, dtype=torch.int32, device=a.device))  # fmt: skip
 
 
-def library(bc, a, width):
-    """The library's bits -> ELL pass (programs over (row, word block), first slots from the chunk counts)."""
+def library(bits, a, width, block_w, warps):
     v, i, c = outputs(a, width)
-    compact._bits_to_sparse(a, 1, counts=c, values=v, indices=i, width=width, bits_and_counts=bc)
+    compact.bits_to_sparse_kernel[(a.shape[0],)](bits, a, c, bits, v, i, bits.shape[1], a.stride(0), width,
+                                                 BLOCK_W=block_w, MODE=1, num_warps=warps)  # fmt: skip
     return v, i, c
 
 
-def per_row(bc, a, width):
-    """The 867e534 design: one program per row walking its words in chunks of 1024."""
-    return staged(bc, a, width, True, True, False)
-
-
-def grouped(bc, a, width, g, warps):
-    bits = bc[0]
+def grouped(bits, a, width, g, warps):
     v, i, c = outputs(a, width)
     grouped_kernel[(a.shape[0],)](bits, a, c, v, i, bits.shape[1], a.stride(0), width, G=g, num_warps=warps)
     return v, i, c
 
 
-def by_rows(bc, a, width, r, block_w, warps):
-    bits = bc[0]
+def by_rows(bits, a, width, r, block_w, warps):
     v, i, c = outputs(a, width)
     rows_kernel[(triton.cdiv(a.shape[0], r),)](bits, a, c, v, i, a.shape[0], bits.shape[1], a.stride(0), width,
                                                R=r, BLOCK_W=block_w, num_warps=warps)  # fmt: skip
@@ -161,15 +151,14 @@ def main(stages: bool = False) -> None:
         sets = []
         for _ in range(3):
             a = acts_with_l0(B, F, l0, dtype)
-            sets.append((compact._row_bits_launch(a, False, F, True, True), a))
-        ref = per_row(*sets[0], width)
-        variants = {"per row (867e534)": lambda b, a: per_row(b, a, width),
-                    "library (row x word-block programs)": lambda b, a: library(b, a, width)}
+            sets.append((compact._row_bits(a, False, F, bits=True, counts=False)[0], a))
+        ref = library(*sets[0], width, 1024, 4)
+        variants = {"library 1024/4w": lambda b, a: library(b, a, width, 1024, 4)}
         if stages:
-            variants |= {"per row, no value loads": lambda b, a: staged(b, a, width, False, True, False),
-                         "per row, no rounds (count only)": lambda b, a: staged(b, a, width, False, False, False),
-                         "per row, words loaded ahead": lambda b, a: staged(b, a, width, True, True, True),
-                         "bits read (torch sum)": lambda b, a: b[0].sum(dtype=torch.int32)}  # fmt: skip
+            variants |= {"no value loads": lambda b, a: staged(b, a, width, False, True, False),
+                         "no rounds (count only)": lambda b, a: staged(b, a, width, False, False, False),
+                         "words loaded ahead": lambda b, a: staged(b, a, width, True, True, True),
+                         "bits read (torch sum)": lambda b, a: b.sum(dtype=torch.int32)}  # fmt: skip
         for g, warps in [] if stages else [(8, 4), (16, 4), (32, 4), (16, 2), (32, 8)]:
             variants[f"grouped {g}x32/{warps}w"] = lambda b, a, g=g, w=warps: grouped(b, a, width, g, w)
         for r, bw, warps in [] if stages else [(2, 512, 4), (4, 256, 4), (4, 512, 4), (8, 256, 4), (8, 128, 4), (4, 1024, 8)]:
@@ -177,7 +166,7 @@ def main(stages: bool = False) -> None:
         line = []
         for name, fn in variants.items():
             got = fn(*sets[0])
-            same = not isinstance(got, tuple) or all(torch.equal(x, y) for x, y in zip(got, ref)) or "no " in name
+            same = not isinstance(got, tuple) or all(torch.equal(x, y) for x, y in zip(got, ref)) or name.startswith("no ")
             line.append(f"{name} {time_graph(fn, sets):.1f}{'' if same else ' (DIFFERS)'}")
         print(f"B={B} F={F} L0={l0} {str(dtype)[6:]} bits {B * F / 8e6:.1f} MB: " + ", ".join(line), flush=True)
 

@@ -38,15 +38,13 @@ def bits_pass(a, rows, block_c, warps):
     return bits
 
 
-def to_ell(bc, a, width, block_w, warps):
-    """The library's bits -> ELL kernel at a given words-per-program and warp count."""
-    (bits, chunk_counts, block_c), M = bc, a.shape[0]
+def to_ell(bits, a, width, block_w, warps):
+    M = a.shape[0]
     values = torch.zeros(M, width, dtype=a.dtype, device=a.device)
     indices = torch.zeros(M, width, dtype=torch.int32, device=a.device)
     counts = torch.empty(M, dtype=torch.int32, device=a.device)
-    compact.bits_to_sparse_kernel[(M, triton.cdiv(bits.shape[1], block_w))](
-        bits, chunk_counts, a, counts, bits, values, indices, bits.shape[1], chunk_counts.shape[1], block_c // 32,
-        a.stride(0), width, BLOCK_W=block_w, BLOCK_C=512, MODE=1, num_warps=warps)  # fmt: skip
+    compact.bits_to_sparse_kernel[(M,)](bits, a, counts, bits, values, indices, bits.shape[1], a.stride(0), width,
+                                        BLOCK_W=block_w, MODE=1, num_warps=warps)  # fmt: skip
 
 
 def main() -> None:
@@ -85,9 +83,9 @@ def main() -> None:
         print("  bits pass rows x cols/warps: " + ", ".join(
             f"{r}x{c}/{w} {us:.1f} ({act_gb / us * 1e6 / 1e3:.2f} TB/s)" for (r, c, w), us in bits_cfg.items()),
             flush=True)  # fmt: skip
-        bits = [(compact._row_bits_launch(a, False, F, True, True), a) for a, _ in sets]
+        bits = [(compact._row_bits(a, False, F, bits=True, counts=False)[0], a) for a, _ in sets]
         to_ell_cfg = {}
-        for block_w, warps in [(64, 1), (128, 1), (256, 2), (256, 4), (512, 4), (1024, 4), (2048, 4), (1024, 8)]:
+        for block_w, warps in [(256, 4), (512, 4), (1024, 4), (2048, 4), (1024, 8), (2048, 8)]:
             to_ell_cfg[(block_w, warps)] = time_graph(lambda b, a, c=(block_w, warps): to_ell(b, a, width, *c), bits)
         print("  bits -> ELL words/warps: " + ", ".join(f"{bw}/{w} {us:.1f}" for (bw, w), us in to_ell_cfg.items()),
               flush=True)  # fmt: skip

@@ -28,8 +28,8 @@ def test_dense_to_ell_and_csr_match_the_reference(m, n, l0s, dtype, device):
     with track_launches() as launched:
         ell = dense_to_ell(dense, width=16)
         csr = dense_to_csr(dense)
-    # each: a bitmask pass (with counts per chunk), then the bits placed by programs that need not wait
-    assert launched["row_bits_kernel"] == 2 and launched["bits_to_sparse_kernel"] == 2
+    # a bitmask pass each, then the bits are compacted: ELL in one launch, CSR counted then placed
+    assert launched["row_bits_kernel"] == 2 and launched["bits_to_sparse_kernel"] == 3
     ref_ell, ref_csr = ELL.from_dense(dense, 16), CSR.from_dense(dense)
     for got, ref in ((ell.values, ref_ell.values), (ell.indices, ref_ell.indices), (ell.counts, ref_ell.counts),
                      (csr.values, ref_csr.values), (csr.indices, ref_csr.indices),
@@ -40,8 +40,8 @@ def test_dense_to_ell_and_csr_match_the_reference(m, n, l0s, dtype, device):
 
 
 def test_compaction_of_wide_rows_placed_by_many_programs(device):
-    """Rows of thousands of columns: their words are placed by many programs, each summing the bitmask pass's chunk
-    counts before it (more chunks than one load of them holds), the last one storing the row's count."""
+    """Rows of thousands of columns: the compaction walks each row's bitmask in several chunks of words, carrying
+    the running count (slots) from one to the next."""
     dense = sparse_rows(3, 4500, [0, 9, 700], device=device)
     dense[1, -1] = 2.0  # the row's last column, in its last word
     ell, csr = dense_to_ell(dense, width=600), dense_to_csr(dense)

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .. import _backend
-from .._backend import Backend, backend_for, new_output, record_launch, sm_count
+from .._backend import Backend, backend_for, new_output, record_launch
 from .._validation import check_float, describe
 from .formats import CSR, ELL, RowBlockPattern, check_twell_geometry
 
@@ -43,6 +43,7 @@ def _is_nonzero(v, RELU: tl.constexpr):
     return v != 0
 
 
+_MODE_COUNT = tl.constexpr(0)
 _MODE_ELL = tl.constexpr(1)
 _MODE_CSR = tl.constexpr(2)
 
@@ -65,42 +66,36 @@ def _lowest_bit(u):
 
 
 @triton.jit
-def bits_to_sparse_kernel(bits_ptr, chunk_counts_ptr, dense_ptr, counts_ptr, row_offsets_ptr, values_ptr,
-                          indices_ptr, n_words, n_chunks, words_per_chunk, stride_dense, width,
-                          BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr, MODE: tl.constexpr):  # fmt: skip
-    # bits [M, n_words] int32 and chunk_counts [M, n_chunks] int32 (non-zeros per words_per_chunk words) from
-    # row_bits_kernel, of dense [M, N] (unit column stride). Program (row, p) places the set bits of words
-    # [p * BLOCK_W, (p + 1) * BLOCK_W) (a multiple of words_per_chunk), its first slot the row's count before them:
-    # a row's words are placed by several programs at once, none waiting for another.
-    # ELL: values/indices [M, width] (the first width non-zeros) and counts [M] (all of them, stored by the row's
-    # last program). CSR: values/indices [nnz] from row_offsets [M + 1] int64 on.
+def bits_to_sparse_kernel(bits_ptr, dense_ptr, counts_ptr, row_offsets_ptr, values_ptr, indices_ptr, n_words,
+                          stride_dense, width, BLOCK_W: tl.constexpr, MODE: tl.constexpr):  # fmt: skip
+    # bits [M, n_words] int32 (row_bits_kernel) of dense [M, N] (unit column stride); one program per row.
+    # MODE count: counts [M] int32 = the row's set bits. ELL: values/indices [M, width] (the first width non-zeros)
+    # and counts [M] (all of them). CSR: values/indices [nnz] from row_offsets [M + 1] int64 on.
     row = tl.program_id(0).to(tl.int64)
-    w0 = tl.program_id(1) * BLOCK_W
-    earlier = tl.zeros([BLOCK_C], dtype=tl.int32)
-    for c0 in range(0, w0 // words_per_chunk, BLOCK_C):
-        c = c0 + tl.arange(0, BLOCK_C)
-        earlier += tl.load(chunk_counts_ptr + row * n_chunks + c, mask=c < w0 // words_per_chunk, other=0)
-    first = tl.sum(earlier, axis=0)
     if MODE == _MODE_CSR:
         base = tl.load(row_offsets_ptr + row)
     else:
         base = row * width
-    w = w0 + tl.arange(0, BLOCK_W)  # [BLOCK_W]
-    word = tl.load(bits_ptr + row * n_words + w, mask=w < n_words, other=0).to(tl.uint32, bitcast=True)
-    pc = _popcount(word)
-    slot = first + tl.cumsum(pc, axis=0) - pc  # each word's first slot in the row
-    rest = word
-    for _ in range(tl.max(pc, axis=0)):  # round k places every word's k-th set bit
-        live = rest != 0
-        col = w * 32 + _lowest_bit(rest)
-        keep = live & (slot < width) if MODE == _MODE_ELL else live
-        v = tl.load(dense_ptr + row * stride_dense + col, mask=keep, other=0.0)
-        tl.store(values_ptr + base + slot, v, mask=keep)
-        tl.store(indices_ptr + base + slot, col, mask=keep)
-        slot += live.to(tl.int32)
-        rest = rest & (rest - 1)
-    if MODE == _MODE_ELL and w0 + BLOCK_W >= n_words:
-        tl.store(counts_ptr + row, first + tl.sum(pc, axis=0))
+    filled = tl.zeros([], dtype=tl.int32)
+    for w0 in range(0, n_words, BLOCK_W):
+        w = w0 + tl.arange(0, BLOCK_W)  # [BLOCK_W]
+        word = tl.load(bits_ptr + row * n_words + w, mask=w < n_words, other=0).to(tl.uint32, bitcast=True)
+        pc = _popcount(word)
+        if MODE != _MODE_COUNT:
+            slot = filled + tl.cumsum(pc, axis=0) - pc  # each word's first slot in the row
+            rest = word
+            for _ in range(tl.max(pc, axis=0)):  # round k places every word's k-th set bit
+                live = rest != 0
+                col = w * 32 + _lowest_bit(rest)
+                keep = live & (slot < width) if MODE == _MODE_ELL else live
+                v = tl.load(dense_ptr + row * stride_dense + col, mask=keep, other=0.0)
+                tl.store(values_ptr + base + slot, v, mask=keep)
+                tl.store(indices_ptr + base + slot, col, mask=keep)
+                slot += live.to(tl.int32)
+                rest = rest & (rest - 1)
+        filled += tl.sum(pc, axis=0)
+    if MODE != _MODE_CSR:
+        tl.store(counts_ptr + row, filled)
 
 
 def _check_dense(op: str, dense: torch.Tensor) -> torch.Tensor:
@@ -110,26 +105,16 @@ def _check_dense(op: str, dense: torch.Tensor) -> torch.Tensor:
     return dense if dense.stride(1) == 1 or dense.shape[1] <= 1 else dense.contiguous()
 
 
-def _bits_to_sparse(dense: torch.Tensor, mode: int, *, counts: torch.Tensor | None = None,
+def _bits_to_sparse(bits: torch.Tensor, dense: torch.Tensor, mode: int, *, counts: torch.Tensor | None = None,
                     row_offsets: torch.Tensor | None = None, values: torch.Tensor | None = None,
-                    indices: torch.Tensor | None = None, width: int = 0,
-                    bits_and_counts: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> None:  # fmt: skip
-    """Compact ``dense`` [M, N] into the given ELL (mode 1) or CSR (mode 2) arrays: the bitmask pass (unless
-    ``bits_and_counts`` = (bits, chunk counts, columns per count) is given), then bits_to_sparse_kernel."""
-    bits, chunk_counts, block_c = bits_and_counts or _row_bits_launch(dense, False, dense.shape[1], True, True)
-    M, n_words = bits.shape
-    words_per_chunk = block_c // 32
-    # enough programs to fill the GPU with short ones; each covers whole count chunks
-    per_program = triton.cdiv(M * n_words, 8 * sm_count(dense.device, interpreted=1))
-    block_w = min(max(64, triton.next_power_of_2(per_program)), 1024)
-    block_w = words_per_chunk * 4 if _backend.INTERPRET else max(block_w, words_per_chunk)
+                    indices: torch.Tensor | None = None, width: int = 0) -> None:  # fmt: skip
+    """One bits_to_sparse_kernel launch over the rows of ``bits`` (see the kernel for the modes)."""
+    block_w = 8 if _backend.INTERPRET else min(1024, max(32, triton.next_power_of_2(bits.shape[1])))
     unused = bits
-    bits_to_sparse_kernel[(M, triton.cdiv(n_words, block_w))](
-        bits, chunk_counts, dense, unused if counts is None else counts,
-        unused if row_offsets is None else row_offsets, unused if values is None else values,
-        unused if indices is None else indices, n_words, chunk_counts.shape[1], words_per_chunk, dense.stride(0),
-        width, BLOCK_W=block_w, BLOCK_C=64 if _backend.INTERPRET else 512, MODE=mode,
-        num_warps=max(1, min(4, block_w // 128)))  # fmt: skip
+    bits_to_sparse_kernel[(bits.shape[0],)](
+        bits, dense, unused if counts is None else counts, unused if row_offsets is None else row_offsets,
+        unused if values is None else values, unused if indices is None else indices, bits.shape[1],
+        dense.stride(0), width, BLOCK_W=block_w, MODE=mode, num_warps=4)  # fmt: skip
     record_launch("bits_to_sparse_kernel")
 
 
@@ -145,10 +130,11 @@ def dense_to_ell(dense: torch.Tensor, width: int) -> ELL:
         if backend_for(dense) is Backend.TORCH:
             _backend.warn_reference_once("dense_to_ell")
         return ELL.from_dense(dense, width)
+    bits, _ = _row_bits(dense, False, N, bits=True, counts=False)
     values = torch.zeros(M, width, dtype=dense.dtype, device=dense.device)
     indices = torch.zeros(M, width, dtype=torch.int32, device=dense.device)
     counts = new_output((M,), torch.int32, dense.device)
-    _bits_to_sparse(dense, 1, counts=counts, values=values, indices=indices, width=width)
+    _bits_to_sparse(bits, dense, 1, counts=counts, values=values, indices=indices, width=width)
     return ELL(values, indices, counts, N)
 
 
@@ -160,14 +146,15 @@ def dense_to_csr(dense: torch.Tensor) -> CSR:
         if backend_for(dense) is Backend.TORCH:
             _backend.warn_reference_once("dense_to_csr")
         return CSR.from_dense(dense)
-    bits, chunk_counts, block_c = _row_bits_launch(dense, False, N, True, True)
+    bits, _ = _row_bits(dense, False, N, bits=True, counts=False)
+    counts = new_output((M,), torch.int32, dense.device)
+    _bits_to_sparse(bits, dense, 0, counts=counts)
     row_offsets = torch.zeros(M + 1, dtype=torch.int64, device=dense.device)
-    row_offsets[1:] = chunk_counts.sum(dim=1).cumsum(0)
+    row_offsets[1:] = counts.cumsum(0)
     nnz = int(row_offsets[-1])  # the one host sync: exact allocation
     values = new_output((nnz,), dense.dtype, dense.device)  # NaN-poisoned under test: every slot must be written
     indices = torch.empty(nnz, dtype=torch.int32, device=dense.device)
-    _bits_to_sparse(dense, 2, row_offsets=row_offsets, values=values, indices=indices,
-                    bits_and_counts=(bits, chunk_counts, block_c))
+    _bits_to_sparse(bits, dense, 2, row_offsets=row_offsets, values=values, indices=indices)
     return CSR(values, indices, row_offsets, N)
 
 
@@ -232,21 +219,14 @@ def row_block_union_kernel(bits_ptr, order_ptr, indices_ptr, counts_ptr, M, N, n
 
 
 def _row_bits(dense: torch.Tensor, relu: bool, n_sample: int, bits: bool, counts: bool):
-    """(bits [M, ceil(N / 32)] int32 or None, partial counts [M, n_chunks] int32 or None, at most 32 chunks per row:
-    what the rank kernel reads) of ``dense`` [M, N] from one row_bits_kernel launch (the one pass over ``dense``)."""
-    out_bits, out_counts, _ = _row_bits_launch(dense, relu, n_sample, bits, counts, few_chunks=True)
-    return out_bits, out_counts
-
-
-def _row_bits_launch(dense: torch.Tensor, relu: bool, n_sample: int, bits: bool, counts: bool,
-                     few_chunks: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:  # fmt: skip
-    """row_bits_kernel over ``dense`` [M, N]: (bits or None, counts [M, n_chunks] or None, columns per chunk).
-    ``few_chunks``: wider chunks for very wide rows, so that counts has at most 32 chunks per row."""
+    """(bits [M, ceil(N / 32)] int32 or None, partial counts [M, n_chunks] int32 or None) of ``dense`` [M, N] from
+    one row_bits_kernel launch (the one pass over ``dense``)."""
     M, N = dense.shape
     n_words = triton.cdiv(N, 32)
-    # 8 rows x 512 columns, 4 warps (scripts/probe_block_schedule.py --pattern)
+    # 8 rows x 512 columns, 4 warps (scripts/probe_block_schedule.py --pattern); when counts are wanted, wider
+    # chunks for very wide rows keep them to at most 32 per row for the rank kernel
     rows, block_c = (2, 64) if _backend.INTERPRET else (8, 512)
-    if counts and few_chunks:
+    if counts:
         block_c = max(block_c, triton.next_power_of_2(triton.cdiv(N, 32)))
     block_c = min(block_c, max(32, triton.next_power_of_2(N)))
     n_chunks = triton.cdiv(N, block_c)
@@ -256,7 +236,7 @@ def _row_bits_launch(dense: torch.Tensor, relu: bool, n_sample: int, bits: bool,
         dense, out_bits if bits else dense, out_counts if counts else dense, M, N, n_words, n_sample, n_chunks,
         dense.stride(0), ROWS=rows, BLOCK_C=block_c, RELU=relu, BITS=bits, COUNTS=counts, num_warps=4)  # fmt: skip
     record_launch("row_bits_kernel")
-    return out_bits, out_counts, block_c
+    return out_bits, out_counts
 
 
 # Sorting rows for row-block unions. What shrinks a block's union is grouping rows of similar non-zero counts, not
