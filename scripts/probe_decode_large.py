@@ -13,7 +13,7 @@ from sparsefuse.sparse.spmm import _LaunchConfig, matmul_skip_zeros, sparse_matm
 
 
 def main():
-    default_cfg = spmm._launch_config
+    default_cfg, default_gather = spmm._launch_config, spmm._gather_config
     for (B, F, D, l0), dtype in itertools.product([(4096, 65536, 2304, 72), (256, 65536, 768, 64)],
                                                   [torch.bfloat16, torch.float32]):  # fmt: skip
         sets = [(acts_with_l0(B, F, l0, dtype), torch.randn(F, D, device="cuda", dtype=dtype) / 16) for _ in range(3)]
@@ -25,7 +25,7 @@ def main():
         ells = [(dense_to_ell(a, 2 * l0), w) for a, w in sets]
         for block_d, warps, block_k in [(256, 4, 32), (512, 4, 32), (256, 4, 16), (1024, 8, 32), (128, 4, 32)]:
             cfg = _LaunchConfig(block_d=block_d, block_f=1024, block_k=block_k, group=2, num_warps=warps)
-            spmm._launch_config = lambda n_out, scan=True, cfg=cfg: cfg
+            spmm._gather_config = lambda *_, cfg=cfg: cfg
             t = time_graph(lambda e, w: sparse_matmul(e, w), ells)
             print(f"  ELL gather only d{block_d} w{warps} k{block_k} {t:9.1f} us")
         for block_d, warps, block_f in [(1024, 4, 1024), (4096, 8, 1024), (4096, 8, 512), (4096, 4, 1024),
@@ -38,7 +38,7 @@ def main():
             err = float((out.double() - ref).abs().max() / ref.abs().max())
             print(f"  scan d{block_d} w{warps} f{block_f} {time_graph(matmul_skip_zeros, sets):9.1f} us err {err:.1e}",
                   flush=True)  # fmt: skip
-        spmm._launch_config = default_cfg
+        spmm._launch_config, spmm._gather_config = default_cfg, default_gather
         del sets, csr, ells
     print("L0 sweep, B=1024 F=65536 D=2304 bf16 (default configs)")
     for l0 in [72, 256, 1024, 4096]:
