@@ -18,7 +18,8 @@ Methods (all built on the shared core in :mod:`sparsefuse.sparse`):
   at least 10% faster than cuBLAS at the activations' mean L0:
   scan ~ rows x (d_sae bytes / row rate + L0 x d_model bytes / gather rate);
   fixed ~ 3 launches + rows x (d_sae bytes / bitmask rate + d_sae / 8 bytes / word rate + L0 x d_model bytes /
-  gather rate) -- the scan wins small batches, the two-pass "fixed" large ones (from ~100 rows);
+  gather rate), or one program's serial walk over a row when that is longer (few rows, large L0) -- the scan
+  wins small batches, the two-pass "fixed" large ones (from ~64-256 rows);
   dense ~ the hypotenuse of flops / matmul rate and W_dec bytes / 3.3 TB/s. The mean L0 is, first available:
   ``expected_l0``; the running estimate kept per decoder (a :class:`~sparsefuse.sparse.SparsityMonitor` per
   ``W_dec`` tensor, fed without a sync every 8th eager call from up to 64 sampled rows); on the first eager call
@@ -59,11 +60,16 @@ AUTO_MARGIN = 0.9  # scan must be predicted this much faster: the model's error 
 _SCAN_ROW_RATE = {4: 1.6e12, 2: 1.5e12}
 _SCAN_GATHER_RATE = {4: 2.6e12, 2: 2.0e12}
 # "fixed": the bitmask pass streams the activations near copy speed; the bits -> ELL pass is latency-bound (its
-# rate per bitmask byte is low); the ELL gather's rate per gathered W_dec byte depends on the weight's element size
+# rate per bitmask byte is low); the ELL gather moves gathered W_dec bytes at about DRAM rate (some L2 reuse)
 # (benchmarks/results/probe-decode-bits-NVIDIA-H200.log).
 _FIXED_BITS_RATE = 4.0e12
 _FIXED_WORDS_RATE = 0.7e12
-_FIXED_GATHER_RATE = {4: 4.2e12, 2: 3.0e12}
+_FIXED_GATHER_RATE = {4: 4.6e12, 2: 4.4e12}
+# With few rows the ELL path is bound by one program's serial chain, not by bytes: the gather walks a row's entries
+# 16 at a time and the bits -> ELL pass a row's bitmask 1024 words at a time (B=32, D=768, L0=1024: 78 us against
+# cuBLAS's 31, where the byte terms alone predict 28)
+_FIXED_GATHER_STEP_S = 0.7e-6
+_FIXED_WORDS_CHUNK_S = 2e-6
 _DENSE_WEIGHT_RATE = 3.3e12
 _DENSE_FLOP_RATE = {torch.float32: 50e12, torch.float16: 800e12, torch.bfloat16: 800e12}
 _LAUNCH_S = 5e-6
@@ -83,8 +89,9 @@ def _predicted_seconds(M: int, d_sae: int, d_model: int, mean_l0: float, acts_dt
     gathered = mean_l0 * d_model * e_w  # W_dec bytes per row
     scan = _LAUNCH_S + M * (d_sae * e_a / _SCAN_ROW_RATE.get(e_a, 1.5e12)
                             + gathered / _SCAN_GATHER_RATE.get(e_a, 2.0e12))  # fmt: skip
-    fixed = 3 * _LAUNCH_S + M * (d_sae * e_a / _FIXED_BITS_RATE + d_sae / 8 / _FIXED_WORDS_RATE
-                                 + gathered / _FIXED_GATHER_RATE.get(e_w, 3.0e12))  # fmt: skip
+    fixed = 3 * _LAUNCH_S + max(M * (d_sae * e_a / _FIXED_BITS_RATE + d_sae / 8 / _FIXED_WORDS_RATE
+                                     + gathered / _FIXED_GATHER_RATE.get(e_w, 4.4e12)),
+                                mean_l0 / 16 * _FIXED_GATHER_STEP_S + math.ceil(d_sae / 32768) * _FIXED_WORDS_CHUNK_S)
     compute = torch.promote_types(acts_dtype, w_dtype)
     # cuBLAS reaches neither bound where both are close (B=256, d_model=768: 45 us against 32 and 31): their sum
     # in quadrature
