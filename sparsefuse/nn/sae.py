@@ -3,11 +3,11 @@
 Forward: ``acts = jumprelu((x - b_dec) @ W_enc + b_enc, threshold)``, ``recon = acts @ W_dec + b_dec``.
 Two inference paths (no autograd):
 * default (``max_l0=None``): cuBLAS encode, JumpReLU in place, then ``sparse_decode`` (auto: at large batches
-  the bitmask + ELL path) -- the fastest there (H200, Gemma 2B 65k, B=4096, bf16: 1.71x the dense forward), but
+  the bitmask + ELL path) -- the fastest there (H200, Gemma 2B 65k, B=4096, bf16: 1.76x the dense forward), but
   the dense [tokens, d_sae] activations exist for a moment;
 * ``max_l0`` set: the fused encode writes the fired features straight into ELL (the dense activations never reach
   memory: 46 MB peak instead of 2.2 GB there) and the decode gathers only their decoder rows; a token that fired
-  more than ``max_l0`` features is recomputed on the device, never truncated. 1.49x the dense forward there, behind
+  more than ``max_l0`` features is recomputed on the device, never truncated. 1.51x the dense forward there, behind
   the default because the epilogue matmul runs at about half cuBLAS's rate.
 With autograd the encode is the dense matmul and the decode sparse.
 """
