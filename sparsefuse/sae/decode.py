@@ -53,7 +53,7 @@ DEFAULT_MAX_L0 = 256
 AUTO_DENSE_BELOW_D_SAE = 4096
 AUTO_SAMPLE_ROWS = 64  # rows whose non-zeros are counted for the estimate
 AUTO_OBSERVE_EVERY = 8  # eager calls per (sync-free) observation
-AUTO_MARGIN = 0.9  # scan must be predicted this much faster: the model's error on the benchmark grid is ~10%
+AUTO_MARGIN = 0.9  # a sparse method must be predicted this much faster: the model's error on the grid is ~10%
 # Cost model of "auto", least-squares fits to the H200 sae_decode benchmark (main shapes, L0 and batch sweeps):
 # effective rates in bytes/s per activation element size (fp32 rows are scanned with fewer, wider loads), flop/s.
 # The ratios, not the absolute values, decide, so they carry over to other GPUs roughly.
