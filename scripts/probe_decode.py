@@ -62,7 +62,7 @@ def main():
             if block_d > triton_np2(D):
                 continue
             cfg = _LaunchConfig(block_d=block_d, block_f=block_f, block_k=32, group=group, num_warps=warps)
-            spmm._launch_config = lambda n_out, scan=True, cfg=cfg: cfg
+            spmm._launch_config = lambda n_out, cfg=cfg: cfg
             for mult in ([2, 4, 8] if B < 1024 else [1]):
                 spmm._device_programs = lambda dev, mult=mult, **_: mult * torch.cuda.get_device_properties(dev).multi_processor_count
                 out = matmul_skip_zeros(*sets[0])

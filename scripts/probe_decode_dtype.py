@@ -52,9 +52,9 @@ def configs() -> None:
         print(f"B={B} F={F} D={D} L0={l0} {dtype}: cuSPARSE prebuilt {csr:.2f} us, "
               f"default scan {time_graph(matmul_skip_zeros, sets):.2f} us")
         for mult, block_f, group in itertools.product([2, 4, 8, 16], [512, 1024, 2048], [2, 4]):
-            base = default_config(D, scan=True)
+            base = default_config(D)
             cfg = spmm._LaunchConfig(block_d=base.block_d, block_f=block_f, block_k=32, group=group, num_warps=4)
-            spmm._launch_config = lambda n_out, scan=True, cfg=cfg: cfg
+            spmm._launch_config = lambda n_out, cfg=cfg: cfg
             spmm._device_programs = lambda dev, mult=mult, **_: mult * n_sm
             t = time_graph(matmul_skip_zeros, sets)
             print(f"  x{mult:<2d} f{block_f:<4d} g{group}  {t:7.2f} us  {csr / t:5.2f}x cuSPARSE")

@@ -69,9 +69,9 @@ def chunks() -> None:
               flush=True)  # fmt: skip
         results = []
         for block_f, group, warps in itertools.product([512, 1024, 2048, 4096], [1, 2, 4], [None, 8]):
-            cfg = spmm._LaunchConfig(block_d=default_config(D, scan=True).block_d, block_f=block_f, block_k=32,
+            cfg = spmm._LaunchConfig(block_d=default_config(D).block_d, block_f=block_f, block_k=32,
                                      group=group, num_warps=4)  # fmt: skip
-            spmm._launch_config = lambda n_out, scan=True, cfg=cfg: cfg
+            spmm._launch_config = lambda n_out, cfg=cfg: cfg
             spmm._scan_warps = default_warps if warps is None else (lambda *_, w=warps: w)
             results.append((time_graph(matmul_skip_zeros, sets), block_f, group, warps or "default"))
         spmm._launch_config, spmm._scan_warps = default_config, default_warps

@@ -29,8 +29,6 @@ from .._validation import check_float, describe
 from .formats import CSR, ELL, RowBlockPattern, check_twell_geometry
 
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension; row_bits_kernel's programs loop past it
-_FORMAT_ELL = tl.constexpr(0)
-_FORMAT_CSR = tl.constexpr(1)
 
 
 @triton.jit
@@ -134,7 +132,7 @@ def dense_to_ell(dense: torch.Tensor, width: int) -> ELL:
     values = torch.zeros(M, width, dtype=dense.dtype, device=dense.device)
     indices = torch.zeros(M, width, dtype=torch.int32, device=dense.device)
     counts = new_output((M,), torch.int32, dense.device)
-    _bits_to_sparse(bits, dense, 1, counts=counts, values=values, indices=indices, width=width)
+    _bits_to_sparse(bits, dense, _MODE_ELL.value, counts=counts, values=values, indices=indices, width=width)
     return ELL(values, indices, counts, N)
 
 
@@ -148,13 +146,13 @@ def dense_to_csr(dense: torch.Tensor) -> CSR:
         return CSR.from_dense(dense)
     bits, _ = _row_bits(dense, False, N, bits=True, counts=False)
     counts = new_output((M,), torch.int32, dense.device)
-    _bits_to_sparse(bits, dense, 0, counts=counts)
+    _bits_to_sparse(bits, dense, _MODE_COUNT.value, counts=counts)
     row_offsets = torch.zeros(M + 1, dtype=torch.int64, device=dense.device)
     row_offsets[1:] = counts.cumsum(0)
     nnz = int(row_offsets[-1])  # the one host sync: exact allocation
     values = new_output((nnz,), dense.dtype, dense.device)  # NaN-poisoned under test: every slot must be written
     indices = torch.empty(nnz, dtype=torch.int32, device=dense.device)
-    _bits_to_sparse(bits, dense, 2, row_offsets=row_offsets, values=values, indices=indices)
+    _bits_to_sparse(bits, dense, _MODE_CSR.value, row_offsets=row_offsets, values=values, indices=indices)
     return CSR(values, indices, row_offsets, N)
 
 

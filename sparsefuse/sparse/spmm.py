@@ -262,14 +262,16 @@ def _scan_warps(block_d: int, weight_itemsize: int) -> int:
     return max(1, min(4, block_d * weight_itemsize // (32 * 16)))
 
 
-def _launch_config(n_out: int, scan: bool, weight_itemsize: int = 4) -> _LaunchConfig:
+_INTERPRETER_CONFIG = _LaunchConfig(block_d=32, block_f=64, block_k=16, group=16, num_warps=4)  # few steps
+
+
+def _launch_config(n_out: int) -> _LaunchConfig:
     """Blocks of the dense-row scan, measured on an H200 (scripts/probe_decode*.py): one program covers all of D
     (each D block re-scans and re-ranks the row). The gather of stored entries: :func:`_gather_config`."""
     if _backend.INTERPRET:
-        return _LaunchConfig(block_d=32, block_f=64, block_k=16, group=16, num_warps=4)  # few interpreted steps
-    widest = 4096 if scan else 1024 // weight_itemsize
-    block_d = min(widest, max(32, triton.next_power_of_2(n_out)))
-    return _LaunchConfig(block_d=block_d, block_f=1024, block_k=32, group=2, num_warps=4)
+        return _INTERPRETER_CONFIG
+    return _LaunchConfig(block_d=min(4096, max(32, triton.next_power_of_2(n_out))), block_f=1024, block_k=32,
+                         group=2, num_warps=4)  # fmt: skip
 
 
 def _gather_config(M: int, n_out: int, device: torch.device) -> _LaunchConfig:
@@ -278,7 +280,7 @@ def _gather_config(M: int, n_out: int, device: torch.device) -> _LaunchConfig:
     over the entries crossed warps through shared memory at every step -- narrowed to 128 columns while rows x D
     blocks would leave fewer than 8 programs per SM (B=256, D=768: 10.8 us at 128 against 18.6 at 512)."""
     if _backend.INTERPRET:
-        return _launch_config(n_out, scan=False)
+        return _INTERPRETER_CONFIG
     block_d = min(512, max(32, triton.next_power_of_2(n_out)))
     while block_d > 128 and M * triton.cdiv(n_out, block_d) < 8 * sm_count(device):
         block_d //= 2
@@ -402,7 +404,7 @@ def matmul_skip_zeros(a: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch
         return (a.double() @ weight.double()).to(out_dtype)
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
-    cfg = _launch_config(n_out, scan=True)
+    cfg = _launch_config(n_out)
     block_d, n_chunks = cfg.block_d, triton.cdiv(n_in, cfg.block_f)
     programs = _device_programs(a.device)
     if not deterministic and M * triton.cdiv(n_out, block_d) < programs:  # rows alone do not fill the GPU
