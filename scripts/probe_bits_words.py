@@ -151,7 +151,7 @@ def main(stages: bool = False) -> None:
         sets = []
         for _ in range(3):
             a = acts_with_l0(B, F, l0, dtype)
-            sets.append((compact._row_bits(a, False, F, bits=True, counts=False)[0], a))
+            sets.append((compact._row_bits(a, False), a))
         ref = library(*sets[0], width, 1024, 4)
         variants = {"library 1024/4w": lambda b, a: library(b, a, width, 1024, 4)}
         if stages:

@@ -33,8 +33,7 @@ def bits_pass(a, rows, block_c, warps):
     M, N = a.shape
     bits = torch.empty(M, triton.cdiv(N, 32), dtype=torch.int32, device=a.device)
     compact.row_bits_kernel[(triton.cdiv(N, block_c), min(triton.cdiv(M, rows), 65535))](
-        a, bits, a, M, N, bits.shape[1], N, 1, a.stride(0), ROWS=rows, BLOCK_C=block_c, RELU=False, BITS=True,
-        COUNTS=False, num_warps=warps)  # fmt: skip
+        a, bits, M, N, bits.shape[1], a.stride(0), ROWS=rows, BLOCK_C=block_c, RELU=False, num_warps=warps)
     return bits
 
 
@@ -83,7 +82,7 @@ def main() -> None:
         print("  bits pass rows x cols/warps: " + ", ".join(
             f"{r}x{c}/{w} {us:.1f} ({act_gb / us * 1e6 / 1e3:.2f} TB/s)" for (r, c, w), us in bits_cfg.items()),
             flush=True)  # fmt: skip
-        bits = [(compact._row_bits(a, False, F, bits=True, counts=False)[0], a) for a, _ in sets]
+        bits = [(compact._row_bits(a, False), a) for a, _ in sets]
         to_ell_cfg = {}
         for block_w, warps in [(256, 4), (512, 4), (1024, 4), (2048, 4), (1024, 8), (2048, 8)]:
             to_ell_cfg[(block_w, warps)] = time_graph(lambda b, a, c=(block_w, warps): to_ell(b, a, width, *c), bits)

@@ -128,7 +128,7 @@ def dense_to_ell(dense: torch.Tensor, width: int) -> ELL:
         if backend_for(dense) is Backend.TORCH:
             _backend.warn_reference_once("dense_to_ell")
         return ELL.from_dense(dense, width)
-    bits, _ = _row_bits(dense, False, N, bits=True, counts=False)
+    bits = _row_bits(dense, False)
     values = torch.zeros(M, width, dtype=dense.dtype, device=dense.device)
     indices = torch.zeros(M, width, dtype=torch.int32, device=dense.device)
     counts = new_output((M,), torch.int32, dense.device)
@@ -144,7 +144,7 @@ def dense_to_csr(dense: torch.Tensor) -> CSR:
         if backend_for(dense) is Backend.TORCH:
             _backend.warn_reference_once("dense_to_csr")
         return CSR.from_dense(dense)
-    bits, _ = _row_bits(dense, False, N, bits=True, counts=False)
+    bits = _row_bits(dense, False)
     counts = new_output((M,), torch.int32, dense.device)
     _bits_to_sparse(bits, dense, _MODE_COUNT.value, counts=counts)
     row_offsets = torch.zeros(M + 1, dtype=torch.int64, device=dense.device)
@@ -162,14 +162,14 @@ def _bitwise_or(a, b):
 
 
 @triton.jit
-def row_bits_kernel(dense_ptr, bits_ptr, counts_ptr, M, N, n_words, n_sample, n_chunks, stride_row,
-                    ROWS: tl.constexpr, BLOCK_C: tl.constexpr, RELU: tl.constexpr, BITS: tl.constexpr,
-                    COUNTS: tl.constexpr):  # fmt: skip
+def row_bits_kernel(dense_ptr, bits_ptr, M, N, n_words, stride_row, ROWS: tl.constexpr, BLOCK_C: tl.constexpr,
+                    RELU: tl.constexpr):  # fmt: skip
     # dense [M, N] -> bits [M, n_words] int32 (bit c % 32 of word c // 32 set where column c is non-zero; BLOCK_C a
-    # multiple of 32) and counts [M, n_chunks] int32 (each row's non-zeros among its first n_sample columns, per
-    # chunk of BLOCK_C columns). Grid (column chunks, row chunks): one [ROWS, BLOCK_C] load per program, so even a
-    # few thousand rows give enough loads in flight (a program looping over whole rows had too few; a 1-D grid of
-    # the same programs ran 15% slower on an H200). Past 65535 row chunks (grid y's limit) programs take several.
+    # multiple of 32). Grid (column chunks, row chunks): one [ROWS, BLOCK_C] load per program, so even a few
+    # thousand rows give enough loads in flight (a program looping over whole rows had too few; a 1-D grid of the
+    # same programs ran 15% slower on an H200). Past 65535 row chunks (grid y's limit) programs take several.
+    # Row counts are popcounts of these words (row_keys_kernel, bits_to_sparse_kernel): counting here as well made
+    # this pass 2.7 TB/s instead of 4.0 on an H200 (scripts/probe_block_items.py).
     chunk = tl.program_id(0)
     lane = tl.arange(0, 32)
     for row_chunk in range(tl.program_id(1), tl.cdiv(M, ROWS), tl.num_programs(1)):
@@ -179,14 +179,10 @@ def row_bits_kernel(dense_ptr, bits_ptr, counts_ptr, M, N, n_words, n_sample, n_
         v = tl.load(dense_ptr + rows[:, None].to(tl.int64) * stride_row + cols[None, :],
                     mask=row_mask[:, None] & (cols[None, :] < N), other=0.0)  # fmt: skip
         fired = _is_nonzero(v, RELU).to(tl.int32)  # [ROWS, BLOCK_C]
-        if COUNTS:
-            count = tl.sum(tl.where(cols[None, :] < n_sample, fired, 0), axis=1)
-            tl.store(counts_ptr + rows.to(tl.int64) * n_chunks + chunk, count, mask=row_mask)
-        if BITS:
-            words = tl.reduce(tl.reshape(fired, [ROWS, BLOCK_C // 32, 32]) << lane[None, None, :], 2, _bitwise_or)
-            w = chunk * (BLOCK_C // 32) + tl.arange(0, BLOCK_C // 32)
-            tl.store(bits_ptr + rows[:, None].to(tl.int64) * n_words + w[None, :], words,
-                     mask=row_mask[:, None] & (w[None, :] < n_words))  # fmt: skip
+        words = tl.reduce(tl.reshape(fired, [ROWS, BLOCK_C // 32, 32]) << lane[None, None, :], 2, _bitwise_or)
+        w = chunk * (BLOCK_C // 32) + tl.arange(0, BLOCK_C // 32)
+        tl.store(bits_ptr + rows[:, None].to(tl.int64) * n_words + w[None, :], words,
+                 mask=row_mask[:, None] & (w[None, :] < n_words))  # fmt: skip
 
 
 @triton.jit
@@ -216,25 +212,18 @@ def row_block_union_kernel(bits_ptr, order_ptr, indices_ptr, counts_ptr, M, N, n
     tl.store(counts_ptr + block * n_tiles + tile, tl.sum(in_union, axis=0))
 
 
-def _row_bits(dense: torch.Tensor, relu: bool, n_sample: int, bits: bool, counts: bool):
-    """(bits [M, ceil(N / 32)] int32 or None, partial counts [M, n_chunks] int32 or None) of ``dense`` [M, N] from
-    one row_bits_kernel launch (the one pass over ``dense``)."""
+def _row_bits(dense: torch.Tensor, relu: bool) -> torch.Tensor:
+    """bits [M, ceil(N / 32)] int32 of ``dense`` [M, N] (of relu(dense) when ``relu``) from one row_bits_kernel
+    launch: the one pass over ``dense``."""
     M, N = dense.shape
     n_words = triton.cdiv(N, 32)
-    # 8 rows x 512 columns, 4 warps (scripts/probe_block_schedule.py --pattern); when counts are wanted, wider
-    # chunks for very wide rows keep them to at most 32 per row for the rank kernel
-    rows, block_c = (2, 64) if _backend.INTERPRET else (8, 512)
-    if counts:
-        block_c = max(block_c, triton.next_power_of_2(triton.cdiv(N, 32)))
+    rows, block_c = (2, 64) if _backend.INTERPRET else (8, 512)  # 4 warps (scripts/probe_block_schedule.py --pattern)
     block_c = min(block_c, max(32, triton.next_power_of_2(N)))
-    n_chunks = triton.cdiv(N, block_c)
-    out_bits = new_output((M, n_words), torch.int32, dense.device) if bits else None  # poisoned under test
-    out_counts = new_output((M, n_chunks), torch.int32, dense.device) if counts else None
-    row_bits_kernel[(n_chunks, min(triton.cdiv(M, rows), MAX_GRID_Y))](
-        dense, out_bits if bits else dense, out_counts if counts else dense, M, N, n_words, n_sample, n_chunks,
-        dense.stride(0), ROWS=rows, BLOCK_C=block_c, RELU=relu, BITS=bits, COUNTS=counts, num_warps=4)  # fmt: skip
+    bits = new_output((M, n_words), torch.int32, dense.device)  # poisoned under test
+    row_bits_kernel[(triton.cdiv(N, block_c), min(triton.cdiv(M, rows), MAX_GRID_Y))](
+        dense, bits, M, N, n_words, dense.stride(0), ROWS=rows, BLOCK_C=block_c, RELU=relu, num_warps=4)
     record_launch("row_bits_kernel")
-    return out_bits, out_counts
+    return bits
 
 
 # Sorting rows for row-block unions. What shrinks a block's union is grouping rows of similar non-zero counts, not
@@ -265,14 +254,21 @@ def _count_key(count):
 
 
 @triton.jit
-def row_keys_kernel(counts_ptr, keys_ptr, M, n_chunks, ROWS: tl.constexpr, CHUNKS: tl.constexpr):
-    # counts [M, n_chunks] int32 (row_bits_kernel) -> keys [M] int32: the key of each row's total count
+def row_keys_kernel(bits_ptr, keys_ptr, M, n_words, n_sample, ROWS: tl.constexpr, WORDS: tl.constexpr):
+    # bits [M, n_words] (row_bits_kernel) -> keys [M] int32: the key of each row's count of set bits among its
+    # first n_sample columns (the last such word masked to its low n_sample % 32 bits).
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < M
-    c = tl.arange(0, CHUNKS)
-    parts = tl.load(counts_ptr + rows[:, None].to(tl.int64) * n_chunks + c[None, :],
-                    mask=row_mask[:, None] & (c[None, :] < n_chunks), other=0)  # fmt: skip
-    tl.store(keys_ptr + rows, _count_key(tl.sum(parts, axis=1)), mask=row_mask)
+    count = tl.zeros([ROWS], dtype=tl.int32)
+    for w0 in range(0, tl.cdiv(n_sample, 32), WORDS):
+        w = w0 + tl.arange(0, WORDS)
+        words = tl.load(bits_ptr + rows[:, None].to(tl.int64) * n_words + w[None, :],
+                        mask=row_mask[:, None] & (w[None, :] * 32 < n_sample), other=0).to(tl.uint32, bitcast=True)
+        kept = n_sample - w * 32  # bits of each word inside the sample (>= 32: all)
+        low = (tl.full([WORDS], 1, tl.uint32) << tl.minimum(tl.maximum(kept, 0), 31).to(tl.uint32)) - 1
+        low = tl.where(kept >= 32, tl.full([WORDS], 0xFFFFFFFF, tl.uint32), low)
+        count += tl.sum(_popcount(words & low[None, :]), axis=1)
+    tl.store(keys_ptr + rows, _count_key(count), mask=row_mask)
 
 
 @triton.jit
@@ -312,16 +308,15 @@ def torch_count_order(fired: torch.Tensor, group: int = SORT_GROUP) -> torch.Ten
     return torch.cat(parts).to(torch.int32) if parts else key.to(torch.int32)
 
 
-def _group_rank(counts: torch.Tensor, n_sample: int, group: int) -> torch.Tensor:
-    """[M] int32 order from partial counts [M, n_chunks] (:func:`_row_bits`): heaviest first within groups. Two
-    launches: the keys (a kernel of their own: summing the partial counts inside the rank kernel, once per program
-    and chunk, took it from 8 to 57 us at 8192 rows on an H200), then the rank."""
-    M, n_chunks = counts.shape
-    keys = torch.empty(M, dtype=torch.int32, device=counts.device)
-    rows = 128
-    row_keys_kernel[(triton.cdiv(M, rows),)](counts, keys, M, n_chunks, ROWS=rows,
-                                             CHUNKS=triton.next_power_of_2(n_chunks))  # fmt: skip
-    order = new_output((M,), torch.int32, counts.device)  # poisoned (-1) under test: every position is written
+def _group_rank(bits: torch.Tensor, n_sample: int, group: int) -> torch.Tensor:
+    """[M] int32 order from the bitmask [M, n_words] (:func:`_row_bits`): heaviest first within groups. Two
+    launches: the keys (a kernel of their own: summing counts inside the rank kernel, once per program and chunk,
+    took it from 8 to 57 us at 8192 rows on an H200), then the rank."""
+    M, n_words = bits.shape
+    keys = torch.empty(M, dtype=torch.int32, device=bits.device)
+    rows, words = (4, 2) if _backend.INTERPRET else (32, 64)
+    row_keys_kernel[(triton.cdiv(M, rows),)](bits, keys, M, n_words, n_sample, ROWS=rows, WORDS=words)
+    order = new_output((M,), torch.int32, bits.device)  # poisoned (-1) under test: every position is written
     sub = min(triton.next_power_of_2(group), 64 if _backend.INTERPRET else 128)
     grid = (triton.cdiv(M, group), triton.cdiv(min(M, group), sub))
     group_rank_kernel[grid](keys, order, M, GROUP=group, SUB=sub, KEYS=_sort_keys(n_sample))
@@ -333,15 +328,15 @@ def _group_rank(counts: torch.Tensor, n_sample: int, group: int) -> torch.Tensor
 def count_order(dense: torch.Tensor, n_sample: int, relu: bool = False, group: int = SORT_GROUP) -> torch.Tensor:
     """[M] int32 row order: within each ``group`` consecutive rows of ``dense`` [M, N], the rows by decreasing count
     of non-zeros (of relu(dense) when ``relu``) among their first ``n_sample`` columns, bucketed four buckets per
-    octave, stable within a bucket: heavy rows first. Two Triton launches, no host sync; reads ``dense`` once."""
+    octave, stable within a bucket: heavy rows first. Three Triton launches (bitmask, keys, rank), no host sync;
+    reads ``dense`` once."""
     M = dense.shape[0]
     if backend_for(dense) is Backend.TORCH or M == 0:
         if M:
             _backend.warn_reference_once("count_order")
         fired = dense[:, :n_sample]
         return torch_count_order((fired > 0) | fired.isnan() if relu else fired != 0, group)
-    _, counts = _row_bits(dense, relu, n_sample, bits=False, counts=True)
-    return _group_rank(counts, n_sample, group)
+    return _group_rank(_row_bits(dense, relu), n_sample, group)
 
 
 def dense_to_row_block_pattern(dense: torch.Tensor, tile: int, block_rows: int, *, relu: bool = False,
@@ -352,8 +347,8 @@ def dense_to_row_block_pattern(dense: torch.Tensor, tile: int, block_rows: int, 
     :data:`SORT_GROUP` rows, counted over the first ``sort_sample`` columns (default: all) -- so tokens of similar
     sparsity share blocks and the unions shrink: on the synthetic ReLU FFN at 30 non-zeros per token, 64-row unions
     cover 14% of the columns against 22% in token order. No host sync; reads ``dense`` once: one streaming pass
-    writes a bitmask of its non-zeros (N / 8 bytes per row) and the rows' counts, and the unions are or-ed from
-    the bitmask."""
+    writes a bitmask of its non-zeros (N / 8 bytes per row); the rows' counts are popcounts of it and the unions
+    are or-ed from it."""
     op = "dense_to_row_block_pattern"
     dense = _check_dense(op, dense)
     check_twell_geometry(op, tile, 1)
@@ -369,8 +364,8 @@ def dense_to_row_block_pattern(dense: torch.Tensor, tile: int, block_rows: int, 
             _backend.warn_reference_once(op)
         fired = (dense > 0) | dense.isnan() if relu else dense != 0
         return RowBlockPattern.from_dense(fired.to(torch.uint8), tile, block_rows, order)
-    bits, counts = _row_bits(dense, relu, n_sample, bits=True, counts=sort_rows)
-    order = _group_rank(counts, n_sample, SORT_GROUP) if sort_rows else None
+    bits = _row_bits(dense, relu)
+    order = _group_rank(bits, n_sample, SORT_GROUP) if sort_rows else None
     indices = torch.empty(n_blocks, n_tiles * tile, dtype=torch.int32, device=dense.device)
     union_counts = torch.empty(n_blocks, n_tiles, dtype=torch.int32, device=dense.device)
     row_block_union_kernel[(n_tiles, n_blocks)](bits, order if order is not None else bits, indices, union_counts,
