@@ -83,12 +83,19 @@ def sampled_dot_dense_pattern(pattern: torch.Tensor, a: torch.Tensor, b: torch.T
 
 
 @triton.jit
-def _block_sddmm_chunk(chunk, block, scale_ptr, indices_ptr, counts_ptr, order_ptr, a_ptr, b_ptr, bias_ptr,
-                       out_values_ptr, out_indices_ptr, out_counts_ptr, M, D, n_tiles, stride_scale, stride_a,
-                       stride_b, TILE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_C: tl.constexpr,
-                       BLOCK_D: tl.constexpr, BLOCK_TILES: tl.constexpr, HAS_ORDER: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, RELU: tl.constexpr, IEEE_FP32: tl.constexpr):  # fmt: skip
-    # Compacted union slots [chunk * BLOCK_C, (chunk + 1) * BLOCK_C) of row block `block` (block_sddmm_kernel).
+def block_sddmm_kernel(scale_ptr, indices_ptr, counts_ptr, order_ptr, a_ptr, b_ptr, bias_ptr, out_values_ptr,
+                       out_indices_ptr, out_counts_ptr, M, D, n_tiles, stride_scale, stride_a, stride_b,
+                       TILE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+                       BLOCK_TILES: tl.constexpr, HAS_ORDER: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       RELU: tl.constexpr, IEEE_FP32: tl.constexpr):  # fmt: skip
+    # Pattern (RowBlockPattern): indices [n_blocks, width], counts [n_blocks, n_tiles] (width = n_tiles * TILE),
+    # order [M] int32 (block rows -> matrix rows). scale [M, N] dense (relu'd when RELU); a [M, D], b [N, D] (unit
+    # column strides), bias [N]. Out: BlockELL values [M, width] (slot rows), indices [n_blocks, width], counts
+    # [n_blocks]. Grid (chunks, row blocks): program (c, blk) computes compacted union slots
+    # [c * BLOCK_C, (c + 1) * BLOCK_C) of its block -- the tiles' unions laid end to end, so a chunk spans tiles and
+    # every tensor-core tile is full but the block's last -- and stores them in that compacted order.
+    chunk = tl.program_id(0)
+    block = tl.program_id(1)
     width = n_tiles * TILE
     tiles = tl.arange(0, BLOCK_TILES)
     counts = tl.load(counts_ptr + block * n_tiles + tiles, mask=tiles < n_tiles, other=0)  # [BLOCK_TILES]
@@ -129,66 +136,6 @@ def _block_sddmm_chunk(chunk, block, scale_ptr, indices_ptr, counts_ptr, order_p
         tl.store(out_indices_ptr + block.to(tl.int64) * width + p, cols, mask=p_mask)
 
 
-@triton.jit
-def block_sddmm_kernel(scale_ptr, indices_ptr, counts_ptr, order_ptr, a_ptr, b_ptr, bias_ptr, out_values_ptr,
-                       out_indices_ptr, out_counts_ptr, M, D, n_tiles, stride_scale, stride_a, stride_b,
-                       TILE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
-                       BLOCK_TILES: tl.constexpr, HAS_ORDER: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       RELU: tl.constexpr, IEEE_FP32: tl.constexpr):  # fmt: skip
-    # Pattern (RowBlockPattern): indices [n_blocks, width], counts [n_blocks, n_tiles] (width = n_tiles * TILE),
-    # order [M] int32 (block rows -> matrix rows). scale [M, N] dense (relu'd when RELU); a [M, D], b [N, D] (unit
-    # column strides), bias [N]. Out: BlockELL values [M, width] (slot rows), indices [n_blocks, width], counts
-    # [n_blocks]. Grid (chunks, row blocks): program (c, blk) computes compacted union slots
-    # [c * BLOCK_C, (c + 1) * BLOCK_C) of its block -- the tiles' unions laid end to end, so a chunk spans tiles and
-    # every tensor-core tile is full but the block's last -- and stores them in that compacted order.
-    _block_sddmm_chunk(tl.program_id(0), tl.program_id(1), scale_ptr, indices_ptr, counts_ptr, order_ptr, a_ptr,
-                       b_ptr, bias_ptr, out_values_ptr, out_indices_ptr, out_counts_ptr, M, D, n_tiles, stride_scale,
-                       stride_a, stride_b, TILE, BLOCK_ROWS, BLOCK_C, BLOCK_D, BLOCK_TILES, HAS_ORDER, HAS_BIAS,
-                       RELU, IEEE_FP32)  # fmt: skip
-
-
-@triton.jit
-def union_chunk_starts_kernel(counts_ptr, totals_ptr, starts_ptr, n_blocks, n_tiles, BLOCK_C: tl.constexpr,
-                              BLOCKS: tl.constexpr, BLOCK_TILES: tl.constexpr):  # fmt: skip
-    # counts [n_blocks, n_tiles] -> totals [n_blocks] (union sizes), starts [n_blocks + 1]: exclusive prefix sum of
-    # each block's cdiv(total, BLOCK_C) chunks; starts[n_blocks] is the number of items. One program.
-    tiles = tl.arange(0, BLOCK_TILES)
-    carry = tl.full([], 0, tl.int32)
-    tl.store(starts_ptr, carry)
-    for b0 in range(0, n_blocks, BLOCKS):
-        b = b0 + tl.arange(0, BLOCKS)
-        b_mask = b < n_blocks
-        c = tl.load(counts_ptr + b[:, None] * n_tiles + tiles[None, :],
-                    mask=b_mask[:, None] & (tiles[None, :] < n_tiles), other=0)  # fmt: skip
-        total = tl.sum(c, axis=1)
-        tl.store(totals_ptr + b, total, mask=b_mask)
-        chunks = (total + BLOCK_C - 1) // BLOCK_C
-        tl.store(starts_ptr + 1 + b, carry + tl.cumsum(chunks, axis=0), mask=b_mask)
-        carry += tl.sum(chunks, axis=0)
-
-
-@triton.jit
-def block_sddmm_items_kernel(starts_ptr, scale_ptr, indices_ptr, counts_ptr, order_ptr, a_ptr, b_ptr, bias_ptr,
-                             out_values_ptr, out_indices_ptr, out_counts_ptr, M, D, n_tiles, n_blocks, stride_scale,
-                             stride_a, stride_b, TILE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_C: tl.constexpr,
-                             BLOCK_D: tl.constexpr, BLOCK_TILES: tl.constexpr, SEARCH: tl.constexpr,
-                             HAS_ORDER: tl.constexpr, HAS_BIAS: tl.constexpr, RELU: tl.constexpr,
-                             IEEE_FP32: tl.constexpr):  # fmt: skip
-    # block_sddmm_kernel over a fixed grid dealt, round robin, only the (block, chunk) items with work.
-    n_items = tl.load(starts_ptr + n_blocks)
-    for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
-        block = tl.full([], -1, tl.int32)  # the last block whose first item is at or before this one
-        for b0 in range(0, n_blocks + 1, SEARCH):
-            b = b0 + tl.arange(0, SEARCH)
-            first = tl.load(starts_ptr + b, mask=b <= n_blocks, other=n_items + 1)
-            block += tl.sum((first <= item).to(tl.int32), axis=0)
-        chunk = item - tl.load(starts_ptr + block)
-        _block_sddmm_chunk(chunk, block, scale_ptr, indices_ptr, counts_ptr, order_ptr, a_ptr, b_ptr, bias_ptr,
-                           out_values_ptr, out_indices_ptr, out_counts_ptr, M, D, n_tiles, stride_scale, stride_a,
-                           stride_b, TILE, BLOCK_ROWS, BLOCK_C, BLOCK_D, BLOCK_TILES, HAS_ORDER, HAS_BIAS, RELU,
-                           IEEE_FP32)  # fmt: skip
-
-
 def torch_block_sddmm(pattern: RowBlockPattern, scale: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                       bias: torch.Tensor | None = None, relu: bool = False) -> torch.Tensor:  # fmt: skip
     """Reference: the dense [M, N] ``pattern * relu?(scale) * (a @ b^T + bias)`` in float64."""
@@ -206,9 +153,6 @@ def _block_sddmm_blocks(D: int, block_rows: int) -> tuple[int, int, int, int]:
     if _backend.INTERPRET:
         return 16, 32, 4, 1
     return 128, 64, 8, 4
-
-
-ITEM_PROGRAMS_PER_SM = 2  # 0: one program per (chunk, block), most of them past their block's union
 
 
 def block_sddmm(pattern: RowBlockPattern, scale: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -246,24 +190,13 @@ def block_sddmm(pattern: RowBlockPattern, scale: torch.Tensor, a: torch.Tensor, 
         return out
     block_c, block_d, warps, stages = _block_sddmm_blocks(D, pattern.block_rows)
     order = pattern.row_order
-    args = (scale, pattern.indices, pattern.counts, order if order is not None else pattern.counts, a, b,
-            bias if bias is not None else a, values, indices, counts, M, D, n_tiles)  # fmt: skip
-    meta = dict(TILE=pattern.tile, BLOCK_ROWS=pattern.block_rows, BLOCK_C=block_c, BLOCK_D=block_d,
-                BLOCK_TILES=triton.next_power_of_2(n_tiles), HAS_ORDER=order is not None, HAS_BIAS=bias is not None,
-                RELU=relu, IEEE_FP32=a.dtype == torch.float32, num_warps=warps, num_stages=stages)  # fmt: skip
-    strides = (scale.stride(0), a.stride(0), b.stride(0))
-    if ITEM_PROGRAMS_PER_SM:
-        starts = torch.empty(n_blocks + 1, dtype=torch.int32, device=a.device)
-        union_chunk_starts_kernel[(1,)](pattern.counts, counts, starts, n_blocks, n_tiles, BLOCK_C=block_c,
-                                        BLOCKS=min(128, triton.next_power_of_2(n_blocks)),
-                                        BLOCK_TILES=triton.next_power_of_2(n_tiles))  # fmt: skip
-        n_sms = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 2
-        programs = min(ITEM_PROGRAMS_PER_SM * n_sms, n_blocks * triton.cdiv(width, block_c))
-        block_sddmm_items_kernel[(programs,)](starts, *args, n_blocks, *strides,
-                                             SEARCH=min(1024, triton.next_power_of_2(n_blocks + 1)), **meta)
-        record_launch("union_chunk_starts_kernel")
-        record_launch("block_sddmm_items_kernel")
-        return out
-    block_sddmm_kernel[(triton.cdiv(width, block_c), n_blocks)](*args, *strides, **meta)
+    block_sddmm_kernel[(triton.cdiv(width, block_c), n_blocks)](
+        scale, pattern.indices, pattern.counts, order if order is not None else pattern.counts, a, b,
+        bias if bias is not None else a, values, indices, counts, M, D, n_tiles, scale.stride(0), a.stride(0),
+        b.stride(0),
+        TILE=pattern.tile, BLOCK_ROWS=pattern.block_rows, BLOCK_C=block_c, BLOCK_D=block_d,
+        BLOCK_TILES=triton.next_power_of_2(n_tiles), HAS_ORDER=order is not None, HAS_BIAS=bias is not None,
+        RELU=relu, IEEE_FP32=a.dtype == torch.float32, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
     record_launch("block_sddmm_kernel")
     return out
