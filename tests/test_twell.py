@@ -388,6 +388,26 @@ def test_real_shapes_gpu(M, K, N, mean_nnz, dtype, device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("method", ["twell", "block", "auto"])
+def test_largest_batch_gpu(method, device):
+    # The largest batch: 65536 tokens (the block path sorts 64 groups of 1024 and has 1024 row blocks; the
+    # TwELL kernels have a 65536-row grid). A float64 reference on every 128th token and the last one.
+    M, K, N = 65536, 2048, 5632
+    ffn = synthetic_ffn(K, N, dtype=torch.bfloat16, device=device, seed=12)
+    x = ffn.make_input(M, 30.0)
+    with track_launches() as launched:
+        y = twell_mlp(x, ffn.w_gate, ffn.w_up, ffn.w_down, method=method)
+    if method == "twell":
+        assert all(launched[k] == 1 for k in GATED_KERNELS), launched
+    else:  # auto predicts the block path here (1.6x dense at 8192 and 16384 tokens)
+        assert launched["block_sddmm_kernel"] == 1 and launched["group_rank_kernel"] == 1, launched
+    rows = torch.cat([torch.arange(0, M, 128), torch.tensor([M - 1])]).to(device)
+    ref = torch_twell_mlp(x[rows], ffn.w_gate, ffn.w_up, ffn.w_down)
+    lowp = torch_lowp_mlp(x[rows], ffn.w_gate, ffn.w_up, ffn.w_down)
+    assert_close_to_reference(y[rows], ref, lowp)
+
+
+@pytest.mark.gpu
 def test_overflow_heavy_batch_and_relu_variant_gpu(device):
     K, N = 2048, 5632
     ffn = synthetic_ffn(K, N, dtype=torch.bfloat16, device=device, seed=12)
