@@ -169,7 +169,7 @@ def row_bits_kernel(dense_ptr, bits_ptr, M, N, n_words, stride_row, ROWS: tl.con
     # thousand rows give enough loads in flight (a program looping over whole rows had too few; a 1-D grid of the
     # same programs ran 15% slower on an H200). Past 65535 row chunks (grid y's limit) programs take several.
     # Row counts are popcounts of these words (row_keys_kernel, bits_to_sparse_kernel): counting here as well made
-    # this pass 2.7 TB/s instead of 4.0 on an H200 (scripts/probe_block_items.py).
+    # this pass 2.7 TB/s instead of 3.5 on the FFN's pre-activations (H200, scripts/probe_block_items.py).
     chunk = tl.program_id(0)
     lane = tl.arange(0, 32)
     for row_chunk in range(tl.program_id(1), tl.cdiv(M, ROWS), tl.num_programs(1)):
