@@ -1,5 +1,8 @@
-"""Argument checks shared by every public op: clear errors naming the argument, its shape/dtype and what was
-expected."""
+"""Every argument check of the public ops, in one place: clear errors naming the argument, its shape/dtype and what
+was expected, raised before anything is allocated or launched.
+
+The generic checks come first; each system's own checks follow under its heading, so a reader looking for "what does
+twell_mlp reject" finds it here and nowhere else."""
 
 from __future__ import annotations
 
@@ -41,3 +44,23 @@ def check_scalar(op: str, name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{op}: {name} must be a Python float, got {type(value).__name__}")
     return float(value)
+
+
+def unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when its last dimension is contiguous (what the kernels' row loads need), else a contiguous copy."""
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+
+
+# --- sparse formats and the shared core ---------------------------------------------------------------------------
+
+
+# --- activations (Snake, CELU) ----------------------------------------------------------------------------------
+
+
+# --- SAE (decode, JumpReLU and TopK encodes) --------------------------------------------------------------------
+
+
+# --- SPLADE head --------------------------------------------------------------------------------------------------
+
+
+# --- FFN (TwELL inference, training) ------------------------------------------------------------------------------

@@ -59,14 +59,15 @@ import triton.language as tl
 
 from .. import _backend
 from .._backend import Backend, backend_for, new_output, record_launch, sm_count
-from .._schedule import grouped_tile_coords
+from .._triton.dot import dot_accumulate, ieee_fp32
+from .._triton.schedule import grouped_tile_coords
 from .._validation import FLOAT_DTYPES, check_float, check_same_device, check_tensor, describe
 from ..sparse.compact import dense_to_row_block_pattern
 from ..sparse.formats import ELL, TwELL, check_twell_geometry
-from ..sparse.monitor import SparsityMonitor, device_scalar, sampled_nonzero_stats
+from .._auto import SparsityMonitor, device_scalar, sampled_nonzero_stats
 from ..sparse.sddmm import block_sddmm, row_dots
-from ..sparse.spmm import (accumulate_rows, block_sparse_matmul, pick_nonzeros, rank_nonzeros, sparse_matmul,
-                           sum_split_partials)
+from .._triton.gather import accumulate_rows, pick_nonzeros, rank_nonzeros, sum_split_partials
+from ..sparse.spmm import block_sparse_matmul, sparse_matmul
 
 __all__ = [
     "torch_twell_mlp",
@@ -146,10 +147,7 @@ def twell_gate_fwd_kernel(x_ptr, w_ptr, b_ptr, values_ptr, indices_ptr, counts_p
                     mask=row_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]  # fmt: skip
         w = tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_wn + k[:, None].to(tl.int64) * stride_wk,
                     mask=k_mask[:, None] & col_mask[None, :], other=0.0).to(x.dtype)  # [BLOCK_K, TILE]  # fmt: skip
-        if IEEE_FP32:
-            acc += tl.dot(x, w, input_precision="ieee")
-        else:
-            acc += tl.dot(x, w)
+        acc = dot_accumulate(acc, x, w, IEEE_FP32)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     # Epilogue: ReLU + TwELL packing of this (rows, tile) block. NaN counts as fired (it propagates).
@@ -455,7 +453,7 @@ def _launch_gate(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tile
     _twell_gate_kernel[grid](
         x2, w, b if b is not None else x2, values, indices, counts, M, K, N, n_tiles, _tune_key(M), x2.stride(0),
         w.stride(0), w.stride(1), TILE=tile, SLOTS=slots, HAS_BIAS=b is not None,
-        IEEE_FP32=x2.dtype == torch.float32,
+        IEEE_FP32=ieee_fp32(x2.dtype),
     )  # fmt: skip
     record_launch("twell_gate_fwd_kernel")
     return values, indices, counts

@@ -45,7 +45,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .._validation import check_float, check_same_device, describe
 from ..sparse import ELL, dense_to_csr, dense_to_ell, matmul_skip_zeros, sparse_matmul
-from ..sparse.monitor import SparsityMonitor, sampled_nonzero_stats
+from .._auto import SparsityMonitor, sampled_nonzero_stats
 from ..sparse.sddmm import sampled_dot_dense_pattern
 
 METHODS = ("auto", "scan", "fixed", "exact", "dense")

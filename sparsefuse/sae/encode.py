@@ -23,6 +23,7 @@ import triton.language as tl
 from .. import _backend
 from .._backend import Backend, backend_for, record_launch
 from .._validation import check_float, check_same_device, describe
+from .._triton.dot import dot_accumulate, ieee_fp32
 from ..sparse import ELL
 from ..sparse.spmm import JumpReLUEncoder
 
@@ -57,10 +58,7 @@ def encoder_pre_tile(x_ptr, w_ptr, b_enc_ptr, rows, cols, row_mask, col_mask, K,
                     mask=row_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]  # fmt: skip
         w = tl.load(w_ptr + k[:, None].to(tl.int64) * stride_wk + cols[None, :],
                     mask=k_mask[:, None] & col_mask[None, :], other=0.0).to(x.dtype)  # [BLOCK_K, BLOCK_N]  # fmt: skip
-        if IEEE_FP32:
-            acc += tl.dot(x, w, input_precision="ieee")
-        else:
-            acc += tl.dot(x, w)
+        acc = dot_accumulate(acc, x, w, IEEE_FP32)
     return acc + tl.load(b_enc_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
 
 
@@ -118,7 +116,7 @@ def _encode(x2: torch.Tensor, W_enc: torch.Tensor, b_enc: torch.Tensor, threshol
         jumprelu_encode_kernel[grid](
             x2, W, b_enc, threshold, values, indices, counts,
             M, d_in, d_sae, max_l0, x2.stride(0), W.stride(0), min(triton.next_power_of_2(M), 8192),
-            IEEE_FP32=x2.dtype == torch.float32,
+            IEEE_FP32=ieee_fp32(x2.dtype),
         )  # fmt: skip
         record_launch("jumprelu_encode_kernel")
         values, indices = _in_feature_order(values, indices, counts, d_sae)

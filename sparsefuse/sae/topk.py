@@ -34,6 +34,7 @@ import triton.language as tl
 from .. import _backend
 from .._backend import Backend, backend_for, compute_dtype, new_output, record_launch
 from .._validation import check_float, check_same_device, describe
+from .._triton.dot import ieee_fp32
 from .encode import encoder_pre_tile, sae_input
 
 _MATMUL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -188,7 +189,7 @@ def _topk_encode(x2: torch.Tensor, W_enc: torch.Tensor, b_enc: torch.Tensor, b_d
             x2, W, b_enc, feature_scale if feature_scale is not None else b_enc,
             candidates, M, d_in, d_sae, k, cols_per_group, groups * k, x2.stride(0), W.stride(0),
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_PAD=k_pad, HAS_SCALE=feature_scale is not None,
-            IEEE_FP32=x2.dtype == torch.float32, num_warps=warps,
+            IEEE_FP32=ieee_fp32(x2.dtype), num_warps=warps,
         )  # fmt: skip
         record_launch("topk_encode_fwd_kernel")
         keys = candidates.topk(k, dim=1).values  # sorted, decreasing

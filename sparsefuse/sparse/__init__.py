@@ -6,7 +6,7 @@ Used by the SAE decode/encode (:mod:`sparsefuse.sae`), the SPLADE backward and t
 
 from .compact import dense_to_csr, dense_to_ell, dense_to_row_block_pattern
 from .formats import CSR, ELL, BlockELL, RowBlockPattern, TwELL
-from .monitor import SparsityMonitor, sampled_nonzero_stats
+from .._auto import SparsityMonitor, sampled_nonzero_stats
 from .sddmm import block_sddmm, torch_block_sddmm
 from .spmm import JumpReLUEncoder, block_sparse_matmul, matmul_skip_zeros, sparse_matmul, torch_sparse_matmul
 

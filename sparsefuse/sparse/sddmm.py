@@ -17,8 +17,10 @@ import triton.language as tl
 
 from .. import _backend
 from .._backend import Backend, backend_for, new_output, record_launch
+from .._triton.dot import dot_accumulate, ieee_fp32
+from .._triton.gather import pick_nonzeros, rank_nonzeros
+from .._validation import unit_last_stride
 from .formats import BlockELL, RowBlockPattern
-from .spmm import dot_accumulate, pick_nonzeros, rank_nonzeros
 
 
 @triton.jit
@@ -63,9 +65,9 @@ def sampled_dot_dense_pattern(pattern: torch.Tensor, a: torch.Tensor, b: torch.T
     """[M, N]: ``a[m] . b[f]`` where ``pattern[m, f] != 0``, zero elsewhere (fp32 accumulation); pattern [M, N]
     dense, a [M, D], b [N, D]. No sparse format and no host sync: each chunk of a pattern row is scanned for its
     non-zeros, so the cost is one read of the pattern, one write of the output and nnz rows of b."""
-    pattern = pattern if pattern.stride(-1) == 1 else pattern.contiguous()
-    a = a if a.stride(-1) == 1 else a.contiguous()
-    b = b if b.stride(-1) == 1 else b.contiguous()
+    pattern = unit_last_stride(pattern)
+    a = unit_last_stride(a)
+    b = unit_last_stride(b)
     (M, N), D = pattern.shape, a.shape[1]
     out = new_output((M, N), out_dtype or pattern.dtype, pattern.device)
     if M == 0 or N == 0:
@@ -163,9 +165,9 @@ def block_sddmm(pattern: RowBlockPattern, scale: torch.Tensor, a: torch.Tensor, 
     b [N, D], bias [N] -> :class:`BlockELL` [M, N] (same block rows and row order, width n_tiles * tile) in
     ``out_dtype`` (default: scale's). fp32 accumulation on tensor cores, no host sync; the work is
     ``2 * block_rows * D * sum(union sizes)`` flops."""
-    a = a if a.stride(-1) == 1 else a.contiguous()
-    b = b if b.stride(-1) == 1 else b.contiguous()
-    scale = scale if scale.stride(-1) == 1 else scale.contiguous()
+    a = unit_last_stride(a)
+    b = unit_last_stride(b)
+    scale = unit_last_stride(scale)
     M, N = pattern.shape
     n_blocks, n_tiles = pattern.counts.shape
     width, D = n_tiles * pattern.tile, a.shape[1]
@@ -196,7 +198,7 @@ def block_sddmm(pattern: RowBlockPattern, scale: torch.Tensor, a: torch.Tensor, 
         b.stride(0),
         TILE=pattern.tile, BLOCK_ROWS=pattern.block_rows, BLOCK_C=block_c, BLOCK_D=block_d,
         BLOCK_TILES=triton.next_power_of_2(n_tiles), HAS_ORDER=order is not None, HAS_BIAS=bias is not None,
-        RELU=relu, IEEE_FP32=a.dtype == torch.float32, num_warps=warps, num_stages=stages,
+        RELU=relu, IEEE_FP32=ieee_fp32(a.dtype), num_warps=warps, num_stages=stages,
     )  # fmt: skip
     record_launch("block_sddmm_kernel")
     return out

@@ -23,6 +23,8 @@ import triton.language as tl
 from .. import _backend
 from .._backend import Backend, backend_for, new_output, record_launch, sm_count
 from .._validation import check_float, check_same_device, describe
+from .._triton.dot import dot_accumulate, ieee_fp32
+from .._triton.gather import accumulate_nonzeros, accumulate_rows, sum_split_partials
 from .formats import CSR, ELL, BlockELL
 
 
@@ -54,54 +56,6 @@ class JumpReLUEncoder:
 
 
 @triton.jit
-def rank_nonzeros(a):
-    """(non-zero count, rank [BLOCK_F] of each non-zero among them, -1 elsewhere) of a chunk ``a`` [BLOCK_F].
-    NaN counts as non-zero, so it propagates into whatever consumes the picks."""
-    nonzero = a != 0
-    rank = tl.where(nonzero, tl.cumsum(nonzero.to(tl.int32), axis=0) - 1, -1)
-    return tl.sum(nonzero.to(tl.int32), axis=0), rank
-
-
-@triton.jit
-def pick_nonzeros(a, f, rank, j):
-    """(feature ids [GROUP], values [GROUP]) of the non-zeros of rank j [GROUP] (0 where j >= count): one
-    [GROUP, BLOCK_F] select-and-sum, cheap for the few non-zeros a chunk of SAE activations holds."""
-    pick = rank[None, :] == j[:, None]  # [GROUP, BLOCK_F], at most one True per row
-    return tl.sum(tl.where(pick, f[None, :], 0), axis=1), tl.sum(tl.where(pick, a[None, :], 0.0), axis=1)
-
-
-@triton.jit
-def accumulate_rows(acc, coef, rows, row_mask, w_ptr, stride_w, d, d_mask):
-    """acc [BLOCK_D] += sum_r coef[r] * W[rows[r], d] (fp32); rows outside ``row_mask`` are not loaded. The inner
-    step of every gather-accumulate (stored entries, picked non-zeros, the TwELL up/down kernel)."""
-    w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_w + d[None, :],
-                mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_D]  # fmt: skip
-    return acc + tl.sum(coef[:, None] * w.to(tl.float32), axis=0)
-
-
-@triton.jit
-def dot_accumulate(acc, a, b, IEEE_FP32: tl.constexpr):
-    """acc += a @ b on tensor cores (b cast to a's dtype); fp32 operands in exact IEEE arithmetic, not TF32."""
-    if IEEE_FP32:
-        return acc + tl.dot(a, b.to(a.dtype), input_precision="ieee")
-    return acc + tl.dot(a, b.to(a.dtype))
-
-
-@triton.jit
-def accumulate_nonzeros(acc, a, f, w_ptr, stride_w, d, d_mask, GROUP: tl.constexpr):
-    """acc [BLOCK_D] += sum_f a[f] * W[f, d] over a chunk of activations a [BLOCK_F] (fp32) of features f [BLOCK_F],
-    loading only the W rows whose activation is non-zero: an all-zero chunk costs one load of ``a``, a chunk with n
-    non-zeros n rows of W."""
-    n, rank = rank_nonzeros(a)
-    if n > 0:
-        for g0 in range(0, n, GROUP):
-            j = g0 + tl.arange(0, GROUP)  # [GROUP]
-            idx, val = pick_nonzeros(a, f, rank, j)
-            acc = accumulate_rows(acc, val, idx, j < n, w_ptr, stride_w, d, d_mask)
-    return acc
-
-
-@triton.jit
 def _jumprelu_chunk(row, f, f_mask, x_ptr, stride_x, w_enc_ptr, stride_w_enc, b_enc_ptr, threshold_ptr, b_dec_ptr,
                     d_enc, HAS_B_DEC: tl.constexpr, BLOCK_E: tl.constexpr):  # fmt: skip
     """JumpReLU activations [BLOCK_F] of token ``row`` for features f: relu(pre) * (pre > threshold)."""
@@ -118,31 +72,6 @@ def _jumprelu_chunk(row, f, f_mask, x_ptr, stride_x, w_enc_ptr, stride_w_enc, b_
     pre += tl.load(b_enc_ptr + f, mask=f_mask, other=0.0).to(tl.float32)
     threshold = tl.load(threshold_ptr + f, mask=f_mask, other=float("inf")).to(tl.float32)
     return tl.where((pre > threshold) & (pre > 0), pre, 0.0)
-
-
-@triton.jit
-def sum_split_partials(acc, has_work, partial_ptr, used_ptr, arrivals_ptr, row, split, n_splits, d_block, n_d_blocks,
-                       n_out, d, d_mask, REDUCE_SPLITS: tl.constexpr):  # fmt: skip
-    """Combine the fp32 partial sums of a row whose work is split over ``n_splits`` programs, deterministically and
-    without float atomics. Each program stores its partial ``acc`` [BLOCK_D] into partial [M, n_splits, n_out]
-    (only if ``has_work``: used [M, n_splits] records which did), then arrives on arrivals [M, n_d_blocks] (int32,
-    zeroed); the last to arrive sums the partials in split order. Returns (is_last, the row's total in that program
-    -- meaningful only where is_last)."""
-    part = (row * n_splits + split) * n_out
-    if has_work:  # an empty split writes nothing; the sum below skips it
-        tl.store(partial_ptr + part + d, acc, mask=d_mask)
-    tl.store(used_ptr + row * n_splits + split, has_work.to(tl.int32))
-    tl.debug_barrier()  # every thread's stores precede the release below
-    arrived = tl.atomic_add(arrivals_ptr + row * n_d_blocks + d_block, 1) + 1  # acq_rel
-    total = tl.zeros_like(acc)
-    if arrived == n_splits:
-        for s0 in range(0, n_splits, REDUCE_SPLITS):  # fixed order: deterministic
-            s = s0 + tl.arange(0, REDUCE_SPLITS)  # [REDUCE_SPLITS]
-            used = tl.load(used_ptr + row * n_splits + s, mask=s < n_splits, other=0, cache_modifier=".cg") > 0
-            p = tl.load(partial_ptr + (row * n_splits + s[:, None]) * n_out + d[None, :],
-                        mask=used[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")  # fmt: skip
-            total += tl.sum(p, axis=0)
-    return arrived == n_splits, total
 
 
 _FORMAT_ELL = tl.constexpr(0)
@@ -555,7 +484,7 @@ def block_sparse_matmul(sparse: BlockELL, weight: torch.Tensor, *, bias: torch.T
         bias if bias is not None else weight, out, M, n_out, sparse.values.shape[1], weight.stride(0), out.stride(0),
         BLOCK_ROWS=sparse.block_rows, BLOCK_J=block_j, BLOCK_D=block_d, HAS_ORDER=sparse.row_order is not None,
         HAS_SCHEDULE=schedule is not None, HAS_BIAS=bias is not None,
-        IEEE_FP32=sparse.values.dtype == torch.float32, num_warps=warps, num_stages=stages,
+        IEEE_FP32=ieee_fp32(sparse.values.dtype), num_warps=warps, num_stages=stages,
     )  # fmt: skip
     record_launch("block_ell_matmul_kernel")
     return out

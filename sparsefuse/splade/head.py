@@ -90,7 +90,8 @@ import triton.language as tl
 from .. import _backend
 from .._backend import Backend, backend_for, new_output, record_launch, tuning_configs
 from .._validation import FLOAT_DTYPES, check_float, check_same_device, check_tensor, describe
-from .._schedule import grouped_tile_coords
+from .._triton.dot import dot_accumulate, ieee_fp32
+from .._triton.schedule import grouped_tile_coords
 from ..sparse import CSR, ELL, dense_to_ell, sparse_matmul
 
 __all__ = ["splade_pool", "torch_splade_pool", "splade_pool_op", "splade_pool_backward_op", "POOLINGS"]
@@ -157,16 +158,6 @@ def _column_max(x, NATIVE_NAN_MAX: tl.constexpr):
 
 
 @triton.jit
-def _dot(a, b, acc, IEEE_FP32: tl.constexpr):
-    """acc + a @ b; exact fp32 products (``input_precision="ieee"``) when IEEE_FP32, else Triton's default."""
-    if IEEE_FP32:
-        acc = tl.dot(a, b, acc, input_precision="ieee")
-    else:
-        acc = tl.dot(a, b, acc)
-    return acc
-
-
-@triton.jit
 def _logit_tile(hidden_row_ptr, weight_ptr, s_load, v_load, H, stride_hs, stride_wv,
                 BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, EVEN_H: tl.constexpr,
                 IEEE_FP32: tl.constexpr):  # fmt: skip
@@ -183,7 +174,7 @@ def _logit_tile(hidden_row_ptr, weight_ptr, s_load, v_load, H, stride_hs, stride
         else:
             x = tl.load(x_ptrs, mask=(h0 + h)[None, :] < H, other=0.0)
             w = tl.load(w_ptrs, mask=(h0 + h)[:, None] < H, other=0.0)
-        acc = _dot(x, w, acc, IEEE_FP32)
+        acc = dot_accumulate(acc, x, w, IEEE_FP32)
         x_ptrs += BLOCK_H
         w_ptrs += BLOCK_H
     return acc
@@ -264,7 +255,7 @@ def splade_fwd_kernel(hidden_ptr, weight_ptr, bias_ptr, mask_ptr, out_ptr, argma
                 for ki in range(K_TILES):
                     x = hidden_desc.load([row0, ki * BLOCK_K])  # [BLOCK_M, BLOCK_K]
                     w = weight_desc.load([pid_n * BLOCK_N, ki * BLOCK_K])  # [BLOCK_N, BLOCK_K]
-                    acc = _dot(x, tl.trans(w), acc, IEEE_FP32)
+                    acc = dot_accumulate(acc, x, tl.trans(w), IEEE_FP32)
             else:  # clamped row/column indices (tails are excluded by keep / v_ok); only the K tail needs a mask
                 k = tl.arange(0, BLOCK_K)
                 s_load = tl.minimum(s, S - 1)
@@ -278,7 +269,7 @@ def splade_fwd_kernel(hidden_ptr, weight_ptr, bias_ptr, mask_ptr, out_ptr, argma
                     else:
                         x = tl.load(x_ptrs + ki * BLOCK_K, mask=(ki * BLOCK_K + k)[None, :] < H, other=0.0)
                         w = tl.load(w_ptrs + ki * BLOCK_K, mask=(ki * BLOCK_K + k)[:, None] < H, other=0.0)
-                    acc = _dot(x, w, acc, IEEE_FP32)
+                    acc = dot_accumulate(acc, x, w, IEEE_FP32)
         if POOL_MAX:  # over the raw logits: the bias and log1p(relu(.)) commute with the max (module docstring)
             logits = tl.where(keep[:, None], acc, float("-inf"))  # [BLOCK_M, BLOCK_N]
             value = _column_max(logits, NATIVE_NAN_MAX)  # [BLOCK_N]
@@ -392,7 +383,7 @@ def splade_sum_bwd_hidden_kernel(grad_ptr, hidden_ptr, weight_ptr, bias_ptr, mas
             d = _sum_dlogit(logits, bias, g, keep)  # [BLOCK_S, BLOCK_V]
             w = tl.load(weight_ptr + v_load[:, None].to(tl.int64) * stride_wv + ho[None, :], mask=ho_ok[None, :],
                         other=0.0)  # [BLOCK_V, BLOCK_HO]  # fmt: skip
-            acc = _dot(d.to(w.dtype), w, acc, IEEE_FP32)
+            acc = dot_accumulate(acc, d.to(w.dtype), w, IEEE_FP32)
     dst = grad_hidden_ptr + (b.to(tl.int64) * S + s[:, None]) * H + ho[None, :]
     tl.store(dst, acc.to(grad_hidden_ptr.dtype.element_ty), mask=(s < S)[:, None] & ho_ok[None, :])
 
@@ -441,7 +432,7 @@ def splade_sum_bwd_weight_kernel(grad_ptr, hidden_ptr, weight_ptr, bias_ptr, mas
                 d = _sum_dlogit(logits, bias, g, keep)  # [BLOCK_S, BLOCK_V]; 0 on rows that are not kept
                 x = tl.load(hidden_row_ptr + s_load[:, None].to(tl.int64) * stride_hs + ho[None, :],
                             mask=ho_ok[None, :], other=0.0)  # [BLOCK_S, BLOCK_HO]  # fmt: skip
-                acc = _dot(tl.trans(d.to(x.dtype)), x, acc, IEEE_FP32)
+                acc = dot_accumulate(acc, tl.trans(d.to(x.dtype)), x, IEEE_FP32)
                 if NEED_BIAS:
                     bias_acc += tl.sum(d, axis=0)
     dst = grad_weight_ptr + v[:, None].to(tl.int64) * H + ho[None, :]
@@ -458,10 +449,6 @@ def splade_sum_bwd_weight_kernel(grad_ptr, hidden_ptr, weight_ptr, bias_ptr, mas
 
 def _block_h() -> int:
     return 16 if _backend.INTERPRET else 64
-
-
-def _ieee_fp32(dtype: torch.dtype) -> bool:
-    return dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
 
 
 def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
@@ -649,7 +636,7 @@ def _splade_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         kmask.stride(0) if kmask is not None else 0, kmask.stride(1) if kmask is not None else 0, n_s_tiles, group_m,
         H=H, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, POOL_MAX=pooling == "max",
         HAS_BIAS=bias is not None, HAS_MASK=kmask is not None, SAVE_AUX=keep_aux, SINGLE_PASS=single_pass,
-        PERSISTENT=cfg.persistent, USE_TMA=cfg.tma, IEEE_FP32=_ieee_fp32(hidden.dtype),
+        PERSISTENT=cfg.persistent, USE_TMA=cfg.tma, IEEE_FP32=ieee_fp32(hidden.dtype),
         NATIVE_NAN_MAX=not _backend.INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     record_launch("splade_fwd_kernel")
@@ -747,7 +734,7 @@ def _splade_backward(grad: torch.Tensor, hidden: torch.Tensor, weight: torch.Ten
     s_bucket, b_bucket = _tune_buckets(B, S)
     placeholder = grad
     common = dict(BLOCK_H=block_h, HAS_BIAS=bias is not None, HAS_MASK=kmask is not None, EVEN_H=H % block_h == 0,
-                  IEEE_FP32=_ieee_fp32(hidden.dtype))  # fmt: skip
+                  IEEE_FP32=ieee_fp32(hidden.dtype))  # fmt: skip
     strides = (grad.stride(0), grad.stride(1), hidden.stride(0), hidden.stride(1), weight.stride(0),
                kmask.stride(0) if kmask is not None else 0, kmask.stride(1) if kmask is not None else 0)  # fmt: skip
     inputs = (grad, hidden, weight, bias if bias is not None else placeholder,

@@ -1,4 +1,10 @@
-"""Sync-free observations of activation sparsity, for the ``method="auto"`` choices (TwELL FFN, SAE decode).
+"""The one ``method="auto"`` mechanism of every op that chooses between a sparse kernel and a dense one.
+
+An op's ``auto`` is two parts: a **cost model** (the op's own ``auto.py``: predicted seconds per method from the
+shapes, dtypes and the mean non-zeros per row) and an **estimate of that mean**, kept here. :func:`pick_fastest`
+turns the predictions into a choice; :class:`EstimateCache` keeps one :class:`SparsityMonitor` per weight tensor, so
+the default call of an op on the same layer pays at most one host sync in its life (its first eager call) and none
+after.
 
 A choice between a sparse kernel and cuBLAS depends on how many features fire per token, which lives on the GPU.
 Reading it costs a host sync per call and is impossible inside a CUDA-graph capture. Instead each call may hand a
@@ -8,7 +14,10 @@ memory without blocking and folds it into a running estimate on a later call, on
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 
 def device_scalar(value: int, device: torch.device) -> torch.Tensor:
@@ -77,3 +86,63 @@ class SparsityMonitor:
             self._pending = None
             self.update(float(host[0]), float(host[1]))
         return self.mean_nnz
+
+
+def observable(t: torch.Tensor) -> bool:
+    """Whether a tensor's values may be looked at now: not under torch.compile tracing, not a fake or subclass
+    tensor, not during a CUDA-graph capture."""
+    if torch.compiler.is_compiling() or type(t) not in (torch.Tensor, torch.nn.Parameter):
+        return False
+    return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+class EstimateCache:
+    """Per-weight running estimates of the mean non-zeros per row, fed without a host sync.
+
+    ``estimate(weight, stats)``: ``weight`` keys the estimate (the decoder or the gate weight; the entry dies with
+    it); ``stats`` is a zero-argument callable returning the [2] int64 device tensor (non-zeros, rows) of the current
+    call's input, called only when an observation is due. The first observable call with a new weight counts its
+    sample on the host (the one sync of that weight's life); later calls read the monitor, which folds in a new
+    sample every ``observe_every`` calls once it has arrived. Under compile tracing, fake tensors or CUDA-graph
+    capture it only reads (None when nothing was ever observed)."""
+
+    def __init__(self, observe_every: int = 8) -> None:
+        self.observe_every = observe_every
+        self._entries: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight -> [SparsityMonitor, calls]
+
+    def estimate(self, weight: torch.Tensor, stats: Callable[[], torch.Tensor], can_observe: bool) -> float | None:
+        if torch.compiler.is_compiling() or type(weight) not in (torch.Tensor, torch.nn.Parameter):
+            return None
+        entry = self._entries.get(weight)
+        if entry is None:
+            if not can_observe:
+                return None
+            monitor = SparsityMonitor()
+            monitor.update(*(float(v) for v in stats().tolist()))  # the one sync
+            self._entries[weight] = [monitor, 0]
+            return monitor.mean_nnz
+        monitor = entry[0]
+        value = monitor.estimate()
+        if can_observe:
+            entry[1] += 1
+            if entry[1] % self.observe_every == 0 and monitor.accepts:
+                monitor.observe(stats())
+        return value
+
+    def monitor(self, weight: torch.Tensor) -> SparsityMonitor | None:
+        """The monitor kept for ``weight`` (None before its first observed call)."""
+        entry = self._entries.get(weight)
+        return None if entry is None else entry[0]
+
+    def clear(self) -> None:
+        self._entries = WeakIdKeyDictionary()
+
+
+def pick_fastest(predicted: dict[str, float], *, baseline: str = "dense", margin: float = 1.0) -> str:
+    """The method with the smallest predicted time, but ``baseline`` unless that method is predicted at least
+    ``margin`` times the baseline's time (``margin`` < 1 asks a sparse method to win clearly where the cost model's
+    error is known to be large)."""
+    best = min((m for m in predicted if m != baseline), key=predicted.__getitem__, default=baseline)
+    if best == baseline or predicted[best] < margin * predicted[baseline]:
+        return best
+    return baseline
