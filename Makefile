@@ -1,6 +1,7 @@
 # Two entry points, each doing all set-up on a fresh machine (virtual environment + dependencies):
 #   make bench   -- the main job: benchmarks on a GPU (writes benchmarks/results/), or the accuracy check without one
 #   make test    -- the test suite; without a GPU the Triton kernels run on the CPU through Triton's interpreter
+#   make lint    -- ruff: formatting and lint rules (pyproject.toml), as CI runs them
 # Extra arguments go through ARGS, e.g. `make bench ARGS="snake --quick"`.
 
 PYTHON ?= python3
@@ -13,7 +14,7 @@ HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 TORCH_SPEC ?= $(if $(HAS_GPU),torch>=2.5,torch==2.13.0)
 PYTEST_WORKERS ?= 2
 
-.PHONY: bench test check clean
+.PHONY: bench test check lint format clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +31,14 @@ check: $(STAMP)
 
 test: $(STAMP)
 	$(if $(HAS_GPU),SPARSEFUSE_TEST_DEVICE=cuda,TRITON_INTERPRET=1) $(PY) -m pytest -n $(PYTEST_WORKERS) -q $(ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff format --check sparsefuse tests
+	$(VENV)/bin/ruff check sparsefuse tests
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format sparsefuse tests
+	$(VENV)/bin/ruff check --fix sparsefuse tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
