@@ -63,7 +63,7 @@ def sm_count(device: torch.device, interpreted: int = 8) -> int:
 
 
 # Launch rule for the elementwise (streaming) kernels, measured rather than autotuned (H200, CUDA-graph replay with
-# inputs rotated past L2; benchmarks/results/probe-snake-fwd-NVIDIA-H200.log): 4 KB tiles of the input over 4 warps
+# inputs rotated past L2): 4 KB tiles of the input over 4 warps
 # were within 2% of the best of 17 configurations at every Snake bench shape from 1M elements up but one (fp32
 # 1x256x15104, 6% behind a 16 KB row tile that is 5% behind elsewhere); below four such tiles per SM, 2 KB tiles
 # keep every SM busy. Triton's autotuner times each candidate on one L2-resident input: its picks were 2-8% behind

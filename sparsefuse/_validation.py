@@ -56,6 +56,51 @@ def unit_last_stride(t: torch.Tensor) -> torch.Tensor:
 
 # --- activations (Snake, CELU) ----------------------------------------------------------------------------------
 
+SNAKE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+CELU_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def check_snake_shape(shape: torch.Size) -> tuple[int, int, int]:
+    """Snake's canonical view of x: [B, C, *] -> (B, C, prod(*)); [C, T] -> (1, C, T)."""
+    if len(shape) == 2:
+        return (1, shape[0], shape[1])
+    if len(shape) < 2:
+        raise ValueError(f"snake: x must have shape [C, T] or [B, C, *]; got shape {list(shape)}")
+    t = 1
+    for d in shape[2:]:
+        t *= d
+    return (shape[0], shape[1], t)
+
+
+def check_snake_args(x: torch.Tensor, alpha: torch.Tensor, eps: float) -> tuple[tuple[int, int, int], float]:
+    """((B, C, T), eps as a float) for ``snake(x, alpha, eps)``; alpha must be [C] or [1, C, 1]."""
+    op = "snake"
+    check_float(op, "x", x, SNAKE_DTYPES)
+    check_tensor(op, "alpha", alpha)
+    check_float(op, "alpha", alpha, SNAKE_DTYPES)
+    check_same_device(op, x=x, alpha=alpha)
+    eps = check_scalar(op, "eps", eps)
+    B, C, T = check_snake_shape(x.shape)
+    if alpha.numel() != C or not (alpha.dim() == 1 or (alpha.dim() == 3 and alpha.shape == (1, C, 1))):
+        raise ValueError(
+            f"snake: alpha must have shape [{C}] or [1, {C}, 1] for x of shape {list(x.shape)}; got {describe(alpha)}"
+        )
+    return (B, C, T), eps
+
+
+def check_celu_args(
+    op: str, x: torch.Tensor, alpha: float, scale: float, input_scale: float
+) -> tuple[float, float, float]:
+    """(alpha, scale, input_scale) as floats for ``celu`` / ``celu_``; alpha must be non-zero (CELU divides by it)."""
+    check_float(op, "x", x, CELU_DTYPES)
+    alpha, scale, input_scale = (
+        check_scalar(op, n, v) for n, v in (("alpha", alpha), ("scale", scale), ("input_scale", input_scale))
+    )
+    if alpha == 0.0:
+        raise ValueError(f"{op}: alpha must be non-zero (CELU divides by alpha); got alpha=0 for x with {describe(x)}")
+    return alpha, scale, input_scale
+
+
 
 # --- SAE (decode, JumpReLU and TopK encodes) --------------------------------------------------------------------
 

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 import sparsefuse
 from sparsefuse import track_launches
-import sparsefuse.activations.snake as snake_module
+from sparsefuse.activations.snake import kernels as snake_kernels
+from sparsefuse.activations.snake import launch as snake_launch
 from sparsefuse.activations.snake import snake_backward_op, snake_op, torch_snake, torch_snake_backward
 from sparsefuse.testing import assert_close_to_reference
 
@@ -30,7 +31,7 @@ def forward_launches(launched) -> int:
 def forward_path(request, monkeypatch):
     """Run a test through both forward kernels: a contiguous x takes the flat one."""
     if request.param == "rows":
-        monkeypatch.setattr(snake_module, "FLAT_FORWARD", False)
+        monkeypatch.setattr(snake_launch, "FLAT_FORWARD", False)
     return request.param
 
 
@@ -73,17 +74,17 @@ def test_fast_sin_forward(dtype, device, forward_path):
 def _sin_squared_probe_kernel(u_ptr, out_ptr, n, SIN_MODE: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     u = tl.load(u_ptr + offs, mask=offs < n)
-    s, _ = snake_module._sin_cos_mod_pi(u, False, SIN_MODE)
+    s, _ = snake_kernels._sin_cos_mod_pi(u, False, SIN_MODE)
     tl.store(out_ptr + offs, s * s, mask=offs < n)
 
 
 @pytest.mark.parametrize(
     "mode, limit, bound",
     [
-        (snake_module.SIN_ACCURATE.value, 1e4, 5e-7),  # polynomial path
-        (snake_module.SIN_ACCURATE.value, 1e5, 5e-7),
-        (snake_module.SIN_FAST.value, 1e5, FAST_SIN_SIN2_ERROR),
-        (snake_module.SIN_HARDWARE.value, 1e5, HARDWARE_SIN2_ERROR),  # the SFU on a GPU (tl.sin when interpreted)
+        (snake_kernels.SIN_ACCURATE.value, 1e4, 5e-7),  # polynomial path
+        (snake_kernels.SIN_ACCURATE.value, 1e5, 5e-7),
+        (snake_kernels.SIN_FAST.value, 1e5, FAST_SIN_SIN2_ERROR),
+        (snake_kernels.SIN_HARDWARE.value, 1e5, HARDWARE_SIN2_ERROR),  # the SFU on a GPU (tl.sin when interpreted)
     ],
 )
 def test_sin_squared_error_bound(mode, limit, bound, device):
@@ -114,7 +115,6 @@ def test_backward_matches_float64_reference(shape, dtype, alpha_shape, fast_sin,
     extra = FAST_SIN_EXTRA if fast_sin else 0.0
     assert_close_to_reference(xr.grad, gx64, xl.grad, name="grad_x", extra_abs=extra)
     assert ar.grad.shape == alpha.shape and ar.grad.dtype == alpha.dtype
-    # alpha's grad sums B*T terms; ours accumulates in fp32 -> bound by fp32 rounding over the sum
     # alpha's grad sums B*T terms of size ~|g x| / alpha: allow fp32 rounding over the sum, plus fast_sin's error
     terms = (grad.double() * x.double()).abs().sum().item() / 0.3
     assert_close_to_reference(ar.grad.reshape(-1), ga64, dtype=torch.float32, name="grad_alpha",
@@ -124,8 +124,8 @@ def test_backward_matches_float64_reference(shape, dtype, alpha_shape, fast_sin,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rows_past_a_grid_slice(dtype, device, monkeypatch):
     """More rows than grid y holds: the rest go to further slices along grid z, the last one overhanging."""
-    monkeypatch.setattr(snake_module, "ROWS_PER_SLICE", 4)
-    monkeypatch.setattr(snake_module, "FLAT_FORWARD", False)
+    monkeypatch.setattr(snake_launch, "ROWS_PER_SLICE", 4)
+    monkeypatch.setattr(snake_launch, "FLAT_FORWARD", False)
     x, alpha = make_inputs((3, 5, 70), dtype, device)  # 15 rows: slices of 4, 4, 4, 3
     with track_launches() as launched:
         y = sparsefuse.snake(x, alpha)
@@ -150,7 +150,7 @@ def test_division_magic_numbers():
 
     rng = random.Random(0)
     for d in list(range(1, 2000)) + [rng.randrange(1, 2**31) for _ in range(2000)]:
-        m, s = snake_module.division_magic(d)
+        m, s = snake_launch.division_magic(d)
         assert 0 < m < 2**32
         for n in [0, 1, d - 1, d, d + 1, 2**31 - 1] + [rng.randrange(0, 2**31) for _ in range(10)]:
             if n < 0:
@@ -162,8 +162,8 @@ def test_division_magic_numbers():
 def test_alpha_gradient_is_bitwise_reproducible(finish, device, monkeypatch):
     """No float atomics: the same inputs give the same bits, whatever order the programs ran in; each way of
     finishing alpha's sum (in the kernel, or in a second launch) matches the float64 reference."""
-    mode = {"last_arriver": snake_module.ALPHA_LAST_ARRIVER, "partials": snake_module.ALPHA_PARTIALS}[finish]
-    monkeypatch.setattr(snake_module, "_alpha_finish", lambda n_programs, n_channels: mode.value)
+    mode = {"last_arriver": snake_kernels.ALPHA_LAST_ARRIVER, "partials": snake_kernels.ALPHA_PARTIALS}[finish]
+    monkeypatch.setattr(snake_launch, "_alpha_finish", lambda n_programs, n_channels: mode.value)
     x, alpha = make_inputs((3, 4, 500), torch.float32, device)
     grad = torch.randn_like(x)
     results = []
@@ -244,8 +244,8 @@ def test_nan_and_inf_propagate_like_the_reference(device):
 
 def test_wide_index_path(device, monkeypatch):
     """The int64 per-element offset path (taken for rows above 2^31 elements) computes the same values."""
-    monkeypatch.setattr(snake_module, "_INT32_LIMIT", 64)
-    monkeypatch.setattr(snake_module, "FLAT_FORWARD", False)
+    monkeypatch.setattr(snake_launch, "_INT32_LIMIT", 64)
+    monkeypatch.setattr(snake_launch, "FLAT_FORWARD", False)
     x, alpha = make_inputs((2, 3, 300), torch.float16, device)
     y = sparsefuse.snake(x, alpha)
     assert_close_to_reference(y, *reference(x, alpha))
