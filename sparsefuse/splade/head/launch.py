@@ -108,7 +108,7 @@ class _FwdConfig:
     tma: bool = False  # tensor-descriptor (TMA) loads instead of pointer loads
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _device_info(index: int) -> tuple[int, int, int]:
     """(compute capability major, SM count, opt-in shared memory per block in bytes) of a CUDA device."""
     p = torch.cuda.get_device_properties(index)
@@ -295,7 +295,7 @@ def _hidden_grad_pattern(dlogit: torch.Tensor, argmax: torch.Tensor, S: int) -> 
 def _weight_grad_pattern(dlogit: torch.Tensor, argmax: torch.Tensor, S: int) -> ELL:
     """ELL [V, B*S]: row v holds dlogit[b, v] for every b with a non-zero gradient, pointing at hidden row
     b*S + argmax[b, v]. Width B is the largest possible count, so no row can overflow."""
-    B, V = dlogit.shape
+    B = dlogit.shape[0]
     by_batch = dense_to_ell(dlogit.t(), B)  # column index = b
     hidden_rows = argmax.t() + torch.arange(B, device=argmax.device, dtype=torch.int32).mul_(S).unsqueeze(0)
     indices = torch.gather(hidden_rows, 1, by_batch.indices.long()).to(torch.int32)
@@ -339,13 +339,13 @@ def _sum_backward(grad, hidden, weight, bias, mask, need_hidden, need_weight, ne
     grad_hidden = grad_weight = grad_bias = None
     if need_hidden:
         grad_hidden = new_output((B, S, H), hidden.dtype, hidden.device)
-        grid = lambda meta: (B * triton.cdiv(S, meta["BLOCK_S"]) * triton.cdiv(H, meta["BLOCK_HO"]),)  # noqa: E731
+        grid = lambda meta: (B * triton.cdiv(S, meta["BLOCK_S"]) * triton.cdiv(H, meta["BLOCK_HO"]),)
         _sum_bwd_hidden[grid](*inputs, grad_hidden, B, S, V, H, *strides, s_bucket, b_bucket, **common)
         record_launch("splade_sum_bwd_hidden_kernel")
     if need_weight or need_bias:
         grad_weight = new_output((V, H), weight.dtype, weight.device)
         grad_bias32 = new_output((V,), torch.float32, weight.device) if need_bias else grad_weight
-        grid = lambda meta: (triton.cdiv(V, meta["BLOCK_V"]) * triton.cdiv(H, meta["BLOCK_HO"]),)  # noqa: E731
+        grid = lambda meta: (triton.cdiv(V, meta["BLOCK_V"]) * triton.cdiv(H, meta["BLOCK_HO"]),)
         _sum_bwd_weight[grid](*inputs, grad_weight, grad_bias32, B, S, V, H, *strides, s_bucket, b_bucket,
                               NEED_BIAS=need_bias, **common)
         record_launch("splade_sum_bwd_weight_kernel")
@@ -361,7 +361,7 @@ def launch_splade_backward(grad: torch.Tensor, hidden: torch.Tensor, weight: tor
     """grad [B, V] -> (grad_hidden [B, S, H] | None, grad_weight [V, H] | None, grad_bias [V] | None); argmax and
     slope [B, V] are the forward's saved aux for max pooling (recomputed when empty). H must be > 0 (the kernels tile
     the hidden dimension); need_bias implies a bias."""
-    B, S, H = hidden.shape
+    B, S, _ = hidden.shape
     V = weight.shape[0]
     if B * S * V == 0 or not (need_hidden or need_weight or need_bias):
         return (hidden.new_zeros(hidden.shape) if need_hidden else None,
