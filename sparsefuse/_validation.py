@@ -107,5 +107,41 @@ def check_celu_args(
 
 # --- SPLADE head --------------------------------------------------------------------------------------------------
 
+SPLADE_POOLINGS = ("max", "sum")
+SPLADE_DTYPES = FLOAT_DTYPES  # hidden and weight; the bias may also be float64
+
+
+def check_splade_args(op: str, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      attention_mask: torch.Tensor | None, pooling: str) -> None:
+    """hidden [B, S, H] and weight [V, H] of one float dtype, bias [V] or None, attention_mask [B, S] (bool, integer
+    or floating) or None, all on one device; pooling one of :data:`SPLADE_POOLINGS`."""
+    check_float(op, "hidden", hidden, SPLADE_DTYPES)
+    check_float(op, "weight", weight, SPLADE_DTYPES)
+    if hidden.dim() != 3:
+        raise ValueError(f"{op}: hidden must be [batch, seq_len, hidden_size]; got {describe(hidden)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[2]:
+        raise ValueError(f"{op}: weight must be [vocab_size, hidden_size={hidden.shape[2]}] (the MLM decoder's "
+                         f"weight) for hidden of {describe(hidden)}; got weight with {describe(weight)}")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"{op}: hidden and weight must have the same dtype (as for hidden @ weight.T); got hidden "
+                        f"{describe(hidden)} and weight {describe(weight)}")
+    tensors = {"hidden": hidden, "weight": weight}
+    if bias is not None:
+        check_float(op, "bias", bias, SPLADE_DTYPES + (torch.float64,))
+        if bias.shape != (weight.shape[0],):
+            raise ValueError(f"{op}: bias must be [vocab_size={weight.shape[0]}]; got {describe(bias)}")
+        tensors["bias"] = bias
+    if attention_mask is not None:
+        check_tensor(op, "attention_mask", attention_mask)
+        if attention_mask.is_complex():
+            raise TypeError(f"{op}: attention_mask must be bool, integer or floating; got {describe(attention_mask)}")
+        if attention_mask.shape != hidden.shape[:2]:
+            raise ValueError(f"{op}: attention_mask must be [batch, seq_len] = {list(hidden.shape[:2])} to match "
+                             f"hidden of {describe(hidden)}; got {describe(attention_mask)}")
+        tensors["attention_mask"] = attention_mask
+    check_same_device(op, **tensors)
+    if pooling not in SPLADE_POOLINGS:
+        raise ValueError(f"{op}: pooling must be one of {SPLADE_POOLINGS}; got {pooling!r}")
+
 
 # --- FFN (TwELL inference, training) ------------------------------------------------------------------------------

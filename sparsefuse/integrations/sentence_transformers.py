@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..splade.head import splade_pool
+from ..splade import splade_pool
 from .transformers_mlm import bypass_projection, is_bypassed, restore_projection, vocabulary_projection
 
 __all__ = ["patch", "unpatch", "is_splade_pooling", "is_patched"]

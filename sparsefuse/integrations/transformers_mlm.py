@@ -25,7 +25,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from ..splade.head import POOLINGS, splade_pool
+from ..splade import POOLINGS, splade_pool
 
 __all__ = ["vocabulary_projection", "projection_bypassed", "splade_encode", "SpladeEncoderForMaskedLM"]
 

@@ -13,7 +13,7 @@ import math
 import torch
 from torch import nn
 
-from ..splade.head import POOLINGS, splade_pool
+from ..splade import POOLINGS, splade_pool
 
 __all__ = ["SpladeHead"]
 

@@ -183,15 +183,15 @@ def test_every_forward_schedule(persistent, tma, monkeypatch, device):
     """The config rule picks TMA + persistent for inference and one tile per program with pointer loads for the
     training forward; force each (schedule, loads) pair for both: sequences over several tiles (partials + combine
     kernel) and within one tile, a vocabulary tail, padding, max with and without the saved argmax, and sum."""
-    import sparsefuse.splade.head as head
+    from sparsefuse.splade.head import launch
 
     if device.type == "cuda" and tma and torch.cuda.get_device_capability(device)[0] != 9:
         pytest.skip("TMA loads are used on Hopper only")
-    config = head._FwdConfig(16, 32, 16, num_warps=4, num_stages=1, persistent=persistent, tma=tma)
-    monkeypatch.setattr(head, "_fwd_config", lambda hidden, weight, save_aux: config)
+    config = launch._FwdConfig(16, 32, 16, num_warps=4, num_stages=1, persistent=persistent, tma=tma)
+    monkeypatch.setattr(launch, "_fwd_config", lambda hidden, weight, save_aux: config)
     for B, S in [(3, 40), (2, 9)]:
         hidden, weight, bias, mask = make_inputs(B, S, 32, 70, torch.float16, device)
-        assert head._tma_eligible(hidden, weight) or not tma
+        assert launch._tma_eligible(hidden, weight) or not tma
         with track_launches() as launched:
             check_forward(hidden, weight, bias, mask, "max")
             check_forward(hidden, weight, bias, mask, "sum")
@@ -365,14 +365,14 @@ def test_backward_without_saved_argmax_recomputes_it(device):
 def test_plain_torch_fallback_matches_the_reference(pooling, monkeypatch, device):
     """CPU tensors without TRITON_INTERPRET take the torch path (forward and backward, explicit formulas); force it
     here, where the interpreter is on."""
-    import sparsefuse.splade.head as head
-    from sparsefuse import Backend
+    from sparsefuse import Backend, _backend
+    from sparsefuse.splade.head import op
 
-    monkeypatch.setattr(head, "backend_for", lambda *tensors: Backend.TORCH)
+    monkeypatch.setattr(op, "backend_for", lambda *tensors: Backend.TORCH)
     hidden, weight, bias, mask = make_inputs(2, 9, 16, 30, torch.float32, device)
     grad = torch.randn(2, 30, device=device)
     leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
-    monkeypatch.setattr(head._backend, "_warned", set())  # warn_reference_once warns again
+    monkeypatch.setattr(_backend, "_warned", set())  # warn_reference_once warns again
     with pytest.warns(UserWarning, match="plain-torch reference"), track_launches() as launched:
         out = splade_pool(*leaves, mask, pooling=pooling)
         ours = torch.autograd.grad(out, leaves, grad)

@@ -1,0 +1,352 @@
+"""The SPLADE head's Triton kernels: the forward GEMM with the pooling as its epilogue, the combine of per-tile
+partials, and the two sum-pooling backward kernels. (Max pooling's backward is the shared sparse core's
+gather-accumulate; see :mod:`.launch`.)
+
+Forward: a GEMM over hidden viewed as [B*S, H] times weight^T [H, V] whose [BLOCK_M, BLOCK_N] output tiles never
+cross a batch row (an M tile holds BLOCK_M positions of one batch row; positions past S and masked ones are
+excluded), with the pooling as the matmul's epilogue: each logit tile comes from ``tl.dot`` (fp32 accumulation) and
+is reduced over its rows on the spot, so nothing of size [B, S, V] ever reaches global memory. For max pooling the
+reduction is over the raw logits: since ``log1p(relu(.))`` is non-decreasing, ``max_s f(x_s) = f(max_s x_s)``, and
+because fp32 rounding is monotone, ``max_s (x_s + bias) = max_s x_s + bias`` exactly, so the bias and
+``log1p(relu(.))`` are applied once per (b, v) at the end; the first row equal to the column max gives the argmax.
+Sum pooling does not commute, so each logit goes through ``log1p(relu(. + bias))`` before being summed; both
+poolings run in the same kernel. When one M tile covers the sequence (BLOCK_M >= S) the epilogue writes the output
+directly; otherwise each tile writes fp32 partials [B, cdiv(S, BLOCK_M), V] (column max or sum, and the first
+argmax position as int32) and a small combine kernel folds them in sequence order (strictly greater wins, so ties
+keep the first position; deterministic). Tiles are ordered in groups of M tiles whose hidden rows fit in L2
+together (:func:`sparsefuse._triton.schedule.grouped_tile_coords`), so each weight tile is read from DRAM about once
+per group. Two schedules: one tile per program (fully masked padding tiles then skip their matmul), or persistent
+(one program per SM) with the tile loop flattened into the K loop (``tl.range(flatten=True)``) so the software
+pipeline keeps loading across tiles; padding tiles are then computed and masked. Loads are pointer loads, or on
+Hopper TMA loads through ``tl.make_tensor_descriptor``.
+
+Backward, sum pooling: every position gets a gradient, ``dlogit[b, s, v] = grad[b, v] * mask[b, s] / (1 + x)``
+for ``x = logits > 0``. Two kernels recompute the logits tile by tile (never storing [B, S, V]): one owns
+(b, sequence tile, hidden slice) and accumulates ``dlogit @ weight``; one owns (vocabulary tile, hidden slice) and
+accumulates ``dlogit^T @ hidden`` over every (b, sequence tile), plus the bias gradient, in a fixed order (no
+atomics: deterministic). Cost: a register accumulator holds only a BLOCK_HO slice of H, so each kernel recomputes
+the logits H / BLOCK_HO times -- several forward matmuls in all; max pooling (SPLADE v2+) is the path built for
+speed.
+
+Precision: logits accumulate in fp32 (fp32 products per :mod:`sparsefuse._triton.dot`), ``log1p`` is evaluated
+accurately near 0, the output is rounded once to its dtype; NaN logits propagate to the output.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..._triton.dot import dot_accumulate
+from ..._triton.schedule import grouped_tile_coords
+
+__all__ = ["splade_fwd_kernel", "splade_fwd_combine_kernel", "splade_sum_bwd_hidden_kernel",
+           "splade_sum_bwd_weight_kernel"]
+
+
+@triton.jit
+def _log1p_nonneg(x):
+    # log1p for x >= 0 (NaN and inf pass through). log(1 + x) alone loses x's low bits when x << 1; multiplying by
+    # x / ((1 + x) - 1) corrects for the rounding of 1 + x (Goldberg). Where 1 + x rounds to 1, log1p(x) = x.
+    u = 1.0 + x
+    d = u - 1.0
+    tiny = d == 0.0
+    huge = x > 1.0e30  # includes inf, where x / d would be inf / inf
+    ratio = x / tl.where(tiny | huge, 1.0, d)
+    log_u = tl.log(u)
+    return tl.where(tiny, x, tl.where(huge, log_u, log_u * ratio))
+
+
+@triton.jit
+def _nan_max(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _column_max(x, NATIVE_NAN_MAX: tl.constexpr):
+    """[BLOCK_V] max over axis 0 that propagates NaN, like torch.max (tl.max ignores NaN). Compiled: one max.NaN
+    reduction. The interpreter runs a custom combine element by element in Python, so there the same result comes
+    from numpy's max plus a NaN test."""
+    if NATIVE_NAN_MAX:
+        result = tl.reduce(x, 0, _nan_max)
+    else:
+        has_nan = tl.max((x != x).to(tl.int32), axis=0) > 0
+        result = tl.where(has_nan, float("nan"), tl.max(x, axis=0))
+    return result
+
+
+@triton.jit
+def _logit_tile(hidden_row_ptr, weight_ptr, s_load, v_load, H, stride_hs, stride_wv,
+                BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, EVEN_H: tl.constexpr,
+                IEEE_FP32: tl.constexpr):
+    """[BLOCK_S, BLOCK_V] fp32 = hidden[b, s_load, :] @ weight[v_load, :]^T. s_load/v_load are clamped in-range
+    indices (tails are masked by the caller), so only the hidden dimension needs load masks (EVEN_H: none)."""
+    h = tl.arange(0, BLOCK_H)
+    x_ptrs = hidden_row_ptr + s_load[:, None].to(tl.int64) * stride_hs + h[None, :]  # [BLOCK_S, BLOCK_H]
+    w_ptrs = weight_ptr + v_load[None, :].to(tl.int64) * stride_wv + h[:, None]  # [BLOCK_H, BLOCK_V]
+    acc = tl.zeros([BLOCK_S, BLOCK_V], dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        if EVEN_H:
+            x = tl.load(x_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            x = tl.load(x_ptrs, mask=(h0 + h)[None, :] < H, other=0.0)
+            w = tl.load(w_ptrs, mask=(h0 + h)[:, None] < H, other=0.0)
+        acc = dot_accumulate(acc, x, w, IEEE_FP32)
+        x_ptrs += BLOCK_H
+        w_ptrs += BLOCK_H
+    return acc
+
+
+@triton.jit
+def _kept_positions(mask_ptr, b, s, S, stride_mb, stride_ms, HAS_MASK: tl.constexpr):
+    """[BLOCK_S] bool: in range and not masked out."""
+    keep = s < S
+    if HAS_MASK:
+        m = tl.load(mask_ptr + b.to(tl.int64) * stride_mb + s.to(tl.int64) * stride_ms, mask=keep, other=0)
+        keep = keep & (m != 0)
+    return keep
+
+
+@triton.jit
+def _finish_columns(value, best_s, b, v, v_ok, V, bias_ptr, out_ptr, argmax_ptr, slope_ptr, POOL_MAX: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, SAVE_AUX: tl.constexpr):
+    """Writes out[b, v] (and argmax/slope) from the pooled value of a [BLOCK_N] column block of batch row b: for max
+    pooling the masked max raw logit (no bias yet; -inf when every position is masked), for sum pooling the sum."""
+    offsets = b.to(tl.int64) * V + v
+    if POOL_MAX:
+        m = value
+        if HAS_BIAS:
+            m = m + tl.load(bias_ptr + tl.minimum(v, V - 1)).to(tl.float32)
+        y = _log1p_nonneg(tl.maximum(m, 0.0, propagate_nan=tl.PropagateNan.ALL))  # -inf (fully masked) -> 0
+        if SAVE_AUX:
+            tl.store(argmax_ptr + offsets, best_s, mask=v_ok)
+            tl.store(slope_ptr + offsets, tl.where(m > 0, 1.0 / (1.0 + m), 0.0), mask=v_ok)
+    else:
+        y = value
+    tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=v_ok)
+
+
+@triton.jit
+def splade_fwd_kernel(hidden_ptr, weight_ptr, bias_ptr, mask_ptr, out_ptr, argmax_ptr, slope_ptr, part_ptr,
+                      part_arg_ptr, B, S, V, stride_hb, stride_hs, stride_wv, stride_mb, stride_ms, n_s_tiles, group_m,
+                      H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      POOL_MAX: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, SAVE_AUX: tl.constexpr,
+                      SINGLE_PASS: tl.constexpr, PERSISTENT: tl.constexpr, USE_TMA: tl.constexpr,
+                      IEEE_FP32: tl.constexpr, NATIVE_NAN_MAX: tl.constexpr):
+    # A GEMM over hidden viewed as [B*S, H] times weight^T [H, V] whose M tiles never cross a batch row: M tile
+    # pid_m = b * n_s_tiles + j holds positions s = j*BLOCK_M ... j*BLOCK_M + BLOCK_M - 1 of batch row b (s >= S and
+    # masked positions are excluded by `keep`). hidden [B, S, H], weight [V, H] (unit last strides), bias [V],
+    # mask [B, S] (any int/float dtype); out [B, V] (hidden's dtype); SAVE_AUX: argmax [B, V] int32, slope fp32.
+    # SINGLE_PASS (n_s_tiles == 1): each tile finishes its columns. Otherwise each tile writes the partials
+    # part [B * n_s_tiles, V] fp32 (column max of the raw logits, or column sum of the scores) and part_arg (the
+    # first position of the max) for splade_fwd_combine_kernel. A program walks tiles pid, pid + #programs, ...:
+    # PERSISTENT grids have one program per SM and flatten that loop with the K loop (the pipeline keeps loading
+    # across tiles); otherwise there is one tile per program and fully masked (padding) tiles skip their matmul.
+    K_TILES: tl.constexpr = (H + BLOCK_K - 1) // BLOCK_K
+    EVEN_K: tl.constexpr = H % BLOCK_K == 0
+    num_pid_m = B * n_s_tiles
+    num_pid_n = tl.cdiv(V, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    if USE_TMA:  # hidden rows are equally spaced ([B*S, H] view); rows past S read the next batch row, masked below
+        hidden_desc = tl.make_tensor_descriptor(hidden_ptr, shape=[B * S, H], strides=[stride_hs, 1],
+                                                block_shape=[BLOCK_M, BLOCK_K])
+        weight_desc = tl.make_tensor_descriptor(weight_ptr, shape=[V, H], strides=[stride_wv, 1],
+                                                block_shape=[BLOCK_N, BLOCK_K])
+    for tile_id in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=PERSISTENT):
+        # hidden rows that fit in L2 together sweep the vocabulary tiles side by side
+        pid_m, pid_n = grouped_tile_coords(tile_id, num_pid_m, num_pid_n, group_m)
+        b = pid_m // n_s_tiles
+        s0 = (pid_m % n_s_tiles) * BLOCK_M
+        s = s0 + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+        v = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        v_ok = v < V
+        v_load = tl.minimum(v, V - 1)
+        keep = _kept_positions(mask_ptr, b, s, S, stride_mb, stride_ms, HAS_MASK)  # [BLOCK_M]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        run = True
+        if HAS_MASK and not PERSISTENT:  # (a branch inside the flattened loop nest would stop the flattening)
+            run = tl.max(keep.to(tl.int32), axis=0) > 0
+        if run:
+            if USE_TMA:  # out-of-range rows, columns and the K tail are zero-filled by the TMA unit
+                row0 = b * S + s0
+                for ki in range(K_TILES):
+                    x = hidden_desc.load([row0, ki * BLOCK_K])  # [BLOCK_M, BLOCK_K]
+                    w = weight_desc.load([pid_n * BLOCK_N, ki * BLOCK_K])  # [BLOCK_N, BLOCK_K]
+                    acc = dot_accumulate(acc, x, tl.trans(w), IEEE_FP32)
+            else:  # clamped row/column indices (tails are excluded by keep / v_ok); only the K tail needs a mask
+                k = tl.arange(0, BLOCK_K)
+                s_load = tl.minimum(s, S - 1)
+                x_ptrs = (hidden_ptr + b.to(tl.int64) * stride_hb + s_load[:, None].to(tl.int64) * stride_hs
+                          + k[None, :])  # [BLOCK_M, BLOCK_K]
+                w_ptrs = weight_ptr + v_load[None, :].to(tl.int64) * stride_wv + k[:, None]  # [BLOCK_K, BLOCK_N]
+                for ki in range(K_TILES):
+                    if EVEN_K:
+                        x = tl.load(x_ptrs + ki * BLOCK_K)
+                        w = tl.load(w_ptrs + ki * BLOCK_K)
+                    else:
+                        x = tl.load(x_ptrs + ki * BLOCK_K, mask=(ki * BLOCK_K + k)[None, :] < H, other=0.0)
+                        w = tl.load(w_ptrs + ki * BLOCK_K, mask=(ki * BLOCK_K + k)[:, None] < H, other=0.0)
+                    acc = dot_accumulate(acc, x, w, IEEE_FP32)
+        if POOL_MAX:  # over the raw logits: the bias and log1p(relu(.)) commute with the max (module docstring)
+            logits = tl.where(keep[:, None], acc, float("-inf"))  # [BLOCK_M, BLOCK_N]
+            value = _column_max(logits, NATIVE_NAN_MAX)  # [BLOCK_N]
+            if SAVE_AUX:  # first position equal to the max (ties: first, like torch.max); NaN column: clamped
+                best_s = tl.min(tl.where(logits == value[None, :], s[:, None], 2147483647), axis=0)
+                best_s = tl.minimum(best_s, S - 1)
+            else:
+                best_s = tl.zeros([BLOCK_N], dtype=tl.int32)
+        else:
+            if HAS_BIAS:
+                bias = tl.load(bias_ptr + v_load).to(tl.float32)  # [BLOCK_N]
+            else:
+                bias = tl.zeros([BLOCK_N], dtype=tl.float32)
+            scores = _log1p_nonneg(tl.maximum(acc + bias[None, :], 0.0, propagate_nan=tl.PropagateNan.ALL))
+            value = tl.sum(tl.where(keep[:, None], scores, 0.0), axis=0)  # [BLOCK_N]
+            best_s = tl.zeros([BLOCK_N], dtype=tl.int32)
+        if SINGLE_PASS:
+            _finish_columns(value, best_s, b, v, v_ok, V, bias_ptr, out_ptr, argmax_ptr, slope_ptr, POOL_MAX,
+                            HAS_BIAS, SAVE_AUX)
+        else:
+            part_offsets = pid_m.to(tl.int64) * V + v
+            tl.store(part_ptr + part_offsets, value, mask=v_ok)
+            if SAVE_AUX:
+                tl.store(part_arg_ptr + part_offsets, best_s, mask=v_ok)
+
+
+@triton.jit
+def splade_fwd_combine_kernel(part_ptr, part_arg_ptr, bias_ptr, out_ptr, argmax_ptr, slope_ptr, V, n_s_tiles,
+                              BLOCK_V: tl.constexpr, POOL_MAX: tl.constexpr, HAS_BIAS: tl.constexpr,
+                              SAVE_AUX: tl.constexpr):
+    # Folds the n_s_tiles partials of each (b, v) in sequence order (fixed order: deterministic) and finishes them.
+    pid = tl.program_id(0)
+    n_v_tiles = tl.cdiv(V, BLOCK_V)
+    b = pid // n_v_tiles
+    v = (pid % n_v_tiles) * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+    v_ok = v < V
+    if POOL_MAX:
+        value = tl.full([BLOCK_V], float("-inf"), dtype=tl.float32)
+    else:
+        value = tl.zeros([BLOCK_V], dtype=tl.float32)
+    best_s = tl.zeros([BLOCK_V], dtype=tl.int32)
+    for j in range(0, n_s_tiles):
+        offsets = (b.to(tl.int64) * n_s_tiles + j) * V + v
+        x = tl.load(part_ptr + offsets, mask=v_ok, other=0.0)
+        if POOL_MAX:
+            # strictly greater: on ties the earlier tile keeps the max (first position); NaN sticks
+            better = (x > value) | ((x != x) & (value == value))
+            value = tl.where(better, x, value)
+            if SAVE_AUX:
+                best_s = tl.where(better, tl.load(part_arg_ptr + offsets, mask=v_ok, other=0), best_s)
+        else:
+            value += x
+    _finish_columns(value, best_s, b, v, v_ok, V, bias_ptr, out_ptr, argmax_ptr, slope_ptr, POOL_MAX, HAS_BIAS,
+                    SAVE_AUX)
+
+
+@triton.jit
+def _sum_dlogit(acc, bias, g, keep):
+    """[BLOCK_S, BLOCK_V] fp32: d/dlogit of sum-pooled log1p(relu(logit)) times the incoming gradient g [BLOCK_V]."""
+    logits = acc + bias[None, :]
+    return tl.where(keep[:, None] & (logits > 0), g[None, :] / (1.0 + logits), 0.0)
+
+
+@triton.jit
+def splade_sum_bwd_hidden_kernel(grad_ptr, hidden_ptr, weight_ptr, bias_ptr, mask_ptr, grad_hidden_ptr,
+                                 B, S, V, H, stride_gb, stride_gv, stride_hb, stride_hs, stride_wv, stride_mb,
+                                 stride_ms, s_bucket, b_bucket,
+                                 BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+                                 BLOCK_HO: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
+                                 EVEN_H: tl.constexpr, IEEE_FP32: tl.constexpr):
+    # grad [B, V] (any strides); grad_hidden [B, S, H] contiguous. A program owns (b, sequence tile, hidden slice
+    # of BLOCK_HO) and sweeps the vocabulary: recompute the logit tile, form dlogit, accumulate dlogit @ weight.
+    # s_bucket and b_bucket are read only by the autotuner (its keys, see launch.py).
+    pid = tl.program_id(0)
+    n_s_tiles = tl.cdiv(S, BLOCK_S)
+    n_h_tiles = tl.cdiv(H, BLOCK_HO)
+    b = pid // (n_s_tiles * n_h_tiles)
+    s = (pid // n_h_tiles) % n_s_tiles * BLOCK_S + tl.arange(0, BLOCK_S)  # [BLOCK_S]
+    ho = pid % n_h_tiles * BLOCK_HO + tl.arange(0, BLOCK_HO)  # [BLOCK_HO]
+    ho_ok = ho < H
+    keep = _kept_positions(mask_ptr, b, s, S, stride_mb, stride_ms, HAS_MASK)
+    s_load = tl.minimum(s, S - 1)
+    hidden_row_ptr = hidden_ptr + b.to(tl.int64) * stride_hb
+    acc = tl.zeros([BLOCK_S, BLOCK_HO], dtype=tl.float32)
+    if HAS_MASK:
+        has_tokens = tl.max(keep.to(tl.int32), axis=0) > 0
+    else:
+        has_tokens = pid >= 0
+    if has_tokens:  # masked positions get a zero gradient: skip padding tiles
+        for v0 in range(0, V, BLOCK_V):
+            v = v0 + tl.arange(0, BLOCK_V)
+            v_ok = v < V
+            v_load = tl.minimum(v, V - 1)
+            logits = _logit_tile(hidden_row_ptr, weight_ptr, s_load, v_load, H, stride_hs, stride_wv,
+                                 BLOCK_S, BLOCK_V, BLOCK_H, EVEN_H, IEEE_FP32)
+            if HAS_BIAS:
+                bias = tl.load(bias_ptr + v_load).to(tl.float32)
+            else:
+                bias = tl.zeros([BLOCK_V], dtype=tl.float32)
+            g = tl.load(grad_ptr + b.to(tl.int64) * stride_gb + v.to(tl.int64) * stride_gv, mask=v_ok,
+                        other=0.0).to(tl.float32)  # [BLOCK_V]; 0 past V
+            d = _sum_dlogit(logits, bias, g, keep)  # [BLOCK_S, BLOCK_V]
+            w = tl.load(weight_ptr + v_load[:, None].to(tl.int64) * stride_wv + ho[None, :], mask=ho_ok[None, :],
+                        other=0.0)  # [BLOCK_V, BLOCK_HO]
+            acc = dot_accumulate(acc, d.to(w.dtype), w, IEEE_FP32)
+    dst = grad_hidden_ptr + (b.to(tl.int64) * S + s[:, None]) * H + ho[None, :]
+    tl.store(dst, acc.to(grad_hidden_ptr.dtype.element_ty), mask=(s < S)[:, None] & ho_ok[None, :])
+
+
+
+@triton.jit
+def splade_sum_bwd_weight_kernel(grad_ptr, hidden_ptr, weight_ptr, bias_ptr, mask_ptr, grad_weight_ptr,
+                                 grad_bias_ptr, B, S, V, H, stride_gb, stride_gv, stride_hb, stride_hs, stride_wv,
+                                 stride_mb, stride_ms, s_bucket, b_bucket,
+                                 BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+                                 BLOCK_HO: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
+                                 NEED_BIAS: tl.constexpr, EVEN_H: tl.constexpr, IEEE_FP32: tl.constexpr):
+    # grad_weight [V, H] contiguous, grad_bias [V] fp32. A program owns (vocabulary tile, hidden slice) and sweeps
+    # every (b, sequence tile) in a fixed order: recompute the logit tile, accumulate dlogit^T @ hidden. The first
+    # hidden slice's program also sums dlogit into the bias gradient. No atomics: deterministic.
+    pid = tl.program_id(0)
+    n_h_tiles = tl.cdiv(H, BLOCK_HO)
+    v = pid // n_h_tiles * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+    v_ok = v < V
+    v_load = tl.minimum(v, V - 1)
+    ho_tile = pid % n_h_tiles
+    ho = ho_tile * BLOCK_HO + tl.arange(0, BLOCK_HO)  # [BLOCK_HO]
+    ho_ok = ho < H
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + v_load).to(tl.float32)
+    else:
+        bias = tl.zeros([BLOCK_V], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_V, BLOCK_HO], dtype=tl.float32)
+    bias_acc = tl.zeros([BLOCK_V], dtype=tl.float32)
+    for batch in range(0, B):
+        b = tl.cast(batch, tl.int64)  # the loop index is a plain int under the interpreter
+        hidden_row_ptr = hidden_ptr + b * stride_hb
+        g = tl.load(grad_ptr + b * stride_gb + v.to(tl.int64) * stride_gv, mask=v_ok,
+                    other=0.0).to(tl.float32)
+        for s0 in range(0, S, BLOCK_S):
+            s = s0 + tl.arange(0, BLOCK_S)
+            keep = _kept_positions(mask_ptr, b, s, S, stride_mb, stride_ms, HAS_MASK)
+            if HAS_MASK:
+                has_tokens = tl.max(keep.to(tl.int32), axis=0) > 0
+            else:
+                has_tokens = s0 < S
+            if has_tokens:
+                s_load = tl.minimum(s, S - 1)
+                logits = _logit_tile(hidden_row_ptr, weight_ptr, s_load, v_load, H, stride_hs, stride_wv,
+                                     BLOCK_S, BLOCK_V, BLOCK_H, EVEN_H, IEEE_FP32)
+                d = _sum_dlogit(logits, bias, g, keep)  # [BLOCK_S, BLOCK_V]; 0 on rows that are not kept
+                x = tl.load(hidden_row_ptr + s_load[:, None].to(tl.int64) * stride_hs + ho[None, :],
+                            mask=ho_ok[None, :], other=0.0)  # [BLOCK_S, BLOCK_HO]
+                acc = dot_accumulate(acc, tl.trans(d.to(x.dtype)), x, IEEE_FP32)
+                if NEED_BIAS:
+                    bias_acc += tl.sum(d, axis=0)
+    dst = grad_weight_ptr + v[:, None].to(tl.int64) * H + ho[None, :]
+    tl.store(dst, acc.to(grad_weight_ptr.dtype.element_ty), mask=v_ok[:, None] & ho_ok[None, :])
+    if NEED_BIAS:
+        if ho_tile == 0:
+            tl.store(grad_bias_ptr + v, bias_acc, mask=v_ok)
+
