@@ -6,6 +6,8 @@ twell_mlp reject" finds it here and nowhere else."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -52,6 +54,94 @@ def unit_last_stride(t: torch.Tensor) -> torch.Tensor:
 
 
 # --- sparse formats and the shared core ---------------------------------------------------------------------------
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def check_rows(name: str, t: torch.Tensor, dims: int) -> None:
+    """ValueError unless ``t`` has ``dims`` dimensions (a format's values, a dense operand)."""
+    if t.dim() != dims:
+        raise ValueError(f"{name} must have {dims} dimension(s); got shape {list(t.shape)}")
+
+
+def check_indices(fmt: str, values: torch.Tensor, indices: torch.Tensor) -> None:
+    """ValueError unless a format's ``indices`` are int32 of its ``values``' shape."""
+    if indices.shape != values.shape or indices.dtype != torch.int32:
+        raise ValueError(f"{fmt}.indices must be int32 of shape {list(values.shape)}; got "
+                         f"{indices.dtype} {list(indices.shape)}")
+
+
+def check_twell_geometry(op: str, tile: object, compression: object) -> None:
+    """ValueError unless ``tile`` is a power of two in [16, 1024] and ``compression`` a positive int dividing it."""
+    for name, value in (("tile", tile), ("compression", compression)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{op}: {name} must be a positive int; got {value!r}")
+    if not (_is_power_of_two(tile) and 16 <= tile <= 1024):
+        raise ValueError(f"{op}: tile must be a power of two between 16 and 1024; got tile={tile}")
+    if tile % compression:
+        raise ValueError(f"{op}: compression={compression} does not divide tile={tile} (a tile keeps "
+                         f"tile / compression slots, which must be a whole number)")
+
+
+def check_block_rows(fmt: str, block_rows: object) -> None:
+    """ValueError unless ``block_rows`` is a tensor-core row block: a power of two in [16, 256]."""
+    if (not isinstance(block_rows, int) or isinstance(block_rows, bool) or not _is_power_of_two(block_rows)
+            or not 16 <= block_rows <= 256):
+        raise ValueError(f"{fmt}: block_rows must be a power of two in [16, 256] (a tensor-core row block); got "
+                         f"{block_rows!r}")
+
+
+def check_row_order(fmt: str, row_order: torch.Tensor | None, M: int) -> None:
+    """ValueError unless ``row_order`` is None or int32 [M] (a permutation of the rows)."""
+    if row_order is not None and (row_order.shape != (M,) or row_order.dtype != torch.int32):
+        raise ValueError(f"{fmt}.row_order must be None or int32 of shape [{M}] (a permutation of the rows); got "
+                         f"{row_order.dtype} {list(row_order.shape)}")
+
+
+def check_dense(op: str, dense: torch.Tensor) -> None:
+    """The dense [rows, cols] float operand of a compaction."""
+    check_float(op, "dense", dense)
+    if dense.dim() != 2:
+        raise ValueError(f"{op}: dense must be 2-D [rows, cols]; got {describe(dense)}")
+
+
+def check_sparse_weight(op: str, sparse: Any, weight: torch.Tensor) -> None:
+    """``weight`` [n_in, n_out] of a sparse x dense product whose sparse operand (ELL, CSR, BlockELL) is
+    [M, n_in]."""
+    check_float(op, "weight", weight)
+    if weight.dim() != 2 or weight.shape[0] != sparse.n_cols:
+        raise ValueError(f"{op}: weight must be [{sparse.n_cols}, n_out] for a sparse matrix of shape "
+                         f"{list(sparse.shape)}; got {describe(weight)}")
+    check_same_device(op, values=sparse.values, weight=weight)
+
+
+def check_overflow_completion(op: str, sparse: Any, is_ell: bool, dense: torch.Tensor | None,
+                              encoder: Any) -> None:
+    """``sparse_matmul``'s ways of completing overflowed ELL rows: at most one of ``dense`` (the rows' dense form,
+    [M, n_in]) and ``encoder`` (a thresholded linear layer with one input row per sparse row), for an ELL only."""
+    if dense is not None and encoder is not None:
+        raise ValueError(f"{op}: pass dense or encoder, not both")
+    if encoder is not None and (not is_ell or encoder.x.shape[0] != sparse.shape[0]):
+        raise ValueError(f"{op}: encoder completes overflowed ELL rows and needs one input row per sparse row")
+    if dense is not None:
+        if not is_ell:
+            raise ValueError(f"{op}: dense is only used to complete overflowed ELL rows; a CSR is always complete")
+        if dense.shape != sparse.shape:
+            raise ValueError(f"{op}: dense must have shape {list(sparse.shape)}; got {describe(dense)}")
+
+
+def check_matmul_skip_zeros(op: str, a: torch.Tensor, weight: torch.Tensor, splits: object) -> None:
+    """``a`` [M, n_in] and ``weight`` [n_in, n_out] float on one device; ``splits`` a positive int or None."""
+    check_float(op, "a", a)
+    check_float(op, "weight", weight)
+    check_same_device(op, a=a, weight=weight)
+    if a.dim() != 2 or weight.dim() != 2 or a.shape[1] != weight.shape[0]:
+        raise ValueError(f"{op}: expected a [M, n_in] and weight [n_in, n_out]; got a {describe(a)}, "
+                         f"weight {describe(weight)}")
+    if splits is not None and (not isinstance(splits, int) or isinstance(splits, bool) or splits < 1):
+        raise ValueError(f"{op}: splits must be a positive int or None; got {splits!r}")
 
 
 # --- activations (Snake, CELU) ----------------------------------------------------------------------------------
@@ -103,6 +193,104 @@ def check_celu_args(
 
 
 # --- SAE (decode, JumpReLU and TopK encodes) --------------------------------------------------------------------
+
+SAE_MATMUL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the encodes' tl.dot operand dtypes
+
+
+def check_positive_int(op: str, name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{op}: {name} must be a positive int; got {value!r}")
+
+
+def check_sparse_decode(op: str, feature_acts: torch.Tensor, W_dec: torch.Tensor, method: str,
+                        methods: tuple[str, ...], max_l0: int | None, expected_l0: float | None) -> None:
+    """feature_acts [..., d_sae] and W_dec [d_sae, d_model], float, one device; method one of ``methods``;
+    max_l0 None or a positive int; expected_l0 None or a non-negative number."""
+    check_float(op, "feature_acts", feature_acts)
+    check_float(op, "W_dec", W_dec)
+    check_same_device(op, feature_acts=feature_acts, W_dec=W_dec)
+    if W_dec.dim() != 2 or feature_acts.dim() < 1 or feature_acts.shape[-1] != W_dec.shape[0]:
+        raise ValueError(f"{op}: feature_acts [..., d_sae] and W_dec [d_sae, d_model] disagree on d_sae: "
+                         f"feature_acts {describe(feature_acts)}, W_dec {describe(W_dec)}")
+    if method not in methods:
+        raise ValueError(f"{op}: method must be one of {', '.join(methods)}; got {method!r}")
+    if max_l0 is not None:
+        check_positive_int(op, "max_l0", max_l0)
+    if expected_l0 is not None and (isinstance(expected_l0, bool) or not isinstance(expected_l0, (int, float))
+                                    or not expected_l0 >= 0):
+        raise ValueError(f"{op}: expected_l0 must be a non-negative number; got {expected_l0!r}")
+
+
+def check_topk_decode(op: str, top_indices: torch.Tensor, top_acts: torch.Tensor, W_dec: torch.Tensor) -> None:
+    """top_indices int32/int64 and top_acts float, both [..., k]; W_dec [d_sae, d_model] float; one device. (The
+    range of the indices is checked by the caller: it costs a host sync.)"""
+    check_float(op, "top_acts", top_acts)
+    check_float(op, "W_dec", W_dec)
+    if top_indices.dtype not in (torch.int32, torch.int64) or top_indices.shape != top_acts.shape:
+        raise TypeError(f"{op}: top_indices must be int32/int64 with top_acts' shape {list(top_acts.shape)}; got "
+                        f"{describe(top_indices)}")
+    check_same_device(op, top_acts=top_acts, top_indices=top_indices, W_dec=W_dec)
+
+
+def check_index_range(op: str, top_indices: torch.Tensor, d_sae: int) -> None:
+    """ValueError unless every id lies in [0, d_sae): one host sync."""
+    if top_indices.numel() and (int(top_indices.min()) < 0 or int(top_indices.max()) >= d_sae):
+        raise ValueError(f"{op}: top_indices must lie in [0, {d_sae}); got range [{int(top_indices.min())}, "
+                         f"{int(top_indices.max())}]")
+
+
+def check_jumprelu_encode(op: str, x: torch.Tensor, W_enc: torch.Tensor, b_enc: torch.Tensor,
+                          threshold: torch.Tensor, b_dec: torch.Tensor | None, max_l0: object) -> None:
+    """x [..., d_in], W_enc [d_in, d_sae], b_enc and threshold [d_sae] (tl.dot dtypes, one device); b_dec None or
+    a floating [d_in]; max_l0 a positive int."""
+    for name, t in (("x", x), ("W_enc", W_enc), ("b_enc", b_enc), ("threshold", threshold)):
+        check_float(op, name, t, SAE_MATMUL_DTYPES)
+    check_same_device(op, x=x, W_enc=W_enc, b_enc=b_enc, threshold=threshold)
+    d_in, d_sae = W_enc.shape if W_enc.dim() == 2 else (-1, -1)
+    if W_enc.dim() != 2 or x.shape[-1] != d_in or b_enc.shape != (d_sae,) or threshold.shape != (d_sae,):
+        raise ValueError(f"{op}: expected x [..., d_in], W_enc [d_in, d_sae], b_enc and threshold [d_sae]; got x "
+                         f"{describe(x)}, W_enc {describe(W_enc)}, b_enc {describe(b_enc)}, threshold "
+                         f"{describe(threshold)}")
+    if b_dec is not None and (b_dec.shape != (d_in,) or not b_dec.is_floating_point()):
+        raise ValueError(f"{op}: b_dec must be a floating [{d_in}] tensor; got {describe(b_dec)}")
+    check_positive_int(op, "max_l0", max_l0)
+
+
+def check_jumprelu_decoder(op: str, W_enc: torch.Tensor, W_dec: torch.Tensor, b_dec: torch.Tensor) -> None:
+    """W_dec [d_sae, d_model] and b_dec [d_model] (float, on W_enc's device) of a JumpReLU SAE with encoder W_enc
+    [d_in, d_sae]."""
+    check_float(op, "W_dec", W_dec)
+    check_float(op, "b_dec", b_dec)
+    check_same_device(op, W_enc=W_enc, W_dec=W_dec, b_dec=b_dec)
+    if W_dec.dim() != 2 or W_dec.shape[0] != W_enc.shape[1] or b_dec.shape != (W_dec.shape[1],):
+        raise ValueError(f"{op}: expected W_dec [d_sae={W_enc.shape[1]}, d_model] and b_dec [d_model]; got W_dec "
+                         f"{describe(W_dec)}, b_dec {describe(b_dec)}")
+
+
+def check_topk_encode(op: str, x: torch.Tensor, W_enc: torch.Tensor, b_enc: torch.Tensor, k: object,
+                      b_dec: torch.Tensor | None, activation: str, activations: tuple[str, ...],
+                      feature_scale: torch.Tensor | None) -> None:
+    """x [..., d_in], W_enc [d_in, d_sae], b_enc [d_sae] (tl.dot dtypes, one device); k in [1, d_sae]; activation
+    one of ``activations``; b_dec [d_in] and feature_scale [d_sae] optional, feature_scale not requiring grad."""
+    for name, t in (("x", x), ("W_enc", W_enc), ("b_enc", b_enc)):
+        check_float(op, name, t, SAE_MATMUL_DTYPES)
+    check_same_device(op, x=x, W_enc=W_enc, b_enc=b_enc)
+    d_in, d_sae = W_enc.shape if W_enc.dim() == 2 else (-1, -1)
+    if W_enc.dim() != 2 or x.dim() < 1 or x.shape[-1] != d_in or b_enc.shape != (d_sae,):
+        raise ValueError(f"{op}: expected x [..., d_in], W_enc [d_in, d_sae] and b_enc [d_sae]; got x {describe(x)}, "
+                         f"W_enc {describe(W_enc)}, b_enc {describe(b_enc)}")
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= d_sae:
+        raise ValueError(f"{op}: k must be an int in [1, d_sae={d_sae}]; got {k!r}")
+    if activation not in activations:
+        raise ValueError(f"{op}: activation must be one of {', '.join(activations)}; got {activation!r}")
+    for name, t, size in (("b_dec", b_dec, d_in), ("feature_scale", feature_scale, d_sae)):
+        if t is not None:
+            check_float(op, name, t, SAE_MATMUL_DTYPES)
+            check_same_device(op, x=x, **{name: t})
+            if t.shape != (size,):
+                raise ValueError(f"{op}: {name} must have shape [{size}]; got {describe(t)}")
+    if feature_scale is not None and feature_scale.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"{op}: feature_scale is not differentiated; pass feature_scale.detach()")
 
 
 # --- SPLADE head --------------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ What ``patch`` changes (instance attributes: the class, parameters and ``state_d
   activations exist for a moment.
   JumpReLU with ``fused_encode=True`` (the default when ``max_l0`` is given) -- :func:`sparsefuse.sae.jumprelu_encode`
   writes the fired features straight into ELL (width ``max_l0``) and :func:`sparsefuse.sparse.sparse_matmul`
-  gathers only their decoder rows; a token that fired more than ``max_l0`` features is recomputed on the device from
+  gathers only their decoder rows (both JumpReLU paths are :func:`sparsefuse.sae.jumprelu_sae_forward`); a token that fired more than ``max_l0`` features is recomputed on the device from
   the encoder inputs, never truncated. The dense activations never exist (46 MB peak instead of 2.2 GB in the case
   above) at 1.51x SAELens' forward; the epilogue matmul runs at about half cuBLAS's rate, so it trails the default.
   TopK, by default -- SAELens' encode matmul and ``torch.topk`` (the same selection as SAELens), then
@@ -62,10 +62,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..sae.decode import sparse_decode, topk_decode
-from ..sae.encode import jumprelu_encode
-from ..sae.topk import topk_encode
-from ..sparse import JumpReLUEncoder, sparse_matmul
+from ..sae import jumprelu_sae_forward, sparse_decode, topk_decode, topk_encode
 
 __all__ = ["patch", "unpatch", "is_patched"]
 
@@ -231,16 +228,9 @@ def _jumprelu_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return type(self).forward(self, x)
     settings: _Patch = getattr(self, _ATTR)
     sae_in = _sae_input(self, x)
-    x2, b_dec = sae_in.reshape(-1, sae_in.shape[-1]), _input_b_dec(self)
-    if settings.fused_encode:
-        ell = jumprelu_encode(x2, self.W_enc, self.b_enc, self.threshold, b_dec=b_dec, max_l0=settings.max_l0)
-        encoder = JumpReLUEncoder(x2, self.W_enc, self.b_enc, self.threshold, b_dec)
-        recon = sparse_matmul(ell, self.W_dec, encoder=encoder)
-    else:
-        pre = torch.addmm(self.b_enc, x2 - b_dec if b_dec is not None else x2, self.W_enc)
-        acts = pre.masked_fill_(pre <= self.threshold.clamp(min=0), 0)  # relu(pre) * (pre > threshold), in place
-        recon = sparse_decode(acts, self.W_dec, method=settings.decode_method, max_l0=settings.max_l0)
-    recon = (recon + self.b_dec).reshape(sae_in.shape)
+    recon = jumprelu_sae_forward(sae_in, self.W_enc, self.b_enc, self.threshold, self.W_dec, self.b_dec,
+                                 apply_b_dec_to_input=self.cfg.apply_b_dec_to_input, max_l0=settings.max_l0,
+                                 fused_encode=settings.fused_encode, decode_method=settings.decode_method)
     return self.hook_sae_output(_decode_tail(self, recon))
 
 

@@ -1,15 +1,10 @@
 """A JumpReLU SAE module whose parameters (and state_dict keys) are SAELens' ``JumpReLUSAE``'s.
 
 Forward: ``acts = jumprelu((x - b_dec) @ W_enc + b_enc, threshold)``, ``recon = acts @ W_dec + b_dec``.
-Two inference paths (no autograd):
-* default (``max_l0=None``): cuBLAS encode, JumpReLU in place, then ``sparse_decode`` (auto: at large batches
-  the bitmask + ELL path) -- the fastest there (H200, Gemma 2B 65k, B=4096, bf16: 1.76x the dense forward), but
-  the dense [tokens, d_sae] activations exist for a moment;
-* ``max_l0`` set: the fused encode writes the fired features straight into ELL (the dense activations never reach
-  memory: 46 MB peak instead of 2.2 GB there) and the decode gathers only their decoder rows; a token that fired
-  more than ``max_l0`` features is recomputed on the device, never truncated. 1.51x the dense forward there, behind
-  the default because the epilogue matmul runs at about half cuBLAS's rate.
-With autograd the encode is the dense matmul and the decode sparse.
+Without autograd it is :func:`sparsefuse.sae.jumprelu_sae_forward`: by default (``max_l0=None``) cuBLAS encode,
+JumpReLU in place, then ``sparse_decode`` (auto) -- the fastest; with ``max_l0`` set, the fused encode into ELL
+(the dense [tokens, d_sae] activations never reach memory) and a gather of only the fired features' decoder rows.
+With autograd (or ``return_feature_acts``) the encode is the dense matmul and the decode sparse.
 """
 
 from __future__ import annotations
@@ -17,9 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..sae.decode import sparse_decode
-from ..sae.encode import jumprelu_encode
-from ..sparse import JumpReLUEncoder, sparse_matmul
+from ..sae import jumprelu_sae_forward, sparse_decode
 
 
 class SparseJumpReLUSAE(nn.Module):
@@ -52,15 +45,10 @@ class SparseJumpReLUSAE(nn.Module):
         return sparse_decode(feature_acts, self.W_dec, method=method, max_l0=self.max_l0) + self.b_dec
 
     def forward(self, x: torch.Tensor, *, return_feature_acts: bool = False):
-        params = (x, self.W_enc, self.b_enc, self.threshold, self.b_dec)
-        fused = self.max_l0 is not None and not return_feature_acts
-        if fused and not (torch.is_grad_enabled() and any(t.requires_grad for t in params)):
-            b_dec = self.b_dec if self.apply_b_dec_to_input else None
-            x2 = x.reshape(-1, x.shape[-1])
-            ell = jumprelu_encode(x2, self.W_enc, self.b_enc, self.threshold, b_dec=b_dec, max_l0=self.max_l0)
-            encoder = JumpReLUEncoder(x2, self.W_enc, self.b_enc, self.threshold, b_dec)
-            recon = sparse_matmul(ell, self.W_dec, encoder=encoder) + self.b_dec
-            return recon.reshape(*x.shape[:-1], self.W_dec.shape[1])
+        params = (x, self.W_enc, self.b_enc, self.threshold, self.W_dec, self.b_dec)
+        if not return_feature_acts and not (torch.is_grad_enabled() and any(t.requires_grad for t in params)):
+            return jumprelu_sae_forward(x, self.W_enc, self.b_enc, self.threshold, self.W_dec, self.b_dec,
+                                        apply_b_dec_to_input=self.apply_b_dec_to_input, max_l0=self.max_l0)
         acts = self.encode(x)
         recon = self.decode(acts)
         return (recon, acts) if return_feature_acts else recon

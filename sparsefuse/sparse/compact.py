@@ -25,8 +25,8 @@ import triton.language as tl
 
 from .. import _backend
 from .._backend import Backend, backend_for, new_output, record_launch
-from .._validation import check_float, describe
-from .formats import CSR, ELL, RowBlockPattern, check_twell_geometry
+from .._validation import check_dense, check_twell_geometry, unit_last_stride
+from .formats import CSR, ELL, RowBlockPattern
 
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension; row_bits_kernel's programs loop past it
 
@@ -96,13 +96,6 @@ def bits_to_sparse_kernel(bits_ptr, dense_ptr, counts_ptr, row_offsets_ptr, valu
         tl.store(counts_ptr + row, filled)
 
 
-def _check_dense(op: str, dense: torch.Tensor) -> torch.Tensor:
-    check_float(op, "dense", dense)
-    if dense.dim() != 2:
-        raise ValueError(f"{op}: dense must be 2-D [rows, cols]; got {describe(dense)}")
-    return dense if dense.stride(1) == 1 or dense.shape[1] <= 1 else dense.contiguous()
-
-
 def _bits_to_sparse(bits: torch.Tensor, dense: torch.Tensor, mode: int, *, counts: torch.Tensor | None = None,
                     row_offsets: torch.Tensor | None = None, values: torch.Tensor | None = None,
                     indices: torch.Tensor | None = None, width: int = 0) -> None:  # fmt: skip
@@ -120,7 +113,8 @@ def dense_to_ell(dense: torch.Tensor, width: int) -> ELL:
     """Compact each row of ``dense`` [M, N] into ``width`` slots (column order) with its true count. No host sync:
     rows with more than ``width`` non-zeros keep their first ``width`` and report the full count (``overflowed()``).
     """
-    dense = _check_dense("dense_to_ell", dense)
+    check_dense("dense_to_ell", dense)
+    dense = unit_last_stride(dense)
     if not isinstance(width, int) or width <= 0:
         raise ValueError(f"dense_to_ell: width must be a positive int; got {width!r}")
     M, N = dense.shape
@@ -138,7 +132,8 @@ def dense_to_ell(dense: torch.Tensor, width: int) -> ELL:
 
 def dense_to_csr(dense: torch.Tensor) -> CSR:
     """Exact-size CSR of ``dense`` [M, N] (column order). Synchronizes once to size the arrays."""
-    dense = _check_dense("dense_to_csr", dense)
+    check_dense("dense_to_csr", dense)
+    dense = unit_last_stride(dense)
     M, N = dense.shape
     if backend_for(dense) is Backend.TORCH or M == 0 or N == 0:
         if backend_for(dense) is Backend.TORCH:
@@ -169,7 +164,7 @@ def row_bits_kernel(dense_ptr, bits_ptr, M, N, n_words, stride_row, ROWS: tl.con
     # thousand rows give enough loads in flight (a program looping over whole rows had too few; a 1-D grid of the
     # same programs ran 15% slower on an H200). Past 65535 row chunks (grid y's limit) programs take several.
     # Row counts are popcounts of these words (row_keys_kernel, bits_to_sparse_kernel): counting here as well made
-    # this pass 2.7 TB/s instead of 3.5 on the FFN's pre-activations (H200, scripts/probe_block_items.py).
+    # this pass 2.7 TB/s instead of 3.5 on the FFN's pre-activations (H200).
     chunk = tl.program_id(0)
     lane = tl.arange(0, 32)
     for row_chunk in range(tl.program_id(1), tl.cdiv(M, ROWS), tl.num_programs(1)):
@@ -217,7 +212,7 @@ def _row_bits(dense: torch.Tensor, relu: bool) -> torch.Tensor:
     launch: the one pass over ``dense``."""
     M, N = dense.shape
     n_words = triton.cdiv(N, 32)
-    rows, block_c = (2, 64) if _backend.INTERPRET else (8, 512)  # 4 warps (scripts/probe_block_schedule.py --pattern)
+    rows, block_c = (2, 64) if _backend.INTERPRET else (8, 512)  # 4 warps (measured on an H200)
     block_c = min(block_c, max(32, triton.next_power_of_2(N)))
     bits = new_output((M, n_words), torch.int32, dense.device)  # poisoned under test
     row_bits_kernel[(triton.cdiv(N, block_c), min(triton.cdiv(M, rows), MAX_GRID_Y))](
@@ -350,7 +345,8 @@ def dense_to_row_block_pattern(dense: torch.Tensor, tile: int, block_rows: int, 
     writes a bitmask of its non-zeros (N / 8 bytes per row); the rows' counts are popcounts of it and the unions
     are or-ed from it."""
     op = "dense_to_row_block_pattern"
-    dense = _check_dense(op, dense)
+    check_dense(op, dense)
+    dense = unit_last_stride(dense)
     check_twell_geometry(op, tile, 1)
     if sort_sample is not None and (not isinstance(sort_sample, int) or isinstance(sort_sample, bool)
                                     or sort_sample <= 0):  # fmt: skip

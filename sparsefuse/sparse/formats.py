@@ -21,16 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .._validation import check_block_rows, check_indices, check_row_order, check_rows, check_twell_geometry
 
-def _check_rows(name: str, t: torch.Tensor, dims: int) -> None:
-    if t.dim() != dims:
-        raise ValueError(f"{name} must have {dims} dimension(s); got shape {list(t.shape)}")
-
-
-def _check_indices(fmt: str, values: torch.Tensor, indices: torch.Tensor) -> None:
-    if indices.shape != values.shape or indices.dtype != torch.int32:
-        raise ValueError(f"{fmt}.indices must be int32 of shape {list(values.shape)}; got "
-                         f"{indices.dtype} {list(indices.shape)}")  # fmt: skip
+__all__ = ["CSR", "ELL", "TwELL", "RowBlockPattern", "BlockELL", "check_twell_geometry"]
 
 
 @dataclass(frozen=True)
@@ -41,8 +34,8 @@ class ELL:
     n_cols: int
 
     def __post_init__(self) -> None:
-        _check_rows("ELL.values", self.values, 2)
-        _check_indices("ELL", self.values, self.indices)
+        check_rows("ELL.values", self.values, 2)
+        check_indices("ELL", self.values, self.indices)
         if self.counts.shape != (self.values.shape[0],) or self.counts.dtype != torch.int32:
             raise ValueError(f"ELL.counts must be int32 of shape [{self.values.shape[0]}]; got "
                              f"{self.counts.dtype} {list(self.counts.shape)}")  # fmt: skip
@@ -75,7 +68,7 @@ class ELL:
     @staticmethod
     def from_dense(dense: torch.Tensor, width: int) -> ELL:
         """Plain-torch reference: the first ``width`` non-zeros of each row, in column order, and the true counts."""
-        _check_rows("dense", dense, 2)
+        check_rows("dense", dense, 2)
         M, N = dense.shape
         nonzero = dense != 0
         counts = nonzero.sum(dim=1).to(torch.int32)
@@ -97,8 +90,8 @@ class CSR:
     n_cols: int
 
     def __post_init__(self) -> None:
-        _check_rows("CSR.values", self.values, 1)
-        _check_indices("CSR", self.values, self.indices)
+        check_rows("CSR.values", self.values, 1)
+        check_indices("CSR", self.values, self.indices)
         if self.row_offsets.dim() != 1 or self.row_offsets.dtype != torch.int64:
             raise ValueError(f"CSR.row_offsets must be int64 [M + 1]; got {self.row_offsets.dtype} "
                              f"{list(self.row_offsets.shape)}")  # fmt: skip
@@ -118,28 +111,12 @@ class CSR:
     @staticmethod
     def from_dense(dense: torch.Tensor) -> CSR:
         """Plain-torch reference (column order within rows)."""
-        _check_rows("dense", dense, 2)
+        check_rows("dense", dense, 2)
         rows, cols = (dense != 0).nonzero(as_tuple=True)
         counts = torch.bincount(rows, minlength=dense.shape[0])
         offsets = torch.zeros(dense.shape[0] + 1, dtype=torch.int64, device=dense.device)
         offsets[1:] = counts.cumsum(0)
         return CSR(dense[rows, cols], cols.to(torch.int32), offsets, dense.shape[1])
-
-
-def _is_power_of_two(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
-def check_twell_geometry(op: str, tile: object, compression: object) -> None:
-    """ValueError unless ``tile`` is a power of two in [16, 1024] and ``compression`` a positive int dividing it."""
-    for name, value in (("tile", tile), ("compression", compression)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"{op}: {name} must be a positive int; got {value!r}")
-    if not (_is_power_of_two(tile) and 16 <= tile <= 1024):
-        raise ValueError(f"{op}: tile must be a power of two between 16 and 1024; got tile={tile}")
-    if tile % compression:
-        raise ValueError(f"{op}: compression={compression} does not divide tile={tile} (a tile keeps "
-                         f"tile / compression slots, which must be a whole number)")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -165,8 +142,8 @@ class TwELL:
 
     def __post_init__(self) -> None:
         check_twell_geometry("TwELL", self.tile, self.compression)
-        _check_rows("TwELL.values", self.values, 2)
-        _check_indices("TwELL", self.values, self.indices)
+        check_rows("TwELL.values", self.values, 2)
+        check_indices("TwELL", self.values, self.indices)
         n_tiles = -(-self.n_cols // self.tile)
         if self.values.shape[1] != n_tiles * self.slots:
             raise ValueError(f"TwELL.values must have {n_tiles} tiles x {self.slots} slots = "
@@ -221,7 +198,7 @@ class TwELL:
         """Plain-torch reference: per (row, tile) the first ``tile // compression`` non-zeros in column order and
         the true counts. NaN counts as a non-zero."""
         check_twell_geometry("TwELL.from_dense", tile, compression)
-        _check_rows("dense", dense, 2)
+        check_rows("dense", dense, 2)
         M, N = dense.shape
         n_tiles, slots = -(-N // tile), tile // compression
         padded = torch.zeros(M, n_tiles * tile, dtype=dense.dtype, device=dense.device)
@@ -238,19 +215,6 @@ class TwELL:
         values[rows, dest] = padded[rows, global_cols]
         indices[rows, dest] = global_cols.to(torch.int32)
         return TwELL(values, indices, counts, N, tile, compression)
-
-
-def _check_block_rows(fmt: str, block_rows: object) -> None:
-    if not isinstance(block_rows, int) or isinstance(block_rows, bool) or not _is_power_of_two(block_rows) \
-            or not 16 <= block_rows <= 256:  # fmt: skip
-        raise ValueError(f"{fmt}: block_rows must be a power of two in [16, 256] (a tensor-core row block); got "
-                         f"{block_rows!r}")  # fmt: skip
-
-
-def _check_row_order(fmt: str, row_order: torch.Tensor | None, M: int) -> None:
-    if row_order is not None and (row_order.shape != (M,) or row_order.dtype != torch.int32):
-        raise ValueError(f"{fmt}.row_order must be None or int32 of shape [{M}] (a permutation of the rows); got "
-                         f"{row_order.dtype} {list(row_order.shape)}")  # fmt: skip
 
 
 def _block_rows_of(M: int, block_rows: int, b: int, row_order: torch.Tensor | None):
@@ -284,7 +248,7 @@ class RowBlockPattern:
 
     def __post_init__(self) -> None:
         check_twell_geometry("RowBlockPattern", self.tile, 1)
-        _check_block_rows("RowBlockPattern", self.block_rows)
+        check_block_rows("RowBlockPattern", self.block_rows)
         n_blocks, width = -(-self.n_rows // self.block_rows), self.n_tiles * self.tile
         if self.indices.shape != (n_blocks, width) or self.indices.dtype != torch.int32:
             raise ValueError(f"RowBlockPattern.indices must be int32 of shape [{n_blocks}, {width}]; got "
@@ -292,7 +256,7 @@ class RowBlockPattern:
         if self.counts.shape != (n_blocks, self.n_tiles) or self.counts.dtype != torch.int32:
             raise ValueError(f"RowBlockPattern.counts must be int32 of shape [{n_blocks}, {self.n_tiles}]; got "
                              f"{self.counts.dtype} {list(self.counts.shape)}")  # fmt: skip
-        _check_row_order("RowBlockPattern", self.row_order, self.n_rows)
+        check_row_order("RowBlockPattern", self.row_order, self.n_rows)
 
     @property
     def n_tiles(self) -> int:
@@ -324,10 +288,10 @@ class RowBlockPattern:
                    row_order: torch.Tensor | None = None) -> RowBlockPattern:  # fmt: skip
         """Plain-torch reference: the unions of ``dense != 0`` (NaN counts as non-zero)."""
         check_twell_geometry("RowBlockPattern.from_dense", tile, 1)
-        _check_block_rows("RowBlockPattern.from_dense", block_rows)
-        _check_rows("dense", dense, 2)
+        check_block_rows("RowBlockPattern.from_dense", block_rows)
+        check_rows("dense", dense, 2)
         M, N = dense.shape
-        _check_row_order("RowBlockPattern", row_order, M)
+        check_row_order("RowBlockPattern", row_order, M)
         n_tiles, n_blocks = -(-N // tile), -(-M // block_rows)
         indices = torch.zeros(n_blocks, n_tiles * tile, dtype=torch.int32, device=dense.device)
         counts = torch.zeros(n_blocks, n_tiles, dtype=torch.int32, device=dense.device)
@@ -355,8 +319,8 @@ class BlockELL:
     row_order: torch.Tensor | None = None  # [M] int32
 
     def __post_init__(self) -> None:
-        _check_block_rows("BlockELL", self.block_rows)
-        _check_rows("BlockELL.values", self.values, 2)
+        check_block_rows("BlockELL", self.block_rows)
+        check_rows("BlockELL.values", self.values, 2)
         M, width = self.values.shape
         n_blocks = -(-M // self.block_rows)
         if self.indices.shape != (n_blocks, width) or self.indices.dtype != torch.int32:
@@ -365,7 +329,7 @@ class BlockELL:
         if self.counts.shape != (n_blocks,) or self.counts.dtype != torch.int32:
             raise ValueError(f"BlockELL.counts must be int32 of shape [{n_blocks}]; got {self.counts.dtype} "
                              f"{list(self.counts.shape)}")  # fmt: skip
-        _check_row_order("BlockELL", self.row_order, M)
+        check_row_order("BlockELL", self.row_order, M)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -383,8 +347,8 @@ class BlockELL:
     @staticmethod
     def from_dense(dense: torch.Tensor, block_rows: int) -> BlockELL:
         """Plain-torch reference: each row block's union of non-zero columns, in column order."""
-        _check_block_rows("BlockELL.from_dense", block_rows)
-        _check_rows("dense", dense, 2)
+        check_block_rows("BlockELL.from_dense", block_rows)
+        check_rows("dense", dense, 2)
         M, N = dense.shape
         n_blocks = -(-M // block_rows)
         unions = [(dense[b * block_rows: (b + 1) * block_rows] != 0).any(dim=0).nonzero().flatten()

@@ -151,7 +151,7 @@ def torch_block_sddmm(pattern: RowBlockPattern, scale: torch.Tensor, a: torch.Te
 
 
 def _block_sddmm_blocks(D: int, block_rows: int) -> tuple[int, int, int, int]:
-    """(BLOCK_C, BLOCK_D, num_warps, num_stages): measured on an H200 (scripts/probe_twell_block.py)."""
+    """(BLOCK_C, BLOCK_D, num_warps, num_stages): measured on an H200."""
     if _backend.INTERPRET:
         return 16, 32, 4, 1
     return 128, 64, 8, 4

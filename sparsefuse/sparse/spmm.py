@@ -8,8 +8,10 @@ Cost: per row, nnz * D weight elements gathered plus the row's values and indice
 
 ELL rows that overflowed (true count > width) are completed without a host sync when the dense activations are
 passed in: such a row is recomputed from its dense form, loading W only where the activation is non-zero (masked
-loads fetch nothing for the zeros), so the fallback costs a scan of the dense row plus the rows actually used.
-Without the dense activations an overflowed row is written as NaN -- visibly wrong, never silently truncated.
+loads fetch nothing for the zeros), so the fallback costs a scan of the dense row plus the rows actually used. Or,
+given the :class:`ThresholdedLinear` layer whose activations the rows are, the row's activations are recomputed
+from that layer's inputs. Without either an overflowed row is written as NaN -- visibly wrong, never silently
+truncated.
 """
 
 from __future__ import annotations
@@ -22,54 +24,61 @@ import triton.language as tl
 
 from .. import _backend
 from .._backend import Backend, backend_for, new_output, record_launch, sm_count
-from .._validation import check_float, check_same_device, describe
+from .._validation import (check_matmul_skip_zeros, check_overflow_completion, check_sparse_weight, describe,
+                           unit_last_stride)
 from .._triton.dot import dot_accumulate, ieee_fp32
 from .._triton.gather import accumulate_nonzeros, accumulate_rows, sum_split_partials
 from .formats import CSR, ELL, BlockELL
 
 
 @dataclass(frozen=True)
-class JumpReLUEncoder:
-    """The inputs of a JumpReLU encode, so a consumer can recompute an overflowed token's activations on the device:
-    ``relu(pre) * (pre > threshold)`` with ``pre = (x - b_dec) @ W_enc + b_enc``."""
+class ThresholdedLinear:
+    """A thresholded linear layer whose activations form the rows of a sparse operand, so that the gather product
+    can recompute an overflowed ELL row on the device instead of reading its (incomplete) stored entries:
+
+        activations = relu(pre) * (pre > threshold),   pre = (x - input_shift) @ weight + bias
+
+    (e.g. a JumpReLU encoder; a ReLU layer is threshold 0)."""
 
     x: torch.Tensor  # [M, d_in]
-    W_enc: torch.Tensor  # [d_in, d_sae]
-    b_enc: torch.Tensor  # [d_sae]
-    threshold: torch.Tensor  # [d_sae]
-    b_dec: torch.Tensor | None = None  # [d_in]
+    weight: torch.Tensor  # [d_in, n]
+    bias: torch.Tensor  # [n]
+    threshold: torch.Tensor  # [n]
+    input_shift: torch.Tensor | None = None  # [d_in]
 
     def prepared(self) -> tuple[torch.Tensor, ...]:
-        """(x, W_enc, b_enc, threshold, b_dec) with unit column strides, b_dec defaulting to a placeholder."""
-        x = self.x if self.x.stride(-1) == 1 else self.x.contiguous()
-        w = self.W_enc if self.W_enc.stride(-1) == 1 else self.W_enc.contiguous()
-        return x, w, self.b_enc, self.threshold, self.b_dec if self.b_dec is not None else self.b_enc
+        """(x, weight, bias, threshold, input_shift) with unit column strides, input_shift defaulting to a
+        placeholder (never read)."""
+        shift = self.input_shift if self.input_shift is not None else self.bias
+        return unit_last_stride(self.x), unit_last_stride(self.weight), self.bias, self.threshold, shift
 
     def reference_activations(self) -> torch.Tensor:
-        """float64 activations [M, d_sae]; ``x - b_dec`` is rounded to x's dtype first, as SAELens computes it in the
-        SAE's dtype (and the kernels feed it to tl.dot in that dtype)."""
-        sae_in = self.x.double()
-        if self.b_dec is not None:
-            sae_in = (sae_in - self.b_dec.double()).to(self.x.dtype).double()
-        pre = sae_in @ self.W_enc.double() + self.b_enc.double()
+        """float64 activations [M, n]; ``x - input_shift`` is rounded to x's dtype first, as the encode kernels feed
+        it to tl.dot in that dtype."""
+        shifted = self.x.double()
+        if self.input_shift is not None:
+            shifted = (shifted - self.input_shift.double()).to(self.x.dtype).double()
+        pre = shifted @ self.weight.double() + self.bias.double()
         return torch.relu(pre) * (pre > self.threshold.double())
 
 
 @triton.jit
-def _jumprelu_chunk(row, f, f_mask, x_ptr, stride_x, w_enc_ptr, stride_w_enc, b_enc_ptr, threshold_ptr, b_dec_ptr,
-                    d_enc, HAS_B_DEC: tl.constexpr, BLOCK_E: tl.constexpr):  # fmt: skip
-    """JumpReLU activations [BLOCK_F] of token ``row`` for features f: relu(pre) * (pre > threshold)."""
+def thresholded_linear_chunk(row, f, f_mask, x_ptr, stride_x, w_ptr, stride_w, bias_ptr, threshold_ptr, shift_ptr,
+                             d_in, HAS_SHIFT: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Activations [BLOCK_F] of input row ``row`` for outputs f of a :class:`ThresholdedLinear` (x [M, d_in],
+    w [d_in, n], bias/threshold [n], shift [d_in]): relu(pre) * (pre > threshold), fp32. A GEMV: meant for the rare
+    rows that overflowed."""
     pre = tl.zeros(f.shape, dtype=tl.float32)
-    for e0 in range(0, d_enc, BLOCK_E):
+    for e0 in range(0, d_in, BLOCK_E):
         e = e0 + tl.arange(0, BLOCK_E)
-        e_mask = e < d_enc
+        e_mask = e < d_in
         xe = tl.load(x_ptr + row * stride_x + e, mask=e_mask, other=0.0).to(tl.float32)
-        if HAS_B_DEC:
-            xe -= tl.load(b_dec_ptr + e, mask=e_mask, other=0.0).to(tl.float32)
-        we = tl.load(w_enc_ptr + e[:, None].to(tl.int64) * stride_w_enc + f[None, :],
-                     mask=e_mask[:, None] & f_mask[None, :], other=0.0)  # [BLOCK_E, BLOCK_F]  # fmt: skip
+        if HAS_SHIFT:
+            xe -= tl.load(shift_ptr + e, mask=e_mask, other=0.0).to(tl.float32)
+        we = tl.load(w_ptr + e[:, None].to(tl.int64) * stride_w + f[None, :],
+                     mask=e_mask[:, None] & f_mask[None, :], other=0.0)  # [BLOCK_E, BLOCK_F]
         pre += tl.sum(xe[:, None] * we.to(tl.float32), axis=0)
-    pre += tl.load(b_enc_ptr + f, mask=f_mask, other=0.0).to(tl.float32)
+    pre += tl.load(bias_ptr + f, mask=f_mask, other=0.0).to(tl.float32)
     threshold = tl.load(threshold_ptr + f, mask=f_mask, other=float("inf")).to(tl.float32)
     return tl.where((pre > threshold) & (pre > 0), pre, 0.0)
 
@@ -82,12 +91,12 @@ _FORMAT_DENSE = tl.constexpr(2)
 @triton.jit
 def gather_accumulate_kernel(values_ptr, indices_ptr, counts_ptr, row_offsets_ptr, dense_ptr, w_ptr, out_ptr,
                              partial_ptr, split_nnz_ptr, arrivals_ptr,
-                             x_ptr, w_enc_ptr, b_enc_ptr, threshold_ptr, b_dec_ptr,
+                             enc_x_ptr, enc_w_ptr, enc_bias_ptr, enc_threshold_ptr, enc_shift_ptr,
                              n_out, n_in, width, stride_w, stride_out, stride_dense, stride_dense_col,
-                             chunks_per_split, n_splits, d_enc, stride_x, stride_w_enc,
+                             chunks_per_split, n_splits, d_enc, stride_enc_x, stride_enc_w,
                              BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
                              GROUP: tl.constexpr, REDUCE_SPLITS: tl.constexpr, FORMAT: tl.constexpr,
-                             FALLBACK: tl.constexpr, HAS_B_DEC: tl.constexpr,
+                             FALLBACK: tl.constexpr, HAS_SHIFT: tl.constexpr,
                              ATOMIC_SPLITS: tl.constexpr = False):  # fmt: skip
     # Grid (rows * D blocks, splits): the D blocks of one row are neighbours, so a row's activations are read from
     # DRAM once and from L2 by the other blocks (rows live on axis 0: the other axes are capped at 65535).
@@ -98,8 +107,9 @@ def gather_accumulate_kernel(values_ptr, indices_ptr, counts_ptr, row_offsets_pt
     #   arrive (arrivals [M, D blocks] int32, zeroed) sums them in split order: deterministic, no float atomics;
     #   with ATOMIC_SPLITS each program instead adds its fp32 sum into partial [M, n_out] (zeroed) by atomics.
     # w [n_in, n_out] (unit column stride); out [M, n_out].
-    # Overflowed ELL rows (FALLBACK): 1 = recompute from dense [M, n_in]; 2 = recompute the JumpReLU activations
-    # from x [M, d_enc], w_enc [d_enc, n_in], b_enc/threshold [n_in], b_dec [d_enc]; 0 = write NaN.
+    # Overflowed ELL rows (FALLBACK): 1 = recompute from dense [M, n_in]; 2 = recompute the activations of a
+    # ThresholdedLinear from enc_x [M, d_enc], enc_w [d_enc, n_in], enc_bias/enc_threshold [n_in], enc_shift
+    # [d_enc]; 0 = write NaN.
     n_d_blocks = tl.cdiv(n_out, BLOCK_D)
     d_block = tl.program_id(0) % n_d_blocks
     row = (tl.program_id(0) // n_d_blocks).to(tl.int64)
@@ -163,8 +173,9 @@ def gather_accumulate_kernel(values_ptr, indices_ptr, counts_ptr, row_offsets_pt
                         a = tl.load(dense_ptr + row * stride_dense + f.to(tl.int64) * stride_dense_col,
                                     mask=f < n_in, other=0.0).to(tl.float32)  # fmt: skip
                     else:
-                        a = _jumprelu_chunk(row, f, f < n_in, x_ptr, stride_x, w_enc_ptr, stride_w_enc, b_enc_ptr,
-                                            threshold_ptr, b_dec_ptr, d_enc, HAS_B_DEC, BLOCK_K)  # fmt: skip
+                        a = thresholded_linear_chunk(row, f, f < n_in, enc_x_ptr, stride_enc_x, enc_w_ptr, stride_enc_w,
+                                                     enc_bias_ptr, enc_threshold_ptr, enc_shift_ptr, d_enc, HAS_SHIFT,
+                                                     BLOCK_K)
                     acc = accumulate_nonzeros(acc, a, f, w_ptr, stride_w, d, d_mask, GROUP)
     tl.store(out_ptr + row * stride_out + d, acc.to(out_ptr.dtype.element_ty), mask=d_mask)
 
@@ -186,8 +197,7 @@ class _LaunchConfig:
 def _scan_warps(block_d: int, weight_itemsize: int) -> int:
     """Warps of a scan program: as many as one row of its [GROUP, BLOCK_D] weight tile fills with 16-byte loads, at
     most 4. More would split the tile's rows over warps, and every accumulate's sum over the group would cross warps
-    through shared memory: with 4 warps on 512 bf16 columns the scan took twice its fp32 time
-    (benchmarks/results/probe-decode-dtype-NVIDIA-H200.log)."""
+    through shared memory: with 4 warps on 512 bf16 columns the scan took twice its fp32 time (H200)."""
     return max(1, min(4, block_d * weight_itemsize // (32 * 16)))
 
 
@@ -195,8 +205,8 @@ _INTERPRETER_CONFIG = _LaunchConfig(block_d=32, block_f=64, block_k=16, group=16
 
 
 def _launch_config(n_out: int) -> _LaunchConfig:
-    """Blocks of the dense-row scan, measured on an H200 (scripts/probe_decode*.py): one program covers all of D
-    (each D block re-scans and re-ranks the row). The gather of stored entries: :func:`_gather_config`."""
+    """Blocks of the dense-row scan, measured on an H200: one program covers all of D (each D block re-scans and
+    re-ranks the row). The gather of stored entries: :func:`_gather_config`."""
     if _backend.INTERPRET:
         return _INTERPRETER_CONFIG
     return _LaunchConfig(block_d=min(4096, max(32, triton.next_power_of_2(n_out))), block_f=1024, block_k=32,
@@ -204,8 +214,7 @@ def _launch_config(n_out: int) -> _LaunchConfig:
 
 
 def _gather_config(M: int, n_out: int, device: torch.device) -> _LaunchConfig:
-    """Blocks of the gather of stored entries (ELL/CSR), measured on an H200 (scripts/probe_gather_config.py): one
-    warp, 16 entries per step, 512 columns of W per program -- 1.2-1.7x faster than 4 warps on 1 KiB, whose sum
+    """Blocks of the gather of stored entries (ELL/CSR), measured on an H200: one warp, 16 entries per step, 512 columns of W per program -- 1.2-1.7x faster than 4 warps on 1 KiB, whose sum
     over the entries crossed warps through shared memory at every step -- narrowed to 128 columns while rows x D
     blocks would leave fewer than 8 programs per SM (B=256, D=768: 10.8 us at 128 against 18.6 at 512)."""
     if _backend.INTERPRET:
@@ -219,7 +228,7 @@ def _gather_config(M: int, n_out: int, device: torch.device) -> _LaunchConfig:
 def _device_programs(device: torch.device, atomic_splits: bool = False) -> int:
     """How many programs keep every SM busy with loads in flight (a scan is latency-bound per program). When rows
     alone do not fill the GPU, splits summed by atomics cost no partial buffer, so more of them pay: shorter serial
-    scans per program (scripts/probe_decode_atomic.py). When rows do fill it, splitting them only adds atomics."""
+    scans per program (measured on an H200). When rows do fill it, splitting them only adds atomics."""
     return (32 if atomic_splits else 4) * sm_count(device, interpreted=2)
 
 
@@ -236,16 +245,8 @@ def _product_operands(a_dtype: torch.dtype, M: int, weight: torch.Tensor,
     return weight, new_output((M, weight.shape[1]), out_dtype, weight.device)
 
 
-def _check_weight(op: str, sparse: ELL | CSR | BlockELL, weight: torch.Tensor) -> None:
-    check_float(op, "weight", weight)
-    if weight.dim() != 2 or weight.shape[0] != sparse.n_cols:
-        raise ValueError(f"{op}: weight must be [{sparse.n_cols}, n_out] for a sparse matrix of shape "
-                         f"{list(sparse.shape)}; got {describe(weight)}")  # fmt: skip
-    check_same_device(op, values=sparse.values, weight=weight)
-
-
 def sparse_matmul(sparse: ELL | CSR, weight: torch.Tensor, *, dense: torch.Tensor | None = None,
-                  encoder: JumpReLUEncoder | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
+                  encoder: ThresholdedLinear | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``sparse @ weight`` -> [M, n_out] with fp32 accumulation.
 
     Args:
@@ -253,23 +254,15 @@ def sparse_matmul(sparse: ELL | CSR, weight: torch.Tensor, *, dense: torch.Tenso
         weight: [n_in, n_out], float32/float16/bfloat16 (any row stride; columns contiguous or copied once).
         dense: for ELL, the dense [M, n_in] rows the format came from: overflowed rows are recomputed from them on
             the device.
-        encoder: for ELL produced by a JumpReLU encode, its inputs: overflowed rows' activations are recomputed on
-            the device (a GEMV per overflowed row and output tile: meant for rare rows). Without ``dense`` or
-            ``encoder`` an overflowed row comes out as NaN.
+        encoder: for ELL holding the activations of a :class:`ThresholdedLinear` (e.g. written by a fused encode),
+            that layer: overflowed rows' activations are recomputed on the device (a GEMV per overflowed row and
+            output tile: meant for rare rows). Without ``dense`` or ``encoder`` an overflowed row comes out as NaN.
         out_dtype: defaults to the promoted dtype of values and weight.
     """
     op = "sparse_matmul"
-    _check_weight(op, sparse, weight)
+    check_sparse_weight(op, sparse, weight)
     is_ell = isinstance(sparse, ELL)
-    if dense is not None and encoder is not None:
-        raise ValueError(f"{op}: pass dense or encoder, not both")
-    if encoder is not None and (not is_ell or encoder.x.shape[0] != sparse.shape[0]):
-        raise ValueError(f"{op}: encoder completes overflowed ELL rows and needs one input row per sparse row")
-    if dense is not None:
-        if not is_ell:
-            raise ValueError(f"{op}: dense is only used to complete overflowed ELL rows; a CSR is always complete")
-        if dense.shape != sparse.shape:
-            raise ValueError(f"{op}: dense must have shape {list(sparse.shape)}; got {describe(dense)}")
+    check_overflow_completion(op, sparse, is_ell, dense, encoder)
     weight, out = _product_operands(sparse.values.dtype, sparse.shape[0], weight, out_dtype)
     (M, n_out), out_dtype = out.shape, out.dtype
     if M == 0 or n_out == 0:
@@ -295,7 +288,7 @@ def sparse_matmul(sparse: ELL | CSR, weight: torch.Tensor, *, dense: torch.Tenso
         enc[1].stride(0) if enc is not None else 0,
         BLOCK_K=cfg.block_k, BLOCK_D=cfg.block_d, BLOCK_F=cfg.block_f, GROUP=cfg.group, REDUCE_SPLITS=1,
         FORMAT=0 if is_ell else 1, FALLBACK=1 if dense is not None else (2 if encoder is not None else 0),
-        HAS_B_DEC=encoder is not None and encoder.b_dec is not None, num_warps=cfg.num_warps,
+        HAS_SHIFT=encoder is not None and encoder.input_shift is not None, num_warps=cfg.num_warps,
     )  # fmt: skip
     record_launch("gather_accumulate_kernel")
     return out
@@ -314,14 +307,7 @@ def matmul_skip_zeros(a: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch
     sum vary from run to run).
     """
     op = "matmul_skip_zeros"
-    check_float(op, "a", a)
-    check_float(op, "weight", weight)
-    check_same_device(op, a=a, weight=weight)
-    if a.dim() != 2 or weight.dim() != 2 or a.shape[1] != weight.shape[0]:
-        raise ValueError(f"{op}: expected a [M, n_in] and weight [n_in, n_out]; got a {describe(a)}, "
-                         f"weight {describe(weight)}")  # fmt: skip
-    if splits is not None and (not isinstance(splits, int) or isinstance(splits, bool) or splits < 1):
-        raise ValueError(f"{op}: splits must be a positive int or None; got {splits!r}")
+    check_matmul_skip_zeros(op, a, weight, splits)
     weight, out = _product_operands(a.dtype, a.shape[0], weight, out_dtype)
     (M, n_in), n_out, out_dtype = a.shape, weight.shape[1], out.dtype
     if M == 0 or n_out == 0:
@@ -364,7 +350,7 @@ def matmul_skip_zeros(a: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch
         0, 0, 0,
         BLOCK_K=cfg.block_k, BLOCK_D=block_d, BLOCK_F=cfg.block_f, GROUP=cfg.group,
         REDUCE_SPLITS=max(1, min(triton.next_power_of_2(n_splits), 8192 // block_d)), FORMAT=2, FALLBACK=0,
-        HAS_B_DEC=False, ATOMIC_SPLITS=atomic, num_warps=warps,
+        HAS_SHIFT=False, ATOMIC_SPLITS=atomic, num_warps=warps,
     )  # fmt: skip
     record_launch("gather_accumulate_kernel")
     return out.copy_(partial) if atomic and partial is not out else out
@@ -423,7 +409,7 @@ def block_ell_matmul_kernel(values_ptr, indices_ptr, counts_ptr, order_ptr, sche
     indices_block_ptr = indices_ptr + block.to(tl.int64) * width
     acc = tl.zeros([BLOCK_ROWS, BLOCK_D], dtype=tl.float32)
     # Each step's column indices are loaded one step ahead: the weight gather that depends on them then does not
-    # wait an L2 round trip for them (4-6% on an H200, scripts/probe_block_variants.py).
+    # wait an L2 round trip for them (4-6% on an H200).
     j = tl.arange(0, BLOCK_J)
     cols_next = tl.load(indices_block_ptr + j, mask=j < count, other=0)
     for j0 in range(0, count, BLOCK_J):
@@ -443,8 +429,8 @@ def block_ell_matmul_kernel(values_ptr, indices_ptr, counts_ptr, order_ptr, sche
 
 
 def _block_matmul_blocks(n_out: int) -> tuple[int, int, int, int]:
-    """(BLOCK_J, BLOCK_D, num_warps, num_stages): measured on an H200 (scripts/probe_twell_block.py,
-    scripts/probe_block_variants.py: with the indices loaded ahead, 4 stages ran 1.5x slower than 3)."""
+    """(BLOCK_J, BLOCK_D, num_warps, num_stages): measured on an H200 (with the indices loaded
+    ahead, 4 stages ran 1.5x slower than 3)."""
     if _backend.INTERPRET:
         return 16, 32, 4, 1
     return 64, 256, 8, 3
@@ -462,7 +448,7 @@ def block_sparse_matmul(sparse: BlockELL, weight: torch.Tensor, *, bias: torch.T
     ``heavy_first`` (default) the blocks are launched longest first (:func:`heavy_first_schedule`, one small extra
     launch) so that no long block starts last and runs alone at the end of the grid."""
     op = "block_sparse_matmul"
-    _check_weight(op, sparse, weight)
+    check_sparse_weight(op, sparse, weight)
     n_out = weight.shape[1]
     if bias is not None and (bias.shape != (n_out,) or bias.device != weight.device):
         raise ValueError(f"{op}: bias must be [{n_out}] on {weight.device}; got {describe(bias)}")
@@ -488,3 +474,11 @@ def block_sparse_matmul(sparse: BlockELL, weight: torch.Tensor, *, bias: torch.T
     )  # fmt: skip
     record_launch("block_ell_matmul_kernel")
     return out
+
+
+def __getattr__(name: str):
+    if name == "JumpReLUEncoder":  # deprecated here: the package's alias warns and imports it from sparsefuse.sae
+        from .. import sparse
+
+        return sparse.JumpReLUEncoder
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -29,9 +29,9 @@ from typing import Any, Callable
 
 import torch
 
-from ...sae import jumprelu_encode, sparse_decode, topk_decode
+from ...sae import JumpReLUEncoder, jumprelu_encode, sparse_decode, topk_decode
 from ...sae.topk import topk_encode
-from ...sparse import JumpReLUEncoder, sparse_matmul
+from ...sparse import sparse_matmul
 from ..harness import Case, Options, register
 
 TOKENS = 4096

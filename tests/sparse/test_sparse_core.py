@@ -5,7 +5,8 @@ import torch
 from conftest import assert_backend
 
 from sparsefuse import track_launches
-from sparsefuse.sparse import CSR, ELL, dense_to_csr, dense_to_ell, matmul_skip_zeros, sparse_matmul, spmm
+from sparsefuse.sparse import (CSR, ELL, ThresholdedLinear, dense_to_csr, dense_to_ell, matmul_skip_zeros, sparse_matmul,
+                               spmm)
 from sparsefuse.sparse.sddmm import sampled_dot_dense_pattern
 from sparsefuse.testing import accumulation_allowance, assert_close_to_reference
 
@@ -100,6 +101,30 @@ def test_sparse_matmul_errors(device):
         sparse_matmul(ell, torch.randn(10, 5, device=device), dense=torch.randn(3, 10, device=device))
     with pytest.raises(ValueError, match="width must be a positive int"):
         dense_to_ell(torch.randn(2, 3, device=device), 0)
+
+
+@pytest.mark.parametrize("with_shift", [True, False])
+def test_overflowed_rows_are_recomputed_from_a_thresholded_linear_layer(with_shift, device):
+    """ELL of a thresholded linear layer's activations, narrower than most rows: the gather recomputes the
+    overflowed rows from the layer's inputs (relu(pre) * (pre > threshold), pre = (x - shift) @ weight + bias)."""
+    x, weight = torch.randn(6, 20, device=device), torch.randn(20, 150, device=device) / 4
+    bias, threshold = torch.randn(150, device=device) * 0.1, torch.rand(150, device=device)
+    shift = torch.randn(20, device=device) if with_shift else None
+    pre = ThresholdedLinear(x, weight, bias, torch.full_like(threshold, -float("inf")), shift).reference_activations()
+    bias = bias - 0.1 * ((pre - threshold.double()).abs() < 1e-3).any(0)  # no pre-activation within fp32 error
+    layer = ThresholdedLinear(x, weight, bias, threshold, shift)
+    acts = layer.reference_activations()
+    ell = dense_to_ell(acts.float(), int((acts != 0).sum(1).median()))
+    assert bool(ell.overflowed().any()) and not bool(ell.overflowed().all())
+    w = torch.randn(150, 12, device=device)
+    with track_launches() as launched:
+        out = sparse_matmul(ell, w, encoder=layer)
+    assert launched["gather_accumulate_kernel"] == 1
+    fired = (acts != 0).double()
+    allowance = accumulation_allowance(acts, w) + (accumulation_allowance(x, weight) * fired) @ w.double().abs()
+    assert_close_to_reference(out, acts @ w.double(), extra_abs=allowance)
+    with pytest.raises(ValueError, match="needs one input row per sparse row"):
+        sparse_matmul(ell, w, encoder=ThresholdedLinear(x[:5], weight, bias, threshold))
 
 
 @pytest.mark.parametrize("deterministic", [True, False])

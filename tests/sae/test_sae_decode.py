@@ -1,5 +1,8 @@
 """sparse_decode / topk_decode against the float64 dense product, on the interpreter (fp16/fp32; see README)."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import DEVICE, assert_backend
@@ -8,7 +11,9 @@ from sparsefuse import track_launches
 from sparsefuse.sae import sparse_decode, topk_decode
 from sparsefuse.sae.decode import sparse_decode_backward_op, sparse_decode_op
 from sparsefuse.testing import accumulation_allowance, assert_close_to_reference
-from test_sparse_core import sparse_rows
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sparse"))  # what pytest does for the folder it collects
+from test_sparse_core import sparse_rows  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 
@@ -174,8 +179,7 @@ def test_sparse_jumprelu_sae_fused_inference_with_overflow(device):
 
 
 def test_auto_cost_model_matches_the_measured_crossovers():
-    """H200 sae_decode benchmark at b19a929 with the true L0 known (and, for B=32 at L0 512-1024 and B=64-128, the
-    interleaved check recorded in the README): the model picks the fastest of scan, fixed and cuBLAS wherever they
+    """H200 sae_decode benchmark timings with the true L0 known: the model picks the fastest of scan, fixed and cuBLAS wherever they
     differ by more than its 10% margin."""
     from sparsefuse.sae.decode import _fastest_method
 
@@ -209,11 +213,11 @@ def test_auto_width_is_four_times_the_mean_l0_within_bounds():
 @pytest.fixture
 def scan_below_10(monkeypatch):
     """auto on small shapes, with a stub cost model (scan iff L0 < 10) that records the L0 it was given."""
-    import sparsefuse.sae.decode as decode
+    import sparsefuse.sae.decode.auto as auto
 
-    monkeypatch.setattr(decode, "AUTO_DENSE_BELOW_D_SAE", 256)
+    monkeypatch.setattr(auto, "AUTO_DENSE_BELOW_D_SAE", 256)
     seen = []
-    monkeypatch.setattr(decode, "_fastest_method", lambda M, F, D, l0, *_: seen.append(l0) or
+    monkeypatch.setattr(auto, "_fastest_method", lambda M, F, D, l0, *_: seen.append(l0) or
                         ("scan" if l0 < 10 else "dense"))  # fmt: skip
     return seen
 
@@ -221,10 +225,10 @@ def scan_below_10(monkeypatch):
 def test_auto_runs_the_two_pass_method_when_the_model_picks_it(device, monkeypatch):
     """When the model picks "fixed", auto compacts at 4x the mean L0, at least 256 slots (here 256: the token
     firing 300 features overflows and is decoded from its dense row) and gathers."""
-    import sparsefuse.sae.decode as decode
+    import sparsefuse.sae.decode.auto as auto
 
-    monkeypatch.setattr(decode, "AUTO_DENSE_BELOW_D_SAE", 256)
-    monkeypatch.setattr(decode, "_fastest_method", lambda *_: "fixed")
+    monkeypatch.setattr(auto, "AUTO_DENSE_BELOW_D_SAE", 256)
+    monkeypatch.setattr(auto, "_fastest_method", lambda *_: "fixed")
     acts = sparse_rows(5, 600, [3, 300, 0, 40, 7], device=device)
     w = torch.randn(600, 24, device=device)
     with track_launches() as launched:
@@ -241,12 +245,12 @@ def _auto_decode(acts, w, kernel, **kwargs):
 
 
 def test_auto_measures_each_decoder_once_then_follows_it_without_syncs(device, scan_below_10):
-    import sparsefuse.sae.decode as decode
+    import sparsefuse.sae.decode.auto as auto
 
     w = torch.randn(512, 8, device=device)
     _auto_decode(sparse_rows(2, 512, [3], device=device), w, "gather_accumulate_kernel")  # first call: counted, 3
     dense_ish = sparse_rows(6, 512, [40], device=device)
-    for _ in range(decode.AUTO_OBSERVE_EVERY - 1):  # the estimate (3) holds until the next observation
+    for _ in range(auto.AUTO_OBSERVE_EVERY - 1):  # the estimate (3) holds until the next observation
         _auto_decode(dense_ish, w, "gather_accumulate_kernel")
     _auto_decode(dense_ish, w, "gather_accumulate_kernel")  # observes 40 (on the CPU folded at once)
     _auto_decode(dense_ish, w, None)  # estimate (3 + 40) / 2: cuBLAS

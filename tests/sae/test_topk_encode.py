@@ -11,7 +11,7 @@ import torch
 from conftest import DEVICE, assert_backend
 
 from sparsefuse import track_launches
-from sparsefuse.sae import topk as topk_module
+from sparsefuse.sae.topk import keys as topk_keys
 from sparsefuse.sae.topk import topk_encode, topk_encode_op, torch_topk_encode
 from sparsefuse.testing import accumulation_allowance, assert_close_to_reference
 
@@ -119,7 +119,7 @@ def test_batch_dims_noncontiguous_inputs_and_empty_batch(device):
 
 
 def test_large_k_runs_the_chunked_torch_path(device, monkeypatch):
-    monkeypatch.setattr(topk_module, "TORCH_CHUNK", 256)  # several chunks to merge
+    monkeypatch.setattr(topk_keys, "TORCH_CHUNK", 256)  # several chunks to merge
     x, w, b_enc, b_dec, _ = make_inputs(3, 16, 1100, torch.float32, device)
     with track_launches() as launched:
         indices, acts = topk_encode(x, w, b_enc, 600, b_dec=b_dec)  # k rounds up to 1024 > MAX_KERNEL_K

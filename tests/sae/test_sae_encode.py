@@ -5,20 +5,22 @@ import torch
 from conftest import DEVICE, assert_backend
 
 from sparsefuse import track_launches
+from sparsefuse.sae import JumpReLUEncoder, jumprelu_sae_forward
 from sparsefuse.sae.encode import jumprelu_encode, torch_jumprelu_encode
 from sparsefuse.sparse import sparse_matmul
+from sparsefuse.testing import accumulation_allowance, assert_close_to_reference
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 
 
-def make_sae(M, d_in, d_sae, dtype, device, margin):
+def make_sae(M, d_in, d_sae, dtype, device, margin, shift_input=True):
     """Random SAE whose pre-activations stay at least `margin` away from the thresholds (so the float64 reference
-    and a low-precision matmul agree on which features fire)."""
+    and a low-precision matmul agree on which features fire); ``shift_input``: b_dec is subtracted from x first."""
     x = torch.randn(M, d_in).to(dtype)
     w = (torch.randn(d_in, d_sae) / d_in**0.5).to(dtype)
     b_enc = torch.randn(d_sae) * 0.1
     b_dec = (torch.randn(d_in) * 0.1).to(dtype)
-    pre = (x.double() - b_dec.double()) @ w.double() + b_enc.double()
+    pre = (x.double() - (b_dec.double() if shift_input else 0.0)) @ w.double() + b_enc.double()
     threshold = torch.full((d_sae,), 1.2)
     near = (pre - threshold.double()).abs() < margin
     b_enc = b_enc - torch.where(near.any(0), 3 * margin, 0.0)  # shift the features that come too close
@@ -73,8 +75,6 @@ def test_encode_errors(device):
 
 
 def test_fused_encode_then_decode_completes_overflowed_tokens_on_device(device):
-    from sparsefuse.sparse import JumpReLUEncoder
-
     x, w, b_enc, threshold, b_dec = make_sae(9, 32, 200, torch.float32, device, margin=0.05)
     w_dec = torch.randn(200, 24, device=device)
     ref_acts = torch_jumprelu_encode(x, w, b_enc, threshold, b_dec)
@@ -105,3 +105,58 @@ def test_encoder_weight_in_another_dtype_is_cast_per_tile(device):
     ref = jumprelu_encode(x, w, b_enc, threshold, b_dec=b_dec, max_l0=96)
     mixed = jumprelu_encode(x, w.float(), b_enc, threshold, b_dec=b_dec, max_l0=96)  # fp32 W_enc, fp16 x
     assert torch.equal(mixed.counts, ref.counts) and torch.equal(mixed.to_dense(), ref.to_dense())
+
+
+def test_deprecated_core_alias_is_the_sae_encoder():
+    import warnings
+
+    import sparsefuse.sparse
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        alias = sparsefuse.sparse.JumpReLUEncoder
+    assert alias is JumpReLUEncoder and issubclass(alias, sparsefuse.sparse.ThresholdedLinear)
+    assert all(issubclass(w.category, DeprecationWarning) for w in caught)
+    x, w, b_enc, threshold, b_dec = (torch.randn(2, 3), torch.randn(3, 4), torch.randn(4), torch.rand(4), None)
+    encoder = JumpReLUEncoder(x, w, b_enc, threshold, b_dec)
+    assert encoder.W_enc is w and encoder.b_enc is b_enc and encoder.b_dec is None and encoder.threshold is threshold
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("fused, shift_input", [(True, True), (False, True), (True, False)])
+def test_jumprelu_sae_forward_matches_float64_with_overflowing_tokens(fused, shift_input, dtype, device):
+    """Both paths of the fused forward against the float64 SAE, at a width that most tokens overflow (the fused
+    encode recomputes them from the encoder inputs; the unfused "fixed" decode from their dense rows)."""
+    x, w, b_enc, threshold, b_dec = make_sae(3, 32, 200, dtype, device, margin=0.05, shift_input=shift_input)
+    x = x.reshape(3, 1, 32)
+    b_enc = b_enc.to(dtype)  # one dtype, as in an SAE's parameters
+    w_dec = (torch.randn(200, 32) / 4).to(dtype).to(device)
+    input_shift = b_dec if shift_input else None
+    acts64 = torch_jumprelu_encode(x, w, b_enc, threshold, input_shift)
+    width = max(1, int((acts64 != 0).sum(1).max()) // 2)
+    assert bool(((acts64 != 0).sum(1) > width).any())
+    with torch.no_grad(), track_launches() as launched:
+        out = jumprelu_sae_forward(x, w, b_enc, threshold, w_dec, b_dec, apply_b_dec_to_input=shift_input,
+                                   max_l0=width, fused_encode=fused, decode_method="fixed")
+    assert out.shape == (3, 1, 32) and out.dtype == dtype
+    assert launched["jumprelu_encode_kernel"] == int(fused) and launched["gather_accumulate_kernel"] == 1
+    ref = acts64 @ w_dec.double() + b_dec.double()
+    sae_in = (x.reshape(3, 32) - input_shift if shift_input else x.reshape(3, 32)).float()
+    pre = sae_in @ w.float() + b_enc.float()
+    torch_acts = (torch.relu(pre) * (pre > threshold.float())).to(dtype)
+    torch_out = (torch_acts.float() @ w_dec.float() + b_dec.float()).to(dtype)
+    allowance = accumulation_allowance(acts64, w_dec) + (accumulation_allowance(sae_in, w) * (acts64 != 0)
+                                                         ) @ w_dec.double().abs()
+    assert_close_to_reference(out.reshape(3, 32), ref, torch_out, extra_abs=allowance)
+
+
+def test_jumprelu_sae_forward_rejects_gradients_and_bad_decoders(device):
+    x, w, b_enc, threshold, b_dec = make_sae(2, 8, 16, torch.float32, device, margin=0.05)
+    w_dec = torch.randn(16, 8, device=device)
+    with pytest.raises(ValueError, match="inference-only"):
+        jumprelu_sae_forward(x, w.requires_grad_(), b_enc, threshold, w_dec, b_dec)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=r"expected W_dec \[d_sae=16, d_model\]"):
+            jumprelu_sae_forward(x, w, b_enc, threshold, w_dec[:15], b_dec)
+        with pytest.raises(ValueError, match="max_l0 must be a positive int"):
+            jumprelu_sae_forward(x, w, b_enc, threshold, w_dec, b_dec, max_l0=0)

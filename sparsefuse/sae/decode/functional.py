@@ -1,0 +1,77 @@
+"""Sparse SAE decode: ``feature_acts @ W_dec`` touching only the decoder rows of features that fired.
+
+    feature_acts [..., d_sae] (mostly zeros), W_dec [d_sae, d_model] -> [..., d_model]
+
+Methods (all built on the shared core in :mod:`sparsefuse.sparse`):
+* ``"scan"`` -- one kernel straight from the dense activations: each token's row is scanned for non-zeros and only
+  their decoder rows are gathered (:func:`~sparsefuse.sparse.matmul_skip_zeros`). No format, no capacity to
+  overflow, no host sync. Small batches split a row over programs whose sums are added by fp32 atomics, or in a
+  fixed order under ``torch.use_deterministic_algorithms(True)``.
+* ``"fixed"`` -- compact into ELL of width ``max_l0`` (no host sync: a bitmask pass over the activations, then
+  the bits are placed), gather-accumulate; a token that fired more than ``max_l0`` features is recomputed from its
+  dense row on the device, so the result is always complete.
+  ``validate=True`` instead raises ``ValueError`` naming the largest count (one sync).
+* ``"exact"`` -- compact into exact-size CSR (one sync to size it), gather-accumulate.
+* ``"dense"`` -- ``torch.matmul`` (cuBLAS).
+* ``"auto"`` -- ``"dense"`` for small dictionaries, else the fastest of the others by a cost model at the
+  activations' mean L0, estimated without host syncs after the first call per decoder (:mod:`.auto`).
+
+Backward, without a host sync, on the activations' sparsity pattern (:mod:`.op`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..._validation import check_index_range, check_sparse_decode, check_topk_decode
+from ...sparse import ELL, sparse_matmul
+from . import auto
+from .op import sparse_decode_op
+
+METHODS = ("auto", "scan", "fixed", "exact", "dense")
+
+
+def sparse_decode(feature_acts: torch.Tensor, W_dec: torch.Tensor, *, method: str = "auto",
+                  max_l0: int | None = None, validate: bool = False,
+                  out_dtype: torch.dtype | None = None, expected_l0: float | None = None) -> torch.Tensor:
+    """Drop-in for ``feature_acts @ W_dec`` that skips features that did not fire (see module docstring).
+
+    Args:
+        feature_acts: [..., d_sae], float32/float16/bfloat16, mostly zeros.
+        W_dec: [d_sae, d_model], float32/float16/bfloat16, same device.
+        method: "auto", "scan", "fixed", "exact" or "dense" (see module docstring).
+        max_l0: slots per token for "fixed" (default 256, capped at d_sae; when "auto" picks "fixed", 4x the mean
+            L0, at least 256).
+        validate: "fixed" raises ValueError if a token fired more than max_l0 features (one host sync).
+        out_dtype: defaults to ``torch.result_type(feature_acts, W_dec)``.
+        expected_l0: for "auto", the mean number of features that fire per token, if known (e.g. under
+            torch.compile, where nothing is observed); otherwise it is estimated (see :mod:`.auto`).
+    Returns: [..., d_model]. Accumulation is in float32.
+    """
+    check_sparse_decode("sparse_decode", feature_acts, W_dec, method, METHODS, max_l0, expected_l0)
+    out_dtype = out_dtype or torch.promote_types(feature_acts.dtype, W_dec.dtype)  # (result_type: not traceable)
+    acts = feature_acts.reshape(-1, feature_acts.shape[-1])
+    method, max_l0 = auto.resolve_method(method, acts, W_dec, max_l0, expected_l0)
+    out = sparse_decode_op(acts, W_dec, method, max_l0, bool(validate), out_dtype)
+    return out.reshape(*feature_acts.shape[:-1], W_dec.shape[1])
+
+
+def topk_decode(top_indices: torch.Tensor, top_acts: torch.Tensor, W_dec: torch.Tensor, *,
+                check_indices: bool = True) -> torch.Tensor:
+    """TopK SAE decode: ``sum_j top_acts[..., j] * W_dec[top_indices[..., j]]`` -> [..., d_model].
+
+    top_indices: [..., k] integer feature ids in [0, d_sae); top_acts: [..., k] floating. Forward only for now.
+    Indices are range-checked (one host sync) -- an out-of-range id would read outside W_dec; pass
+    ``check_indices=False`` for ids that are in range by construction (``topk_encode``'s), e.g. inside a CUDA graph."""
+    op = "topk_decode"
+    check_topk_decode(op, top_indices, top_acts, W_dec)
+    d_sae = W_dec.shape[0]
+    if check_indices:
+        check_index_range(op, top_indices, d_sae)
+    k = top_acts.shape[-1]
+    values = top_acts.reshape(-1, k)
+    M = values.shape[0]
+    ell = ELL(values.contiguous(), top_indices.reshape(-1, k).to(torch.int32).contiguous(),
+              torch.full((M,), k, dtype=torch.int32, device=values.device), d_sae)
+    out = sparse_matmul(ell, W_dec, out_dtype=torch.promote_types(top_acts.dtype, W_dec.dtype))
+    return out.reshape(*top_acts.shape[:-1], W_dec.shape[1])

@@ -1,0 +1,78 @@
+"""``sparsefuse::sparse_decode`` and its backward as custom ops (fake impls, autograd). Each method is a call of
+the shared sparse core (:mod:`sparsefuse.sparse`): the decode has no kernels of its own.
+
+Backward, without a host sync: the gradient for W_dec is ``feature_acts^T @ grad_out`` computed by the same
+skip-zeros kernel on the transposed activations (d_sae rows fill the GPU, so no split and no float atomics, unless
+d_sae < 4 rows per SM); the gradient for the activations is the sampled product ``grad_out[m] . W_dec[f]`` on the
+activations' own sparsity pattern (zero elsewhere) -- the gradient a thresholded activation (JumpReLU, TopK) passes
+on.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...sparse import dense_to_csr, dense_to_ell, matmul_skip_zeros, sparse_matmul
+from ...sparse.sddmm import sampled_dot_dense_pattern
+
+
+def _decode_forward(acts: torch.Tensor, W_dec: torch.Tensor, method: str, max_l0: int, validate: bool,
+                    out_dtype: torch.dtype) -> torch.Tensor:
+    # acts [M, d_sae] -> [M, d_model]
+    if method == "scan":
+        return matmul_skip_zeros(acts, W_dec, out_dtype=out_dtype)
+    if method == "exact":
+        return sparse_matmul(dense_to_csr(acts), W_dec, out_dtype=out_dtype)
+    if method == "dense":
+        compute = torch.promote_types(acts.dtype, W_dec.dtype)
+        return (acts.to(compute) @ W_dec.to(compute)).to(out_dtype)
+    ell = dense_to_ell(acts, max_l0)
+    if validate and acts.shape[0]:
+        largest = int(ell.counts.max())
+        if largest > max_l0:
+            raise ValueError(f"sparse_decode: a token fired {largest} features but max_l0={max_l0}; raise max_l0 "
+                             "or use validate=False (overflowing tokens are then decoded from their dense rows)")
+    return sparse_matmul(ell, W_dec, dense=acts, out_dtype=out_dtype)
+
+
+@torch.library.custom_op("sparsefuse::sparse_decode", mutates_args=())
+def sparse_decode_op(feature_acts: torch.Tensor, W_dec: torch.Tensor, method: str, max_l0: int, validate: bool,
+                     out_dtype: torch.dtype) -> torch.Tensor:
+    return _decode_forward(feature_acts, W_dec, method, max_l0, validate, out_dtype)
+
+
+@sparse_decode_op.register_fake
+def _(feature_acts, W_dec, method, max_l0, validate, out_dtype):
+    return feature_acts.new_empty((feature_acts.shape[0], W_dec.shape[1]), dtype=out_dtype)
+
+
+@torch.library.custom_op("sparsefuse::sparse_decode_backward", mutates_args=())
+def sparse_decode_backward_op(grad_out: torch.Tensor, feature_acts: torch.Tensor, W_dec: torch.Tensor,
+                              need_acts: bool, need_weight: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    # grad_acts [M, d_sae] on the activations' pattern; grad_weight [d_sae, d_model] = acts^T @ grad_out, whose
+    # rows are non-zero only for features that fired: the skip-zeros kernel over acts^T (a strided view, no copy).
+    grad_acts = sampled_dot_dense_pattern(feature_acts, grad_out, W_dec) if need_acts else feature_acts.new_zeros(0)
+    grad_weight = (matmul_skip_zeros(feature_acts.t(), grad_out, out_dtype=W_dec.dtype) if need_weight
+                   else W_dec.new_zeros(0))
+    return grad_acts, grad_weight
+
+
+@sparse_decode_backward_op.register_fake
+def _(grad_out, feature_acts, W_dec, need_acts, need_weight):
+    return (feature_acts.new_empty(feature_acts.shape if need_acts else (0,)),
+            W_dec.new_empty(W_dec.shape if need_weight else (0,)))
+
+
+def _decode_setup(ctx, inputs, output) -> None:
+    feature_acts, W_dec = inputs[0], inputs[1]
+    ctx.save_for_backward(feature_acts, W_dec)
+
+
+def _decode_backward(ctx, grad_out):
+    feature_acts, W_dec = ctx.saved_tensors
+    need_acts, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    grad_acts, grad_weight = sparse_decode_backward_op(grad_out, feature_acts, W_dec, need_acts, need_weight)
+    return (grad_acts if need_acts else None), (grad_weight if need_weight else None), None, None, None, None
+
+
+sparse_decode_op.register_autograd(_decode_backward, setup_context=_decode_setup)
