@@ -9,7 +9,7 @@ from conftest import assert_backend
 
 from sparsefuse import track_launches
 from sparsefuse.ffn import torch_twell_mlp, twell_mlp
-from sparsefuse.ffn.twell import _block_plan
+from sparsefuse.ffn.twell.block import block_plan
 from sparsefuse.ffn.synthetic import synthetic_ffn
 from sparsefuse.sparse import (
     BlockELL,
@@ -197,7 +197,7 @@ def test_twell_mlp_block_method_matches_float64(M, bias, dtype, device):
         return
     assert_backend(x)
     assert launched["block_sddmm_kernel"] == 1 and launched["block_ell_matmul_kernel"] == 1, launched
-    assert launched.get("group_rank_kernel", 0) == _block_plan(N).sorts(M)  # interpreted plan: from 64 tokens
+    assert launched.get("group_rank_kernel", 0) == block_plan(N).sorts(M)  # interpreted plan: from 64 tokens
     ref = torch_twell_mlp(x, ffn.w_gate, ffn.w_up, ffn.w_down, *b)
     lowp = F.linear(torch.relu(F.linear(x, ffn.w_gate, b[0])) * F.linear(x, ffn.w_up, b[1]), ffn.w_down, b[2])
     assert_close_to_reference(y, ref, lowp)

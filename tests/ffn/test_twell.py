@@ -2,6 +2,9 @@
 shared gather-accumulate kernel, method="auto", errors, ops. Interpreter: fp16/fp32 (bf16 tl.dot is wrong there);
 GPU tests add bf16 and the real shapes."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,6 +24,8 @@ from sparsefuse.ffn import (
     twell_up_down,
 )
 from sparsefuse.ffn import twell as twell_module
+from sparsefuse.ffn.twell import auto as twell_auto
+from sparsefuse.ffn.twell import functional as twell_functional
 from sparsefuse.ffn.synthetic import gate_statistics, synthetic_ffn
 from sparsefuse.sparse.formats import TwELL
 from sparsefuse.testing import assert_close_to_reference
@@ -140,12 +145,12 @@ def test_twell_mlp_matches_float64_reference(case, dtype, device):
 
 
 def test_heavy_first_order_is_a_permutation(device):
-    from sparsefuse.ffn.twell import _heavy_first_order
+    from sparsefuse.ffn.twell.launch import heavy_first_order
 
     counts = torch.randint(0, 3, (70, 5), dtype=torch.int32)  # light: at most 10 entries
     counts[[3, 40, 66], 1] = 9  # overflowed tiles (4 slots) make a token heavy
     counts[[10, 50]] = 4  # 20 stored entries: heavy at 16 * block_j = 16
-    order = _heavy_first_order(counts.to(device), slots=4, block_j=1).cpu()
+    order = heavy_first_order(counts.to(device), slots=4, block_j=1).cpu()
     assert sorted(order.tolist()) == list(range(70))
     assert set(order[:5].tolist()) == {3, 10, 40, 50, 66}
 
@@ -188,7 +193,7 @@ def test_row_major_down_weight_is_copied_with_a_warning(device):
     expected = twell_mlp(x, w_gate, w_up, w_down, tile=16, compression=2, method="twell")
     row_major = w_down.contiguous()
     assert row_major.stride(0) != 1
-    twell_module._warned_down_copy.discard("twell_mlp")
+    twell_functional._warned_down_copy.discard("twell_mlp")
     with pytest.warns(UserWarning, match="copied to column-major on every call"):
         y = twell_mlp(x, w_gate, w_up, row_major, tile=16, compression=2, method="twell")
     assert torch.equal(y, expected)
@@ -259,6 +264,34 @@ def test_auto_uses_the_estimate_and_the_monitor(device, monkeypatch):
     assert monitor.estimate() == pytest.approx(gate_statistics(counts)["mean"], rel=0.05)
 
 
+def test_auto_default_call_syncs_once_in_the_weights_life(device, monkeypatch):
+    # Without expected_nnz or a monitor, the first call on a gate weight counts a probe on the host (the one sync);
+    # later calls read the cached estimate, and every observe_every-th one feeds a new probe through the monitor.
+    probes = []
+    real_probe = twell_auto.probe_stats
+    monkeypatch.setattr(twell_auto, "probe_stats", lambda *a: probes.append(a[0].shape[0]) or real_probe(*a))
+    monkeypatch.setattr(twell_auto.ESTIMATES, "observe_every", 2)
+    K, N = 32, 64
+    ffn = synthetic_ffn(K, N, dtype=torch.float32, device=device, seed=6)
+    x = ffn.make_input(24, 4.0)
+    w_gate = ffn.w_gate.clone()
+    args = (x, w_gate, ffn.w_up, ffn.w_down)
+    assert twell_auto.ESTIMATES.monitor(w_gate) is None
+    y = twell_mlp(*args, method="auto", tile=16, compression=2)
+    assert probes == [24]
+    monitor = twell_auto.ESTIMATES.monitor(w_gate)
+    fired = (F.linear(x, w_gate) > 0).sum().item() / 24
+    assert monitor is not None and monitor.estimate() == pytest.approx(fired)
+    assert torch.equal(twell_mlp(*args, method="auto", tile=16, compression=2), y)
+    assert probes == [24]  # second call: the cached estimate, no probe and no sync
+    twell_mlp(*args, method="auto", tile=16, compression=2)
+    assert probes == [24, 24]  # third: a sample handed to the monitor (sync-free on a GPU)
+    alive = weakref.ref(monitor)
+    del monitor, w_gate, args
+    gc.collect()
+    assert alive() is None  # the estimate dies with the weight
+
+
 def test_predicted_crossover_is_monotone_and_matches_the_measured_grid():
     # For a fixed batch the prediction changes at most once, from twell to dense, as density grows.
     for M in (1, 256, 8192):
@@ -281,7 +314,7 @@ def test_predicted_crossover_is_monotone_and_matches_the_measured_grid():
         (16, 4096, 14336, 512, {"dense"}), (1, 2048, 5632, 512, {"dense"}),
     ]  # fmt: skip
     for M, K, N, nnz, picks in measured:
-        assert twell_module._auto_method(M, K, N, nnz, torch.bfloat16) in picks, (M, K, N, nnz)
+        assert twell_auto.auto_method(M, K, N, nnz, torch.bfloat16) in picks, (M, K, N, nnz)
 
 
 # ----------------------------------------------------------------------------------------------------------------
