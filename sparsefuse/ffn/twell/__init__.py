@@ -38,9 +38,13 @@ Files: reference.py (float64 ground truth), kernels.py, launch.py (TwELL launche
 auto.py (cost model, estimate), op.py (torch.library ops), functional.py (public functions).
 """
 
+# Names with "X as X" are importable from here but are not part of __all__.
 from ..._auto import SparsityMonitor
-from .auto import AUTO_MARGIN, COST_MODEL, PROBE_TOKENS, CostModel, predicted_block_time, predicted_times
-from .block import BLOCK_PLAN, BlockPlan
+from .auto import AUTO_MARGIN as AUTO_MARGIN
+from .auto import COST_MODEL, CostModel, predicted_block_time, predicted_times
+from .auto import PROBE_TOKENS as PROBE_TOKENS
+from .block import BLOCK_PLAN as BLOCK_PLAN
+from .block import BlockPlan
 from .functional import (
     DEFAULT_COMPRESSION,
     METHODS,
@@ -51,15 +55,16 @@ from .functional import (
     twell_to_ell,
     twell_up_down,
 )
-from .kernels import (
-    heavy_first_order_kernel,
-    twell_gate_fwd_kernel,
-    twell_overflow_down_kernel,
-    twell_to_ell_kernel,
-    twell_up_down_fwd_kernel,
-)
-from .launch import STATS_TOKENS
-from .op import twell_gate_op, twell_mlp_op, twell_relu_mlp_op, twell_up_down_op
+from .kernels import heavy_first_order_kernel as heavy_first_order_kernel
+from .kernels import twell_gate_fwd_kernel as twell_gate_fwd_kernel
+from .kernels import twell_overflow_down_kernel as twell_overflow_down_kernel
+from .kernels import twell_to_ell_kernel as twell_to_ell_kernel
+from .kernels import twell_up_down_fwd_kernel as twell_up_down_fwd_kernel
+from .launch import STATS_TOKENS as STATS_TOKENS
+from .op import twell_gate_op as twell_gate_op
+from .op import twell_mlp_op as twell_mlp_op
+from .op import twell_relu_mlp_op as twell_relu_mlp_op
+from .op import twell_up_down_op as twell_up_down_op
 from .reference import torch_relu_mlp, torch_twell_mlp
 
 __all__ = [

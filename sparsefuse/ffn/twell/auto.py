@@ -16,7 +16,13 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from ..._auto import EstimateCache, SparsityMonitor, device_scalar, observable, pick_fastest
+from ..._auto import (
+    EstimateCache,
+    SparsityMonitor,
+    device_scalar,
+    observable,
+    pick_fastest,
+)
 from .launch import auto_tile
 
 PROBE_TOKENS = 64  # tokens whose gate the auto probe computes densely

@@ -7,7 +7,12 @@ import triton
 import triton.language as tl
 
 from ..._triton.dot import dot_accumulate
-from ..._triton.gather import accumulate_rows, pick_nonzeros, rank_nonzeros, sum_split_partials
+from ..._triton.gather import (
+    accumulate_rows,
+    pick_nonzeros,
+    rank_nonzeros,
+    sum_split_partials,
+)
 from ..._triton.schedule import grouped_tile_coords
 from ...sparse.sddmm import row_dots
 
