@@ -5,8 +5,9 @@ matmul writes TwELL and only the fired rows of up_proj / down_proj are read. ``d
 [hidden, intermediate] shape but is stored column-major (``stride(0) == 1``) so that each neuron's row of
 W_down^T is contiguous; ``load_state_dict`` copies into that layout, ``.to()`` preserves it, and ``F.linear`` reads
 it as is. A :class:`~sparsefuse.ffn.SparsityMonitor` keeps a sync-free estimate of the non-zeros per token for
-``method="auto"`` (its first call probes with one host sync). Inference uses the sparse kernels; when autograd
-needs gradients the block runs densely (differentiable).
+``method="auto"`` from every call's tokens (before its first estimate arrives, the estimate kept per gate weight
+is used: one host sync in the weight's life). Inference uses the sparse kernels; when autograd needs gradients the
+block runs densely (differentiable).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ffn.twell import DEFAULT_COMPRESSION, METHODS, SparsityMonitor, twell_down_layout, twell_mlp
+from .._auto import SparsityMonitor
+from ..ffn.twell import DEFAULT_COMPRESSION, METHODS, twell_down_layout, twell_mlp
 
 
 class SparseGatedMLP(nn.Module):

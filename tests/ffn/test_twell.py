@@ -2,6 +2,9 @@
 shared gather-accumulate kernel, method="auto", errors, ops. Interpreter: fp16/fp32 (bf16 tl.dot is wrong there);
 GPU tests add bf16 and the real shapes."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,6 +25,8 @@ from sparsefuse.ffn import (
 )
 from sparsefuse.ffn import twell as twell_module
 from sparsefuse.ffn.synthetic import gate_statistics, synthetic_ffn
+from sparsefuse.ffn.twell import auto as twell_auto
+from sparsefuse.ffn.twell import functional as twell_functional
 from sparsefuse.sparse.formats import TwELL
 from sparsefuse.testing import assert_close_to_reference
 
@@ -118,7 +123,7 @@ def test_twell_mlp_matches_float64_reference(case, dtype, device):
     # 37 tokens: one program per token, heavy ones first; 13: each token's tiles split over programs (the
     # interpreter's "GPU" has 8 SMs), partials summed by the last to arrive.
     M, K, N, tile, compression = {"synthetic": (37, 80, 100, 32, 4), "overflow": (37, 40, 70, 32, 4),
-                                  "bias": (13, 40, 70, 32, 4)}[case]  # fmt: skip
+                                  "bias": (13, 40, 70, 32, 4)}[case]
     if case == "synthetic":  # realistic sparsity: ~6 of 100 per token with a heavy tail
         ffn = synthetic_ffn(K, N, dtype=dtype, device=device, seed=2)
         x = ffn.make_input(M, 6.0)
@@ -129,7 +134,7 @@ def test_twell_mlp_matches_float64_reference(case, dtype, device):
     assert_backend(x)
     with track_launches() as launched:
         y = twell_mlp(x, w_gate, w_up, w_down, b_gate=b_gate, b_up=b_up, b_down=b_down, tile=tile,
-                      compression=compression, method="twell")  # fmt: skip
+                      compression=compression, method="twell")
     assert all(launched[k] == 1 for k in GATED_KERNELS), launched
     twell = twell_gate(x, w_gate, b_gate, tile=tile, compression=compression)
     if case != "synthetic":
@@ -140,12 +145,12 @@ def test_twell_mlp_matches_float64_reference(case, dtype, device):
 
 
 def test_heavy_first_order_is_a_permutation(device):
-    from sparsefuse.ffn.twell import _heavy_first_order
+    from sparsefuse.ffn.twell.launch import heavy_first_order
 
     counts = torch.randint(0, 3, (70, 5), dtype=torch.int32)  # light: at most 10 entries
     counts[[3, 40, 66], 1] = 9  # overflowed tiles (4 slots) make a token heavy
     counts[[10, 50]] = 4  # 20 stored entries: heavy at 16 * block_j = 16
-    order = _heavy_first_order(counts.to(device), slots=4, block_j=1).cpu()
+    order = heavy_first_order(counts.to(device), slots=4, block_j=1).cpu()
     assert sorted(order.tolist()) == list(range(70))
     assert set(order[:5].tolist()) == {3, 10, 40, 50, 66}
 
@@ -188,7 +193,7 @@ def test_row_major_down_weight_is_copied_with_a_warning(device):
     expected = twell_mlp(x, w_gate, w_up, w_down, tile=16, compression=2, method="twell")
     row_major = w_down.contiguous()
     assert row_major.stride(0) != 1
-    twell_module._warned_down_copy.discard("twell_mlp")
+    twell_functional._warned_down_copy.discard("twell_mlp")
     with pytest.warns(UserWarning, match="copied to column-major on every call"):
         y = twell_mlp(x, w_gate, w_up, row_major, tile=16, compression=2, method="twell")
     assert torch.equal(y, expected)
@@ -210,7 +215,7 @@ def test_relu_mlp_matches_reference(gate_shift, dtype, device):
     with track_launches() as launched:
         y = twell_relu_mlp(x, w_up, w_down, b_up=b_up, b_down=b_down, tile=32, compression=4)
     for kernel in ("twell_gate_fwd_kernel", "twell_to_ell_kernel", "gather_accumulate_kernel",
-                   "twell_overflow_down_kernel"):  # fmt: skip
+                   "twell_overflow_down_kernel"):
         assert launched[kernel] == 1, launched
     ref = torch_relu_mlp(x, w_up, w_down, b_up, b_down)
     lowp = F.linear(torch.relu(F.linear(x, w_up, b_up)), w_down, b_down)
@@ -259,16 +264,43 @@ def test_auto_uses_the_estimate_and_the_monitor(device, monkeypatch):
     assert monitor.estimate() == pytest.approx(gate_statistics(counts)["mean"], rel=0.05)
 
 
+def test_auto_default_call_syncs_once_in_the_weights_life(device, monkeypatch):
+    # Without expected_nnz or a monitor, the first call on a gate weight counts a probe on the host (the one sync);
+    # later calls read the cached estimate, and every observe_every-th one feeds a new probe through the monitor.
+    probes = []
+    real_probe = twell_auto.probe_stats
+    monkeypatch.setattr(twell_auto, "probe_stats", lambda *a: probes.append(a[0].shape[0]) or real_probe(*a))
+    monkeypatch.setattr(twell_auto.ESTIMATES, "observe_every", 2)
+    K, N = 32, 64
+    ffn = synthetic_ffn(K, N, dtype=torch.float32, device=device, seed=6)
+    x = ffn.make_input(24, 4.0)
+    w_gate = ffn.w_gate.clone()
+    args = (x, w_gate, ffn.w_up, ffn.w_down)
+    assert twell_auto.ESTIMATES.monitor(w_gate) is None
+    y = twell_mlp(*args, method="auto", tile=16, compression=2)
+    assert probes == [24]
+    monitor = twell_auto.ESTIMATES.monitor(w_gate)
+    fired = (F.linear(x, w_gate) > 0).sum().item() / 24
+    assert monitor is not None and monitor.estimate() == pytest.approx(fired)
+    assert torch.equal(twell_mlp(*args, method="auto", tile=16, compression=2), y)
+    assert probes == [24]  # second call: the cached estimate, no probe and no sync
+    twell_mlp(*args, method="auto", tile=16, compression=2)
+    assert probes == [24, 24]  # third: a sample handed to the monitor (sync-free on a GPU)
+    alive = weakref.ref(monitor)
+    del monitor, w_gate, args
+    gc.collect()
+    assert alive() is None  # the estimate dies with the weight
+
+
 def test_predicted_crossover_is_monotone_and_matches_the_measured_grid():
     # For a fixed batch the prediction changes at most once, from twell to dense, as density grows.
     for M in (1, 256, 8192):
         wins = [predicted_times(M, 2048, 5632, nnz, torch.bfloat16)[0] < predicted_times(M, 2048, 5632, nnz,
-                torch.bfloat16)[1] for nnz in (8, 32, 128, 512, 2048, 5632)]  # fmt: skip
+                torch.bfloat16)[1] for nnz in (8, 32, 128, 512, 2048, 5632)]
         assert wins == sorted(wins, reverse=True) and not wins[-1], (M, wins)
-    # H200, full `bench ffn` grids at 3675065 (TwELL rows) and 84620c3 (block rows, down product heavy first;
-    # benchmarks/results/bench-NVIDIA-H200-ffn.md): auto must pick the method that won clearly -- including the case
-    # where the old rule picked twell and lost 26% (M=2048, 8B layer, 8 non-zeros) -- and dense where both sparse
-    # methods lost. Close calls (within ~15%) are left to the model either way.
+    # Full `bench ffn` grids on an H200: auto must pick the method that won clearly -- including M=2048, 8B layer,
+    # 8 non-zeros, where a pick of twell lost 26% -- and dense where both sparse methods lost. Close calls (within
+    # ~15%) are left to the model either way.
     measured = [  # (M, K, N, mean non-zeros, acceptable picks)
         (1, 2048, 5632, 8, {"twell"}), (1, 2048, 5632, 32, {"twell"}), (16, 2048, 5632, 8, {"twell"}),
         (16, 2048, 5632, 32, {"twell"}), (16, 4096, 14336, 8, {"twell"}), (16, 4096, 14336, 32, {"twell"}),
@@ -279,9 +311,9 @@ def test_predicted_crossover_is_monotone_and_matches_the_measured_grid():
         (2048, 4096, 14336, 8, {"block"}), (2048, 4096, 14336, 32, {"block"}), (2048, 2048, 5632, 128, {"dense"}),
         (8192, 4096, 14336, 512, {"dense"}), (16384, 2048, 5632, 512, {"dense"}),
         (16, 4096, 14336, 512, {"dense"}), (1, 2048, 5632, 512, {"dense"}),
-    ]  # fmt: skip
+    ]
     for M, K, N, nnz, picks in measured:
-        assert twell_module._auto_method(M, K, N, nnz, torch.bfloat16) in picks, (M, K, N, nnz)
+        assert twell_auto.auto_method(M, K, N, nnz, torch.bfloat16) in picks, (M, K, N, nnz)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -338,7 +370,12 @@ def test_autograd_runs_dense_and_the_ops_refuse_backward(device):
 
 
 def test_opcheck_and_fullgraph_compile(device):
-    from sparsefuse.ffn.twell import twell_gate_op, twell_mlp_op, twell_relu_mlp_op, twell_up_down_op
+    from sparsefuse.ffn.twell import (
+        twell_gate_op,
+        twell_mlp_op,
+        twell_relu_mlp_op,
+        twell_up_down_op,
+    )
 
     w_gate, w_up, w_down, b_gate, b_up, b_down = mlp_weights(24, 40, torch.float32, device, bias=True)
     x = torch.randn(3, 24, device=device)
@@ -347,14 +384,14 @@ def test_opcheck_and_fullgraph_compile(device):
     utils = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
     torch.library.opcheck(twell_gate_op, (x, w_gate, b_gate, 16, 2), test_utils=utils)
     torch.library.opcheck(twell_up_down_op, (values, indices, counts, x, w_gate, b_gate, w_up, b_up, w_down_t,
-                                             b_down, 16, 2), test_utils=utils)  # fmt: skip
+                                             b_down, 16, 2), test_utils=utils)
     for method in ("twell", "block"):
         torch.library.opcheck(twell_mlp_op, (x, w_gate, None, w_up, None, w_down_t, None, 0, 2, method, True),
-                              test_utils=utils)  # fmt: skip
+                              test_utils=utils)
     torch.library.opcheck(twell_relu_mlp_op, (x, w_up, b_up, w_down_t, b_down, 16, 4), test_utils=utils)
     backend = "inductor" if device.type == "cuda" else "aot_eager"
     fn = torch.compile(lambda *a: twell_mlp(*a, b_gate=b_gate, tile=16, compression=2, method="auto"),
-                       fullgraph=True, backend=backend)  # fmt: skip
+                       fullgraph=True, backend=backend)
     with track_launches() as launched:
         y = fn(x, w_gate, w_up, w_down)
     assert launched["twell_up_down_fwd_kernel"] == 1  # auto without an estimate under compile: twell, no sync
@@ -372,7 +409,7 @@ def test_opcheck_and_fullgraph_compile(device):
 @pytest.mark.parametrize("M, K, N, mean_nnz", [(1, 2048, 5632, 30.0), (16, 2048, 5632, 30.0),
                                                (3001, 2048, 5632, 30.0), (8192, 2048, 5632, 30.0),
                                                (257, 4096, 14336, 60.0), (300, 2048, 11008, 200.0),
-                                               (129, 4096, 8192, 30.0)])  # fmt: skip
+                                               (129, 4096, 8192, 30.0)])
 def test_real_shapes_gpu(M, K, N, mean_nnz, dtype, device):
     ffn = synthetic_ffn(K, N, dtype=dtype, device=device, seed=11)
     x = ffn.make_input(M, mean_nnz)
@@ -390,7 +427,7 @@ def test_real_shapes_gpu(M, K, N, mean_nnz, dtype, device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("method", ["twell", "block", "auto"])
 def test_largest_batch_gpu(method, device):
-    # The issue's largest batch: 65536 tokens (the block path sorts 64 groups of 1024 and has 1024 row blocks; the
+    # The largest batch served: 65536 tokens (the block path sorts 64 groups of 1024 and has 1024 row blocks; the
     # TwELL kernels have a 65536-row grid). A float64 reference on every 128th token and the last one.
     M, K, N = 65536, 2048, 5632
     ffn = synthetic_ffn(K, N, dtype=torch.bfloat16, device=device, seed=12)

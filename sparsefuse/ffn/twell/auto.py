@@ -1,0 +1,159 @@
+"""``method="auto"`` of the gated block: predicted seconds per method (:class:`CostModel`) for the batch's mean
+gate non-zeros per token, and where that mean comes from.
+
+The estimate is, first available: ``expected_nnz``; an explicit :class:`~sparsefuse._auto.SparsityMonitor`'s
+running estimate; the per-gate-weight :data:`ESTIMATES` cache, whose first observable call on a weight computes the
+gate of <= :data:`PROBE_TOKENS` sampled tokens densely and reads the count (the one host sync of that weight's
+life), and which later folds in a new sample every few calls without a sync. Under torch.compile tracing, and under
+CUDA-graph capture before anything was observed, nothing can be read: the call assumes the sparse regime (twell).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from ..._auto import (
+    EstimateCache,
+    SparsityMonitor,
+    device_scalar,
+    observable,
+    pick_fastest,
+)
+from .launch import auto_tile
+
+PROBE_TOKENS = 64  # tokens whose gate the auto probe computes densely
+
+
+@dataclasses.dataclass
+class CostModel:
+    """Rates for the auto decision, fitted to H200 runs (1.5B shape, bf16, synthetic heavy-tailed sparsity, ~31
+    non-zeros per token): the TwELL gate kernel took 2.3-2.8x cuBLAS's gate matmul from 2048 tokens up (its
+    epilogue, not its mainloop: a counts-only epilogue ran at 1.1-1.2x); kernel 2 moved its weight rows at ~0.9 TB/s
+    on the heavy-tailed batch (its overflowed tiles are recomputed by a GEMV inside the token's program) against
+    ~6 TB/s on a tail-free one; and the fused path took 28 us at 16 tokens (1.05x dense eager at 32 non-zeros; 201 us
+    at 512). With these the model picks twell at 16 tokens x 32 non-zeros and dense elsewhere on the measured grid,
+    as measured.
+
+    ``gather_bytes_per_s`` is kernel 2's effective rate for weight-row gathers when the GPU is full; with fewer than
+    ``2 * n_sms`` programs it scales down in proportion. ``twell_overhead`` scales the gate matmul for the TwELL
+    epilogue; ``serial_s_per_step`` is kernel 2's time per step of a token's chain (4 entries); ``min_s`` is the
+    fused path's floor at tiny batches."""
+
+    matmul_flops_per_s: float = 600e12  # bf16/fp16 tensor cores
+    fp32_matmul_flops_per_s: float = 50e12
+    dram_bytes_per_s: float = 3.0e12
+    gather_bytes_per_s: float = 0.9e12
+    launch_s: float = 3e-6
+    twell_overhead: float = 2.5
+    serial_s_per_step: float = 1.5e-6
+    min_s: float = 25e-6
+    n_sms: int = 132
+    # row-block path (method="block"): the up/down products' rate on the model's uniform-firing union estimate,
+    # scaled like the dense terms (which the model over-predicts by ~1.25x) so the two compare fairly. Fitted to
+    # the full ffn grid on an H200: the model predicts the block path within -28%..+7% of its measured ratio to
+    # dense at <= 32 non-zeros and under-predicts above, so auto never takes block where it loses on that grid
+    block_flops_per_s: float = 330e12
+    block_min_tokens: int = 1024  # fewer than 16 row blocks of 64 tokens cannot fill the GPU
+
+
+COST_MODEL = CostModel()
+
+
+def _matmul_s(M: int, K: int, N: int, elem: int, fp32: bool, cm: CostModel) -> float:
+    rate = cm.fp32_matmul_flops_per_s if fp32 else cm.matmul_flops_per_s
+    return max(2.0 * M * K * N / rate, (M * K + K * N + M * N) * elem / cm.dram_bytes_per_s) + cm.launch_s
+
+
+def predicted_times(M: int, K: int, N: int, mean_nnz: float, dtype: torch.dtype,
+                    cost_model: CostModel | None = None) -> tuple[float, float]:
+    """(twell seconds, dense seconds) predicted for a gated block of M tokens with ``mean_nnz`` gate non-zeros per
+    token. Dense: three matmuls plus the ReLU and product passes over [M, N]. Twell: the gate matmul with its
+    epilogue, plus kernel 2's row gathers -- per non-zero a W_up row for each of the token's ``splits`` programs
+    and a W_down row -- at the gather rate scaled by how full the GPU is, but never faster than reading the
+    distinct rows touched from DRAM once."""
+    cm = cost_model or COST_MODEL
+    elem = torch.finfo(dtype).bits // 8
+    fp32 = dtype == torch.float32
+    gate = _matmul_s(M, K, N, elem, fp32, cm)
+    dense = 3 * gate + 5.0 * M * N * elem / cm.dram_bytes_per_s + 2 * cm.launch_s
+    wave = 2 * cm.n_sms
+    splits = 1 if M >= wave else min(triton.cdiv(N, auto_tile(M, N, 1)), triton.cdiv(wave, max(M, 1)))
+    occupancy = min(1.0, M * splits / wave)
+    gathered = M * mean_nnz * 2.0 * K * elem  # a W_up row and a W_down row per non-zero
+    distinct_rows = N * (1.0 - (1.0 - min(mean_nnz, N) / N) ** M) if N else 0.0
+    steps = mean_nnz / (4.0 * splits)  # a token's serial chain: 4 entries per step, its tiles over `splits`
+    gathers = max(gathered / (cm.gather_bytes_per_s * occupancy), distinct_rows * 2.0 * K * elem / cm.dram_bytes_per_s,
+                  steps * cm.serial_s_per_step)
+    twell = max(cm.min_s, cm.twell_overhead * gate + gathers + 2.0 * M * K * elem / cm.dram_bytes_per_s + cm.launch_s)
+    return twell, dense
+
+
+def predicted_block_time(M: int, K: int, N: int, mean_nnz: float, dtype: torch.dtype,
+                         cost_model: CostModel | None = None, block_rows: int = 64) -> float:
+    """Seconds predicted for ``method="block"``: the cuBLAS gate, one pass over the [M, N] pre-activations (the
+    unions), and the up and down products on the unions. A block's union is estimated as if neurons fired
+    independently and uniformly, ``N * (1 - (1 - nnz / N) ** block_rows)`` -- an over-estimate for real layers,
+    whose hot neurons are shared (the synthetic FFN at 30 non-zeros: 22% of N measured, 29% estimated)."""
+    cm = cost_model or COST_MODEL
+    elem = torch.finfo(dtype).bits // 8
+    fp32 = dtype == torch.float32
+    gate = _matmul_s(M, K, N, elem, fp32, cm)
+    union = 1.0 - (1.0 - min(mean_nnz, N) / max(N, 1)) ** block_rows
+    n_blocks = triton.cdiv(max(M, 1), block_rows)
+    fill = min(1.0, M / 8192) ** 0.31 * min(1.0, n_blocks * triton.cdiv(K, 256) / (2 * cm.n_sms))
+    rate = cm.block_flops_per_s * (cm.fp32_matmul_flops_per_s / cm.matmul_flops_per_s if fp32 else 1.0) * fill
+    products = 2 * 2.0 * M * K * N * union / rate
+    traffic = (M * N + 3 * M * N * union + 2 * M * K) * elem / cm.dram_bytes_per_s
+    return gate + products + traffic + 4 * cm.launch_s
+
+
+# From a full GPU's worth of tokens (2 x SMs) up, auto takes twell only for a predicted win of at least this much:
+# there the model's twell time is off by up to ~35% either way near the crossover (the heavy tail's serial chains are
+# not modelled), and one wrong pick cost 26% (M=2048, 8B layer, 8 non-zeros). Below that the model errs only on the
+# pessimistic side (predicted 0.81-0.90 of dense, measured 0.55-0.87), so no margin.
+AUTO_MARGIN = 0.92
+
+def auto_method(M: int, K: int, N: int, mean_nnz: float, dtype: torch.dtype) -> str:
+    """The method auto runs for ``mean_nnz`` gate non-zeros per token: the fastest predicted of twell, block (from
+    ``block_min_tokens``) and dense, a sparse one only if it beats dense by the margin."""
+    twell, dense = predicted_times(M, K, N, mean_nnz, dtype)
+    predicted = {"twell": twell}  # first: a tie with block goes to twell
+    if M >= COST_MODEL.block_min_tokens:
+        predicted["block"] = predicted_block_time(M, K, N, mean_nnz, dtype)
+    predicted["dense"] = dense
+    return pick_fastest(predicted, baseline="dense", margin=AUTO_MARGIN if M >= 2 * COST_MODEL.n_sms else 1.0)
+
+
+def probe_stats(x2: torch.Tensor, w_gate: torch.Tensor, b_gate: torch.Tensor | None) -> torch.Tensor:
+    """[2] int64 (gate non-zeros, tokens) over <= PROBE_TOKENS evenly spaced tokens of x2 [M >= 1, K], the gate
+    computed densely for those tokens only; no sync."""
+    M = x2.shape[0]
+    rows = torch.linspace(0, M - 1, min(M, PROBE_TOKENS), device=x2.device).long()
+    fired = (F.linear(x2[rows], w_gate, b_gate) > 0).sum(dtype=torch.int64)
+    return torch.stack([fired, device_scalar(rows.numel(), x2.device)])
+
+
+ESTIMATES = EstimateCache()  # per gate weight: the default call's estimate
+
+
+def resolve_method(x2: torch.Tensor, w_gate: torch.Tensor, b_gate: torch.Tensor | None,
+                   expected_nnz: float | None, monitor: SparsityMonitor | None) -> str:
+    """What ``method="auto"`` runs for x2 [M, K] and w_gate [N, K] (see the module docstring for the estimate)."""
+    M, K = x2.shape
+    estimate = expected_nnz
+    if estimate is None and not torch.compiler.is_compiling():
+        if monitor is not None:
+            estimate = monitor.estimate()
+        if estimate is None and M > 0:
+            estimate = ESTIMATES.estimate(w_gate, lambda: probe_stats(x2, w_gate, b_gate), observable(x2))
+    if estimate is not None:
+        return auto_method(M, K, w_gate.shape[0], estimate, x2.dtype)
+    if torch.compiler.is_compiling() or M > 0:
+        # Nothing can be read (tracing, or a capture before any observation); a compiled graph must not depend on a
+        # changing estimate either: assume the sparse regime.
+        return "twell"
+    return "dense"  # an empty batch: nothing to count, nothing to gain

@@ -1,0 +1,232 @@
+"""The TwELL Triton kernels (see :mod:`sparsefuse.ffn.twell` for the block they compute). Launched from
+:mod:`.launch`."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..._triton.dot import dot_accumulate
+from ..._triton.gather import (
+    accumulate_rows,
+    pick_nonzeros,
+    rank_nonzeros,
+    sum_split_partials,
+)
+from ..._triton.schedule import grouped_tile_coords
+from ...sparse.sddmm import row_dots
+
+
+@triton.jit
+def twell_gate_fwd_kernel(x_ptr, w_ptr, b_ptr, values_ptr, indices_ptr, counts_ptr,
+                          M, K, N, n_tiles, tune_key, stride_xm, stride_wn, stride_wk,
+                          TILE: tl.constexpr, SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                          GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE_FP32: tl.constexpr):
+    # x [M, K] (unit column stride), w [N, K] (nn.Linear layout, any strides), b [N];
+    # out: values/indices [M, n_tiles * SLOTS], counts [M, n_tiles] int32 (true counts)
+    pid = tl.program_id(0)
+    # Grouped ordering: GROUP_M row blocks sweep all tiles together, so their W columns are reused from L2.
+    pid_m, tile = grouped_tile_coords(pid, tl.cdiv(M, BLOCK_M), n_tiles, GROUP_M)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    cols = tile * TILE + tl.arange(0, TILE)  # [TILE]
+    row_mask, col_mask = rows < M, cols < N
+    acc = tl.zeros([BLOCK_M, TILE], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+        k_mask = k < K
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + k[None, :],
+                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        w = tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_wn + k[:, None].to(tl.int64) * stride_wk,
+                    mask=k_mask[:, None] & col_mask[None, :], other=0.0).to(x.dtype)  # [BLOCK_K, TILE]
+        acc = dot_accumulate(acc, x, w, IEEE_FP32)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    # Epilogue: ReLU + TwELL packing of this (rows, tile) block. NaN counts as fired (it propagates).
+    fired = ((acc > 0) | (acc != acc)) & row_mask[:, None] & col_mask[None, :]  # [BLOCK_M, TILE]
+    fired_i = fired.to(tl.int32)
+    rank = tl.cumsum(fired_i, axis=1) - 1  # slot of each fired column within its tile row
+    row_base = rows.to(tl.int64) * (n_tiles * SLOTS) + tile * SLOTS  # [BLOCK_M]
+    # Unused slots hold (index 0, value 0): clear the block's slots, then scatter the survivors over them (the
+    # barrier orders the two stores across the program's threads).
+    slot = tl.arange(0, SLOTS)
+    clear_mask = row_mask[:, None] & (slot[None, :] < SLOTS)  # [BLOCK_M, SLOTS]
+    clear_ptr = row_base[:, None] + slot[None, :]
+    tl.store(values_ptr + clear_ptr, tl.zeros([BLOCK_M, SLOTS], dtype=tl.float32).to(values_ptr.dtype.element_ty),
+             mask=clear_mask)
+    tl.store(indices_ptr + clear_ptr, tl.zeros([BLOCK_M, SLOTS], dtype=tl.int32), mask=clear_mask)
+    tl.debug_barrier()
+    keep = fired & (rank < SLOTS)  # past the slots: counted (the tile overflowed), not stored
+    dst = row_base[:, None] + rank
+    tl.store(values_ptr + dst, acc.to(values_ptr.dtype.element_ty), mask=keep)
+    tl.store(indices_ptr + dst, cols[None, :] + tl.zeros_like(rank), mask=keep)
+    tl.store(counts_ptr + rows.to(tl.int64) * n_tiles + tile, tl.sum(fired_i, axis=1), mask=row_mask)
+
+
+@triton.jit
+def _recompute_overflowed_tiles(acc, row, counts_ptr, t_begin, t_end, n_tiles, x_row_ptr, wa_ptr, stride_wa_n,
+                                stride_wa_k, ba_ptr, wu_ptr, stride_wu, bu_ptr, wd_ptr, stride_wd, d, d_mask, K, N,
+                                TILE: tl.constexpr, SLOTS: tl.constexpr, BLOCK_C: tl.constexpr,
+                                BLOCK_K: tl.constexpr, PICK: tl.constexpr, HAS_BA: tl.constexpr,
+                                HAS_BU: tl.constexpr, GATED: tl.constexpr):
+    """acc += the whole contribution of every overflowed tile t in [t_begin, t_end) of ``row``, recomputed from x:
+    the activation ``a = relu(x . W_a[n] + b_a)`` (W_a = W_gate, or W_up for the non-gated block) over the tile's
+    columns, BLOCK_C at a time, times ``x . W_up[n] + b_up`` when GATED, times row n of W_down^T. Only rows that
+    fired are loaded from W_up / W_down; the GEMV over W_a reads TILE rows. Meant for rare (token, tile) pairs."""
+    for t in range(t_begin, t_end):
+        if tl.load(counts_ptr + row * n_tiles + t) > SLOTS:
+            for c0 in range(0, TILE, BLOCK_C):
+                cols = t * TILE + c0 + tl.arange(0, BLOCK_C)  # [BLOCK_C]
+                col_mask = cols < N
+                pre = row_dots(x_row_ptr, wa_ptr, cols, col_mask, K, stride_wa_n, stride_wa_k,
+                                       BLOCK_C, BLOCK_K)
+                if HAS_BA:
+                    pre += tl.load(ba_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+                fired = col_mask & ((pre > 0) | (pre != pre))
+                coef = tl.where(fired, pre, 0.0)
+                if GATED:
+                    u = row_dots(x_row_ptr, wu_ptr, cols, fired, K, stride_wu, 1, BLOCK_C, BLOCK_K)
+                    if HAS_BU:
+                        u += tl.load(bu_ptr + cols, mask=fired, other=0.0).to(tl.float32)
+                    coef = tl.where(fired, coef * u, 0.0)
+                # down projection of the fired columns PICK at a time: [PICK, BLOCK_D] tiles, no wider than the main
+                # loop's, so this rare path does not raise the kernel's register count (and cut its occupancy)
+                n_fired, rank = rank_nonzeros(coef)
+                for g0 in range(0, n_fired, PICK):
+                    j = g0 + tl.arange(0, PICK)
+                    n, c = pick_nonzeros(coef, cols, rank, j)
+                    acc = accumulate_rows(acc, c, n, j < n_fired, wd_ptr, stride_wd, d, d_mask)
+    return acc
+
+
+@triton.jit
+def twell_up_down_fwd_kernel(values_ptr, indices_ptr, counts_ptr, order_ptr, x_ptr, wg_ptr, bg_ptr, wu_ptr, bu_ptr,
+                             wd_ptr, bd_ptr, y_ptr, partial_ptr, used_ptr, arrivals_ptr,
+                             K, N, n_tiles, tiles_per_split, n_splits, stride_xm, stride_wg_n, stride_wg_k,
+                             stride_wu, stride_wd, stride_ym,
+                             TILE: tl.constexpr, SLOTS: tl.constexpr, BLOCK_TILES: tl.constexpr,
+                             BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+                             BLOCK_K: tl.constexpr, REDUCE_SPLITS: tl.constexpr, HAS_ORDER: tl.constexpr,
+                             HAS_B_GATE: tl.constexpr, HAS_B_UP: tl.constexpr, HAS_B_DOWN: tl.constexpr):
+    # TwELL of h_g: values/indices [M, n_tiles * SLOTS], counts [M, n_tiles]; x [M, K] (unit column stride);
+    # wg [N, K] (any strides; read only for overflowed tiles); wu [N, K] and wd = W_down^T [N, K] with unit column
+    # strides (row n contiguous: coalesced); biases bg/bu [N], bd [K]; y [M, K].
+    # Grid (tokens, splits): program (p, s) owns token order[p] (heavy tokens first, so their long chains overlap
+    # the rest) and tiles [s * tiles_per_split, ...) of it, over the whole output row (BLOCK_D >= K: the x row stays
+    # in registers). With n_splits > 1 the splits' fp32 partials are summed in order by the last to arrive.
+    if HAS_ORDER:
+        row = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
+    else:
+        row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)  # [BLOCK_D] the whole output row
+    d_mask = d < K
+    x_row_ptr = x_ptr + row * stride_xm
+    x = tl.load(x_row_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
+    t_begin = split * tiles_per_split
+    t_end = tl.minimum(t_begin + tiles_per_split, n_tiles)
+    local = tl.arange(0, BLOCK_TILES)
+    counts = tl.load(counts_ptr + row * n_tiles + t_begin + local, mask=t_begin + local < t_end, other=0)
+    stored = tl.where(counts > SLOTS, 0, counts)  # overflowed tiles: recomputed whole, below
+    ends = tl.cumsum(stored, axis=0)
+    starts = ends - stored
+    total = tl.sum(stored, axis=0)
+    row_slots = row * (n_tiles * SLOTS) + t_begin * SLOTS
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    # The stored entries as one sequence j = 0..total-1 (tile by tile), BLOCK_J at a time: with ~1 non-zero per
+    # tile, walking tile by tile would leave most of a step idle.
+    for j0 in range(0, total, BLOCK_J):
+        j = j0 + tl.arange(0, BLOCK_J)  # [BLOCK_J]
+        j_mask = j < total
+        tile_of_j = tl.sum((ends[None, :] <= j[:, None]).to(tl.int32), axis=1)
+        first_of_tile = tl.sum(tl.where(local[None, :] == tile_of_j[:, None], starts[None, :], 0), axis=1)
+        slot = row_slots + tile_of_j * SLOTS + (j - first_of_tile)
+        n = tl.load(indices_ptr + slot, mask=j_mask, other=0)  # [BLOCK_J] neuron ids
+        h_gate = tl.load(values_ptr + slot, mask=j_mask, other=0.0).to(tl.float32)
+        w_up = tl.load(wu_ptr + n[:, None].to(tl.int64) * stride_wu + d[None, :],
+                       mask=j_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_J, BLOCK_D]
+        u = tl.sum(w_up.to(tl.float32) * x[None, :], axis=1)  # [BLOCK_J]
+        if HAS_B_UP:
+            u += tl.load(bu_ptr + n, mask=j_mask, other=0.0).to(tl.float32)
+        acc = accumulate_rows(acc, tl.where(j_mask, h_gate * u, 0.0), n, j_mask, wd_ptr, stride_wd, d, d_mask)
+    has_overflow = tl.max(counts, axis=0) > SLOTS
+    if has_overflow:
+        acc = _recompute_overflowed_tiles(acc, row, counts_ptr, t_begin, t_end, n_tiles, x_row_ptr, wg_ptr,
+                                          stride_wg_n, stride_wg_k, bg_ptr, wu_ptr, stride_wu, bu_ptr, wd_ptr,
+                                          stride_wd, d, d_mask, K, N, TILE, SLOTS, BLOCK_C, BLOCK_K, BLOCK_J,
+                                          HAS_B_GATE, HAS_B_UP, True)
+    if n_splits > 1:
+        last, acc = sum_split_partials(acc, (total > 0) | has_overflow, partial_ptr, used_ptr, arrivals_ptr, row,
+                                       split, n_splits, 0, 1, K, d, d_mask, REDUCE_SPLITS)
+        if last:
+            if HAS_B_DOWN:
+                acc += tl.load(bd_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
+            tl.store(y_ptr + row * stride_ym + d, acc.to(y_ptr.dtype.element_ty), mask=d_mask)
+    else:
+        if HAS_B_DOWN:
+            acc += tl.load(bd_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * stride_ym + d, acc.to(y_ptr.dtype.element_ty), mask=d_mask)
+
+
+@triton.jit
+def heavy_first_order_kernel(counts_ptr, order_ptr, cursors_ptr, M, n_tiles, heavy_min,
+                             SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_TILES: tl.constexpr):
+    # order [M] (int32): a permutation of the tokens with the heavy ones (>= heavy_min stored non-zeros, or any
+    # overflowed tile) at the front and the rest at the back; cursors [2] int32 (zeroed) count the two ends. Order
+    # within each class depends on program timing -- it only schedules work, the results do not depend on it.
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    row_mask = rows < M
+    tiles = tl.arange(0, BLOCK_TILES)
+    counts = tl.load(counts_ptr + rows[:, None].to(tl.int64) * n_tiles + tiles[None, :],
+                     mask=row_mask[:, None] & (tiles[None, :] < n_tiles), other=0)
+    work = tl.sum(tl.where(counts > SLOTS, heavy_min, counts), axis=1)
+    heavy = row_mask & (work >= heavy_min)
+    light = row_mask & (work < heavy_min)
+    front = tl.atomic_add(cursors_ptr, tl.sum(heavy.to(tl.int32), axis=0))
+    back = tl.atomic_add(cursors_ptr + 1, tl.sum(light.to(tl.int32), axis=0))
+    tl.store(order_ptr + front + tl.cumsum(heavy.to(tl.int32), axis=0) - 1, rows, mask=heavy)
+    tl.store(order_ptr + (M - back) - tl.cumsum(light.to(tl.int32), axis=0), rows, mask=light)
+
+
+@triton.jit
+def twell_to_ell_kernel(values_ptr, indices_ptr, counts_ptr, ell_values_ptr, ell_indices_ptr, ell_counts_ptr,
+                        n_tiles, SLOTS: tl.constexpr, BLOCK_TILES: tl.constexpr):
+    # TwELL [M, n_tiles * SLOTS] -> ELL of the same width (pre-zeroed), packed at the row start. Overflowed tiles
+    # are left out (their consumers recompute them), so the ELL never overflows.
+    row = tl.program_id(0).to(tl.int64)
+    tiles = tl.arange(0, BLOCK_TILES)
+    tile_mask = tiles < n_tiles
+    counts = tl.load(counts_ptr + row * n_tiles + tiles, mask=tile_mask, other=0)
+    stored = tl.where(counts > SLOTS, 0, counts)  # [BLOCK_TILES]
+    starts = tl.cumsum(stored, axis=0) - stored
+    slot = tl.arange(0, SLOTS)
+    used = tile_mask[:, None] & (slot[None, :] < stored[:, None])  # [BLOCK_TILES, SLOTS]
+    row_base = row * (n_tiles * SLOTS)
+    src = row_base + tiles[:, None] * SLOTS + slot[None, :]
+    dst = row_base + starts[:, None] + slot[None, :]
+    tl.store(ell_values_ptr + dst, tl.load(values_ptr + src, mask=used, other=0.0), mask=used)
+    tl.store(ell_indices_ptr + dst, tl.load(indices_ptr + src, mask=used, other=0), mask=used)
+    tl.store(ell_counts_ptr + row, tl.sum(stored, axis=0))
+
+
+@triton.jit
+def twell_overflow_down_kernel(counts_ptr, x_ptr, wa_ptr, ba_ptr, wd_ptr, y_ptr, K, N, n_tiles, stride_xm,
+                               stride_wa_n, stride_wa_k, stride_wd, stride_ym,
+                               TILE: tl.constexpr, SLOTS: tl.constexpr, BLOCK_TILES: tl.constexpr,
+                               BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+                               HAS_BA: tl.constexpr):
+    # Non-gated block: y [M, K] += the overflowed tiles' relu(x . W_up[n] + b_up) * W_down^T[n, :], in place.
+    # wa = W_up [N, K] (any strides); wd = W_down^T [N, K] with a unit column stride.
+    row = tl.program_id(0).to(tl.int64)
+    tiles = tl.arange(0, BLOCK_TILES)
+    counts = tl.load(counts_ptr + row * n_tiles + tiles, mask=tiles < n_tiles, other=0)
+    if tl.max(counts, axis=0) > SLOTS:
+        d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        d_mask = d < K
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        acc = _recompute_overflowed_tiles(acc, row, counts_ptr, 0, n_tiles, n_tiles, x_ptr + row * stride_xm, wa_ptr,
+                                          stride_wa_n, stride_wa_k, ba_ptr, wa_ptr, stride_wa_n, ba_ptr, wd_ptr,
+                                          stride_wd, d, d_mask, K, N, TILE, SLOTS, BLOCK_C, BLOCK_K, BLOCK_C, HAS_BA,
+                                          False, False)
+        y_ptrs = y_ptr + row * stride_ym + d
+        y = tl.load(y_ptrs, mask=d_mask, other=0.0).to(tl.float32)
+        tl.store(y_ptrs, (y + acc).to(y_ptr.dtype.element_ty), mask=d_mask)

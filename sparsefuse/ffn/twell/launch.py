@@ -1,0 +1,272 @@
+"""Launchers of the TwELL kernels: allocate, size the grid, launch, record. Arguments arrive checked (by
+:mod:`.functional`) and laid out: x2 [M, K] and w_up [N, K] with unit column stride, w_down_t = W_down^T [N, K]
+with unit column stride. CPU tensors without the interpreter take the plain-torch branch of each launcher."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from ... import _backend
+from ..._auto import device_scalar, sampled_nonzero_stats
+from ..._backend import Backend, backend_for, new_output, record_launch, sm_count
+from ..._triton.dot import ieee_fp32
+from ...sparse.formats import ELL, TwELL
+from ...sparse.spmm import sparse_matmul
+from .block import launch_block_mlp
+from .kernels import (
+    heavy_first_order_kernel,
+    twell_gate_fwd_kernel,
+    twell_overflow_down_kernel,
+    twell_to_ell_kernel,
+    twell_up_down_fwd_kernel,
+)
+
+STATS_TOKENS = 256  # tokens whose non-zeros the dense and block paths count for a SparsityMonitor
+
+
+def _tune_key(M: int) -> int:
+    return min(M, 1 << 20).bit_length()  # autotune once per power-of-two bucket of the token count
+
+
+def _gate_configs() -> list[triton.Config]:
+    configs = [
+        triton.Config({"BLOCK_M": bm, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
+        for bm, bk, w, s in [(128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 4), (64, 64, 8, 3), (128, 32, 8, 4),
+                             (64, 128, 8, 3), (32, 128, 4, 4), (16, 128, 4, 4), (16, 256, 4, 3)]
+    ]
+    return _backend.tuning_configs(configs, triton.Config({"BLOCK_M": 16, "BLOCK_K": 32, "GROUP_M": 4}))
+
+
+def _prune_gate_configs(configs, named_args, **kwargs):
+    # Row blocks much taller than the batch only waste the tensor cores; wide tiles need smaller row blocks.
+    M = named_args["M"]
+    tile = kwargs.get("TILE", named_args.get("TILE", 256))
+    kept = [c for c in configs if c.kwargs["BLOCK_M"] <= max(16, triton.next_power_of_2(M))
+            and c.kwargs["BLOCK_M"] * tile <= 128 * 256]
+    return kept or configs[-1:]
+
+
+_twell_gate_kernel = triton.autotune(
+    configs=_gate_configs(), key=["tune_key", "N", "K", "TILE", "SLOTS"],
+    prune_configs_by={"early_config_prune": _prune_gate_configs},
+)(twell_gate_fwd_kernel)
+
+
+def auto_tile(M: int, N: int, compression: int) -> int:
+    """The default tile: 256 columns (the paper's); 64 when the batch is small, so the gate has enough programs."""
+    tile = 256 if M > 64 else 64
+    tile = min(tile, max(16, triton.next_power_of_2(N)))
+    return max(tile, triton.next_power_of_2(compression))
+
+
+def _output_block(M: int, K: int, device: torch.device) -> int:
+    """Output slice per program of the overflow kernel: the whole row (weight rows read once per token) unless the
+    batch is too small to fill the GPU, then split so that there are >= 2 programs per SM."""
+    if _backend.INTERPRET:
+        return 128
+    block = min(4096, triton.next_power_of_2(K))
+    while block > 128 and M * triton.cdiv(K, block) < 2 * sm_count(device):
+        block //= 2
+    return block
+
+
+@dataclasses.dataclass(frozen=True)
+class _UpDownPlan:
+    block_d: int  # the whole output row
+    block_j: int  # stored entries per step: [block_j, block_d] weight tiles
+    num_warps: int
+    n_splits: int  # programs per token (each a share of its tiles)
+    ordered: bool  # heavy tokens scheduled first
+    block_c: int  # overflowed-tile recompute: columns per step ...
+    block_k: int  # ... and hidden elements per step (small: the recompute must not raise the kernel's registers)
+
+
+def _up_down_plan(M: int, K: int, n_tiles: int, device: torch.device) -> _UpDownPlan:
+    """Kernel 2's launch, measured on an H200: 4 entries per step with ~64 weight elements per thread per tile; one
+    program per token once the batch fills the GPU (the heavy ones first), otherwise each token's tiles split over
+    enough programs to fill it."""
+    block_d = triton.next_power_of_2(max(K, 1))
+    block_j = 4 if block_d <= 16384 else max(1, 65536 // block_d)
+    num_warps = min(32, max(4, block_j * block_d // 2048))
+    wave = 2 * sm_count(device)
+    n_splits = 1 if M >= wave else min(n_tiles, triton.cdiv(wave, max(M, 1)))
+    block_c, block_k = (16, 64) if _backend.INTERPRET else (8, 1024)
+    return _UpDownPlan(block_d, block_j, num_warps, n_splits, M >= wave, block_c, block_k)
+
+
+def heavy_first_order(counts: torch.Tensor, slots: int, block_j: int) -> torch.Tensor:
+    """[M] int32 permutation of the tokens, those with >= 16 steps of work (or an overflowed tile) first."""
+    M, n_tiles = counts.shape
+    order = torch.empty(M, dtype=torch.int32, device=counts.device)
+    cursors = torch.zeros(2, dtype=torch.int32, device=counts.device)
+    block_m = 16 if _backend.INTERPRET else 256
+    heavy_first_order_kernel[(triton.cdiv(M, block_m),)](counts, order, cursors, M, n_tiles, 16 * block_j,
+                                                        SLOTS=slots, BLOCK_M=block_m,
+                                                        BLOCK_TILES=triton.next_power_of_2(n_tiles))
+    record_launch("heavy_first_order_kernel")
+    return order
+
+
+def _opt(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return t.to(dtype) if t is not None else None
+
+
+def _complete_dense(twell: TwELL, x2, w_act, b_act, compute: torch.dtype) -> torch.Tensor:
+    """Torch fallback: the dense activations, stored entries where the tile fits, recomputed where it overflowed."""
+    recomputed = torch.relu(F.linear(x2.to(compute), w_act.to(compute), _opt(b_act, compute)))
+    over = twell.overflowed().repeat_interleave(twell.tile, dim=1)[:, : twell.n_cols]
+    clean = TwELL(twell.values, twell.indices, twell.counts.masked_fill(twell.overflowed(), 0), twell.n_cols,
+                  twell.tile, twell.compression)
+    return torch.where(over, recomputed, clean.to_dense().to(compute))
+
+
+def launch_gate(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tile: int,
+                compression: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Kernel 1: TwELL (values [M, n_tiles * slots], indices int32 likewise, counts [M, n_tiles] int32) of
+    ``relu(x2 w^T + b)``; w [N, K] any strides."""
+    M, K = x2.shape
+    N = w.shape[0]
+    n_tiles, slots = triton.cdiv(N, tile), tile // compression
+    if backend_for(x2) is Backend.TORCH:
+        _backend.warn_reference_once("twell_gate")
+        compute = _backend.compute_dtype(x2.dtype)
+        pre = F.linear(x2.to(compute), w.to(compute), b.to(compute) if b is not None else None)
+        t = TwELL.from_dense(torch.relu(pre).to(x2.dtype), tile, compression)
+        return t.values, t.indices, t.counts
+    values = new_output((M, n_tiles * slots), x2.dtype, x2.device)  # poisoned under test: every slot is written
+    indices = torch.empty(M, n_tiles * slots, dtype=torch.int32, device=x2.device)
+    counts = torch.empty(M, n_tiles, dtype=torch.int32, device=x2.device)
+    if M == 0:
+        return values, indices, counts
+    grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * n_tiles,)  # noqa: E731
+    _twell_gate_kernel[grid](
+        x2, w, b if b is not None else x2, values, indices, counts, M, K, N, n_tiles, _tune_key(M), x2.stride(0),
+        w.stride(0), w.stride(1), TILE=tile, SLOTS=slots, HAS_BIAS=b is not None,
+        IEEE_FP32=ieee_fp32(x2.dtype),
+    )
+    record_launch("twell_gate_fwd_kernel")
+    return values, indices, counts
+
+
+def launch_up_down(values, indices, counts, x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile: int,
+                   compression: int) -> torch.Tensor:
+    """Kernel 2: y [M, K] = (h_g * (x2 w_up^T + b_up)) w_down_t + b_down for h_g given as TwELL; w_gate/b_gate are
+    read only to recompute overflowed tiles."""
+    M, K = x2.shape
+    N = w_up.shape[0]
+    y = new_output((M, K), x2.dtype, x2.device)
+    if M == 0 or K == 0:
+        return y
+    if backend_for(x2) is Backend.TORCH:
+        _backend.warn_reference_once("twell_up_down")
+        compute = _backend.compute_dtype(x2.dtype)
+        twell = TwELL(values, indices, counts, N, tile, compression)
+        h_gate = _complete_dense(twell, x2, w_gate, b_gate, compute)
+        h = h_gate * F.linear(x2.to(compute), w_up.to(compute), _opt(b_up, compute))
+        return y.copy_(F.linear(h, w_down_t.t().to(compute), _opt(b_down, compute)))
+    n_tiles, slots = triton.cdiv(N, tile), tile // compression
+    plan = _up_down_plan(M, K, n_tiles, x2.device)
+    order = heavy_first_order(counts, slots, plan.block_j) if plan.ordered else counts
+    if plan.n_splits > 1:
+        partial = torch.empty(M, plan.n_splits, K, dtype=torch.float32, device=x2.device)  # read where written only
+        used = torch.empty(M, plan.n_splits, dtype=torch.int32, device=x2.device)
+        arrivals = torch.zeros(M, 1, dtype=torch.int32, device=x2.device)
+    else:
+        partial = used = arrivals = y
+    twell_up_down_fwd_kernel[(M, plan.n_splits)](
+        values, indices, counts, order, x2, w_gate, b_gate if b_gate is not None else x2, w_up,
+        b_up if b_up is not None else x2, w_down_t, b_down if b_down is not None else x2, y, partial, used, arrivals,
+        K, N, n_tiles, triton.cdiv(n_tiles, plan.n_splits), plan.n_splits, x2.stride(0), w_gate.stride(0),
+        w_gate.stride(1), w_up.stride(0), w_down_t.stride(0), y.stride(0),
+        TILE=tile, SLOTS=slots, BLOCK_TILES=triton.next_power_of_2(triton.cdiv(n_tiles, plan.n_splits)),
+        BLOCK_J=plan.block_j, BLOCK_D=plan.block_d, BLOCK_C=plan.block_c, BLOCK_K=plan.block_k,
+        REDUCE_SPLITS=max(1, min(triton.next_power_of_2(plan.n_splits), 8192 // plan.block_d)),
+        HAS_ORDER=plan.ordered, HAS_B_GATE=b_gate is not None, HAS_B_UP=b_up is not None,
+        HAS_B_DOWN=b_down is not None, num_warps=plan.num_warps,
+    )
+    record_launch("twell_up_down_fwd_kernel")
+    return y
+
+
+def launch_to_ell(values, indices, counts, n_cols: int, tile: int, compression: int) -> ELL:
+    """TwELL rows packed into ELL of the same width on the device; overflowed tiles left out."""
+    M, width = values.shape
+    n_tiles, slots = counts.shape[1], tile // compression
+    if backend_for(values) is Backend.TORCH or M == 0:
+        if M:
+            _backend.warn_reference_once("twell_to_ell")
+        clean = counts.masked_fill(counts > slots, 0)
+        dense = TwELL(values, indices, clean, n_cols, tile, compression).to_dense()
+        ell = ELL.from_dense(dense, width)
+        return ELL(ell.values, ell.indices, clean.sum(1, dtype=torch.int32), n_cols)
+    ell_values = torch.zeros(M, width, dtype=values.dtype, device=values.device)
+    ell_indices = torch.zeros(M, width, dtype=torch.int32, device=values.device)
+    ell_counts = torch.empty(M, dtype=torch.int32, device=values.device)
+    twell_to_ell_kernel[(M,)](values, indices, counts, ell_values, ell_indices, ell_counts, n_tiles, SLOTS=slots,
+                              BLOCK_TILES=triton.next_power_of_2(n_tiles))
+    record_launch("twell_to_ell_kernel")
+    return ELL(ell_values, ell_indices, ell_counts, n_cols)
+
+
+def launch_relu_mlp(x2, w_up, b_up, w_down_t, b_down, tile: int, compression: int) -> torch.Tensor:
+    """Non-gated block through TwELL -> ELL -> sparse_matmul, overflowed tiles added in place; tile 0: default."""
+    M, K = x2.shape
+    N = w_up.shape[0]
+    tile = tile or auto_tile(M, N, compression)
+    values, indices, counts = launch_gate(x2, w_up, b_up, tile, compression)
+    if backend_for(x2) is Backend.TORCH:
+        _backend.warn_reference_once("twell_relu_mlp")
+        compute = _backend.compute_dtype(x2.dtype)
+        h = _complete_dense(TwELL(values, indices, counts, N, tile, compression), x2, w_up, b_up, compute)
+        return F.linear(h, w_down_t.t().to(compute), _opt(b_down, compute)).to(x2.dtype)
+    ell = launch_to_ell(values, indices, counts, N, tile, compression)
+    y = sparse_matmul(ell, w_down_t, out_dtype=x2.dtype)
+    if M == 0 or K == 0:
+        return y
+    if b_down is not None:
+        y += b_down
+    n_tiles, slots = counts.shape[1], tile // compression
+    block_d = _output_block(M, K, x2.device)
+    twell_overflow_down_kernel[(M, triton.cdiv(K, block_d))](
+        counts, x2, w_up, b_up if b_up is not None else x2, w_down_t, y, K, N, n_tiles, x2.stride(0),
+        w_up.stride(0), w_up.stride(1), w_down_t.stride(0), y.stride(0),
+        TILE=tile, SLOTS=slots, BLOCK_TILES=triton.next_power_of_2(n_tiles), BLOCK_C=16 if _backend.INTERPRET else 8,
+        BLOCK_K=64 if _backend.INTERPRET else min(block_d, 1024), BLOCK_D=block_d, HAS_BA=b_up is not None,
+    )
+    record_launch("twell_overflow_down_kernel")
+    return y
+
+
+def _no_stats(x2: torch.Tensor, with_stats: bool) -> torch.Tensor:
+    """Stats when none were asked for: an empty tensor (no kernel; a zero-filled [2] costs a launch, ~3 us at one
+    token), or zeros for an empty batch that was asked for them."""
+    return x2.new_zeros(2, dtype=torch.int64) if with_stats else x2.new_empty(0, dtype=torch.int64)
+
+
+def launch_mlp(x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile: int, compression: int, method: str,
+               with_stats: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated block by a resolved ``method`` ("twell", "block" or "dense"; tile 0: the default). Returns
+    (y [M, K], stats): stats is the [2] int64 (gate non-zeros, tokens counted) for a SparsityMonitor when
+    ``with_stats``, else an empty tensor."""
+    M = x2.shape[0]
+    if method == "dense":
+        h_gate = torch.relu(F.linear(x2, w_gate, b_gate))
+        y = F.linear(h_gate * F.linear(x2, w_up, b_up), w_down_t.t(), b_down)
+        if not with_stats or M == 0:
+            return y, _no_stats(x2, with_stats)
+        return y, sampled_nonzero_stats(h_gate, STATS_TOKENS, positive=True)
+    if method == "block":
+        y, pre = launch_block_mlp(x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down)
+        if not with_stats or M == 0:
+            return y, _no_stats(x2, with_stats)
+        return y, sampled_nonzero_stats(pre, STATS_TOKENS, positive=True)
+    tile = tile or auto_tile(M, w_gate.shape[0], compression)
+    values, indices, counts = launch_gate(x2, w_gate, b_gate, tile, compression)
+    y = launch_up_down(values, indices, counts, x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile, compression)
+    if not with_stats:
+        return y, _no_stats(x2, with_stats)
+    return y, torch.stack([counts.sum(dtype=torch.int64), device_scalar(M, x2.device)])

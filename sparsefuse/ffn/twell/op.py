@@ -1,0 +1,80 @@
+"""The ``torch.library`` ops of the TwELL blocks (``sparsefuse::twell_gate``, ``twell_up_down``, ``twell_mlp``,
+``twell_relu_mlp``): what torch.compile, export and autograd see. Their bodies call the launchers; tensors arrive
+laid out as :mod:`.launch` expects. The ops are inference-only: backward raises rather than return wrong gradients
+(the functional API runs the dense, differentiable block whenever autograd needs a gradient)."""
+
+from __future__ import annotations
+
+import torch
+
+from .auto import resolve_method
+from .launch import launch_gate, launch_mlp, launch_relu_mlp, launch_up_down
+
+
+def _inference_only(ctx, *grads):
+    raise RuntimeError(
+        "sparsefuse TwELL ops are inference-only (no backward through the sparse format). Call sparsefuse.twell_mlp "
+        "/ twell_relu_mlp (they use the dense, differentiable computation whenever autograd needs gradients) or "
+        "run under torch.no_grad()"
+    )
+
+
+def _no_context(ctx, inputs, output) -> None:
+    pass
+
+
+@torch.library.custom_op("sparsefuse::twell_gate", mutates_args=())
+def twell_gate_op(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tile: int,
+                  compression: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return launch_gate(x, w, b, tile, compression)
+
+
+@twell_gate_op.register_fake
+def _(x, w, b, tile, compression):
+    M, n_tiles = x.shape[0], -(-w.shape[0] // tile)
+    width = n_tiles * (tile // compression)
+    return (x.new_empty((M, width)), x.new_empty((M, width), dtype=torch.int32),
+            x.new_empty((M, n_tiles), dtype=torch.int32))
+
+
+@torch.library.custom_op("sparsefuse::twell_up_down", mutates_args=())
+def twell_up_down_op(values: torch.Tensor, indices: torch.Tensor, counts: torch.Tensor, x: torch.Tensor,
+                     w_gate: torch.Tensor, b_gate: torch.Tensor | None, w_up: torch.Tensor, b_up: torch.Tensor | None,
+                     w_down_t: torch.Tensor, b_down: torch.Tensor | None, tile: int,
+                     compression: int) -> torch.Tensor:
+    return launch_up_down(values, indices, counts, x, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile, compression)
+
+
+@twell_up_down_op.register_fake
+def _(values, indices, counts, x, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile, compression):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("sparsefuse::twell_mlp", mutates_args=())
+def twell_mlp_op(x: torch.Tensor, w_gate: torch.Tensor, b_gate: torch.Tensor | None, w_up: torch.Tensor,
+                 b_up: torch.Tensor | None, w_down_t: torch.Tensor, b_down: torch.Tensor | None, tile: int,
+                 compression: int, method: str, with_stats: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    # The functional API passes a resolved method; "auto" from a direct caller is resolved here the same way.
+    if method == "auto":
+        method = resolve_method(x, w_gate, b_gate, None, None)
+    return launch_mlp(x, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile, compression, method, with_stats)
+
+
+@twell_mlp_op.register_fake
+def _(x, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile, compression, method, with_stats):
+    return x.new_empty((x.shape[0], w_down_t.shape[1])), x.new_empty((2 if with_stats else 0,), dtype=torch.int64)
+
+
+@torch.library.custom_op("sparsefuse::twell_relu_mlp", mutates_args=())
+def twell_relu_mlp_op(x: torch.Tensor, w_up: torch.Tensor, b_up: torch.Tensor | None, w_down_t: torch.Tensor,
+                      b_down: torch.Tensor | None, tile: int, compression: int) -> torch.Tensor:
+    return launch_relu_mlp(x, w_up, b_up, w_down_t, b_down, tile, compression)
+
+
+@twell_relu_mlp_op.register_fake
+def _(x, w_up, b_up, w_down_t, b_down, tile, compression):
+    return x.new_empty((x.shape[0], w_down_t.shape[1]))
+
+
+for _op in (twell_gate_op, twell_up_down_op, twell_mlp_op, twell_relu_mlp_op):
+    _op.register_autograd(_inference_only, setup_context=_no_context)
