@@ -21,13 +21,14 @@ from pathlib import Path
 import pytest
 import torch
 
+import sparsefuse
 import sparsefuse._backend
 from sparsefuse.__main__ import main, parse_dtypes
-from sparsefuse.bench import harness, report
+from sparsefuse.bench import check, harness, report
 from sparsefuse.bench import workloads as _workloads  # noqa: F401  (registers every workload, whatever test runs first)
 from sparsefuse.bench.harness import Case, Ceilings, Options, Result
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # torch.compile's import of torch.utils.mkldnn warns about its own TorchScript use; not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 
@@ -58,17 +59,60 @@ def test_check_small_passes_under_interpreter():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "backend=interpreter" in proc.stdout
     assert "FAIL" not in proc.stdout and "all passed" in proc.stdout
-    for op in ("snake fwd+bwd", "snake fast_sin fwd", "celu_ fwd", "celu fwd+bwd"):
-        assert op in proc.stdout
+    for op in check.OPS:  # every op, each launching a sparsefuse kernel (check_op fails an op that launches none)
+        assert f"PASS  {op}" in proc.stdout, op
+
+
+def test_check_and_bench_fallback_run_only_the_named_workloads(monkeypatch):
+    """`check snake` and, without a GPU, `bench snake` run the snake ops and nothing else."""
+    seen: list[str] = []
+    monkeypatch.setattr(check, "check_op", lambda name, *a: seen.append(name) or check.CheckResult(
+        name, "float32", "1", "interpreter", ["k"], []))  # fmt: skip
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for command in ("check", "bench"):
+        seen.clear()
+        assert main([command, "snake", "--dtype", "float32"], allow_reexec=False) == 0
+        assert seen and all(name.startswith("snake") for name in seen), (command, seen)
+        assert set(seen) == {n for n, op in check.OPS.items() if op.family == "snake"}
+    seen.clear()
+    assert main(["check", "sae", "--dtype", "float32"], allow_reexec=False) == 0
+    assert {check.OPS[n].family for n in seen} == {"sae_decode", "sae_encode"}
+
+
+def test_every_op_family_and_workload_is_checked():
+    families = {op.family for op in check.OPS.values()}
+    assert families == {f for fams in check.WORKLOAD_FAMILIES.values() for f in fams}
+    assert set(harness.resolve_workloads([])) <= set(check.WORKLOAD_FAMILIES)  # bench's fallback covers every one
+    public = {"snake", "celu", "celu_", "sparse_decode", "topk_decode", "jumprelu_encode", "topk_encode",
+              "splade_pool", "twell_mlp", "twell_relu_mlp"}
+    assert public <= set(sparsefuse.__all__)
+    covered = " ".join(check.OPS)
+    for op, needle in {"sparse_decode": "sae decode", "topk_decode": "topk_decode", "splade_pool": "splade",
+                       "jumprelu_encode": "jumprelu_encode", "topk_encode": "topk_encode", "celu_": "celu_",
+                       "twell_mlp": "twell_mlp", "twell_relu_mlp": "twell_relu_mlp"}.items():  # fmt: skip
+        assert needle in covered, op
+    assert check.ops_for(["snake"]) == [n for n in check.OPS if n.startswith("snake")]
+    with pytest.raises(KeyError, match="unknown workload"):
+        check.ops_for(["nope"])
+
+
+@pytest.mark.parametrize("command", ["check", "bench"])
+def test_unknown_workload_in_check_or_bench_is_a_clear_error(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "nope"], allow_reexec=False)
+    assert exit_info.value.code == 2
+    assert "unknown workload(s) 'nope'" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="tests the no-GPU fallback")
-def test_bench_without_gpu_reexecs_and_runs_check():
-    proc = run_cli("bench", "--quick", "--dtype", "float32", interpret=False)
+def test_bench_without_gpu_reexecs_and_runs_check_of_its_workload():
+    proc = run_cli("bench", "snake", "--quick", "--dtype", "float32", interpret=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "re-running with TRITON_INTERPRET=1" in proc.stdout
-    assert "timings need a CUDA GPU" in proc.stdout
+    assert "timings need a CUDA GPU" in proc.stdout and "check --size small snake" in proc.stdout
     assert "backend=interpreter" in proc.stdout and "all passed" in proc.stdout
+    checked = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith(("PASS", "FAIL"))]
+    assert checked and all(op == "snake" for op in checked), proc.stdout
 
 
 def test_unknown_workload_is_a_clear_error(capsys):
@@ -78,7 +122,7 @@ def test_unknown_workload_is_a_clear_error(capsys):
     err = capsys.readouterr().err
     assert "unknown workload(s) 'no-such-workload'" in err
     known = err.split("known workloads:")[1]
-    assert all(name in known for name in ("celu", "sae_decode", "snac", "snake", "splade"))
+    assert all(name in known for name in ("celu", "sae_decode", "snac", "snake", "splade", "overhead"))
 
 
 def test_parse_dtypes():
@@ -102,7 +146,7 @@ def test_registry_and_case_listing():
     snake_cases = harness.WORKLOADS["snake"](options)
     assert len(snake_cases) == 2 * 2  # quick shapes x directions
     for case in snake_cases:
-        expected = {"sparsefuse", "sparsefuse fast_sin", "eager", "torch.compile", "seed"}
+        expected = {"sparsefuse", "sparsefuse fast_sin", "eager", "torch.compile", "SNAC TorchScript snake"}
         assert set(case.impls) == (expected | {"copy"} if case.direction == "fwd" else expected)
         B, C, T = map(int, case.shape.split("x"))
         assert case.bytes_moved == (2 if case.direction == "fwd" else 5) * B * C * T * 2
@@ -254,7 +298,7 @@ def test_bench_command_end_to_end_with_fake_cuda(monkeypatch, tmp_path, capsys):
     assert "[5/5] fake 10000 float32 fwd broken" in out  # progress lines (output is not a terminal)
     assert "1 of 5 measurements failed" in out
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "bench-Fake-GPU-9000-fake-quick.csv", "bench-Fake-GPU-9000-fake-quick.md", "bench-Fake-GPU-9000-fake-quick.png",
+        "fake-Fake-GPU-9000-quick.csv", "fake-Fake-GPU-9000-quick.md", "fake-Fake-GPU-9000-quick.png",
     ]  # fmt: skip
 
 
@@ -270,7 +314,8 @@ def _fake_rows() -> list[Result]:
             rows.append(Result("snake", shape, "bfloat16", "fwd", impl, method="graph", sets=4, median_us=us * scale,
                                gbps=1000.0 / us, ceiling="copy", pct_ceiling=33.3, peak_mb=1.5, bytes_moved=100,
                                eager_impl="eager", compile_impl="torch.compile"))  # fmt: skip
-    rows.append(Result("snake", "8x512x16384", "bfloat16", "fwd", "seed", status="OutOfMemoryError: out of memory"))
+    rows.append(Result("snake", "8x512x16384", "bfloat16", "fwd", "SNAC TorchScript snake",
+                       status="OutOfMemoryError: out of memory"))
     rows.append(Result("snac", "decode L=59 (5.0 s)", "float32", "fwd", "eager (snac)", method="wall",
                        median_us=20_000.0, eager_impl="eager (snac)"))  # fmt: skip
     rows.append(Result("snac", "decode L=59 (5.0 s)", "float32", "fwd", "sparsefuse (patched)", method="wall",
@@ -294,8 +339,8 @@ def test_format_row_and_speedups():
 def test_names_and_ceilings():
     assert report.sanitize("NVIDIA H100 80GB HBM3") == "NVIDIA-H100-80GB-HBM3"
     assert report.sanitize("a/b:c (d)") == "a-b-c-d"
-    assert report.result_stem("NVIDIA H200") == "bench-NVIDIA-H200"
-    assert report.result_stem("NVIDIA H200", ["snake", "celu"], quick=True) == "bench-NVIDIA-H200-snake_celu-quick"
+    assert report.result_stem("NVIDIA H200", "snake") == "snake-NVIDIA-H200"
+    assert report.result_stem("NVIDIA H200", "sae_decode", quick=True) == "sae_decode-NVIDIA-H200-quick"
     text = report.format_ceilings(Ceilings(3.0e12, 7.5e14))
     assert text["copy ceiling"].startswith("3000 GB/s") and text["matmul ceiling"].startswith("750 TFLOP/s")
 
@@ -305,20 +350,67 @@ def test_write_results(tmp_path, monkeypatch):
     meta = report.environment(Ceilings(3.0e12, 7.5e14), "NVIDIA H100 80GB HBM3", 50 * 10**6)
     assert meta["commit"] == "abc1234"
     rows = _fake_rows()
-    paths = report.write_results(rows, meta, tmp_path / "out", report.result_stem(meta["GPU"]))
+    paths = report.write_results(rows, meta, tmp_path / "out")
     names = sorted(p.name for p in paths)
-    assert names == ["bench-NVIDIA-H100-80GB-HBM3.csv", "bench-NVIDIA-H100-80GB-HBM3.md",
-                     "bench-NVIDIA-H100-80GB-HBM3.png"]  # fmt: skip
+    assert names == [f"{w}-NVIDIA-H100-80GB-HBM3.{ext}" for w in ("snac", "snake") for ext in ("csv", "md", "png")]
     for p in paths:
         assert p.stat().st_size > 0
         assert all(c.isalnum() or c in "._-" for c in p.name)
-    with (tmp_path / "out" / "bench-NVIDIA-H100-80GB-HBM3.csv").open() as f:
+    with (tmp_path / "out" / "snake-NVIDIA-H100-80GB-HBM3.csv").open() as f:
         table = list(csv.DictReader(f))
-    assert len(table) == len(rows) and table[0]["impl"] == "sparsefuse" and float(table[0]["speedup_eager"]) == 3.0
-    md = (tmp_path / "out" / "bench-NVIDIA-H100-80GB-HBM3.md").read_text()
+    assert len(table) == 7 and table[0]["impl"] == "sparsefuse" and float(table[0]["speedup_eager"]) == 3.0
+    md = (tmp_path / "out" / "snake-NVIDIA-H100-80GB-HBM3.md").read_text()
     for key in ("GPU", "torch", "triton", "CUDA", "commit", "date", "copy ceiling", "matmul ceiling", "abc1234"):
         assert key in md
-    assert "![throughput](bench-NVIDIA-H100-80GB-HBM3.png)" in md
-    no_plot = report.write_results(rows, meta, tmp_path / "np", "bench-x", plot=False)
-    assert sorted(p.suffix for p in no_plot) == [".csv", ".md"]
+    assert "Snake activation" in md and "](snake-NVIDIA-H100-80GB-HBM3.png)" in md
+    no_plot = report.write_results(rows, meta, tmp_path / "np", plot=False)
+    assert sorted(p.suffix for p in no_plot) == [".csv", ".csv", ".md", ".md"]
     report.print_table(rows, meta)  # rich (or plain) rendering must not choke on brackets in notes
+    # a set reads back and regenerates
+    again = report.read_csv(tmp_path / "out" / "snake-NVIDIA-H100-80GB-HBM3.csv")
+    assert [(r.impl, r.median_us, r.status) for r in again] == [
+        (r.impl, r.median_us, r.status) for r in rows if r.workload == "snake"] or math.isnan(again[-1].median_us)
+    assert report.read_meta(tmp_path / "out" / "snake-NVIDIA-H100-80GB-HBM3.md")["commit"] == "abc1234"
+    assert len(report.rewrite_from_csv(tmp_path / "out" / "snake-NVIDIA-H100-80GB-HBM3.csv")) == 3
+
+
+def test_auto_pick_column_and_summary(tmp_path):
+    """An auto row is compared with the fastest of the methods it picks among, timed in the same case; a sweep
+    workload ("<method> nnz=S") plots as speed-ups per sweep value."""
+    rows = []
+    for nnz, times in ((8, {"twell": 50.0, "block": 80.0, "auto": 52.0}), (512, {"twell": 400.0, "auto": 110.0})):
+        for method, us in times.items():
+            choices = tuple(f"{m} nnz={nnz}" for m in times if m != "auto") + ("eager",) if method == "auto" else ()
+            rows.append(Result("ffn", "M=16 K=64 N=128", "bfloat16", "fwd", f"{method} nnz={nnz}", method="graph",
+                               median_us=us, eager_impl="eager", auto_choices=choices))  # fmt: skip
+    rows.append(Result("ffn", "M=16 K=64 N=128", "bfloat16", "fwd", "eager", method="graph", median_us=100.0,
+                       eager_impl="eager"))  # fmt: skip
+    harness.fill_relative_columns(rows)
+    by_impl = {r.impl: r for r in rows}
+    assert by_impl["auto nnz=8"].auto_vs_best == pytest.approx(50 / 52)
+    assert by_impl["auto nnz=512"].auto_vs_best == pytest.approx(100 / 110)
+    assert math.isnan(by_impl["twell nnz=8"].auto_vs_best)
+    summary = "\n".join(report.auto_summary(rows))
+    assert "2 cases" in summary and "| auto nnz=512 | 110.0 | eager | 100.0 | 0.91 |" in summary
+    meta = {"GPU": "Fake", "copy ceiling": "1000 GB/s", "matmul ceiling": "100 TFLOP/s"}
+    paths = report.write_set(rows, meta, tmp_path, "ffn-Fake")
+    assert [p.suffix for p in paths] == [".csv", ".md", ".png"]
+    assert report.read_csv(paths[0])[2].auto_choices == ("twell nnz=8", "block nnz=8", "eager")
+
+
+def test_overhead_workload_lists_eager_and_graph_cases():
+    cases = harness.WORKLOADS["overhead"](Options(quick=True, device="cpu"))
+    assert {c.method for c in cases} == {"eager", "graph"} and not any(c.rotate for c in cases)
+    snake = [c for c in cases if c.shape.startswith("snake")]
+    assert [c.shape.rsplit(" ", 2)[-2:] for c in snake] == [["eager", "calls"], ["graph", "replay"]]
+    assert {"sparsefuse", "eager", "SNAC TorchScript snake"} <= set(snake[0].impls)
+    assert harness.WORKLOAD_INFO["overhead"].title.startswith("Time per small call")
+
+
+def test_harness_eager_method_times_plain_calls(monkeypatch):
+    _FakeCuda().install(monkeypatch)
+    case = _fake_case()
+    case.method, case.rotate = "eager", False
+    case.impls = {"eager": case.impls["eager"], "no graph": case.impls["no graph"]}
+    rows = harness.run_cases([case], Options(quick=True, device="cpu"), Ceilings(1e12, 1e15))
+    assert [(r.method, r.sets, r.status) for r in rows] == [("eager", 1, "ok"), ("eager", 1, "ok")]
