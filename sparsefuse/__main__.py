@@ -99,15 +99,16 @@ def main(argv: Sequence[str] | None = None, *, allow_reexec: bool = True) -> int
 
     from .bench.check import ops_for
 
+    has_cuda = torch.cuda.is_available()
     names: list[str] = []
     try:
         if args.command == "bench":
             names = resolve_workloads(args.workloads)
-        ops_for(args.workloads)  # bench without a GPU checks these workloads' ops: every name must map to some
+        if args.command == "check" or not has_cuda:  # bench without a GPU checks these workloads' ops instead
+            ops_for(args.workloads)
     except KeyError as exc:
         parser.error(exc.args[0])
 
-    has_cuda = torch.cuda.is_available()
     if args.command == "check" and args.device == "cuda" and not has_cuda:
         parser.error("--device cuda: no CUDA device is available")
 
