@@ -2,7 +2,9 @@
 # One call on a GPU machine: the whole test suite on CUDA (compiled kernels, GPU-only tests included), then the
 # benchmarks. Usage: scripts/gpu_check.sh OUT_DIR [bench arguments...]
 # Runs from the repository root with the machine's python3 (torch + triton preinstalled); sparsefuse is used from
-# the source tree, no install. Results land in OUT_DIR: gpu-tests.log, bench.log and the bench-<gpu>.{csv,md,png}.
+# the source tree, no install. Results land in OUT_DIR with the names benchmarks/results/ keeps, so they can be
+# copied over as they are: <workload>-<gpu>.{csv,md,png} per workload, gpu-tests-<gpu>.log, plus env-<gpu>.txt and
+# bench-<gpu>.log (the console output).
 set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUT_DIR [bench args...]}
 shift
@@ -11,15 +13,17 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 SPARSEFUSE_TEST_DEVICE=cuda
 unset TRITON_INTERPRET
 PY=${PYTHON:-python3}
+# The GPU's name as the bench command writes it into file names (sparsefuse.bench.report.sanitize).
+gpu=$($PY -c 'import torch; from sparsefuse.bench.report import sanitize; print(sanitize(torch.cuda.get_device_name()))')
 
 { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
   $PY -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)'
-} 2>&1 | tee "$out/env.txt"
+} 2>&1 | tee "$out/env-$gpu.txt"
 
-$PY -m pytest tests -q -n ${PYTEST_WORKERS:-4} -p no:cacheprovider 2>&1 | tee "$out/gpu-tests.log"
+$PY -m pytest tests -q -n ${PYTEST_WORKERS:-4} -p no:cacheprovider 2>&1 | tee "$out/gpu-tests-$gpu.log"
 tests_status=${PIPESTATUS[0]}
 
-$PY -m sparsefuse bench --out "$out" "$@" 2>&1 | tee "$out/bench.log"
+$PY -m sparsefuse bench --out "$out" "$@" 2>&1 | tee "$out/bench-$gpu.log"
 bench_status=${PIPESTATUS[0]}
 
 echo "gpu_check: tests exit $tests_status, bench exit $bench_status"

@@ -1,7 +1,9 @@
 """Command line: ``python -m sparsefuse bench|check`` (also installed as the ``sparsefuse`` script).
 
     python -m sparsefuse bench [WORKLOAD ...] [--quick] [--dtype float32,float16,bfloat16] [--out DIR] [--no-plot]
-    python -m sparsefuse check [--device cpu|cuda] [--size small|full] [--dtype ...] [--seed N]
+    python -m sparsefuse check [WORKLOAD ...] [--device cpu|cuda] [--size small|full] [--dtype ...] [--seed N]
+
+Without a GPU, ``bench`` runs ``check`` on the ops of the named workloads instead (correctness only, no timings).
 
 Without a CUDA device both commands run the real Triton kernels through Triton's CPU interpreter. Triton decides
 whether kernels are interpreted when sparsefuse is imported, and ``python -m sparsefuse`` has imported the package
@@ -51,10 +53,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="fewer shapes and repetitions (smoke run)")
     bench.add_argument("--dtype", default="float32,float16,bfloat16", help="comma-separated (default: %(default)s)")
     bench.add_argument("--out", default="benchmarks/results",
-                       help="directory for bench-<gpu>[-<workloads>][-quick].csv/.md/.png (default: %(default)s)")
+                       help="directory for <workload>-<gpu>[-quick].csv/.md/.png (default: %(default)s)")
     bench.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
 
-    check = sub.add_parser("check", help="compare every op with its float64 reference")
+    check = sub.add_parser("check", help="compare every op (or the ops of the named workloads) with its float64 "
+                           "reference")
+    from .bench.check import WORKLOAD_FAMILIES
+
+    check.add_argument("workloads", nargs="*", metavar="WORKLOAD",
+                       help=f"check only these workloads' ops, default every op: {', '.join(sorted(WORKLOAD_FAMILIES))}")
     check.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
     check.add_argument("--size", choices=("small", "full"), default="small", help="input sizes (default: small)")
     check.add_argument("--dtype", default="float32,float16,bfloat16", help="comma-separated (default: %(default)s)")
@@ -90,14 +97,18 @@ def main(argv: Sequence[str] | None = None, *, allow_reexec: bool = True) -> int
 
     from .bench.harness import resolve_workloads
 
-    names: list[str] = []
-    if args.command == "bench":
-        try:
-            names = resolve_workloads(args.workloads)
-        except KeyError as exc:
-            parser.error(exc.args[0])
+    from .bench.check import ops_for
 
     has_cuda = torch.cuda.is_available()
+    names: list[str] = []
+    try:
+        if args.command == "bench":
+            names = resolve_workloads(args.workloads)
+        if args.command == "check" or not has_cuda:  # bench without a GPU checks these workloads' ops instead
+            ops_for(args.workloads)
+    except KeyError as exc:
+        parser.error(exc.args[0])
+
     if args.command == "check" and args.device == "cuda" and not has_cuda:
         parser.error("--device cuda: no CUDA device is available")
 
@@ -116,19 +127,19 @@ def main(argv: Sequence[str] | None = None, *, allow_reexec: bool = True) -> int
     from .bench.check import run_check
 
     if args.command == "check":
-        return run_check(device=args.device, size=args.size, dtypes=dtypes, seed=args.seed)
+        return run_check(device=args.device, size=args.size, dtypes=dtypes, seed=args.seed, workloads=args.workloads)
 
     if not has_cuda:
-        print("sparsefuse bench: timings need a CUDA GPU and none is available; "
-              "running `check --size small` instead (correctness only, no timings).", flush=True)  # fmt: skip
-        return run_check(device="cpu", size="small", dtypes=dtypes)
+        what = f"check --size small {' '.join(args.workloads)}".rstrip()
+        print(f"sparsefuse bench: timings need a CUDA GPU and none is available; running `{what}` instead "
+              "(correctness only, no timings).", flush=True)
+        return run_check(device="cpu", size="small", dtypes=dtypes, workloads=args.workloads)
     return _bench(names, args, dtypes)
 
 
 def _bench(names: list[str], args: argparse.Namespace, dtypes: tuple[torch.dtype, ...]) -> int:
     from .bench.harness import WORKLOADS, Options, l2_cache_bytes, measure_ceilings, run_cases
-    from .bench.report import (environment, format_ceilings, make_console, print_table, result_stem, write_csv,
-                               write_results)  # fmt: skip
+    from .bench.report import environment, format_ceilings, make_console, print_table, sanitize, write_csv, write_results
 
     try:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -149,11 +160,9 @@ def _bench(names: list[str], args: argparse.Namespace, dtypes: tuple[torch.dtype
         say("sparsefuse bench: nothing to run")
         return 1
     gpu = torch.cuda.get_device_name()
-    selected = names if args.workloads else []
-    stem = result_stem(gpu, selected, args.quick)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    partial = out_dir / f"{stem}.partial.csv"
+    partial = out_dir / f"partial-{sanitize(gpu)}.csv"  # a killed run still leaves its rows here
 
     say(f"sparsefuse bench on {gpu}: {len(cases)} cases; measuring ceilings ...")
     ceilings = measure_ceilings(quick=args.quick)
@@ -161,7 +170,7 @@ def _bench(names: list[str], args: argparse.Namespace, dtypes: tuple[torch.dtype
         say(f"{key}: {value}")
 
     total = sum(len(c.impls) for c in cases)
-    save_partial = lambda rows: write_csv(rows, partial)  # noqa: E731  (a killed run still leaves its rows)
+    save_partial = lambda rows: write_csv(rows, partial)  # noqa: E731
     if console is not None and console.is_terminal:
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, console=console, transient=True) as bar:
@@ -179,7 +188,7 @@ def _bench(names: list[str], args: argparse.Namespace, dtypes: tuple[torch.dtype
 
     meta = environment(ceilings, gpu, l2_cache_bytes())
     print_table(rows, meta, console)
-    for path in write_results(rows, meta, out_dir, stem, plot=not args.no_plot):
+    for path in write_results(rows, meta, out_dir, quick=args.quick, plot=not args.no_plot):
         say(f"wrote {path}")
     partial.unlink(missing_ok=True)
     failed = [r for r in rows if r.status != "ok"]

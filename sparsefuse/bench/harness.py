@@ -12,6 +12,9 @@ How a case is timed (warm up first, device events, median of many, inputs that d
   captured and replayed; time per call = replay time / number of sets. Replaying a graph removes Python launch
   overhead for every implementation alike. If capture fails the implementation is timed with events around plain
   calls over the same sets (``method`` column: ``"events"``).
+* ``method="eager"``: plain back-to-back calls from Python, device events around the sweep: what a user's eager
+  loop gets. For a call too small to fill the GPU this is the host's time per call (launch overhead); compared with
+  the ``graph`` time of the same case it measures that overhead.
 * ``method="wall"``: whole calls (e.g. an end-to-end model decode) timed with a host clock between device
   synchronizations; one input set, no graph.
 """
@@ -33,6 +36,8 @@ __all__ = [
     "Result",
     "Ceilings",
     "WORKLOADS",
+    "WORKLOAD_INFO",
+    "WorkloadInfo",
     "register",
     "resolve_workloads",
     "measure_ceilings",
@@ -69,7 +74,9 @@ class Case:
 
     ``bytes_moved``/``flops`` are the minimal cost (each input read once, each output written once); ``ceiling``
     says which measured device rate that cost is compared with. ``eager_impl``/``compile_impl`` name the rows the
-    speed-up columns divide by (None: no such column for this case).
+    speed-up columns divide by (None: no such column for this case). ``auto_choices`` maps an implementation that
+    picks a method itself (``method="auto"``) to the implementations it picks among, so the report can say whether
+    its pick was the fastest (column ``auto_vs_best``).
     """
 
     workload: str
@@ -81,23 +88,38 @@ class Case:
     ceiling: CeilingKind
     make_inputs: Callable[[], tuple[Any, ...]]
     impls: dict[str, Callable[..., Any]]
-    method: Literal["graph", "wall"] = "graph"
+    method: Literal["graph", "eager", "wall"] = "graph"
     rotate: bool = True  # False: time one input set (e.g. a model whose inputs are tiny and weights dominate)
     eager_impl: str | None = "eager"
     compile_impl: str | None = "torch.compile"
+    auto_choices: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
 
 WorkloadFn = Callable[[Options], list[Case]]
 WORKLOADS: dict[str, WorkloadFn] = {}
 
 
-def register(name: str) -> Callable[[WorkloadFn], WorkloadFn]:
-    """Decorator: ``@register("snake") def snake_cases(options) -> list[Case]``."""
+@dataclasses.dataclass(frozen=True)
+class WorkloadInfo:
+    """What a workload's plot says without the text: ``title`` names the op and what is compared, ``shape`` what
+    the shape labels mean."""
+
+    title: str
+    shape: str = "shape"
+
+
+WORKLOAD_INFO: dict[str, WorkloadInfo] = {}
+
+
+def register(name: str, title: str = "", shape: str = "shape") -> Callable[[WorkloadFn], WorkloadFn]:
+    """Decorator: ``@register("snake", "Snake: sparsefuse vs ...", "[batch, channels, time]") def snake_cases(options)
+    -> list[Case]``."""
 
     def wrap(fn: WorkloadFn) -> WorkloadFn:
         if name in WORKLOADS and WORKLOADS[name] is not fn:
             raise ValueError(f"benchmark workload {name!r} is registered twice")
         WORKLOADS[name] = fn
+        WORKLOAD_INFO[name] = WorkloadInfo(title or name, shape)
         return fn
 
     return wrap
@@ -126,7 +148,7 @@ class Result:
     dtype: str
     direction: str
     impl: str
-    method: str = ""  # "graph", "events" (graph capture failed), "wall", or "" when the implementation failed
+    method: str = ""  # "graph", "events" (graph capture failed), "eager", "wall", or "" when the implementation failed
     sets: int = 0  # rotated input sets per timed call group
     rotation_mb: float = 0.0  # their total size
     median_us: float = math.nan
@@ -136,13 +158,15 @@ class Result:
     pct_ceiling: float = math.nan
     speedup_eager: float = math.nan
     speedup_compile: float = math.nan
+    auto_vs_best: float = math.nan  # an auto row: the fastest of its choices' time / its time (1.0: it picked the best)
     peak_mb: float = math.nan
     bytes_moved: int = 0
     flops: int = 0
     status: str = "ok"
-    # Not written to files: which rows the speed-up columns divide by.
+    # Not written to files: which rows the speed-up columns divide by, and an auto row's choices.
     eager_impl: str | None = dataclasses.field(default=None, repr=False)
     compile_impl: str | None = dataclasses.field(default=None, repr=False)
+    auto_choices: tuple[str, ...] = dataclasses.field(default=(), repr=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,7 +361,7 @@ def _blank_row(case: Case, impl: str) -> Result:
     return Result(
         workload=case.workload, shape=case.shape, dtype=dtype_name(case.dtype), direction=case.direction, impl=impl,
         ceiling=case.ceiling, bytes_moved=case.bytes_moved, flops=case.flops,
-        eager_impl=case.eager_impl, compile_impl=case.compile_impl,
+        eager_impl=case.eager_impl, compile_impl=case.compile_impl, auto_choices=case.auto_choices.get(impl, ()),
     )  # fmt: skip
 
 
@@ -372,6 +396,8 @@ def run_case(case: Case, options: Options, ceilings: Ceilings, advance: Callable
             row.peak_mb = _peak_bytes(fn, sets[0]) / 1e6
             if case.method == "wall":
                 ms, row.method = _time_wall(fn, sets[0], options.quick), "wall"
+            elif case.method == "eager":
+                ms, row.method = _time_events(fn, sets, options.quick), "eager"
             else:
                 ms = _time_graph(fn, sets, options.quick)
                 row.method = "graph"
@@ -402,7 +428,8 @@ def run_case(case: Case, options: Options, ceilings: Ceilings, advance: Callable
 
 
 def fill_relative_columns(rows: Iterable[Result]) -> None:
-    """Speed-ups vs the case's eager and torch.compile rows (time of the reference / time of the row)."""
+    """Speed-ups vs the case's eager and torch.compile rows (time of the reference / time of the row), and each auto
+    row's fastest choice / its time."""
     groups: dict[tuple[str, str, str, str], list[Result]] = {}
     for r in rows:
         groups.setdefault((r.workload, r.shape, r.dtype, r.direction), []).append(r)
@@ -415,6 +442,9 @@ def fill_relative_columns(rows: Iterable[Result]) -> None:
                 ref = times.get(ref_name) if ref_name else None
                 if ref is not None and r.median_us > 0:
                     setattr(r, attr, ref / r.median_us)
+            chosen = [times[c] for c in r.auto_choices if c in times]
+            if chosen and r.median_us > 0:
+                r.auto_vs_best = min(chosen) / r.median_us
 
 
 def run_cases(

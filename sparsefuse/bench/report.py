@@ -1,7 +1,8 @@
-"""Benchmark output: the printed table, and CSV / markdown / PNG files named after the GPU.
+"""Benchmark output: the printed table, and one CSV / markdown / PNG set per workload, ``<workload>-<gpu>``.
 
 Everything here is pure formatting over :class:`~sparsefuse.bench.harness.Result` rows and a metadata dict, so it
-runs (and is tested) without a GPU.
+runs (and is tested) without a GPU. :func:`read_csv` and :func:`read_meta` load a written set back, so its markdown
+and plot can be regenerated from the CSV (:func:`rewrite_from_csv`).
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ import math
 import os
 import re
 import subprocess
+import textwrap
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
-from .harness import Ceilings, Result
+from .harness import WORKLOAD_INFO, Ceilings, Result, WorkloadInfo
 
 __all__ = [
     "TABLE_HEADERS",
@@ -31,7 +33,12 @@ __all__ = [
     "write_csv",
     "write_markdown",
     "write_plot",
+    "write_set",
     "write_results",
+    "auto_summary",
+    "read_csv",
+    "read_meta",
+    "rewrite_from_csv",
 ]
 
 TABLE_HEADERS = [
@@ -40,6 +47,7 @@ TABLE_HEADERS = [
 ]  # fmt: skip
 # Every Result field except the two that only say which rows the speed-ups divide by.
 _CSV_FIELDS = [f.name for f in dataclasses.fields(Result) if f.name not in ("eager_impl", "compile_impl")]
+_CHOICE_SEPARATOR = ";"  # between the names in the auto_choices column
 
 
 def sanitize(name: str) -> str:
@@ -47,13 +55,10 @@ def sanitize(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "unknown"
 
 
-def result_stem(gpu: str, workloads: Sequence[str] = (), quick: bool = False) -> str:
-    """File stem ``bench-<gpu>``; a run of selected workloads appends their names and a --quick run "-quick", so
-    that partial or smoke runs never overwrite a full run's files."""
-    stem = f"bench-{sanitize(gpu)}"
-    if workloads:
-        stem += "-" + sanitize("_".join(workloads))
-    return stem + ("-quick" if quick else "")
+def result_stem(gpu: str, workload: str, quick: bool = False) -> str:
+    """File stem ``<workload>-<gpu>``, ``-quick`` appended for a --quick run so that a smoke run never overwrites a
+    full run's files. One set per workload and GPU: a later full run of a workload replaces its set."""
+    return f"{sanitize(workload)}-{sanitize(gpu)}" + ("-quick" if quick else "")
 
 
 def git_commit() -> str:
@@ -176,31 +181,215 @@ def write_csv(rows: Sequence[Result], path: Path) -> None:
         writer = csv.DictWriter(f, fieldnames=_CSV_FIELDS)
         writer.writeheader()
         for r in rows:
-            writer.writerow({k: getattr(r, k) for k in _CSV_FIELDS})
+            row = {k: getattr(r, k) for k in _CSV_FIELDS}
+            row["auto_choices"] = _CHOICE_SEPARATOR.join(r.auto_choices)
+            writer.writerow(row)
+
+
+def read_csv(path: str | Path) -> list[Result]:
+    """Rows of a CSV written by :func:`write_csv` (columns it lacks keep their defaults)."""
+    types = {f.name: f.type for f in dataclasses.fields(Result)}
+    rows = []
+    with Path(path).open(newline="") as f:
+        for record in csv.DictReader(f):
+            values: dict[str, Any] = {}
+            for key, text in record.items():
+                if key not in types or key in ("eager_impl", "compile_impl"):
+                    continue
+                kind = str(types[key])
+                if key == "auto_choices":
+                    values[key] = tuple(c for c in text.split(_CHOICE_SEPARATOR) if c)
+                elif kind == "float":
+                    values[key] = float(text) if text not in ("", "nan") else math.nan
+                elif kind == "int":
+                    values[key] = int(float(text)) if text else 0
+                else:
+                    values[key] = text
+            rows.append(Result(**values))
+    return rows
+
+
+def read_meta(path: str | Path) -> dict[str, str]:
+    """The ``| **key** | value |`` metadata table of a markdown report written by :func:`write_markdown`."""
+    meta = {}
+    for line in Path(path).read_text().splitlines():
+        match = re.match(r"^\| \*\*(.+?)\*\* \| (.*) \|$", line)
+        if match:
+            meta[match.group(1)] = match.group(2).replace("\\|", "|")
+    return meta
+
+
+_METHOD_NOTE = (
+    "Median time per call. `graph`: one CUDA graph replaying one call per rotated input set (inputs together exceed "
+    "2x L2); `events`: plain calls (graph capture failed; Python launch overhead included); `eager`: plain "
+    "back-to-back calls, on purpose (host overhead included); `wall`: whole calls between synchronizations. Rates "
+    "use the minimal bytes moved (each input read once, each output written once); `% ceil` is relative to the "
+    "ceiling measured in the same run (above). Speed-ups divide the eager / torch.compile time of the same case by "
+    "this row's time. How to read these files: docs/performance.md."
+)
+
+
+def auto_summary(rows: Sequence[Result]) -> list[str]:
+    """Markdown lines: per row that picks its own method (``auto_choices``), its time against the fastest of the
+    methods it picks among, timed in the same case. Empty when no row picks."""
+    times: dict[tuple[str, str, str, str], dict[str, float]] = {}
+    for r in rows:
+        if r.status == "ok":
+            times.setdefault((r.workload, r.shape, r.dtype, r.direction), {})[r.impl] = r.median_us
+    lines = []
+    for r in rows:
+        case = times.get((r.workload, r.shape, r.dtype, r.direction), {})
+        chosen = {c: case[c] for c in r.auto_choices if c in case}
+        if r.status != "ok" or not chosen:
+            continue
+        best = min(chosen, key=chosen.get)
+        lines.append(f"| {r.shape} | {r.dtype} | {r.impl} | {r.median_us:.1f} | {best} | {chosen[best]:.1f} | "
+                     f"{chosen[best] / r.median_us:.2f} |")
+    if not lines:
+        return []
+    ratios = [float(line.rsplit("|", 2)[1]) for line in lines]
+    head = [
+        "## Is auto's pick the fastest method?",
+        "",
+        f"{len(lines)} cases; auto's time within 10% of the fastest of its choices in "
+        f"{sum(x >= 0.9 for x in ratios)}, worst {min(ratios):.2f}. Last column: fastest choice's time / auto's "
+        "time (1.00: auto picked the fastest or ties with it; auto's small cost of deciding is included).",
+        "",
+        "| shape | dtype | auto row | auto us | fastest choice | its us | fastest / auto |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    return head + lines + [""]
 
 
 def write_markdown(rows: Sequence[Result], meta: dict[str, str], path: Path, plot_name: str | None) -> None:
-    parts = [f"# sparsefuse benchmark: {meta.get('GPU', 'unknown GPU')}", ""]
+    workloads = list(dict.fromkeys(r.workload for r in rows))
+    info = WORKLOAD_INFO.get(workloads[0]) if len(workloads) == 1 else None
+    parts = [f"# sparsefuse benchmark: {', '.join(workloads) or '-'} on {meta.get('GPU', 'unknown GPU')}", ""]
+    if info is not None:
+        parts += [info.title + f" (shape: {info.shape}).", ""]
     parts.append(_markdown_table(["", ""], [[f"**{k}**", v] for k, v in meta.items()]))
-    parts += [
-        "",
-        "Median time per call. `graph`: one CUDA graph replaying one call per rotated input set (inputs together "
-        "exceed 2x L2); `events`: plain calls (graph capture failed; Python launch overhead included); `wall`: "
-        "whole calls between synchronizations. Rates use the minimal bytes moved (each input read once, each "
-        "output written once); `% ceil` is relative to the measured ceiling above. Speed-ups divide the eager / "
-        "torch.compile time of the same case by this row's time.",
-        "",
-        _markdown_table(TABLE_HEADERS, (format_row(r) for r in rows)),
-        "",
-    ]
+    parts += ["", _METHOD_NOTE, ""]
     if plot_name:
-        parts += [f"![throughput]({plot_name})", ""]
+        parts += [f"![{', '.join(workloads)}]({plot_name})", ""]
+    parts += auto_summary(rows)
+    parts += [_markdown_table(TABLE_HEADERS, (format_row(r) for r in rows)), ""]
     path.write_text("\n".join(parts))
 
 
+_SWEEP = re.compile(r"^(?P<series>.+) (?P<param>\w+)=(?P<value>\S+)$")  # e.g. "twell nnz=32": series "twell"
+
+
+def _panel_prefix(shape: str) -> tuple[str, str]:
+    """(panel, x label) of a shape label: a leading word that is not a size ("L0 sweep ...", "jumprelu ...",
+    "snake ...") names a panel of its own; sizes ("1x64x236", "B=32 ...") share one."""
+    first, _, rest = shape.partition(" ")
+    if rest and "=" not in first and not first[:1].isdigit():
+        if rest.startswith("sweep "):  # "L0 sweep B=32 ...": the panel is the L0 sweep
+            return f"{first} sweep", rest.removeprefix("sweep ")
+        return first, rest
+    return "", shape
+
+
+def _metric(group: Sequence[Result], meta: dict[str, str]) -> tuple[Callable[[Result], float], str, float | None, str]:
+    """(value of a row, y label, ceiling line or None, its label) for one panel: the rate against the ceiling
+    measured in the run where the minimal cost bounds every row; else (a sparse op beats the dense bytes / FLOPs
+    count) the speed-up over the case's eager row; else the time."""
+    ceiling, copy = group[0].ceiling, _leading_number(meta.get("copy ceiling", ""))
+    matmul = _leading_number(meta.get("matmul ceiling", ""))
+    if ceiling == "copy" and all(math.isfinite(r.gbps) for r in group) and \
+            max(r.gbps for r in group) <= 1.1 * (copy or math.inf):  # fmt: skip
+        return (lambda r: r.gbps), "GB/s: minimal bytes moved / time (higher is better)", copy, \
+            "copy ceiling (measured in this run)"  # fmt: skip
+    if ceiling == "matmul" and all(math.isfinite(r.tflops) for r in group) and \
+            max(r.tflops for r in group) <= 1.1 * (matmul or math.inf):  # fmt: skip
+        return (lambda r: r.tflops), "TFLOP/s: minimal FLOPs / time (higher is better)", matmul, \
+            "bf16 matmul ceiling (measured in this run)"  # fmt: skip
+    eager = {(r.shape, r.dtype, r.direction): r.median_us for r in group if r.impl == (r.eager_impl or "eager")}
+    if len(eager) == len({(r.shape, r.dtype, r.direction) for r in group}):
+        return (lambda r: eager[(r.shape, r.dtype, r.direction)] / r.median_us), \
+            "speed-up over eager (eager time / time), log scale", None, ""  # fmt: skip
+    return (lambda r: r.median_us), "microseconds per call (lower is better)", None, ""
+
+
+def _panels(rows: Sequence[Result]) -> dict[tuple[str, ...], list[Result]]:
+    """Rows grouped into panels: per (dtype, direction, panel prefix); a workload whose implementations form a sweep
+    ("<method> <param>=<value>") gets one panel per shape, with the sweep parameter on the x axis."""
+    sweep = any(_SWEEP.match(r.impl) for r in rows)
+    panels: dict[tuple[str, ...], list[Result]] = {}
+    for r in rows:
+        if r.status != "ok" or not math.isfinite(r.median_us):
+            continue
+        prefix = r.shape if sweep else _panel_prefix(r.shape)[0]
+        panels.setdefault((r.workload, r.dtype, r.direction, prefix), []).append(r)
+    return panels
+
+
+def _draw_bars(ax: Any, group: Sequence[Result], meta: dict[str, str], color: Callable[[str], Any]) -> str:
+    value, ylabel, ceiling, ceiling_label = _metric(group, meta)
+    shapes = list(dict.fromkeys(_panel_prefix(r.shape)[1] for r in group))
+    impls = list(dict.fromkeys(r.impl for r in group))
+    width = 0.84 / len(impls)
+    for j, impl in enumerate(impls):
+        values = {_panel_prefix(r.shape)[1]: value(r) for r in group if r.impl == impl}
+        xs = [i + (j - (len(impls) - 1) / 2) * width for i in range(len(shapes))]
+        ax.bar(xs, [values.get(s, math.nan) for s in shapes], width, label=impl, color=color(impl))
+    if ceiling:
+        ax.axhline(ceiling, color="black", linestyle="--", linewidth=1, label=ceiling_label)
+    if max(map(len, shapes)) > 18:  # long labels (many sizes): wrapped, so neighbours and panels never overlap
+        ax.set_xticks(range(len(shapes)), [textwrap.fill(t, 16) for t in shapes], fontsize=6.5)
+    else:
+        ax.set_xticks(range(len(shapes)), shapes, rotation=20 if len(shapes) > 2 else 0, ha="right", fontsize=7)
+    if ylabel.startswith("speed-up"):
+        ax.set_yscale("log")
+        ax.axhline(1.0, color="black", linewidth=0.8)
+    elif ylabel.startswith("micro"):
+        times = [value(r) for r in group]
+        if max(times) > 30 * min(times):
+            ax.set_yscale("log")
+            ylabel = "microseconds per call, log scale (lower is better)"
+    return ylabel
+
+
+def _draw_sweep(ax: Any, group: Sequence[Result], color: Callable[[str], Any]) -> tuple[str, str]:
+    """Bars per sweep method at each parameter value, as speed-up over the case's eager row; the other rows
+    (eager, torch.compile, yardsticks) as horizontal lines."""
+    times = {r.impl: r.median_us for r in group}
+    eager = times.get(group[0].eager_impl or "eager") or times.get("eager")
+    if not eager:
+        eager = max(times.values())
+    series: dict[str, dict[str, float]] = {}
+    param = ""
+    for impl, t in times.items():
+        match = _SWEEP.match(impl)
+        if match:
+            param = match.group("param")
+            series.setdefault(match.group("series"), {})[match.group("value")] = eager / t
+    values = sorted({v for points in series.values() for v in points}, key=lambda v: float(v) if _is_number(v) else v)
+    width = 0.84 / max(1, len(series))
+    for j, (name, points) in enumerate(series.items()):
+        xs = [i + (j - (len(series) - 1) / 2) * width for i in range(len(values))]
+        ax.bar(xs, [points.get(v, math.nan) for v in values], width, label=name, color=color(name))
+    styles = ["--", ":", "-.", (0, (5, 1))]
+    for k, impl in enumerate(i for i in times if not _SWEEP.match(i)):
+        ax.axhline(eager / times[impl], color=color(impl), linestyle=styles[k % len(styles)], linewidth=1.2,
+                   label=impl)
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(values)), values, fontsize=8)
+    return f"mean {param} per token" if param == "nnz" else param, "speed-up over eager (eager time / time), log"
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
 def write_plot(rows: Sequence[Result], meta: dict[str, str], path: Path) -> bool:
-    """Grouped bars per shape and implementation, one panel per (workload, dtype, direction). Returns False if
-    matplotlib is missing or there is nothing to plot."""
+    """One figure per file: a panel per (dtype, direction, group of shapes), bars per implementation, the measured
+    ceiling as a dashed line, one legend below the panels. Returns False if matplotlib is missing or nothing
+    succeeded."""
     try:
         import matplotlib
 
@@ -208,41 +397,52 @@ def write_plot(rows: Sequence[Result], meta: dict[str, str], path: Path) -> bool
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    panels: dict[tuple[str, str, str], list[Result]] = {}
-    for r in rows:
-        if r.status == "ok":
-            panels.setdefault((r.workload, r.dtype, r.direction), []).append(r)
+    panels = _panels(rows)
     if not panels:
         return False
-    ncols = min(2, len(panels))
+    workloads = list(dict.fromkeys(key[0] for key in panels))
+    info = WORKLOAD_INFO.get(workloads[0], WorkloadInfo(workloads[0])) if len(workloads) == 1 else \
+        WorkloadInfo(", ".join(workloads))  # fmt: skip
+    palette = plt.get_cmap("tab20").colors
+    colors: dict[str, Any] = {}
+
+    def color(name: str) -> Any:
+        return colors.setdefault(name, palette[(2 * len(colors) + len(colors) // 10) % len(palette)])
+
+    bars = max(len({r.shape for r in g}) * len({r.impl for r in g}) for g in panels.values())
+    ncols = 1 if bars > 40 or len(panels) == 1 else min(3 if len(panels) >= 6 else 2, len(panels))
     nrows = math.ceil(len(panels) / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(8 * ncols, 3.6 * nrows), squeeze=False)
-    copy_gbps = _leading_number(meta.get("copy ceiling", ""))
-    for ax, ((workload, dtype, direction), group) in zip(axes.flat, panels.items()):
-        if any(math.isfinite(r.gbps) for r in group):
-            metric, label = (lambda r: r.gbps), "GB/s"
-        elif any(math.isfinite(r.tflops) for r in group):
-            metric, label = (lambda r: r.tflops), "TFLOP/s"
+    panel_width = min(22.0, max(6.5, 0.16 * bars + 2)) if ncols == 1 else 6.5
+    fig, axes = plt.subplots(nrows, ncols, figsize=(panel_width * ncols, 3.9 * nrows + 1.6), squeeze=False)
+    for ax, ((workload, dtype, direction, prefix), group) in zip(axes.flat, panels.items()):
+        if any(_SWEEP.match(r.impl) for r in group):
+            xlabel, ylabel = _draw_sweep(ax, group, color)
+            ax.set_title(f"{prefix}  {dtype}  {direction}", fontsize=9)
         else:
-            metric, label = (lambda r: r.median_us / 1e3), "ms per call (lower is better)"
-        shapes = list(dict.fromkeys(r.shape for r in group))
-        impls = list(dict.fromkeys(r.impl for r in group))
-        width = 0.8 / len(impls)
-        for j, impl in enumerate(impls):
-            values = {r.shape: metric(r) for r in group if r.impl == impl}
-            xs = [i + (j - (len(impls) - 1) / 2) * width for i in range(len(shapes))]
-            ax.bar(xs, [values.get(s, math.nan) for s in shapes], width, label=impl)
-        if label == "GB/s" and copy_gbps:
-            ax.axhline(copy_gbps, color="black", linestyle="--", linewidth=1, label="copy ceiling")
-        ax.set_xticks(range(len(shapes)), shapes, rotation=20, fontsize=8)
-        ax.set_ylabel(label)
-        ax.set_title(f"{workload}  {dtype}  {direction}", fontsize=10)
-        ax.legend(fontsize=7, ncols=2)
+            ylabel = _draw_bars(ax, group, meta, color)
+            xlabel = info.shape
+            ax.set_title("  ".join(p for p in (prefix, dtype, direction) if p), fontsize=9)
+        ax.set_xlabel(xlabel, fontsize=8)
+        ax.set_ylabel(ylabel, fontsize=8)
+        ax.tick_params(axis="y", labelsize=7)
+        ax.grid(axis="y", alpha=0.3)
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
-    fig.suptitle(f"sparsefuse on {meta.get('GPU', '?')}  (torch {meta.get('torch', '?')}, {meta.get('date', '')})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    handles: dict[str, Any] = {}
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+    width = fig.get_size_inches()[0]
+    column_inches = 0.07 * max(map(len, handles)) + 0.6  # fontsize 8 text plus the marker
+    legend_cols = max(1, min(len(handles), int(width / column_inches)))
+    legend_rows = math.ceil(len(handles) / max(1, legend_cols))
+    height = fig.get_size_inches()[1]
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncols=legend_cols, fontsize=8, frameon=False)
+    subtitle = f"{meta.get('GPU', '?')}, torch {meta.get('torch', '?')}, triton {meta.get('triton', '?')}, " \
+        f"{meta.get('date', '')}"  # fmt: skip
+    fig.suptitle(f"{info.title}\n{subtitle}", fontsize=10)
+    fig.tight_layout(rect=(0, (0.3 * legend_rows + 0.2) / height, 1, 1 - 0.7 / height))
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return True
 
@@ -252,19 +452,31 @@ def _leading_number(text: str) -> float | None:
     return float(match.group(1)) if match else None
 
 
-def write_results(
-    rows: Sequence[Result], meta: dict[str, str], out_dir: str | Path, stem: str, plot: bool = True
-) -> list[Path]:
-    """Write <stem>.csv, <stem>.md and (unless plot=False) <stem>.png into out_dir; returns the paths written."""
+def write_set(rows: Sequence[Result], meta: dict[str, str], out_dir: str | Path, stem: str,
+              plot: bool = True) -> list[Path]:  # fmt: skip
+    """Write <stem>.csv, <stem>.md and (unless plot=False, or without matplotlib) <stem>.png; returns the paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    written = [out / f"{stem}.csv"]
-    write_csv(rows, written[0])
-    png = out / f"{stem}.png"
+    csv_path, md, png = out / f"{stem}.csv", out / f"{stem}.md", out / f"{stem}.png"
+    write_csv(rows, csv_path)
     plotted = plot and write_plot(rows, meta, png)
-    if plotted:
-        written.append(png)
-    md = out / f"{stem}.md"
     write_markdown(rows, meta, md, png.name if plotted else None)
-    written.insert(1, md)
-    return written
+    return [csv_path, md] + ([png] if plotted else [])
+
+
+def write_results(rows: Sequence[Result], meta: dict[str, str], out_dir: str | Path, quick: bool = False,
+                  plot: bool = True) -> list[Path]:  # fmt: skip
+    """One set per workload in the rows, named :func:`result_stem` (``<workload>-<gpu>[-quick]``)."""
+    by_workload: dict[str, list[Result]] = {}
+    for r in rows:
+        by_workload.setdefault(r.workload, []).append(r)
+    gpu = meta.get("GPU", "unknown")
+    return [path for workload, group in by_workload.items()
+            for path in write_set(group, meta, out_dir, result_stem(gpu, workload, quick), plot)]  # fmt: skip
+
+
+def rewrite_from_csv(csv_path: str | Path, plot: bool = True) -> list[Path]:
+    """Regenerate the markdown and plot of a written set from its CSV (metadata from its markdown)."""
+    csv_path = Path(csv_path)
+    meta = read_meta(csv_path.with_suffix(".md"))
+    return write_set(read_csv(csv_path), meta, csv_path.parent, csv_path.stem, plot)

@@ -5,7 +5,9 @@ Implementations compared on every case:
 * ``sparsefuse``      the fused Triton kernels (plus ``sparsefuse fast_sin`` for snake, ``sparsefuse celu_`` in place)
 * ``eager``           the same math as a plain torch expression (one kernel per op)
 * ``torch.compile``   ``torch.compile`` of that eager function, default mode
-* ``seed``            what users run today: SNAC/DAC's TorchScript ``snake``; ``torch.nn.functional.celu``
+* what users run today: ``SNAC TorchScript snake`` (SNAC/DAC's scripted ``snake``) and ``F.celu`` (PyTorch's own
+  CELU kernel)
+* ``copy``            ``x.clone()``: the same bytes as the forward, this size's practical ceiling
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ SNAKE_SHAPES: list[tuple[int, int, int]] = [
     (1, 1024, 65536), (8, 512, 16384),
 ]  # fmt: skip
 SNAKE_QUICK_SHAPES: list[tuple[int, int, int]] = [(1, 1024, 236), (8, 512, 16384)]
+SNAC_SNAKE = "SNAC TorchScript snake"  # the row of what SNAC/DAC users run today
 
 
 def eager_snake(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
@@ -51,7 +54,7 @@ def _snac_snake(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def seed_snake() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def snac_snake() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The TorchScript-compiled SNAC/DAC snake (scripted on first use, not at import)."""
     with warnings.catch_warnings():  # TorchScript is deprecated, but it is what SNAC ships
         warnings.simplefilter("ignore", DeprecationWarning)
@@ -80,7 +83,7 @@ def _snake_case(shape: tuple[int, int, int], dtype: torch.dtype, direction: Dire
         "sparsefuse fast_sin": lambda x, a: sparsefuse.snake(x, a, fast_sin=True),
         "eager": eager_snake,
         "torch.compile": torch.compile(eager_snake),  # lazy: compiles on the harness's warm-up call
-        "seed": lambda x, a: seed_snake()(x, a),
+        SNAC_SNAKE: lambda x, a: snac_snake()(x, a),
     }
     if backward:
         impls = {name: _snake_fwd_bwd(f) for name, f in forwards.items()}
@@ -106,7 +109,8 @@ def _grid(make_case: Callable[..., Case], sizes: list, options: Options) -> list
     ]
 
 
-@register("snake")
+@register("snake", "Snake activation: sparsefuse vs eager torch, torch.compile and SNAC's TorchScript snake",
+          "[batch, channels, time]")
 def snake_cases(options: Options) -> list[Case]:
     return _grid(_snake_case, SNAKE_QUICK_SHAPES if options.quick else SNAKE_SHAPES, options)
 
@@ -140,7 +144,7 @@ def _celu_case(n: int, dtype: torch.dtype, direction: Direction, device: str) ->
         "sparsefuse": lambda x: sparsefuse.celu(x, 1.0),
         "eager": eager_celu,
         "torch.compile": torch.compile(eager_celu),
-        "seed": lambda x: torch.nn.functional.celu(x, 1.0),
+        "F.celu": lambda x: torch.nn.functional.celu(x, 1.0),
     }
     if backward:
         impls = {name: (lambda f: lambda x, g: torch.autograd.grad(f(x), x, g))(f) for name, f in forwards.items()}
@@ -159,7 +163,7 @@ def _celu_case(n: int, dtype: torch.dtype, direction: Direction, device: str) ->
     )  # fmt: skip
 
 
-@register("celu")
+@register("celu", "CELU activation: sparsefuse vs eager torch, torch.compile and F.celu", "elements")
 def celu_cases(options: Options) -> list[Case]:
     return _grid(_celu_case, CELU_QUICK_SIZES if options.quick else CELU_SIZES, options)
 
@@ -174,11 +178,12 @@ SNAC_24KHZ: dict[str, Any] = dict(
     attn_window_size=None, codebook_size=4096, codebook_dim=8, vq_strides=[4, 2, 1], noise=True, depthwise=True,
 )  # fmt: skip
 # Coarsest code length: codes have lengths L, 2L, 4L and the latent 4L = 236 frames, so the decoder's first Snake
-# sees T = 236 like the seed's traces (236 * 512 = 120832 samples, ~5 s at 24 kHz).
+# sees T = 236 (236 * 512 = 120832 samples, ~5 s at 24 kHz).
 SNAC_CODE_LENGTH = 59
 
 
-@register("snac")
+@register("snac", "SNAC 24 kHz decode end to end: the snac model vs the same model with sparsefuse's Snake "
+          "patched in", "codes per decode, timing method")
 def snac_cases(options: Options) -> list[Case]:
     if torch.float32 not in options.dtypes:
         options.log("snac: skipped (the decode runs in float32, which --dtype excludes)")

@@ -88,10 +88,13 @@ def _case(K: int, N: int, M: int, nnz_values: list[int], dtype: torch.dtype, dev
         workload="ffn", shape=f"M={M} K={K} N={N}", dtype=dtype, direction="fwd",
         bytes_moved=(3 * K * N + 2 * M * K) * e, flops=6 * M * K * N, ceiling="matmul",
         make_inputs=make_inputs, impls=impls,
+        auto_choices={f"auto nnz={s}": tuple(c for c in (f"twell nnz={s}", f"block nnz={s}", "eager") if c in impls)
+                      for s in levels},
     )  # fmt: skip
 
 
-@register("ffn")
+@register("ffn", "TwELL gated FFN: sparsefuse twell / block / auto at each sparsity vs dense cuBLAS and "
+          "torch.compile", "tokens M, hidden K, intermediate N")
 def ffn_cases(options: Options) -> list[Case]:
     grid = QUICK_GRID if options.quick else GRID
     # bf16 is the design point (fp16 runs the same kernels; the tests cover it): one half-precision dtype only.

@@ -1,6 +1,6 @@
 """Benchmark workload ``sae_decode``: sparse SAE decode against dense cuBLAS, cuSPARSE, embedding_bag, torch.compile.
 
-Shapes: the seed write-up's (B=32/256, F=65536, D=768, L0=64; B=32, F=131072, D=512, L0=128), Gemma Scope 2B 65k
+Shapes: the reference write-up's (B=32/256, F=65536, D=768, L0=64; B=32, F=131072, D=512, L0=128), Gemma Scope 2B 65k
 (D=2304, L0=72) and 262k (L0=100), Gemma Scope 9B 131k (D=3584), Qwen Scope (F=32768, D=2048, L0=100); an L0 sweep
 (16..16384) at B=32 and B=1024 showing the crossover with dense; a batch sweep (1..4096) on Gemma 2B 65k.
 Minimal traffic: the dense activations read once, the fired rows of W_dec, the output written once.
@@ -19,7 +19,7 @@ from ..harness import Case, Options, register
 
 # (B, F, D, L0)
 MAIN_SHAPES: list[tuple[int, int, int, int]] = [
-    (32, 65536, 768, 64), (256, 65536, 768, 64), (32, 131072, 512, 128),  # the seed's
+    (32, 65536, 768, 64), (256, 65536, 768, 64), (32, 131072, 512, 128),  # the reference write-up's
     (4096, 65536, 2304, 72),  # Gemma Scope 2B 65k
     (1024, 262144, 2304, 100),  # Gemma Scope 2B 262k
     (1024, 131072, 3584, 72),  # Gemma Scope 9B 131k
@@ -28,6 +28,8 @@ MAIN_SHAPES: list[tuple[int, int, int, int]] = [
 L0_SWEEP = [16, 64, 256, 1024, 4096, 16384]
 BATCH_SWEEP = [1, 8, 64, 512, 4096]
 QUICK_SHAPES = MAIN_SHAPES[:1]
+# What method="auto" picks among (scan, fixed, cuBLAS); "exact" is never auto's pick.
+AUTO_CHOICES = ("sparsefuse scan", "sparsefuse fixed (max_l0=2*L0)", "eager")
 
 
 def _acts(B: int, F: int, l0: int, dtype: torch.dtype, device: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,10 +69,12 @@ def _case(shape: tuple[int, int, int, int], dtype: torch.dtype, device: str, lab
         workload="sae_decode", shape=f"{label}B={B} F={F} D={D} L0={l0}", dtype=dtype, direction="fwd",
         bytes_moved=B * F * e + B * l0 * D * e + B * D * e, flops=2 * B * l0 * D, ceiling="copy",
         make_inputs=make_inputs, impls=impls, compile_impl="torch.compile" if "torch.compile" in impls else None,
+        auto_choices={"sparsefuse auto": tuple(c for c in AUTO_CHOICES if c in impls)},
     )  # fmt: skip
 
 
-@register("sae_decode")
+@register("sae_decode", "Sparse SAE decode (acts @ W_dec): sparsefuse vs dense cuBLAS, torch.sparse (cuSPARSE), "
+          "F.embedding_bag, torch.compile", "batch B, d_sae F, d_model D, fired features per token L0")
 def sae_decode_cases(options: Options) -> list[Case]:
     dtypes = [d for d in options.dtypes if d in (torch.float32, torch.bfloat16)]
     if options.quick:

@@ -29,8 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from ...sae import JumpReLUEncoder, jumprelu_encode, sparse_decode, topk_decode
-from ...sae.topk import topk_encode
+from ...sae import JumpReLUEncoder, jumprelu_encode, sparse_decode, topk_decode, topk_encode
 from ...sparse import sparse_matmul
 from ..harness import Case, Options, register
 
@@ -194,7 +193,8 @@ def _case(architecture: str, shape: tuple[str, int, int, int], dtype: torch.dtyp
     )  # fmt: skip
 
 
-@register("sae_forward")
+@register("sae_forward", "SAE forward (encode + decode), 4096 tokens: sparsefuse vs SAELens, eager torch, "
+          "torch.compile and the encode matmul alone", "architecture, SAE, tokens B, d_in, d_sae, L0")
 def sae_forward_cases(options: Options) -> list[Case]:
     try:
         import sae_lens  # noqa: F401

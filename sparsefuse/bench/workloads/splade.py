@@ -120,7 +120,8 @@ def _dtypes(options: Options, workload: str) -> list[torch.dtype]:
     return dtypes
 
 
-@register("splade")
+@register("splade", "SPLADE head, max pooling: sparsefuse vs eager torch, torch.compile and the bare matmul",
+          "batch B, sequence S, hidden H, vocabulary V")
 def splade_cases(options: Options) -> list[Case]:
     shapes = [(HEADLINE_SHAPE, False)]
     if not options.quick:
@@ -134,7 +135,8 @@ def splade_cases(options: Options) -> list[Case]:
     ]
 
 
-@register("splade_sum")
+@register("splade_sum", "SPLADE head, sum pooling: sparsefuse vs eager torch, torch.compile and the bare matmul",
+          "batch B, sequence S, hidden H, vocabulary V")
 def splade_sum_cases(options: Options) -> list[Case]:
     return [
         _case(HEADLINE_SHAPE, dtype, direction, "sum", False, options.device)

@@ -1,0 +1,416 @@
+"""The ``python -m sparsefuse bench|check`` command line, and the GPU-free parts of the benchmark harness.
+
+The CLI runs in subprocesses (the commands re-execute themselves, which must not replace pytest). The harness's
+timing loop is exercised in-process on the CPU with a stand-in for the few ``torch.cuda`` calls it makes, so its
+control flow (rotation, graph capture and its fallback, peak memory, speed-ups, result files) is tested without a
+GPU; the real device path runs only on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import math
+import os
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+import sparsefuse
+import sparsefuse._backend
+from sparsefuse.__main__ import main, parse_dtypes
+from sparsefuse.bench import check, harness, report
+from sparsefuse.bench import workloads as _workloads  # noqa: F401  (registers every workload, whatever test runs first)
+from sparsefuse.bench.harness import Case, Ceilings, Options, Result
+
+REPO = Path(__file__).resolve().parents[2]
+# torch.compile's import of torch.utils.mkldnn warns about its own TorchScript use; not ours to fix.
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+
+
+def run_cli(*args: str, interpret: bool, timeout: float = 600) -> subprocess.CompletedProcess:
+    # Generous: the interpreted `check` takes ~35 s alone but several times that beside other xdist workers.
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "_SPARSEFUSE_REEXECUTED")}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    return subprocess.run(
+        [sys.executable, "-m", "sparsefuse", *args], cwd=REPO, env=env, capture_output=True, text=True,
+        timeout=timeout, check=False,
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(
+    tuple(int(v) for v in __import__("triton").__version__.split(".")[:2]) < (3, 7),
+    reason="Triton < 3.7's interpreter cannot loop over a runtime kernel argument (range(n) raises); CI uses a newer "
+    "Triton, and the compiled kernels are unaffected",
+)
+def test_check_small_passes_under_interpreter():
+    proc = run_cli("check", "--size", "small", interpret=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "backend=interpreter" in proc.stdout
+    assert "FAIL" not in proc.stdout and "all passed" in proc.stdout
+    for op in check.OPS:  # every op, each launching a sparsefuse kernel (check_op fails an op that launches none)
+        assert f"PASS  {op}" in proc.stdout, op
+
+
+def test_check_and_bench_fallback_run_only_the_named_workloads(monkeypatch):
+    """`check snake` and, without a GPU, `bench snake` run the snake ops and nothing else."""
+    seen: list[str] = []
+    monkeypatch.setattr(check, "check_op", lambda name, *a: seen.append(name) or check.CheckResult(
+        name, "float32", "1", "interpreter", ["k"], []))  # fmt: skip
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for command in ("check", "bench"):
+        seen.clear()
+        assert main([command, "snake", "--dtype", "float32"], allow_reexec=False) == 0
+        assert seen and all(name.startswith("snake") for name in seen), (command, seen)
+        assert set(seen) == {n for n, op in check.OPS.items() if op.family == "snake"}
+    seen.clear()
+    assert main(["check", "sae", "--dtype", "float32"], allow_reexec=False) == 0
+    assert {check.OPS[n].family for n in seen} == {"sae_decode", "sae_encode"}
+
+
+def test_every_op_family_and_workload_is_checked():
+    families = {op.family for op in check.OPS.values()}
+    assert families == {f for fams in check.WORKLOAD_FAMILIES.values() for f in fams}
+    assert set(harness.resolve_workloads([])) <= set(check.WORKLOAD_FAMILIES)  # bench's fallback covers every one
+    public = {"snake", "celu", "celu_", "sparse_decode", "topk_decode", "jumprelu_encode", "topk_encode",
+              "splade_pool", "twell_mlp", "twell_relu_mlp"}
+    assert public <= set(sparsefuse.__all__)
+    covered = " ".join(check.OPS)
+    for op, needle in {"sparse_decode": "sae decode", "topk_decode": "topk_decode", "splade_pool": "splade",
+                       "jumprelu_encode": "jumprelu_encode", "topk_encode": "topk_encode", "celu_": "celu_",
+                       "twell_mlp": "twell_mlp", "twell_relu_mlp": "twell_relu_mlp"}.items():  # fmt: skip
+        assert needle in covered, op
+    assert check.ops_for(["snake"]) == [n for n in check.OPS if n.startswith("snake")]
+    with pytest.raises(KeyError, match="unknown workload"):
+        check.ops_for(["nope"])
+
+
+@pytest.mark.parametrize("command", ["check", "bench"])
+def test_unknown_workload_in_check_or_bench_is_a_clear_error(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "nope"], allow_reexec=False)
+    assert exit_info.value.code == 2
+    assert "unknown workload(s) 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="tests the no-GPU fallback")
+def test_bench_without_gpu_reexecs_and_runs_check_of_its_workload():
+    proc = run_cli("bench", "snake", "--quick", "--dtype", "float32", interpret=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "re-running with TRITON_INTERPRET=1" in proc.stdout
+    assert "timings need a CUDA GPU" in proc.stdout and "check --size small snake" in proc.stdout
+    assert "backend=interpreter" in proc.stdout and "all passed" in proc.stdout
+    checked = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith(("PASS", "FAIL"))]
+    assert checked and all(op == "snake" for op in checked), proc.stdout
+
+
+def test_unknown_workload_is_a_clear_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "snake", "no-such-workload"], allow_reexec=False)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown workload(s) 'no-such-workload'" in err
+    known = err.split("known workloads:")[1]
+    assert all(name in known for name in ("celu", "sae_decode", "snac", "snake", "splade", "overhead"))
+
+
+def test_parse_dtypes():
+    assert parse_dtypes("float32, bf16,fp16,float32") == (torch.float32, torch.bfloat16, torch.float16)
+    with pytest.raises(ValueError, match="unknown dtype 'int8'"):
+        parse_dtypes("int8")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Registry and workloads (listing cases touches no device; impls are run on tiny CPU inputs)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_registry_and_case_listing():
+    assert {"snake", "celu", "snac"} <= set(harness.resolve_workloads([]))
+    assert harness.resolve_workloads(["celu", "snake", "celu"]) == ["celu", "snake"]
+    with pytest.raises(ValueError, match="registered twice"):
+        harness.register("snake")(lambda options: [])
+
+    options = Options(quick=True, device="cpu", dtypes=(torch.float16,))
+    snake_cases = harness.WORKLOADS["snake"](options)
+    assert len(snake_cases) == 2 * 2  # quick shapes x directions
+    for case in snake_cases:
+        expected = {"sparsefuse", "sparsefuse fast_sin", "eager", "torch.compile", "SNAC TorchScript snake"}
+        assert set(case.impls) == (expected | {"copy"} if case.direction == "fwd" else expected)
+        B, C, T = map(int, case.shape.split("x"))
+        assert case.bytes_moved == (2 if case.direction == "fwd" else 5) * B * C * T * 2
+        assert case.ceiling == "copy" and case.method == "graph"
+    celu_cases = harness.WORKLOADS["celu"](options)
+    assert {c.direction for c in celu_cases} == {"fwd", "fwd+bwd"}
+    assert all(("sparsefuse celu_" in c.impls) == (c.direction == "fwd") for c in celu_cases)
+
+
+@pytest.mark.parametrize("direction", ["fwd", "fwd+bwd"])
+def test_activation_impls_agree_on_tiny_inputs(direction):
+    """Every implementation a case times computes the same function (torch.compile skipped: it would build CPU
+    code here)."""
+    options = Options(quick=True, device="cpu", dtypes=(torch.float32,))
+    snake_case = next(c for c in harness.WORKLOADS["snake"](options) if c.direction == direction)
+    celu_case = next(c for c in harness.WORKLOADS["celu"](options) if c.direction == direction)
+    x = torch.randn(2, 3, 50)
+    alpha = torch.empty(1, 3, 1).uniform_(0.5, 2.0)
+    g = torch.randn_like(x)
+    for case, make in ((snake_case, lambda: (x.clone(), alpha.clone())), (celu_case, lambda: (x.clone(),))):
+        results = {}
+        for name, fn in case.impls.items():
+            if name in ("torch.compile", "copy"):  # compile would build CPU code; copy is a bandwidth yardstick
+                continue
+            inputs = make()
+            if direction == "fwd+bwd":
+                inputs = tuple(t.requires_grad_() for t in inputs) + (g,)
+            out = fn(*inputs)
+            results[name] = out if name != "sparsefuse celu_" else inputs[0]
+        reference = results["eager"]
+        for name, out in results.items():
+            outs = out if isinstance(out, tuple) else (out,)
+            refs = reference if isinstance(reference, tuple) else (reference,)
+            for o, r in zip(outs, refs):
+                torch.testing.assert_close(o.detach(), r.detach(), rtol=1e-4, atol=1e-4, msg=f"{case.workload} {name}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Harness timing loop with a CPU stand-in for torch.cuda
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class _FakeCuda:
+    """Just enough of torch.cuda for harness.run_case: host-clock events, a 'graph' that runs its calls at
+    capture and sleeps on replay, and allocator counters."""
+
+    def __init__(self) -> None:
+        self.capturing = False
+
+    class Event:
+        def __init__(self, enable_timing: bool = False) -> None:
+            self.t = 0.0
+
+        def record(self, stream=None) -> None:
+            self.t = time.perf_counter()
+
+        def elapsed_time(self, end) -> float:
+            return (end.t - self.t) * 1e3
+
+    class CUDAGraph:
+        def replay(self) -> None:
+            time.sleep(2e-4)
+
+    def graph(self, g):
+        fake = self
+
+        @contextlib.contextmanager
+        def capture():
+            fake.capturing = True
+            try:
+                yield
+            finally:
+                fake.capturing = False
+
+        return capture()
+
+    def install(self, monkeypatch) -> None:
+        cuda = torch.cuda
+        noop = lambda *a, **k: None  # noqa: E731
+        for name, value in {
+            "Event": self.Event, "CUDAGraph": self.CUDAGraph, "graph": self.graph,
+            "synchronize": noop, "empty_cache": noop, "reset_peak_memory_stats": noop, "set_stream": noop,
+            "Stream": lambda *a, **k: types.SimpleNamespace(wait_stream=noop),
+            "current_stream": lambda *a, **k: types.SimpleNamespace(wait_stream=noop),
+            "stream": lambda s: contextlib.nullcontext(),
+            "is_current_stream_capturing": lambda: self.capturing,
+            "mem_get_info": lambda *a: (8 << 30, 16 << 30),
+            "current_device": lambda: 0,
+            "get_device_properties": lambda *a: types.SimpleNamespace(L2_cache_size=1 << 20),
+            "memory_allocated": lambda *a: 1000, "max_memory_allocated": lambda *a: 1000 + 4_000_000,
+        }.items():  # fmt: skip
+            monkeypatch.setattr(cuda, name, value)
+
+
+def _fake_case(direction: str = "fwd") -> Case:
+    n = 10_000
+
+    def refuses_capture(x: torch.Tensor) -> torch.Tensor:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return x * 2
+
+    def broken(x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("boom [/not markup]")
+
+    return Case(
+        workload="fake", shape=f"{n}", dtype=torch.float32, direction=direction, bytes_moved=2 * n * 4, flops=n,
+        ceiling="copy", make_inputs=lambda: (torch.randn(n),),
+        impls={"eager": lambda x: x * 2, "torch.compile": lambda x: x * 2, "mine": lambda x: x + x,
+               "no graph": refuses_capture, "broken": broken},
+    )  # fmt: skip
+
+
+def test_harness_run_case_with_fake_cuda(monkeypatch):
+    _FakeCuda().install(monkeypatch)
+    ticks: list[str] = []
+    ceilings = Ceilings(copy_bytes_per_s=1e12, matmul_flops_per_s=1e15)
+    rows = harness.run_cases([_fake_case()], Options(quick=True, device="cpu"), ceilings, ticks.append)
+    by_impl = {r.impl: r for r in rows}
+    assert len(ticks) == len(rows) == 5
+    # 40 kB per set; 2x the fake 1 MiB L2 needs 53 sets.
+    assert by_impl["eager"].sets == 53
+    assert by_impl["eager"].method == "graph" and by_impl["eager"].status == "ok"
+    assert by_impl["no graph"].method == "events" and by_impl["no graph"].status == "ok"
+    assert by_impl["broken"].status.startswith("RuntimeError: boom") and math.isnan(by_impl["broken"].median_us)
+    eager = by_impl["eager"]
+    assert eager.median_us > 0 and eager.peak_mb == pytest.approx(4.0)
+    assert eager.gbps == pytest.approx(80_000 / (eager.median_us * 1e-6) / 1e9)
+    assert eager.pct_ceiling == pytest.approx(100 * eager.gbps * 1e9 / 1e12)
+    assert eager.speedup_eager == pytest.approx(1.0)
+    mine = by_impl["mine"]
+    assert mine.speedup_compile == pytest.approx(by_impl["torch.compile"].median_us / mine.median_us)
+
+
+def test_bench_command_end_to_end_with_fake_cuda(monkeypatch, tmp_path, capsys):
+    """The bench command's glue (case listing, ceilings, progress, table, files) on a fake device."""
+    fake = _FakeCuda()
+    fake.install(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(sparsefuse._backend, "INTERPRET", False)  # bench refuses to time interpreted kernels
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU 9000")
+    monkeypatch.setattr(harness, "measure_ceilings", lambda quick=False: Ceilings(2.0e12, 5.0e14))
+    monkeypatch.setitem(harness.WORKLOADS, "fake", lambda options: [_fake_case()])
+    monkeypatch.setenv("SPARSEFUSE_COMMIT", "feedbee")
+    rc = main(["bench", "fake", "--quick", "--out", str(tmp_path)], allow_reexec=False)
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "copy ceiling: 2000 GB/s" in out and "matmul ceiling: 500 TFLOP/s" in out
+    assert "[5/5] fake 10000 float32 fwd broken" in out  # progress lines (output is not a terminal)
+    assert "1 of 5 measurements failed" in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "fake-Fake-GPU-9000-quick.csv", "fake-Fake-GPU-9000-quick.md", "fake-Fake-GPU-9000-quick.png",
+    ]  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Report formatting and files
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _fake_rows() -> list[Result]:
+    rows = []
+    for shape, scale in (("1x64x1000", 1.0), ("8x512x16384", 10.0)):
+        for impl, us in (("sparsefuse", 10.0), ("eager", 30.0), ("torch.compile", 15.0)):
+            rows.append(Result("snake", shape, "bfloat16", "fwd", impl, method="graph", sets=4, median_us=us * scale,
+                               gbps=1000.0 / us, ceiling="copy", pct_ceiling=33.3, peak_mb=1.5, bytes_moved=100,
+                               eager_impl="eager", compile_impl="torch.compile"))  # fmt: skip
+    rows.append(Result("snake", "8x512x16384", "bfloat16", "fwd", "SNAC TorchScript snake",
+                       status="OutOfMemoryError: out of memory"))
+    rows.append(Result("snac", "decode L=59 (5.0 s)", "float32", "fwd", "eager (snac)", method="wall",
+                       median_us=20_000.0, eager_impl="eager (snac)"))  # fmt: skip
+    rows.append(Result("snac", "decode L=59 (5.0 s)", "float32", "fwd", "sparsefuse (patched)", method="wall",
+                       median_us=12_000.0, eager_impl="eager (snac)"))  # fmt: skip
+    harness.fill_relative_columns(rows)
+    return rows
+
+
+def test_format_row_and_speedups():
+    rows = _fake_rows()
+    row = report.format_row(rows[0])
+    assert len(row) == len(report.TABLE_HEADERS)
+    assert row[4:9] == ["sparsefuse", "graph", "10.0", "100 GB/s", "33%"]
+    assert row[9:11] == ["3.00x", "1.50x"]
+    failed = report.format_row(rows[6])
+    assert failed[6] == "-" and failed[-1].startswith("OutOfMemoryError")
+    patched = rows[-1]
+    assert patched.speedup_eager == pytest.approx(20_000 / 12_000) and math.isnan(patched.speedup_compile)
+
+
+def test_names_and_ceilings():
+    assert report.sanitize("NVIDIA H100 80GB HBM3") == "NVIDIA-H100-80GB-HBM3"
+    assert report.sanitize("a/b:c (d)") == "a-b-c-d"
+    assert report.result_stem("NVIDIA H200", "snake") == "snake-NVIDIA-H200"
+    assert report.result_stem("NVIDIA H200", "sae_decode", quick=True) == "sae_decode-NVIDIA-H200-quick"
+    text = report.format_ceilings(Ceilings(3.0e12, 7.5e14))
+    assert text["copy ceiling"].startswith("3000 GB/s") and text["matmul ceiling"].startswith("750 TFLOP/s")
+
+
+def test_write_results(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPARSEFUSE_COMMIT", "abc1234")
+    meta = report.environment(Ceilings(3.0e12, 7.5e14), "NVIDIA H100 80GB HBM3", 50 * 10**6)
+    assert meta["commit"] == "abc1234"
+    rows = _fake_rows()
+    paths = report.write_results(rows, meta, tmp_path / "out")
+    names = sorted(p.name for p in paths)
+    assert names == [f"{w}-NVIDIA-H100-80GB-HBM3.{ext}" for w in ("snac", "snake") for ext in ("csv", "md", "png")]
+    for p in paths:
+        assert p.stat().st_size > 0
+        assert all(c.isalnum() or c in "._-" for c in p.name)
+    with (tmp_path / "out" / "snake-NVIDIA-H100-80GB-HBM3.csv").open() as f:
+        table = list(csv.DictReader(f))
+    assert len(table) == 7 and table[0]["impl"] == "sparsefuse" and float(table[0]["speedup_eager"]) == 3.0
+    md = (tmp_path / "out" / "snake-NVIDIA-H100-80GB-HBM3.md").read_text()
+    for key in ("GPU", "torch", "triton", "CUDA", "commit", "date", "copy ceiling", "matmul ceiling", "abc1234"):
+        assert key in md
+    assert "Snake activation" in md and "](snake-NVIDIA-H100-80GB-HBM3.png)" in md
+    no_plot = report.write_results(rows, meta, tmp_path / "np", plot=False)
+    assert sorted(p.suffix for p in no_plot) == [".csv", ".csv", ".md", ".md"]
+    report.print_table(rows, meta)  # rich (or plain) rendering must not choke on brackets in notes
+    # a set reads back and regenerates
+    again = report.read_csv(tmp_path / "out" / "snake-NVIDIA-H100-80GB-HBM3.csv")
+    assert [(r.impl, r.median_us, r.status) for r in again] == [
+        (r.impl, r.median_us, r.status) for r in rows if r.workload == "snake"] or math.isnan(again[-1].median_us)
+    assert report.read_meta(tmp_path / "out" / "snake-NVIDIA-H100-80GB-HBM3.md")["commit"] == "abc1234"
+    assert len(report.rewrite_from_csv(tmp_path / "out" / "snake-NVIDIA-H100-80GB-HBM3.csv")) == 3
+
+
+def test_auto_pick_column_and_summary(tmp_path):
+    """An auto row is compared with the fastest of the methods it picks among, timed in the same case; a sweep
+    workload ("<method> nnz=S") plots as speed-ups per sweep value."""
+    rows = []
+    for nnz, times in ((8, {"twell": 50.0, "block": 80.0, "auto": 52.0}), (512, {"twell": 400.0, "auto": 110.0})):
+        for method, us in times.items():
+            choices = tuple(f"{m} nnz={nnz}" for m in times if m != "auto") + ("eager",) if method == "auto" else ()
+            rows.append(Result("ffn", "M=16 K=64 N=128", "bfloat16", "fwd", f"{method} nnz={nnz}", method="graph",
+                               median_us=us, eager_impl="eager", auto_choices=choices))  # fmt: skip
+    rows.append(Result("ffn", "M=16 K=64 N=128", "bfloat16", "fwd", "eager", method="graph", median_us=100.0,
+                       eager_impl="eager"))  # fmt: skip
+    harness.fill_relative_columns(rows)
+    by_impl = {r.impl: r for r in rows}
+    assert by_impl["auto nnz=8"].auto_vs_best == pytest.approx(50 / 52)
+    assert by_impl["auto nnz=512"].auto_vs_best == pytest.approx(100 / 110)
+    assert math.isnan(by_impl["twell nnz=8"].auto_vs_best)
+    summary = "\n".join(report.auto_summary(rows))
+    assert "2 cases" in summary and "| auto nnz=512 | 110.0 | eager | 100.0 | 0.91 |" in summary
+    meta = {"GPU": "Fake", "copy ceiling": "1000 GB/s", "matmul ceiling": "100 TFLOP/s"}
+    paths = report.write_set(rows, meta, tmp_path, "ffn-Fake")
+    assert [p.suffix for p in paths] == [".csv", ".md", ".png"]
+    assert report.read_csv(paths[0])[2].auto_choices == ("twell nnz=8", "block nnz=8", "eager")
+
+
+def test_overhead_workload_lists_eager_and_graph_cases():
+    cases = harness.WORKLOADS["overhead"](Options(quick=True, device="cpu"))
+    assert {c.method for c in cases} == {"eager", "graph"} and not any(c.rotate for c in cases)
+    snake = [c for c in cases if c.shape.startswith("snake")]
+    assert [c.shape.rsplit(" ", 2)[-2:] for c in snake] == [["eager", "calls"], ["graph", "replay"]]
+    assert {"sparsefuse", "eager", "SNAC TorchScript snake"} <= set(snake[0].impls)
+    assert harness.WORKLOAD_INFO["overhead"].title.startswith("Time per small call")
+
+
+def test_harness_eager_method_times_plain_calls(monkeypatch):
+    _FakeCuda().install(monkeypatch)
+    case = _fake_case()
+    case.method, case.rotate = "eager", False
+    case.impls = {"eager": case.impls["eager"], "no graph": case.impls["no graph"]}
+    rows = harness.run_cases([case], Options(quick=True, device="cpu"), Ceilings(1e12, 1e15))
+    assert [(r.method, r.sets, r.status) for r in rows] == [("eager", 1, "ok"), ("eager", 1, "ok")]
