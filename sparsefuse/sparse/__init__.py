@@ -21,19 +21,20 @@ __all__ = [
     "torch_block_sddmm", "block_sparse_matmul", "SparsityMonitor", "sampled_nonzero_stats",
 ]
 
-_warned_jumprelu_encoder = False
+def _jumprelu_encoder(x, W_enc, b_enc, threshold, b_dec=None) -> ThresholdedLinear:
+    """The deprecated ``sparsefuse.sparse.JumpReLUEncoder(x, W_enc, b_enc, threshold, b_dec)``: the same layer as the
+    core's generic :class:`ThresholdedLinear` (``sparsefuse.sae.JumpReLUEncoder`` keeps the SAE's field names)."""
+    return ThresholdedLinear(x, W_enc, b_enc, threshold, b_dec)
 
 
 def __getattr__(name: str) -> Any:
-    # JumpReLUEncoder describes an SAE encode, so it lives in sparsefuse.sae (a higher floor, imported only when the
-    # old name is asked for).
+    # The core carries no SAE names; the old name still builds the same layer, with a warning.
     if name == "JumpReLUEncoder":
-        global _warned_jumprelu_encoder
-        if not _warned_jumprelu_encoder:
-            _warned_jumprelu_encoder = True
-            warnings.warn("sparsefuse.sparse.JumpReLUEncoder is deprecated; import it from sparsefuse.sae",
-                          DeprecationWarning, stacklevel=2)
-        from ..sae import JumpReLUEncoder
-
-        return JumpReLUEncoder
+        warnings.warn(
+            "sparsefuse.sparse.JumpReLUEncoder is deprecated: use sparsefuse.sae.JumpReLUEncoder "
+            "(or the generic sparsefuse.sparse.ThresholdedLinear)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return _jumprelu_encoder
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -474,11 +474,3 @@ def block_sparse_matmul(sparse: BlockELL, weight: torch.Tensor, *, bias: torch.T
     )  # fmt: skip
     record_launch("block_ell_matmul_kernel")
     return out
-
-
-def __getattr__(name: str):
-    if name == "JumpReLUEncoder":  # deprecated here: the package's alias warns and imports it from sparsefuse.sae
-        from .. import sparse
-
-        return sparse.JumpReLUEncoder
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -107,19 +107,16 @@ def test_encoder_weight_in_another_dtype_is_cast_per_tile(device):
     assert torch.equal(mixed.counts, ref.counts) and torch.equal(mixed.to_dense(), ref.to_dense())
 
 
-def test_deprecated_core_alias_is_the_sae_encoder():
-    import warnings
-
+def test_deprecated_core_alias_builds_the_same_layer():
     import sparsefuse.sparse
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        alias = sparsefuse.sparse.JumpReLUEncoder
-    assert alias is JumpReLUEncoder and issubclass(alias, sparsefuse.sparse.ThresholdedLinear)
-    assert all(issubclass(w.category, DeprecationWarning) for w in caught)
-    x, w, b_enc, threshold, b_dec = (torch.randn(2, 3), torch.randn(3, 4), torch.randn(4), torch.rand(4), None)
+    x, w, b_enc, threshold, b_dec = (torch.randn(2, 3), torch.randn(3, 4), torch.randn(4), torch.rand(4), torch.randn(3))
+    with pytest.warns(DeprecationWarning, match="sparsefuse.sae.JumpReLUEncoder"):
+        legacy = sparsefuse.sparse.JumpReLUEncoder(x, w, b_enc, threshold, b_dec)
+    assert isinstance(legacy, sparsefuse.sparse.ThresholdedLinear)
     encoder = JumpReLUEncoder(x, w, b_enc, threshold, b_dec)
-    assert encoder.W_enc is w and encoder.b_enc is b_enc and encoder.b_dec is None and encoder.threshold is threshold
+    assert encoder.W_enc is w and encoder.b_enc is b_enc and encoder.b_dec is b_dec and encoder.threshold is threshold
+    assert torch.equal(legacy.reference_activations(), encoder.reference_activations())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -17,12 +17,13 @@ from ..._validation import (
     check_ffn_mlp,
     check_ffn_weight,
     check_ffn_x,
+    check_twell_geometry,
     check_same_device,
     check_tensor,
     describe,
     unit_last_stride,
 )
-from ...sparse.formats import ELL, TwELL, check_twell_geometry
+from ...sparse.formats import ELL, TwELL
 from .auto import resolve_method
 from .launch import launch_mlp, launch_relu_mlp, launch_to_ell
 from .op import twell_gate_op, twell_mlp_op, twell_relu_mlp_op, twell_up_down_op
