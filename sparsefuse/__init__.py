@@ -1,22 +1,35 @@
 """sparsefuse: Triton GPU kernels for PyTorch that turn activation sparsity and operator fusion into speed.
 
 Functional API (mirrors ``torch.nn.functional``): :func:`snake`, :func:`celu`, :func:`celu_`, :func:`sparse_decode`,
-:func:`topk_decode`, :func:`jumprelu_encode`, :func:`topk_encode`, :func:`splade_pool`, :func:`twell_mlp`, :func:`twell_relu_mlp`.
+:func:`topk_decode`, :func:`jumprelu_encode`, :func:`topk_encode`, :func:`splade_pool`, :func:`twell_mlp`,
+:func:`twell_relu_mlp`.
 Modules: :mod:`sparsefuse.nn`. Integrations with model libraries: :mod:`sparsefuse.integrations`.
 Which path a call takes: :func:`backend_for` (``"triton"``, ``"interpreter"`` or ``"torch"``).
 """
 
+from . import nn  # noqa: F401  (sparsefuse.nn: drop-in modules)
 from ._backend import Backend, backend_for, track_launches
 from .activations.celu import celu, celu_
 from .activations.snake import snake
+from .ffn import twell_mlp, twell_relu_mlp
 from .sae import jumprelu_encode, sparse_decode, topk_decode, topk_encode
 from .splade import splade_pool
-from .ffn import twell_mlp, twell_relu_mlp
-from . import nn  # noqa: E402  (sparsefuse.nn: drop-in modules)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "snake", "celu", "celu_", "sparse_decode", "topk_decode", "jumprelu_encode", "topk_encode", "splade_pool", "twell_mlp", "twell_relu_mlp",
-    "backend_for", "Backend", "track_launches", "__version__",
-]  # fmt: skip
+    "snake",
+    "celu",
+    "celu_",
+    "sparse_decode",
+    "topk_decode",
+    "jumprelu_encode",
+    "topk_encode",
+    "splade_pool",
+    "twell_mlp",
+    "twell_relu_mlp",
+    "backend_for",
+    "Backend",
+    "track_launches",
+    "__version__",
+]

@@ -16,16 +16,21 @@ import argparse
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
 _DTYPE_ALIASES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-}  # fmt: skip
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
 _REEXEC_MARK = "_SPARSEFUSE_REEXECUTED"  # guards against a re-exec loop if the interpreter flag is not honoured
 
 
@@ -48,20 +53,32 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="time sparsefuse against eager, torch.compile and seed baselines (GPU)")
     from .bench.harness import resolve_workloads
 
-    bench.add_argument("workloads", nargs="*", metavar="WORKLOAD",
-                       help=f"workloads to run, default all: {', '.join(resolve_workloads([]))}")  # fmt: skip
+    bench.add_argument(
+        "workloads",
+        nargs="*",
+        metavar="WORKLOAD",
+        help=f"workloads to run, default all: {', '.join(resolve_workloads([]))}",
+    )
     bench.add_argument("--quick", action="store_true", help="fewer shapes and repetitions (smoke run)")
     bench.add_argument("--dtype", default="float32,float16,bfloat16", help="comma-separated (default: %(default)s)")
-    bench.add_argument("--out", default="benchmarks/results",
-                       help="directory for <workload>-<gpu>[-quick].csv/.md/.png (default: %(default)s)")
+    bench.add_argument(
+        "--out",
+        default="benchmarks/results",
+        help="directory for <workload>-<gpu>[-quick].csv/.md/.png (default: %(default)s)",
+    )
     bench.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
 
-    check = sub.add_parser("check", help="compare every op (or the ops of the named workloads) with its float64 "
-                           "reference")
+    check = sub.add_parser(
+        "check", help="compare every op (or the ops of the named workloads) with its float64 reference"
+    )
     from .bench.check import WORKLOAD_FAMILIES
 
-    check.add_argument("workloads", nargs="*", metavar="WORKLOAD",
-                       help=f"check only these workloads' ops, default every op: {', '.join(sorted(WORKLOAD_FAMILIES))}")
+    check.add_argument(
+        "workloads",
+        nargs="*",
+        metavar="WORKLOAD",
+        help=f"check only these workloads' ops, default every op: {', '.join(sorted(WORKLOAD_FAMILIES))}",
+    )
     check.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
     check.add_argument("--size", choices=("small", "full"), default="small", help="input sizes (default: small)")
     check.add_argument("--dtype", default="float32,float16,bfloat16", help="comma-separated (default: %(default)s)")
@@ -71,8 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _reexec_with_interpreter(argv: Sequence[str], reason: str) -> int:
     """Run this command again with TRITON_INTERPRET=1 (replacing this process where the OS allows)."""
-    print(f"sparsefuse: {reason}; re-running with TRITON_INTERPRET=1 so the Triton kernels run in the "
-          "interpreter", flush=True)  # fmt: skip
+    print(
+        f"sparsefuse: {reason}; re-running with TRITON_INTERPRET=1 so the Triton kernels run in the interpreter",
+        flush=True,
+    )
     env = {**os.environ, "TRITON_INTERPRET": "1", _REEXEC_MARK: "1"}
     cmd = [sys.executable, "-m", "sparsefuse", *argv]
     sys.stdout.flush()
@@ -95,9 +114,8 @@ def main(argv: Sequence[str] | None = None, *, allow_reexec: bool = True) -> int
     except ValueError as exc:
         parser.error(str(exc))
 
-    from .bench.harness import resolve_workloads
-
     from .bench.check import ops_for
+    from .bench.harness import resolve_workloads
 
     has_cuda = torch.cuda.is_available()
     names: list[str] = []
@@ -121,8 +139,10 @@ def main(argv: Sequence[str] | None = None, *, allow_reexec: bool = True) -> int
         return _reexec_with_interpreter(argv, "no CUDA device" if not has_cuda else "--device cpu")
 
     if args.command == "bench" and has_cuda and _backend.INTERPRET:
-        parser.error("TRITON_INTERPRET is set: the kernels would run in the CPU interpreter, so GPU timings would "
-                     "be meaningless; unset it to benchmark")  # fmt: skip
+        parser.error(
+            "TRITON_INTERPRET is set: the kernels would run in the CPU interpreter, so GPU timings would "
+            "be meaningless; unset it to benchmark"
+        )
 
     from .bench.check import run_check
 
@@ -131,15 +151,26 @@ def main(argv: Sequence[str] | None = None, *, allow_reexec: bool = True) -> int
 
     if not has_cuda:
         what = f"check --size small {' '.join(args.workloads)}".rstrip()
-        print(f"sparsefuse bench: timings need a CUDA GPU and none is available; running `{what}` instead "
-              "(correctness only, no timings).", flush=True)
+        print(
+            f"sparsefuse bench: timings need a CUDA GPU and none is available; running `{what}` instead "
+            "(correctness only, no timings).",
+            flush=True,
+        )
         return run_check(device="cpu", size="small", dtypes=dtypes, workloads=args.workloads)
     return _bench(names, args, dtypes)
 
 
 def _bench(names: list[str], args: argparse.Namespace, dtypes: tuple[torch.dtype, ...]) -> int:
     from .bench.harness import WORKLOADS, Options, l2_cache_bytes, measure_ceilings, run_cases
-    from .bench.report import environment, format_ceilings, make_console, print_table, sanitize, write_csv, write_results
+    from .bench.report import (
+        environment,
+        format_ceilings,
+        make_console,
+        print_table,
+        sanitize,
+        write_csv,
+        write_results,
+    )
 
     try:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -175,8 +206,9 @@ def _bench(names: list[str], args: argparse.Namespace, dtypes: tuple[torch.dtype
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, console=console, transient=True) as bar:
             task = bar.add_task("benchmarking", total=total)
-            rows = run_cases(cases, options, ceilings,
-                             lambda label: bar.update(task, advance=1, description=label), save_partial)  # fmt: skip
+            rows = run_cases(
+                cases, options, ceilings, lambda label: bar.update(task, advance=1, description=label), save_partial
+            )
     else:
         done = [0]
 

@@ -14,7 +14,7 @@ memory without blocking and folds it into a running estimate on a later call, on
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary

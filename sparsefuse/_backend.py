@@ -19,7 +19,7 @@ import enum
 import functools
 import os
 import warnings
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import triton
@@ -156,7 +156,9 @@ def tuning_configs(configs: list[triton.Config], interpret_config: triton.Config
     return [interpret_config] if INTERPRET else configs
 
 
-def block_configs(block_name: str, blocks_and_warps: list[tuple[int, int]], interpret_block: int) -> list[triton.Config]:
+def block_configs(
+    block_name: str, blocks_and_warps: list[tuple[int, int]], interpret_block: int
+) -> list[triton.Config]:
     """:func:`tuning_configs` for kernels tuned over one block size and the warp count."""
     return tuning_configs(
         [triton.Config({block_name: block}, num_warps=warps) for block, warps in blocks_and_warps],

@@ -11,7 +11,12 @@ from typing import Any
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float64: "float64"}
+_DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float64: "float64",
+}
 
 
 def describe(t: torch.Tensor) -> str:
@@ -69,8 +74,9 @@ def check_rows(name: str, t: torch.Tensor, dims: int) -> None:
 def check_indices(fmt: str, values: torch.Tensor, indices: torch.Tensor) -> None:
     """ValueError unless a format's ``indices`` are int32 of its ``values``' shape."""
     if indices.shape != values.shape or indices.dtype != torch.int32:
-        raise ValueError(f"{fmt}.indices must be int32 of shape {list(values.shape)}; got "
-                         f"{indices.dtype} {list(indices.shape)}")
+        raise ValueError(
+            f"{fmt}.indices must be int32 of shape {list(values.shape)}; got {indices.dtype} {list(indices.shape)}"
+        )
 
 
 def check_twell_geometry(op: str, tile: object, compression: object) -> None:
@@ -81,23 +87,32 @@ def check_twell_geometry(op: str, tile: object, compression: object) -> None:
     if not (_is_power_of_two(tile) and 16 <= tile <= 1024):
         raise ValueError(f"{op}: tile must be a power of two between 16 and 1024; got tile={tile}")
     if tile % compression:
-        raise ValueError(f"{op}: compression={compression} does not divide tile={tile} (a tile keeps "
-                         f"tile / compression slots, which must be a whole number)")
+        raise ValueError(
+            f"{op}: compression={compression} does not divide tile={tile} (a tile keeps "
+            f"tile / compression slots, which must be a whole number)"
+        )
 
 
 def check_block_rows(fmt: str, block_rows: object) -> None:
     """ValueError unless ``block_rows`` is a tensor-core row block: a power of two in [16, 256]."""
-    if (not isinstance(block_rows, int) or isinstance(block_rows, bool) or not _is_power_of_two(block_rows)
-            or not 16 <= block_rows <= 256):
-        raise ValueError(f"{fmt}: block_rows must be a power of two in [16, 256] (a tensor-core row block); got "
-                         f"{block_rows!r}")
+    if (
+        not isinstance(block_rows, int)
+        or isinstance(block_rows, bool)
+        or not _is_power_of_two(block_rows)
+        or not 16 <= block_rows <= 256
+    ):
+        raise ValueError(
+            f"{fmt}: block_rows must be a power of two in [16, 256] (a tensor-core row block); got {block_rows!r}"
+        )
 
 
 def check_row_order(fmt: str, row_order: torch.Tensor | None, M: int) -> None:
     """ValueError unless ``row_order`` is None or int32 [M] (a permutation of the rows)."""
     if row_order is not None and (row_order.shape != (M,) or row_order.dtype != torch.int32):
-        raise ValueError(f"{fmt}.row_order must be None or int32 of shape [{M}] (a permutation of the rows); got "
-                         f"{row_order.dtype} {list(row_order.shape)}")
+        raise ValueError(
+            f"{fmt}.row_order must be None or int32 of shape [{M}] (a permutation of the rows); got "
+            f"{row_order.dtype} {list(row_order.shape)}"
+        )
 
 
 def check_dense(op: str, dense: torch.Tensor) -> None:
@@ -112,13 +127,14 @@ def check_sparse_weight(op: str, sparse: Any, weight: torch.Tensor) -> None:
     [M, n_in]."""
     check_float(op, "weight", weight)
     if weight.dim() != 2 or weight.shape[0] != sparse.n_cols:
-        raise ValueError(f"{op}: weight must be [{sparse.n_cols}, n_out] for a sparse matrix of shape "
-                         f"{list(sparse.shape)}; got {describe(weight)}")
+        raise ValueError(
+            f"{op}: weight must be [{sparse.n_cols}, n_out] for a sparse matrix of shape "
+            f"{list(sparse.shape)}; got {describe(weight)}"
+        )
     check_same_device(op, values=sparse.values, weight=weight)
 
 
-def check_overflow_completion(op: str, sparse: Any, is_ell: bool, dense: torch.Tensor | None,
-                              encoder: Any) -> None:
+def check_overflow_completion(op: str, sparse: Any, is_ell: bool, dense: torch.Tensor | None, encoder: Any) -> None:
     """``sparse_matmul``'s ways of completing overflowed ELL rows: at most one of ``dense`` (the rows' dense form,
     [M, n_in]) and ``encoder`` (a thresholded linear layer with one input row per sparse row), for an ELL only."""
     if dense is not None and encoder is not None:
@@ -138,8 +154,9 @@ def check_matmul_skip_zeros(op: str, a: torch.Tensor, weight: torch.Tensor, spli
     check_float(op, "weight", weight)
     check_same_device(op, a=a, weight=weight)
     if a.dim() != 2 or weight.dim() != 2 or a.shape[1] != weight.shape[0]:
-        raise ValueError(f"{op}: expected a [M, n_in] and weight [n_in, n_out]; got a {describe(a)}, "
-                         f"weight {describe(weight)}")
+        raise ValueError(
+            f"{op}: expected a [M, n_in] and weight [n_in, n_out]; got a {describe(a)}, weight {describe(weight)}"
+        )
     if splits is not None and (not isinstance(splits, int) or isinstance(splits, bool) or splits < 1):
         raise ValueError(f"{op}: splits must be a positive int or None; got {splits!r}")
 
@@ -191,7 +208,6 @@ def check_celu_args(
     return alpha, scale, input_scale
 
 
-
 # --- SAE (decode, JumpReLU and TopK encodes) --------------------------------------------------------------------
 
 SAE_MATMUL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the encodes' tl.dot operand dtypes
@@ -202,22 +218,32 @@ def check_positive_int(op: str, name: str, value: object) -> None:
         raise ValueError(f"{op}: {name} must be a positive int; got {value!r}")
 
 
-def check_sparse_decode(op: str, feature_acts: torch.Tensor, W_dec: torch.Tensor, method: str,
-                        methods: tuple[str, ...], max_l0: int | None, expected_l0: float | None) -> None:
+def check_sparse_decode(
+    op: str,
+    feature_acts: torch.Tensor,
+    W_dec: torch.Tensor,
+    method: str,
+    methods: tuple[str, ...],
+    max_l0: int | None,
+    expected_l0: float | None,
+) -> None:
     """feature_acts [..., d_sae] and W_dec [d_sae, d_model], float, one device; method one of ``methods``;
     max_l0 None or a positive int; expected_l0 None or a non-negative number."""
     check_float(op, "feature_acts", feature_acts)
     check_float(op, "W_dec", W_dec)
     check_same_device(op, feature_acts=feature_acts, W_dec=W_dec)
     if W_dec.dim() != 2 or feature_acts.dim() < 1 or feature_acts.shape[-1] != W_dec.shape[0]:
-        raise ValueError(f"{op}: feature_acts [..., d_sae] and W_dec [d_sae, d_model] disagree on d_sae: "
-                         f"feature_acts {describe(feature_acts)}, W_dec {describe(W_dec)}")
+        raise ValueError(
+            f"{op}: feature_acts [..., d_sae] and W_dec [d_sae, d_model] disagree on d_sae: "
+            f"feature_acts {describe(feature_acts)}, W_dec {describe(W_dec)}"
+        )
     if method not in methods:
         raise ValueError(f"{op}: method must be one of {', '.join(methods)}; got {method!r}")
     if max_l0 is not None:
         check_positive_int(op, "max_l0", max_l0)
-    if expected_l0 is not None and (isinstance(expected_l0, bool) or not isinstance(expected_l0, (int, float))
-                                    or not expected_l0 >= 0):
+    if expected_l0 is not None and (
+        isinstance(expected_l0, bool) or not isinstance(expected_l0, (int, float)) or not expected_l0 >= 0
+    ):
         raise ValueError(f"{op}: expected_l0 must be a non-negative number; got {expected_l0!r}")
 
 
@@ -227,20 +253,31 @@ def check_topk_decode(op: str, top_indices: torch.Tensor, top_acts: torch.Tensor
     check_float(op, "top_acts", top_acts)
     check_float(op, "W_dec", W_dec)
     if top_indices.dtype not in (torch.int32, torch.int64) or top_indices.shape != top_acts.shape:
-        raise TypeError(f"{op}: top_indices must be int32/int64 with top_acts' shape {list(top_acts.shape)}; got "
-                        f"{describe(top_indices)}")
+        raise TypeError(
+            f"{op}: top_indices must be int32/int64 with top_acts' shape {list(top_acts.shape)}; got "
+            f"{describe(top_indices)}"
+        )
     check_same_device(op, top_acts=top_acts, top_indices=top_indices, W_dec=W_dec)
 
 
 def check_index_range(op: str, top_indices: torch.Tensor, d_sae: int) -> None:
     """ValueError unless every id lies in [0, d_sae): one host sync."""
     if top_indices.numel() and (int(top_indices.min()) < 0 or int(top_indices.max()) >= d_sae):
-        raise ValueError(f"{op}: top_indices must lie in [0, {d_sae}); got range [{int(top_indices.min())}, "
-                         f"{int(top_indices.max())}]")
+        raise ValueError(
+            f"{op}: top_indices must lie in [0, {d_sae}); got range [{int(top_indices.min())}, "
+            f"{int(top_indices.max())}]"
+        )
 
 
-def check_jumprelu_encode(op: str, x: torch.Tensor, W_enc: torch.Tensor, b_enc: torch.Tensor,
-                          threshold: torch.Tensor, b_dec: torch.Tensor | None, max_l0: object) -> None:
+def check_jumprelu_encode(
+    op: str,
+    x: torch.Tensor,
+    W_enc: torch.Tensor,
+    b_enc: torch.Tensor,
+    threshold: torch.Tensor,
+    b_dec: torch.Tensor | None,
+    max_l0: object,
+) -> None:
     """x [..., d_in], W_enc [d_in, d_sae], b_enc and threshold [d_sae] (tl.dot dtypes, one device); b_dec None or
     a floating [d_in]; max_l0 a positive int."""
     for name, t in (("x", x), ("W_enc", W_enc), ("b_enc", b_enc), ("threshold", threshold)):
@@ -248,9 +285,11 @@ def check_jumprelu_encode(op: str, x: torch.Tensor, W_enc: torch.Tensor, b_enc: 
     check_same_device(op, x=x, W_enc=W_enc, b_enc=b_enc, threshold=threshold)
     d_in, d_sae = W_enc.shape if W_enc.dim() == 2 else (-1, -1)
     if W_enc.dim() != 2 or x.shape[-1] != d_in or b_enc.shape != (d_sae,) or threshold.shape != (d_sae,):
-        raise ValueError(f"{op}: expected x [..., d_in], W_enc [d_in, d_sae], b_enc and threshold [d_sae]; got x "
-                         f"{describe(x)}, W_enc {describe(W_enc)}, b_enc {describe(b_enc)}, threshold "
-                         f"{describe(threshold)}")
+        raise ValueError(
+            f"{op}: expected x [..., d_in], W_enc [d_in, d_sae], b_enc and threshold [d_sae]; got x "
+            f"{describe(x)}, W_enc {describe(W_enc)}, b_enc {describe(b_enc)}, threshold "
+            f"{describe(threshold)}"
+        )
     if b_dec is not None and (b_dec.shape != (d_in,) or not b_dec.is_floating_point()):
         raise ValueError(f"{op}: b_dec must be a floating [{d_in}] tensor; got {describe(b_dec)}")
     check_positive_int(op, "max_l0", max_l0)
@@ -263,13 +302,23 @@ def check_jumprelu_decoder(op: str, W_enc: torch.Tensor, W_dec: torch.Tensor, b_
     check_float(op, "b_dec", b_dec)
     check_same_device(op, W_enc=W_enc, W_dec=W_dec, b_dec=b_dec)
     if W_dec.dim() != 2 or W_dec.shape[0] != W_enc.shape[1] or b_dec.shape != (W_dec.shape[1],):
-        raise ValueError(f"{op}: expected W_dec [d_sae={W_enc.shape[1]}, d_model] and b_dec [d_model]; got W_dec "
-                         f"{describe(W_dec)}, b_dec {describe(b_dec)}")
+        raise ValueError(
+            f"{op}: expected W_dec [d_sae={W_enc.shape[1]}, d_model] and b_dec [d_model]; got W_dec "
+            f"{describe(W_dec)}, b_dec {describe(b_dec)}"
+        )
 
 
-def check_topk_encode(op: str, x: torch.Tensor, W_enc: torch.Tensor, b_enc: torch.Tensor, k: object,
-                      b_dec: torch.Tensor | None, activation: str, activations: tuple[str, ...],
-                      feature_scale: torch.Tensor | None) -> None:
+def check_topk_encode(
+    op: str,
+    x: torch.Tensor,
+    W_enc: torch.Tensor,
+    b_enc: torch.Tensor,
+    k: object,
+    b_dec: torch.Tensor | None,
+    activation: str,
+    activations: tuple[str, ...],
+    feature_scale: torch.Tensor | None,
+) -> None:
     """x [..., d_in], W_enc [d_in, d_sae], b_enc [d_sae] (tl.dot dtypes, one device); k in [1, d_sae]; activation
     one of ``activations``; b_dec [d_in] and feature_scale [d_sae] optional, feature_scale not requiring grad."""
     for name, t in (("x", x), ("W_enc", W_enc), ("b_enc", b_enc)):
@@ -277,8 +326,10 @@ def check_topk_encode(op: str, x: torch.Tensor, W_enc: torch.Tensor, b_enc: torc
     check_same_device(op, x=x, W_enc=W_enc, b_enc=b_enc)
     d_in, d_sae = W_enc.shape if W_enc.dim() == 2 else (-1, -1)
     if W_enc.dim() != 2 or x.dim() < 1 or x.shape[-1] != d_in or b_enc.shape != (d_sae,):
-        raise ValueError(f"{op}: expected x [..., d_in], W_enc [d_in, d_sae] and b_enc [d_sae]; got x {describe(x)}, "
-                         f"W_enc {describe(W_enc)}, b_enc {describe(b_enc)}")
+        raise ValueError(
+            f"{op}: expected x [..., d_in], W_enc [d_in, d_sae] and b_enc [d_sae]; got x {describe(x)}, "
+            f"W_enc {describe(W_enc)}, b_enc {describe(b_enc)}"
+        )
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= d_sae:
         raise ValueError(f"{op}: k must be an int in [1, d_sae={d_sae}]; got {k!r}")
     if activation not in activations:
@@ -299,8 +350,14 @@ SPLADE_POOLINGS = ("max", "sum")
 SPLADE_DTYPES = FLOAT_DTYPES  # hidden and weight; the bias may also be float64
 
 
-def check_splade_args(op: str, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                      attention_mask: torch.Tensor | None, pooling: str) -> None:
+def check_splade_args(
+    op: str,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    pooling: str,
+) -> None:
     """hidden [B, S, H] and weight [V, H] of one float dtype, bias [V] or None, attention_mask [B, S] (bool, integer
     or floating) or None, all on one device; pooling one of :data:`SPLADE_POOLINGS`."""
     check_float(op, "hidden", hidden, SPLADE_DTYPES)
@@ -308,11 +365,15 @@ def check_splade_args(op: str, hidden: torch.Tensor, weight: torch.Tensor, bias:
     if hidden.dim() != 3:
         raise ValueError(f"{op}: hidden must be [batch, seq_len, hidden_size]; got {describe(hidden)}")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[2]:
-        raise ValueError(f"{op}: weight must be [vocab_size, hidden_size={hidden.shape[2]}] (the MLM decoder's "
-                         f"weight) for hidden of {describe(hidden)}; got weight with {describe(weight)}")
+        raise ValueError(
+            f"{op}: weight must be [vocab_size, hidden_size={hidden.shape[2]}] (the MLM decoder's "
+            f"weight) for hidden of {describe(hidden)}; got weight with {describe(weight)}"
+        )
     if weight.dtype != hidden.dtype:
-        raise TypeError(f"{op}: hidden and weight must have the same dtype (as for hidden @ weight.T); got hidden "
-                        f"{describe(hidden)} and weight {describe(weight)}")
+        raise TypeError(
+            f"{op}: hidden and weight must have the same dtype (as for hidden @ weight.T); got hidden "
+            f"{describe(hidden)} and weight {describe(weight)}"
+        )
     tensors = {"hidden": hidden, "weight": weight}
     if bias is not None:
         check_float(op, "bias", bias, SPLADE_DTYPES + (torch.float64,))
@@ -324,8 +385,10 @@ def check_splade_args(op: str, hidden: torch.Tensor, weight: torch.Tensor, bias:
         if attention_mask.is_complex():
             raise TypeError(f"{op}: attention_mask must be bool, integer or floating; got {describe(attention_mask)}")
         if attention_mask.shape != hidden.shape[:2]:
-            raise ValueError(f"{op}: attention_mask must be [batch, seq_len] = {list(hidden.shape[:2])} to match "
-                             f"hidden of {describe(hidden)}; got {describe(attention_mask)}")
+            raise ValueError(
+                f"{op}: attention_mask must be [batch, seq_len] = {list(hidden.shape[:2])} to match "
+                f"hidden of {describe(hidden)}; got {describe(attention_mask)}"
+            )
         tensors["attention_mask"] = attention_mask
     check_same_device(op, **tensors)
     if pooling not in SPLADE_POOLINGS:
@@ -351,8 +414,10 @@ def check_ffn_weight(op: str, name: str, w: object, shape: tuple[int, int], x: t
     if w.dtype != x.dtype:
         raise TypeError(f"{op}: {name} must have x's dtype {str(x.dtype).removeprefix('torch.')}; got {describe(w)}")
     if tuple(w.shape) != shape:
-        raise ValueError(f"{op}: {name} must have shape {list(shape)} (nn.Linear layout [out, in]) for x "
-                         f"{describe(x)}; got {describe(w)}")
+        raise ValueError(
+            f"{op}: {name} must have shape {list(shape)} (nn.Linear layout [out, in]) for x "
+            f"{describe(x)}; got {describe(w)}"
+        )
     return w
 
 
@@ -361,34 +426,61 @@ def check_ffn_bias(op: str, name: str, b: object, n: int, x: torch.Tensor) -> No
     check_tensor(op, name, b)
     check_float(op, name, b)
     if b.dtype != x.dtype or tuple(b.shape) != (n,):
-        raise ValueError(f"{op}: {name} must be a [{n}] tensor of x's dtype {str(x.dtype).removeprefix('torch.')}; "
-                         f"got {describe(b)}")
+        raise ValueError(
+            f"{op}: {name} must be a [{n}] tensor of x's dtype {str(x.dtype).removeprefix('torch.')}; got {describe(b)}"
+        )
+
+
+def check_ffn_geometry(op: str, tile: object, compression: object) -> None:
+    """An explicit TwELL tile and compression, or the compression alone when the tile is left to the op."""
+    if tile is not None:
+        check_twell_geometry(op, tile, compression)
+    else:
+        check_ffn_compression(op, compression)
 
 
 def check_ffn_compression(op: str, compression: object) -> None:
     """The compression when the tile is left to the op: it must divide every tile the op may choose."""
-    if not isinstance(compression, int) or isinstance(compression, bool) or compression <= 0 or \
-            compression & (compression - 1) or compression > 1024:
-        raise ValueError(f"{op}: compression must be a power of two in [1, 1024] (it must divide the power-of-two "
-                         f"tile); got {compression!r}")
+    if (
+        not isinstance(compression, int)
+        or isinstance(compression, bool)
+        or compression <= 0
+        or compression & (compression - 1)
+        or compression > 1024
+    ):
+        raise ValueError(
+            f"{op}: compression must be a power of two in [1, 1024] (it must divide the power-of-two "
+            f"tile); got {compression!r}"
+        )
 
 
 def check_ffn_expected_nnz(op: str, expected_nnz: object) -> None:
-    if expected_nnz is not None and (isinstance(expected_nnz, bool) or not isinstance(expected_nnz, (int, float))
-                                     or not expected_nnz >= 0):
+    if expected_nnz is not None and (
+        isinstance(expected_nnz, bool) or not isinstance(expected_nnz, (int, float)) or not expected_nnz >= 0
+    ):
         raise ValueError(f"{op}: expected_nnz must be a non-negative number; got {expected_nnz!r}")
 
 
-def check_ffn_mlp(op: str, x: object, w_gate: object, b_gate: object, w_up: object, b_up: object, w_down: object,
-                  b_down: object, gate_names: tuple[str, str] = ("w_gate", "b_gate")) -> None:
+def check_ffn_mlp(
+    op: str,
+    x: object,
+    w_gate: object,
+    b_gate: object,
+    w_up: object,
+    b_up: object,
+    w_down: object,
+    b_down: object,
+    gate_names: tuple[str, str] = ("w_gate", "b_gate"),
+) -> None:
     """A feed-forward block's arguments: x [..., K]; w_gate, w_up [N, K]; w_down [K, N]; biases [N], [N], [K];
     one dtype and device. ``gate_names``: what the activation weight and bias are called in messages (w_up/b_up for
     the non-gated block, which passes ``w_up=None``)."""
     w_name, b_name = gate_names
     check_tensor(op, w_name, w_gate)
     if w_gate.dim() != 2:
-        raise ValueError(f"{op}: {w_name} must be [intermediate_size, hidden_size] (nn.Linear layout); got "
-                         f"{describe(w_gate)}")
+        raise ValueError(
+            f"{op}: {w_name} must be [intermediate_size, hidden_size] (nn.Linear layout); got {describe(w_gate)}"
+        )
     N, K = w_gate.shape
     check_ffn_x(op, x, K)
     check_ffn_weight(op, w_name, w_gate, (N, K), x)

@@ -45,8 +45,13 @@ def compare_to_reference(
     torch's result in that dtype (omit it where torch has no comparable expression)."""
     dtype = dtype or ours.dtype
     if ours.shape != ref64.shape:
-        return Comparison(False, float("inf"), float("inf"), ours.numel(),
-                          f"{name}: shape {list(ours.shape)} != reference {list(ref64.shape)}")  # fmt: skip
+        return Comparison(
+            False,
+            float("inf"),
+            float("inf"),
+            ours.numel(),
+            f"{name}: shape {list(ours.shape)} != reference {list(ref64.shape)}",
+        )
     ours64, ref64 = ours.detach().to("cpu", torch.float64), ref64.detach().to("cpu", torch.float64)
     # A value beyond the dtype's range is correctly delivered as an infinity of the same sign.
     finfo = torch.finfo(dtype)
@@ -56,8 +61,13 @@ def compare_to_reference(
     if not torch.equal(nan_ours, nan_ref):
         n = int((nan_ours != nan_ref).sum())
         where = (nan_ours & ~nan_ref).nonzero()[:3].tolist()
-        return Comparison(False, float("nan"), float("nan"), n,
-                          f"{name}: {n} NaN mismatches (unexpected NaN at {where}; unwritten output?)")  # fmt: skip
+        return Comparison(
+            False,
+            float("nan"),
+            float("nan"),
+            n,
+            f"{name}: {n} NaN mismatches (unexpected NaN at {where}; unwritten output?)",
+        )
     inf_ref = torch.isinf(ref64)
     if not torch.equal(ours64[inf_ref], ref64[inf_ref]) or bool(torch.isinf(ours64[~inf_ref]).any()):
         return Comparison(False, float("inf"), float("inf"), 1, f"{name}: infinities differ from the reference")
@@ -78,9 +88,14 @@ def compare_to_reference(
     max_rel = max_abs / scale if scale > 0 else max_abs
     if bool(bad.any()):
         i = int((err - tol).argmax())
-        return Comparison(False, max_abs, max_rel, int(bad.sum()),
-                          f"{name}: {int(bad.sum())}/{r.numel()} elements out of tolerance; worst: ours={float(o[i])!r} "
-                          f"ref={float(r[i])!r} |err|={float(err[i]):.3g} > tol={float(tol[i]):.3g}")  # fmt: skip
+        return Comparison(
+            False,
+            max_abs,
+            max_rel,
+            int(bad.sum()),
+            f"{name}: {int(bad.sum())}/{r.numel()} elements out of tolerance; worst: ours={float(o[i])!r} "
+            f"ref={float(r[i])!r} |err|={float(err[i]):.3g} > tol={float(tol[i]):.3g}",
+        )
     return Comparison(True, max_abs, max_rel, 0, f"{name}: ok (max abs err {max_abs:.3g}, rel {max_rel:.3g})")
 
 

@@ -82,7 +82,7 @@ def _sparsefuse_names(tree: ast.AST) -> list[tuple[str, str | None]]:
 
 def _resolve(module: str, attr: str | None) -> object:
     obj = importlib.import_module(module)
-    for part in (attr.split(".") if attr else []):
+    for part in attr.split(".") if attr else []:
         if hasattr(obj, part):
             obj = getattr(obj, part)
         elif isinstance(obj, type(importlib)):

@@ -27,8 +27,9 @@ def pick_nonzeros(a, f, rank, j):
 def accumulate_rows(acc, coef, rows, row_mask, w_ptr, stride_w, d, d_mask):
     """acc [BLOCK_D] += sum_r coef[r] * W[rows[r], d] (fp32); rows outside ``row_mask`` are not loaded. The inner
     step of every gather-accumulate (stored entries, picked non-zeros, the TwELL up/down kernel)."""
-    w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_w + d[None, :],
-                mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_D]  # fmt: skip
+    w = tl.load(
+        w_ptr + rows[:, None].to(tl.int64) * stride_w + d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0
+    )  # [BLOCK_R, BLOCK_D]
     return acc + tl.sum(coef[:, None] * w.to(tl.float32), axis=0)
 
 
@@ -47,8 +48,22 @@ def accumulate_nonzeros(acc, a, f, w_ptr, stride_w, d, d_mask, GROUP: tl.constex
 
 
 @triton.jit
-def sum_split_partials(acc, has_work, partial_ptr, used_ptr, arrivals_ptr, row, split, n_splits, d_block, n_d_blocks,
-                       n_out, d, d_mask, REDUCE_SPLITS: tl.constexpr):  # fmt: skip
+def sum_split_partials(
+    acc,
+    has_work,
+    partial_ptr,
+    used_ptr,
+    arrivals_ptr,
+    row,
+    split,
+    n_splits,
+    d_block,
+    n_d_blocks,
+    n_out,
+    d,
+    d_mask,
+    REDUCE_SPLITS: tl.constexpr,
+):
     """Combine the fp32 partial sums of a row whose work is split over ``n_splits`` programs, deterministically and
     without float atomics. Each program stores its partial ``acc`` [BLOCK_D] into partial [M, n_splits, n_out]
     (only if ``has_work``: used [M, n_splits] records which did), then arrives on arrivals [M, n_d_blocks] (int32,
@@ -65,7 +80,11 @@ def sum_split_partials(acc, has_work, partial_ptr, used_ptr, arrivals_ptr, row, 
         for s0 in range(0, n_splits, REDUCE_SPLITS):  # fixed order: deterministic
             s = s0 + tl.arange(0, REDUCE_SPLITS)  # [REDUCE_SPLITS]
             used = tl.load(used_ptr + row * n_splits + s, mask=s < n_splits, other=0, cache_modifier=".cg") > 0
-            p = tl.load(partial_ptr + (row * n_splits + s[:, None]) * n_out + d[None, :],
-                        mask=used[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")  # fmt: skip
+            p = tl.load(
+                partial_ptr + (row * n_splits + s[:, None]) * n_out + d[None, :],
+                mask=used[:, None] & d_mask[None, :],
+                other=0.0,
+                cache_modifier=".cg",
+            )
             total += tl.sum(p, axis=0)
     return arrived == n_splits, total

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -27,13 +27,30 @@ from sparsefuse.activations.celu import torch_celu, torch_celu_backward
 from sparsefuse.activations.snake import torch_snake, torch_snake_backward
 from sparsefuse.ffn import torch_relu_mlp, torch_twell_mlp, twell_mlp, twell_relu_mlp
 from sparsefuse.ffn.synthetic import synthetic_ffn
-from sparsefuse.sae import (jumprelu_encode, sparse_decode, topk_decode, topk_encode, torch_jumprelu_encode,
-                            torch_sparse_decode, torch_topk_encode)
+from sparsefuse.sae import (
+    jumprelu_encode,
+    sparse_decode,
+    topk_decode,
+    topk_encode,
+    torch_jumprelu_encode,
+    torch_sparse_decode,
+    torch_topk_encode,
+)
 from sparsefuse.splade import splade_pool, torch_splade_pool
 from sparsefuse.testing import Comparison, accumulation_allowance, compare_to_reference
 
-__all__ = ["compare", "reduction_allowance", "CheckResult", "OpCheck", "check_op", "run_check", "ops_for", "OPS",
-           "WORKLOAD_FAMILIES", "FAST_SIN_REL_ERROR"]
+__all__ = [
+    "compare",
+    "reduction_allowance",
+    "CheckResult",
+    "OpCheck",
+    "check_op",
+    "run_check",
+    "ops_for",
+    "OPS",
+    "WORKLOAD_FAMILIES",
+    "FAST_SIN_REL_ERROR",
+]
 
 # fast_sin: a two-part range reduction modulo pi and degree-9/8 polynomials, documented |sin^2 error| <= 1e-5
 # (measured 7.3e-6 for |alpha*x| <= 1e5). With alpha >= 0.5 that is <= 2e-5 on y, a few 1e-6 of max|ref|; the
@@ -43,8 +60,15 @@ FAST_SIN_REL_ERROR = 2e-5
 DEFAULT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def compare(name: str, out: torch.Tensor, ref: torch.Tensor, torch_in_dtype: torch.Tensor, dtype: torch.dtype,
-            extra_rel: float = 0.0, extra_abs: float | torch.Tensor = 0.0) -> tuple[str, Comparison]:  # fmt: skip
+def compare(
+    name: str,
+    out: torch.Tensor,
+    ref: torch.Tensor,
+    torch_in_dtype: torch.Tensor,
+    dtype: torch.dtype,
+    extra_rel: float = 0.0,
+    extra_abs: float | torch.Tensor = 0.0,
+) -> tuple[str, Comparison]:
     """(name, compare_to_reference result) for one output. Any later op's check can reuse this unchanged.
 
     Args:
@@ -54,8 +78,7 @@ def compare(name: str, out: torch.Tensor, ref: torch.Tensor, torch_in_dtype: tor
     """
     ref = ref.detach()
     extra = extra_abs + (extra_rel * float(ref.abs().max()) if ref.numel() else 0.0)
-    result = compare_to_reference(out.detach(), ref, torch_in_dtype.detach(), dtype=dtype, extra_abs=extra,
-                                  name=name)  # fmt: skip
+    result = compare_to_reference(out.detach(), ref, torch_in_dtype.detach(), dtype=dtype, extra_abs=extra, name=name)
     return name, result
 
 
@@ -162,8 +185,15 @@ def _snake_fwd_bwd(fast_sin: bool) -> OpFn:
                 return [
                     compare("y", y, ref_y, torch_snake(x, alpha.to(dtype)), dtype, extra),
                     compare("grad_x", gx, ref_gx, low_gx, dtype, extra),
-                    compare("grad_alpha", ga.reshape(-1), ref_ga, low_ga, dtype, extra,
-                            reduction_allowance(_snake_alpha_terms_abs_sum(g64, x64, a64))),
+                    compare(
+                        "grad_alpha",
+                        ga.reshape(-1),
+                        ref_ga,
+                        low_ga,
+                        dtype,
+                        extra,
+                        reduction_allowance(_snake_alpha_terms_abs_sum(g64, x64, a64)),
+                    ),
                 ]
 
         return x, run
@@ -212,7 +242,7 @@ def _splade_inputs(shape, dtype, device, gen):
     padded int64 mask with one fully masked row."""
     B, S, H, V = shape
     hidden = _to(_randn((B, S, H), gen), dtype, device)
-    weight = _to(_randn((V, H), gen, H ** -0.5), dtype, device)
+    weight = _to(_randn((V, H), gen, H**-0.5), dtype, device)
     bias = _to(_randn((V,), gen, 0.5), dtype, device)
     lengths = torch.randint(1, S + 1, (B,), generator=gen)
     mask = (torch.arange(S)[None, :] < lengths[:, None]).to(torch.int64)
@@ -276,8 +306,9 @@ def _topk_decode(shape, dtype, device, gen):
         out = topk_decode(indices, acts, w)
         dense = torch.zeros(B, F, dtype=dtype, device=device).scatter_(1, indices, acts)
         low = (dense.float() @ w.float()).to(dtype)
-        return [compare("out", out, torch_sparse_decode(dense, w), low, dtype,
-                        extra_abs=accumulation_allowance(dense, w))]
+        return [
+            compare("out", out, torch_sparse_decode(dense, w), low, dtype, extra_abs=accumulation_allowance(dense, w))
+        ]
 
     return acts, run
 
@@ -286,7 +317,7 @@ def _sae_weights(shape, dtype, device, gen):
     """x [M, d_in], W_enc [d_in, d_sae] ~ N(0, 1/d_in), b_enc and b_dec ~ N(0, 0.1^2), rounded to dtype."""
     M, d_in, d_sae = shape[:3]
     x = _to(_randn((M, d_in), gen), dtype, device)
-    w = _to(_randn((d_in, d_sae), gen, d_in ** -0.5), dtype, device)
+    w = _to(_randn((d_in, d_sae), gen, d_in**-0.5), dtype, device)
     b_enc = _to(_randn((d_sae,), gen, 0.1), dtype, device)
     b_dec = _to(_randn((d_in,), gen, 0.1), dtype, device)
     return x, w, b_enc, b_dec
@@ -335,8 +366,9 @@ def _topk_encode(shape, dtype, device, gen):
         allowance = float(_encode_allowance(x, w, b_dec).max())
         return [
             compare("top_acts", acts, ref_acts, low, dtype, extra_abs=allowance),
-            compare("pre[top_indices]", acts, pre.gather(1, indices.cpu().long()).relu(), low, dtype,
-                    extra_abs=allowance),
+            compare(
+                "pre[top_indices]", acts, pre.gather(1, indices.cpu().long()).relu(), low, dtype, extra_abs=allowance
+            ),
         ]
 
     return x, run
@@ -373,8 +405,9 @@ def _twell_mlp(shape, dtype, device, gen):
         y = twell_mlp(x, ffn.w_gate, ffn.w_up, ffn.w_down, tile=32, compression=4, method="twell")
         low = torch.nn.functional.linear(torch.relu(x @ ffn.w_gate.t()) * (x @ ffn.w_up.t()), ffn.w_down)
         allowance = _mlp_allowance(x, ffn.w_up, ffn.w_down, ffn.w_gate)
-        return [compare("out", y, torch_twell_mlp(x, ffn.w_gate, ffn.w_up, ffn.w_down), low, dtype,
-                        extra_abs=allowance)]
+        return [
+            compare("out", y, torch_twell_mlp(x, ffn.w_gate, ffn.w_up, ffn.w_down), low, dtype, extra_abs=allowance)
+        ]
 
     return x, run
 
@@ -428,9 +461,16 @@ OPS: dict[str, OpCheck] = {
 
 # What `check WORKLOAD` runs: the op families each benchmark workload times ("sae" is both SAE families).
 WORKLOAD_FAMILIES: dict[str, tuple[str, ...]] = {
-    "snake": ("snake",), "snac": ("snake",), "celu": ("celu",), "overhead": ("snake", "celu", "sae_decode"),
-    "sae_decode": ("sae_decode",), "sae_forward": ("sae_encode", "sae_decode"), "sae": ("sae_encode", "sae_decode"),
-    "splade": ("splade",), "splade_sum": ("splade",), "ffn": ("ffn",),
+    "snake": ("snake",),
+    "snac": ("snake",),
+    "celu": ("celu",),
+    "overhead": ("snake", "celu", "sae_decode"),
+    "sae_decode": ("sae_decode",),
+    "sae_forward": ("sae_encode", "sae_decode"),
+    "sae": ("sae_encode", "sae_decode"),
+    "splade": ("splade",),
+    "splade_sum": ("splade",),
+    "ffn": ("ffn",),
 }
 
 
@@ -441,14 +481,17 @@ def ops_for(workloads: Sequence[str] = ()) -> list[str]:
         return list(OPS)
     unknown = [w for w in workloads if w not in WORKLOAD_FAMILIES]
     if unknown:
-        raise KeyError(f"unknown workload(s) {', '.join(map(repr, unknown))}; known workloads: "
-                       f"{', '.join(sorted(WORKLOAD_FAMILIES))}")
+        raise KeyError(
+            f"unknown workload(s) {', '.join(map(repr, unknown))}; known workloads: "
+            f"{', '.join(sorted(WORKLOAD_FAMILIES))}"
+        )
     families = {f for w in workloads for f in WORKLOAD_FAMILIES[w]}
     return [name for name, op in OPS.items() if op.family in families]
 
 
-def check_op(name: str, op: OpFn, shape: Sequence[int], dtype: torch.dtype, device: str,
-             gen: torch.Generator) -> CheckResult:  # fmt: skip
+def check_op(
+    name: str, op: OpFn, shape: Sequence[int], dtype: torch.dtype, device: str, gen: torch.Generator
+) -> CheckResult:
     """Run one op on one (shape, dtype) and compare every output."""
     result = CheckResult(name, str(dtype).removeprefix("torch."), "x".join(map(str, shape)), "?", [], [])
     try:
@@ -470,6 +513,7 @@ def format_result(r: CheckResult) -> str:
     head = f"{status}  {r.op:<24} {r.dtype:<9} {r.shape:<12}"
     if r.error:
         return f"{head} {r.error}  backend={r.backend}"
+
     def badness(named: tuple[str, Comparison]) -> tuple[bool, float]:
         # A failing output first, else the largest error; NaN (a NaN mismatch) counts as infinite.
         rel = named[1].max_rel_error
@@ -502,15 +546,19 @@ def run_check(
     probe = torch.empty(0, device=device)
     interpreted = sparsefuse.backend_for(probe) is Backend.INTERPRETER
     selected = f" workloads={','.join(workloads)}" if workloads else ""
-    out(f"sparsefuse check: device={device} backend={sparsefuse.backend_for(probe).value} size={size} seed={seed}"
-        f"{selected} ({len(names)} ops)")
+    out(
+        f"sparsefuse check: device={device} backend={sparsefuse.backend_for(probe).value} size={size} seed={seed}"
+        f"{selected} ({len(names)} ops)"
+    )
     failures = 0
     for dtype in dtypes:
         for name in names:
             op = OPS[name]
             if op.uses_tl_dot and dtype == torch.bfloat16 and interpreted:
-                out(f"SKIP  {name:<24} bfloat16  (the Triton interpreter computes bf16 tl.dot wrongly; a GPU run "
-                    "checks it)")
+                out(
+                    f"SKIP  {name:<24} bfloat16  (the Triton interpreter computes bf16 tl.dot wrongly; a GPU run "
+                    "checks it)"
+                )
                 continue
             for shape in op.small if size == "small" else op.full:
                 result = check_op(name, op.run, shape, dtype, device, gen)

@@ -26,7 +26,8 @@ import gc
 import math
 import statistics
 import time
-from typing import Any, Callable, Iterable, Literal, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Literal
 
 import torch
 
@@ -230,7 +231,7 @@ def measure_ceilings(quick: bool = False) -> Ceilings:
         dst.copy_(src)
     copy_ms = statistics.median(_event_times_ms(lambda: dst.copy_(src), reps))
     copy_rate = 2 * src.numel() * src.element_size() / (copy_ms * 1e-3)
-    del src, dst
+    src = dst = None  # free the 8 GiB before the matmul's operands
 
     m = 8192
     a = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
@@ -240,7 +241,7 @@ def measure_ceilings(quick: bool = False) -> Ceilings:
         torch.matmul(a, b, out=c)
     mm_ms = statistics.median(_event_times_ms(lambda: torch.matmul(a, b, out=c), reps))
     mm_rate = 2 * m**3 / (mm_ms * 1e-3)
-    del a, b, c
+    a = b = c = None
     torch.cuda.empty_cache()
     return Ceilings(copy_rate, mm_rate)
 
@@ -359,10 +360,18 @@ def _reset_compile_caches() -> None:
 
 def _blank_row(case: Case, impl: str) -> Result:
     return Result(
-        workload=case.workload, shape=case.shape, dtype=dtype_name(case.dtype), direction=case.direction, impl=impl,
-        ceiling=case.ceiling, bytes_moved=case.bytes_moved, flops=case.flops,
-        eager_impl=case.eager_impl, compile_impl=case.compile_impl, auto_choices=case.auto_choices.get(impl, ()),
-    )  # fmt: skip
+        workload=case.workload,
+        shape=case.shape,
+        dtype=dtype_name(case.dtype),
+        direction=case.direction,
+        impl=impl,
+        ceiling=case.ceiling,
+        bytes_moved=case.bytes_moved,
+        flops=case.flops,
+        eager_impl=case.eager_impl,
+        compile_impl=case.compile_impl,
+        auto_choices=case.auto_choices.get(impl, ()),
+    )
 
 
 def _short_error(exc: BaseException) -> str:
@@ -459,7 +468,9 @@ def run_cases(
     results: list[Result] = []
     for case in cases:
         label = f"{case.workload} {case.shape} {dtype_name(case.dtype)} {case.direction}"
-        results.extend(run_case(case, options, ceilings, lambda impl: progress and progress(f"{label} {impl}")))
+        results.extend(
+            run_case(case, options, ceilings, lambda impl, label=label: progress and progress(f"{label} {impl}"))
+        )
         if case_done:
             case_done(results)
     return results

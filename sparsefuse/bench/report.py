@@ -15,8 +15,9 @@ import os
 import re
 import subprocess
 import textwrap
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 from .harness import WORKLOAD_INFO, Ceilings, Result, WorkloadInfo
 
@@ -42,9 +43,20 @@ __all__ = [
 ]
 
 TABLE_HEADERS = [
-    "workload", "shape", "dtype", "dir", "impl", "method", "median us", "rate", "% ceil",
-    "vs eager", "vs compile", "peak MB", "note",
-]  # fmt: skip
+    "workload",
+    "shape",
+    "dtype",
+    "dir",
+    "impl",
+    "method",
+    "median us",
+    "rate",
+    "% ceil",
+    "vs eager",
+    "vs compile",
+    "peak MB",
+    "note",
+]
 # Every Result field except the two that only say which rows the speed-ups divide by.
 _CSV_FIELDS = [f.name for f in dataclasses.fields(Result) if f.name not in ("eager_impl", "compile_impl")]
 _CHOICE_SEPARATOR = ";"  # between the names in the auto_choices column
@@ -67,9 +79,13 @@ def git_commit() -> str:
         return os.environ["SPARSEFUSE_COMMIT"]
     try:
         proc = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
-            capture_output=True, text=True, timeout=10, check=False,
-        )  # fmt: skip
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
         return proc.stdout.strip() if proc.returncode == 0 and proc.stdout.strip() else "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -115,11 +131,20 @@ def format_row(r: Result) -> list[str]:
     else:
         rate = _num(r.tflops, ".1f", " TFLOP/s")
     return [
-        r.workload, r.shape, r.dtype, r.direction, r.impl, r.method or "-",
-        _num(r.median_us, ".1f" if r.median_us < 1e5 else ".0f"), rate, _num(r.pct_ceiling, ".0f", "%"),
-        _num(r.speedup_eager, ".2f", "x"), _num(r.speedup_compile, ".2f", "x"), _num(r.peak_mb, ".1f"),
+        r.workload,
+        r.shape,
+        r.dtype,
+        r.direction,
+        r.impl,
+        r.method or "-",
+        _num(r.median_us, ".1f" if r.median_us < 1e5 else ".0f"),
+        rate,
+        _num(r.pct_ceiling, ".0f", "%"),
+        _num(r.speedup_eager, ".2f", "x"),
+        _num(r.speedup_compile, ".2f", "x"),
+        _num(r.peak_mb, ".1f"),
         "" if r.status == "ok" else r.status,
-    ]  # fmt: skip
+    ]
 
 
 def make_console() -> Any:
@@ -243,8 +268,10 @@ def auto_summary(rows: Sequence[Result]) -> list[str]:
         if r.status != "ok" or not chosen:
             continue
         best = min(chosen, key=chosen.get)
-        lines.append(f"| {r.shape} | {r.dtype} | {r.impl} | {r.median_us:.1f} | {best} | {chosen[best]:.1f} | "
-                     f"{chosen[best] / r.median_us:.2f} |")
+        lines.append(
+            f"| {r.shape} | {r.dtype} | {r.impl} | {r.median_us:.1f} | {best} | {chosen[best]:.1f} | "
+            f"{chosen[best] / r.median_us:.2f} |"
+        )
     if not lines:
         return []
     ratios = [float(line.rsplit("|", 2)[1]) for line in lines]
@@ -296,18 +323,36 @@ def _metric(group: Sequence[Result], meta: dict[str, str]) -> tuple[Callable[[Re
     count) the speed-up over the case's eager row; else the time."""
     ceiling, copy = group[0].ceiling, _leading_number(meta.get("copy ceiling", ""))
     matmul = _leading_number(meta.get("matmul ceiling", ""))
-    if ceiling == "copy" and all(math.isfinite(r.gbps) for r in group) and \
-            max(r.gbps for r in group) <= 1.1 * (copy or math.inf):  # fmt: skip
-        return (lambda r: r.gbps), "GB/s: minimal bytes moved / time (higher is better)", copy, \
-            "copy ceiling (measured in this run)"  # fmt: skip
-    if ceiling == "matmul" and all(math.isfinite(r.tflops) for r in group) and \
-            max(r.tflops for r in group) <= 1.1 * (matmul or math.inf):  # fmt: skip
-        return (lambda r: r.tflops), "TFLOP/s: minimal FLOPs / time (higher is better)", matmul, \
-            "bf16 matmul ceiling (measured in this run)"  # fmt: skip
+    if (
+        ceiling == "copy"
+        and all(math.isfinite(r.gbps) for r in group)
+        and max(r.gbps for r in group) <= 1.1 * (copy or math.inf)
+    ):
+        return (
+            (lambda r: r.gbps),
+            "GB/s: minimal bytes moved / time (higher is better)",
+            copy,
+            "copy ceiling (measured in this run)",
+        )
+    if (
+        ceiling == "matmul"
+        and all(math.isfinite(r.tflops) for r in group)
+        and max(r.tflops for r in group) <= 1.1 * (matmul or math.inf)
+    ):
+        return (
+            (lambda r: r.tflops),
+            "TFLOP/s: minimal FLOPs / time (higher is better)",
+            matmul,
+            "bf16 matmul ceiling (measured in this run)",
+        )
     eager = {(r.shape, r.dtype, r.direction): r.median_us for r in group if r.impl == (r.eager_impl or "eager")}
     if len(eager) == len({(r.shape, r.dtype, r.direction) for r in group}):
-        return (lambda r: eager[(r.shape, r.dtype, r.direction)] / r.median_us), \
-            "speed-up over eager (eager time / time), log scale", None, ""  # fmt: skip
+        return (
+            (lambda r: eager[(r.shape, r.dtype, r.direction)] / r.median_us),
+            "speed-up over eager (eager time / time), log scale",
+            None,
+            "",
+        )
     return (lambda r: r.median_us), "microseconds per call (lower is better)", None, ""
 
 
@@ -371,8 +416,7 @@ def _draw_sweep(ax: Any, group: Sequence[Result], color: Callable[[str], Any]) -
         ax.bar(xs, [points.get(v, math.nan) for v in values], width, label=name, color=color(name))
     styles = ["--", ":", "-.", (0, (5, 1))]
     for k, impl in enumerate(i for i in times if not _SWEEP.match(i)):
-        ax.axhline(eager / times[impl], color=color(impl), linestyle=styles[k % len(styles)], linewidth=1.2,
-                   label=impl)
+        ax.axhline(eager / times[impl], color=color(impl), linestyle=styles[k % len(styles)], linewidth=1.2, label=impl)
     ax.set_yscale("log")
     ax.set_xticks(range(len(values)), values, fontsize=8)
     return f"mean {param} per token" if param == "nnz" else param, "speed-up over eager (eager time / time), log"
@@ -401,8 +445,11 @@ def write_plot(rows: Sequence[Result], meta: dict[str, str], path: Path) -> bool
     if not panels:
         return False
     workloads = list(dict.fromkeys(key[0] for key in panels))
-    info = WORKLOAD_INFO.get(workloads[0], WorkloadInfo(workloads[0])) if len(workloads) == 1 else \
-        WorkloadInfo(", ".join(workloads))  # fmt: skip
+    info = (
+        WORKLOAD_INFO.get(workloads[0], WorkloadInfo(workloads[0]))
+        if len(workloads) == 1
+        else WorkloadInfo(", ".join(workloads))
+    )
     palette = plt.get_cmap("tab20").colors
     colors: dict[str, Any] = {}
 
@@ -414,7 +461,7 @@ def write_plot(rows: Sequence[Result], meta: dict[str, str], path: Path) -> bool
     nrows = math.ceil(len(panels) / ncols)
     panel_width = min(22.0, max(6.5, 0.16 * bars + 2)) if ncols == 1 else 6.5
     fig, axes = plt.subplots(nrows, ncols, figsize=(panel_width * ncols, 3.9 * nrows + 1.6), squeeze=False)
-    for ax, ((workload, dtype, direction, prefix), group) in zip(axes.flat, panels.items()):
+    for ax, ((_workload, dtype, direction, prefix), group) in zip(axes.flat, panels.items()):
         if any(_SWEEP.match(r.impl) for r in group):
             xlabel, ylabel = _draw_sweep(ax, group, color)
             ax.set_title(f"{prefix}  {dtype}  {direction}", fontsize=9)
@@ -426,7 +473,7 @@ def write_plot(rows: Sequence[Result], meta: dict[str, str], path: Path) -> bool
         ax.set_ylabel(ylabel, fontsize=8)
         ax.tick_params(axis="y", labelsize=7)
         ax.grid(axis="y", alpha=0.3)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
     handles: dict[str, Any] = {}
     for ax in axes.flat:
@@ -438,8 +485,10 @@ def write_plot(rows: Sequence[Result], meta: dict[str, str], path: Path) -> bool
     legend_rows = math.ceil(len(handles) / max(1, legend_cols))
     height = fig.get_size_inches()[1]
     fig.legend(handles.values(), handles.keys(), loc="lower center", ncols=legend_cols, fontsize=8, frameon=False)
-    subtitle = f"{meta.get('GPU', '?')}, torch {meta.get('torch', '?')}, triton {meta.get('triton', '?')}, " \
-        f"{meta.get('date', '')}"  # fmt: skip
+    subtitle = (
+        f"{meta.get('GPU', '?')}, torch {meta.get('torch', '?')}, triton {meta.get('triton', '?')}, "
+        f"{meta.get('date', '')}"
+    )
     fig.suptitle(f"{info.title}\n{subtitle}", fontsize=10)
     fig.tight_layout(rect=(0, (0.3 * legend_rows + 0.2) / height, 1, 1 - 0.7 / height))
     fig.savefig(path, dpi=100)
@@ -452,8 +501,9 @@ def _leading_number(text: str) -> float | None:
     return float(match.group(1)) if match else None
 
 
-def write_set(rows: Sequence[Result], meta: dict[str, str], out_dir: str | Path, stem: str,
-              plot: bool = True) -> list[Path]:  # fmt: skip
+def write_set(
+    rows: Sequence[Result], meta: dict[str, str], out_dir: str | Path, stem: str, plot: bool = True
+) -> list[Path]:
     """Write <stem>.csv, <stem>.md and (unless plot=False, or without matplotlib) <stem>.png; returns the paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -464,15 +514,19 @@ def write_set(rows: Sequence[Result], meta: dict[str, str], out_dir: str | Path,
     return [csv_path, md] + ([png] if plotted else [])
 
 
-def write_results(rows: Sequence[Result], meta: dict[str, str], out_dir: str | Path, quick: bool = False,
-                  plot: bool = True) -> list[Path]:  # fmt: skip
+def write_results(
+    rows: Sequence[Result], meta: dict[str, str], out_dir: str | Path, quick: bool = False, plot: bool = True
+) -> list[Path]:
     """One set per workload in the rows, named :func:`result_stem` (``<workload>-<gpu>[-quick]``)."""
     by_workload: dict[str, list[Result]] = {}
     for r in rows:
         by_workload.setdefault(r.workload, []).append(r)
     gpu = meta.get("GPU", "unknown")
-    return [path for workload, group in by_workload.items()
-            for path in write_set(group, meta, out_dir, result_stem(gpu, workload, quick), plot)]  # fmt: skip
+    return [
+        path
+        for workload, group in by_workload.items()
+        for path in write_set(group, meta, out_dir, result_stem(gpu, workload, quick), plot)
+    ]
 
 
 def rewrite_from_csv(csv_path: str | Path, plot: bool = True) -> list[Path]:

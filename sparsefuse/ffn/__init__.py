@@ -5,8 +5,8 @@ sparse inputs for tests and benchmarks: :mod:`sparsefuse.ffn.synthetic`."""
 from .twell import (
     COST_MODEL,
     DEFAULT_COMPRESSION,
-    CostModel,
     BlockPlan,
+    CostModel,
     SparsityMonitor,
     predicted_block_time,
     predicted_times,

@@ -98,14 +98,23 @@ class SyntheticFFN:
         return x.to(dtype)
 
 
-def synthetic_ffn(hidden_size: int, intermediate_size: int, *, dtype: torch.dtype = torch.bfloat16,
-                  device: str | torch.device = "cpu", seed: int = 0, token_spread: float = 0.35,
-                  neuron_spread: float = 0.25, dead_fraction: float = 0.3) -> SyntheticFFN:  # fmt: skip
+def synthetic_ffn(
+    hidden_size: int,
+    intermediate_size: int,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    token_spread: float = 0.35,
+    neuron_spread: float = 0.25,
+    dead_fraction: float = 0.3,
+) -> SyntheticFFN:
     """Weights for :class:`SyntheticFFN` (see the module docstring for the construction and the defaults)."""
     K, N = hidden_size, intermediate_size
     if K < 3 or N < 1:
-        raise ValueError(f"synthetic_ffn: need hidden_size >= 3 (two shift features) and intermediate_size >= 1; "
-                         f"got {K}, {N}")  # fmt: skip
+        raise ValueError(
+            f"synthetic_ffn: need hidden_size >= 3 (two shift features) and intermediate_size >= 1; got {K}, {N}"
+        )
     if not 0.0 <= dead_fraction < 1.0:
         raise ValueError(f"synthetic_ffn: dead_fraction must be in [0, 1); got {dead_fraction}")
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -129,5 +138,11 @@ def gate_statistics(counts: torch.Tensor) -> dict[str, float]:
         return {"mean": 0.0, "median": 0.0, "p90": 0.0, "p99": 0.0, "max": 0.0, "frac_above_4x_mean": 0.0}
     mean = float(per_token.mean())
     q = torch.quantile(per_token, torch.tensor([0.5, 0.9, 0.99], dtype=torch.float64))
-    return {"mean": mean, "median": float(q[0]), "p90": float(q[1]), "p99": float(q[2]),
-            "max": float(per_token.max()), "frac_above_4x_mean": float((per_token > 4 * mean).double().mean())}  # fmt: skip
+    return {
+        "mean": mean,
+        "median": float(q[0]),
+        "p90": float(q[1]),
+        "p99": float(q[2]),
+        "max": float(per_token.max()),
+        "frac_above_4x_mean": float((per_token > 4 * mean).double().mean()),
+    }

@@ -25,22 +25,33 @@ def is_relu_llama_mlp(module: nn.Module) -> bool:
     """True for a transformers ``LlamaMLP`` whose activation is ReLU."""
     from transformers.models.llama.modeling_llama import LlamaMLP
 
-    return isinstance(module, LlamaMLP) and isinstance(getattr(module, "act_fn", None), nn.ReLU) \
-        and not isinstance(module, SparseGatedMLP)  # fmt: skip
+    return (
+        isinstance(module, LlamaMLP)
+        and isinstance(getattr(module, "act_fn", None), nn.ReLU)
+        and not isinstance(module, SparseGatedMLP)
+    )
 
 
 def _replacement(mlp: nn.Module, compression: int, tile: int | None, method: str) -> SparseGatedMLP:
     gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
-    fused = SparseGatedMLP(gate.in_features, gate.out_features, bias=gate.bias is not None, compression=compression,
-                           tile=tile, method=method, device="meta")  # fmt: skip
+    fused = SparseGatedMLP(
+        gate.in_features,
+        gate.out_features,
+        bias=gate.bias is not None,
+        compression=compression,
+        tile=tile,
+        method=method,
+        device="meta",
+    )
     fused.gate_proj, fused.up_proj, fused.down_proj = gate, up, down  # the modules themselves, not copies
     fused.relayout_down_proj()
     fused.train(mlp.training)
     return fused
 
 
-def patch_llama(model: nn.Module, *, compression: int = DEFAULT_COMPRESSION, tile: int | None = None,
-                method: str = "auto") -> nn.Module:  # fmt: skip
+def patch_llama(
+    model: nn.Module, *, compression: int = DEFAULT_COMPRESSION, tile: int | None = None, method: str = "auto"
+) -> nn.Module:
     """Replace every ReLU ``LlamaMLP`` inside ``model`` (in place) with :class:`sparsefuse.nn.SparseGatedMLP`.
 
     Returns the model (or, if ``model`` itself is a ReLU LlamaMLP, its replacement). Raises ``ValueError`` if no
@@ -55,6 +66,8 @@ def patch_llama(model: nn.Module, *, compression: int = DEFAULT_COMPRESSION, til
                 replaced += 1
     if replaced == 0:
         act = getattr(getattr(model, "config", None), "hidden_act", None)
-        raise ValueError(f"sparsefuse patch_llama: no LlamaMLP with a ReLU activation found in "
-                         f"{type(model).__name__}" + (f" (config.hidden_act={act!r})" if act else ""))  # fmt: skip
+        raise ValueError(
+            f"sparsefuse patch_llama: no LlamaMLP with a ReLU activation found in "
+            f"{type(model).__name__}" + (f" (config.hidden_act={act!r})" if act else "")
+        )
     return model

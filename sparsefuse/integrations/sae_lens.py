@@ -20,9 +20,10 @@ What ``patch`` changes (instance attributes: the class, parameters and ``state_d
   activations exist for a moment.
   JumpReLU with ``fused_encode=True`` (the default when ``max_l0`` is given) -- :func:`sparsefuse.sae.jumprelu_encode`
   writes the fired features straight into ELL (width ``max_l0``) and :func:`sparsefuse.sparse.sparse_matmul`
-  gathers only their decoder rows (both JumpReLU paths are :func:`sparsefuse.sae.jumprelu_sae_forward`); a token that fired more than ``max_l0`` features is recomputed on the device from
-  the encoder inputs, never truncated. The dense activations never exist (46 MB peak instead of 2.2 GB in the case
-  above) at 1.51x SAELens' forward; the epilogue matmul runs at about half cuBLAS's rate, so it trails the default.
+  gathers only their decoder rows (both JumpReLU paths are :func:`sparsefuse.sae.jumprelu_sae_forward`); a token
+  that fired more than ``max_l0`` features is recomputed on the device from the encoder inputs, never truncated.
+  The dense activations never exist (46 MB peak instead of 2.2 GB in the case above) at 1.51x SAELens' forward; the
+  epilogue matmul runs at about half cuBLAS's rate, so it trails the default.
   TopK, by default -- SAELens' encode matmul and ``torch.topk`` (the same selection as SAELens), then
   :func:`sparsefuse.sae.topk_decode` gathers only the k decoder rows per token instead of SAELens' scatter into a
   dense [tokens, d_sae] tensor and dense decode. TopK with ``fused_encode=True`` -- :func:`sparsefuse.sae.topk_encode`
@@ -90,12 +91,13 @@ def _sae_lens_classes() -> dict[str, Any]:
             "sparsefuse.integrations.sae_lens needs sae_lens >= 6 (pip install 'sae-lens>=6'); "
             f"importing it failed: {exc}"
         ) from exc
-    return dict(version=getattr(sae_lens, "__version__", "?"), SAE=SAE, JumpReLUSAE=JumpReLUSAE, TopKSAE=TopKSAE,
-                TopK=TopK)  # fmt: skip
+    return dict(
+        version=getattr(sae_lens, "__version__", "?"), SAE=SAE, JumpReLUSAE=JumpReLUSAE, TopKSAE=TopKSAE, TopK=TopK
+    )
 
 
 def _architecture(sae: nn.Module) -> str:
-    """"jumprelu" or "topk" when the SAE computes exactly what SAELens' JumpReLUSAE / TopKSAE compute; else raises."""
+    """ "jumprelu" or "topk" when the SAE computes exactly what SAELens' JumpReLUSAE / TopKSAE compute; else raises."""
     c = _sae_lens_classes()
     if not isinstance(sae, c["SAE"]):
         raise TypeError(f"sparsefuse.integrations.sae_lens.patch: expected a sae_lens SAE, got {type(sae).__name__}")
@@ -105,8 +107,10 @@ def _architecture(sae: nn.Module) -> str:
         architecture = "jumprelu"
     elif isinstance(sae, c["TopKSAE"]) and keeps(c["TopKSAE"]) and type(act) is c["TopK"]:
         if act.use_sparse_activations:
-            raise ValueError("sparsefuse.integrations.sae_lens.patch: TopK with use_sparse_activations=True "
-                             "(sparse COO activations) is not supported")  # fmt: skip
+            raise ValueError(
+                "sparsefuse.integrations.sae_lens.patch: TopK with use_sparse_activations=True "
+                "(sparse COO activations) is not supported"
+            )
         architecture = "topk"
     else:
         arch = getattr(getattr(sae, "cfg", None), "architecture", lambda: "?")
@@ -120,8 +124,9 @@ def _architecture(sae: nn.Module) -> str:
     return architecture
 
 
-def patch(sae: nn.Module, *, max_l0: int | None = None, decode_method: str = "auto",
-          fused_encode: bool | None = None) -> nn.Module:  # fmt: skip
+def patch(
+    sae: nn.Module, *, max_l0: int | None = None, decode_method: str = "auto", fused_encode: bool | None = None
+) -> nn.Module:
     """Route a SAELens JumpReLUSAE/TopKSAE through sparsefuse's kernels, in place (see module docstring).
 
     Args:
@@ -213,8 +218,14 @@ def _topk_encode(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if not _runs_kernels(self, x) or not getattr(self, _ATTR).fused_encode:
         return type(self).encode(self, x)
     sae_in = _sae_input(self, x)
-    indices, acts = topk_encode(sae_in, self.W_enc, self.b_enc, self.activation_fn.k, b_dec=_input_b_dec(self),
-                                feature_scale=_decoder_scale(self))  # fmt: skip
+    indices, acts = topk_encode(
+        sae_in,
+        self.W_enc,
+        self.b_enc,
+        self.activation_fn.k,
+        b_dec=_input_b_dec(self),
+        feature_scale=_decoder_scale(self),
+    )
     dense = acts.new_zeros(*acts.shape[:-1], self.W_enc.shape[1]).scatter_(-1, indices, acts)
     return self.hook_sae_acts_post(dense)
 
@@ -228,9 +239,18 @@ def _jumprelu_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return type(self).forward(self, x)
     settings: _Patch = getattr(self, _ATTR)
     sae_in = _sae_input(self, x)
-    recon = jumprelu_sae_forward(sae_in, self.W_enc, self.b_enc, self.threshold, self.W_dec, self.b_dec,
-                                 apply_b_dec_to_input=self.cfg.apply_b_dec_to_input, max_l0=settings.max_l0,
-                                 fused_encode=settings.fused_encode, decode_method=settings.decode_method)
+    recon = jumprelu_sae_forward(
+        sae_in,
+        self.W_enc,
+        self.b_enc,
+        self.threshold,
+        self.W_dec,
+        self.b_dec,
+        apply_b_dec_to_input=self.cfg.apply_b_dec_to_input,
+        max_l0=settings.max_l0,
+        fused_encode=settings.fused_encode,
+        decode_method=settings.decode_method,
+    )
     return self.hook_sae_output(_decode_tail(self, recon))
 
 

@@ -80,8 +80,12 @@ def _fused_splade_pooling_forward(self: nn.Module, features: dict[str, Any]) -> 
     if "cu_seq_lens_q" in features:  # FlashAttention-unpadded inputs: one flat [1, total_tokens, hidden] row
         flat = hidden.squeeze(0)
         bounds = features["cu_seq_lens_q"].tolist()
-        pooled = torch.cat([splade_pool(flat[start:end].unsqueeze(0), weight, bias, pooling=self.pooling_strategy)
-                            for start, end in zip(bounds[:-1], bounds[1:])])  # fmt: skip
+        pooled = torch.cat(
+            [
+                splade_pool(flat[start:end].unsqueeze(0), weight, bias, pooling=self.pooling_strategy)
+                for start, end in zip(bounds[:-1], bounds[1:])
+            ]
+        )
     else:
         pooled = splade_pool(hidden, weight, bias, features["attention_mask"], pooling=self.pooling_strategy)
     if self.embedding_dimension is None:
@@ -96,11 +100,15 @@ def _patch_pair(transformer: nn.Module, pooling: nn.Module) -> bool:
         return False
     activation = getattr(pooling, "activation_function", "relu")
     if activation != "relu":
-        raise ValueError(f"sparsefuse.integrations.sentence_transformers.patch: SpladePooling(activation_function="
-                         f"{activation!r}) is not supported by the fused head (only 'relu')")  # fmt: skip
+        raise ValueError(
+            f"sparsefuse.integrations.sentence_transformers.patch: SpladePooling(activation_function="
+            f"{activation!r}) is not supported by the fused head (only 'relu')"
+        )
     if pooling.pooling_strategy not in ("max", "sum"):
-        raise ValueError(f"sparsefuse.integrations.sentence_transformers.patch: unknown pooling_strategy "
-                         f"{pooling.pooling_strategy!r}")  # fmt: skip
+        raise ValueError(
+            f"sparsefuse.integrations.sentence_transformers.patch: unknown pooling_strategy "
+            f"{pooling.pooling_strategy!r}"
+        )
     bypass_projection(vocabulary_projection(mlm))
     pooling.__dict__[_MLM_ATTR] = mlm  # plain attribute: not registered as a submodule (no state_dict keys)
     pooling.forward = types.MethodType(_fused_splade_pooling_forward, pooling)
@@ -117,8 +125,10 @@ def patch(model: nn.Module) -> nn.Module:
         if is_splade_pooling(second) and not is_patched(second):
             patched += _patch_pair(first, second)
     if patched == 0 and not any(is_patched(m) for m in modules):
-        raise ValueError(f"sparsefuse.integrations.sentence_transformers.patch: no masked-LM transformer followed by "
-                         f"SpladePooling found in {type(model).__name__}")  # fmt: skip
+        raise ValueError(
+            f"sparsefuse.integrations.sentence_transformers.patch: no masked-LM transformer followed by "
+            f"SpladePooling found in {type(model).__name__}"
+        )
     return model
 
 

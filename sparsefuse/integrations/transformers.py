@@ -5,4 +5,11 @@ transformers lazily."""
 from ._llama import is_relu_llama_mlp, patch_llama
 from .transformers_mlm import SpladeEncoderForMaskedLM, projection_bypassed, splade_encode, vocabulary_projection
 
-__all__ = ["patch_llama", "is_relu_llama_mlp", "SpladeEncoderForMaskedLM", "projection_bypassed", "splade_encode", "vocabulary_projection"]
+__all__ = [
+    "patch_llama",
+    "is_relu_llama_mlp",
+    "SpladeEncoderForMaskedLM",
+    "projection_bypassed",
+    "splade_encode",
+    "vocabulary_projection",
+]

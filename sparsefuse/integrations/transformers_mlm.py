@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import types
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -39,9 +40,11 @@ def vocabulary_projection(model: nn.Module) -> nn.Linear:
     decoder = get() if callable(get) else None
     weight = getattr(decoder, "weight", None)
     if not isinstance(decoder, nn.Module) or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        raise TypeError(f"sparsefuse: {type(model).__name__} has no nn.Linear-like output projection "
-                        "(get_output_embeddings() with a [vocab, hidden] weight); expected a transformers masked "
-                        "LM such as BertForMaskedLM")  # fmt: skip
+        raise TypeError(
+            f"sparsefuse: {type(model).__name__} has no nn.Linear-like output projection "
+            "(get_output_embeddings() with a [vocab, hidden] weight); expected a transformers masked "
+            "LM such as BertForMaskedLM"
+        )
     return decoder
 
 
@@ -86,9 +89,14 @@ def _logits_of(output: Any) -> torch.Tensor:
     return logits
 
 
-def splade_encode(model: nn.Module, input_ids: torch.Tensor | None = None,
-                  attention_mask: torch.Tensor | None = None, *, pooling: str = "max",
-                  **model_kwargs: Any) -> torch.Tensor:  # fmt: skip
+def splade_encode(
+    model: nn.Module,
+    input_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    pooling: str = "max",
+    **model_kwargs: Any,
+) -> torch.Tensor:
     """SPLADE term weights [B, vocab] of a transformers masked LM, computed with the fused head.
 
     Equals naver/splade's ``torch.max(log1p(relu(model(...).logits)) * attention_mask[..., None], dim=1).values``
@@ -114,8 +122,9 @@ class SpladeEncoderForMaskedLM(nn.Module):
         vocabulary_projection(model)  # fail early on a model without one
         self.model, self.pooling = model, pooling
 
-    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                **model_kwargs: Any) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None, **model_kwargs: Any
+    ) -> torch.Tensor:
         return splade_encode(self.model, input_ids, attention_mask, pooling=self.pooling, **model_kwargs)
 
     def extra_repr(self) -> str:

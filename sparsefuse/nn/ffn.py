@@ -23,9 +23,18 @@ class SparseGatedMLP(nn.Module):
     """Parameters: gate_proj.weight [intermediate, hidden], up_proj.weight [intermediate, hidden],
     down_proj.weight [hidden, intermediate] (+ biases when ``bias=True``, as ``LlamaConfig(mlp_bias=True)``)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, *, bias: bool = False,
-                 compression: int = DEFAULT_COMPRESSION, tile: int | None = None, method: str = "auto",
-                 device=None, dtype=None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        bias: bool = False,
+        compression: int = DEFAULT_COMPRESSION,
+        tile: int | None = None,
+        method: str = "auto",
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__()
         if method not in METHODS:
             raise ValueError(f"SparseGatedMLP: method must be one of {', '.join(METHODS)}; got {method!r}")
@@ -48,11 +57,22 @@ class SparseGatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.down_proj.weight.stride(0) != 1 and not torch.compiler.is_compiling():
             self.relayout_down_proj()  # a new weight was assigned or loaded with another layout
-        return twell_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight,
-                         b_gate=self.gate_proj.bias, b_up=self.up_proj.bias, b_down=self.down_proj.bias,
-                         compression=self.compression, tile=self.tile, method=self.method,
-                         monitor=self.monitor)  # fmt: skip
+        return twell_mlp(
+            x,
+            self.gate_proj.weight,
+            self.up_proj.weight,
+            self.down_proj.weight,
+            b_gate=self.gate_proj.bias,
+            b_up=self.up_proj.bias,
+            b_down=self.down_proj.bias,
+            compression=self.compression,
+            tile=self.tile,
+            method=self.method,
+            monitor=self.monitor,
+        )
 
     def extra_repr(self) -> str:
-        return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
-                f"compression={self.compression}, method={self.method!r}")  # fmt: skip
+        return (
+            f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
+            f"compression={self.compression}, method={self.method!r}"
+        )

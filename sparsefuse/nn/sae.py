@@ -18,8 +18,16 @@ from ..sae import jumprelu_sae_forward, sparse_decode
 class SparseJumpReLUSAE(nn.Module):
     """Parameters: W_enc [d_in, d_sae], b_enc [d_sae], threshold [d_sae], W_dec [d_sae, d_in], b_dec [d_in]."""
 
-    def __init__(self, d_in: int, d_sae: int, *, max_l0: int | None = None, apply_b_dec_to_input: bool = True,
-                 device=None, dtype=None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        d_in: int,
+        d_sae: int,
+        *,
+        max_l0: int | None = None,
+        apply_b_dec_to_input: bool = True,
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         self.W_enc = nn.Parameter(torch.empty(d_in, d_sae, **kw))
@@ -47,8 +55,16 @@ class SparseJumpReLUSAE(nn.Module):
     def forward(self, x: torch.Tensor, *, return_feature_acts: bool = False):
         params = (x, self.W_enc, self.b_enc, self.threshold, self.W_dec, self.b_dec)
         if not return_feature_acts and not (torch.is_grad_enabled() and any(t.requires_grad for t in params)):
-            return jumprelu_sae_forward(x, self.W_enc, self.b_enc, self.threshold, self.W_dec, self.b_dec,
-                                        apply_b_dec_to_input=self.apply_b_dec_to_input, max_l0=self.max_l0)
+            return jumprelu_sae_forward(
+                x,
+                self.W_enc,
+                self.b_enc,
+                self.threshold,
+                self.W_dec,
+                self.b_dec,
+                apply_b_dec_to_input=self.apply_b_dec_to_input,
+                max_l0=self.max_l0,
+            )
         acts = self.encode(x)
         recon = self.decode(acts)
         return (recon, acts) if return_feature_acts else recon

@@ -26,8 +26,9 @@ class SpladeHead(nn.Module):
     existing decoder's Parameter objects (tied weights stay tied; optimisers see one parameter).
     """
 
-    def __init__(self, hidden_size: int, vocab_size: int, *, bias: bool = True, pooling: str = "max",
-                 device=None, dtype=None) -> None:  # fmt: skip
+    def __init__(
+        self, hidden_size: int, vocab_size: int, *, bias: bool = True, pooling: str = "max", device=None, dtype=None
+    ) -> None:
         super().__init__()
         if pooling not in POOLINGS:
             raise ValueError(f"SpladeHead: pooling must be one of {POOLINGS}; got {pooling!r}")
@@ -49,8 +50,10 @@ class SpladeHead(nn.Module):
         ``get_output_embeddings()``."""
         weight = getattr(decoder, "weight", None)
         if not isinstance(weight, nn.Parameter) or weight.dim() != 2:
-            raise TypeError(f"SpladeHead.tied_to: decoder must be an nn.Linear-like module with a 2-D weight "
-                            f"Parameter [vocab_size, hidden_size]; got {type(decoder).__name__}")  # fmt: skip
+            raise TypeError(
+                f"SpladeHead.tied_to: decoder must be an nn.Linear-like module with a 2-D weight "
+                f"Parameter [vocab_size, hidden_size]; got {type(decoder).__name__}"
+            )
         bias = getattr(decoder, "bias", None)
         head = cls(weight.shape[1], weight.shape[0], bias=False, pooling=pooling, device="meta")
         head.weight = weight
@@ -62,5 +65,7 @@ class SpladeHead(nn.Module):
         return splade_pool(hidden_states, self.weight, self.bias, attention_mask, pooling=self.pooling)
 
     def extra_repr(self) -> str:
-        return (f"hidden_size={self.hidden_size}, vocab_size={self.vocab_size}, bias={self.bias is not None}, "
-                f"pooling={self.pooling!r}")  # fmt: skip
+        return (
+            f"hidden_size={self.hidden_size}, vocab_size={self.vocab_size}, bias={self.bias is not None}, "
+            f"pooling={self.pooling!r}"
+        )

@@ -7,5 +7,14 @@ from .encoder import JumpReLUEncoder
 from .forward import jumprelu_sae_forward
 from .topk import topk_encode, torch_topk_encode
 
-__all__ = ["sparse_decode", "topk_decode", "torch_sparse_decode", "jumprelu_encode", "torch_jumprelu_encode",
-           "topk_encode", "torch_topk_encode", "JumpReLUEncoder", "jumprelu_sae_forward"]
+__all__ = [
+    "sparse_decode",
+    "topk_decode",
+    "torch_sparse_decode",
+    "jumprelu_encode",
+    "torch_jumprelu_encode",
+    "topk_encode",
+    "torch_topk_encode",
+    "JumpReLUEncoder",
+    "jumprelu_sae_forward",
+]

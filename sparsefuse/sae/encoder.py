@@ -15,8 +15,14 @@ class JumpReLUEncoder(ThresholdedLinear):
     x [M, d_in], W_enc [d_in, d_sae], b_enc and threshold [d_sae], b_dec [d_in] or None. The SAE's names are views
     of the generic layer's fields (W_enc = weight, b_enc = bias, b_dec = input_shift)."""
 
-    def __init__(self, x: torch.Tensor, W_enc: torch.Tensor, b_enc: torch.Tensor, threshold: torch.Tensor,
-                 b_dec: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        x: torch.Tensor,
+        W_enc: torch.Tensor,
+        b_enc: torch.Tensor,
+        threshold: torch.Tensor,
+        b_dec: torch.Tensor | None = None,
+    ) -> None:
         super().__init__(x, W_enc, b_enc, threshold, b_dec)
 
     @property

@@ -24,10 +24,19 @@ from .encode import jumprelu_encode
 from .encoder import JumpReLUEncoder
 
 
-def jumprelu_sae_forward(x: torch.Tensor, W_enc: torch.Tensor, b_enc: torch.Tensor, threshold: torch.Tensor,
-                         W_dec: torch.Tensor, b_dec: torch.Tensor, *, apply_b_dec_to_input: bool = True,
-                         max_l0: int | None = None, fused_encode: bool | None = None,
-                         decode_method: str = "auto") -> torch.Tensor:
+def jumprelu_sae_forward(
+    x: torch.Tensor,
+    W_enc: torch.Tensor,
+    b_enc: torch.Tensor,
+    threshold: torch.Tensor,
+    W_dec: torch.Tensor,
+    b_dec: torch.Tensor,
+    *,
+    apply_b_dec_to_input: bool = True,
+    max_l0: int | None = None,
+    fused_encode: bool | None = None,
+    decode_method: str = "auto",
+) -> torch.Tensor:
     """Reconstruction [..., d_model] of x [..., d_in] by a JumpReLU SAE (see module docstring). Inference only:
     raises when a gradient would be needed.
 

@@ -10,16 +10,32 @@ import warnings
 from typing import Any
 
 from .._auto import SparsityMonitor, sampled_nonzero_stats
+from .block_spmm import block_sparse_matmul
 from .compact import dense_to_csr, dense_to_ell, dense_to_row_block_pattern
 from .formats import CSR, ELL, BlockELL, RowBlockPattern, TwELL
 from .sddmm import block_sddmm, torch_block_sddmm
-from .spmm import ThresholdedLinear, block_sparse_matmul, matmul_skip_zeros, sparse_matmul, torch_sparse_matmul
+from .spmm import ThresholdedLinear, matmul_skip_zeros, sparse_matmul, torch_sparse_matmul
 
 __all__ = [
-    "CSR", "ELL", "TwELL", "RowBlockPattern", "BlockELL", "ThresholdedLinear", "dense_to_csr", "dense_to_ell",
-    "dense_to_row_block_pattern", "matmul_skip_zeros", "sparse_matmul", "torch_sparse_matmul", "block_sddmm",
-    "torch_block_sddmm", "block_sparse_matmul", "SparsityMonitor", "sampled_nonzero_stats",
+    "CSR",
+    "ELL",
+    "TwELL",
+    "RowBlockPattern",
+    "BlockELL",
+    "ThresholdedLinear",
+    "dense_to_csr",
+    "dense_to_ell",
+    "dense_to_row_block_pattern",
+    "matmul_skip_zeros",
+    "sparse_matmul",
+    "torch_sparse_matmul",
+    "block_sddmm",
+    "torch_block_sddmm",
+    "block_sparse_matmul",
+    "SparsityMonitor",
+    "sampled_nonzero_stats",
 ]
+
 
 def _jumprelu_encoder(x, W_enc, b_enc, threshold, b_dec=None) -> ThresholdedLinear:
     """The deprecated ``sparsefuse.sparse.JumpReLUEncoder(x, W_enc, b_enc, threshold, b_dec)``: the same layer as the

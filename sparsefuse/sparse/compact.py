@@ -64,8 +64,19 @@ def _lowest_bit(u):
 
 
 @triton.jit
-def bits_to_sparse_kernel(bits_ptr, dense_ptr, counts_ptr, row_offsets_ptr, values_ptr, indices_ptr, n_words,
-                          stride_dense, width, BLOCK_W: tl.constexpr, MODE: tl.constexpr):  # fmt: skip
+def bits_to_sparse_kernel(
+    bits_ptr,
+    dense_ptr,
+    counts_ptr,
+    row_offsets_ptr,
+    values_ptr,
+    indices_ptr,
+    n_words,
+    stride_dense,
+    width,
+    BLOCK_W: tl.constexpr,
+    MODE: tl.constexpr,
+):
     # bits [M, n_words] int32 (row_bits_kernel) of dense [M, N] (unit column stride); one program per row.
     # MODE count: counts [M] int32 = the row's set bits. ELL: values/indices [M, width] (the first width non-zeros)
     # and counts [M] (all of them). CSR: values/indices [nnz] from row_offsets [M + 1] int64 on.
@@ -96,16 +107,34 @@ def bits_to_sparse_kernel(bits_ptr, dense_ptr, counts_ptr, row_offsets_ptr, valu
         tl.store(counts_ptr + row, filled)
 
 
-def _bits_to_sparse(bits: torch.Tensor, dense: torch.Tensor, mode: int, *, counts: torch.Tensor | None = None,
-                    row_offsets: torch.Tensor | None = None, values: torch.Tensor | None = None,
-                    indices: torch.Tensor | None = None, width: int = 0) -> None:  # fmt: skip
+def _bits_to_sparse(
+    bits: torch.Tensor,
+    dense: torch.Tensor,
+    mode: int,
+    *,
+    counts: torch.Tensor | None = None,
+    row_offsets: torch.Tensor | None = None,
+    values: torch.Tensor | None = None,
+    indices: torch.Tensor | None = None,
+    width: int = 0,
+) -> None:
     """One bits_to_sparse_kernel launch over the rows of ``bits`` (see the kernel for the modes)."""
     block_w = 8 if _backend.INTERPRET else min(1024, max(32, triton.next_power_of_2(bits.shape[1])))
     unused = bits
     bits_to_sparse_kernel[(bits.shape[0],)](
-        bits, dense, unused if counts is None else counts, unused if row_offsets is None else row_offsets,
-        unused if values is None else values, unused if indices is None else indices, bits.shape[1],
-        dense.stride(0), width, BLOCK_W=block_w, MODE=mode, num_warps=4)  # fmt: skip
+        bits,
+        dense,
+        unused if counts is None else counts,
+        unused if row_offsets is None else row_offsets,
+        unused if values is None else values,
+        unused if indices is None else indices,
+        bits.shape[1],
+        dense.stride(0),
+        width,
+        BLOCK_W=block_w,
+        MODE=mode,
+        num_warps=4,
+    )
     record_launch("bits_to_sparse_kernel")
 
 
@@ -157,8 +186,9 @@ def _bitwise_or(a, b):
 
 
 @triton.jit
-def row_bits_kernel(dense_ptr, bits_ptr, M, N, n_words, stride_row, ROWS: tl.constexpr, BLOCK_C: tl.constexpr,
-                    RELU: tl.constexpr):  # fmt: skip
+def row_bits_kernel(
+    dense_ptr, bits_ptr, M, N, n_words, stride_row, ROWS: tl.constexpr, BLOCK_C: tl.constexpr, RELU: tl.constexpr
+):
     # dense [M, N] -> bits [M, n_words] int32 (bit c % 32 of word c // 32 set where column c is non-zero; BLOCK_C a
     # multiple of 32). Grid (column chunks, row chunks): one [ROWS, BLOCK_C] load per program, so even a few
     # thousand rows give enough loads in flight (a program looping over whole rows had too few; a 1-D grid of the
@@ -171,19 +201,36 @@ def row_bits_kernel(dense_ptr, bits_ptr, M, N, n_words, stride_row, ROWS: tl.con
         rows = row_chunk * ROWS + tl.arange(0, ROWS)  # [ROWS]
         row_mask = rows < M
         cols = chunk * BLOCK_C + tl.arange(0, BLOCK_C)
-        v = tl.load(dense_ptr + rows[:, None].to(tl.int64) * stride_row + cols[None, :],
-                    mask=row_mask[:, None] & (cols[None, :] < N), other=0.0)  # fmt: skip
+        v = tl.load(
+            dense_ptr + rows[:, None].to(tl.int64) * stride_row + cols[None, :],
+            mask=row_mask[:, None] & (cols[None, :] < N),
+            other=0.0,
+        )
         fired = _is_nonzero(v, RELU).to(tl.int32)  # [ROWS, BLOCK_C]
         words = tl.reduce(tl.reshape(fired, [ROWS, BLOCK_C // 32, 32]) << lane[None, None, :], 2, _bitwise_or)
         w = chunk * (BLOCK_C // 32) + tl.arange(0, BLOCK_C // 32)
-        tl.store(bits_ptr + rows[:, None].to(tl.int64) * n_words + w[None, :], words,
-                 mask=row_mask[:, None] & (w[None, :] < n_words))  # fmt: skip
+        tl.store(
+            bits_ptr + rows[:, None].to(tl.int64) * n_words + w[None, :],
+            words,
+            mask=row_mask[:, None] & (w[None, :] < n_words),
+        )
 
 
 @triton.jit
-def row_block_union_kernel(bits_ptr, order_ptr, indices_ptr, counts_ptr, M, N, n_words, n_tiles,
-                           TILE: tl.constexpr, WORDS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                           HAS_ORDER: tl.constexpr):  # fmt: skip
+def row_block_union_kernel(
+    bits_ptr,
+    order_ptr,
+    indices_ptr,
+    counts_ptr,
+    M,
+    N,
+    n_words,
+    n_tiles,
+    TILE: tl.constexpr,
+    WORDS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    HAS_ORDER: tl.constexpr,
+):
     # bits [M, n_words] (row_bits_kernel); order [M] int32 (block b = rows order[b * BLOCK_ROWS ...]); out: indices
     # [n_blocks, n_tiles * TILE] (the union of tile t at [t * TILE, t * TILE + count), column order), counts
     # [n_blocks, n_tiles]. A program or-s the WORDS = max(1, TILE / 32) words that hold its tile for each of the
@@ -195,12 +242,16 @@ def row_block_union_kernel(bits_ptr, order_ptr, indices_ptr, counts_ptr, M, N, n
     rows = tl.load(order_ptr + slots, mask=slot_mask, other=0) if HAS_ORDER else slots
     first_word = (tile * TILE) // 32
     w = tl.arange(0, WORDS)
-    words = tl.load(bits_ptr + rows[:, None].to(tl.int64) * n_words + first_word + w[None, :],
-                    mask=slot_mask[:, None] & (first_word + w[None, :] < n_words), other=0)  # fmt: skip
+    words = tl.load(
+        bits_ptr + rows[:, None].to(tl.int64) * n_words + first_word + w[None, :],
+        mask=slot_mask[:, None] & (first_word + w[None, :] < n_words),
+        other=0,
+    )
     union = tl.reduce(words, 0, _bitwise_or)  # [WORDS]
     cols = tile * TILE + tl.arange(0, TILE)  # [TILE]
-    word_of_col = tl.reduce(tl.where((cols // 32 - first_word)[:, None] == w[None, :], union[None, :], 0), 1,
-                            _bitwise_or)  # fmt: skip
+    word_of_col = tl.reduce(
+        tl.where((cols // 32 - first_word)[:, None] == w[None, :], union[None, :], 0), 1, _bitwise_or
+    )
     in_union = ((word_of_col >> (cols % 32)) & 1) * (cols < N)  # [TILE]
     rank = tl.cumsum(in_union, axis=0) - 1
     tl.store(indices_ptr + block.to(tl.int64) * (n_tiles * TILE) + tile * TILE + rank, cols, mask=in_union > 0)
@@ -216,7 +267,8 @@ def _row_bits(dense: torch.Tensor, relu: bool) -> torch.Tensor:
     block_c = min(block_c, max(32, triton.next_power_of_2(N)))
     bits = new_output((M, n_words), torch.int32, dense.device)  # poisoned under test
     row_bits_kernel[(triton.cdiv(N, block_c), min(triton.cdiv(M, rows), MAX_GRID_Y))](
-        dense, bits, M, N, n_words, dense.stride(0), ROWS=rows, BLOCK_C=block_c, RELU=relu, num_warps=4)
+        dense, bits, M, N, n_words, dense.stride(0), ROWS=rows, BLOCK_C=block_c, RELU=relu, num_warps=4
+    )
     record_launch("row_bits_kernel")
     return bits
 
@@ -257,8 +309,11 @@ def row_keys_kernel(bits_ptr, keys_ptr, M, n_words, n_sample, ROWS: tl.constexpr
     count = tl.zeros([ROWS], dtype=tl.int32)
     for w0 in range(0, tl.cdiv(n_sample, 32), WORDS):
         w = w0 + tl.arange(0, WORDS)
-        words = tl.load(bits_ptr + rows[:, None].to(tl.int64) * n_words + w[None, :],
-                        mask=row_mask[:, None] & (w[None, :] * 32 < n_sample), other=0).to(tl.uint32, bitcast=True)
+        words = tl.load(
+            bits_ptr + rows[:, None].to(tl.int64) * n_words + w[None, :],
+            mask=row_mask[:, None] & (w[None, :] * 32 < n_sample),
+            other=0,
+        ).to(tl.uint32, bitcast=True)
         kept = n_sample - w * 32  # bits of each word inside the sample (>= 32: all)
         low = (tl.full([WORDS], 1, tl.uint32) << tl.minimum(tl.maximum(kept, 0), 31).to(tl.uint32)) - 1
         low = tl.where(kept >= 32, tl.full([WORDS], 0xFFFFFFFF, tl.uint32), low)
@@ -298,8 +353,10 @@ def torch_count_order(fired: torch.Tensor, group: int = SORT_GROUP) -> torch.Ten
     v = fired.sum(dim=1).long() + 1
     e = torch.floor(torch.log2(v.double())).long()  # exact: v < 2**31
     key = 4 * e + torch.bitwise_right_shift(4 * v, e) - 4
-    parts = [g0 + torch.sort(key[g0:g0 + group], descending=True, stable=True).indices
-             for g0 in range(0, fired.shape[0], group)]  # fmt: skip
+    parts = [
+        g0 + torch.sort(key[g0 : g0 + group], descending=True, stable=True).indices
+        for g0 in range(0, fired.shape[0], group)
+    ]
     return torch.cat(parts).to(torch.int32) if parts else key.to(torch.int32)
 
 
@@ -334,8 +391,15 @@ def count_order(dense: torch.Tensor, n_sample: int, relu: bool = False, group: i
     return _group_rank(_row_bits(dense, relu), n_sample, group)
 
 
-def dense_to_row_block_pattern(dense: torch.Tensor, tile: int, block_rows: int, *, relu: bool = False,
-                               sort_rows: bool = False, sort_sample: int | None = None) -> RowBlockPattern:  # fmt: skip
+def dense_to_row_block_pattern(
+    dense: torch.Tensor,
+    tile: int,
+    block_rows: int,
+    *,
+    relu: bool = False,
+    sort_rows: bool = False,
+    sort_sample: int | None = None,
+) -> RowBlockPattern:
     """The :class:`RowBlockPattern` of ``dense`` [M, N] (of ``relu(dense)`` when ``relu``: pre-activations).
 
     With ``sort_rows`` the rows are first ordered by :func:`count_order` -- heavy rows first within each group of
@@ -348,8 +412,9 @@ def dense_to_row_block_pattern(dense: torch.Tensor, tile: int, block_rows: int, 
     check_dense(op, dense)
     dense = unit_last_stride(dense)
     check_twell_geometry(op, tile, 1)
-    if sort_sample is not None and (not isinstance(sort_sample, int) or isinstance(sort_sample, bool)
-                                    or sort_sample <= 0):  # fmt: skip
+    if sort_sample is not None and (
+        not isinstance(sort_sample, int) or isinstance(sort_sample, bool) or sort_sample <= 0
+    ):
         raise ValueError(f"{op}: sort_sample must be a positive int or None; got {sort_sample!r}")
     M, N = dense.shape
     n_sample = N if sort_sample is None else min(N, sort_sample)
@@ -364,9 +429,20 @@ def dense_to_row_block_pattern(dense: torch.Tensor, tile: int, block_rows: int, 
     order = _group_rank(bits, n_sample, SORT_GROUP) if sort_rows else None
     indices = torch.empty(n_blocks, n_tiles * tile, dtype=torch.int32, device=dense.device)
     union_counts = torch.empty(n_blocks, n_tiles, dtype=torch.int32, device=dense.device)
-    row_block_union_kernel[(n_tiles, n_blocks)](bits, order if order is not None else bits, indices, union_counts,
-                                                M, N, bits.shape[1], n_tiles, TILE=tile, WORDS=max(1, tile // 32),
-                                                BLOCK_ROWS=block_rows, HAS_ORDER=order is not None,
-                                                num_warps=4)  # fmt: skip
+    row_block_union_kernel[(n_tiles, n_blocks)](
+        bits,
+        order if order is not None else bits,
+        indices,
+        union_counts,
+        M,
+        N,
+        bits.shape[1],
+        n_tiles,
+        TILE=tile,
+        WORDS=max(1, tile // 32),
+        BLOCK_ROWS=block_rows,
+        HAS_ORDER=order is not None,
+        num_warps=4,
+    )
     record_launch("row_block_union_kernel")
     return RowBlockPattern(indices, union_counts, order, M, N, tile, block_rows)

@@ -37,8 +37,10 @@ class ELL:
         check_rows("ELL.values", self.values, 2)
         check_indices("ELL", self.values, self.indices)
         if self.counts.shape != (self.values.shape[0],) or self.counts.dtype != torch.int32:
-            raise ValueError(f"ELL.counts must be int32 of shape [{self.values.shape[0]}]; got "
-                             f"{self.counts.dtype} {list(self.counts.shape)}")  # fmt: skip
+            raise ValueError(
+                f"ELL.counts must be int32 of shape [{self.values.shape[0]}]; got "
+                f"{self.counts.dtype} {list(self.counts.shape)}"
+            )
 
     @property
     def width(self) -> int:
@@ -55,8 +57,10 @@ class ELL:
     def to_dense(self) -> torch.Tensor:
         """The stored entries as a dense [M, n_cols] tensor. Raises if a row overflowed (it would be incomplete)."""
         if bool(self.overflowed().any()):
-            raise ValueError(f"ELL.to_dense: {int(self.overflowed().sum())} row(s) overflowed width {self.width} "
-                             f"(largest count {int(self.counts.max())}); their dense form is not stored")  # fmt: skip
+            raise ValueError(
+                f"ELL.to_dense: {int(self.overflowed().sum())} row(s) overflowed width {self.width} "
+                f"(largest count {int(self.counts.max())}); their dense form is not stored"
+            )
         M = self.values.shape[0]
         dense = torch.zeros(M, self.n_cols, dtype=self.values.dtype, device=self.values.device)
         slot = torch.arange(self.width, device=self.values.device)
@@ -93,8 +97,9 @@ class CSR:
         check_rows("CSR.values", self.values, 1)
         check_indices("CSR", self.values, self.indices)
         if self.row_offsets.dim() != 1 or self.row_offsets.dtype != torch.int64:
-            raise ValueError(f"CSR.row_offsets must be int64 [M + 1]; got {self.row_offsets.dtype} "
-                             f"{list(self.row_offsets.shape)}")  # fmt: skip
+            raise ValueError(
+                f"CSR.row_offsets must be int64 [M + 1]; got {self.row_offsets.dtype} {list(self.row_offsets.shape)}"
+            )
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -146,12 +151,16 @@ class TwELL:
         check_indices("TwELL", self.values, self.indices)
         n_tiles = -(-self.n_cols // self.tile)
         if self.values.shape[1] != n_tiles * self.slots:
-            raise ValueError(f"TwELL.values must have {n_tiles} tiles x {self.slots} slots = "
-                             f"{n_tiles * self.slots} columns for n_cols={self.n_cols}, tile={self.tile}, "
-                             f"compression={self.compression}; got {list(self.values.shape)}")  # fmt: skip
+            raise ValueError(
+                f"TwELL.values must have {n_tiles} tiles x {self.slots} slots = "
+                f"{n_tiles * self.slots} columns for n_cols={self.n_cols}, tile={self.tile}, "
+                f"compression={self.compression}; got {list(self.values.shape)}"
+            )
         if self.counts.shape != (self.values.shape[0], n_tiles) or self.counts.dtype != torch.int32:
-            raise ValueError(f"TwELL.counts must be int32 of shape [{self.values.shape[0]}, {n_tiles}]; got "
-                             f"{self.counts.dtype} {list(self.counts.shape)}")  # fmt: skip
+            raise ValueError(
+                f"TwELL.counts must be int32 of shape [{self.values.shape[0]}, {n_tiles}]; got "
+                f"{self.counts.dtype} {list(self.counts.shape)}"
+            )
 
     @property
     def slots(self) -> int:
@@ -184,8 +193,10 @@ class TwELL:
         """The stored entries as a dense [M, n_cols] tensor. Raises if a tile overflowed (it would be incomplete)."""
         over = self.overflowed()
         if bool(over.any()):
-            raise ValueError(f"TwELL.to_dense: {int(over.sum())} (row, tile) pair(s) overflowed {self.slots} slots "
-                             f"(largest tile count {int(self.counts.max())}); their dense form is not stored")  # fmt: skip
+            raise ValueError(
+                f"TwELL.to_dense: {int(over.sum())} (row, tile) pair(s) overflowed {self.slots} slots "
+                f"(largest tile count {int(self.counts.max())}); their dense form is not stored"
+            )
         M = self.values.shape[0]
         dense = torch.zeros(M, self.n_cols, dtype=self.values.dtype, device=self.values.device)
         used = self._stored_mask()
@@ -251,11 +262,15 @@ class RowBlockPattern:
         check_block_rows("RowBlockPattern", self.block_rows)
         n_blocks, width = -(-self.n_rows // self.block_rows), self.n_tiles * self.tile
         if self.indices.shape != (n_blocks, width) or self.indices.dtype != torch.int32:
-            raise ValueError(f"RowBlockPattern.indices must be int32 of shape [{n_blocks}, {width}]; got "
-                             f"{self.indices.dtype} {list(self.indices.shape)}")  # fmt: skip
+            raise ValueError(
+                f"RowBlockPattern.indices must be int32 of shape [{n_blocks}, {width}]; got "
+                f"{self.indices.dtype} {list(self.indices.shape)}"
+            )
         if self.counts.shape != (n_blocks, self.n_tiles) or self.counts.dtype != torch.int32:
-            raise ValueError(f"RowBlockPattern.counts must be int32 of shape [{n_blocks}, {self.n_tiles}]; got "
-                             f"{self.counts.dtype} {list(self.counts.shape)}")  # fmt: skip
+            raise ValueError(
+                f"RowBlockPattern.counts must be int32 of shape [{n_blocks}, {self.n_tiles}]; got "
+                f"{self.counts.dtype} {list(self.counts.shape)}"
+            )
         check_row_order("RowBlockPattern", self.row_order, self.n_rows)
 
     @property
@@ -284,8 +299,9 @@ class RowBlockPattern:
         return mask
 
     @staticmethod
-    def from_dense(dense: torch.Tensor, tile: int, block_rows: int,
-                   row_order: torch.Tensor | None = None) -> RowBlockPattern:  # fmt: skip
+    def from_dense(
+        dense: torch.Tensor, tile: int, block_rows: int, row_order: torch.Tensor | None = None
+    ) -> RowBlockPattern:
         """Plain-torch reference: the unions of ``dense != 0`` (NaN counts as non-zero)."""
         check_twell_geometry("RowBlockPattern.from_dense", tile, 1)
         check_block_rows("RowBlockPattern.from_dense", block_rows)
@@ -298,8 +314,8 @@ class RowBlockPattern:
         for b in range(n_blocks):
             fired = (dense[_block_rows_of(M, block_rows, b, row_order).to(dense.device)] != 0).any(dim=0)
             for t in range(n_tiles):
-                cols = fired[t * tile: (t + 1) * tile].nonzero().flatten() + t * tile
-                indices[b, t * tile: t * tile + cols.numel()] = cols.to(torch.int32)
+                cols = fired[t * tile : (t + 1) * tile].nonzero().flatten() + t * tile
+                indices[b, t * tile : t * tile + cols.numel()] = cols.to(torch.int32)
                 counts[b, t] = cols.numel()
         return RowBlockPattern(indices, counts, row_order, M, N, tile, block_rows)
 
@@ -324,11 +340,15 @@ class BlockELL:
         M, width = self.values.shape
         n_blocks = -(-M // self.block_rows)
         if self.indices.shape != (n_blocks, width) or self.indices.dtype != torch.int32:
-            raise ValueError(f"BlockELL.indices must be int32 of shape [{n_blocks}, {width}]; got "
-                             f"{self.indices.dtype} {list(self.indices.shape)}")  # fmt: skip
+            raise ValueError(
+                f"BlockELL.indices must be int32 of shape [{n_blocks}, {width}]; got "
+                f"{self.indices.dtype} {list(self.indices.shape)}"
+            )
         if self.counts.shape != (n_blocks,) or self.counts.dtype != torch.int32:
-            raise ValueError(f"BlockELL.counts must be int32 of shape [{n_blocks}]; got {self.counts.dtype} "
-                             f"{list(self.counts.shape)}")  # fmt: skip
+            raise ValueError(
+                f"BlockELL.counts must be int32 of shape [{n_blocks}]; got {self.counts.dtype} "
+                f"{list(self.counts.shape)}"
+            )
         check_row_order("BlockELL", self.row_order, M)
 
     @property
@@ -351,8 +371,9 @@ class BlockELL:
         check_rows("dense", dense, 2)
         M, N = dense.shape
         n_blocks = -(-M // block_rows)
-        unions = [(dense[b * block_rows: (b + 1) * block_rows] != 0).any(dim=0).nonzero().flatten()
-                  for b in range(n_blocks)]  # fmt: skip
+        unions = [
+            (dense[b * block_rows : (b + 1) * block_rows] != 0).any(dim=0).nonzero().flatten() for b in range(n_blocks)
+        ]
         width = max([u.numel() for u in unions] + [1])
         values = torch.zeros(M, width, dtype=dense.dtype, device=dense.device)
         indices = torch.zeros(n_blocks, width, dtype=torch.int32, device=dense.device)

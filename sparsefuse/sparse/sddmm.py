@@ -24,8 +24,9 @@ from .formats import BlockELL, RowBlockPattern
 
 
 @triton.jit
-def row_dots(a_row_ptr, b_ptr, rows, row_mask, D, stride_b_row, stride_b_col,
-             BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+def row_dots(
+    a_row_ptr, b_ptr, rows, row_mask, D, stride_b_row, stride_b_col, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr
+):
     """[BLOCK_R] fp32: ``a_row . b[rows[r], :]`` over D, BLOCK_D at a time; rows outside ``row_mask`` are not loaded
     (0). The inner step of every sampled product (and of the TwELL up projection)."""
     out = tl.zeros([BLOCK_R], dtype=tl.float32)
@@ -34,16 +35,31 @@ def row_dots(a_row_ptr, b_ptr, rows, row_mask, D, stride_b_row, stride_b_col,
         d = d0 + tl.arange(0, BLOCK_D)
         d_mask = d < D
         av = tl.load(a_row_ptr + d, mask=d_mask, other=0.0).to(tl.float32)  # [BLOCK_D]
-        bv = tl.load(b_ptr + base[:, None] + d[None, :].to(tl.int64) * stride_b_col,
-                     mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_D]  # fmt: skip
+        bv = tl.load(
+            b_ptr + base[:, None] + d[None, :].to(tl.int64) * stride_b_col,
+            mask=row_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )  # [BLOCK_R, BLOCK_D]
         out += tl.sum(bv.to(tl.float32) * av[None, :], axis=1)
     return out
 
 
 @triton.jit
-def sampled_dot_dense_pattern_kernel(pattern_ptr, a_ptr, b_ptr, out_ptr, N, D, stride_pattern, stride_a, stride_b,
-                                     stride_out, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
-                                     GROUP: tl.constexpr):  # fmt: skip
+def sampled_dot_dense_pattern_kernel(
+    pattern_ptr,
+    a_ptr,
+    b_ptr,
+    out_ptr,
+    N,
+    D,
+    stride_pattern,
+    stride_a,
+    stride_b,
+    stride_out,
+    BLOCK_F: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr,
+):
     # pattern [M, N] (dense, its non-zeros are the pattern), a [M, D], b [N, D]; out [M, N]: a[m] . b[f] on the
     # pattern, 0 elsewhere. Grid (rows, column chunks); every element of the chunk is written.
     row = tl.program_id(0).to(tl.int64)
@@ -60,8 +76,9 @@ def sampled_dot_dense_pattern_kernel(pattern_ptr, a_ptr, b_ptr, out_ptr, N, D, s
         tl.store(out_ptr + row * stride_out + col, acc.to(out_ptr.dtype.element_ty), mask=j_mask)
 
 
-def sampled_dot_dense_pattern(pattern: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                              out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
+def sampled_dot_dense_pattern(
+    pattern: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """[M, N]: ``a[m] . b[f]`` where ``pattern[m, f] != 0``, zero elsewhere (fp32 accumulation); pattern [M, N]
     dense, a [M, D], b [N, D]. No sparse format and no host sync: each chunk of a pattern row is scanned for its
     non-zeros, so the cost is one read of the pattern, one write of the output and nnz rows of b."""
@@ -75,21 +92,56 @@ def sampled_dot_dense_pattern(pattern: torch.Tensor, a: torch.Tensor, b: torch.T
     if backend_for(pattern) is Backend.TORCH:
         _backend.warn_reference_once("sampled_dot_dense_pattern")
         return ((a.double() @ b.double().t()) * (pattern != 0)).to(out.dtype)
-    block_f, block_d, group = (32, 32, 16) if _backend.INTERPRET else (1024, min(256, max(32, triton.next_power_of_2(D))), 2)
+    block_f, block_d, group = (
+        (32, 32, 16) if _backend.INTERPRET else (1024, min(256, max(32, triton.next_power_of_2(D))), 2)
+    )
     sampled_dot_dense_pattern_kernel[(M, triton.cdiv(N, block_f))](
-        pattern, a, b, out, N, D, pattern.stride(0), a.stride(0), b.stride(0), out.stride(0),
-        BLOCK_F=block_f, BLOCK_D=block_d, GROUP=group,
-    )  # fmt: skip
+        pattern,
+        a,
+        b,
+        out,
+        N,
+        D,
+        pattern.stride(0),
+        a.stride(0),
+        b.stride(0),
+        out.stride(0),
+        BLOCK_F=block_f,
+        BLOCK_D=block_d,
+        GROUP=group,
+    )
     record_launch("sampled_dot_dense_pattern_kernel")
     return out
 
 
 @triton.jit
-def block_sddmm_kernel(scale_ptr, indices_ptr, counts_ptr, order_ptr, a_ptr, b_ptr, bias_ptr, out_values_ptr,
-                       out_indices_ptr, out_counts_ptr, M, D, n_tiles, stride_scale, stride_a, stride_b,
-                       TILE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
-                       BLOCK_TILES: tl.constexpr, HAS_ORDER: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       RELU: tl.constexpr, IEEE_FP32: tl.constexpr):  # fmt: skip
+def block_sddmm_kernel(
+    scale_ptr,
+    indices_ptr,
+    counts_ptr,
+    order_ptr,
+    a_ptr,
+    b_ptr,
+    bias_ptr,
+    out_values_ptr,
+    out_indices_ptr,
+    out_counts_ptr,
+    M,
+    D,
+    n_tiles,
+    stride_scale,
+    stride_a,
+    stride_b,
+    TILE: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_TILES: tl.constexpr,
+    HAS_ORDER: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    RELU: tl.constexpr,
+    IEEE_FP32: tl.constexpr,
+):
     # Pattern (RowBlockPattern): indices [n_blocks, width], counts [n_blocks, n_tiles] (width = n_tiles * TILE),
     # order [M] int32 (block rows -> matrix rows). scale [M, N] dense (relu'd when RELU); a [M, D], b [N, D] (unit
     # column strides), bias [N]. Out: BlockELL values [M, width] (slot rows), indices [n_blocks, width], counts
@@ -123,23 +175,35 @@ def block_sddmm_kernel(scale_ptr, indices_ptr, counts_ptr, order_ptr, a_ptr, b_p
             d = d0 + tl.arange(0, BLOCK_D)  # [BLOCK_D]
             d_mask = d < D
             a = tl.load(a_rows_ptr + d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
-            bt = tl.load(b_cols_ptr + d[:, None], mask=d_mask[:, None] & p_mask[None, :], other=0.0)  # [BLOCK_D, BLOCK_C]
+            bt = tl.load(
+                b_cols_ptr + d[:, None], mask=d_mask[:, None] & p_mask[None, :], other=0.0
+            )  # [BLOCK_D, BLOCK_C]
             acc = dot_accumulate(acc, a, bt, IEEE_FP32)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=p_mask, other=0.0).to(tl.float32)[None, :]
         mask = row_mask[:, None] & p_mask[None, :]
-        scale = tl.load(scale_ptr + rows[:, None].to(tl.int64) * stride_scale + cols[None, :], mask=mask,
-                        other=0.0).to(tl.float32)  # fmt: skip
+        scale = tl.load(scale_ptr + rows[:, None].to(tl.int64) * stride_scale + cols[None, :], mask=mask, other=0.0).to(
+            tl.float32
+        )
         if RELU:
             scale = tl.where((scale > 0) | (scale != scale), scale, 0.0)
         out_block_ptr = out_values_ptr + block.to(tl.int64) * BLOCK_ROWS * width  # 32-bit offsets within the block
-        tl.store(out_block_ptr + tl.arange(0, BLOCK_ROWS)[:, None] * width + p[None, :],
-                 (scale * acc).to(out_values_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+        tl.store(
+            out_block_ptr + tl.arange(0, BLOCK_ROWS)[:, None] * width + p[None, :],
+            (scale * acc).to(out_values_ptr.dtype.element_ty),
+            mask=mask,
+        )
         tl.store(out_indices_ptr + block.to(tl.int64) * width + p, cols, mask=p_mask)
 
 
-def torch_block_sddmm(pattern: RowBlockPattern, scale: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                      bias: torch.Tensor | None = None, relu: bool = False) -> torch.Tensor:  # fmt: skip
+def torch_block_sddmm(
+    pattern: RowBlockPattern,
+    scale: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    relu: bool = False,
+) -> torch.Tensor:
     """Reference: the dense [M, N] ``pattern * relu?(scale) * (a @ b^T + bias)`` in float64."""
     prod = a.double() @ b.double().t()
     if bias is not None:
@@ -157,9 +221,16 @@ def _block_sddmm_blocks(D: int, block_rows: int) -> tuple[int, int, int, int]:
     return 128, 64, 8, 4
 
 
-def block_sddmm(pattern: RowBlockPattern, scale: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                bias: torch.Tensor | None = None, *, relu: bool = False,
-                out_dtype: torch.dtype | None = None) -> BlockELL:  # fmt: skip
+def block_sddmm(
+    pattern: RowBlockPattern,
+    scale: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    relu: bool = False,
+    out_dtype: torch.dtype | None = None,
+) -> BlockELL:
     """``relu?(scale) * (a @ b^T + bias)`` on the pattern's row-block unions, compacted: pattern [M, N]
     (:class:`RowBlockPattern`), scale [M, N] dense (e.g. gate pre-activations, relu'd when ``relu``), a [M, D],
     b [N, D], bias [N] -> :class:`BlockELL` [M, N] (same block rows and row order, width n_tiles * tile) in
@@ -193,12 +264,33 @@ def block_sddmm(pattern: RowBlockPattern, scale: torch.Tensor, a: torch.Tensor, 
     block_c, block_d, warps, stages = _block_sddmm_blocks(D, pattern.block_rows)
     order = pattern.row_order
     block_sddmm_kernel[(triton.cdiv(width, block_c), n_blocks)](
-        scale, pattern.indices, pattern.counts, order if order is not None else pattern.counts, a, b,
-        bias if bias is not None else a, values, indices, counts, M, D, n_tiles, scale.stride(0), a.stride(0),
+        scale,
+        pattern.indices,
+        pattern.counts,
+        order if order is not None else pattern.counts,
+        a,
+        b,
+        bias if bias is not None else a,
+        values,
+        indices,
+        counts,
+        M,
+        D,
+        n_tiles,
+        scale.stride(0),
+        a.stride(0),
         b.stride(0),
-        TILE=pattern.tile, BLOCK_ROWS=pattern.block_rows, BLOCK_C=block_c, BLOCK_D=block_d,
-        BLOCK_TILES=triton.next_power_of_2(n_tiles), HAS_ORDER=order is not None, HAS_BIAS=bias is not None,
-        RELU=relu, IEEE_FP32=ieee_fp32(a.dtype), num_warps=warps, num_stages=stages,
-    )  # fmt: skip
+        TILE=pattern.tile,
+        BLOCK_ROWS=pattern.block_rows,
+        BLOCK_C=block_c,
+        BLOCK_D=block_d,
+        BLOCK_TILES=triton.next_power_of_2(n_tiles),
+        HAS_ORDER=order is not None,
+        HAS_BIAS=bias is not None,
+        RELU=relu,
+        IEEE_FP32=ieee_fp32(a.dtype),
+        num_warps=warps,
+        num_stages=stages,
+    )
     record_launch("block_sddmm_kernel")
     return out

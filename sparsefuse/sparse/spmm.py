@@ -24,11 +24,14 @@ import triton.language as tl
 
 from .. import _backend
 from .._backend import Backend, backend_for, new_output, record_launch, sm_count
-from .._validation import (check_matmul_skip_zeros, check_overflow_completion, check_sparse_weight, describe,
-                           unit_last_stride)
-from .._triton.dot import dot_accumulate, ieee_fp32
 from .._triton.gather import accumulate_nonzeros, accumulate_rows, sum_split_partials
-from .formats import CSR, ELL, BlockELL
+from .._validation import (
+    check_matmul_skip_zeros,
+    check_overflow_completion,
+    check_sparse_weight,
+    unit_last_stride,
+)
+from .formats import CSR, ELL
 
 
 @dataclass(frozen=True)
@@ -63,8 +66,21 @@ class ThresholdedLinear:
 
 
 @triton.jit
-def thresholded_linear_chunk(row, f, f_mask, x_ptr, stride_x, w_ptr, stride_w, bias_ptr, threshold_ptr, shift_ptr,
-                             d_in, HAS_SHIFT: tl.constexpr, BLOCK_E: tl.constexpr):
+def thresholded_linear_chunk(
+    row,
+    f,
+    f_mask,
+    x_ptr,
+    stride_x,
+    w_ptr,
+    stride_w,
+    bias_ptr,
+    threshold_ptr,
+    shift_ptr,
+    d_in,
+    HAS_SHIFT: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
     """Activations [BLOCK_F] of input row ``row`` for outputs f of a :class:`ThresholdedLinear` (x [M, d_in],
     w [d_in, n], bias/threshold [n], shift [d_in]): relu(pre) * (pre > threshold), fp32. A GEMV: meant for the rare
     rows that overflowed."""
@@ -75,8 +91,9 @@ def thresholded_linear_chunk(row, f, f_mask, x_ptr, stride_x, w_ptr, stride_w, b
         xe = tl.load(x_ptr + row * stride_x + e, mask=e_mask, other=0.0).to(tl.float32)
         if HAS_SHIFT:
             xe -= tl.load(shift_ptr + e, mask=e_mask, other=0.0).to(tl.float32)
-        we = tl.load(w_ptr + e[:, None].to(tl.int64) * stride_w + f[None, :],
-                     mask=e_mask[:, None] & f_mask[None, :], other=0.0)  # [BLOCK_E, BLOCK_F]
+        we = tl.load(
+            w_ptr + e[:, None].to(tl.int64) * stride_w + f[None, :], mask=e_mask[:, None] & f_mask[None, :], other=0.0
+        )  # [BLOCK_E, BLOCK_F]
         pre += tl.sum(xe[:, None] * we.to(tl.float32), axis=0)
     pre += tl.load(bias_ptr + f, mask=f_mask, other=0.0).to(tl.float32)
     threshold = tl.load(threshold_ptr + f, mask=f_mask, other=float("inf")).to(tl.float32)
@@ -89,15 +106,44 @@ _FORMAT_DENSE = tl.constexpr(2)
 
 
 @triton.jit
-def gather_accumulate_kernel(values_ptr, indices_ptr, counts_ptr, row_offsets_ptr, dense_ptr, w_ptr, out_ptr,
-                             partial_ptr, split_nnz_ptr, arrivals_ptr,
-                             enc_x_ptr, enc_w_ptr, enc_bias_ptr, enc_threshold_ptr, enc_shift_ptr,
-                             n_out, n_in, width, stride_w, stride_out, stride_dense, stride_dense_col,
-                             chunks_per_split, n_splits, d_enc, stride_enc_x, stride_enc_w,
-                             BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
-                             GROUP: tl.constexpr, REDUCE_SPLITS: tl.constexpr, FORMAT: tl.constexpr,
-                             FALLBACK: tl.constexpr, HAS_SHIFT: tl.constexpr,
-                             ATOMIC_SPLITS: tl.constexpr = False):  # fmt: skip
+def gather_accumulate_kernel(
+    values_ptr,
+    indices_ptr,
+    counts_ptr,
+    row_offsets_ptr,
+    dense_ptr,
+    w_ptr,
+    out_ptr,
+    partial_ptr,
+    split_nnz_ptr,
+    arrivals_ptr,
+    enc_x_ptr,
+    enc_w_ptr,
+    enc_bias_ptr,
+    enc_threshold_ptr,
+    enc_shift_ptr,
+    n_out,
+    n_in,
+    width,
+    stride_w,
+    stride_out,
+    stride_dense,
+    stride_dense_col,
+    chunks_per_split,
+    n_splits,
+    d_enc,
+    stride_enc_x,
+    stride_enc_w,
+    BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    GROUP: tl.constexpr,
+    REDUCE_SPLITS: tl.constexpr,
+    FORMAT: tl.constexpr,
+    FALLBACK: tl.constexpr,
+    HAS_SHIFT: tl.constexpr,
+    ATOMIC_SPLITS: tl.constexpr = False,
+):
     # Grid (rows * D blocks, splits): the D blocks of one row are neighbours, so a row's activations are read from
     # DRAM once and from L2 by the other blocks (rows live on axis 0: the other axes are capped at 65535).
     # ELL: values/indices [M, width], counts [M]; CSR: values/indices [nnz], row_offsets [M + 1];
@@ -125,7 +171,7 @@ def gather_accumulate_kernel(values_ptr, indices_ptr, counts_ptr, row_offsets_pt
         f_end = tl.minimum(n_in, c_end * BLOCK_F)  # this split's columns end here
         f_next = c_begin * BLOCK_F + tl.arange(0, BLOCK_F)  # [BLOCK_F]
         a_next = tl.load(row_ptr + f_next.to(tl.int64) * stride_dense_col, mask=f_next < f_end, other=0.0)
-        for c in range(c_begin, c_end):
+        for _ in range(c_begin, c_end):
             # The next chunk's load is issued before this chunk's W gathers, so scanning is not one DRAM latency
             # per chunk.
             f, a = f_next, a_next.to(tl.float32)
@@ -140,8 +186,22 @@ def gather_accumulate_kernel(values_ptr, indices_ptr, counts_ptr, row_offsets_pt
                 tl.atomic_add(partial_ptr + row * n_out + d, acc, mask=d_mask, sem="relaxed")
             return
         if n_splits > 1:
-            last, acc = sum_split_partials(acc, split_nnz > 0, partial_ptr, split_nnz_ptr, arrivals_ptr, row, split,
-                                           n_splits, d_block, n_d_blocks, n_out, d, d_mask, REDUCE_SPLITS)  # fmt: skip
+            last, acc = sum_split_partials(
+                acc,
+                split_nnz > 0,
+                partial_ptr,
+                split_nnz_ptr,
+                arrivals_ptr,
+                row,
+                split,
+                n_splits,
+                d_block,
+                n_d_blocks,
+                n_out,
+                d,
+                d_mask,
+                REDUCE_SPLITS,
+            )
             if last:
                 tl.store(out_ptr + row * stride_out + d, acc.to(out_ptr.dtype.element_ty), mask=d_mask)
             return
@@ -170,12 +230,25 @@ def gather_accumulate_kernel(values_ptr, indices_ptr, counts_ptr, row_offsets_pt
                 for f0 in range(0, n_in, BLOCK_F):
                     f = f0 + tl.arange(0, BLOCK_F)
                     if FALLBACK == 1:
-                        a = tl.load(dense_ptr + row * stride_dense + f.to(tl.int64) * stride_dense_col,
-                                    mask=f < n_in, other=0.0).to(tl.float32)  # fmt: skip
+                        a = tl.load(
+                            dense_ptr + row * stride_dense + f.to(tl.int64) * stride_dense_col, mask=f < n_in, other=0.0
+                        ).to(tl.float32)
                     else:
-                        a = thresholded_linear_chunk(row, f, f < n_in, enc_x_ptr, stride_enc_x, enc_w_ptr, stride_enc_w,
-                                                     enc_bias_ptr, enc_threshold_ptr, enc_shift_ptr, d_enc, HAS_SHIFT,
-                                                     BLOCK_K)
+                        a = thresholded_linear_chunk(
+                            row,
+                            f,
+                            f < n_in,
+                            enc_x_ptr,
+                            stride_enc_x,
+                            enc_w_ptr,
+                            stride_enc_w,
+                            enc_bias_ptr,
+                            enc_threshold_ptr,
+                            enc_shift_ptr,
+                            d_enc,
+                            HAS_SHIFT,
+                            BLOCK_K,
+                        )
                     acc = accumulate_nonzeros(acc, a, f, w_ptr, stride_w, d, d_mask, GROUP)
     tl.store(out_ptr + row * stride_out + d, acc.to(out_ptr.dtype.element_ty), mask=d_mask)
 
@@ -209,14 +282,16 @@ def _launch_config(n_out: int) -> _LaunchConfig:
     re-ranks the row). The gather of stored entries: :func:`_gather_config`."""
     if _backend.INTERPRET:
         return _INTERPRETER_CONFIG
-    return _LaunchConfig(block_d=min(4096, max(32, triton.next_power_of_2(n_out))), block_f=1024, block_k=32,
-                         group=2, num_warps=4)  # fmt: skip
+    return _LaunchConfig(
+        block_d=min(4096, max(32, triton.next_power_of_2(n_out))), block_f=1024, block_k=32, group=2, num_warps=4
+    )
 
 
 def _gather_config(M: int, n_out: int, device: torch.device) -> _LaunchConfig:
-    """Blocks of the gather of stored entries (ELL/CSR), measured on an H200: one warp, 16 entries per step, 512 columns of W per program -- 1.2-1.7x faster than 4 warps on 1 KiB, whose sum
-    over the entries crossed warps through shared memory at every step -- narrowed to 128 columns while rows x D
-    blocks would leave fewer than 8 programs per SM (B=256, D=768: 10.8 us at 128 against 18.6 at 512)."""
+    """Blocks of the gather of stored entries (ELL/CSR), measured on an H200: one warp, 16 entries per step, 512
+    columns of W per program -- 1.2-1.7x faster than 4 warps on 1 KiB, whose sum over the entries crossed warps
+    through shared memory at every step -- narrowed to 128 columns while rows x D blocks would leave
+    fewer than 8 programs per SM (B=256, D=768: 10.8 us at 128 against 18.6 at 512)."""
     if _backend.INTERPRET:
         return _INTERPRETER_CONFIG
     block_d = min(512, max(32, triton.next_power_of_2(n_out)))
@@ -236,8 +311,9 @@ def _weight_for_gather(weight: torch.Tensor) -> torch.Tensor:
     return weight if weight.stride(1) == 1 or weight.shape[1] <= 1 else weight.contiguous()
 
 
-def _product_operands(a_dtype: torch.dtype, M: int, weight: torch.Tensor,
-                      out_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def product_operands(
+    a_dtype: torch.dtype, M: int, weight: torch.Tensor, out_dtype: torch.dtype | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight with unit column stride, the [M, n_out] output in ``out_dtype`` or the promoted dtype of the sparse
     values and weight) for every sparse x dense product launcher."""
     weight = _weight_for_gather(weight)
@@ -245,8 +321,14 @@ def _product_operands(a_dtype: torch.dtype, M: int, weight: torch.Tensor,
     return weight, new_output((M, weight.shape[1]), out_dtype, weight.device)
 
 
-def sparse_matmul(sparse: ELL | CSR, weight: torch.Tensor, *, dense: torch.Tensor | None = None,
-                  encoder: ThresholdedLinear | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def sparse_matmul(
+    sparse: ELL | CSR,
+    weight: torch.Tensor,
+    *,
+    dense: torch.Tensor | None = None,
+    encoder: ThresholdedLinear | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """``sparse @ weight`` -> [M, n_out] with fp32 accumulation.
 
     Args:
@@ -263,7 +345,7 @@ def sparse_matmul(sparse: ELL | CSR, weight: torch.Tensor, *, dense: torch.Tenso
     check_sparse_weight(op, sparse, weight)
     is_ell = isinstance(sparse, ELL)
     check_overflow_completion(op, sparse, is_ell, dense, encoder)
-    weight, out = _product_operands(sparse.values.dtype, sparse.shape[0], weight, out_dtype)
+    weight, out = product_operands(sparse.values.dtype, sparse.shape[0], weight, out_dtype)
     (M, n_out), out_dtype = out.shape, out.dtype
     if M == 0 or n_out == 0:
         return out
@@ -278,24 +360,51 @@ def sparse_matmul(sparse: ELL | CSR, weight: torch.Tensor, *, dense: torch.Tenso
     placeholder = sparse.values
     enc = encoder.prepared() if encoder is not None else None
     gather_accumulate_kernel[(triton.cdiv(n_out, cfg.block_d) * M, 1)](
-        sparse.values, sparse.indices,
-        sparse.counts if is_ell else placeholder, placeholder if is_ell else sparse.row_offsets,
-        dense if dense is not None else placeholder, weight, out, placeholder, placeholder, placeholder,
+        sparse.values,
+        sparse.indices,
+        sparse.counts if is_ell else placeholder,
+        placeholder if is_ell else sparse.row_offsets,
+        dense if dense is not None else placeholder,
+        weight,
+        out,
+        placeholder,
+        placeholder,
+        placeholder,
         *(enc if enc is not None else (placeholder,) * 5),
-        n_out, sparse.n_cols, sparse.width if is_ell else 0, weight.stride(0), out.stride(0),
-        dense.stride(0) if dense is not None else 0, dense.stride(1) if dense is not None else 1, 0, 1,
-        enc[1].shape[0] if enc is not None else 0, enc[0].stride(0) if enc is not None else 0,
+        n_out,
+        sparse.n_cols,
+        sparse.width if is_ell else 0,
+        weight.stride(0),
+        out.stride(0),
+        dense.stride(0) if dense is not None else 0,
+        dense.stride(1) if dense is not None else 1,
+        0,
+        1,
+        enc[1].shape[0] if enc is not None else 0,
+        enc[0].stride(0) if enc is not None else 0,
         enc[1].stride(0) if enc is not None else 0,
-        BLOCK_K=cfg.block_k, BLOCK_D=cfg.block_d, BLOCK_F=cfg.block_f, GROUP=cfg.group, REDUCE_SPLITS=1,
-        FORMAT=0 if is_ell else 1, FALLBACK=1 if dense is not None else (2 if encoder is not None else 0),
-        HAS_SHIFT=encoder is not None and encoder.input_shift is not None, num_warps=cfg.num_warps,
-    )  # fmt: skip
+        BLOCK_K=cfg.block_k,
+        BLOCK_D=cfg.block_d,
+        BLOCK_F=cfg.block_f,
+        GROUP=cfg.group,
+        REDUCE_SPLITS=1,
+        FORMAT=0 if is_ell else 1,
+        FALLBACK=1 if dense is not None else (2 if encoder is not None else 0),
+        HAS_SHIFT=encoder is not None and encoder.input_shift is not None,
+        num_warps=cfg.num_warps,
+    )
     record_launch("gather_accumulate_kernel")
     return out
 
 
-def matmul_skip_zeros(a: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | None = None,
-                      splits: int | None = None, deterministic: bool | None = None) -> torch.Tensor:  # fmt: skip
+def matmul_skip_zeros(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    out_dtype: torch.dtype | None = None,
+    splits: int | None = None,
+    deterministic: bool | None = None,
+) -> torch.Tensor:
     """``a @ weight`` for a mostly-zero ``a`` [M, n_in], straight from its dense form: each row is scanned for
     non-zeros and only their rows of ``weight`` [n_in, n_out] are loaded (fp32 accumulation). No sparse format, no
     capacity, no host sync; any strides. Cost: one read of ``a`` plus nnz(a) * n_out weight elements -- against the
@@ -308,7 +417,7 @@ def matmul_skip_zeros(a: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch
     """
     op = "matmul_skip_zeros"
     check_matmul_skip_zeros(op, a, weight, splits)
-    weight, out = _product_operands(a.dtype, a.shape[0], weight, out_dtype)
+    weight, out = product_operands(a.dtype, a.shape[0], weight, out_dtype)
     (M, n_in), n_out, out_dtype = a.shape, weight.shape[1], out.dtype
     if M == 0 or n_out == 0:
         return out
@@ -345,132 +454,43 @@ def matmul_skip_zeros(a: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch
         split_nnz = torch.empty(M, n_splits, dtype=torch.int32, device=a.device)
         arrivals = torch.zeros(M, d_blocks, dtype=torch.int32, device=a.device)
     gather_accumulate_kernel[(d_blocks * M, n_splits)](
-        a, a, a, a, a, weight, out, partial, split_nnz, arrivals, a, a, a, a, a,
-        n_out, n_in, 0, weight.stride(0), out.stride(0), a.stride(0), a.stride(1), chunks_per_split, n_splits,
-        0, 0, 0,
-        BLOCK_K=cfg.block_k, BLOCK_D=block_d, BLOCK_F=cfg.block_f, GROUP=cfg.group,
-        REDUCE_SPLITS=max(1, min(triton.next_power_of_2(n_splits), 8192 // block_d)), FORMAT=2, FALLBACK=0,
-        HAS_SHIFT=False, ATOMIC_SPLITS=atomic, num_warps=warps,
-    )  # fmt: skip
+        a,
+        a,
+        a,
+        a,
+        a,
+        weight,
+        out,
+        partial,
+        split_nnz,
+        arrivals,
+        a,
+        a,
+        a,
+        a,
+        a,
+        n_out,
+        n_in,
+        0,
+        weight.stride(0),
+        out.stride(0),
+        a.stride(0),
+        a.stride(1),
+        chunks_per_split,
+        n_splits,
+        0,
+        0,
+        0,
+        BLOCK_K=cfg.block_k,
+        BLOCK_D=block_d,
+        BLOCK_F=cfg.block_f,
+        GROUP=cfg.group,
+        REDUCE_SPLITS=max(1, min(triton.next_power_of_2(n_splits), 8192 // block_d)),
+        FORMAT=2,
+        FALLBACK=0,
+        HAS_SHIFT=False,
+        ATOMIC_SPLITS=atomic,
+        num_warps=warps,
+    )
     record_launch("gather_accumulate_kernel")
     return out.copy_(partial) if atomic and partial is not out else out
-
-
-@triton.jit
-def heavy_first_schedule_kernel(counts_ptr, schedule_ptr, n, BLOCK: tl.constexpr):
-    # counts [n] int32 (>= 0) -> schedule [n] int32: the indices by decreasing count, ties in index order. Each
-    # index's rank is counted by comparing it with every other count (n is a number of row blocks: M / 64).
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    i_mask = i < n
-    count_i = tl.load(counts_ptr + i, mask=i_mask, other=0)
-    rank = tl.zeros([BLOCK], dtype=tl.int32)
-    for j0 in range(0, n, BLOCK):
-        j = j0 + tl.arange(0, BLOCK)
-        count_j = tl.load(counts_ptr + j, mask=j < n, other=-1)  # -1: never ahead of a real count
-        tie = (count_j[None, :] == count_i[:, None]) & (j[None, :] < i[:, None])
-        ahead = (count_j[None, :] > count_i[:, None]) | tie
-        rank += tl.sum(ahead.to(tl.int32), axis=1)
-    tl.store(schedule_ptr + rank, i, mask=i_mask)
-
-
-def heavy_first_schedule(counts: torch.Tensor) -> torch.Tensor:
-    """[n] int32 indices of ``counts`` [n] (int32, >= 0, on the GPU) by decreasing count, ties in index order: one
-    Triton launch, no host sync. A grid whose programs' work grows with their count, dispatched in this order, is
-    longest-processing-time-first scheduled: the long programs start first and the short ones fill in behind them."""
-    n = counts.numel()
-    schedule = new_output((n,), torch.int32, counts.device)  # poisoned (-1) under test: every position is written
-    if n:
-        block = 16 if _backend.INTERPRET else 128
-        heavy_first_schedule_kernel[(triton.cdiv(n, block),)](counts, schedule, n, BLOCK=block)
-        record_launch("heavy_first_schedule_kernel")
-    return schedule
-
-
-@triton.jit
-def block_ell_matmul_kernel(values_ptr, indices_ptr, counts_ptr, order_ptr, schedule_ptr, w_ptr, bias_ptr, out_ptr,
-                            M, n_out, width, stride_w, stride_out,
-                            BLOCK_ROWS: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr,
-                            HAS_ORDER: tl.constexpr, HAS_SCHEDULE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                            IEEE_FP32: tl.constexpr):  # fmt: skip
-    # BlockELL values [M, width] (slot rows), indices [n_blocks, width], counts [n_blocks], order [M] int32 (slot
-    # row -> output row); schedule [n_blocks] int32 (grid row -> row block, heaviest first); w [n_in, n_out] (unit
-    # column stride), bias [n_out]; out [M, n_out]. Grid (D blocks, row blocks): program (db, blk) walks its block's
-    # column list BLOCK_J at a time -- a [BLOCK_ROWS, BLOCK_J] tile of values times BLOCK_J gathered rows of w --
-    # on tensor cores (the gather-accumulate of sparsefuse.sparse.spmm, batched over a row block's shared columns).
-    d_block = tl.program_id(0)
-    block = tl.load(schedule_ptr + tl.program_id(1)) if HAS_SCHEDULE else tl.program_id(1)
-    count = tl.load(counts_ptr + block)
-    local_rows = tl.arange(0, BLOCK_ROWS)
-    slots = block * BLOCK_ROWS + local_rows
-    row_mask = slots < M
-    d = d_block * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
-    d_mask = d < n_out
-    values_block_ptr = values_ptr + block.to(tl.int64) * BLOCK_ROWS * width + local_rows[:, None] * width
-    indices_block_ptr = indices_ptr + block.to(tl.int64) * width
-    acc = tl.zeros([BLOCK_ROWS, BLOCK_D], dtype=tl.float32)
-    # Each step's column indices are loaded one step ahead: the weight gather that depends on them then does not
-    # wait an L2 round trip for them (4-6% on an H200).
-    j = tl.arange(0, BLOCK_J)
-    cols_next = tl.load(indices_block_ptr + j, mask=j < count, other=0)
-    for j0 in range(0, count, BLOCK_J):
-        j = j0 + tl.arange(0, BLOCK_J)  # [BLOCK_J]
-        j_mask = j < count
-        cols = cols_next
-        cols_next = tl.load(indices_block_ptr + j + BLOCK_J, mask=j + BLOCK_J < count, other=0)
-        a = tl.load(values_block_ptr + j[None, :], mask=row_mask[:, None] & j_mask[None, :], other=0.0)
-        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_w + d[None, :],
-                    mask=j_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_J, BLOCK_D]  # fmt: skip
-        acc = dot_accumulate(acc, a, w, IEEE_FP32)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    rows = tl.load(order_ptr + slots, mask=row_mask, other=0) if HAS_ORDER else slots
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_out + d[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=row_mask[:, None] & d_mask[None, :])  # fmt: skip
-
-
-def _block_matmul_blocks(n_out: int) -> tuple[int, int, int, int]:
-    """(BLOCK_J, BLOCK_D, num_warps, num_stages): measured on an H200 (with the indices loaded
-    ahead, 4 stages ran 1.5x slower than 3)."""
-    if _backend.INTERPRET:
-        return 16, 32, 4, 1
-    return 64, 256, 8, 3
-
-
-def block_sparse_matmul(sparse: BlockELL, weight: torch.Tensor, *, bias: torch.Tensor | None = None,
-                        out_dtype: torch.dtype | None = None, heavy_first: bool = True) -> torch.Tensor:  # fmt: skip
-    """``sparse @ weight + bias`` -> [M, n_out] for a :class:`BlockELL` [M, n_in] (rows in blocks sharing their
-    column lists; slot rows written to their ``row_order`` rows) and weight [n_in, n_out] (columns contiguous or
-    copied once): per row block, tensor-core tiles of its values times the gathered weight rows of its columns, fp32
-    accumulation. ``2 * block_rows * n_out`` flops per listed column: the dense product's work times the union's
-    share of n_in.
-
-    A block's programs take time in proportion to its column count, which varies several-fold between blocks. With
-    ``heavy_first`` (default) the blocks are launched longest first (:func:`heavy_first_schedule`, one small extra
-    launch) so that no long block starts last and runs alone at the end of the grid."""
-    op = "block_sparse_matmul"
-    check_sparse_weight(op, sparse, weight)
-    n_out = weight.shape[1]
-    if bias is not None and (bias.shape != (n_out,) or bias.device != weight.device):
-        raise ValueError(f"{op}: bias must be [{n_out}] on {weight.device}; got {describe(bias)}")
-    weight, out = _product_operands(sparse.values.dtype, sparse.shape[0], weight, out_dtype)
-    M, out_dtype = out.shape[0], out.dtype
-    if M == 0 or n_out == 0:
-        return out
-    if backend_for(weight) is Backend.TORCH:
-        _backend.warn_reference_once(op)
-        ref = sparse.to_dense().double() @ weight.double()
-        return (ref + bias.double() if bias is not None else ref).to(out_dtype)
-    block_j, block_d, warps, stages = _block_matmul_blocks(n_out)
-    n_blocks = sparse.counts.shape[0]
-    schedule = heavy_first_schedule(sparse.counts) if heavy_first and n_blocks > 1 else None
-    block_ell_matmul_kernel[(triton.cdiv(n_out, block_d), n_blocks)](
-        sparse.values, sparse.indices, sparse.counts,
-        sparse.row_order if sparse.row_order is not None else sparse.counts,
-        schedule if schedule is not None else sparse.counts, weight,
-        bias if bias is not None else weight, out, M, n_out, sparse.values.shape[1], weight.stride(0), out.stride(0),
-        BLOCK_ROWS=sparse.block_rows, BLOCK_J=block_j, BLOCK_D=block_d, HAS_ORDER=sparse.row_order is not None,
-        HAS_SCHEDULE=schedule is not None, HAS_BIAS=bias is not None,
-        IEEE_FP32=ieee_fp32(sparse.values.dtype), num_warps=warps, num_stages=stages,
-    )  # fmt: skip
-    record_launch("block_ell_matmul_kernel")
-    return out

@@ -184,8 +184,11 @@ def test_torch_compile_fullgraph_has_no_graph_break(device):
     with track_launches() as launched:
         compiled(x).sum().backward()
     assert launched["celu_fwd_kernel"] >= 1 and launched["celu_bwd_kernel"] >= 1
-    inplace = torch.compile(torch.nn.Sequential(torch.nn.Linear(8, 8), sparsefuse.nn.CELU(inplace=True)).to(device),
-                            fullgraph=True, backend=backend)  # fmt: skip
+    inplace = torch.compile(
+        torch.nn.Sequential(torch.nn.Linear(8, 8), sparsefuse.nn.CELU(inplace=True)).to(device),
+        fullgraph=True,
+        backend=backend,
+    )
     with torch.no_grad():
         torch.testing.assert_close(inplace(x), F.celu(inplace._orig_mod[0](x)))
 

@@ -1,4 +1,3 @@
-
 import pytest
 import torch
 import triton
@@ -117,8 +116,13 @@ def test_backward_matches_float64_reference(shape, dtype, alpha_shape, fast_sin,
     assert ar.grad.shape == alpha.shape and ar.grad.dtype == alpha.dtype
     # alpha's grad sums B*T terms of size ~|g x| / alpha: allow fp32 rounding over the sum, plus fast_sin's error
     terms = (grad.double() * x.double()).abs().sum().item() / 0.3
-    assert_close_to_reference(ar.grad.reshape(-1), ga64, dtype=torch.float32, name="grad_alpha",
-                              extra_abs=terms * (1e-6 + (2 * FAST_SIN_EXTRA if fast_sin else 0.0)))  # fmt: skip
+    assert_close_to_reference(
+        ar.grad.reshape(-1),
+        ga64,
+        dtype=torch.float32,
+        name="grad_alpha",
+        extra_abs=terms * (1e-6 + (2 * FAST_SIN_EXTRA if fast_sin else 0.0)),
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -176,8 +180,9 @@ def test_alpha_gradient_is_bitwise_reproducible(finish, device, monkeypatch):
     assert all(torch.equal(results[0], r) for r in results[1:])
     _, ga64 = torch_snake_backward(grad.double(), x.double(), alpha.double().reshape(-1))
     terms = (grad.double() * x.double()).abs().sum().item() / 0.3
-    assert_close_to_reference(results[0].reshape(-1), ga64, dtype=torch.float32, name="grad_alpha",
-                              extra_abs=terms * 1e-6)  # fmt: skip
+    assert_close_to_reference(
+        results[0].reshape(-1), ga64, dtype=torch.float32, name="grad_alpha", extra_abs=terms * 1e-6
+    )
 
 
 def test_only_x_or_only_alpha_requires_grad(device):

@@ -39,9 +39,14 @@ def run_cli(*args: str, interpret: bool, timeout: float = 600) -> subprocess.Com
     if interpret:
         env["TRITON_INTERPRET"] = "1"
     return subprocess.run(
-        [sys.executable, "-m", "sparsefuse", *args], cwd=REPO, env=env, capture_output=True, text=True,
-        timeout=timeout, check=False,
-    )  # fmt: skip
+        [sys.executable, "-m", "sparsefuse", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -66,8 +71,11 @@ def test_check_small_passes_under_interpreter():
 def test_check_and_bench_fallback_run_only_the_named_workloads(monkeypatch):
     """`check snake` and, without a GPU, `bench snake` run the snake ops and nothing else."""
     seen: list[str] = []
-    monkeypatch.setattr(check, "check_op", lambda name, *a: seen.append(name) or check.CheckResult(
-        name, "float32", "1", "interpreter", ["k"], []))  # fmt: skip
+    monkeypatch.setattr(
+        check,
+        "check_op",
+        lambda name, *a: seen.append(name) or check.CheckResult(name, "float32", "1", "interpreter", ["k"], []),
+    )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for command in ("check", "bench"):
         seen.clear()
@@ -83,13 +91,30 @@ def test_every_op_family_and_workload_is_checked():
     families = {op.family for op in check.OPS.values()}
     assert families == {f for fams in check.WORKLOAD_FAMILIES.values() for f in fams}
     assert set(harness.resolve_workloads([])) <= set(check.WORKLOAD_FAMILIES)  # bench's fallback covers every one
-    public = {"snake", "celu", "celu_", "sparse_decode", "topk_decode", "jumprelu_encode", "topk_encode",
-              "splade_pool", "twell_mlp", "twell_relu_mlp"}
+    public = {
+        "snake",
+        "celu",
+        "celu_",
+        "sparse_decode",
+        "topk_decode",
+        "jumprelu_encode",
+        "topk_encode",
+        "splade_pool",
+        "twell_mlp",
+        "twell_relu_mlp",
+    }
     assert public <= set(sparsefuse.__all__)
     covered = " ".join(check.OPS)
-    for op, needle in {"sparse_decode": "sae decode", "topk_decode": "topk_decode", "splade_pool": "splade",
-                       "jumprelu_encode": "jumprelu_encode", "topk_encode": "topk_encode", "celu_": "celu_",
-                       "twell_mlp": "twell_mlp", "twell_relu_mlp": "twell_relu_mlp"}.items():  # fmt: skip
+    for op, needle in {
+        "sparse_decode": "sae decode",
+        "topk_decode": "topk_decode",
+        "splade_pool": "splade",
+        "jumprelu_encode": "jumprelu_encode",
+        "topk_encode": "topk_encode",
+        "celu_": "celu_",
+        "twell_mlp": "twell_mlp",
+        "twell_relu_mlp": "twell_relu_mlp",
+    }.items():
         assert needle in covered, op
     assert check.ops_for(["snake"]) == [n for n in check.OPS if n.startswith("snake")]
     with pytest.raises(KeyError, match="unknown workload"):
@@ -227,8 +252,13 @@ class _FakeCuda:
         cuda = torch.cuda
         noop = lambda *a, **k: None  # noqa: E731
         for name, value in {
-            "Event": self.Event, "CUDAGraph": self.CUDAGraph, "graph": self.graph,
-            "synchronize": noop, "empty_cache": noop, "reset_peak_memory_stats": noop, "set_stream": noop,
+            "Event": self.Event,
+            "CUDAGraph": self.CUDAGraph,
+            "graph": self.graph,
+            "synchronize": noop,
+            "empty_cache": noop,
+            "reset_peak_memory_stats": noop,
+            "set_stream": noop,
             "Stream": lambda *a, **k: types.SimpleNamespace(wait_stream=noop),
             "current_stream": lambda *a, **k: types.SimpleNamespace(wait_stream=noop),
             "stream": lambda s: contextlib.nullcontext(),
@@ -236,8 +266,9 @@ class _FakeCuda:
             "mem_get_info": lambda *a: (8 << 30, 16 << 30),
             "current_device": lambda: 0,
             "get_device_properties": lambda *a: types.SimpleNamespace(L2_cache_size=1 << 20),
-            "memory_allocated": lambda *a: 1000, "max_memory_allocated": lambda *a: 1000 + 4_000_000,
-        }.items():  # fmt: skip
+            "memory_allocated": lambda *a: 1000,
+            "max_memory_allocated": lambda *a: 1000 + 4_000_000,
+        }.items():
             monkeypatch.setattr(cuda, name, value)
 
 
@@ -253,11 +284,22 @@ def _fake_case(direction: str = "fwd") -> Case:
         raise RuntimeError("boom [/not markup]")
 
     return Case(
-        workload="fake", shape=f"{n}", dtype=torch.float32, direction=direction, bytes_moved=2 * n * 4, flops=n,
-        ceiling="copy", make_inputs=lambda: (torch.randn(n),),
-        impls={"eager": lambda x: x * 2, "torch.compile": lambda x: x * 2, "mine": lambda x: x + x,
-               "no graph": refuses_capture, "broken": broken},
-    )  # fmt: skip
+        workload="fake",
+        shape=f"{n}",
+        dtype=torch.float32,
+        direction=direction,
+        bytes_moved=2 * n * 4,
+        flops=n,
+        ceiling="copy",
+        make_inputs=lambda: (torch.randn(n),),
+        impls={
+            "eager": lambda x: x * 2,
+            "torch.compile": lambda x: x * 2,
+            "mine": lambda x: x + x,
+            "no graph": refuses_capture,
+            "broken": broken,
+        },
+    )
 
 
 def test_harness_run_case_with_fake_cuda(monkeypatch):
@@ -298,8 +340,10 @@ def test_bench_command_end_to_end_with_fake_cuda(monkeypatch, tmp_path, capsys):
     assert "[5/5] fake 10000 float32 fwd broken" in out  # progress lines (output is not a terminal)
     assert "1 of 5 measurements failed" in out
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "fake-Fake-GPU-9000-quick.csv", "fake-Fake-GPU-9000-quick.md", "fake-Fake-GPU-9000-quick.png",
-    ]  # fmt: skip
+        "fake-Fake-GPU-9000-quick.csv",
+        "fake-Fake-GPU-9000-quick.md",
+        "fake-Fake-GPU-9000-quick.png",
+    ]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -311,15 +355,59 @@ def _fake_rows() -> list[Result]:
     rows = []
     for shape, scale in (("1x64x1000", 1.0), ("8x512x16384", 10.0)):
         for impl, us in (("sparsefuse", 10.0), ("eager", 30.0), ("torch.compile", 15.0)):
-            rows.append(Result("snake", shape, "bfloat16", "fwd", impl, method="graph", sets=4, median_us=us * scale,
-                               gbps=1000.0 / us, ceiling="copy", pct_ceiling=33.3, peak_mb=1.5, bytes_moved=100,
-                               eager_impl="eager", compile_impl="torch.compile"))  # fmt: skip
-    rows.append(Result("snake", "8x512x16384", "bfloat16", "fwd", "SNAC TorchScript snake",
-                       status="OutOfMemoryError: out of memory"))
-    rows.append(Result("snac", "decode L=59 (5.0 s)", "float32", "fwd", "eager (snac)", method="wall",
-                       median_us=20_000.0, eager_impl="eager (snac)"))  # fmt: skip
-    rows.append(Result("snac", "decode L=59 (5.0 s)", "float32", "fwd", "sparsefuse (patched)", method="wall",
-                       median_us=12_000.0, eager_impl="eager (snac)"))  # fmt: skip
+            rows.append(
+                Result(
+                    "snake",
+                    shape,
+                    "bfloat16",
+                    "fwd",
+                    impl,
+                    method="graph",
+                    sets=4,
+                    median_us=us * scale,
+                    gbps=1000.0 / us,
+                    ceiling="copy",
+                    pct_ceiling=33.3,
+                    peak_mb=1.5,
+                    bytes_moved=100,
+                    eager_impl="eager",
+                    compile_impl="torch.compile",
+                )
+            )
+    rows.append(
+        Result(
+            "snake",
+            "8x512x16384",
+            "bfloat16",
+            "fwd",
+            "SNAC TorchScript snake",
+            status="OutOfMemoryError: out of memory",
+        )
+    )
+    rows.append(
+        Result(
+            "snac",
+            "decode L=59 (5.0 s)",
+            "float32",
+            "fwd",
+            "eager (snac)",
+            method="wall",
+            median_us=20_000.0,
+            eager_impl="eager (snac)",
+        )
+    )
+    rows.append(
+        Result(
+            "snac",
+            "decode L=59 (5.0 s)",
+            "float32",
+            "fwd",
+            "sparsefuse (patched)",
+            method="wall",
+            median_us=12_000.0,
+            eager_impl="eager (snac)",
+        )
+    )
     harness.fill_relative_columns(rows)
     return rows
 
@@ -369,7 +457,8 @@ def test_write_results(tmp_path, monkeypatch):
     # a set reads back and regenerates
     again = report.read_csv(tmp_path / "out" / "snake-NVIDIA-H100-80GB-HBM3.csv")
     assert [(r.impl, r.median_us, r.status) for r in again] == [
-        (r.impl, r.median_us, r.status) for r in rows if r.workload == "snake"] or math.isnan(again[-1].median_us)
+        (r.impl, r.median_us, r.status) for r in rows if r.workload == "snake"
+    ] or math.isnan(again[-1].median_us)
     assert report.read_meta(tmp_path / "out" / "snake-NVIDIA-H100-80GB-HBM3.md")["commit"] == "abc1234"
     assert len(report.rewrite_from_csv(tmp_path / "out" / "snake-NVIDIA-H100-80GB-HBM3.csv")) == 3
 
@@ -381,10 +470,24 @@ def test_auto_pick_column_and_summary(tmp_path):
     for nnz, times in ((8, {"twell": 50.0, "block": 80.0, "auto": 52.0}), (512, {"twell": 400.0, "auto": 110.0})):
         for method, us in times.items():
             choices = tuple(f"{m} nnz={nnz}" for m in times if m != "auto") + ("eager",) if method == "auto" else ()
-            rows.append(Result("ffn", "M=16 K=64 N=128", "bfloat16", "fwd", f"{method} nnz={nnz}", method="graph",
-                               median_us=us, eager_impl="eager", auto_choices=choices))  # fmt: skip
-    rows.append(Result("ffn", "M=16 K=64 N=128", "bfloat16", "fwd", "eager", method="graph", median_us=100.0,
-                       eager_impl="eager"))  # fmt: skip
+            rows.append(
+                Result(
+                    "ffn",
+                    "M=16 K=64 N=128",
+                    "bfloat16",
+                    "fwd",
+                    f"{method} nnz={nnz}",
+                    method="graph",
+                    median_us=us,
+                    eager_impl="eager",
+                    auto_choices=choices,
+                )
+            )
+    rows.append(
+        Result(
+            "ffn", "M=16 K=64 N=128", "bfloat16", "fwd", "eager", method="graph", median_us=100.0, eager_impl="eager"
+        )
+    )
     harness.fill_relative_columns(rows)
     by_impl = {r.impl: r for r in rows}
     assert by_impl["auto nnz=8"].auto_vs_best == pytest.approx(50 / 52)

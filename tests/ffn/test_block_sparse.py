@@ -20,8 +20,8 @@ from sparsefuse.sparse import (
     dense_to_row_block_pattern,
     torch_block_sddmm,
 )
+from sparsefuse.sparse.block_spmm import heavy_first_schedule
 from sparsefuse.sparse.compact import count_order, torch_count_order
-from sparsefuse.sparse.spmm import heavy_first_schedule
 from sparsefuse.testing import accumulation_allowance, assert_close_to_reference
 
 MATMUL_DTYPES = [torch.float32, torch.float16]  # interpreted tl.dot on bf16 is wrong (triton#11584)
@@ -45,8 +45,9 @@ def used_slots(pattern: RowBlockPattern) -> torch.Tensor:
 
 @pytest.mark.parametrize("relu", [True, False])
 @pytest.mark.parametrize("sort_rows", [False, True])
-@pytest.mark.parametrize("M, N, tile, block_rows", [(37, 70, 32, 16), (16, 64, 64, 16), (1, 20, 16, 16),
-                                                    (101, 70, 32, 64)])  # 64: the kernel walks 16 rows at a time
+@pytest.mark.parametrize(
+    "M, N, tile, block_rows", [(37, 70, 32, 16), (16, 64, 64, 16), (1, 20, 16, 16), (101, 70, 32, 64)]
+)  # 64: the kernel walks 16 rows at a time
 def test_row_block_pattern_matches_reference(M, N, tile, block_rows, sort_rows, relu, device):
     pre = sparse_pre(M, N, device)
     if block_rows > 16:
@@ -87,7 +88,7 @@ def test_count_order_matches_reference(M, group, sample, relu, device):
     fired = ((pre > 0) | pre.isnan())[:, :sample].to(device)
     assert torch.equal(order, torch_count_order(fired, group))
     for g0 in range(0, M, group):  # each group is a permutation of its own rows, heaviest first
-        part = order[g0:g0 + group].long()
+        part = order[g0 : g0 + group].long()
         assert torch.equal(torch.sort(part).values, torch.arange(g0, min(M, g0 + group), device=device))
         counts = fired.sum(dim=1)[part]
         assert bool((counts[:-1] * 4 >= counts[1:] * 3 - 3).all())  # decreasing up to a quarter octave
@@ -154,8 +155,9 @@ def test_block_sddmm_and_block_matmul_match_float64(bias, sort_rows, dtype, devi
     assert torch.equal(y.isnan(), in_block_order.isnan()) and torch.equal(y.nan_to_num(), in_block_order.nan_to_num())
     ref_h = torch_block_sddmm(pattern, pre, a, b, bias_up, relu=True)
     clean = lambda t: t.nan_to_num(nan=0.0)  # noqa: E731  (row 3 carries a NaN pre-activation: compared apart)
-    lowp_h = torch.relu(pre.float()).to(dtype) * (F.linear(a.float(), b.float(), None if bias_up is None else
-                                                           bias_up.float())).to(dtype)
+    lowp_h = torch.relu(pre.float()).to(dtype) * (
+        F.linear(a.float(), b.float(), None if bias_up is None else bias_up.float())
+    ).to(dtype)
     rows = torch.arange(M, device=device) != 3
     assert_close_to_reference(clean(h.to_dense())[rows], clean(ref_h)[rows], clean(lowp_h * pattern.to_mask())[rows])
     assert bool(h.to_dense()[3].isnan().any())  # NaN propagates
@@ -206,8 +208,10 @@ def test_twell_mlp_block_method_matches_float64(M, bias, dtype, device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("M, K, N, mean_nnz", [(3001, 2048, 5632, 30.0), (8219, 2048, 5632, 30.0),
-                                               (1031, 4096, 14336, 60.0), (2048, 2048, 5632, 600.0)])
+@pytest.mark.parametrize(
+    "M, K, N, mean_nnz",
+    [(3001, 2048, 5632, 30.0), (8219, 2048, 5632, 30.0), (1031, 4096, 14336, 60.0), (2048, 2048, 5632, 600.0)],
+)
 def test_block_method_real_shapes_gpu(M, K, N, mean_nnz, dtype, device):
     ffn = synthetic_ffn(K, N, dtype=dtype, device=device, seed=21)
     x = ffn.make_input(M, mean_nnz)

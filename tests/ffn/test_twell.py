@@ -122,8 +122,11 @@ def test_twell_mlp_matches_float64_reference(case, dtype, device):
     # M, K, N: no multiple of any block; K spans two dot blocks. 8 slots per 32-column tile.
     # 37 tokens: one program per token, heavy ones first; 13: each token's tiles split over programs (the
     # interpreter's "GPU" has 8 SMs), partials summed by the last to arrive.
-    M, K, N, tile, compression = {"synthetic": (37, 80, 100, 32, 4), "overflow": (37, 40, 70, 32, 4),
-                                  "bias": (13, 40, 70, 32, 4)}[case]
+    M, K, N, tile, compression = {
+        "synthetic": (37, 80, 100, 32, 4),
+        "overflow": (37, 40, 70, 32, 4),
+        "bias": (13, 40, 70, 32, 4),
+    }[case]
     if case == "synthetic":  # realistic sparsity: ~6 of 100 per token with a heavy tail
         ffn = synthetic_ffn(K, N, dtype=dtype, device=device, seed=2)
         x = ffn.make_input(M, 6.0)
@@ -133,8 +136,18 @@ def test_twell_mlp_matches_float64_reference(case, dtype, device):
         x = torch.randn(M, K, device=device).to(dtype)
     assert_backend(x)
     with track_launches() as launched:
-        y = twell_mlp(x, w_gate, w_up, w_down, b_gate=b_gate, b_up=b_up, b_down=b_down, tile=tile,
-                      compression=compression, method="twell")
+        y = twell_mlp(
+            x,
+            w_gate,
+            w_up,
+            w_down,
+            b_gate=b_gate,
+            b_up=b_up,
+            b_down=b_down,
+            tile=tile,
+            compression=compression,
+            method="twell",
+        )
     assert all(launched[k] == 1 for k in GATED_KERNELS), launched
     twell = twell_gate(x, w_gate, b_gate, tile=tile, compression=compression)
     if case != "synthetic":
@@ -214,8 +227,12 @@ def test_relu_mlp_matches_reference(gate_shift, dtype, device):
     x = x.to(device)
     with track_launches() as launched:
         y = twell_relu_mlp(x, w_up, w_down, b_up=b_up, b_down=b_down, tile=32, compression=4)
-    for kernel in ("twell_gate_fwd_kernel", "twell_to_ell_kernel", "gather_accumulate_kernel",
-                   "twell_overflow_down_kernel"):
+    for kernel in (
+        "twell_gate_fwd_kernel",
+        "twell_to_ell_kernel",
+        "gather_accumulate_kernel",
+        "twell_overflow_down_kernel",
+    ):
         assert launched[kernel] == 1, launched
     ref = torch_relu_mlp(x, w_up, w_down, b_up, b_down)
     lowp = F.linear(torch.relu(F.linear(x, w_up, b_up)), w_down, b_down)
@@ -295,22 +312,38 @@ def test_auto_default_call_syncs_once_in_the_weights_life(device, monkeypatch):
 def test_predicted_crossover_is_monotone_and_matches_the_measured_grid():
     # For a fixed batch the prediction changes at most once, from twell to dense, as density grows.
     for M in (1, 256, 8192):
-        wins = [predicted_times(M, 2048, 5632, nnz, torch.bfloat16)[0] < predicted_times(M, 2048, 5632, nnz,
-                torch.bfloat16)[1] for nnz in (8, 32, 128, 512, 2048, 5632)]
+        wins = [
+            predicted_times(M, 2048, 5632, nnz, torch.bfloat16)[0]
+            < predicted_times(M, 2048, 5632, nnz, torch.bfloat16)[1]
+            for nnz in (8, 32, 128, 512, 2048, 5632)
+        ]
         assert wins == sorted(wins, reverse=True) and not wins[-1], (M, wins)
     # Full `bench ffn` grids on an H200: auto must pick the method that won clearly -- including M=2048, 8B layer,
     # 8 non-zeros, where a pick of twell lost 26% -- and dense where both sparse methods lost. Close calls (within
     # ~15%) are left to the model either way.
     measured = [  # (M, K, N, mean non-zeros, acceptable picks)
-        (1, 2048, 5632, 8, {"twell"}), (1, 2048, 5632, 32, {"twell"}), (16, 2048, 5632, 8, {"twell"}),
-        (16, 2048, 5632, 32, {"twell"}), (16, 4096, 14336, 8, {"twell"}), (16, 4096, 14336, 32, {"twell"}),
-        (16, 2048, 5632, 128, {"dense"}), (256, 2048, 5632, 8, {"dense"}), (2048, 2048, 5632, 32, {"dense", "block"}),
-        (8192, 2048, 5632, 8, {"block"}), (8192, 2048, 5632, 32, {"block"}), (16384, 2048, 5632, 32, {"block"}),
-        (8192, 4096, 14336, 32, {"block"}), (8192, 2048, 5632, 128, {"dense", "block"}),
+        (1, 2048, 5632, 8, {"twell"}),
+        (1, 2048, 5632, 32, {"twell"}),
+        (16, 2048, 5632, 8, {"twell"}),
+        (16, 2048, 5632, 32, {"twell"}),
+        (16, 4096, 14336, 8, {"twell"}),
+        (16, 4096, 14336, 32, {"twell"}),
+        (16, 2048, 5632, 128, {"dense"}),
+        (256, 2048, 5632, 8, {"dense"}),
+        (2048, 2048, 5632, 32, {"dense", "block"}),
+        (8192, 2048, 5632, 8, {"block"}),
+        (8192, 2048, 5632, 32, {"block"}),
+        (16384, 2048, 5632, 32, {"block"}),
+        (8192, 4096, 14336, 32, {"block"}),
+        (8192, 2048, 5632, 128, {"dense", "block"}),
         (2048, 2048, 5632, 8, {"block"}),
-        (2048, 4096, 14336, 8, {"block"}), (2048, 4096, 14336, 32, {"block"}), (2048, 2048, 5632, 128, {"dense"}),
-        (8192, 4096, 14336, 512, {"dense"}), (16384, 2048, 5632, 512, {"dense"}),
-        (16, 4096, 14336, 512, {"dense"}), (1, 2048, 5632, 512, {"dense"}),
+        (2048, 4096, 14336, 8, {"block"}),
+        (2048, 4096, 14336, 32, {"block"}),
+        (2048, 2048, 5632, 128, {"dense"}),
+        (8192, 4096, 14336, 512, {"dense"}),
+        (16384, 2048, 5632, 512, {"dense"}),
+        (16, 4096, 14336, 512, {"dense"}),
+        (1, 2048, 5632, 512, {"dense"}),
     ]
     for M, K, N, nnz, picks in measured:
         assert twell_auto.auto_method(M, K, N, nnz, torch.bfloat16) in picks, (M, K, N, nnz)
@@ -383,15 +416,20 @@ def test_opcheck_and_fullgraph_compile(device):
     values, indices, counts = twell_gate_op(x, w_gate, b_gate, 16, 2)
     utils = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
     torch.library.opcheck(twell_gate_op, (x, w_gate, b_gate, 16, 2), test_utils=utils)
-    torch.library.opcheck(twell_up_down_op, (values, indices, counts, x, w_gate, b_gate, w_up, b_up, w_down_t,
-                                             b_down, 16, 2), test_utils=utils)
+    torch.library.opcheck(
+        twell_up_down_op,
+        (values, indices, counts, x, w_gate, b_gate, w_up, b_up, w_down_t, b_down, 16, 2),
+        test_utils=utils,
+    )
     for method in ("twell", "block"):
-        torch.library.opcheck(twell_mlp_op, (x, w_gate, None, w_up, None, w_down_t, None, 0, 2, method, True),
-                              test_utils=utils)
+        torch.library.opcheck(
+            twell_mlp_op, (x, w_gate, None, w_up, None, w_down_t, None, 0, 2, method, True), test_utils=utils
+        )
     torch.library.opcheck(twell_relu_mlp_op, (x, w_up, b_up, w_down_t, b_down, 16, 4), test_utils=utils)
     backend = "inductor" if device.type == "cuda" else "aot_eager"
-    fn = torch.compile(lambda *a: twell_mlp(*a, b_gate=b_gate, tile=16, compression=2, method="auto"),
-                       fullgraph=True, backend=backend)
+    fn = torch.compile(
+        lambda *a: twell_mlp(*a, b_gate=b_gate, tile=16, compression=2, method="auto"), fullgraph=True, backend=backend
+    )
     with track_launches() as launched:
         y = fn(x, w_gate, w_up, w_down)
     assert launched["twell_up_down_fwd_kernel"] == 1  # auto without an estimate under compile: twell, no sync
@@ -406,10 +444,18 @@ def test_opcheck_and_fullgraph_compile(device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("M, K, N, mean_nnz", [(1, 2048, 5632, 30.0), (16, 2048, 5632, 30.0),
-                                               (3001, 2048, 5632, 30.0), (8192, 2048, 5632, 30.0),
-                                               (257, 4096, 14336, 60.0), (300, 2048, 11008, 200.0),
-                                               (129, 4096, 8192, 30.0)])
+@pytest.mark.parametrize(
+    "M, K, N, mean_nnz",
+    [
+        (1, 2048, 5632, 30.0),
+        (16, 2048, 5632, 30.0),
+        (3001, 2048, 5632, 30.0),
+        (8192, 2048, 5632, 30.0),
+        (257, 4096, 14336, 60.0),
+        (300, 2048, 11008, 200.0),
+        (129, 4096, 8192, 30.0),
+    ],
+)
 def test_real_shapes_gpu(M, K, N, mean_nnz, dtype, device):
     ffn = synthetic_ffn(K, N, dtype=dtype, device=device, seed=11)
     x = ffn.make_input(M, mean_nnz)
@@ -476,4 +522,3 @@ def test_auto_under_cuda_graph_capture_gpu(device):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(y_graph, y)
-

@@ -23,8 +23,13 @@ from sparsefuse.testing import accumulation_allowance, assert_close_to_reference
 
 sae_lens = pytest.importorskip("sae_lens")
 from sae_lens import (  # noqa: E402
-    JumpReLUSAE, JumpReLUSAEConfig, StandardSAE, StandardSAEConfig, TopKSAE, TopKSAEConfig,
-)  # fmt: skip
+    JumpReLUSAE,
+    JumpReLUSAEConfig,
+    StandardSAE,
+    StandardSAEConfig,
+    TopKSAE,
+    TopKSAEConfig,
+)
 
 import sparsefuse.integrations.sae_lens as sf_sae_lens  # noqa: E402
 
@@ -80,8 +85,9 @@ def set_jumprelu_thresholds(sae, x, l0):
     threshold = silent.clone()
     for n in (wanted - 1, wanted + 1, wanted):  # later candidates take precedence
         upper, lower = top.gather(0, (n - 1).clamp(min=0)[None])[0], top.gather(0, n.clamp(min=0)[None])[0]
-        room = torch.maximum(top_margin.gather(0, (n - 1).clamp(min=0)[None])[0],
-                             top_margin.gather(0, n.clamp(min=0)[None])[0])  # fmt: skip
+        room = torch.maximum(
+            top_margin.gather(0, (n - 1).clamp(min=0)[None])[0], top_margin.gather(0, n.clamp(min=0)[None])[0]
+        )
         fits = (n >= 1) & (wanted >= 1) & (upper - lower > 2 * room)
         threshold = torch.where(fits, (upper + lower) / 2, threshold)
     threshold = threshold.to(sae.dtype)
@@ -211,13 +217,21 @@ def test_gradients_and_hooks_take_the_unfused_path(device):
     assert launched["jumprelu_encode_kernel"] == 1
 
 
-@pytest.mark.parametrize("config", [dict(normalize_activations="layer_norm"),
-                                    dict(normalize_activations="constant_norm_rescale", apply_b_dec_to_input=False),
-                                    dict(reshape_activations="hook_z")])  # fmt: skip
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(normalize_activations="layer_norm"),
+        dict(normalize_activations="constant_norm_rescale", apply_b_dec_to_input=False),
+        dict(reshape_activations="hook_z"),
+    ],
+)
 def test_normalization_reshape_and_error_term(config, device):
     sae = build_sae(JumpReLUSAE, JumpReLUSAEConfig, SMALL["d_in"], SMALL["d_sae"], torch.float32, device, **config)
-    x = torch.randn(8, 4, SMALL["d_in"] // 4, device=device) if "reshape_activations" in config else \
-        torch.randn(8, SMALL["d_in"], device=device) * 3 + 1  # fmt: skip
+    x = (
+        torch.randn(8, 4, SMALL["d_in"] // 4, device=device)
+        if "reshape_activations" in config
+        else torch.randn(8, SMALL["d_in"], device=device) * 3 + 1
+    )
     with torch.no_grad():
         sae_in = sae.run_time_activation_norm_fn_in(x.reshape(8, SMALL["d_in"]))
     sae.run_time_activation_norm_fn_out(sae_in)  # (clears the stored normalisation state)
@@ -263,8 +277,17 @@ def test_topk_forward_decode_and_encode_match_sae_lens(dtype, fused_encode, devi
 
 
 def test_topk_rescale_acts_by_decoder_norm(device):
-    sae = build_sae(TopKSAE, TopKSAEConfig, SMALL["d_in"], SMALL["d_sae"], torch.float32, device, k=8,
-                    rescale_acts_by_decoder_norm=True, apply_b_dec_to_input=False)  # fmt: skip
+    sae = build_sae(
+        TopKSAE,
+        TopKSAEConfig,
+        SMALL["d_in"],
+        SMALL["d_sae"],
+        torch.float32,
+        device,
+        k=8,
+        rescale_acts_by_decoder_norm=True,
+        apply_b_dec_to_input=False,
+    )
     with torch.no_grad():
         sae.W_dec.mul_(torch.rand(SMALL["d_sae"], 1, device=device) + 0.5)  # rows of different norms
     x = separated_tokens(sae, 8, 8, device)
@@ -330,8 +353,16 @@ def test_gpu_gemma_scope_2b_topk(fused_encode, device):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sae"))  # what pytest does for the folder it collects
     from test_topk_encode import assert_valid_topk, pre_activations_and_bound
 
-    sae = build_sae(TopKSAE, TopKSAEConfig, GEMMA_2B["d_in"], GEMMA_2B["d_sae"], torch.bfloat16, device, k=64,
-                    apply_b_dec_to_input=False)  # fmt: skip
+    sae = build_sae(
+        TopKSAE,
+        TopKSAEConfig,
+        GEMMA_2B["d_in"],
+        GEMMA_2B["d_sae"],
+        torch.bfloat16,
+        device,
+        k=64,
+        apply_b_dec_to_input=False,
+    )
     x = torch.randn(GEMMA_2B["tokens"], GEMMA_2B["d_in"], device=device).to(torch.bfloat16)
     ref_out, torch_out = reference_and_torch(sae, x)
     sae_lens_acts = reference_and_torch(sae, x, "encode")[1]
@@ -361,14 +392,19 @@ def test_sae_forward_benchmark_implementations_agree(device, monkeypatch):
         weights = sae_forward.weights_for((architecture, 32, 256, 6, torch.float32, str(device)))
         assert set(weights.sae_lens) == set(sae_forward.SAE_LENS_IMPLS[architecture])
         with torch.no_grad(), track_launches() as launched:
-            outs = {name: case.impls[name](x) for name in ("sparsefuse fused", "eager",
-                                                          *sae_forward.SAE_LENS_IMPLS[architecture])}  # fmt: skip
+            outs = {
+                name: case.impls[name](x)
+                for name in ("sparsefuse fused", "eager", *sae_forward.SAE_LENS_IMPLS[architecture])
+            }
         # one gather each: "sparsefuse fused", the low-memory patch, and TopK's default patch (JumpReLU's decodes
         # 256 features on cuBLAS: auto's small-dictionary rule)
         assert launched["gather_accumulate_kernel"] == (2 if architecture == "jumprelu" else 3)
         dense = sae_forward.dense_jumprelu_forward if architecture == "jumprelu" else sae_forward.dense_topk_forward
-        params = [getattr(weights, n).double() for n in ("W_enc", "b_enc", "threshold", "W_dec", "b_dec")
-                  if architecture == "jumprelu" or n != "threshold"]  # fmt: skip
+        params = [
+            getattr(weights, n).double()
+            for n in ("W_enc", "b_enc", "threshold", "W_dec", "b_dec")
+            if architecture == "jumprelu" or n != "threshold"
+        ]
         ref = dense(x.double(), *params)
         for name, out in outs.items():
             assert_close_to_reference(out, ref, outs["eager"], name=f"{architecture} {name}")

@@ -13,14 +13,34 @@ from sparsefuse.testing import assert_close_to_reference, assert_norm_close_to_r
 snac = pytest.importorskip("snac")
 
 # The published 24 kHz SNAC configuration (hubertsiuzdak/snac_24khz); its decoder's first Snake sees T = 236 for
-# codes of length 59 -- the shapes of the seed write-up.
-SNAC_24KHZ = dict(sampling_rate=24000, encoder_dim=48, encoder_rates=[2, 4, 8, 8], decoder_dim=1024,
-                  decoder_rates=[8, 8, 4, 2], attn_window_size=None, codebook_size=4096, codebook_dim=8,
-                  vq_strides=[4, 2, 1], noise=True, depthwise=True)  # fmt: skip
+# codes of length 59 -- the shapes of the SNAC Snake write-up this project started from.
+SNAC_24KHZ = dict(
+    sampling_rate=24000,
+    encoder_dim=48,
+    encoder_rates=[2, 4, 8, 8],
+    decoder_dim=1024,
+    decoder_rates=[8, 8, 4, 2],
+    attn_window_size=None,
+    codebook_size=4096,
+    codebook_dim=8,
+    vq_strides=[4, 2, 1],
+    noise=True,
+    depthwise=True,
+)
 # The same architecture shrunk so the interpreter can run a whole decode in seconds.
-SNAC_TINY = dict(sampling_rate=24000, encoder_dim=4, encoder_rates=[2, 2], decoder_dim=32, decoder_rates=[2, 2],
-                 attn_window_size=None, codebook_size=64, codebook_dim=4, vq_strides=[2, 1], noise=True,
-                 depthwise=True)  # fmt: skip
+SNAC_TINY = dict(
+    sampling_rate=24000,
+    encoder_dim=4,
+    encoder_rates=[2, 2],
+    decoder_dim=32,
+    decoder_rates=[2, 2],
+    attn_window_size=None,
+    codebook_size=64,
+    codebook_dim=4,
+    vq_strides=[2, 1],
+    noise=True,
+    depthwise=True,
+)
 
 
 def randomize_alphas(model: torch.nn.Module) -> None:

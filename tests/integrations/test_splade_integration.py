@@ -28,9 +28,16 @@ DOCUMENTS = ["w1 w2 w11 h i j k l w12", "w3 m n", "w7 w13 o p q r s t u v w x", 
 
 
 def tiny_bert_config(**overrides):
-    config = dict(vocab_size=len(VOCAB), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                  intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
-                  attention_probs_dropout_prob=0.0)  # fmt: skip
+    config = dict(
+        vocab_size=len(VOCAB),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     config.update(overrides)
     return transformers.BertConfig(**config)
 
@@ -110,14 +117,21 @@ def test_sparse_encoder_training_step_gradients_match_unpatched(checkpoint, pool
         if name == "patched":
             assert launched["splade_fwd_kernel"] == 2
     loss_model = models["float64"]
-    loss_fn = SpladeLoss(loss_model, SparseMultipleNegativesRankingLoss(loss_model), document_regularizer_weight=3e-3,
-                         query_regularizer_weight=5e-5)  # fmt: skip
+    loss_fn = SpladeLoss(
+        loss_model,
+        SparseMultipleNegativesRankingLoss(loss_model),
+        document_regularizer_weight=3e-3,
+        query_regularizer_weight=5e-5,
+    )
     leaves = [e.detach().requires_grad_() for e in embeddings["float64"]]
     # SpladeLoss.forward's composition, on given embeddings
     document_flops = loss_fn.document_regularizer.compute_loss_from_embeddings(leaves[1])
     query_flops = loss_fn.query_regularizer.compute_loss_from_embeddings(leaves[0])
-    total = (loss_fn.loss.compute_loss_from_embeddings(leaves, None) + loss_fn.document_regularizer_weight
-             * document_flops + loss_fn.query_regularizer_weight * query_flops)  # fmt: skip
+    total = (
+        loss_fn.loss.compute_loss_from_embeddings(leaves, None)
+        + loss_fn.document_regularizer_weight * document_flops
+        + loss_fn.query_regularizer_weight * query_flops
+    )
     grad_embeddings = torch.autograd.grad(total, leaves)
     grads = {}
     for name, m in models.items():
@@ -183,9 +197,18 @@ def naver_splade(model, input_ids, attention_mask, pooling="max"):
 def masked_lms():
     torch.manual_seed(1)
     bert = transformers.BertForMaskedLM(tiny_bert_config())
-    distil = transformers.DistilBertForMaskedLM(transformers.DistilBertConfig(
-        vocab_size=len(VOCAB), dim=32, n_layers=2, n_heads=2, hidden_dim=64, max_position_embeddings=64,
-        dropout=0.0, attention_dropout=0.0))  # fmt: skip
+    distil = transformers.DistilBertForMaskedLM(
+        transformers.DistilBertConfig(
+            vocab_size=len(VOCAB),
+            dim=32,
+            n_layers=2,
+            n_heads=2,
+            hidden_dim=64,
+            max_position_embeddings=64,
+            dropout=0.0,
+            attention_dropout=0.0,
+        )
+    )
     for mlm in (bert, distil):
         randomize_decoder_bias(mlm)
     return {"bert": bert, "distilbert": distil}
@@ -210,9 +233,11 @@ def test_transformers_masked_lm_encode_and_gradients(arch, pooling, device):
     # the model's own forward is untouched after the call
     assert model(input_ids=input_ids, attention_mask=attention_mask).logits.shape[-1] == len(VOCAB)
     grads = {}
-    for name, m, fn in [("ours", model, lambda m: splade_encode(m, input_ids, attention_mask, pooling=pooling)),
-                        ("float64", model64, lambda m: naver_splade(m, input_ids, attention_mask, pooling)),
-                        ("plain", model, lambda m: naver_splade(m, input_ids, attention_mask, pooling))]:  # fmt: skip
+    for name, m, fn in [
+        ("ours", model, lambda m: splade_encode(m, input_ids, attention_mask, pooling=pooling)),
+        ("float64", model64, lambda m: naver_splade(m, input_ids, attention_mask, pooling)),
+        ("plain", model, lambda m: naver_splade(m, input_ids, attention_mask, pooling)),
+    ]:
         m.zero_grad()
         reps = fn(m)
         (reps.sum(1).pow(2).mean() + (reps.mean(0) ** 2).sum()).backward()  # a ranking-like + FLOPS-like loss

@@ -19,8 +19,17 @@ TWELL_KERNELS = ("twell_gate_fwd_kernel", "twell_up_down_fwd_kernel")
 
 
 def tiny_config(**overrides):
-    kw = dict(vocab_size=97, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=64, hidden_act="relu", attn_implementation="eager")
+    kw = dict(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        hidden_act="relu",
+        attn_implementation="eager",
+    )
     kw.update(overrides)
     return transformers.LlamaConfig(**kw)
 
@@ -37,8 +46,15 @@ def sparsify_gates(model, shift: float) -> None:
 def test_module_loads_llama_mlp_state_dict_and_matches(bias, device):
     config = tiny_config(mlp_bias=bias)
     mlp = LlamaMLP(config).to(device)
-    fused = SparseGatedMLP(config.hidden_size, config.intermediate_size, bias=bias, method="twell", tile=32,
-                           compression=4 if bias else 2, device=device)
+    fused = SparseGatedMLP(
+        config.hidden_size,
+        config.intermediate_size,
+        bias=bias,
+        method="twell",
+        tile=32,
+        compression=4 if bias else 2,
+        device=device,
+    )
     if bias:
         sparsify_gates(mlp, -1.0)
     fused.load_state_dict(mlp.state_dict(), strict=True)
@@ -117,8 +133,14 @@ def test_patch_llama_refuses_models_without_relu_mlps(device):
 @pytest.mark.gpu
 def test_patched_bf16_llama_gpu(device):
     torch.manual_seed(0)
-    config = tiny_config(hidden_size=512, intermediate_size=1408, num_hidden_layers=2, num_attention_heads=8,
-                         num_key_value_heads=4, mlp_bias=True)
+    config = tiny_config(
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        mlp_bias=True,
+    )
     model = transformers.LlamaForCausalLM(config).to(device).eval()
     sparsify_gates(model, -2.0)
     ref_model = transformers.LlamaForCausalLM(config).to(device).double().eval()
@@ -133,4 +155,3 @@ def test_patched_bf16_llama_gpu(device):
         patched = model(ids).logits  # second call: the monitor's estimate, no probe
     assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
     assert_norm_close_to_reference(patched, ref64, unpatched, name="logits")
-

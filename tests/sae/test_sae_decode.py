@@ -74,8 +74,9 @@ def test_backward_matches_autograd_on_the_pattern(device):
     pattern = acts.detach() != 0
     ref_acts = (grad.double() @ w.detach().double().t()) * pattern
     ref_w = acts.detach().double().t() @ grad.double()
-    assert_close_to_reference(acts.grad, ref_acts, ((grad @ w.detach().t()) * pattern),
-                              **allowance(grad, w.detach().t()))  # fmt: skip
+    assert_close_to_reference(
+        acts.grad, ref_acts, ((grad @ w.detach().t()) * pattern), **allowance(grad, w.detach().t())
+    )
     assert_close_to_reference(w.grad, ref_w, acts.detach().t() @ grad, **allowance(acts.detach().t(), grad))
 
 
@@ -126,18 +127,24 @@ def test_torch_compile_fullgraph(device):
 
 @pytest.mark.gpu
 def test_gpu_seed_correctness_grid():
-    """The seed write-up's 486-configuration grid (its 2 methods and our scan x 3 dtypes x B x F x D x L0)."""
+    """The JumpReLU-decode write-up's 486-configuration grid (its 2 methods and our scan x 3 dtypes x B x F x D x
+    L0)."""
     import itertools
 
     for method, dtype, B, F, D, l0 in itertools.product(
-        ["scan", "fixed", "exact"], [torch.float32, torch.float16, torch.bfloat16], [1, 4, 32], [256, 1024, 16384],
-        [128, 512, 768], [1, 8, 100],
+        ["scan", "fixed", "exact"],
+        [torch.float32, torch.float16, torch.bfloat16],
+        [1, 4, 32],
+        [256, 1024, 16384],
+        [128, 512, 768],
+        [1, 8, 100],
     ):
         acts = sparse_rows(B, F, [l0], dtype, "cuda")
         w = (torch.randn(F, D, device="cuda") / 8).to(dtype)
         out = sparse_decode(acts, w, method=method, max_l0=64)  # l0 = 100 overflows 64: decoded from dense rows
-        assert_close_to_reference(out, *reference(acts, w), **allowance(acts, w),
-                                  name=f"{method} {dtype} B={B} F={F} D={D} L0={l0}")  # fmt: skip
+        assert_close_to_reference(
+            out, *reference(acts, w), **allowance(acts, w), name=f"{method} {dtype} B={B} F={F} D={D} L0={l0}"
+        )
 
 
 def test_sparse_jumprelu_sae_module(device):
@@ -179,9 +186,9 @@ def test_sparse_jumprelu_sae_fused_inference_with_overflow(device):
 
 
 def test_auto_cost_model_matches_the_measured_crossovers():
-    """H200 sae_decode benchmark timings with the true L0 known: the model picks the fastest of scan, fixed and cuBLAS wherever they
-    differ by more than its 10% margin."""
-    from sparsefuse.sae.decode import _fastest_method
+    """H200 sae_decode benchmark timings with the true L0 known: the model picks the fastest of scan, fixed and
+    cuBLAS wherever they differ by more than its 10% margin."""
+    from sparsefuse.sae.decode.auto import _fastest_method
 
     bf16, fp32 = torch.bfloat16, torch.float32
     assert _fastest_method(32, 65536, 768, 64, bf16, bf16) == "scan"  # 9.5 us; fixed 13.8, cuBLAS 31
@@ -204,7 +211,7 @@ def test_auto_cost_model_matches_the_measured_crossovers():
 
 
 def test_auto_width_is_four_times_the_mean_l0_within_bounds():
-    from sparsefuse.sae.decode import _auto_width
+    from sparsefuse.sae.decode.auto import _auto_width
 
     assert _auto_width(72, 65536) == 512 and _auto_width(10, 65536) == 256 and _auto_width(0, 65536) == 256
     assert _auto_width(10, 100) == 100 and _auto_width(5000, 16384) == 16384
@@ -217,8 +224,9 @@ def scan_below_10(monkeypatch):
 
     monkeypatch.setattr(auto, "AUTO_DENSE_BELOW_D_SAE", 256)
     seen = []
-    monkeypatch.setattr(auto, "_fastest_method", lambda M, F, D, l0, *_: seen.append(l0) or
-                        ("scan" if l0 < 10 else "dense"))  # fmt: skip
+    monkeypatch.setattr(
+        auto, "_fastest_method", lambda M, F, D, l0, *_: seen.append(l0) or ("scan" if l0 < 10 else "dense")
+    )
     return seen
 
 

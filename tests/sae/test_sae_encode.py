@@ -92,8 +92,11 @@ def test_opcheck_and_fullgraph_compile(device):
     from sparsefuse.sae.encode import jumprelu_encode_op
 
     x, w, b_enc, threshold, b_dec = make_sae(5, 24, 64, torch.float32, device, margin=0.05)
-    torch.library.opcheck(jumprelu_encode_op, (x, w, b_enc, threshold, b_dec, 64), test_utils=(
-        "test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))  # fmt: skip
+    torch.library.opcheck(
+        jumprelu_encode_op,
+        (x, w, b_enc, threshold, b_dec, 64),
+        test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"),
+    )
     backend = "inductor" if device.type == "cuda" else "aot_eager"
     fn = torch.compile(lambda *a: jumprelu_encode(*a, b_dec=b_dec, max_l0=64).counts, fullgraph=True, backend=backend)
     ref = torch_jumprelu_encode(x, w, b_enc, threshold, b_dec)
@@ -110,7 +113,13 @@ def test_encoder_weight_in_another_dtype_is_cast_per_tile(device):
 def test_deprecated_core_alias_builds_the_same_layer():
     import sparsefuse.sparse
 
-    x, w, b_enc, threshold, b_dec = (torch.randn(2, 3), torch.randn(3, 4), torch.randn(4), torch.rand(4), torch.randn(3))
+    x, w, b_enc, threshold, b_dec = (
+        torch.randn(2, 3),
+        torch.randn(3, 4),
+        torch.randn(4),
+        torch.rand(4),
+        torch.randn(3),
+    )
     with pytest.warns(DeprecationWarning, match="sparsefuse.sae.JumpReLUEncoder"):
         legacy = sparsefuse.sparse.JumpReLUEncoder(x, w, b_enc, threshold, b_dec)
     assert isinstance(legacy, sparsefuse.sparse.ThresholdedLinear)
@@ -133,8 +142,18 @@ def test_jumprelu_sae_forward_matches_float64_with_overflowing_tokens(fused, shi
     width = max(1, int((acts64 != 0).sum(1).max()) // 2)
     assert bool(((acts64 != 0).sum(1) > width).any())
     with torch.no_grad(), track_launches() as launched:
-        out = jumprelu_sae_forward(x, w, b_enc, threshold, w_dec, b_dec, apply_b_dec_to_input=shift_input,
-                                   max_l0=width, fused_encode=fused, decode_method="fixed")
+        out = jumprelu_sae_forward(
+            x,
+            w,
+            b_enc,
+            threshold,
+            w_dec,
+            b_dec,
+            apply_b_dec_to_input=shift_input,
+            max_l0=width,
+            fused_encode=fused,
+            decode_method="fixed",
+        )
     assert out.shape == (3, 1, 32) and out.dtype == dtype
     assert launched["jumprelu_encode_kernel"] == int(fused) and launched["gather_accumulate_kernel"] == 1
     ref = acts64 @ w_dec.double() + b_dec.double()
@@ -142,8 +161,10 @@ def test_jumprelu_sae_forward_matches_float64_with_overflowing_tokens(fused, shi
     pre = sae_in @ w.float() + b_enc.float()
     torch_acts = (torch.relu(pre) * (pre > threshold.float())).to(dtype)
     torch_out = (torch_acts.float() @ w_dec.float() + b_dec.float()).to(dtype)
-    allowance = accumulation_allowance(acts64, w_dec) + (accumulation_allowance(sae_in, w) * (acts64 != 0)
-                                                         ) @ w_dec.double().abs()
+    allowance = (
+        accumulation_allowance(acts64, w_dec)
+        + (accumulation_allowance(sae_in, w) * (acts64 != 0)) @ w_dec.double().abs()
+    )
     assert_close_to_reference(out.reshape(3, 32), ref, torch_out, extra_abs=allowance)
 
 

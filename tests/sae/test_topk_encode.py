@@ -56,8 +56,9 @@ def assert_valid_topk(indices, acts, pre, bound, k, activation="relu"):
     assert not bool(bad.any()), f"rows {bad.nonzero().flatten().tolist()[:5]} skipped a clearly larger feature"
     assert bool((acts[:, 1:] <= acts[:, :-1]).all()), "not in decreasing order"
     ref = pre.gather(1, indices)
-    assert_close_to_reference(acts, ref.relu() if activation == "relu" else ref, dtype=acts.dtype,
-                              extra_abs=bound.gather(1, indices))  # fmt: skip
+    assert_close_to_reference(
+        acts, ref.relu() if activation == "relu" else ref, dtype=acts.dtype, extra_abs=bound.gather(1, indices)
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -141,9 +142,12 @@ def test_backward_matches_autograd_through_the_selection(device):
     dense_grad = dense_grad * (pre.detach() > 0)
     sae_in = (x - b_dec).double()
     ones = torch.ones(7, 1, dtype=torch.float64, device=device)
-    allowances = [accumulation_allowance(dense_grad, w.double().t()), accumulation_allowance(sae_in.t(), dense_grad),
-                  accumulation_allowance(dense_grad.t(), ones).flatten(),
-                  accumulation_allowance(ones.t(), (dense_grad @ w.double().t()).abs()).flatten()]  # fmt: skip
+    allowances = [
+        accumulation_allowance(dense_grad, w.double().t()),
+        accumulation_allowance(sae_in.t(), dense_grad),
+        accumulation_allowance(dense_grad.t(), ones).flatten(),
+        accumulation_allowance(ones.t(), (dense_grad @ w.double().t()).abs()).flatten(),
+    ]
     for name, g, r, extra in zip(("x", "W_enc", "b_enc", "b_dec"), ours, ref, allowances):
         assert_close_to_reference(g, r, extra_abs=extra, name=f"grad {name}")
 
@@ -185,8 +189,12 @@ def test_opcheck_and_fullgraph_compile(device):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gpu_gemma_scope_shapes(dtype, device):
     """Gemma 2B width (d_in 2304, 65536 features) at k = 64, plus shapes with tails in every dimension."""
-    for M, d_in, d_sae, k, with_b_dec in [(300, 2304, 65536, 64, True), (77, 333, 5000, 200, False),
-                                          (4097, 64, 1024, 8, True), (2, 2304, 16384, 512, True)]:  # fmt: skip
+    for M, d_in, d_sae, k, with_b_dec in [
+        (300, 2304, 65536, 64, True),
+        (77, 333, 5000, 200, False),
+        (4097, 64, 1024, 8, True),
+        (2, 2304, 16384, 512, True),
+    ]:
         x, w, b_enc, b_dec, _ = make_inputs(M, d_in, d_sae, dtype, device, with_b_dec=with_b_dec)
         with track_launches() as launched:
             indices, acts = topk_encode(x, w, b_enc, k, b_dec=b_dec)

@@ -5,8 +5,16 @@ import torch
 from conftest import assert_backend
 
 from sparsefuse import track_launches
-from sparsefuse.sparse import (CSR, ELL, ThresholdedLinear, dense_to_csr, dense_to_ell, matmul_skip_zeros, sparse_matmul,
-                               spmm)
+from sparsefuse.sparse import (
+    CSR,
+    ELL,
+    ThresholdedLinear,
+    dense_to_csr,
+    dense_to_ell,
+    matmul_skip_zeros,
+    sparse_matmul,
+    spmm,
+)
 from sparsefuse.sparse.sddmm import sampled_dot_dense_pattern
 from sparsefuse.testing import accumulation_allowance, assert_close_to_reference
 
@@ -32,9 +40,14 @@ def test_dense_to_ell_and_csr_match_the_reference(m, n, l0s, dtype, device):
     # a bitmask pass each, then the bits are compacted: ELL in one launch, CSR counted then placed
     assert launched["row_bits_kernel"] == 2 and launched["bits_to_sparse_kernel"] == 3
     ref_ell, ref_csr = ELL.from_dense(dense, 16), CSR.from_dense(dense)
-    for got, ref in ((ell.values, ref_ell.values), (ell.indices, ref_ell.indices), (ell.counts, ref_ell.counts),
-                     (csr.values, ref_csr.values), (csr.indices, ref_csr.indices),
-                     (csr.row_offsets, ref_csr.row_offsets)):  # fmt: skip
+    for got, ref in (
+        (ell.values, ref_ell.values),
+        (ell.indices, ref_ell.indices),
+        (ell.counts, ref_ell.counts),
+        (csr.values, ref_csr.values),
+        (csr.indices, ref_csr.indices),
+        (csr.row_offsets, ref_csr.row_offsets),
+    ):
         assert torch.equal(got.cpu(), ref.cpu())
     assert torch.equal(csr.to_dense().cpu(), dense.cpu())
     assert torch.equal(ell.overflowed().cpu(), (dense != 0).sum(1).cpu() > 16)
@@ -84,8 +97,11 @@ def test_overflowed_ell_rows_are_completed_from_dense_or_poisoned(device):
     assert ell.overflowed().tolist() == [False, True, False, True, False]
     ref = dense.double() @ weight.double()
     assert_close_to_reference(sparse_matmul(ell, weight, dense=dense), ref, dense @ weight)
-    assert_close_to_reference(sparse_matmul(ell, weight_strided, dense=dense), dense.double() @ weight_strided.double(),
-                              dense @ weight_strided)  # fmt: skip
+    assert_close_to_reference(
+        sparse_matmul(ell, weight_strided, dense=dense),
+        dense.double() @ weight_strided.double(),
+        dense @ weight_strided,
+    )
     unfixed = sparse_matmul(ell, weight)  # no dense rows: overflowed rows must be visibly wrong, never truncated
     assert torch.isnan(unfixed[1]).all() and torch.isnan(unfixed[3]).all()
     assert_close_to_reference(unfixed[[0, 2, 4]], ref[[0, 2, 4]], (dense @ weight)[[0, 2, 4]])
@@ -131,9 +147,13 @@ def test_overflowed_rows_are_recomputed_from_a_thresholded_linear_layer(with_shi
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(
     "m, n, d, l0s, splits",
-    [(4, 300, 40, [0, 5, 300, 17], None), (4, 300, 40, [0, 5, 300, 17], 3), (1, 64, 7, [9], 1000),
-     (9, 97, 65, [2, 0, 33], 1)],
-)  # fmt: skip
+    [
+        (4, 300, 40, [0, 5, 300, 17], None),
+        (4, 300, 40, [0, 5, 300, 17], 3),
+        (1, 64, 7, [9], 1000),
+        (9, 97, 65, [2, 0, 33], 1),
+    ],
+)
 def test_matmul_skip_zeros_matches_the_dense_product(m, n, d, l0s, splits, dtype, deterministic, device):
     a = sparse_rows(m, n, l0s, dtype, device)
     w = (torch.randn(n, d) / 4).to(dtype).to(device)
@@ -142,8 +162,9 @@ def test_matmul_skip_zeros_matches_the_dense_product(m, n, d, l0s, splits, dtype
         out = matmul_skip_zeros(a, w, splits=splits, deterministic=deterministic)
     assert launched["gather_accumulate_kernel"] == 1
     assert out.dtype == dtype and out.shape == (m, d)
-    assert_close_to_reference(out, a.double() @ w.double(), (a.float() @ w.float()).to(dtype),
-                              extra_abs=accumulation_allowance(a, w))  # fmt: skip
+    assert_close_to_reference(
+        out, a.double() @ w.double(), (a.float() @ w.float()).to(dtype), extra_abs=accumulation_allowance(a, w)
+    )
     if deterministic:  # split partials summed in a fixed order
         assert torch.equal(out, matmul_skip_zeros(a, w, splits=splits, deterministic=True))
 
@@ -191,8 +212,9 @@ def test_sampled_dot_dense_pattern(device):
         out = sampled_dot_dense_pattern(pattern, a, b)
     assert launched["sampled_dot_dense_pattern_kernel"] == 1
     mask = pattern != 0
-    assert_close_to_reference(out, (a.double() @ b.double().t()) * mask, (a @ b.t()) * mask,
-                              extra_abs=accumulation_allowance(a, b.t()))  # fmt: skip
+    assert_close_to_reference(
+        out, (a.double() @ b.double().t()) * mask, (a @ b.t()) * mask, extra_abs=accumulation_allowance(a, b.t())
+    )
 
 
 @pytest.mark.gpu

@@ -97,8 +97,9 @@ def check_forward(hidden, weight, bias, mask, pooling):
         out = splade_pool(hidden, weight, bias, mask, pooling=pooling)
     assert launched["splade_fwd_kernel"] == 1
     assert out.shape == (hidden.shape[0], weight.shape[0]) and out.dtype == hidden.dtype
-    ref64 = torch_splade_pool(hidden.double(), weight.double(), bias.double() if bias is not None else None, mask,
-                              pooling)  # fmt: skip
+    ref64 = torch_splade_pool(
+        hidden.double(), weight.double(), bias.double() if bias is not None else None, mask, pooling
+    )
     lowp = torch_splade_pool(hidden, weight, bias, mask, pooling)
     assert_close_to_reference(out, ref64, lowp, extra_abs=forward_allowance(hidden, weight, bias, mask, pooling))
     return out, ref64
@@ -106,6 +107,7 @@ def check_forward(hidden, weight, bias, mask, pooling):
 
 def reference_gradients(hidden, weight, bias, mask, pooling, grad):
     """(float64 grads, plain-torch grads in the inputs' dtype, per-output allowances for fp32/dtype accumulation)."""
+
     def grads_of(h, w, b, g):
         leaves = [t.detach().clone().requires_grad_() for t in (h, w) + ((b,) if b is not None else ())]
         y = torch_splade_pool(*leaves[:2], leaves[2] if b is not None else None, mask, pooling)
@@ -118,9 +120,11 @@ def reference_gradients(hidden, weight, bias, mask, pooling, grad):
     (dlogit,) = torch.autograd.grad(pool_from_logits(logits, mask, pooling), logits, grad.double().abs())
     # max pooling gathers with fp32 values; sum pooling feeds dlogit to tl.dot rounded to the inputs' dtype
     rounding = torch.float32 if pooling == "max" else hidden.dtype
-    allowances = [reduction_allowance(dlogit @ weight.double().abs(), rounding),
-                  reduction_allowance((dlogit.transpose(1, 2) @ hidden.double().abs()).sum(0), rounding),
-                  reduction_allowance(dlogit.sum(dim=(0, 1)))]  # fmt: skip
+    allowances = [
+        reduction_allowance(dlogit @ weight.double().abs(), rounding),
+        reduction_allowance((dlogit.transpose(1, 2) @ hidden.double().abs()).sum(0), rounding),
+        reduction_allowance(dlogit.sum(dim=(0, 1))),
+    ]
     if pooling == "sum":
         # relu's kink: a logit within the kernel's fp32 accumulation error of 0 may take the other side, which moves
         # its term of each gradient by |grad| (the slope jumps by 1 there) times the other factor.
@@ -129,8 +133,11 @@ def reference_gradients(hidden, weight, bias, mask, pooling, grad):
         kink = (logits.detach().abs() <= window) * grad.double().abs().unsqueeze(1)
         if mask is not None:
             kink = kink * (mask != 0).unsqueeze(-1)
-        allowances = [allowances[0] + kink @ w_abs, allowances[1] + (kink.transpose(1, 2) @ h_abs).sum(0),
-                      allowances[2] + kink.sum(dim=(0, 1))]  # fmt: skip
+        allowances = [
+            allowances[0] + kink @ w_abs,
+            allowances[1] + (kink.transpose(1, 2) @ h_abs).sum(0),
+            allowances[2] + kink.sum(dim=(0, 1)),
+        ]
     return ref64, lowp, allowances
 
 
@@ -145,8 +152,9 @@ def check_gradients(hidden, weight, bias, mask, pooling):
     else:
         assert launched["splade_sum_bwd_hidden_kernel"] == 1 and launched["splade_sum_bwd_weight_kernel"] == 1
     ref64, lowp, allowances = reference_gradients(hidden, weight, bias, mask, pooling, grad)
-    for name, g, leaf, r, lp, extra in zip(("grad_hidden", "grad_weight", "grad_bias"), ours, leaves, ref64, lowp,
-                                           allowances):  # fmt: skip
+    for name, g, leaf, r, lp, extra in zip(
+        ("grad_hidden", "grad_weight", "grad_bias"), ours, leaves, ref64, lowp, allowances
+    ):
         assert g.shape == leaf.shape and g.dtype == leaf.dtype
         assert_close_to_reference(g, r, lp, extra_abs=extra, name=name)
     return ours
@@ -378,8 +386,12 @@ def test_plain_torch_fallback_matches_the_reference(pooling, monkeypatch, device
         ours = torch.autograd.grad(out, leaves, grad)
     assert sum(launched.values()) == 0
     ref64 = torch_splade_pool(hidden.double(), weight.double(), bias.double(), mask, pooling)
-    assert_close_to_reference(out, ref64, torch_splade_pool(hidden, weight, bias, mask, pooling),
-                              extra_abs=forward_allowance(hidden, weight, bias, mask, pooling))  # fmt: skip
+    assert_close_to_reference(
+        out,
+        ref64,
+        torch_splade_pool(hidden, weight, bias, mask, pooling),
+        extra_abs=forward_allowance(hidden, weight, bias, mask, pooling),
+    )
     ref_grads, lowp, allowances = reference_gradients(hidden, weight, bias, mask, pooling, grad)
     for g, r, lp, extra in zip(ours, ref_grads, lowp, allowances):
         assert_close_to_reference(g, r, lp, extra_abs=extra)
@@ -426,10 +438,12 @@ def test_opcheck(device):
     torch.library.opcheck(splade_pool_op, (hidden, weight, None, None, "max", False))
     out, argmax, slope = splade_pool_op(hidden, weight, bias, mask, "max", True)
     grad = torch.randn_like(out)
-    torch.library.opcheck(splade_pool_backward_op, (grad, hidden, weight, bias, mask, argmax, slope, "max",
-                                                    True, True, True))  # fmt: skip
-    torch.library.opcheck(splade_pool_backward_op, (grad, hidden, weight, None, mask, argmax[:0], slope[:0], "sum",
-                                                    True, False, False))  # fmt: skip
+    torch.library.opcheck(
+        splade_pool_backward_op, (grad, hidden, weight, bias, mask, argmax, slope, "max", True, True, True)
+    )
+    torch.library.opcheck(
+        splade_pool_backward_op, (grad, hidden, weight, None, mask, argmax[:0], slope[:0], "sum", True, False, False)
+    )
 
 
 def test_module_tied_to_a_decoder_shares_its_parameters(device):
@@ -441,16 +455,21 @@ def test_module_tied_to_a_decoder_shares_its_parameters(device):
     hidden, _, _, mask = make_inputs(2, 11, 16, 50, torch.float32, device)
     out = head(hidden, mask)
     w, b = decoder.weight.detach(), decoder.bias.detach()
-    assert_close_to_reference(out, torch_splade_pool(hidden.double(), w.double(), b.double(), mask),
-                              torch_splade_pool(hidden, w, b, mask),
-                              extra_abs=forward_allowance(hidden, w, b, mask, "max"))  # fmt: skip
+    assert_close_to_reference(
+        out,
+        torch_splade_pool(hidden.double(), w.double(), b.double(), mask),
+        torch_splade_pool(hidden, w, b, mask),
+        extra_abs=forward_allowance(hidden, w, b, mask, "max"),
+    )
     standalone = SpladeHead(16, 50, bias=False, pooling="sum").to(device)
     standalone.load_state_dict({"weight": w})
     assert standalone.bias is None
-    assert_close_to_reference(standalone(hidden, mask),
-                              torch_splade_pool(hidden.double(), w.double(), None, mask, "sum"),
-                              torch_splade_pool(hidden, w, None, mask, "sum"),
-                              extra_abs=forward_allowance(hidden, w, None, mask, "sum"))  # fmt: skip
+    assert_close_to_reference(
+        standalone(hidden, mask),
+        torch_splade_pool(hidden.double(), w.double(), None, mask, "sum"),
+        torch_splade_pool(hidden, w, None, mask, "sum"),
+        extra_abs=forward_allowance(hidden, w, None, mask, "sum"),
+    )
 
 
 def test_torch_compile_fullgraph_has_no_graph_break(device):

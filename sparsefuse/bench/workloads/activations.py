@@ -15,7 +15,8 @@ from __future__ import annotations
 import copy
 import functools
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -30,9 +31,14 @@ from ..harness import Case, Direction, Options, register
 # [B, C, T] of the five Snake1d stages of SNAC's 24 kHz decoder for ~5 s of audio (T = 236 * 2^k), plus two large
 # training-sized tensors.
 SNAKE_SHAPES: list[tuple[int, int, int]] = [
-    (1, 1024, 236), (1, 512, 1888), (1, 256, 15104), (1, 128, 60416), (1, 64, 120832),
-    (1, 1024, 65536), (8, 512, 16384),
-]  # fmt: skip
+    (1, 1024, 236),
+    (1, 512, 1888),
+    (1, 256, 15104),
+    (1, 128, 60416),
+    (1, 64, 120832),
+    (1, 1024, 65536),
+    (8, 512, 16384),
+]
 SNAKE_QUICK_SHAPES: list[tuple[int, int, int]] = [(1, 1024, 236), (8, 512, 16384)]
 SNAC_SNAKE = "SNAC TorchScript snake"  # the row of what SNAC/DAC users run today
 
@@ -93,10 +99,16 @@ def _snake_case(shape: tuple[int, int, int], dtype: torch.dtype, direction: Dire
     # Minimal traffic: forward reads x, writes y; backward reads grad_y and x, writes grad_x (alpha is O(C)).
     # Flops: elementwise operations with sin/cos counted as one; informational only (the op is memory-bound).
     return Case(
-        workload="snake", shape=f"{B}x{C}x{T}", dtype=dtype, direction=direction,
-        bytes_moved=(5 if backward else 2) * n * e, flops=(22 if backward else 5) * n, ceiling="copy",
-        make_inputs=make_inputs, impls=impls,
-    )  # fmt: skip
+        workload="snake",
+        shape=f"{B}x{C}x{T}",
+        dtype=dtype,
+        direction=direction,
+        bytes_moved=(5 if backward else 2) * n * e,
+        flops=(22 if backward else 5) * n,
+        ceiling="copy",
+        make_inputs=make_inputs,
+        impls=impls,
+    )
 
 
 def _grid(make_case: Callable[..., Case], sizes: list, options: Options) -> list[Case]:
@@ -109,8 +121,11 @@ def _grid(make_case: Callable[..., Case], sizes: list, options: Options) -> list
     ]
 
 
-@register("snake", "Snake activation: sparsefuse vs eager torch, torch.compile and SNAC's TorchScript snake",
-          "[batch, channels, time]")
+@register(
+    "snake",
+    "Snake activation: sparsefuse vs eager torch, torch.compile and SNAC's TorchScript snake",
+    "[batch, channels, time]",
+)
 def snake_cases(options: Options) -> list[Case]:
     return _grid(_snake_case, SNAKE_QUICK_SHAPES if options.quick else SNAKE_SHAPES, options)
 
@@ -147,7 +162,7 @@ def _celu_case(n: int, dtype: torch.dtype, direction: Direction, device: str) ->
         "F.celu": lambda x: torch.nn.functional.celu(x, 1.0),
     }
     if backward:
-        impls = {name: (lambda f: lambda x, g: torch.autograd.grad(f(x), x, g))(f) for name, f in forwards.items()}
+        impls = {name: (lambda fn: lambda x, g: torch.autograd.grad(fn(x), x, g))(f) for name, f in forwards.items()}
     else:
         impls = dict(forwards)
         # In place, each timed call overwrites its own input set, so replays apply CELU again and again to the same
@@ -157,10 +172,16 @@ def _celu_case(n: int, dtype: torch.dtype, direction: Direction, device: str) ->
         impls["copy"] = lambda x: x.clone()  # same bytes as the forward: this size's practical ceiling
     # Forward reads x, writes y; backward reads grad_y and the saved y (or x), writes grad_x.
     return Case(
-        workload="celu", shape=_size_label(n), dtype=dtype, direction=direction,
-        bytes_moved=(5 if backward else 2) * n * e, flops=(7 if backward else 4) * n, ceiling="copy",
-        make_inputs=make_inputs, impls=impls,
-    )  # fmt: skip
+        workload="celu",
+        shape=_size_label(n),
+        dtype=dtype,
+        direction=direction,
+        bytes_moved=(5 if backward else 2) * n * e,
+        flops=(7 if backward else 4) * n,
+        ceiling="copy",
+        make_inputs=make_inputs,
+        impls=impls,
+    )
 
 
 @register("celu", "CELU activation: sparsefuse vs eager torch, torch.compile and F.celu", "elements")
@@ -174,16 +195,28 @@ def celu_cases(options: Options) -> list[Case]:
 
 # SNAC's 24 kHz configuration (hop 512, codes at 1/4, 1/2 and 1 of the latent rate).
 SNAC_24KHZ: dict[str, Any] = dict(
-    sampling_rate=24000, encoder_dim=48, encoder_rates=[2, 4, 8, 8], decoder_dim=1024, decoder_rates=[8, 8, 4, 2],
-    attn_window_size=None, codebook_size=4096, codebook_dim=8, vq_strides=[4, 2, 1], noise=True, depthwise=True,
-)  # fmt: skip
+    sampling_rate=24000,
+    encoder_dim=48,
+    encoder_rates=[2, 4, 8, 8],
+    decoder_dim=1024,
+    decoder_rates=[8, 8, 4, 2],
+    attn_window_size=None,
+    codebook_size=4096,
+    codebook_dim=8,
+    vq_strides=[4, 2, 1],
+    noise=True,
+    depthwise=True,
+)
 # Coarsest code length: codes have lengths L, 2L, 4L and the latent 4L = 236 frames, so the decoder's first Snake
 # sees T = 236 (236 * 512 = 120832 samples, ~5 s at 24 kHz).
 SNAC_CODE_LENGTH = 59
 
 
-@register("snac", "SNAC 24 kHz decode end to end: the snac model vs the same model with sparsefuse's Snake "
-          "patched in", "codes per decode, timing method")
+@register(
+    "snac",
+    "SNAC 24 kHz decode end to end: the snac model vs the same model with sparsefuse's Snake patched in",
+    "codes per decode, timing method",
+)
 def snac_cases(options: Options) -> list[Case]:
     if torch.float32 not in options.dtypes:
         options.log("snac: skipped (the decode runs in float32, which --dtype excludes)")
@@ -233,9 +266,19 @@ def snac_cases(options: Options) -> list[Case]:
     # host-bound), "graph" replays a captured CUDA graph of it (GPU time only, as under CUDA graphs in serving).
     return [
         Case(
-            workload="snac", shape=f"decode L={L} ({seconds:.1f} s) {method}", dtype=torch.float32, direction="fwd",
-            bytes_moved=0, flops=0, ceiling="none", make_inputs=make_inputs, impls=impls, method=method, rotate=False,
-            eager_impl="eager (snac)", compile_impl=None,
-        )  # fmt: skip
+            workload="snac",
+            shape=f"decode L={L} ({seconds:.1f} s) {method}",
+            dtype=torch.float32,
+            direction="fwd",
+            bytes_moved=0,
+            flops=0,
+            ceiling="none",
+            make_inputs=make_inputs,
+            impls=impls,
+            method=method,
+            rotate=False,
+            eager_impl="eager (snac)",
+            compile_impl=None,
+        )
         for method in ("wall", "graph")
     ]

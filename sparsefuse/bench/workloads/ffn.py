@@ -81,27 +81,43 @@ def _case(K: int, N: int, M: int, nnz_values: list[int], dtype: torch.dtype, dev
         if M >= 1024 and predicted_block_time(M, K, N, s, dtype) <= SKIP_TWELL_ABOVE * dense_s:
             impls[f"block nnz={s}"] = lambda *a, i=i: twell_mlp(a[i], *a[n:], method="block")
         monitor = SparsityMonitor()
-        impls[f"auto nnz={s}"] = lambda *a, i=i, monitor=monitor: twell_mlp(a[i], *a[n:], method="auto",
-                                                                            monitor=monitor)  # fmt: skip
+        impls[f"auto nnz={s}"] = lambda *a, i=i, monitor=monitor: twell_mlp(
+            a[i], *a[n:], method="auto", monitor=monitor
+        )
     e = torch.finfo(dtype).bits // 8
     return Case(
-        workload="ffn", shape=f"M={M} K={K} N={N}", dtype=dtype, direction="fwd",
-        bytes_moved=(3 * K * N + 2 * M * K) * e, flops=6 * M * K * N, ceiling="matmul",
-        make_inputs=make_inputs, impls=impls,
-        auto_choices={f"auto nnz={s}": tuple(c for c in (f"twell nnz={s}", f"block nnz={s}", "eager") if c in impls)
-                      for s in levels},
-    )  # fmt: skip
+        workload="ffn",
+        shape=f"M={M} K={K} N={N}",
+        dtype=dtype,
+        direction="fwd",
+        bytes_moved=(3 * K * N + 2 * M * K) * e,
+        flops=6 * M * K * N,
+        ceiling="matmul",
+        make_inputs=make_inputs,
+        impls=impls,
+        auto_choices={
+            f"auto nnz={s}": tuple(c for c in (f"twell nnz={s}", f"block nnz={s}", "eager") if c in impls)
+            for s in levels
+        },
+    )
 
 
-@register("ffn", "TwELL gated FFN: sparsefuse twell / block / auto at each sparsity vs dense cuBLAS and "
-          "torch.compile", "tokens M, hidden K, intermediate N")
+@register(
+    "ffn",
+    "TwELL gated FFN: sparsefuse twell / block / auto at each sparsity vs dense cuBLAS and torch.compile",
+    "tokens M, hidden K, intermediate N",
+)
 def ffn_cases(options: Options) -> list[Case]:
     grid = QUICK_GRID if options.quick else GRID
     # bf16 is the design point (fp16 runs the same kernels; the tests cover it): one half-precision dtype only.
     dtypes = [d for d in options.dtypes if d in (torch.bfloat16, torch.float16)]
     dtypes = [d for d in dtypes if d == torch.bfloat16] or dtypes[:1]
-    return [_case(K, N, M, nnz_values, dtype, options.device, options.log)
-            for dtype in dtypes for (K, N), (m_values, nnz_values) in grid.items() for M in m_values]  # fmt: skip
+    return [
+        _case(K, N, M, nnz_values, dtype, options.device, options.log)
+        for dtype in dtypes
+        for (K, N), (m_values, nnz_values) in grid.items()
+        for M in m_values
+    ]
 
 
 def crossover(rows: list[Result]) -> list[str]:
@@ -111,9 +127,11 @@ def crossover(rows: list[Result]) -> list[str]:
     for r in rows:
         if r.workload == "ffn" and r.status == "ok":
             groups.setdefault((r.shape, r.dtype), []).append(r)
-    lines = ["| shape | dtype | eager us | gate matmul us | twell beats eager up to nnz | best twell x eager | "
-             "block beats eager up to nnz | best block x eager | worst auto / eager |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| shape | dtype | eager us | gate matmul us | twell beats eager up to nnz | best twell x eager | "
+        "block beats eager up to nnz | best block x eager | worst auto / eager |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for (shape, dtype), group in sorted(groups.items()):
         times = {r.impl: r.median_us for r in group}
         eager = times.get("eager", math.nan)
@@ -123,7 +141,9 @@ def crossover(rows: list[Result]) -> list[str]:
         best_block = max((eager / t for k, t in times.items() if k.startswith("block nnz=")), default=math.nan)
         autos = {k: t / eager for k, t in times.items() if k.startswith("auto nnz=")}
         worst = max(autos.items(), key=lambda kv: kv[1], default=("-", math.nan))
-        lines.append(f"| {shape} | {dtype} | {eager:.1f} | {times.get('gate matmul', math.nan):.1f} | "
-                     f"{max(wins) if wins else 'none'} | {best:.2f} | {max(block_wins) if block_wins else '-'} | "
-                     f"{best_block:.2f} | {worst[1]:.2f} ({worst[0]}) |")  # fmt: skip
+        lines.append(
+            f"| {shape} | {dtype} | {eager:.1f} | {times.get('gate matmul', math.nan):.1f} | "
+            f"{max(wins) if wins else 'none'} | {best:.2f} | {max(block_wins) if block_wins else '-'} | "
+            f"{best_block:.2f} | {worst[1]:.2f} ({worst[0]}) |"
+        )
     return lines

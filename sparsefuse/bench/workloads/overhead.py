@@ -16,7 +16,8 @@ the question is the host, not DRAM. Each op runs in the dtype it is used in (``-
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -31,12 +32,28 @@ from .activations import SNAC_SNAKE, eager_celu, eager_snake, snac_snake
 METHODS = (("eager", "eager calls"), ("graph", "graph replay"))
 
 
-def _cases(op: str, shape: str, dtype: torch.dtype, make_inputs: Callable[[], tuple[Any, ...]],
-           impls: dict[str, Callable[..., Any]]) -> list[Case]:  # fmt: skip
+def _cases(
+    op: str,
+    shape: str,
+    dtype: torch.dtype,
+    make_inputs: Callable[[], tuple[Any, ...]],
+    impls: dict[str, Callable[..., Any]],
+) -> list[Case]:
     return [
-        Case(workload="overhead", shape=f"{op} {shape} {label}", dtype=dtype, direction="fwd", bytes_moved=0, flops=0,
-             ceiling="none", make_inputs=make_inputs, impls=impls, method=method, rotate=False,
-             compile_impl="torch.compile" if "torch.compile" in impls else None)  # fmt: skip
+        Case(
+            workload="overhead",
+            shape=f"{op} {shape} {label}",
+            dtype=dtype,
+            direction="fwd",
+            bytes_moved=0,
+            flops=0,
+            ceiling="none",
+            make_inputs=make_inputs,
+            impls=impls,
+            method=method,
+            rotate=False,
+            compile_impl="torch.compile" if "torch.compile" in impls else None,
+        )
         for method, label in METHODS
     ]
 
@@ -47,8 +64,12 @@ def _snake(device: str) -> list[Case]:
     def make_inputs() -> tuple[torch.Tensor, torch.Tensor]:
         return torch.randn(B, C, T, device=device), torch.empty(1, C, 1, device=device).uniform_(0.5, 2.0)
 
-    impls = {"sparsefuse": lambda x, a: sparsefuse.snake(x, a), "eager": eager_snake,
-             "torch.compile": torch.compile(eager_snake), SNAC_SNAKE: lambda x, a: snac_snake()(x, a)}  # fmt: skip
+    impls = {
+        "sparsefuse": lambda x, a: sparsefuse.snake(x, a),
+        "eager": eager_snake,
+        "torch.compile": torch.compile(eager_snake),
+        SNAC_SNAKE: lambda x, a: snac_snake()(x, a),
+    }
     return _cases("snake", f"{B}x{C}x{T}", torch.float32, make_inputs, impls)
 
 
@@ -58,8 +79,11 @@ def _celu(device: str) -> list[Case]:
     def make_inputs() -> tuple[torch.Tensor]:
         return (torch.randn(n, device=device),)
 
-    impls = {"sparsefuse": lambda x: sparsefuse.celu(x), "eager": eager_celu,
-             "F.celu": lambda x: torch.nn.functional.celu(x)}  # fmt: skip
+    impls = {
+        "sparsefuse": lambda x: sparsefuse.celu(x),
+        "eager": eager_celu,
+        "F.celu": lambda x: torch.nn.functional.celu(x),
+    }
     return _cases("celu", str(n), torch.float32, make_inputs, impls)
 
 
@@ -71,8 +95,11 @@ def _sae_decode(device: str) -> list[Case]:
         acts[0, torch.randperm(F, device=device)[:l0]] = 1.0
         return acts, torch.randn(F, D, device=device, dtype=torch.bfloat16) / 16
 
-    impls = {"sparsefuse auto": lambda a, w: sparse_decode(a, w),
-             "sparsefuse scan": lambda a, w: sparse_decode(a, w, method="scan"), "eager": lambda a, w: a @ w}
+    impls = {
+        "sparsefuse auto": lambda a, w: sparse_decode(a, w),
+        "sparsefuse scan": lambda a, w: sparse_decode(a, w, method="scan"),
+        "eager": lambda a, w: a @ w,
+    }
     return _cases("sae_decode", f"B=1 F={F} D={D} L0={l0}", torch.bfloat16, make_inputs, impls)
 
 
@@ -91,13 +118,19 @@ def _ffn(device: str) -> list[Case]:
         F_ = torch.nn.functional
         return F_.linear(torch.relu(F_.linear(x, w_gate)) * F_.linear(x, w_up), w_down)
 
-    impls = {"sparsefuse auto": lambda *a: twell_mlp(*a, monitor=monitor),
-             "sparsefuse twell": lambda *a: twell_mlp(*a, method="twell"), "eager": eager}  # fmt: skip
+    impls = {
+        "sparsefuse auto": lambda *a: twell_mlp(*a, monitor=monitor),
+        "sparsefuse twell": lambda *a: twell_mlp(*a, method="twell"),
+        "eager": eager,
+    }
     return _cases("ffn", f"M=1 K={K} N={N} nnz={nnz}", torch.bfloat16, make_inputs, impls)
 
 
-@register("overhead", "Time per small call: plain eager calls (host-bound, what a Python loop pays) vs CUDA-graph "
-          "replay (GPU time only)", "op, shape, timing method")
+@register(
+    "overhead",
+    "Time per small call: plain eager calls (host-bound, what a Python loop pays) vs CUDA-graph replay (GPU time only)",
+    "op, shape, timing method",
+)
 def overhead_cases(options: Options) -> list[Case]:
     if options.quick:
         return _snake(options.device) + _sae_decode(options.device)

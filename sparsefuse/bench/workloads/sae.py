@@ -19,12 +19,14 @@ from ..harness import Case, Options, register
 
 # (B, F, D, L0)
 MAIN_SHAPES: list[tuple[int, int, int, int]] = [
-    (32, 65536, 768, 64), (256, 65536, 768, 64), (32, 131072, 512, 128),  # the reference write-up's
+    (32, 65536, 768, 64),
+    (256, 65536, 768, 64),
+    (32, 131072, 512, 128),  # the reference write-up's
     (4096, 65536, 2304, 72),  # Gemma Scope 2B 65k
     (1024, 262144, 2304, 100),  # Gemma Scope 2B 262k
     (1024, 131072, 3584, 72),  # Gemma Scope 9B 131k
     (1024, 32768, 2048, 100),  # Qwen Scope
-]  # fmt: skip
+]
 L0_SWEEP = [16, 64, 256, 1024, 4096, 16384]
 BATCH_SWEEP = [1, 8, 64, 512, 4096]
 QUICK_SHAPES = MAIN_SHAPES[:1]
@@ -61,26 +63,41 @@ def _case(shape: tuple[int, int, int, int], dtype: torch.dtype, device: str, lab
             "torch.sparse.mm (prebuilt CSR)": lambda a, w, csr, *_: torch.sparse.mm(csr, w),
             "torch.sparse.mm (with to_sparse_csr)": lambda a, w, *_: torch.sparse.mm(a.to_sparse_csr(), w),
             "F.embedding_bag (prebuilt indices)": lambda a, w, csr, cols, vals: F_.embedding_bag(
-                cols, w, per_sample_weights=vals, mode="sum"),
-        }  # fmt: skip
+                cols, w, per_sample_weights=vals, mode="sum"
+            ),
+        }
         if B <= 256:  # (a compile per shape costs ~20 s; Inductor's plain matmul is cuBLAS at the large ones)
             impls["torch.compile"] = torch.compile(lambda a, w, *_: a @ w)
     return Case(
-        workload="sae_decode", shape=f"{label}B={B} F={F} D={D} L0={l0}", dtype=dtype, direction="fwd",
-        bytes_moved=B * F * e + B * l0 * D * e + B * D * e, flops=2 * B * l0 * D, ceiling="copy",
-        make_inputs=make_inputs, impls=impls, compile_impl="torch.compile" if "torch.compile" in impls else None,
+        workload="sae_decode",
+        shape=f"{label}B={B} F={F} D={D} L0={l0}",
+        dtype=dtype,
+        direction="fwd",
+        bytes_moved=B * F * e + B * l0 * D * e + B * D * e,
+        flops=2 * B * l0 * D,
+        ceiling="copy",
+        make_inputs=make_inputs,
+        impls=impls,
+        compile_impl="torch.compile" if "torch.compile" in impls else None,
         auto_choices={"sparsefuse auto": tuple(c for c in AUTO_CHOICES if c in impls)},
-    )  # fmt: skip
+    )
 
 
-@register("sae_decode", "Sparse SAE decode (acts @ W_dec): sparsefuse vs dense cuBLAS, torch.sparse (cuSPARSE), "
-          "F.embedding_bag, torch.compile", "batch B, d_sae F, d_model D, fired features per token L0")
+@register(
+    "sae_decode",
+    "Sparse SAE decode (acts @ W_dec): sparsefuse vs dense cuBLAS, torch.sparse (cuSPARSE), "
+    "F.embedding_bag, torch.compile",
+    "batch B, d_sae F, d_model D, fired features per token L0",
+)
 def sae_decode_cases(options: Options) -> list[Case]:
     dtypes = [d for d in options.dtypes if d in (torch.float32, torch.bfloat16)]
     if options.quick:
         return [_case(s, d, options.device, "", True) for d in dtypes for s in QUICK_SHAPES]
     cases = [_case(s, d, options.device, "", True) for d in dtypes for s in MAIN_SHAPES]
-    cases += [_case((B, 65536, 768, l0), torch.bfloat16, options.device, "L0 sweep ", False)
-              for B in (32, 1024) for l0 in L0_SWEEP]  # fmt: skip
+    cases += [
+        _case((B, 65536, 768, l0), torch.bfloat16, options.device, "L0 sweep ", False)
+        for B in (32, 1024)
+        for l0 in L0_SWEEP
+    ]
     cases += [_case((B, 65536, 2304, 72), torch.bfloat16, options.device, "batch sweep ", False) for B in BATCH_SWEEP]
     return cases

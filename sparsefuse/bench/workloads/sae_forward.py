@@ -25,7 +25,8 @@ the output once, the decoder rows that any token fired. The ceiling is "matmul" 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -36,14 +37,18 @@ from ..harness import Case, Options, register
 TOKENS = 4096
 TOPK_K = 64
 SAE_SHAPES: list[tuple[str, int, int, int]] = [  # (name, d_in, d_sae, L0)
-    ("Gemma2B-65k", 2304, 65536, 72), ("Gemma2B-262k", 2304, 262144, 100), ("Gemma9B-131k", 3584, 131072, 72),
-]  # fmt: skip
+    ("Gemma2B-65k", 2304, 65536, 72),
+    ("Gemma2B-262k", 2304, 262144, 100),
+    ("Gemma9B-131k", 3584, 131072, 72),
+]
 QUICK_SHAPES = SAE_SHAPES[:1]
 CALIBRATION_TOKENS = 512
 MAX_L0 = 256  # ELL width of the fused JumpReLU path (tokens above it are recomputed, not truncated)
 # SAELens SAEs: unpatched, patched with the defaults (fastest), patched for low memory (the fused encodes)
-FUSED_PATCH = {"jumprelu": (f"sparsefuse sae_lens.patch(max_l0={MAX_L0})", dict(max_l0=MAX_L0)),
-               "topk": ("sparsefuse sae_lens.patch(fused_encode=True)", dict(fused_encode=True))}  # fmt: skip
+FUSED_PATCH = {
+    "jumprelu": (f"sparsefuse sae_lens.patch(max_l0={MAX_L0})", dict(max_l0=MAX_L0)),
+    "topk": ("sparsefuse sae_lens.patch(fused_encode=True)", dict(fused_encode=True)),
+}
 SAE_LENS_IMPLS = {arch: ("sae_lens", "sparsefuse sae_lens.patch", FUSED_PATCH[arch][0]) for arch in FUSED_PATCH}
 
 
@@ -168,8 +173,15 @@ def _case(architecture: str, shape: tuple[str, int, int, int], dtype: torch.dtyp
     compiled = torch.compile(dense)
     impls: dict[str, Callable[..., Any]] = {
         "sparsefuse fused": lambda x: fused(x, *params()),
-        **({"sparsefuse cuBLAS encode + sparse decode (auto)":
-            lambda x: dense_encode_sparse_decode_forward(x, *params())} if architecture == "jumprelu" else {}),
+        **(
+            {
+                "sparsefuse cuBLAS encode + sparse decode (auto)": lambda x: dense_encode_sparse_decode_forward(
+                    x, *params()
+                )
+            }
+            if architecture == "jumprelu"
+            else {}
+        ),
         "eager": lambda x: dense(x, *params()),
         "torch.compile": lambda x: compiled(x, *params()),
         "encode matmul only": lambda x: x @ weights_for(key).W_enc,
@@ -179,22 +191,31 @@ def _case(architecture: str, shape: tuple[str, int, int, int], dtype: torch.dtyp
 
         has_sae_lens = True
         for impl in SAE_LENS_IMPLS[architecture]:
-            impls[impl] = (lambda impl: lambda x: weights_for(key).sae_lens[impl](x))(impl)
+            impls[impl] = (lambda name: lambda x: weights_for(key).sae_lens[name](x))(impl)
     except ImportError:
         has_sae_lens = False
     touched_rows = d_sae * (1 - (1 - l0 / d_sae) ** TOKENS)  # expected distinct fired features in the batch
     return Case(
-        workload="sae_forward", shape=f"{architecture} {name} B={TOKENS} d_in={d_in} d_sae={d_sae} L0={l0}",
-        dtype=dtype, direction="fwd",
+        workload="sae_forward",
+        shape=f"{architecture} {name} B={TOKENS} d_in={d_in} d_sae={d_sae} L0={l0}",
+        dtype=dtype,
+        direction="fwd",
         bytes_moved=int((2 * TOKENS * d_in + d_in * d_sae + touched_rows * d_in) * e),
-        flops=2 * TOKENS * d_in * d_sae + 2 * TOKENS * l0 * d_in, ceiling="matmul",
-        make_inputs=make_inputs, impls=impls, eager_impl="sae_lens" if has_sae_lens else "eager",
+        flops=2 * TOKENS * d_in * d_sae + 2 * TOKENS * l0 * d_in,
+        ceiling="matmul",
+        make_inputs=make_inputs,
+        impls=impls,
+        eager_impl="sae_lens" if has_sae_lens else "eager",
         compile_impl="torch.compile",
-    )  # fmt: skip
+    )
 
 
-@register("sae_forward", "SAE forward (encode + decode), 4096 tokens: sparsefuse vs SAELens, eager torch, "
-          "torch.compile and the encode matmul alone", "architecture, SAE, tokens B, d_in, d_sae, L0")
+@register(
+    "sae_forward",
+    "SAE forward (encode + decode), 4096 tokens: sparsefuse vs SAELens, eager torch, "
+    "torch.compile and the encode matmul alone",
+    "architecture, SAE, tokens B, d_in, d_sae, L0",
+)
 def sae_forward_cases(options: Options) -> list[Case]:
     try:
         import sae_lens  # noqa: F401
@@ -205,5 +226,9 @@ def sae_forward_cases(options: Options) -> list[Case]:
     if options.quick:
         dtypes = [d for d in dtypes if d == torch.bfloat16] or dtypes[:1]
     # weights_for keeps one case's weights in memory at a time.
-    return [_case(arch, shape, dtype, options.device) for dtype in dtypes for shape in shapes
-            for arch in ("jumprelu", "topk")]  # fmt: skip
+    return [
+        _case(arch, shape, dtype, options.device)
+        for dtype in dtypes
+        for shape in shapes
+        for arch in ("jumprelu", "topk")
+    ]

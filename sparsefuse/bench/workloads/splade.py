@@ -29,7 +29,8 @@ fwd+bwd >= 4x eager with >= 10x less peak memory; forward >= 55% of the matmul r
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -43,15 +44,17 @@ LARGE_VOCAB_SHAPES: list[SpladeShape] = [(32, 256, 768, 250002), (32, 256, 1024,
 HEADLINE_SHAPE: SpladeShape = (32, 256, 768, 30522)
 
 
-def eager_splade_max(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                     mask: torch.Tensor) -> torch.Tensor:  # fmt: skip
+def eager_splade_max(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
     """naver/splade's SPLADE v2+ head (max pooling) in the inputs' dtype."""
     scores = torch.log1p(torch.relu(hidden @ weight.t() + bias)) * mask.unsqueeze(-1).to(hidden.dtype)
     return torch.max(scores, dim=1).values
 
 
-def eager_splade_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                     mask: torch.Tensor) -> torch.Tensor:  # fmt: skip
+def eager_splade_sum(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
     """SPLADE v1's head (sum pooling) in the inputs' dtype."""
     return (torch.log1p(torch.relu(hidden @ weight.t() + bias)) * mask.unsqueeze(-1).to(hidden.dtype)).sum(dim=1)
 
@@ -68,8 +71,9 @@ def _attention_mask(B: int, S: int, padded: bool, device: str) -> torch.Tensor:
     return (torch.arange(S, device=device)[None, :] < lengths[:, None]).to(torch.int64)
 
 
-def _case(shape: SpladeShape, dtype: torch.dtype, direction: Direction, pooling: str, padded: bool,
-          device: str) -> Case:  # fmt: skip
+def _case(
+    shape: SpladeShape, dtype: torch.dtype, direction: Direction, pooling: str, padded: bool, device: str
+) -> Case:
     B, S, H, V = shape
     e = torch.tensor([], dtype=dtype).element_size()
     backward = direction == "fwd+bwd"
@@ -93,7 +97,7 @@ def _case(shape: SpladeShape, dtype: torch.dtype, direction: Direction, pooling:
     if backward:
         # autograd.grad returns fresh gradients each call (no .grad accumulation across timed calls)
         impls: dict[str, Callable[..., Any]] = {
-            name: (lambda f: lambda h, w, b, m, g: torch.autograd.grad(f(h, w, b, m), (h, w, b), g))(f)
+            name: (lambda fn: lambda h, w, b, m, g: torch.autograd.grad(fn(h, w, b, m), (h, w, b), g))(f)
             for name, f in forwards.items()
         }
     else:
@@ -107,21 +111,33 @@ def _case(shape: SpladeShape, dtype: torch.dtype, direction: Direction, pooling:
         bytes_moved += (B * V + B * S * H + V * H + V) * e
     label = f"B={B} S={S} H={H} V={V}" + (" padded" if padded else "")
     return Case(
-        workload="splade" if pooling == "max" else "splade_sum", shape=label, dtype=dtype, direction=direction,
-        bytes_moved=bytes_moved, flops=flops, ceiling="matmul", make_inputs=make_inputs, impls=impls,
-    )  # fmt: skip
+        workload="splade" if pooling == "max" else "splade_sum",
+        shape=label,
+        dtype=dtype,
+        direction=direction,
+        bytes_moved=bytes_moved,
+        flops=flops,
+        ceiling="matmul",
+        make_inputs=make_inputs,
+        impls=impls,
+    )
 
 
 def _dtypes(options: Options, workload: str) -> list[torch.dtype]:
     dtypes = [d for d in options.dtypes if d in (torch.bfloat16, torch.float16)]
     if torch.float32 in options.dtypes:
-        options.log(f"{workload}: float32 skipped (exact-fp32 products of this size take seconds per call in every "
-                    "implementation; SPLADE runs in bf16/fp16)")  # fmt: skip
+        options.log(
+            f"{workload}: float32 skipped (exact-fp32 products of this size take seconds per call in every "
+            "implementation; SPLADE runs in bf16/fp16)"
+        )
     return dtypes
 
 
-@register("splade", "SPLADE head, max pooling: sparsefuse vs eager torch, torch.compile and the bare matmul",
-          "batch B, sequence S, hidden H, vocabulary V")
+@register(
+    "splade",
+    "SPLADE head, max pooling: sparsefuse vs eager torch, torch.compile and the bare matmul",
+    "batch B, sequence S, hidden H, vocabulary V",
+)
 def splade_cases(options: Options) -> list[Case]:
     shapes = [(HEADLINE_SHAPE, False)]
     if not options.quick:
@@ -135,8 +151,11 @@ def splade_cases(options: Options) -> list[Case]:
     ]
 
 
-@register("splade_sum", "SPLADE head, sum pooling: sparsefuse vs eager torch, torch.compile and the bare matmul",
-          "batch B, sequence S, hidden H, vocabulary V")
+@register(
+    "splade_sum",
+    "SPLADE head, sum pooling: sparsefuse vs eager torch, torch.compile and the bare matmul",
+    "batch B, sequence S, hidden H, vocabulary V",
+)
 def splade_sum_cases(options: Options) -> list[Case]:
     return [
         _case(HEADLINE_SHAPE, dtype, direction, "sum", False, options.device)

@@ -68,8 +68,9 @@ def _matmul_s(M: int, K: int, N: int, elem: int, fp32: bool, cm: CostModel) -> f
     return max(2.0 * M * K * N / rate, (M * K + K * N + M * N) * elem / cm.dram_bytes_per_s) + cm.launch_s
 
 
-def predicted_times(M: int, K: int, N: int, mean_nnz: float, dtype: torch.dtype,
-                    cost_model: CostModel | None = None) -> tuple[float, float]:
+def predicted_times(
+    M: int, K: int, N: int, mean_nnz: float, dtype: torch.dtype, cost_model: CostModel | None = None
+) -> tuple[float, float]:
     """(twell seconds, dense seconds) predicted for a gated block of M tokens with ``mean_nnz`` gate non-zeros per
     token. Dense: three matmuls plus the ReLU and product passes over [M, N]. Twell: the gate matmul with its
     epilogue, plus kernel 2's row gathers -- per non-zero a W_up row for each of the token's ``splits`` programs
@@ -86,14 +87,24 @@ def predicted_times(M: int, K: int, N: int, mean_nnz: float, dtype: torch.dtype,
     gathered = M * mean_nnz * 2.0 * K * elem  # a W_up row and a W_down row per non-zero
     distinct_rows = N * (1.0 - (1.0 - min(mean_nnz, N) / N) ** M) if N else 0.0
     steps = mean_nnz / (4.0 * splits)  # a token's serial chain: 4 entries per step, its tiles over `splits`
-    gathers = max(gathered / (cm.gather_bytes_per_s * occupancy), distinct_rows * 2.0 * K * elem / cm.dram_bytes_per_s,
-                  steps * cm.serial_s_per_step)
+    gathers = max(
+        gathered / (cm.gather_bytes_per_s * occupancy),
+        distinct_rows * 2.0 * K * elem / cm.dram_bytes_per_s,
+        steps * cm.serial_s_per_step,
+    )
     twell = max(cm.min_s, cm.twell_overhead * gate + gathers + 2.0 * M * K * elem / cm.dram_bytes_per_s + cm.launch_s)
     return twell, dense
 
 
-def predicted_block_time(M: int, K: int, N: int, mean_nnz: float, dtype: torch.dtype,
-                         cost_model: CostModel | None = None, block_rows: int = 64) -> float:
+def predicted_block_time(
+    M: int,
+    K: int,
+    N: int,
+    mean_nnz: float,
+    dtype: torch.dtype,
+    cost_model: CostModel | None = None,
+    block_rows: int = 64,
+) -> float:
     """Seconds predicted for ``method="block"``: the cuBLAS gate, one pass over the [M, N] pre-activations (the
     unions), and the up and down products on the unions. A block's union is estimated as if neurons fired
     independently and uniformly, ``N * (1 - (1 - nnz / N) ** block_rows)`` -- an over-estimate for real layers,
@@ -116,6 +127,7 @@ def predicted_block_time(M: int, K: int, N: int, mean_nnz: float, dtype: torch.d
 # not modelled), and one wrong pick cost 26% (M=2048, 8B layer, 8 non-zeros). Below that the model errs only on the
 # pessimistic side (predicted 0.81-0.90 of dense, measured 0.55-0.87), so no margin.
 AUTO_MARGIN = 0.92
+
 
 def auto_method(M: int, K: int, N: int, mean_nnz: float, dtype: torch.dtype) -> str:
     """The method auto runs for ``mean_nnz`` gate non-zeros per token: the fastest predicted of twell, block (from
@@ -140,8 +152,13 @@ def probe_stats(x2: torch.Tensor, w_gate: torch.Tensor, b_gate: torch.Tensor | N
 ESTIMATES = EstimateCache()  # per gate weight: the default call's estimate
 
 
-def resolve_method(x2: torch.Tensor, w_gate: torch.Tensor, b_gate: torch.Tensor | None,
-                   expected_nnz: float | None, monitor: SparsityMonitor | None) -> str:
+def resolve_method(
+    x2: torch.Tensor,
+    w_gate: torch.Tensor,
+    b_gate: torch.Tensor | None,
+    expected_nnz: float | None,
+    monitor: SparsityMonitor | None,
+) -> str:
     """What ``method="auto"`` runs for x2 [M, K] and w_gate [N, K] (see the module docstring for the estimate)."""
     M, K = x2.shape
     estimate = expected_nnz

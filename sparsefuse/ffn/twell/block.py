@@ -11,9 +11,9 @@ import torch.nn.functional as F
 import triton
 
 from ... import _backend
+from ...sparse.block_spmm import block_sparse_matmul
 from ...sparse.compact import dense_to_row_block_pattern
 from ...sparse.sddmm import block_sddmm
-from ...sparse.spmm import block_sparse_matmul
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +52,9 @@ def block_plan(N: int) -> BlockPlan:
     return dataclasses.replace(plan, tile=tile) if tile != plan.tile else plan
 
 
-def launch_block_mlp(x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down,
-                     plan: BlockPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def launch_block_mlp(
+    x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, plan: BlockPlan | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated block through row-block unions (tensor cores throughout):
 
     1. ``pre = x W_gate^T + b_gate`` by cuBLAS (dense [M, N] in x's dtype, as the dense block has it);
@@ -68,7 +69,8 @@ def launch_block_mlp(x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down,
     plan = plan or block_plan(w_gate.shape[0])
     pre = F.linear(x2, w_gate, b_gate)
     M, N = pre.shape
-    pattern = dense_to_row_block_pattern(pre, plan.tile, plan.block_rows, relu=True, sort_rows=plan.sorts(M),
-                                         sort_sample=plan.sort_sample(N))
+    pattern = dense_to_row_block_pattern(
+        pre, plan.tile, plan.block_rows, relu=True, sort_rows=plan.sorts(M), sort_sample=plan.sort_sample(N)
+    )
     h = block_sddmm(pattern, pre, x2, w_up, b_up, relu=True, out_dtype=x2.dtype)
     return block_sparse_matmul(h, w_down_t, bias=b_down, out_dtype=x2.dtype), pre

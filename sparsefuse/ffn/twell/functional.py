@@ -12,12 +12,11 @@ from ... import _backend
 from ..._auto import SparsityMonitor
 from ..._validation import (
     check_ffn_bias,
-    check_ffn_compression,
     check_ffn_expected_nnz,
+    check_ffn_geometry,
     check_ffn_mlp,
     check_ffn_weight,
     check_ffn_x,
-    check_twell_geometry,
     check_same_device,
     check_tensor,
     describe,
@@ -51,17 +50,13 @@ def _down_rows(op: str, w_down: torch.Tensor) -> torch.Tensor:
         return w_down.t()
     if op not in _warned_down_copy:
         _warned_down_copy.add(op)
-        warnings.warn(f"sparsefuse.{op}: w_down is row-major [K, N], so its rows per neuron are strided; it is "
-                      "copied to column-major on every call. Store it once with sparsefuse.ffn.twell_down_layout "
-                      "(sparsefuse.nn.SparseGatedMLP does).", stacklevel=4)
+        warnings.warn(
+            f"sparsefuse.{op}: w_down is row-major [K, N], so its rows per neuron are strided; it is "
+            "copied to column-major on every call. Store it once with sparsefuse.ffn.twell_down_layout "
+            "(sparsefuse.nn.SparseGatedMLP does).",
+            stacklevel=4,
+        )
     return w_down.t().contiguous()
-
-
-def _check_geometry(op: str, tile: int | None, compression: int) -> None:
-    if tile is not None:
-        check_twell_geometry(op, tile, compression)
-    else:
-        check_ffn_compression(op, compression)
 
 
 def _mlp_layout(op: str, x, w_up, w_down) -> tuple[torch.Tensor, ...]:
@@ -75,8 +70,14 @@ def _needs_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def twell_gate(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, tile: int = 256,
-               compression: int = DEFAULT_COMPRESSION) -> TwELL:
+def twell_gate(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None = None,
+    *,
+    tile: int = 256,
+    compression: int = DEFAULT_COMPRESSION,
+) -> TwELL:
     """Kernel 1 alone: ``relu(x @ w^T + b)`` straight into TwELL (no dense [M, N] activations in memory).
 
     Args:
@@ -87,7 +88,7 @@ def twell_gate(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, 
     Inference-only.
     """
     op = "twell_gate"
-    _check_geometry(op, tile, compression)
+    check_ffn_geometry(op, tile, compression)
     check_tensor(op, "w", w)
     if w.dim() != 2:
         raise ValueError(f"{op}: w must be [N, K] (nn.Linear layout); got {describe(w)}")
@@ -101,9 +102,17 @@ def twell_gate(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, 
     return TwELL(values, indices, counts, w.shape[0], tile, compression)
 
 
-def twell_up_down(twell: TwELL, x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, *,
-                  b_gate: torch.Tensor | None = None, b_up: torch.Tensor | None = None,
-                  b_down: torch.Tensor | None = None) -> torch.Tensor:
+def twell_up_down(
+    twell: TwELL,
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    *,
+    b_gate: torch.Tensor | None = None,
+    b_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Kernel 2 alone: ``(h_g * (x @ w_up^T + b_up)) @ w_down^T + b_down`` for gate activations ``h_g`` given as
     TwELL (from :func:`twell_gate` on ``w_gate``/``b_gate``, which are read only to recompute overflowed tiles).
     Shapes as :func:`twell_mlp`; returns [..., K]. Inference-only."""
@@ -111,21 +120,45 @@ def twell_up_down(twell: TwELL, x: torch.Tensor, w_gate: torch.Tensor, w_up: tor
     check_ffn_mlp(op, x, w_gate, b_gate, w_up, b_up, w_down, b_down)
     x2, w_up, w_down_t = _mlp_layout(op, x, w_up, w_down)
     if not isinstance(twell, TwELL) or twell.shape != (x2.shape[0], w_gate.shape[0]):
-        raise ValueError(f"{op}: twell must be a TwELL of shape [{x2.shape[0]}, {w_gate.shape[0]}]; got "
-                         f"{type(twell).__name__} {getattr(twell, 'shape', None)}")
+        raise ValueError(
+            f"{op}: twell must be a TwELL of shape [{x2.shape[0]}, {w_gate.shape[0]}]; got "
+            f"{type(twell).__name__} {getattr(twell, 'shape', None)}"
+        )
     check_same_device(op, x=x, twell_values=twell.values)
     if twell.values.dtype != x.dtype:
         raise TypeError(f"{op}: twell.values must have x's dtype; got {twell.values.dtype}")
-    y = twell_up_down_op(twell.values, twell.indices, twell.counts, x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down,
-                         twell.tile, twell.compression)
+    y = twell_up_down_op(
+        twell.values,
+        twell.indices,
+        twell.counts,
+        x2,
+        w_gate,
+        b_gate,
+        w_up,
+        b_up,
+        w_down_t,
+        b_down,
+        twell.tile,
+        twell.compression,
+    )
     return y.reshape(*x.shape[:-1], w_down.shape[0])
 
 
-def twell_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, *,
-              b_gate: torch.Tensor | None = None, b_up: torch.Tensor | None = None,
-              b_down: torch.Tensor | None = None, compression: int = DEFAULT_COMPRESSION, tile: int | None = None,
-              method: str = "auto", expected_nnz: float | None = None,
-              monitor: SparsityMonitor | None = None) -> torch.Tensor:
+def twell_mlp(
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    *,
+    b_gate: torch.Tensor | None = None,
+    b_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
+    compression: int = DEFAULT_COMPRESSION,
+    tile: int | None = None,
+    method: str = "auto",
+    expected_nnz: float | None = None,
+    monitor: SparsityMonitor | None = None,
+) -> torch.Tensor:
     """Gated ReLU feed-forward block ``(relu(x W_gate^T + b_gate) * (x W_up^T + b_up)) W_down^T + b_down`` (a
     transformers ``LlamaMLP`` with ``hidden_act="relu"``), skipping the up/down rows of gate activations that are 0.
 
@@ -151,7 +184,7 @@ def twell_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down:
     op = "twell_mlp"
     if method not in METHODS:
         raise ValueError(f"{op}: method must be one of {', '.join(METHODS)}; got {method!r}")
-    _check_geometry(op, tile, compression)
+    check_ffn_geometry(op, tile, compression)
     check_ffn_expected_nnz(op, expected_nnz)
     check_ffn_mlp(op, x, w_gate, b_gate, w_up, b_up, w_down, b_down)
     x2, w_up, w_down_t = _mlp_layout(op, x, w_up, w_down)
@@ -160,8 +193,11 @@ def twell_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down:
         return dense_mlp(x2, w_gate, b_gate, w_up, b_up, w_down_t.t(), b_down).reshape(out_shape)
     if method == "auto":
         method = resolve_method(x2, w_gate, b_gate, expected_nnz, monitor)
-    with_stats = monitor is not None and not torch.compiler.is_compiling() and \
-        not (x2.is_cuda and torch.cuda.is_current_stream_capturing())
+    with_stats = (
+        monitor is not None
+        and not torch.compiler.is_compiling()
+        and not (x2.is_cuda and torch.cuda.is_current_stream_capturing())
+    )
     args = (x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile or 0, compression, method, with_stats)
     # Plain eager inference skips the dispatcher (tens of microseconds per call: it matters for decode batches).
     fast = _backend.bypass_dispatcher(*(t for t in args[:7] if t is not None))
@@ -171,9 +207,17 @@ def twell_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down:
     return y.reshape(out_shape)
 
 
-def twell_relu_mlp(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, *, b_up: torch.Tensor | None = None,
-                   b_down: torch.Tensor | None = None, compression: int = DEFAULT_COMPRESSION,
-                   tile: int | None = None, method: str = "twell") -> torch.Tensor:
+def twell_relu_mlp(
+    x: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    *,
+    b_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
+    compression: int = DEFAULT_COMPRESSION,
+    tile: int | None = None,
+    method: str = "twell",
+) -> torch.Tensor:
     """Non-gated ReLU block ``relu(x W_up^T + b_up) W_down^T + b_down``: kernel 1 on W_up, TwELL -> ELL on the
     device, the shared :func:`sparsefuse.sparse.sparse_matmul`, overflowed tiles recomputed and added in place.
 
@@ -183,7 +227,7 @@ def twell_relu_mlp(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, *,
     op = "twell_relu_mlp"
     if method not in ("twell", "dense"):
         raise ValueError(f"{op}: method must be 'twell' or 'dense'; got {method!r}")
-    _check_geometry(op, tile, compression)
+    check_ffn_geometry(op, tile, compression)
     check_ffn_mlp(op, x, w_up, b_up, None, None, w_down, b_down, gate_names=("w_up", "b_up"))
     x2, _, w_down_t = _mlp_layout(op, x, None, w_down)
     out_shape = (*x.shape[:-1], w_down.shape[0])

@@ -18,10 +18,29 @@ from ...sparse.sddmm import row_dots
 
 
 @triton.jit
-def twell_gate_fwd_kernel(x_ptr, w_ptr, b_ptr, values_ptr, indices_ptr, counts_ptr,
-                          M, K, N, n_tiles, tune_key, stride_xm, stride_wn, stride_wk,
-                          TILE: tl.constexpr, SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                          GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE_FP32: tl.constexpr):
+def twell_gate_fwd_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    values_ptr,
+    indices_ptr,
+    counts_ptr,
+    M,
+    K,
+    N,
+    n_tiles,
+    tune_key,
+    stride_xm,
+    stride_wn,
+    stride_wk,
+    TILE: tl.constexpr,
+    SLOTS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    IEEE_FP32: tl.constexpr,
+):
     # x [M, K] (unit column stride), w [N, K] (nn.Linear layout, any strides), b [N];
     # out: values/indices [M, n_tiles * SLOTS], counts [M, n_tiles] int32 (true counts)
     pid = tl.program_id(0)
@@ -34,10 +53,16 @@ def twell_gate_fwd_kernel(x_ptr, w_ptr, b_ptr, values_ptr, indices_ptr, counts_p
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
         k_mask = k < K
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + k[None, :],
-                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-        w = tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_wn + k[:, None].to(tl.int64) * stride_wk,
-                    mask=k_mask[:, None] & col_mask[None, :], other=0.0).to(x.dtype)  # [BLOCK_K, TILE]
+        x = tl.load(
+            x_ptr + rows[:, None].to(tl.int64) * stride_xm + k[None, :],
+            mask=row_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )  # [BLOCK_M, BLOCK_K]
+        w = tl.load(
+            w_ptr + cols[None, :].to(tl.int64) * stride_wn + k[:, None].to(tl.int64) * stride_wk,
+            mask=k_mask[:, None] & col_mask[None, :],
+            other=0.0,
+        ).to(x.dtype)  # [BLOCK_K, TILE]
         acc = dot_accumulate(acc, x, w, IEEE_FP32)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
@@ -51,8 +76,11 @@ def twell_gate_fwd_kernel(x_ptr, w_ptr, b_ptr, values_ptr, indices_ptr, counts_p
     slot = tl.arange(0, SLOTS)
     clear_mask = row_mask[:, None] & (slot[None, :] < SLOTS)  # [BLOCK_M, SLOTS]
     clear_ptr = row_base[:, None] + slot[None, :]
-    tl.store(values_ptr + clear_ptr, tl.zeros([BLOCK_M, SLOTS], dtype=tl.float32).to(values_ptr.dtype.element_ty),
-             mask=clear_mask)
+    tl.store(
+        values_ptr + clear_ptr,
+        tl.zeros([BLOCK_M, SLOTS], dtype=tl.float32).to(values_ptr.dtype.element_ty),
+        mask=clear_mask,
+    )
     tl.store(indices_ptr + clear_ptr, tl.zeros([BLOCK_M, SLOTS], dtype=tl.int32), mask=clear_mask)
     tl.debug_barrier()
     keep = fired & (rank < SLOTS)  # past the slots: counted (the tile overflowed), not stored
@@ -63,11 +91,36 @@ def twell_gate_fwd_kernel(x_ptr, w_ptr, b_ptr, values_ptr, indices_ptr, counts_p
 
 
 @triton.jit
-def _recompute_overflowed_tiles(acc, row, counts_ptr, t_begin, t_end, n_tiles, x_row_ptr, wa_ptr, stride_wa_n,
-                                stride_wa_k, ba_ptr, wu_ptr, stride_wu, bu_ptr, wd_ptr, stride_wd, d, d_mask, K, N,
-                                TILE: tl.constexpr, SLOTS: tl.constexpr, BLOCK_C: tl.constexpr,
-                                BLOCK_K: tl.constexpr, PICK: tl.constexpr, HAS_BA: tl.constexpr,
-                                HAS_BU: tl.constexpr, GATED: tl.constexpr):
+def _recompute_overflowed_tiles(
+    acc,
+    row,
+    counts_ptr,
+    t_begin,
+    t_end,
+    n_tiles,
+    x_row_ptr,
+    wa_ptr,
+    stride_wa_n,
+    stride_wa_k,
+    ba_ptr,
+    wu_ptr,
+    stride_wu,
+    bu_ptr,
+    wd_ptr,
+    stride_wd,
+    d,
+    d_mask,
+    K,
+    N,
+    TILE: tl.constexpr,
+    SLOTS: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PICK: tl.constexpr,
+    HAS_BA: tl.constexpr,
+    HAS_BU: tl.constexpr,
+    GATED: tl.constexpr,
+):
     """acc += the whole contribution of every overflowed tile t in [t_begin, t_end) of ``row``, recomputed from x:
     the activation ``a = relu(x . W_a[n] + b_a)`` (W_a = W_gate, or W_up for the non-gated block) over the tile's
     columns, BLOCK_C at a time, times ``x . W_up[n] + b_up`` when GATED, times row n of W_down^T. Only rows that
@@ -77,8 +130,7 @@ def _recompute_overflowed_tiles(acc, row, counts_ptr, t_begin, t_end, n_tiles, x
             for c0 in range(0, TILE, BLOCK_C):
                 cols = t * TILE + c0 + tl.arange(0, BLOCK_C)  # [BLOCK_C]
                 col_mask = cols < N
-                pre = row_dots(x_row_ptr, wa_ptr, cols, col_mask, K, stride_wa_n, stride_wa_k,
-                                       BLOCK_C, BLOCK_K)
+                pre = row_dots(x_row_ptr, wa_ptr, cols, col_mask, K, stride_wa_n, stride_wa_k, BLOCK_C, BLOCK_K)
                 if HAS_BA:
                     pre += tl.load(ba_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
                 fired = col_mask & ((pre > 0) | (pre != pre))
@@ -99,14 +151,46 @@ def _recompute_overflowed_tiles(acc, row, counts_ptr, t_begin, t_end, n_tiles, x
 
 
 @triton.jit
-def twell_up_down_fwd_kernel(values_ptr, indices_ptr, counts_ptr, order_ptr, x_ptr, wg_ptr, bg_ptr, wu_ptr, bu_ptr,
-                             wd_ptr, bd_ptr, y_ptr, partial_ptr, used_ptr, arrivals_ptr,
-                             K, N, n_tiles, tiles_per_split, n_splits, stride_xm, stride_wg_n, stride_wg_k,
-                             stride_wu, stride_wd, stride_ym,
-                             TILE: tl.constexpr, SLOTS: tl.constexpr, BLOCK_TILES: tl.constexpr,
-                             BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
-                             BLOCK_K: tl.constexpr, REDUCE_SPLITS: tl.constexpr, HAS_ORDER: tl.constexpr,
-                             HAS_B_GATE: tl.constexpr, HAS_B_UP: tl.constexpr, HAS_B_DOWN: tl.constexpr):
+def twell_up_down_fwd_kernel(
+    values_ptr,
+    indices_ptr,
+    counts_ptr,
+    order_ptr,
+    x_ptr,
+    wg_ptr,
+    bg_ptr,
+    wu_ptr,
+    bu_ptr,
+    wd_ptr,
+    bd_ptr,
+    y_ptr,
+    partial_ptr,
+    used_ptr,
+    arrivals_ptr,
+    K,
+    N,
+    n_tiles,
+    tiles_per_split,
+    n_splits,
+    stride_xm,
+    stride_wg_n,
+    stride_wg_k,
+    stride_wu,
+    stride_wd,
+    stride_ym,
+    TILE: tl.constexpr,
+    SLOTS: tl.constexpr,
+    BLOCK_TILES: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    REDUCE_SPLITS: tl.constexpr,
+    HAS_ORDER: tl.constexpr,
+    HAS_B_GATE: tl.constexpr,
+    HAS_B_UP: tl.constexpr,
+    HAS_B_DOWN: tl.constexpr,
+):
     # TwELL of h_g: values/indices [M, n_tiles * SLOTS], counts [M, n_tiles]; x [M, K] (unit column stride);
     # wg [N, K] (any strides; read only for overflowed tiles); wu [N, K] and wd = W_down^T [N, K] with unit column
     # strides (row n contiguous: coalesced); biases bg/bu [N], bd [K]; y [M, K].
@@ -142,21 +226,62 @@ def twell_up_down_fwd_kernel(values_ptr, indices_ptr, counts_ptr, order_ptr, x_p
         slot = row_slots + tile_of_j * SLOTS + (j - first_of_tile)
         n = tl.load(indices_ptr + slot, mask=j_mask, other=0)  # [BLOCK_J] neuron ids
         h_gate = tl.load(values_ptr + slot, mask=j_mask, other=0.0).to(tl.float32)
-        w_up = tl.load(wu_ptr + n[:, None].to(tl.int64) * stride_wu + d[None, :],
-                       mask=j_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_J, BLOCK_D]
+        w_up = tl.load(
+            wu_ptr + n[:, None].to(tl.int64) * stride_wu + d[None, :], mask=j_mask[:, None] & d_mask[None, :], other=0.0
+        )  # [BLOCK_J, BLOCK_D]
         u = tl.sum(w_up.to(tl.float32) * x[None, :], axis=1)  # [BLOCK_J]
         if HAS_B_UP:
             u += tl.load(bu_ptr + n, mask=j_mask, other=0.0).to(tl.float32)
         acc = accumulate_rows(acc, tl.where(j_mask, h_gate * u, 0.0), n, j_mask, wd_ptr, stride_wd, d, d_mask)
     has_overflow = tl.max(counts, axis=0) > SLOTS
     if has_overflow:
-        acc = _recompute_overflowed_tiles(acc, row, counts_ptr, t_begin, t_end, n_tiles, x_row_ptr, wg_ptr,
-                                          stride_wg_n, stride_wg_k, bg_ptr, wu_ptr, stride_wu, bu_ptr, wd_ptr,
-                                          stride_wd, d, d_mask, K, N, TILE, SLOTS, BLOCK_C, BLOCK_K, BLOCK_J,
-                                          HAS_B_GATE, HAS_B_UP, True)
+        acc = _recompute_overflowed_tiles(
+            acc,
+            row,
+            counts_ptr,
+            t_begin,
+            t_end,
+            n_tiles,
+            x_row_ptr,
+            wg_ptr,
+            stride_wg_n,
+            stride_wg_k,
+            bg_ptr,
+            wu_ptr,
+            stride_wu,
+            bu_ptr,
+            wd_ptr,
+            stride_wd,
+            d,
+            d_mask,
+            K,
+            N,
+            TILE,
+            SLOTS,
+            BLOCK_C,
+            BLOCK_K,
+            BLOCK_J,
+            HAS_B_GATE,
+            HAS_B_UP,
+            True,
+        )
     if n_splits > 1:
-        last, acc = sum_split_partials(acc, (total > 0) | has_overflow, partial_ptr, used_ptr, arrivals_ptr, row,
-                                       split, n_splits, 0, 1, K, d, d_mask, REDUCE_SPLITS)
+        last, acc = sum_split_partials(
+            acc,
+            (total > 0) | has_overflow,
+            partial_ptr,
+            used_ptr,
+            arrivals_ptr,
+            row,
+            split,
+            n_splits,
+            0,
+            1,
+            K,
+            d,
+            d_mask,
+            REDUCE_SPLITS,
+        )
         if last:
             if HAS_B_DOWN:
                 acc += tl.load(bd_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
@@ -168,16 +293,28 @@ def twell_up_down_fwd_kernel(values_ptr, indices_ptr, counts_ptr, order_ptr, x_p
 
 
 @triton.jit
-def heavy_first_order_kernel(counts_ptr, order_ptr, cursors_ptr, M, n_tiles, heavy_min,
-                             SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_TILES: tl.constexpr):
+def heavy_first_order_kernel(
+    counts_ptr,
+    order_ptr,
+    cursors_ptr,
+    M,
+    n_tiles,
+    heavy_min,
+    SLOTS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_TILES: tl.constexpr,
+):
     # order [M] (int32): a permutation of the tokens with the heavy ones (>= heavy_min stored non-zeros, or any
     # overflowed tile) at the front and the rest at the back; cursors [2] int32 (zeroed) count the two ends. Order
     # within each class depends on program timing -- it only schedules work, the results do not depend on it.
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     row_mask = rows < M
     tiles = tl.arange(0, BLOCK_TILES)
-    counts = tl.load(counts_ptr + rows[:, None].to(tl.int64) * n_tiles + tiles[None, :],
-                     mask=row_mask[:, None] & (tiles[None, :] < n_tiles), other=0)
+    counts = tl.load(
+        counts_ptr + rows[:, None].to(tl.int64) * n_tiles + tiles[None, :],
+        mask=row_mask[:, None] & (tiles[None, :] < n_tiles),
+        other=0,
+    )
     work = tl.sum(tl.where(counts > SLOTS, heavy_min, counts), axis=1)
     heavy = row_mask & (work >= heavy_min)
     light = row_mask & (work < heavy_min)
@@ -188,8 +325,17 @@ def heavy_first_order_kernel(counts_ptr, order_ptr, cursors_ptr, M, n_tiles, hea
 
 
 @triton.jit
-def twell_to_ell_kernel(values_ptr, indices_ptr, counts_ptr, ell_values_ptr, ell_indices_ptr, ell_counts_ptr,
-                        n_tiles, SLOTS: tl.constexpr, BLOCK_TILES: tl.constexpr):
+def twell_to_ell_kernel(
+    values_ptr,
+    indices_ptr,
+    counts_ptr,
+    ell_values_ptr,
+    ell_indices_ptr,
+    ell_counts_ptr,
+    n_tiles,
+    SLOTS: tl.constexpr,
+    BLOCK_TILES: tl.constexpr,
+):
     # TwELL [M, n_tiles * SLOTS] -> ELL of the same width (pre-zeroed), packed at the row start. Overflowed tiles
     # are left out (their consumers recompute them), so the ELL never overflows.
     row = tl.program_id(0).to(tl.int64)
@@ -209,11 +355,29 @@ def twell_to_ell_kernel(values_ptr, indices_ptr, counts_ptr, ell_values_ptr, ell
 
 
 @triton.jit
-def twell_overflow_down_kernel(counts_ptr, x_ptr, wa_ptr, ba_ptr, wd_ptr, y_ptr, K, N, n_tiles, stride_xm,
-                               stride_wa_n, stride_wa_k, stride_wd, stride_ym,
-                               TILE: tl.constexpr, SLOTS: tl.constexpr, BLOCK_TILES: tl.constexpr,
-                               BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-                               HAS_BA: tl.constexpr):
+def twell_overflow_down_kernel(
+    counts_ptr,
+    x_ptr,
+    wa_ptr,
+    ba_ptr,
+    wd_ptr,
+    y_ptr,
+    K,
+    N,
+    n_tiles,
+    stride_xm,
+    stride_wa_n,
+    stride_wa_k,
+    stride_wd,
+    stride_ym,
+    TILE: tl.constexpr,
+    SLOTS: tl.constexpr,
+    BLOCK_TILES: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_BA: tl.constexpr,
+):
     # Non-gated block: y [M, K] += the overflowed tiles' relu(x . W_up[n] + b_up) * W_down^T[n, :], in place.
     # wa = W_up [N, K] (any strides); wd = W_down^T [N, K] with a unit column stride.
     row = tl.program_id(0).to(tl.int64)
@@ -223,10 +387,36 @@ def twell_overflow_down_kernel(counts_ptr, x_ptr, wa_ptr, ba_ptr, wd_ptr, y_ptr,
         d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         d_mask = d < K
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-        acc = _recompute_overflowed_tiles(acc, row, counts_ptr, 0, n_tiles, n_tiles, x_ptr + row * stride_xm, wa_ptr,
-                                          stride_wa_n, stride_wa_k, ba_ptr, wa_ptr, stride_wa_n, ba_ptr, wd_ptr,
-                                          stride_wd, d, d_mask, K, N, TILE, SLOTS, BLOCK_C, BLOCK_K, BLOCK_C, HAS_BA,
-                                          False, False)
+        acc = _recompute_overflowed_tiles(
+            acc,
+            row,
+            counts_ptr,
+            0,
+            n_tiles,
+            n_tiles,
+            x_ptr + row * stride_xm,
+            wa_ptr,
+            stride_wa_n,
+            stride_wa_k,
+            ba_ptr,
+            wa_ptr,
+            stride_wa_n,
+            ba_ptr,
+            wd_ptr,
+            stride_wd,
+            d,
+            d_mask,
+            K,
+            N,
+            TILE,
+            SLOTS,
+            BLOCK_C,
+            BLOCK_K,
+            BLOCK_C,
+            HAS_BA,
+            False,
+            False,
+        )
         y_ptrs = y_ptr + row * stride_ym + d
         y = tl.load(y_ptrs, mask=d_mask, other=0.0).to(tl.float32)
         tl.store(y_ptrs, (y + acc).to(y_ptr.dtype.element_ty), mask=d_mask)

@@ -35,8 +35,17 @@ def _tune_key(M: int) -> int:
 def _gate_configs() -> list[triton.Config]:
     configs = [
         triton.Config({"BLOCK_M": bm, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
-        for bm, bk, w, s in [(128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 4), (64, 64, 8, 3), (128, 32, 8, 4),
-                             (64, 128, 8, 3), (32, 128, 4, 4), (16, 128, 4, 4), (16, 256, 4, 3)]
+        for bm, bk, w, s in [
+            (128, 64, 8, 3),
+            (128, 64, 8, 4),
+            (64, 64, 4, 4),
+            (64, 64, 8, 3),
+            (128, 32, 8, 4),
+            (64, 128, 8, 3),
+            (32, 128, 4, 4),
+            (16, 128, 4, 4),
+            (16, 256, 4, 3),
+        ]
     ]
     return _backend.tuning_configs(configs, triton.Config({"BLOCK_M": 16, "BLOCK_K": 32, "GROUP_M": 4}))
 
@@ -45,13 +54,17 @@ def _prune_gate_configs(configs, named_args, **kwargs):
     # Row blocks much taller than the batch only waste the tensor cores; wide tiles need smaller row blocks.
     M = named_args["M"]
     tile = kwargs.get("TILE", named_args.get("TILE", 256))
-    kept = [c for c in configs if c.kwargs["BLOCK_M"] <= max(16, triton.next_power_of_2(M))
-            and c.kwargs["BLOCK_M"] * tile <= 128 * 256]
+    kept = [
+        c
+        for c in configs
+        if c.kwargs["BLOCK_M"] <= max(16, triton.next_power_of_2(M)) and c.kwargs["BLOCK_M"] * tile <= 128 * 256
+    ]
     return kept or configs[-1:]
 
 
 _twell_gate_kernel = triton.autotune(
-    configs=_gate_configs(), key=["tune_key", "N", "K", "TILE", "SLOTS"],
+    configs=_gate_configs(),
+    key=["tune_key", "N", "K", "TILE", "SLOTS"],
     prune_configs_by={"early_config_prune": _prune_gate_configs},
 )(twell_gate_fwd_kernel)
 
@@ -104,9 +117,17 @@ def heavy_first_order(counts: torch.Tensor, slots: int, block_j: int) -> torch.T
     order = torch.empty(M, dtype=torch.int32, device=counts.device)
     cursors = torch.zeros(2, dtype=torch.int32, device=counts.device)
     block_m = 16 if _backend.INTERPRET else 256
-    heavy_first_order_kernel[(triton.cdiv(M, block_m),)](counts, order, cursors, M, n_tiles, 16 * block_j,
-                                                        SLOTS=slots, BLOCK_M=block_m,
-                                                        BLOCK_TILES=triton.next_power_of_2(n_tiles))
+    heavy_first_order_kernel[(triton.cdiv(M, block_m),)](
+        counts,
+        order,
+        cursors,
+        M,
+        n_tiles,
+        16 * block_j,
+        SLOTS=slots,
+        BLOCK_M=block_m,
+        BLOCK_TILES=triton.next_power_of_2(n_tiles),
+    )
     record_launch("heavy_first_order_kernel")
     return order
 
@@ -119,13 +140,20 @@ def _complete_dense(twell: TwELL, x2, w_act, b_act, compute: torch.dtype) -> tor
     """Torch fallback: the dense activations, stored entries where the tile fits, recomputed where it overflowed."""
     recomputed = torch.relu(F.linear(x2.to(compute), w_act.to(compute), _opt(b_act, compute)))
     over = twell.overflowed().repeat_interleave(twell.tile, dim=1)[:, : twell.n_cols]
-    clean = TwELL(twell.values, twell.indices, twell.counts.masked_fill(twell.overflowed(), 0), twell.n_cols,
-                  twell.tile, twell.compression)
+    clean = TwELL(
+        twell.values,
+        twell.indices,
+        twell.counts.masked_fill(twell.overflowed(), 0),
+        twell.n_cols,
+        twell.tile,
+        twell.compression,
+    )
     return torch.where(over, recomputed, clean.to_dense().to(compute))
 
 
-def launch_gate(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tile: int,
-                compression: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def launch_gate(
+    x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tile: int, compression: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Kernel 1: TwELL (values [M, n_tiles * slots], indices int32 likewise, counts [M, n_tiles] int32) of
     ``relu(x2 w^T + b)``; w [N, K] any strides."""
     M, K = x2.shape
@@ -144,16 +172,32 @@ def launch_gate(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tile:
         return values, indices, counts
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * n_tiles,)  # noqa: E731
     _twell_gate_kernel[grid](
-        x2, w, b if b is not None else x2, values, indices, counts, M, K, N, n_tiles, _tune_key(M), x2.stride(0),
-        w.stride(0), w.stride(1), TILE=tile, SLOTS=slots, HAS_BIAS=b is not None,
+        x2,
+        w,
+        b if b is not None else x2,
+        values,
+        indices,
+        counts,
+        M,
+        K,
+        N,
+        n_tiles,
+        _tune_key(M),
+        x2.stride(0),
+        w.stride(0),
+        w.stride(1),
+        TILE=tile,
+        SLOTS=slots,
+        HAS_BIAS=b is not None,
         IEEE_FP32=ieee_fp32(x2.dtype),
     )
     record_launch("twell_gate_fwd_kernel")
     return values, indices, counts
 
 
-def launch_up_down(values, indices, counts, x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile: int,
-                   compression: int) -> torch.Tensor:
+def launch_up_down(
+    values, indices, counts, x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile: int, compression: int
+) -> torch.Tensor:
     """Kernel 2: y [M, K] = (h_g * (x2 w_up^T + b_up)) w_down_t + b_down for h_g given as TwELL; w_gate/b_gate are
     read only to recompute overflowed tiles."""
     M, K = x2.shape
@@ -178,15 +222,45 @@ def launch_up_down(values, indices, counts, x2, w_gate, b_gate, w_up, b_up, w_do
     else:
         partial = used = arrivals = y
     twell_up_down_fwd_kernel[(M, plan.n_splits)](
-        values, indices, counts, order, x2, w_gate, b_gate if b_gate is not None else x2, w_up,
-        b_up if b_up is not None else x2, w_down_t, b_down if b_down is not None else x2, y, partial, used, arrivals,
-        K, N, n_tiles, triton.cdiv(n_tiles, plan.n_splits), plan.n_splits, x2.stride(0), w_gate.stride(0),
-        w_gate.stride(1), w_up.stride(0), w_down_t.stride(0), y.stride(0),
-        TILE=tile, SLOTS=slots, BLOCK_TILES=triton.next_power_of_2(triton.cdiv(n_tiles, plan.n_splits)),
-        BLOCK_J=plan.block_j, BLOCK_D=plan.block_d, BLOCK_C=plan.block_c, BLOCK_K=plan.block_k,
+        values,
+        indices,
+        counts,
+        order,
+        x2,
+        w_gate,
+        b_gate if b_gate is not None else x2,
+        w_up,
+        b_up if b_up is not None else x2,
+        w_down_t,
+        b_down if b_down is not None else x2,
+        y,
+        partial,
+        used,
+        arrivals,
+        K,
+        N,
+        n_tiles,
+        triton.cdiv(n_tiles, plan.n_splits),
+        plan.n_splits,
+        x2.stride(0),
+        w_gate.stride(0),
+        w_gate.stride(1),
+        w_up.stride(0),
+        w_down_t.stride(0),
+        y.stride(0),
+        TILE=tile,
+        SLOTS=slots,
+        BLOCK_TILES=triton.next_power_of_2(triton.cdiv(n_tiles, plan.n_splits)),
+        BLOCK_J=plan.block_j,
+        BLOCK_D=plan.block_d,
+        BLOCK_C=plan.block_c,
+        BLOCK_K=plan.block_k,
         REDUCE_SPLITS=max(1, min(triton.next_power_of_2(plan.n_splits), 8192 // plan.block_d)),
-        HAS_ORDER=plan.ordered, HAS_B_GATE=b_gate is not None, HAS_B_UP=b_up is not None,
-        HAS_B_DOWN=b_down is not None, num_warps=plan.num_warps,
+        HAS_ORDER=plan.ordered,
+        HAS_B_GATE=b_gate is not None,
+        HAS_B_UP=b_up is not None,
+        HAS_B_DOWN=b_down is not None,
+        num_warps=plan.num_warps,
     )
     record_launch("twell_up_down_fwd_kernel")
     return y
@@ -206,8 +280,17 @@ def launch_to_ell(values, indices, counts, n_cols: int, tile: int, compression: 
     ell_values = torch.zeros(M, width, dtype=values.dtype, device=values.device)
     ell_indices = torch.zeros(M, width, dtype=torch.int32, device=values.device)
     ell_counts = torch.empty(M, dtype=torch.int32, device=values.device)
-    twell_to_ell_kernel[(M,)](values, indices, counts, ell_values, ell_indices, ell_counts, n_tiles, SLOTS=slots,
-                              BLOCK_TILES=triton.next_power_of_2(n_tiles))
+    twell_to_ell_kernel[(M,)](
+        values,
+        indices,
+        counts,
+        ell_values,
+        ell_indices,
+        ell_counts,
+        n_tiles,
+        SLOTS=slots,
+        BLOCK_TILES=triton.next_power_of_2(n_tiles),
+    )
     record_launch("twell_to_ell_kernel")
     return ELL(ell_values, ell_indices, ell_counts, n_cols)
 
@@ -232,10 +315,27 @@ def launch_relu_mlp(x2, w_up, b_up, w_down_t, b_down, tile: int, compression: in
     n_tiles, slots = counts.shape[1], tile // compression
     block_d = _output_block(M, K, x2.device)
     twell_overflow_down_kernel[(M, triton.cdiv(K, block_d))](
-        counts, x2, w_up, b_up if b_up is not None else x2, w_down_t, y, K, N, n_tiles, x2.stride(0),
-        w_up.stride(0), w_up.stride(1), w_down_t.stride(0), y.stride(0),
-        TILE=tile, SLOTS=slots, BLOCK_TILES=triton.next_power_of_2(n_tiles), BLOCK_C=16 if _backend.INTERPRET else 8,
-        BLOCK_K=64 if _backend.INTERPRET else min(block_d, 1024), BLOCK_D=block_d, HAS_BA=b_up is not None,
+        counts,
+        x2,
+        w_up,
+        b_up if b_up is not None else x2,
+        w_down_t,
+        y,
+        K,
+        N,
+        n_tiles,
+        x2.stride(0),
+        w_up.stride(0),
+        w_up.stride(1),
+        w_down_t.stride(0),
+        y.stride(0),
+        TILE=tile,
+        SLOTS=slots,
+        BLOCK_TILES=triton.next_power_of_2(n_tiles),
+        BLOCK_C=16 if _backend.INTERPRET else 8,
+        BLOCK_K=64 if _backend.INTERPRET else min(block_d, 1024),
+        BLOCK_D=block_d,
+        HAS_BA=b_up is not None,
     )
     record_launch("twell_overflow_down_kernel")
     return y
@@ -247,8 +347,9 @@ def _no_stats(x2: torch.Tensor, with_stats: bool) -> torch.Tensor:
     return x2.new_zeros(2, dtype=torch.int64) if with_stats else x2.new_empty(0, dtype=torch.int64)
 
 
-def launch_mlp(x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile: int, compression: int, method: str,
-               with_stats: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def launch_mlp(
+    x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile: int, compression: int, method: str, with_stats: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated block by a resolved ``method`` ("twell", "block" or "dense"; tile 0: the default). Returns
     (y [M, K], stats): stats is the [2] int64 (gate non-zeros, tokens counted) for a SparsityMonitor when
     ``with_stats``, else an empty tensor."""

@@ -24,8 +24,9 @@ def _no_context(ctx, inputs, output) -> None:
 
 
 @torch.library.custom_op("sparsefuse::twell_gate", mutates_args=())
-def twell_gate_op(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tile: int,
-                  compression: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def twell_gate_op(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tile: int, compression: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return launch_gate(x, w, b, tile, compression)
 
 
@@ -33,15 +34,28 @@ def twell_gate_op(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tile
 def _(x, w, b, tile, compression):
     M, n_tiles = x.shape[0], -(-w.shape[0] // tile)
     width = n_tiles * (tile // compression)
-    return (x.new_empty((M, width)), x.new_empty((M, width), dtype=torch.int32),
-            x.new_empty((M, n_tiles), dtype=torch.int32))
+    return (
+        x.new_empty((M, width)),
+        x.new_empty((M, width), dtype=torch.int32),
+        x.new_empty((M, n_tiles), dtype=torch.int32),
+    )
 
 
 @torch.library.custom_op("sparsefuse::twell_up_down", mutates_args=())
-def twell_up_down_op(values: torch.Tensor, indices: torch.Tensor, counts: torch.Tensor, x: torch.Tensor,
-                     w_gate: torch.Tensor, b_gate: torch.Tensor | None, w_up: torch.Tensor, b_up: torch.Tensor | None,
-                     w_down_t: torch.Tensor, b_down: torch.Tensor | None, tile: int,
-                     compression: int) -> torch.Tensor:
+def twell_up_down_op(
+    values: torch.Tensor,
+    indices: torch.Tensor,
+    counts: torch.Tensor,
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    b_gate: torch.Tensor | None,
+    w_up: torch.Tensor,
+    b_up: torch.Tensor | None,
+    w_down_t: torch.Tensor,
+    b_down: torch.Tensor | None,
+    tile: int,
+    compression: int,
+) -> torch.Tensor:
     return launch_up_down(values, indices, counts, x, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile, compression)
 
 
@@ -51,9 +65,19 @@ def _(values, indices, counts, x, w_gate, b_gate, w_up, b_up, w_down_t, b_down, 
 
 
 @torch.library.custom_op("sparsefuse::twell_mlp", mutates_args=())
-def twell_mlp_op(x: torch.Tensor, w_gate: torch.Tensor, b_gate: torch.Tensor | None, w_up: torch.Tensor,
-                 b_up: torch.Tensor | None, w_down_t: torch.Tensor, b_down: torch.Tensor | None, tile: int,
-                 compression: int, method: str, with_stats: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def twell_mlp_op(
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    b_gate: torch.Tensor | None,
+    w_up: torch.Tensor,
+    b_up: torch.Tensor | None,
+    w_down_t: torch.Tensor,
+    b_down: torch.Tensor | None,
+    tile: int,
+    compression: int,
+    method: str,
+    with_stats: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     # The functional API passes a resolved method; "auto" from a direct caller is resolved here the same way.
     if method == "auto":
         method = resolve_method(x, w_gate, b_gate, None, None)
@@ -66,8 +90,15 @@ def _(x, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile, compression, method
 
 
 @torch.library.custom_op("sparsefuse::twell_relu_mlp", mutates_args=())
-def twell_relu_mlp_op(x: torch.Tensor, w_up: torch.Tensor, b_up: torch.Tensor | None, w_down_t: torch.Tensor,
-                      b_down: torch.Tensor | None, tile: int, compression: int) -> torch.Tensor:
+def twell_relu_mlp_op(
+    x: torch.Tensor,
+    w_up: torch.Tensor,
+    b_up: torch.Tensor | None,
+    w_down_t: torch.Tensor,
+    b_down: torch.Tensor | None,
+    tile: int,
+    compression: int,
+) -> torch.Tensor:
     return launch_relu_mlp(x, w_up, b_up, w_down_t, b_down, tile, compression)
 
 

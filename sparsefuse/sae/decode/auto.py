@@ -56,26 +56,37 @@ _LAUNCH_S = 5e-6
 _ESTIMATES = EstimateCache(observe_every=AUTO_OBSERVE_EVERY)  # per W_dec: dies with the decoder
 
 
-def _predicted_seconds(M: int, d_sae: int, d_model: int, mean_l0: float, acts_dtype: torch.dtype,
-                       w_dtype: torch.dtype) -> dict[str, float]:
+def _predicted_seconds(
+    M: int, d_sae: int, d_model: int, mean_l0: float, acts_dtype: torch.dtype, w_dtype: torch.dtype
+) -> dict[str, float]:
     """The cost model (see module docstring): predicted seconds per method."""
     e_a, e_w = acts_dtype.itemsize, w_dtype.itemsize
     gathered = mean_l0 * d_model * e_w  # W_dec bytes per row
-    scan = _LAUNCH_S + M * (d_sae * e_a / _SCAN_ROW_RATE.get(e_a, 1.5e12)
-                            + gathered / _SCAN_GATHER_RATE.get(e_a, 2.0e12))
-    fixed = 3 * _LAUNCH_S + max(M * (d_sae * e_a / _FIXED_BITS_RATE + d_sae / 8 / _FIXED_WORDS_RATE
-                                     + gathered / _FIXED_GATHER_RATE.get(e_w, 4.4e12)),
-                                mean_l0 / 16 * _FIXED_GATHER_STEP_S + math.ceil(d_sae / 32768) * _FIXED_WORDS_CHUNK_S)
+    scan = _LAUNCH_S + M * (
+        d_sae * e_a / _SCAN_ROW_RATE.get(e_a, 1.5e12) + gathered / _SCAN_GATHER_RATE.get(e_a, 2.0e12)
+    )
+    fixed = 3 * _LAUNCH_S + max(
+        M
+        * (
+            d_sae * e_a / _FIXED_BITS_RATE
+            + d_sae / 8 / _FIXED_WORDS_RATE
+            + gathered / _FIXED_GATHER_RATE.get(e_w, 4.4e12)
+        ),
+        mean_l0 / 16 * _FIXED_GATHER_STEP_S + math.ceil(d_sae / 32768) * _FIXED_WORDS_CHUNK_S,
+    )
     compute = torch.promote_types(acts_dtype, w_dtype)
     # cuBLAS reaches neither bound where both are close (B=256, d_model=768: 45 us against 32 and 31): their sum
     # in quadrature
-    dense = _LAUNCH_S + math.hypot(2 * M * d_sae * d_model / _DENSE_FLOP_RATE.get(compute, 50e12),
-                                   d_sae * d_model * compute.itemsize / _DENSE_WEIGHT_RATE)
+    dense = _LAUNCH_S + math.hypot(
+        2 * M * d_sae * d_model / _DENSE_FLOP_RATE.get(compute, 50e12),
+        d_sae * d_model * compute.itemsize / _DENSE_WEIGHT_RATE,
+    )
     return {"scan": scan, "fixed": fixed, "dense": dense}
 
 
-def _fastest_method(M: int, d_sae: int, d_model: int, mean_l0: float, acts_dtype: torch.dtype,
-                    w_dtype: torch.dtype) -> str:
+def _fastest_method(
+    M: int, d_sae: int, d_model: int, mean_l0: float, acts_dtype: torch.dtype, w_dtype: torch.dtype
+) -> str:
     """auto's pick: the faster sparse method if predicted at least 1 - AUTO_MARGIN faster than cuBLAS, else dense."""
     return pick_fastest(_predicted_seconds(M, d_sae, d_model, mean_l0, acts_dtype, w_dtype), margin=AUTO_MARGIN)
 
@@ -87,12 +98,14 @@ def _auto_width(mean_l0: float, d_sae: int) -> int:
 def _estimated_l0(acts: torch.Tensor, W_dec: torch.Tensor) -> float | None:
     """Mean L0 from the decoder's estimate, fed by this call when it is eager (see module docstring); None when
     nothing is known (compile tracing, or a capture without a warm-up call)."""
-    return _ESTIMATES.estimate(W_dec, lambda: sampled_nonzero_stats(acts, AUTO_SAMPLE_ROWS),
-                               observable(acts) and acts.shape[0] > 0)
+    return _ESTIMATES.estimate(
+        W_dec, lambda: sampled_nonzero_stats(acts, AUTO_SAMPLE_ROWS), observable(acts) and acts.shape[0] > 0
+    )
 
 
-def resolve_method(method: str, acts: torch.Tensor, W_dec: torch.Tensor, max_l0: int | None,
-                   expected_l0: float | None) -> tuple[str, int]:
+def resolve_method(
+    method: str, acts: torch.Tensor, W_dec: torch.Tensor, max_l0: int | None, expected_l0: float | None
+) -> tuple[str, int]:
     """(method, ELL width) for acts [M, d_sae], W_dec [d_sae, d_model]: ``method`` itself unless it is "auto"."""
     (M, d_sae), d_model = acts.shape, W_dec.shape[1]
     width = max_l0 if max_l0 is not None else min(DEFAULT_MAX_L0, d_sae)

@@ -31,9 +31,16 @@ from .op import sparse_decode_op
 METHODS = ("auto", "scan", "fixed", "exact", "dense")
 
 
-def sparse_decode(feature_acts: torch.Tensor, W_dec: torch.Tensor, *, method: str = "auto",
-                  max_l0: int | None = None, validate: bool = False,
-                  out_dtype: torch.dtype | None = None, expected_l0: float | None = None) -> torch.Tensor:
+def sparse_decode(
+    feature_acts: torch.Tensor,
+    W_dec: torch.Tensor,
+    *,
+    method: str = "auto",
+    max_l0: int | None = None,
+    validate: bool = False,
+    out_dtype: torch.dtype | None = None,
+    expected_l0: float | None = None,
+) -> torch.Tensor:
     """Drop-in for ``feature_acts @ W_dec`` that skips features that did not fire (see module docstring).
 
     Args:
@@ -56,8 +63,9 @@ def sparse_decode(feature_acts: torch.Tensor, W_dec: torch.Tensor, *, method: st
     return out.reshape(*feature_acts.shape[:-1], W_dec.shape[1])
 
 
-def topk_decode(top_indices: torch.Tensor, top_acts: torch.Tensor, W_dec: torch.Tensor, *,
-                check_indices: bool = True) -> torch.Tensor:
+def topk_decode(
+    top_indices: torch.Tensor, top_acts: torch.Tensor, W_dec: torch.Tensor, *, check_indices: bool = True
+) -> torch.Tensor:
     """TopK SAE decode: ``sum_j top_acts[..., j] * W_dec[top_indices[..., j]]`` -> [..., d_model].
 
     top_indices: [..., k] integer feature ids in [0, d_sae); top_acts: [..., k] floating. Forward only for now.
@@ -71,7 +79,11 @@ def topk_decode(top_indices: torch.Tensor, top_acts: torch.Tensor, W_dec: torch.
     k = top_acts.shape[-1]
     values = top_acts.reshape(-1, k)
     M = values.shape[0]
-    ell = ELL(values.contiguous(), top_indices.reshape(-1, k).to(torch.int32).contiguous(),
-              torch.full((M,), k, dtype=torch.int32, device=values.device), d_sae)
+    ell = ELL(
+        values.contiguous(),
+        top_indices.reshape(-1, k).to(torch.int32).contiguous(),
+        torch.full((M,), k, dtype=torch.int32, device=values.device),
+        d_sae,
+    )
     out = sparse_matmul(ell, W_dec, out_dtype=torch.promote_types(top_acts.dtype, W_dec.dtype))
     return out.reshape(*top_acts.shape[:-1], W_dec.shape[1])

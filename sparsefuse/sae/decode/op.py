@@ -16,8 +16,9 @@ from ...sparse import dense_to_csr, dense_to_ell, matmul_skip_zeros, sparse_matm
 from ...sparse.sddmm import sampled_dot_dense_pattern
 
 
-def _decode_forward(acts: torch.Tensor, W_dec: torch.Tensor, method: str, max_l0: int, validate: bool,
-                    out_dtype: torch.dtype) -> torch.Tensor:
+def _decode_forward(
+    acts: torch.Tensor, W_dec: torch.Tensor, method: str, max_l0: int, validate: bool, out_dtype: torch.dtype
+) -> torch.Tensor:
     # acts [M, d_sae] -> [M, d_model]
     if method == "scan":
         return matmul_skip_zeros(acts, W_dec, out_dtype=out_dtype)
@@ -30,14 +31,17 @@ def _decode_forward(acts: torch.Tensor, W_dec: torch.Tensor, method: str, max_l0
     if validate and acts.shape[0]:
         largest = int(ell.counts.max())
         if largest > max_l0:
-            raise ValueError(f"sparse_decode: a token fired {largest} features but max_l0={max_l0}; raise max_l0 "
-                             "or use validate=False (overflowing tokens are then decoded from their dense rows)")
+            raise ValueError(
+                f"sparse_decode: a token fired {largest} features but max_l0={max_l0}; raise max_l0 "
+                "or use validate=False (overflowing tokens are then decoded from their dense rows)"
+            )
     return sparse_matmul(ell, W_dec, dense=acts, out_dtype=out_dtype)
 
 
 @torch.library.custom_op("sparsefuse::sparse_decode", mutates_args=())
-def sparse_decode_op(feature_acts: torch.Tensor, W_dec: torch.Tensor, method: str, max_l0: int, validate: bool,
-                     out_dtype: torch.dtype) -> torch.Tensor:
+def sparse_decode_op(
+    feature_acts: torch.Tensor, W_dec: torch.Tensor, method: str, max_l0: int, validate: bool, out_dtype: torch.dtype
+) -> torch.Tensor:
     return _decode_forward(feature_acts, W_dec, method, max_l0, validate, out_dtype)
 
 
@@ -47,20 +51,24 @@ def _(feature_acts, W_dec, method, max_l0, validate, out_dtype):
 
 
 @torch.library.custom_op("sparsefuse::sparse_decode_backward", mutates_args=())
-def sparse_decode_backward_op(grad_out: torch.Tensor, feature_acts: torch.Tensor, W_dec: torch.Tensor,
-                              need_acts: bool, need_weight: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def sparse_decode_backward_op(
+    grad_out: torch.Tensor, feature_acts: torch.Tensor, W_dec: torch.Tensor, need_acts: bool, need_weight: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     # grad_acts [M, d_sae] on the activations' pattern; grad_weight [d_sae, d_model] = acts^T @ grad_out, whose
     # rows are non-zero only for features that fired: the skip-zeros kernel over acts^T (a strided view, no copy).
     grad_acts = sampled_dot_dense_pattern(feature_acts, grad_out, W_dec) if need_acts else feature_acts.new_zeros(0)
-    grad_weight = (matmul_skip_zeros(feature_acts.t(), grad_out, out_dtype=W_dec.dtype) if need_weight
-                   else W_dec.new_zeros(0))
+    grad_weight = (
+        matmul_skip_zeros(feature_acts.t(), grad_out, out_dtype=W_dec.dtype) if need_weight else W_dec.new_zeros(0)
+    )
     return grad_acts, grad_weight
 
 
 @sparse_decode_backward_op.register_fake
 def _(grad_out, feature_acts, W_dec, need_acts, need_weight):
-    return (feature_acts.new_empty(feature_acts.shape if need_acts else (0,)),
-            W_dec.new_empty(W_dec.shape if need_weight else (0,)))
+    return (
+        feature_acts.new_empty(feature_acts.shape if need_acts else (0,)),
+        W_dec.new_empty(W_dec.shape if need_weight else (0,)),
+    )
 
 
 def _decode_setup(ctx, inputs, output) -> None:

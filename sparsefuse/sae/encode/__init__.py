@@ -7,5 +7,12 @@ from .kernels import jumprelu_encode_kernel
 from .op import jumprelu_encode_op
 from .reference import torch_jumprelu_encode
 
-__all__ = ["jumprelu_encode", "jumprelu_encode_op", "torch_jumprelu_encode", "jumprelu_encode_kernel",
-           "encoder_pre_tile", "sae_input", "JumpReLUEncoder"]
+__all__ = [
+    "jumprelu_encode",
+    "jumprelu_encode_op",
+    "torch_jumprelu_encode",
+    "jumprelu_encode_kernel",
+    "encoder_pre_tile",
+    "sae_input",
+    "JumpReLUEncoder",
+]

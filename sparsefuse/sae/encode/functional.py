@@ -23,8 +23,16 @@ from ...sparse import ELL
 from .op import jumprelu_encode_op
 
 
-def jumprelu_encode(x: torch.Tensor, W_enc: torch.Tensor, b_enc: torch.Tensor, threshold: torch.Tensor, *,
-                    b_dec: torch.Tensor | None = None, max_l0: int = 256, validate: bool = False) -> ELL:
+def jumprelu_encode(
+    x: torch.Tensor,
+    W_enc: torch.Tensor,
+    b_enc: torch.Tensor,
+    threshold: torch.Tensor,
+    *,
+    b_dec: torch.Tensor | None = None,
+    max_l0: int = 256,
+    validate: bool = False,
+) -> ELL:
     """Fused JumpReLU encode straight into ELL (see module docstring). x [..., d_in] -> ELL of [M, d_sae]."""
     op = "jumprelu_encode"
     check_jumprelu_encode(op, x, W_enc, b_enc, threshold, b_dec, max_l0)

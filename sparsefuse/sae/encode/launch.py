@@ -12,8 +12,14 @@ from .._encoder_tile import sae_input
 from .kernels import jumprelu_encode_kernel
 
 
-def launch_jumprelu_encode(x2: torch.Tensor, W_enc: torch.Tensor, b_enc: torch.Tensor, threshold: torch.Tensor,
-                           b_dec: torch.Tensor | None, max_l0: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def launch_jumprelu_encode(
+    x2: torch.Tensor,
+    W_enc: torch.Tensor,
+    b_enc: torch.Tensor,
+    threshold: torch.Tensor,
+    b_dec: torch.Tensor | None,
+    max_l0: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x2 [M, d_in], W_enc [d_in, d_sae] -> ELL (values [M, max_l0] in x's dtype, indices [M, max_l0] int32,
     counts [M] int32: the true totals)."""
     M, (d_in, d_sae) = x2.shape[0], W_enc.shape
@@ -25,8 +31,20 @@ def launch_jumprelu_encode(x2: torch.Tensor, W_enc: torch.Tensor, b_enc: torch.T
         W = unit_last_stride(W_enc)  # dtype cast per tile in the kernel, not here
         grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(d_sae, meta["BLOCK_N"]))  # noqa: E731
         jumprelu_encode_kernel[grid](
-            x2, W, b_enc, threshold, values, indices, counts,
-            M, d_in, d_sae, max_l0, x2.stride(0), W.stride(0), min(triton.next_power_of_2(M), 8192),
+            x2,
+            W,
+            b_enc,
+            threshold,
+            values,
+            indices,
+            counts,
+            M,
+            d_in,
+            d_sae,
+            max_l0,
+            x2.stride(0),
+            W.stride(0),
+            min(triton.next_power_of_2(M), 8192),
             IEEE_FP32=ieee_fp32(x2.dtype),
         )
         record_launch("jumprelu_encode_kernel")
@@ -34,8 +52,9 @@ def launch_jumprelu_encode(x2: torch.Tensor, W_enc: torch.Tensor, b_enc: torch.T
     return values, indices, counts
 
 
-def _in_feature_order(values: torch.Tensor, indices: torch.Tensor, counts: torch.Tensor,
-                      d_sae: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _in_feature_order(
+    values: torch.Tensor, indices: torch.Tensor, counts: torch.Tensor, d_sae: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's stored entries sorted by feature id (slots past the count: index 0, value 0). Fired entries claim
     slots in whatever order the GPU runs them; sorting (~3% of the fused forward at Gemma Scope 2B) makes the ELL,
     and the decode's summation order, the same on every run."""

@@ -8,5 +8,15 @@ from .launch import MAX_KERNEL_K
 from .op import topk_encode_op
 from .reference import torch_topk_encode
 
-__all__ = ["topk_encode", "topk_encode_op", "torch_topk_encode", "topk_encode_fwd_kernel", "ACTIVATIONS",
-           "MAX_KERNEL_K", "TORCH_CHUNK", "EMPTY_KEY", "encoder_pre_tile", "sae_input"]
+__all__ = [
+    "topk_encode",
+    "topk_encode_op",
+    "torch_topk_encode",
+    "topk_encode_fwd_kernel",
+    "ACTIVATIONS",
+    "MAX_KERNEL_K",
+    "TORCH_CHUNK",
+    "EMPTY_KEY",
+    "encoder_pre_tile",
+    "sae_input",
+]

@@ -35,9 +35,16 @@ from .op import topk_encode_op
 ACTIVATIONS = ("relu", "none")
 
 
-def topk_encode(x: torch.Tensor, W_enc: torch.Tensor, b_enc: torch.Tensor, k: int, *,
-                b_dec: torch.Tensor | None = None, activation: str = "relu",
-                feature_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_encode(
+    x: torch.Tensor,
+    W_enc: torch.Tensor,
+    b_enc: torch.Tensor,
+    k: int,
+    *,
+    b_dec: torch.Tensor | None = None,
+    activation: str = "relu",
+    feature_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """TopK SAE encode without the dense pre-activations (SAELens ``TopKSAE.encode`` semantics).
 
     Args:

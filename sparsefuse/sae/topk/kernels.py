@@ -22,10 +22,27 @@ def _sort_keys(pre, cols):
 
 
 @triton.jit
-def topk_encode_fwd_kernel(x_ptr, w_ptr, b_enc_ptr, scale_ptr, keys_ptr,
-                           M, K, N, k, cols_per_group, n_candidates, stride_xm, stride_wk,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           K_PAD: tl.constexpr, HAS_SCALE: tl.constexpr, IEEE_FP32: tl.constexpr):
+def topk_encode_fwd_kernel(
+    x_ptr,
+    w_ptr,
+    b_enc_ptr,
+    scale_ptr,
+    keys_ptr,
+    M,
+    K,
+    N,
+    k,
+    cols_per_group,
+    n_candidates,
+    stride_xm,
+    stride_wk,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    IEEE_FP32: tl.constexpr,
+):
     # x [M, K] (x - b_dec), w [K, N] (unit column strides), b_enc/scale [N];
     # out: keys [M, n_candidates], this program's k best keys at columns [group * k, group * k + k)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
@@ -40,8 +57,22 @@ def topk_encode_fwd_kernel(x_ptr, w_ptr, b_enc_ptr, scale_ptr, keys_ptr,
     for n0 in range(col_start, col_end, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         col_mask = cols < col_end
-        pre = encoder_pre_tile(x_ptr, w_ptr, b_enc_ptr, rows, cols, row_mask, col_mask, K, stride_xm, stride_wk,
-                               BLOCK_M, BLOCK_N, BLOCK_K, IEEE_FP32)  # [BLOCK_M, BLOCK_N]
+        pre = encoder_pre_tile(
+            x_ptr,
+            w_ptr,
+            b_enc_ptr,
+            rows,
+            cols,
+            row_mask,
+            col_mask,
+            K,
+            stride_xm,
+            stride_wk,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            IEEE_FP32,
+        )  # [BLOCK_M, BLOCK_N]
         if HAS_SCALE:
             pre = pre * tl.load(scale_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         keys = tl.where(row_mask[:, None] & col_mask[None, :], _sort_keys(pre, cols), EMPTY_KEY)

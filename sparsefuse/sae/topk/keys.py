@@ -31,8 +31,14 @@ def _unpack_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _LOW_MASK - (keys & _LOW_MASK), values
 
 
-def _topk_keys_torch(x2: torch.Tensor, W_enc: torch.Tensor, b_enc: torch.Tensor, b_dec: torch.Tensor | None,
-                     feature_scale: torch.Tensor | None, k: int) -> torch.Tensor:
+def _topk_keys_torch(
+    x2: torch.Tensor,
+    W_enc: torch.Tensor,
+    b_enc: torch.Tensor,
+    b_dec: torch.Tensor | None,
+    feature_scale: torch.Tensor | None,
+    k: int,
+) -> torch.Tensor:
     """The kernel's selection in plain torch, TORCH_CHUNK features at a time (memory: M * (k + chunk) keys).
     Returns the k best keys per row, sorted decreasing."""
     dtype = compute_dtype(x2.dtype)

@@ -32,8 +32,14 @@ def _launch_shape(M: int, N: int, k_pad: int, dtype: torch.dtype, device: torch.
     return bm, bn, bk, warps, tiles_per_group * bn
 
 
-def launch_topk_keys(x2: torch.Tensor, W_enc: torch.Tensor, b_enc: torch.Tensor, b_dec: torch.Tensor | None,
-                     feature_scale: torch.Tensor | None, k: int) -> torch.Tensor:
+def launch_topk_keys(
+    x2: torch.Tensor,
+    W_enc: torch.Tensor,
+    b_enc: torch.Tensor,
+    b_dec: torch.Tensor | None,
+    feature_scale: torch.Tensor | None,
+    k: int,
+) -> torch.Tensor:
     """x2 [M, d_in] (M >= 1), W_enc [d_in, d_sae] -> the k best sort keys per token [M, k], sorted decreasing:
     every column group's k best from the kernel, then ``torch.topk`` over the candidates."""
     M, (d_in, d_sae) = x2.shape[0], W_enc.shape
@@ -44,10 +50,26 @@ def launch_topk_keys(x2: torch.Tensor, W_enc: torch.Tensor, b_enc: torch.Tensor,
     groups = triton.cdiv(d_sae, cols_per_group)
     candidates = new_output((M, groups * k), torch.int64, x2.device)  # every element is written
     topk_encode_fwd_kernel[(triton.cdiv(M, bm), groups)](
-        x2, W, b_enc, feature_scale if feature_scale is not None else b_enc,
-        candidates, M, d_in, d_sae, k, cols_per_group, groups * k, x2.stride(0), W.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_PAD=k_pad, HAS_SCALE=feature_scale is not None,
-        IEEE_FP32=ieee_fp32(x2.dtype), num_warps=warps,
+        x2,
+        W,
+        b_enc,
+        feature_scale if feature_scale is not None else b_enc,
+        candidates,
+        M,
+        d_in,
+        d_sae,
+        k,
+        cols_per_group,
+        groups * k,
+        x2.stride(0),
+        W.stride(0),
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        K_PAD=k_pad,
+        HAS_SCALE=feature_scale is not None,
+        IEEE_FP32=ieee_fp32(x2.dtype),
+        num_warps=warps,
     )
     record_launch("topk_encode_fwd_kernel")
     return candidates.topk(k, dim=1).values  # sorted, decreasing

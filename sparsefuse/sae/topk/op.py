@@ -14,8 +14,15 @@ from .keys import _topk_keys_torch, _unpack_keys
 from .launch import MAX_KERNEL_K, launch_topk_keys
 
 
-def _topk_encode(x2: torch.Tensor, W_enc: torch.Tensor, b_enc: torch.Tensor, b_dec: torch.Tensor | None,
-                 feature_scale: torch.Tensor | None, k: int, relu: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _topk_encode(
+    x2: torch.Tensor,
+    W_enc: torch.Tensor,
+    b_enc: torch.Tensor,
+    b_dec: torch.Tensor | None,
+    feature_scale: torch.Tensor | None,
+    k: int,
+    relu: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     # -> (top_acts [M, k], top_indices [M, k] int64)
     if x2.shape[0] == 0:
         keys = torch.zeros(0, k, dtype=torch.int64, device=x2.device)
@@ -32,8 +39,15 @@ def _topk_encode(x2: torch.Tensor, W_enc: torch.Tensor, b_enc: torch.Tensor, b_d
 # The op returns (top_acts, top_indices): the differentiable output first (opcheck's autograd test sums the outputs
 # into the first one's dtype); the functional API returns them the other way round, like torch.topk's pair.
 @torch.library.custom_op("sparsefuse::topk_encode", mutates_args=())
-def topk_encode_op(x: torch.Tensor, W_enc: torch.Tensor, b_enc: torch.Tensor, b_dec: torch.Tensor | None,
-                   feature_scale: torch.Tensor | None, k: int, relu: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_encode_op(
+    x: torch.Tensor,
+    W_enc: torch.Tensor,
+    b_enc: torch.Tensor,
+    b_dec: torch.Tensor | None,
+    feature_scale: torch.Tensor | None,
+    k: int,
+    relu: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     return _topk_encode(x, W_enc, b_enc, b_dec, feature_scale, k, relu)
 
 

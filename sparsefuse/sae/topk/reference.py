@@ -5,8 +5,15 @@ from __future__ import annotations
 import torch
 
 
-def torch_topk_encode(x: torch.Tensor, W_enc: torch.Tensor, b_enc: torch.Tensor, k: int, b_dec=None,
-                      activation: str = "relu", feature_scale=None) -> tuple[torch.Tensor, torch.Tensor]:
+def torch_topk_encode(
+    x: torch.Tensor,
+    W_enc: torch.Tensor,
+    b_enc: torch.Tensor,
+    k: int,
+    b_dec=None,
+    activation: str = "relu",
+    feature_scale=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 reference: (top_indices int64 [M, k], top_acts float64 [M, k]) sorted by decreasing pre-activation,
     exact ties by increasing feature index, NaN first."""
     sae_in = x.reshape(-1, x.shape[-1]).double()

@@ -14,8 +14,14 @@ __all__ = ["splade_pool", "POOLINGS", "SPLADE_DTYPES"]
 POOLINGS = SPLADE_POOLINGS  # ("max", "sum")
 
 
-def splade_pool(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, *, pooling: str = "max") -> torch.Tensor:
+def splade_pool(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    pooling: str = "max",
+) -> torch.Tensor:
     """SPLADE term weights ``pool_s log1p(relu(hidden @ weight.T + bias)) * mask`` without materialising the
     [batch, seq_len, vocab] logits (see :mod:`sparsefuse.splade.head`).
 

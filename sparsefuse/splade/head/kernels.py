@@ -40,8 +40,12 @@ import triton.language as tl
 from ..._triton.dot import dot_accumulate
 from ..._triton.schedule import grouped_tile_coords
 
-__all__ = ["splade_fwd_kernel", "splade_fwd_combine_kernel", "splade_sum_bwd_hidden_kernel",
-           "splade_sum_bwd_weight_kernel"]
+__all__ = [
+    "splade_fwd_kernel",
+    "splade_fwd_combine_kernel",
+    "splade_sum_bwd_hidden_kernel",
+    "splade_sum_bwd_weight_kernel",
+]
 
 
 @triton.jit
@@ -76,9 +80,20 @@ def _column_max(x, NATIVE_NAN_MAX: tl.constexpr):
 
 
 @triton.jit
-def _logit_tile(hidden_row_ptr, weight_ptr, s_load, v_load, H, stride_hs, stride_wv,
-                BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, EVEN_H: tl.constexpr,
-                IEEE_FP32: tl.constexpr):
+def _logit_tile(
+    hidden_row_ptr,
+    weight_ptr,
+    s_load,
+    v_load,
+    H,
+    stride_hs,
+    stride_wv,
+    BLOCK_S: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    EVEN_H: tl.constexpr,
+    IEEE_FP32: tl.constexpr,
+):
     """[BLOCK_S, BLOCK_V] fp32 = hidden[b, s_load, :] @ weight[v_load, :]^T. s_load/v_load are clamped in-range
     indices (tails are masked by the caller), so only the hidden dimension needs load masks (EVEN_H: none)."""
     h = tl.arange(0, BLOCK_H)
@@ -109,8 +124,21 @@ def _kept_positions(mask_ptr, b, s, S, stride_mb, stride_ms, HAS_MASK: tl.conste
 
 
 @triton.jit
-def _finish_columns(value, best_s, b, v, v_ok, V, bias_ptr, out_ptr, argmax_ptr, slope_ptr, POOL_MAX: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, SAVE_AUX: tl.constexpr):
+def _finish_columns(
+    value,
+    best_s,
+    b,
+    v,
+    v_ok,
+    V,
+    bias_ptr,
+    out_ptr,
+    argmax_ptr,
+    slope_ptr,
+    POOL_MAX: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SAVE_AUX: tl.constexpr,
+):
     """Writes out[b, v] (and argmax/slope) from the pooled value of a [BLOCK_N] column block of batch row b: for max
     pooling the masked max raw logit (no bias yet; -inf when every position is masked), for sum pooling the sum."""
     offsets = b.to(tl.int64) * V + v
@@ -128,12 +156,40 @@ def _finish_columns(value, best_s, b, v, v_ok, V, bias_ptr, out_ptr, argmax_ptr,
 
 
 @triton.jit
-def splade_fwd_kernel(hidden_ptr, weight_ptr, bias_ptr, mask_ptr, out_ptr, argmax_ptr, slope_ptr, part_ptr,
-                      part_arg_ptr, B, S, V, stride_hb, stride_hs, stride_wv, stride_mb, stride_ms, n_s_tiles, group_m,
-                      H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      POOL_MAX: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, SAVE_AUX: tl.constexpr,
-                      SINGLE_PASS: tl.constexpr, PERSISTENT: tl.constexpr, USE_TMA: tl.constexpr,
-                      IEEE_FP32: tl.constexpr, NATIVE_NAN_MAX: tl.constexpr):
+def splade_fwd_kernel(
+    hidden_ptr,
+    weight_ptr,
+    bias_ptr,
+    mask_ptr,
+    out_ptr,
+    argmax_ptr,
+    slope_ptr,
+    part_ptr,
+    part_arg_ptr,
+    B,
+    S,
+    V,
+    stride_hb,
+    stride_hs,
+    stride_wv,
+    stride_mb,
+    stride_ms,
+    n_s_tiles,
+    group_m,
+    H: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    POOL_MAX: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    SAVE_AUX: tl.constexpr,
+    SINGLE_PASS: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    IEEE_FP32: tl.constexpr,
+    NATIVE_NAN_MAX: tl.constexpr,
+):
     # A GEMM over hidden viewed as [B*S, H] times weight^T [H, V] whose M tiles never cross a batch row: M tile
     # pid_m = b * n_s_tiles + j holds positions s = j*BLOCK_M ... j*BLOCK_M + BLOCK_M - 1 of batch row b (s >= S and
     # masked positions are excluded by `keep`). hidden [B, S, H], weight [V, H] (unit last strides), bias [V],
@@ -149,10 +205,12 @@ def splade_fwd_kernel(hidden_ptr, weight_ptr, bias_ptr, mask_ptr, out_ptr, argma
     num_pid_n = tl.cdiv(V, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
     if USE_TMA:  # hidden rows are equally spaced ([B*S, H] view); rows past S read the next batch row, masked below
-        hidden_desc = tl.make_tensor_descriptor(hidden_ptr, shape=[B * S, H], strides=[stride_hs, 1],
-                                                block_shape=[BLOCK_M, BLOCK_K])
-        weight_desc = tl.make_tensor_descriptor(weight_ptr, shape=[V, H], strides=[stride_wv, 1],
-                                                block_shape=[BLOCK_N, BLOCK_K])
+        hidden_desc = tl.make_tensor_descriptor(
+            hidden_ptr, shape=[B * S, H], strides=[stride_hs, 1], block_shape=[BLOCK_M, BLOCK_K]
+        )
+        weight_desc = tl.make_tensor_descriptor(
+            weight_ptr, shape=[V, H], strides=[stride_wv, 1], block_shape=[BLOCK_N, BLOCK_K]
+        )
     for tile_id in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=PERSISTENT):
         # hidden rows that fit in L2 together sweep the vocabulary tiles side by side
         pid_m, pid_n = grouped_tile_coords(tile_id, num_pid_m, num_pid_n, group_m)
@@ -177,8 +235,9 @@ def splade_fwd_kernel(hidden_ptr, weight_ptr, bias_ptr, mask_ptr, out_ptr, argma
             else:  # clamped row/column indices (tails are excluded by keep / v_ok); only the K tail needs a mask
                 k = tl.arange(0, BLOCK_K)
                 s_load = tl.minimum(s, S - 1)
-                x_ptrs = (hidden_ptr + b.to(tl.int64) * stride_hb + s_load[:, None].to(tl.int64) * stride_hs
-                          + k[None, :])  # [BLOCK_M, BLOCK_K]
+                x_ptrs = (
+                    hidden_ptr + b.to(tl.int64) * stride_hb + s_load[:, None].to(tl.int64) * stride_hs + k[None, :]
+                )  # [BLOCK_M, BLOCK_K]
                 w_ptrs = weight_ptr + v_load[None, :].to(tl.int64) * stride_wv + k[:, None]  # [BLOCK_K, BLOCK_N]
                 for ki in range(K_TILES):
                     if EVEN_K:
@@ -205,8 +264,9 @@ def splade_fwd_kernel(hidden_ptr, weight_ptr, bias_ptr, mask_ptr, out_ptr, argma
             value = tl.sum(tl.where(keep[:, None], scores, 0.0), axis=0)  # [BLOCK_N]
             best_s = tl.zeros([BLOCK_N], dtype=tl.int32)
         if SINGLE_PASS:
-            _finish_columns(value, best_s, b, v, v_ok, V, bias_ptr, out_ptr, argmax_ptr, slope_ptr, POOL_MAX,
-                            HAS_BIAS, SAVE_AUX)
+            _finish_columns(
+                value, best_s, b, v, v_ok, V, bias_ptr, out_ptr, argmax_ptr, slope_ptr, POOL_MAX, HAS_BIAS, SAVE_AUX
+            )
         else:
             part_offsets = pid_m.to(tl.int64) * V + v
             tl.store(part_ptr + part_offsets, value, mask=v_ok)
@@ -215,9 +275,20 @@ def splade_fwd_kernel(hidden_ptr, weight_ptr, bias_ptr, mask_ptr, out_ptr, argma
 
 
 @triton.jit
-def splade_fwd_combine_kernel(part_ptr, part_arg_ptr, bias_ptr, out_ptr, argmax_ptr, slope_ptr, V, n_s_tiles,
-                              BLOCK_V: tl.constexpr, POOL_MAX: tl.constexpr, HAS_BIAS: tl.constexpr,
-                              SAVE_AUX: tl.constexpr):
+def splade_fwd_combine_kernel(
+    part_ptr,
+    part_arg_ptr,
+    bias_ptr,
+    out_ptr,
+    argmax_ptr,
+    slope_ptr,
+    V,
+    n_s_tiles,
+    BLOCK_V: tl.constexpr,
+    POOL_MAX: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SAVE_AUX: tl.constexpr,
+):
     # Folds the n_s_tiles partials of each (b, v) in sequence order (fixed order: deterministic) and finishes them.
     pid = tl.program_id(0)
     n_v_tiles = tl.cdiv(V, BLOCK_V)
@@ -240,8 +311,9 @@ def splade_fwd_combine_kernel(part_ptr, part_arg_ptr, bias_ptr, out_ptr, argmax_
                 best_s = tl.where(better, tl.load(part_arg_ptr + offsets, mask=v_ok, other=0), best_s)
         else:
             value += x
-    _finish_columns(value, best_s, b, v, v_ok, V, bias_ptr, out_ptr, argmax_ptr, slope_ptr, POOL_MAX, HAS_BIAS,
-                    SAVE_AUX)
+    _finish_columns(
+        value, best_s, b, v, v_ok, V, bias_ptr, out_ptr, argmax_ptr, slope_ptr, POOL_MAX, HAS_BIAS, SAVE_AUX
+    )
 
 
 @triton.jit
@@ -252,12 +324,35 @@ def _sum_dlogit(acc, bias, g, keep):
 
 
 @triton.jit
-def splade_sum_bwd_hidden_kernel(grad_ptr, hidden_ptr, weight_ptr, bias_ptr, mask_ptr, grad_hidden_ptr,
-                                 B, S, V, H, stride_gb, stride_gv, stride_hb, stride_hs, stride_wv, stride_mb,
-                                 stride_ms, s_bucket, b_bucket,
-                                 BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-                                 BLOCK_HO: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
-                                 EVEN_H: tl.constexpr, IEEE_FP32: tl.constexpr):
+def splade_sum_bwd_hidden_kernel(
+    grad_ptr,
+    hidden_ptr,
+    weight_ptr,
+    bias_ptr,
+    mask_ptr,
+    grad_hidden_ptr,
+    B,
+    S,
+    V,
+    H,
+    stride_gb,
+    stride_gv,
+    stride_hb,
+    stride_hs,
+    stride_wv,
+    stride_mb,
+    stride_ms,
+    s_bucket,
+    b_bucket,
+    BLOCK_S: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HO: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    EVEN_H: tl.constexpr,
+    IEEE_FP32: tl.constexpr,
+):
     # grad [B, V] (any strides); grad_hidden [B, S, H] contiguous. A program owns (b, sequence tile, hidden slice
     # of BLOCK_HO) and sweeps the vocabulary: recompute the logit tile, form dlogit, accumulate dlogit @ weight.
     # s_bucket and b_bucket are read only by the autotuner (its keys, see launch.py).
@@ -281,30 +376,68 @@ def splade_sum_bwd_hidden_kernel(grad_ptr, hidden_ptr, weight_ptr, bias_ptr, mas
             v = v0 + tl.arange(0, BLOCK_V)
             v_ok = v < V
             v_load = tl.minimum(v, V - 1)
-            logits = _logit_tile(hidden_row_ptr, weight_ptr, s_load, v_load, H, stride_hs, stride_wv,
-                                 BLOCK_S, BLOCK_V, BLOCK_H, EVEN_H, IEEE_FP32)
+            logits = _logit_tile(
+                hidden_row_ptr,
+                weight_ptr,
+                s_load,
+                v_load,
+                H,
+                stride_hs,
+                stride_wv,
+                BLOCK_S,
+                BLOCK_V,
+                BLOCK_H,
+                EVEN_H,
+                IEEE_FP32,
+            )
             if HAS_BIAS:
                 bias = tl.load(bias_ptr + v_load).to(tl.float32)
             else:
                 bias = tl.zeros([BLOCK_V], dtype=tl.float32)
-            g = tl.load(grad_ptr + b.to(tl.int64) * stride_gb + v.to(tl.int64) * stride_gv, mask=v_ok,
-                        other=0.0).to(tl.float32)  # [BLOCK_V]; 0 past V
+            g = tl.load(grad_ptr + b.to(tl.int64) * stride_gb + v.to(tl.int64) * stride_gv, mask=v_ok, other=0.0).to(
+                tl.float32
+            )  # [BLOCK_V]; 0 past V
             d = _sum_dlogit(logits, bias, g, keep)  # [BLOCK_S, BLOCK_V]
-            w = tl.load(weight_ptr + v_load[:, None].to(tl.int64) * stride_wv + ho[None, :], mask=ho_ok[None, :],
-                        other=0.0)  # [BLOCK_V, BLOCK_HO]
+            w = tl.load(
+                weight_ptr + v_load[:, None].to(tl.int64) * stride_wv + ho[None, :], mask=ho_ok[None, :], other=0.0
+            )  # [BLOCK_V, BLOCK_HO]
             acc = dot_accumulate(acc, d.to(w.dtype), w, IEEE_FP32)
     dst = grad_hidden_ptr + (b.to(tl.int64) * S + s[:, None]) * H + ho[None, :]
     tl.store(dst, acc.to(grad_hidden_ptr.dtype.element_ty), mask=(s < S)[:, None] & ho_ok[None, :])
 
 
-
 @triton.jit
-def splade_sum_bwd_weight_kernel(grad_ptr, hidden_ptr, weight_ptr, bias_ptr, mask_ptr, grad_weight_ptr,
-                                 grad_bias_ptr, B, S, V, H, stride_gb, stride_gv, stride_hb, stride_hs, stride_wv,
-                                 stride_mb, stride_ms, s_bucket, b_bucket,
-                                 BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-                                 BLOCK_HO: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
-                                 NEED_BIAS: tl.constexpr, EVEN_H: tl.constexpr, IEEE_FP32: tl.constexpr):
+def splade_sum_bwd_weight_kernel(
+    grad_ptr,
+    hidden_ptr,
+    weight_ptr,
+    bias_ptr,
+    mask_ptr,
+    grad_weight_ptr,
+    grad_bias_ptr,
+    B,
+    S,
+    V,
+    H,
+    stride_gb,
+    stride_gv,
+    stride_hb,
+    stride_hs,
+    stride_wv,
+    stride_mb,
+    stride_ms,
+    s_bucket,
+    b_bucket,
+    BLOCK_S: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HO: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    NEED_BIAS: tl.constexpr,
+    EVEN_H: tl.constexpr,
+    IEEE_FP32: tl.constexpr,
+):
     # grad_weight [V, H] contiguous, grad_bias [V] fp32. A program owns (vocabulary tile, hidden slice) and sweeps
     # every (b, sequence tile) in a fixed order: recompute the logit tile, accumulate dlogit^T @ hidden. The first
     # hidden slice's program also sums dlogit into the bias gradient. No atomics: deterministic.
@@ -325,8 +458,7 @@ def splade_sum_bwd_weight_kernel(grad_ptr, hidden_ptr, weight_ptr, bias_ptr, mas
     for batch in range(0, B):
         b = tl.cast(batch, tl.int64)  # the loop index is a plain int under the interpreter
         hidden_row_ptr = hidden_ptr + b * stride_hb
-        g = tl.load(grad_ptr + b * stride_gb + v.to(tl.int64) * stride_gv, mask=v_ok,
-                    other=0.0).to(tl.float32)
+        g = tl.load(grad_ptr + b * stride_gb + v.to(tl.int64) * stride_gv, mask=v_ok, other=0.0).to(tl.float32)
         for s0 in range(0, S, BLOCK_S):
             s = s0 + tl.arange(0, BLOCK_S)
             keep = _kept_positions(mask_ptr, b, s, S, stride_mb, stride_ms, HAS_MASK)
@@ -336,11 +468,26 @@ def splade_sum_bwd_weight_kernel(grad_ptr, hidden_ptr, weight_ptr, bias_ptr, mas
                 has_tokens = s0 < S
             if has_tokens:
                 s_load = tl.minimum(s, S - 1)
-                logits = _logit_tile(hidden_row_ptr, weight_ptr, s_load, v_load, H, stride_hs, stride_wv,
-                                     BLOCK_S, BLOCK_V, BLOCK_H, EVEN_H, IEEE_FP32)
+                logits = _logit_tile(
+                    hidden_row_ptr,
+                    weight_ptr,
+                    s_load,
+                    v_load,
+                    H,
+                    stride_hs,
+                    stride_wv,
+                    BLOCK_S,
+                    BLOCK_V,
+                    BLOCK_H,
+                    EVEN_H,
+                    IEEE_FP32,
+                )
                 d = _sum_dlogit(logits, bias, g, keep)  # [BLOCK_S, BLOCK_V]; 0 on rows that are not kept
-                x = tl.load(hidden_row_ptr + s_load[:, None].to(tl.int64) * stride_hs + ho[None, :],
-                            mask=ho_ok[None, :], other=0.0)  # [BLOCK_S, BLOCK_HO]
+                x = tl.load(
+                    hidden_row_ptr + s_load[:, None].to(tl.int64) * stride_hs + ho[None, :],
+                    mask=ho_ok[None, :],
+                    other=0.0,
+                )  # [BLOCK_S, BLOCK_HO]
                 acc = dot_accumulate(acc, tl.trans(d.to(x.dtype)), x, IEEE_FP32)
                 if NEED_BIAS:
                     bias_acc += tl.sum(d, axis=0)
@@ -349,4 +496,3 @@ def splade_sum_bwd_weight_kernel(grad_ptr, hidden_ptr, weight_ptr, bias_ptr, mas
     if NEED_BIAS:
         if ho_tile == 0:
             tl.store(grad_bias_ptr + v, bias_acc, mask=v_ok)
-

@@ -132,10 +132,17 @@ def _tma_eligible(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
     B, S, H = hidden.shape
     size = hidden.element_size()
-    return (H * size >= 16 and B * S < 2**31 and hidden.stride(2) == 1 and weight.stride(1) == 1
-            and (B == 1 or hidden.stride(0) == S * hidden.stride(1))
-            and all(x % 16 == 0 for x in (hidden.data_ptr(), weight.data_ptr(), hidden.stride(1) * size,
-                                          weight.stride(0) * size)))
+    return (
+        H * size >= 16
+        and B * S < 2**31
+        and hidden.stride(2) == 1
+        and weight.stride(1) == 1
+        and (B == 1 or hidden.stride(0) == S * hidden.stride(1))
+        and all(
+            x % 16 == 0
+            for x in (hidden.data_ptr(), weight.data_ptr(), hidden.stride(1) * size, weight.stride(0) * size)
+        )
+    )
 
 
 def _fwd_config(hidden: torch.Tensor, weight: torch.Tensor, save_aux: bool) -> _FwdConfig:
@@ -163,7 +170,7 @@ def _torch_scratch(size: int, alignment: int, stream: int | None) -> torch.Tenso
     del stream  # torch.empty allocates on the current stream, the one Triton launches on
     buffer = torch.empty(size + alignment, dtype=torch.int8, device=torch.device("cuda", torch.cuda.current_device()))
     start = -buffer.data_ptr() % alignment  # 0 in practice: torch's blocks are 512-byte aligned
-    return buffer[start:start + size]
+    return buffer[start : start + size]
 
 
 _allocator_fallback = threading.local()
@@ -189,9 +196,14 @@ def _ensure_tma_allocator() -> None:
 # --- forward ------------------------------------------------------------------------------------------------------
 
 
-def launch_splade_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                          mask: torch.Tensor | None, pooling: str,
-                          save_aux: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def launch_splade_forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    pooling: str,
+    save_aux: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """hidden [B, S, H], weight [V, H], bias [V] | None, mask [B, S] | None -> (out [B, V] in hidden's dtype,
     argmax [B, V] int32, slope [B, V] fp32); argmax/slope are empty unless max pooling with save_aux."""
     B, S, H = hidden.shape
@@ -230,19 +242,57 @@ def launch_splade_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torc
     bias_arg = bias if bias is not None else out
     argmax_arg, slope_arg = (argmax, slope) if keep_aux else (out, out)
     splade_fwd_kernel[grid](
-        hidden, weight, bias_arg, kmask if kmask is not None else out, out, argmax_arg, slope_arg, part, part_arg,
-        B, S, V, hidden.stride(0), hidden.stride(1), weight.stride(0), *_mask_strides(kmask), n_s_tiles, group_m,
-        H=H, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, POOL_MAX=pooling == "max",
-        HAS_BIAS=bias is not None, HAS_MASK=kmask is not None, SAVE_AUX=keep_aux, SINGLE_PASS=single_pass,
-        PERSISTENT=cfg.persistent, USE_TMA=cfg.tma, IEEE_FP32=ieee_fp32(hidden.dtype),
-        NATIVE_NAN_MAX=not _backend.INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        hidden,
+        weight,
+        bias_arg,
+        kmask if kmask is not None else out,
+        out,
+        argmax_arg,
+        slope_arg,
+        part,
+        part_arg,
+        B,
+        S,
+        V,
+        hidden.stride(0),
+        hidden.stride(1),
+        weight.stride(0),
+        *_mask_strides(kmask),
+        n_s_tiles,
+        group_m,
+        H=H,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        POOL_MAX=pooling == "max",
+        HAS_BIAS=bias is not None,
+        HAS_MASK=kmask is not None,
+        SAVE_AUX=keep_aux,
+        SINGLE_PASS=single_pass,
+        PERSISTENT=cfg.persistent,
+        USE_TMA=cfg.tma,
+        IEEE_FP32=ieee_fp32(hidden.dtype),
+        NATIVE_NAN_MAX=not _backend.INTERPRET,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     record_launch("splade_fwd_kernel")
     if not single_pass:
         block_v = 128 if _backend.INTERPRET else 1024
         splade_fwd_combine_kernel[(B * triton.cdiv(V, block_v),)](
-            part, part_arg, bias_arg, out, argmax_arg, slope_arg, V, n_s_tiles,
-            BLOCK_V=block_v, POOL_MAX=pooling == "max", HAS_BIAS=bias is not None, SAVE_AUX=keep_aux, num_warps=4,
+            part,
+            part_arg,
+            bias_arg,
+            out,
+            argmax_arg,
+            slope_arg,
+            V,
+            n_s_tiles,
+            BLOCK_V=block_v,
+            POOL_MAX=pooling == "max",
+            HAS_BIAS=bias is not None,
+            SAVE_AUX=keep_aux,
+            num_warps=4,
         )
         record_launch("splade_fwd_combine_kernel")
     return out, argmax, slope
@@ -261,9 +311,16 @@ def _tune_buckets(B: int, S: int) -> tuple[int, int]:
 
 def _sum_bwd_configs() -> list[triton.Config]:
     return tuning_configs(
-        [triton.Config({"BLOCK_S": bs, "BLOCK_V": bv, "BLOCK_HO": ho}, num_warps=w, num_stages=st)
-         for bs, bv, ho, w, st in [(64, 128, 128, 4, 3), (64, 64, 256, 8, 3), (128, 64, 128, 8, 3),
-                                   (64, 128, 256, 8, 3), (32, 128, 128, 4, 4)]],
+        [
+            triton.Config({"BLOCK_S": bs, "BLOCK_V": bv, "BLOCK_HO": ho}, num_warps=w, num_stages=st)
+            for bs, bv, ho, w, st in [
+                (64, 128, 128, 4, 3),
+                (64, 64, 256, 8, 3),
+                (128, 64, 128, 8, 3),
+                (64, 128, 256, 8, 3),
+                (32, 128, 128, 4, 4),
+            ]
+        ],
         interpret_config=triton.Config({"BLOCK_S": 16, "BLOCK_V": 32, "BLOCK_HO": 32}),
     )
 
@@ -330,43 +387,71 @@ def _sum_backward(grad, hidden, weight, bias, mask, need_hidden, need_weight, ne
     block_h = _block_h()
     s_bucket, b_bucket = _tune_buckets(B, S)
     placeholder = grad
-    common = dict(BLOCK_H=block_h, HAS_BIAS=bias is not None, HAS_MASK=kmask is not None, EVEN_H=H % block_h == 0,
-                  IEEE_FP32=ieee_fp32(hidden.dtype))
-    strides = (grad.stride(0), grad.stride(1), hidden.stride(0), hidden.stride(1), weight.stride(0),
-               *_mask_strides(kmask))
-    inputs = (grad, hidden, weight, bias if bias is not None else placeholder,
-              kmask if kmask is not None else placeholder)
+    common = dict(
+        BLOCK_H=block_h,
+        HAS_BIAS=bias is not None,
+        HAS_MASK=kmask is not None,
+        EVEN_H=H % block_h == 0,
+        IEEE_FP32=ieee_fp32(hidden.dtype),
+    )
+    strides = (
+        grad.stride(0),
+        grad.stride(1),
+        hidden.stride(0),
+        hidden.stride(1),
+        weight.stride(0),
+        *_mask_strides(kmask),
+    )
+    inputs = (
+        grad,
+        hidden,
+        weight,
+        bias if bias is not None else placeholder,
+        kmask if kmask is not None else placeholder,
+    )
     grad_hidden = grad_weight = grad_bias = None
     if need_hidden:
         grad_hidden = new_output((B, S, H), hidden.dtype, hidden.device)
-        grid = lambda meta: (B * triton.cdiv(S, meta["BLOCK_S"]) * triton.cdiv(H, meta["BLOCK_HO"]),)
-        _sum_bwd_hidden[grid](*inputs, grad_hidden, B, S, V, H, *strides, s_bucket, b_bucket, **common)
+        _sum_bwd_hidden[lambda meta: (B * triton.cdiv(S, meta["BLOCK_S"]) * triton.cdiv(H, meta["BLOCK_HO"]),)](
+            *inputs, grad_hidden, B, S, V, H, *strides, s_bucket, b_bucket, **common
+        )
         record_launch("splade_sum_bwd_hidden_kernel")
     if need_weight or need_bias:
         grad_weight = new_output((V, H), weight.dtype, weight.device)
         grad_bias32 = new_output((V,), torch.float32, weight.device) if need_bias else grad_weight
-        grid = lambda meta: (triton.cdiv(V, meta["BLOCK_V"]) * triton.cdiv(H, meta["BLOCK_HO"]),)
-        _sum_bwd_weight[grid](*inputs, grad_weight, grad_bias32, B, S, V, H, *strides, s_bucket, b_bucket,
-                              NEED_BIAS=need_bias, **common)
+        _sum_bwd_weight[lambda meta: (triton.cdiv(V, meta["BLOCK_V"]) * triton.cdiv(H, meta["BLOCK_HO"]),)](
+            *inputs, grad_weight, grad_bias32, B, S, V, H, *strides, s_bucket, b_bucket, NEED_BIAS=need_bias, **common
+        )
         record_launch("splade_sum_bwd_weight_kernel")
         grad_bias = grad_bias32.to(bias.dtype) if need_bias else None
         grad_weight = grad_weight if need_weight else None
     return grad_hidden, grad_weight, grad_bias
 
 
-def launch_splade_backward(grad: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                           mask: torch.Tensor | None, argmax: torch.Tensor, slope: torch.Tensor, pooling: str,
-                           need_hidden: bool, need_weight: bool,
-                           need_bias: bool) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+def launch_splade_backward(
+    grad: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    argmax: torch.Tensor,
+    slope: torch.Tensor,
+    pooling: str,
+    need_hidden: bool,
+    need_weight: bool,
+    need_bias: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """grad [B, V] -> (grad_hidden [B, S, H] | None, grad_weight [V, H] | None, grad_bias [V] | None); argmax and
     slope [B, V] are the forward's saved aux for max pooling (recomputed when empty). H must be > 0 (the kernels tile
     the hidden dimension); need_bias implies a bias."""
     B, S, _ = hidden.shape
     V = weight.shape[0]
     if B * S * V == 0 or not (need_hidden or need_weight or need_bias):
-        return (hidden.new_zeros(hidden.shape) if need_hidden else None,
-                weight.new_zeros(weight.shape) if need_weight else None,
-                bias.new_zeros(bias.shape) if need_bias else None)
+        return (
+            hidden.new_zeros(hidden.shape) if need_hidden else None,
+            weight.new_zeros(weight.shape) if need_weight else None,
+            bias.new_zeros(bias.shape) if need_bias else None,
+        )
     hidden, weight, bias = _kernel_layout(hidden, weight, bias)
     if pooling == "max":
         return _max_backward(grad, hidden, weight, bias, mask, argmax, slope, need_hidden, need_weight, need_bias)

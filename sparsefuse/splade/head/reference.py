@@ -11,8 +11,13 @@ from ... import _backend
 __all__ = ["torch_splade_pool", "reference_forward", "reference_backward"]
 
 
-def torch_splade_pool(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                      attention_mask: torch.Tensor | None = None, pooling: str = "max") -> torch.Tensor:
+def torch_splade_pool(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    pooling: str = "max",
+) -> torch.Tensor:
     """naver/splade's expression in hidden's dtype: ``torch.max(log1p(relu(logits)) * mask[..., None], dim=1)``
     (values; gradients go to the first maximal position, as torch.max's) or the same with a sum.
 
@@ -32,9 +37,14 @@ def _no_aux(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(0, dtype=dtype, device=like.device)
 
 
-def reference_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                      mask: torch.Tensor | None, pooling: str,
-                      save_aux: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def reference_forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    pooling: str,
+    save_aux: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What the forward kernels return, computed in fp32 (float64 for float64 inputs): (out [B, V] in hidden's
     dtype, argmax [B, V] int32, slope [B, V] fp32); argmax/slope are empty unless max pooling with save_aux."""
     compute = _backend.compute_dtype(hidden.dtype)
@@ -57,9 +67,17 @@ def reference_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     return out, arg.to(torch.int32), slope.float()
 
 
-def reference_backward(grad: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                       mask: torch.Tensor | None, pooling: str, need_hidden: bool, need_weight: bool,
-                       need_bias: bool) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+def reference_backward(
+    grad: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    pooling: str,
+    need_hidden: bool,
+    need_weight: bool,
+    need_bias: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(grad_hidden [B, S, H] | None, grad_weight [V, H] | None, grad_bias [V] | None) through dense [B, S, V]
     logits, by explicit formulas: an op's implementation runs below autograd, so it cannot differentiate
     :func:`torch_splade_pool`."""
@@ -75,6 +93,8 @@ def reference_backward(grad: torch.Tensor, hidden: torch.Tensor, weight: torch.T
         top, first = torch.max(logits.masked_fill(~keep, float("-inf")), dim=1)
         slope = torch.where(top > 0, 1 / (1 + top.clamp_min(0)), 0.0)
         dlogit = torch.zeros_like(logits).scatter_(1, first.unsqueeze(1), (g * slope).unsqueeze(1))
-    return ((dlogit @ w).to(hidden.dtype) if need_hidden else None,
-            torch.einsum("bsv,bsh->vh", dlogit, h).to(weight.dtype) if need_weight else None,
-            dlogit.sum(dim=(0, 1)).to(bias.dtype) if need_bias else None)
+    return (
+        (dlogit @ w).to(hidden.dtype) if need_hidden else None,
+        torch.einsum("bsv,bsh->vh", dlogit, h).to(weight.dtype) if need_weight else None,
+        dlogit.sum(dim=(0, 1)).to(bias.dtype) if need_bias else None,
+    )
