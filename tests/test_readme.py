@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import needs_modern_interpreter
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -43,6 +44,7 @@ def test_readme_is_short_and_has_examples() -> None:
     assert len(_gpu_blocks()) >= 4
 
 
+@needs_modern_interpreter
 @pytest.mark.parametrize("index", range(len(_cpu_blocks())))
 def test_cpu_example_runs_without_warnings(index: int, tmp_path: Path) -> None:
     script = tmp_path / "example.py"

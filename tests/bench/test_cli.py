@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import needs_modern_interpreter
 
 import sparsefuse
 import sparsefuse._backend
@@ -54,11 +55,7 @@ def run_cli(*args: str, interpret: bool, timeout: float = 600) -> subprocess.Com
 # ----------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(
-    tuple(int(v) for v in __import__("triton").__version__.split(".")[:2]) < (3, 7),
-    reason="Triton < 3.7's interpreter cannot loop over a runtime kernel argument (range(n) raises); CI uses a newer "
-    "Triton, and the compiled kernels are unaffected",
-)
+@needs_modern_interpreter
 def test_check_small_passes_under_interpreter():
     proc = run_cli("check", "--size", "small", interpret=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
