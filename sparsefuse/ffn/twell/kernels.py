@@ -7,12 +7,7 @@ import triton
 import triton.language as tl
 
 from ..._triton.dot import dot_accumulate
-from ..._triton.gather import (
-    accumulate_rows,
-    pick_nonzeros,
-    rank_nonzeros,
-    sum_split_partials,
-)
+from ..._triton.gather import accumulate_nonzeros, accumulate_rows, sum_split_partials
 from ..._triton.schedule import grouped_tile_coords
 from ...sparse.sddmm import row_dots
 
@@ -142,11 +137,7 @@ def _recompute_overflowed_tiles(
                     coef = tl.where(fired, coef * u, 0.0)
                 # down projection of the fired columns PICK at a time: [PICK, BLOCK_D] tiles, no wider than the main
                 # loop's, so this rare path does not raise the kernel's register count (and cut its occupancy)
-                n_fired, rank = rank_nonzeros(coef)
-                for g0 in range(0, n_fired, PICK):
-                    j = g0 + tl.arange(0, PICK)
-                    n, c = pick_nonzeros(coef, cols, rank, j)
-                    acc = accumulate_rows(acc, c, n, j < n_fired, wd_ptr, stride_wd, d, d_mask)
+                acc = accumulate_nonzeros(acc, coef, cols, wd_ptr, stride_wd, d, d_mask, PICK)
     return acc
 
 
