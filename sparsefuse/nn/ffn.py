@@ -4,10 +4,10 @@
 matmul writes TwELL and only the fired rows of up_proj / down_proj are read. ``down_proj.weight`` keeps its
 [hidden, intermediate] shape but is stored column-major (``stride(0) == 1``) so that each neuron's row of
 W_down^T is contiguous; ``load_state_dict`` copies into that layout, ``.to()`` preserves it, and ``F.linear`` reads
-it as is. A :class:`~sparsefuse.ffn.SparsityMonitor` keeps a sync-free estimate of the non-zeros per token for
-``method="auto"`` from every call's tokens (before its first estimate arrives, the estimate kept per gate weight
-is used: one host sync in the weight's life). Inference uses the sparse kernels; when autograd needs gradients the
-block runs densely (differentiable).
+it as is. ``method="auto"`` decides from the estimate of the non-zeros per token that :func:`twell_mlp` keeps per gate
+weight (one host sync in the weight's life, then sync-free samples every few calls), so the module's call costs
+what the functional call costs; :attr:`SparseGatedMLP.monitor` reads that estimate. Inference uses the sparse
+kernels; when autograd needs gradients the block runs densely (differentiable).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from torch import nn
 
 from .._auto import SparsityMonitor
 from ..ffn.twell import DEFAULT_COMPRESSION, METHODS, twell_down_layout, twell_mlp
+from ..ffn.twell.auto import ESTIMATES
 
 
 class SparseGatedMLP(nn.Module):
@@ -44,7 +45,6 @@ class SparseGatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, **kw)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, **kw)
         self.compression, self.tile, self.method = compression, tile, method
-        self.monitor = SparsityMonitor()
         self.relayout_down_proj()
 
     @torch.no_grad()
@@ -68,8 +68,13 @@ class SparseGatedMLP(nn.Module):
             compression=self.compression,
             tile=self.tile,
             method=self.method,
-            monitor=self.monitor,
         )
+
+    @property
+    def monitor(self) -> SparsityMonitor | None:
+        """The running estimate of the gate's non-zeros per token that ``method="auto"`` uses (None before the first
+        eager call); ``monitor.estimate()`` reads it without a sync."""
+        return ESTIMATES.monitor(self.gate_proj.weight)
 
     def extra_repr(self) -> str:
         return (

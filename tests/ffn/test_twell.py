@@ -258,6 +258,18 @@ def test_twell_to_ell_packs_complete_tiles(device):
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def test_auto_counts_host_time_only_for_eager_calls():
+    """A one-token call from Python is host-bound: there the two TwELL kernels' launches (~175 us) cost more than
+    cuBLAS's dense block (~65 us), so auto runs dense; inside a CUDA graph or a compiled graph the host time is gone
+    and the sparse kernels win. From a few thousand tokens the GPU time decides either way."""
+    from sparsefuse.ffn.twell import auto as twell_auto
+
+    shape = (2048, 5632, 30.0, torch.bfloat16)
+    assert twell_auto.auto_method(1, *shape, eager=False) == "twell"
+    assert twell_auto.auto_method(1, *shape, eager=True) == "dense"
+    assert twell_auto.auto_method(8192, *shape, eager=True) == twell_auto.auto_method(8192, *shape, eager=False)
+
+
 def test_auto_uses_the_estimate_and_the_monitor(device, monkeypatch):
     # Tiny shapes always favour twell in the cost model; slow its gathers so that a dense hint flips the decision.
     monkeypatch.setattr(twell_module.COST_MODEL, "gather_bytes_per_s", 5e10)

@@ -11,6 +11,7 @@ CUDA-graph capture before anything was observed, nothing can be read: the call a
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +59,13 @@ class CostModel:
     # dense at <= 32 non-zeros and under-predicts above, so auto never takes block where it loses on that grid
     block_flops_per_s: float = 330e12
     block_min_tokens: int = 1024  # fewer than 16 row blocks of 64 tokens cannot fill the GPU
+    # Host time of one plain eager call per method (argument checks, allocations, launches), measured on an H200
+    # machine's CPU at one token: cuBLAS's three matmuls and two elementwise ops 67 us, the two TwELL kernels with
+    # their launch plans 176 us. A decode step in eager mode is host-bound, so there a method costs at least its
+    # host time (under CUDA-graph capture and torch.compile tracing these terms are left out).
+    host_dense_s: float = 65e-6
+    host_twell_s: float = 175e-6
+    host_block_s: float = 300e-6
 
 
 COST_MODEL = CostModel()
@@ -129,15 +137,25 @@ def predicted_block_time(
 AUTO_MARGIN = 0.92
 
 
-def auto_method(M: int, K: int, N: int, mean_nnz: float, dtype: torch.dtype) -> str:
+def auto_method(M: int, K: int, N: int, mean_nnz: float, dtype: torch.dtype, eager: bool = False) -> str:
     """The method auto runs for ``mean_nnz`` gate non-zeros per token: the fastest predicted of twell, block (from
-    ``block_min_tokens``) and dense, a sparse one only if it beats dense by the margin."""
+    ``block_min_tokens``) and dense, a sparse one only if it beats dense by the margin. ``eager``: the call runs
+    from Python, not inside a CUDA graph or a compiled graph, so each method costs at least its host time."""
+    cm = COST_MODEL
     twell, dense = predicted_times(M, K, N, mean_nnz, dtype)
-    predicted = {"twell": twell}  # first: a tie with block goes to twell
-    if M >= COST_MODEL.block_min_tokens:
-        predicted["block"] = predicted_block_time(M, K, N, mean_nnz, dtype)
-    predicted["dense"] = dense
-    return pick_fastest(predicted, baseline="dense", margin=AUTO_MARGIN if M >= 2 * COST_MODEL.n_sms else 1.0)
+    predicted = {"twell": max(twell, cm.host_twell_s) if eager else twell}  # first: a tie with block goes to twell
+    if M >= cm.block_min_tokens:
+        block = predicted_block_time(M, K, N, mean_nnz, dtype)
+        predicted["block"] = max(block, cm.host_block_s) if eager else block
+    predicted["dense"] = max(dense, cm.host_dense_s) if eager else dense
+    return pick_fastest(predicted, baseline="dense", margin=AUTO_MARGIN if M >= 2 * cm.n_sms else 1.0)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_auto_method(M: int, K: int, N: int, mean_nnz: float, dtype: torch.dtype, eager: bool) -> str:
+    # The cost model is pure Python arithmetic (tens of microseconds); a decode loop asks the same question every
+    # step, so the answer is memoised on the estimate rounded to a tenth of a non-zero.
+    return auto_method(M, K, N, mean_nnz, dtype, eager)
 
 
 def probe_stats(x2: torch.Tensor, w_gate: torch.Tensor, b_gate: torch.Tensor | None) -> torch.Tensor:
@@ -168,7 +186,9 @@ def resolve_method(
         if estimate is None and M > 0:
             estimate = ESTIMATES.estimate(w_gate, lambda: probe_stats(x2, w_gate, b_gate), observable(x2))
     if estimate is not None:
-        return auto_method(M, K, w_gate.shape[0], estimate, x2.dtype)
+        # Host time matters for real launches from Python only: CUDA tensors, outside graph capture and tracing.
+        eager = x2.is_cuda and not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing()
+        return _cached_auto_method(M, K, w_gate.shape[0], round(float(estimate), 1), x2.dtype, eager)
     if torch.compiler.is_compiling() or M > 0:
         # Nothing can be read (tracing, or a capture before any observation); a compiled graph must not depend on a
         # changing estimate either: assume the sparse regime.
