@@ -471,6 +471,7 @@ WORKLOAD_FAMILIES: dict[str, tuple[str, ...]] = {
     "splade": ("splade",),
     "splade_sum": ("splade",),
     "ffn": ("ffn",),
+    "model": ("ffn",),  # a whole patched Llama: its only sparsefuse kernels are the FFN's
 }
 
 

@@ -94,6 +94,7 @@ class Case:
     eager_impl: str | None = "eager"
     compile_impl: str | None = "torch.compile"
     auto_choices: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    tokens: int = 0  # tokens one call processes (a model's batch x sequence): gives the tokens/s column
 
 
 WorkloadFn = Callable[[Options], list[Case]]
@@ -107,20 +108,31 @@ class WorkloadInfo:
 
     title: str
     shape: str = "shape"
+    # Optional, for workloads the generic report does not suit: extra markdown lines from the rows, and a plot
+    # ``plot(rows, meta, path) -> drawn`` in place of the generic one.
+    summary: Callable[[Sequence[Result]], list[str]] | None = None
+    plot: Callable[[Sequence[Result], dict[str, str], Any], bool] | None = None
 
 
 WORKLOAD_INFO: dict[str, WorkloadInfo] = {}
 
 
-def register(name: str, title: str = "", shape: str = "shape") -> Callable[[WorkloadFn], WorkloadFn]:
+def register(
+    name: str,
+    title: str = "",
+    shape: str = "shape",
+    *,
+    summary: Callable[[Sequence[Result]], list[str]] | None = None,
+    plot: Callable[[Sequence[Result], dict[str, str], Any], bool] | None = None,
+) -> Callable[[WorkloadFn], WorkloadFn]:
     """Decorator: ``@register("snake", "Snake: sparsefuse vs ...", "[batch, channels, time]") def snake_cases(options)
-    -> list[Case]``."""
+    -> list[Case]``; ``summary`` and ``plot`` as :class:`WorkloadInfo`."""
 
     def wrap(fn: WorkloadFn) -> WorkloadFn:
         if name in WORKLOADS and WORKLOADS[name] is not fn:
             raise ValueError(f"benchmark workload {name!r} is registered twice")
         WORKLOADS[name] = fn
-        WORKLOAD_INFO[name] = WorkloadInfo(title or name, shape)
+        WORKLOAD_INFO[name] = WorkloadInfo(title or name, shape, summary, plot)
         return fn
 
     return wrap
@@ -155,6 +167,7 @@ class Result:
     median_us: float = math.nan
     gbps: float = math.nan
     tflops: float = math.nan
+    tokens_per_s: float = math.nan  # Case.tokens / time, for cases that name their tokens
     ceiling: str = "none"
     pct_ceiling: float = math.nan
     speedup_eager: float = math.nan
@@ -418,6 +431,8 @@ def run_case(case: Case, options: Options, ceilings: Ceilings, advance: Callable
                 row.gbps = case.bytes_moved / seconds / 1e9
             if case.flops:
                 row.tflops = case.flops / seconds / 1e12
+            if case.tokens:
+                row.tokens_per_s = case.tokens / seconds
             achieved = {"copy": case.bytes_moved / seconds, "matmul": case.flops / seconds}.get(case.ceiling)
             if achieved:
                 row.pct_ceiling = 100.0 * achieved / ceilings.rate(case.ceiling)

@@ -128,6 +128,8 @@ def format_row(r: Result) -> list[str]:
         rate = _num(r.tflops, ".1f", " TFLOP/s")
     elif math.isfinite(r.gbps):
         rate = _num(r.gbps, ".0f", " GB/s")
+    elif math.isfinite(r.tokens_per_s) and not math.isfinite(r.tflops):
+        rate = _num(r.tokens_per_s, ".0f", " tok/s")
     else:
         rate = _num(r.tflops, ".1f", " TFLOP/s")
     return [
@@ -299,6 +301,8 @@ def write_markdown(rows: Sequence[Result], meta: dict[str, str], path: Path, plo
     if plot_name:
         parts += [f"![{', '.join(workloads)}]({plot_name})", ""]
     parts += auto_summary(rows)
+    if info is not None and info.summary is not None:
+        parts += info.summary(rows)
     parts += [_markdown_table(TABLE_HEADERS, (format_row(r) for r in rows)), ""]
     path.write_text("\n".join(parts))
 
@@ -441,6 +445,9 @@ def write_plot(rows: Sequence[Result], meta: dict[str, str], path: Path) -> bool
         import matplotlib.pyplot as plt
     except ImportError:
         return False
+    custom = {WORKLOAD_INFO[r.workload].plot for r in rows if r.workload in WORKLOAD_INFO}
+    if len(custom) == 1 and None not in custom:  # one workload that draws its own plot
+        return custom.pop()(rows, meta, path)
     panels = _panels(rows)
     if not panels:
         return False
