@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -170,14 +171,23 @@ def probe_stats(x2: torch.Tensor, w_gate: torch.Tensor, b_gate: torch.Tensor | N
 ESTIMATES = EstimateCache()  # per gate weight: the default call's estimate
 
 
+# (M, K, N, estimate, dtype) keys whose in-graph pick was warmed up (see resolve_method).
+_GRAPH_READY: set[tuple] = set()
+
+
 def resolve_method(
     x2: torch.Tensor,
     w_gate: torch.Tensor,
     b_gate: torch.Tensor | None,
     expected_nnz: float | None,
     monitor: SparsityMonitor | None,
+    warm_up: Callable[[str], object] = lambda method: None,
 ) -> str:
-    """What ``method="auto"`` runs for x2 [M, K] and w_gate [N, K] (see the module docstring for the estimate)."""
+    """What ``method="auto"`` runs for x2 [M, K] and w_gate [N, K] (see the module docstring for the estimate).
+
+    An eager call may run dense where the same call inside a CUDA graph would run the sparse kernels (the host time
+    term). The usual way into a graph is to call eagerly first and then capture, and a capture cannot compile or
+    tune a kernel; so the first time that happens for a shape, ``warm_up(method)`` runs the in-graph pick once."""
     M, K = x2.shape
     estimate = expected_nnz
     if estimate is None and not torch.compiler.is_compiling():
@@ -188,7 +198,14 @@ def resolve_method(
     if estimate is not None:
         # Host time matters for real launches from Python only: CUDA tensors, outside graph capture and tracing.
         eager = x2.is_cuda and not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing()
-        return _cached_auto_method(M, K, w_gate.shape[0], round(float(estimate), 1), x2.dtype, eager)
+        key = (M, K, w_gate.shape[0], round(float(estimate), 1), x2.dtype)
+        method = _cached_auto_method(*key, eager)
+        if eager and key not in _GRAPH_READY:
+            _GRAPH_READY.add(key)
+            in_graph = _cached_auto_method(*key, False)
+            if in_graph != method:
+                warm_up(in_graph)
+        return method
     if torch.compiler.is_compiling() or M > 0:
         # Nothing can be read (tracing, or a capture before any observation); a compiled graph must not depend on a
         # changing estimate either: assume the sparse regime.

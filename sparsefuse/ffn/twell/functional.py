@@ -192,7 +192,16 @@ def twell_mlp(
     if _needs_grad(x, w_gate, w_up, w_down, b_gate, b_up, b_down):
         return dense_mlp(x2, w_gate, b_gate, w_up, b_up, w_down_t.t(), b_down).reshape(out_shape)
     if method == "auto":
-        method = resolve_method(x2, w_gate, b_gate, expected_nnz, monitor)
+        method = resolve_method(
+            x2,
+            w_gate,
+            b_gate,
+            expected_nnz,
+            monitor,
+            warm_up=lambda m: launch_mlp(
+                x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile or 0, compression, m, False
+            ),
+        )
     with_stats = (
         monitor is not None
         and not torch.compiler.is_compiling()
