@@ -534,3 +534,37 @@ def test_auto_under_cuda_graph_capture_gpu(device):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(y_graph, y)
+
+
+@pytest.mark.gpu
+def test_module_decode_step_eager_dense_then_captured_sparse_gpu(device):
+    """One token from Python: the module runs the dense ops directly (host-bound: cheaper), feeding the estimate
+    through twell_mlp every EAGER_REFRESH-th call; a CUDA-graph capture of the same call runs the TwELL kernels,
+    compiled and tuned by the eager warm-up, and gives the float64 reference's result."""
+    from sparsefuse.nn import SparseGatedMLP
+
+    ffn = synthetic_ffn(2048, 5632, dtype=torch.bfloat16, device=device, seed=14)
+    mlp = SparseGatedMLP(2048, 5632, device=device, dtype=torch.bfloat16)
+    with torch.no_grad():
+        mlp.gate_proj.weight.copy_(ffn.w_gate)
+        mlp.up_proj.weight.copy_(ffn.w_up)
+        mlp.down_proj.weight.copy_(ffn.w_down)
+    x = ffn.make_input(1, 30.0).reshape(1, 1, 2048)
+    with torch.no_grad():
+        for _ in range(3):
+            mlp(x)  # the first call counts the estimate (and warms up the in-graph pick)
+        with track_launches() as launched:
+            for _ in range(SparseGatedMLP.EAGER_REFRESH - 1):
+                y_eager = mlp(x)
+        assert launched["twell_up_down_fwd_kernel"] == 0, launched
+        graph = torch.cuda.CUDAGraph()
+        with track_launches() as launched, torch.cuda.graph(graph):
+            y_graph = mlp(x)
+        assert launched["twell_up_down_fwd_kernel"] == 1, launched
+        graph.replay()
+    torch.cuda.synchronize()
+    x2 = x.reshape(1, 2048)
+    ref = torch_twell_mlp(x2, ffn.w_gate, ffn.w_up, ffn.w_down)
+    lowp = torch_lowp_mlp(x2, ffn.w_gate, ffn.w_up, ffn.w_down)
+    assert_close_to_reference(y_graph.reshape(1, 2048), ref, lowp)
+    assert_close_to_reference(y_eager.reshape(1, 2048), ref, lowp)

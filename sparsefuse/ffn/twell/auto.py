@@ -171,7 +171,17 @@ def probe_stats(x2: torch.Tensor, w_gate: torch.Tensor, b_gate: torch.Tensor | N
 ESTIMATES = EstimateCache()  # per gate weight: the default call's estimate
 
 
-# (M, K, N, estimate, dtype) keys whose in-graph pick was warmed up (see resolve_method).
+def eager_runs_dense(w_gate: torch.Tensor, M: int, dtype: torch.dtype) -> bool:
+    """Whether an eager CUDA call of M tokens on this gate weight would run dense by its current estimate (False
+    when none exists yet): a dictionary lookup, for callers that can then skip the functional API's checks."""
+    monitor = ESTIMATES.monitor(w_gate)
+    if monitor is None or monitor.mean_nnz is None:
+        return False
+    N, K = w_gate.shape
+    return _cached_auto_method(M, K, N, round(monitor.mean_nnz, 1), dtype, True) == "dense"
+
+
+# (M, K, N, dtype, method) whose in-graph pick was warmed up once (see resolve_method).
 _GRAPH_READY: set[tuple] = set()
 
 
@@ -200,10 +210,11 @@ def resolve_method(
         eager = x2.is_cuda and not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing()
         key = (M, K, w_gate.shape[0], round(float(estimate), 1), x2.dtype)
         method = _cached_auto_method(*key, eager)
-        if eager and key not in _GRAPH_READY:
-            _GRAPH_READY.add(key)
+        if eager:
             in_graph = _cached_auto_method(*key, False)
-            if in_graph != method:
+            ready = (M, K, w_gate.shape[0], x2.dtype, in_graph)
+            if in_graph != method and ready not in _GRAPH_READY:
+                _GRAPH_READY.add(ready)
                 warm_up(in_graph)
         return method
     if torch.compiler.is_compiling() or M > 0:
