@@ -66,7 +66,6 @@ class CostModel:
     # host time (under CUDA-graph capture and torch.compile tracing these terms are left out).
     host_dense_s: float = 65e-6
     host_twell_s: float = 175e-6
-    host_block_s: float = 300e-6
 
 
 COST_MODEL = CostModel()
@@ -145,9 +144,8 @@ def auto_method(M: int, K: int, N: int, mean_nnz: float, dtype: torch.dtype, eag
     cm = COST_MODEL
     twell, dense = predicted_times(M, K, N, mean_nnz, dtype)
     predicted = {"twell": max(twell, cm.host_twell_s) if eager else twell}  # first: a tie with block goes to twell
-    if M >= cm.block_min_tokens:
-        block = predicted_block_time(M, K, N, mean_nnz, dtype)
-        predicted["block"] = max(block, cm.host_block_s) if eager else block
+    if M >= cm.block_min_tokens:  # where the GPU time of every method exceeds its host time
+        predicted["block"] = predicted_block_time(M, K, N, mean_nnz, dtype)
     predicted["dense"] = max(dense, cm.host_dense_s) if eager else dense
     return pick_fastest(predicted, baseline="dense", margin=AUTO_MARGIN if M >= 2 * cm.n_sms else 1.0)
 
