@@ -85,7 +85,7 @@ def test_skipped_without_synthetic_llama(monkeypatch):
 
 
 @pytest.mark.parametrize("method", ["auto", "twell"])
-def test_patched_and_unpatched_compute_the_same_logits(tiny, monkeypatch, method):
+def test_patched_and_unpatched_compute_the_same_logits(tiny, monkeypatch, method, device):
     """Every case's two implementations agree (tiny model, float32, the Triton interpreter for the patched FFN:
     the default method, and the TwELL kernels forced); a decode step is the last position of a forward over
     context + new token, and repeats identically (the cache is rewound)."""
@@ -97,7 +97,7 @@ def test_patched_and_unpatched_compute_the_same_logits(tiny, monkeypatch, method
     pairs: list[workload._ModelPair] = []
     make_pair = workload._ModelPair
     monkeypatch.setattr(workload, "_ModelPair", lambda build: pairs.append(make_pair(build)) or pairs[-1])
-    cases = harness.WORKLOADS["model"](Options(quick=True, device="cpu", dtypes=(torch.float32,)))
+    cases = harness.WORKLOADS["model"](Options(quick=True, device=str(device), dtypes=(torch.float32,)))
     assert len(cases) == 9 and all(c.dtype == torch.float32 for c in cases)
     for case in cases:
         inputs = case.make_inputs()

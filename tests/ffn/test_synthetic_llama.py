@@ -86,9 +86,9 @@ def test_deterministic_in_seed():
 
 
 @pytest.mark.parametrize("method", ["twell", "block"])
-def test_patched_model_matches_unpatched(method):
-    model = _tiny()
-    ids = _fresh_ids((2, 16))
+def test_patched_model_matches_unpatched(method, device):
+    model = _tiny().to(device)
+    ids = _fresh_ids((2, 16)).to(device)
     with torch.no_grad():
         reference = copy.deepcopy(model)(input_ids=ids).logits
         stats_before = model_gate_statistics(model, ids)
