@@ -449,6 +449,21 @@ def test_opcheck_and_fullgraph_compile(device):
     assert_close_to_reference(y, ref, torch_lowp_mlp(x, w_gate, w_up, w_down, b_gate))
 
 
+def test_compiled_auto_follows_the_eager_estimate(device):
+    """A compiled graph takes the pick of the estimate that eager calls left for the gate weight (random weights:
+    half the neurons fire, so dense), frozen at trace time: no sync and no guard on the estimate."""
+    w_gate, w_up, w_down, _, _, _ = mlp_weights(24, 40, torch.float32, device, bias=False)
+    x = torch.randn(3, 24, device=device)
+    twell_mlp(x, w_gate, w_up, w_down, tile=16, compression=2)  # eager: the estimate (~20 of 40 fire)
+    assert twell_auto.ESTIMATES.monitor(w_gate).mean_nnz > 10
+    backend = "inductor" if device.type == "cuda" else "aot_eager"
+    fn = torch.compile(lambda *a: twell_mlp(*a, tile=16, compression=2), fullgraph=True, backend=backend)
+    with track_launches() as launched:
+        y = fn(x, w_gate, w_up, w_down)
+    assert launched["twell_up_down_fwd_kernel"] == 0 and launched["twell_gate_fwd_kernel"] == 0, launched
+    assert_close_to_reference(y, torch_twell_mlp(x, w_gate, w_up, w_down), torch_lowp_mlp(x, w_gate, w_up, w_down))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # GPU: bf16 and the real shapes
 # ----------------------------------------------------------------------------------------------------------------

@@ -215,8 +215,21 @@ def resolve_method(
                 _GRAPH_READY.add(ready)
                 warm_up(in_graph)
         return method
-    if torch.compiler.is_compiling() or M > 0:
-        # Nothing can be read (tracing, or a capture before any observation); a compiled graph must not depend on a
-        # changing estimate either: assume the sparse regime.
+    if torch.compiler.is_compiling() and isinstance(M, int) and M > 0:
+        return _traced_pick(w_gate, M, K, w_gate.shape[0], x2.dtype)
+    if M > 0:
+        # Nothing can be read (a capture before any observation, or a symbolic batch size under tracing): assume the
+        # sparse regime.
         return "twell"
     return "dense"  # an empty batch: nothing to count, nothing to gain
+
+
+@torch.compiler.assume_constant_result
+def _traced_pick(w_gate: torch.Tensor, M: int, K: int, N: int, dtype: torch.dtype) -> str:
+    """The pick frozen into a compiled graph: evaluated once at trace time from the estimate the eager calls left
+    for this gate weight (``twell`` when there is none), and not guarded on, so a drifting estimate never recompiles
+    the graph. Compile after a warm-up call for the pick to follow the model's sparsity."""
+    monitor = ESTIMATES.monitor(w_gate)
+    if monitor is None or monitor.mean_nnz is None:
+        return "twell"
+    return _cached_auto_method(M, K, N, round(monitor.mean_nnz, 1), dtype, False)
