@@ -4,8 +4,9 @@ gate non-zeros per token, and where that mean comes from.
 The estimate is, first available: ``expected_nnz``; an explicit :class:`~sparsefuse._auto.SparsityMonitor`'s
 running estimate; the per-gate-weight :data:`ESTIMATES` cache, whose first observable call on a weight computes the
 gate of <= :data:`PROBE_TOKENS` sampled tokens densely and reads the count (the one host sync of that weight's
-life), and which later folds in a new sample every few calls without a sync. Under torch.compile tracing, and under
-CUDA-graph capture before anything was observed, nothing can be read: the call assumes the sparse regime (twell).
+life), and which later folds in a new sample every few calls without a sync. Under torch.compile tracing the pick of
+the cached estimate is frozen into the graph (:func:`_traced_pick`); under CUDA-graph capture the cached estimate is
+read as it stands. With nothing observed yet, the call assumes the sparse regime (twell).
 """
 
 from __future__ import annotations
