@@ -11,8 +11,6 @@ there, SAELens (deciding on the dtype-rounded value) and the kernels (deciding i
 """
 
 import dataclasses
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -350,8 +348,7 @@ def test_gpu_gemma_scope_2b_topk(fused_encode, device):
     """bf16 at k = 64. Default: SAELens' own selection, then the sparse decode. fused_encode: SAELens picks among
     bf16-rounded near-ties, we pick on float32 values. Either way the reconstruction must be at least as close to
     the float64 run as SAELens' (norm-wise), and the selection a valid top-k."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sae"))  # what pytest does for the folder it collects
-    from test_topk_encode import assert_valid_topk, pre_activations_and_bound
+    from helpers import assert_valid_topk, pre_activations_and_bound
 
     sae = build_sae(
         TopKSAE,

@@ -1,19 +1,14 @@
 """sparse_decode / topk_decode against the float64 dense product, on the interpreter (fp16/fp32; see README)."""
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from conftest import DEVICE, assert_backend
+from helpers import sparse_rows
 
 from sparsefuse import track_launches
 from sparsefuse.sae import sparse_decode, topk_decode
 from sparsefuse.sae.decode import sparse_decode_backward_op, sparse_decode_op
 from sparsefuse.testing import accumulation_allowance, assert_close_to_reference
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sparse"))  # what pytest does for the folder it collects
-from test_sparse_core import sparse_rows  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 

@@ -9,6 +9,7 @@ data. Interpreter: fp16/fp32 only (its bf16 ``tl.dot`` is wrong).
 import pytest
 import torch
 from conftest import DEVICE, assert_backend
+from helpers import assert_valid_topk, pre_activations_and_bound
 
 from sparsefuse import track_launches
 from sparsefuse.sae.topk import keys as topk_keys
@@ -25,40 +26,6 @@ def make_inputs(M, d_in, d_sae, dtype, device, *, with_b_dec=True, scale=False):
     b_dec = (torch.randn(d_in) * 0.1).to(dtype) if with_b_dec else None
     feature_scale = (torch.rand(d_sae) + 0.5).to(dtype) if scale else None
     return [t.to(device) if t is not None else None for t in (x, w, b_enc, b_dec, feature_scale)]
-
-
-def pre_activations_and_bound(x, w, b_enc, b_dec=None, feature_scale=None):
-    """float64 pre-activations [M, d_sae] and a bound on the kernel's error in each: the rounding of x - b_dec to
-    x's dtype, fp32 accumulation in any order (Higham), the fp32 bias add and scale."""
-    sae_in = x.double() - (b_dec.double() if b_dec is not None else 0.0)
-    pre = sae_in @ w.double() + b_enc.double()
-    u32 = torch.finfo(torch.float32).eps / 2
-    u_in = torch.finfo(x.dtype).eps / 2 if b_dec is not None else 0.0
-    magnitude = sae_in.abs() @ w.double().abs()
-    bound = u_in * magnitude + accumulation_allowance(sae_in, w) + 2 * u32 * (pre.abs() + b_enc.double().abs())
-    if feature_scale is not None:
-        pre, bound = pre * feature_scale.double(), bound * feature_scale.double().abs() + u32 * pre.abs()
-    return pre.cpu(), bound.cpu()
-
-
-def assert_valid_topk(indices, acts, pre, bound, k, activation="relu"):
-    """``indices`` must be k distinct features that a top-k of ``pre`` perturbed within ``bound`` could select, in
-    decreasing order, and ``acts`` their activations."""
-    indices, acts = indices.cpu(), acts.cpu()
-    M = pre.shape[0]
-    assert indices.shape == acts.shape == (M, k) and indices.dtype == torch.int64
-    assert bool(((indices >= 0) & (indices < pre.shape[1])).all())
-    assert all(len(set(row.tolist())) == k for row in indices), "a feature was selected twice"
-    selected = torch.zeros_like(pre, dtype=torch.bool).scatter_(1, indices, True)
-    lowest_selected = torch.where(selected, pre + bound, float("inf")).min(1).values
-    highest_unselected = torch.where(selected, -float("inf"), pre - bound).max(1).values
-    bad = highest_unselected > lowest_selected
-    assert not bool(bad.any()), f"rows {bad.nonzero().flatten().tolist()[:5]} skipped a clearly larger feature"
-    assert bool((acts[:, 1:] <= acts[:, :-1]).all()), "not in decreasing order"
-    ref = pre.gather(1, indices)
-    assert_close_to_reference(
-        acts, ref.relu() if activation == "relu" else ref, dtype=acts.dtype, extra_abs=bound.gather(1, indices)
-    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -3,6 +3,7 @@
 import pytest
 import torch
 from conftest import assert_backend
+from helpers import sparse_rows
 
 from sparsefuse import track_launches
 from sparsefuse.sparse import (
@@ -17,16 +18,6 @@ from sparsefuse.sparse import (
 )
 from sparsefuse.sparse.sddmm import sampled_dot_dense_pattern
 from sparsefuse.testing import accumulation_allowance, assert_close_to_reference
-
-
-def sparse_rows(m: int, n: int, l0s: list[int], dtype=torch.float32, device="cpu") -> torch.Tensor:
-    """[m, n] with row i holding l0s[i % len(l0s)] non-zeros at random columns (values never 0)."""
-    dense = torch.zeros(m, n)
-    for i in range(m):
-        k = min(l0s[i % len(l0s)], n)
-        cols = torch.randperm(n)[:k]
-        dense[i, cols] = torch.randn(k).abs().add_(0.1) * torch.where(torch.rand(k) < 0.5, -1.0, 1.0)
-    return dense.to(dtype).to(device)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
