@@ -12,7 +12,7 @@ Construction (all seeded):
   nearly the same for any batch shape.
 - The gate rows of layer l share a common direction so that tokens differ in how many neurons they fire (the
   heavy tail across tokens): ``w_n = 0.02 * sqrt(K) * normalize(alpha * u_l + r_n)``, ``u_l`` one random unit
-  vector per layer, ``r_n`` random unit vectors, ``alpha = _ALPHA`` = 0.6, so ``x . w_n ~ alpha * (x . u_l) +
+  vector per layer, ``r_n`` random unit vectors, ``alpha = _ALPHA`` = 0.8, so ``x . w_n ~ alpha * (x . u_l) +
   (x . r_n)``: a token whose input points along ``u_l`` crosses many neurons' thresholds at once.
 - Each neuron gets a target firing probability ``p_n``: 0 for a ``_DEAD_FRACTION`` = 30% of the neurons,
   log-normal (sigma ``_NEURON_SPREAD`` = 1) across the others (hot and rare neurons), scaled so that
@@ -80,13 +80,20 @@ LLAMA_SHAPES: dict[str, dict] = {
     ),
 }
 
-_ALPHA = 0.6  # weight of the shared gate direction (sets the per-token tail)
+_ALPHA = 0.8  # weight of the shared gate direction (sets the per-token tail)
 _NEURON_SPREAD = 1.0  # log-normal sigma of the live neurons' firing probabilities (hot-10% share ~45%)
 _DEAD_FRACTION = 0.3
 _DEAD_BIAS = -1.0e4  # far below any pre-activation, and exact in bf16/fp16
 _EMBED_STD = 1.0  # token embeddings dominate the residual stream (see the module docstring)
 _P_MAX = 0.9  # no neuron fires for every token
 _CALIBRATION_SEQ = 256
+# Norm of each residual branch's output (attention, MLP) as a share of the token embedding's, set during calibration.
+# At transformers' init the attention output of a wide model rivals the embedding (its norm grows like K * 0.02^2 of
+# the embedding's: 0.8x at K=2048, 1.6x at K=4096) and depends on the position and the context, so deep layers'
+# inputs drift with the batch shape and thresholds set on one shape miss on another (measured at the 8B shape: 30
+# non-zeros per token in the first layers, 100-700 in deep ones). Small branches keep every layer's input close to
+# its token's embedding, whatever the context.
+BRANCH_SHARE: float | None = 0.05
 _NEURON_CHUNK = 2048  # neurons whose pre-activations are held at once during calibration
 
 
@@ -235,7 +242,23 @@ def synthetic_llama(
 
         return hook
 
+    embed_norm = _EMBED_STD * math.sqrt(K)
+
+    def shrink(proj: nn.Linear):
+        def hook(module: nn.Module, args: tuple, output):
+            out = output[0] if isinstance(output, tuple) else output
+            scale = BRANCH_SHARE * embed_norm / max(float(out.float().norm(dim=-1).mean()), 1e-30)
+            proj.weight.mul_(scale)
+            out.mul_(scale)
+            return output
+
+        return hook
+
     handles = [mlp.register_forward_pre_hook(calibrate(p)) for mlp, p in zip(mlps, targets)]
+    if BRANCH_SHARE is not None:
+        for layer in model.model.layers:
+            handles.append(layer.self_attn.register_forward_hook(shrink(layer.self_attn.o_proj)))
+            handles.append(layer.mlp.register_forward_hook(shrink(layer.mlp.down_proj)))
     try:
         ids = _random_ids(config.vocab_size, calibration_tokens, _CALIBRATION_SEQ, g).to(device)
         model.model(input_ids=ids)  # the decoder stack only: the logits are not needed
