@@ -28,10 +28,10 @@ Construction (all seeded):
   calibration tokens those put the realised means 15-30% above the target: the rare neurons' thresholds are set
   by one or two samples, and the top tokens' common-direction excess shifts every threshold together).
 
-Realised on fresh tokens (1.5B shape, 2 layers, float32, 1024 calibration tokens, ``mean_nnz=30``; batches of
-8 x 256, 1 x 2048 and 256 x 1 tokens): mean 29-34 non-zeros per token per layer, median 10-12, p90 73-105, p99
-220-280, max 300-1400, the hottest 10% of the neurons take 45-53% of the firings (the layer generator of
-:mod:`.layer`: median ~8, p90 ~80, p99 ~270, ~45%).
+Realised on fresh tokens (H200, bf16, full depth, ``mean_nnz=30``; batches of 8 x 256, 1 x 512, 1 x 2048): every
+layer's mean is 20-41 non-zeros per token at the 1.5B shape and 17-41 at the 8B shape; the first layer's median
+is 3-6 and its p99 330-475 (the layer generator of :mod:`.layer`: median ~8, p99 ~270). See :data:`BRANCH_SHARE`
+for why the residual branches are scaled down.
 
 What is and is not realistic: the per-layer gate statistics (mean non-zeros per token, a heavy per-token tail,
 hot and ~30% dead neurons; check them with :func:`model_gate_statistics` on fresh tokens) and every shape, dtype
