@@ -13,12 +13,12 @@ kernels; when autograd needs gradients the block runs densely (differentiable).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .._auto import SparsityMonitor
+from .._auto import SparsityMonitor, observable
 from ..ffn.twell import DEFAULT_COMPRESSION, METHODS, twell_down_layout, twell_mlp
 from ..ffn.twell.auto import ESTIMATES, eager_runs_dense
+from ..ffn.twell.reference import dense_mlp
 
 
 class SparseGatedMLP(nn.Module):
@@ -63,11 +63,7 @@ class SparseGatedMLP(nn.Module):
             self.relayout_down_proj()  # a new weight was assigned or loaded with another layout
         if self.method == "auto" and self._eager_dense(x):
             gate, up, down = self.gate_proj, self.up_proj, self.down_proj
-            return F.linear(
-                torch.relu(F.linear(x, gate.weight, gate.bias)) * F.linear(x, up.weight, up.bias),
-                down.weight,
-                down.bias,
-            )
+            return dense_mlp(x, gate.weight, gate.bias, up.weight, up.bias, down.weight, down.bias)
         return twell_mlp(
             x,
             self.gate_proj.weight,
@@ -86,7 +82,7 @@ class SparseGatedMLP(nn.Module):
         module then calls the same five dense ops as ``LlamaMLP`` directly, skipping the functional API's checks
         (~60 us a call). Every ``EAGER_REFRESH``-th call still goes through :func:`twell_mlp`, which keeps the
         estimate fed; compiled and captured calls always do."""
-        if torch.compiler.is_compiling() or not x.is_cuda or torch.cuda.is_current_stream_capturing():
+        if not (x.is_cuda and observable(x)):
             return False
         self._eager_calls += 1
         if self._eager_calls % self.EAGER_REFRESH == 0 or x.shape[-1] != self.hidden_size:

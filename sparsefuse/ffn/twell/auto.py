@@ -206,7 +206,7 @@ def resolve_method(
             estimate = ESTIMATES.estimate(w_gate, lambda: probe_stats(x2, w_gate, b_gate), observable(x2))
     if estimate is not None:
         # Host time matters for real launches from Python only: CUDA tensors, outside graph capture and tracing.
-        eager = x2.is_cuda and not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing()
+        eager = x2.is_cuda and observable(x2)
         key = (M, K, w_gate.shape[0], round(float(estimate), 1), x2.dtype)
         method = _cached_auto_method(*key, eager)
         if eager:
