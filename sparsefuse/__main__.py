@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -67,6 +68,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="directory for <workload>-<gpu>[-quick].csv/.md/.png (default: %(default)s)",
     )
     bench.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
+    bench.add_argument(
+        "--shapes",
+        metavar="REGEX",
+        default=None,
+        help="run only the cases whose shape label matches REGEX (re.search), e.g. '^8B nnz=30 prefill'",
+    )
+    bench.add_argument(
+        "--merge",
+        action="store_true",
+        help="merge into the result sets already in --out: re-measured rows replace theirs, other rows are kept "
+        "(a grid too long for one machine session, run in parts)",
+    )
 
     check = sub.add_parser(
         "check", help="compare every op (or the ops of the named workloads) with its float64 reference"
@@ -187,6 +200,13 @@ def _bench(names: list[str], args: argparse.Namespace, dtypes: tuple[torch.dtype
 
     options = Options(quick=args.quick, dtypes=dtypes, log=say)
     cases = [case for name in names for case in WORKLOADS[name](options)]
+    if args.shapes is not None:
+        try:
+            wanted = re.compile(args.shapes)
+        except re.error as exc:
+            say(f"sparsefuse bench: --shapes {args.shapes!r} is not a regular expression: {exc}")
+            return 2
+        cases = [case for case in cases if wanted.search(case.shape)]
     if not cases:
         say("sparsefuse bench: nothing to run")
         return 1
@@ -220,7 +240,7 @@ def _bench(names: list[str], args: argparse.Namespace, dtypes: tuple[torch.dtype
 
     meta = environment(ceilings, gpu, l2_cache_bytes())
     print_table(rows, meta, console)
-    for path in write_results(rows, meta, out_dir, quick=args.quick, plot=not args.no_plot):
+    for path in write_results(rows, meta, out_dir, quick=args.quick, plot=not args.no_plot, merge=args.merge):
         say(f"wrote {path}")
     partial.unlink(missing_ok=True)
     failed = [r for r in rows if r.status != "ok"]

@@ -102,13 +102,15 @@ class EstimateCache:
     ``estimate(weight, stats)``: ``weight`` keys the estimate (the decoder or the gate weight; the entry dies with
     it); ``stats`` is a zero-argument callable returning the [2] int64 device tensor (non-zeros, rows) of the current
     call's input, called only when an observation is due. The first observable call with a new weight counts its
-    sample on the host (the one sync of that weight's life); later calls read the monitor, which folds in a new
-    sample every ``observe_every`` calls once it has arrived. Under compile tracing, fake tensors or CUDA-graph
-    capture it only reads (None when nothing was ever observed)."""
+    sample on the host (the one sync of that weight's life); later calls read the monitor, which folds in new
+    samples once they have arrived. Samples are taken every ``observe_every`` calls at first, then ever more rarely
+    (the gap doubles with the calls made, up to ``max_every``): a layer's sparsity moves slowly, and each sample
+    costs a few launches of host time that a host-bound decode loop would otherwise pay every few steps. Under
+    compile tracing, fake tensors or CUDA-graph capture it only reads (None when nothing was ever observed)."""
 
-    def __init__(self, observe_every: int = 8) -> None:
-        self.observe_every = observe_every
-        self._entries: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight -> [SparsityMonitor, calls]
+    def __init__(self, observe_every: int = 8, max_every: int = 256) -> None:
+        self.observe_every, self.max_every = observe_every, max_every
+        self._entries: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight -> [SparsityMonitor, calls, next_at]
 
     def estimate(self, weight: torch.Tensor, stats: Callable[[], torch.Tensor], can_observe: bool) -> float | None:
         if torch.compiler.is_compiling() or type(weight) not in (torch.Tensor, torch.nn.Parameter):
@@ -119,15 +121,29 @@ class EstimateCache:
                 return None
             monitor = SparsityMonitor()
             monitor.update(*(float(v) for v in stats().tolist()))  # the one sync
-            self._entries[weight] = [monitor, 0]
+            self._entries[weight] = [monitor, 0, self.observe_every]
             return monitor.mean_nnz
         monitor = entry[0]
         value = monitor.estimate()
         if can_observe:
             entry[1] += 1
-            if entry[1] % self.observe_every == 0 and monitor.accepts:
+            if entry[1] >= entry[2] and monitor.accepts:
                 monitor.observe(stats())
+                entry[2] = entry[1] + min(self.max_every, max(self.observe_every, entry[1]))
         return value
+
+    def observe(self, weight: torch.Tensor, stats: torch.Tensor) -> bool:
+        """Hand a sample taken by the caller's own route (e.g. a module's dense path) to ``weight``'s monitor:
+        the last one is folded in if it has arrived, and ``stats`` ([2] int64 on the device: non-zeros, rows) is
+        taken unless one is still in flight. Returns False when ``weight`` has no estimate yet (its first call must
+        go through the op, which makes one)."""
+        entry = self._entries.get(weight)
+        if entry is None:
+            return False
+        entry[0].estimate()
+        if entry[0].accepts:
+            entry[0].observe(stats)
+        return True
 
     def monitor(self, weight: torch.Tensor) -> SparsityMonitor | None:
         """The monitor kept for ``weight`` (None before its first observed call)."""

@@ -521,19 +521,38 @@ def write_set(
     return [csv_path, md] + ([png] if plotted else [])
 
 
+def merge_rows(old: Sequence[Result], new: Sequence[Result]) -> list[Result]:
+    """``old`` with every row that ``new`` re-measured (same shape, dtype, direction and implementation) replaced
+    in place, then ``new``'s other rows appended."""
+    key = lambda r: (r.workload, r.shape, r.dtype, r.direction, r.impl)  # noqa: E731
+    fresh = {key(r): r for r in new}
+    merged = [fresh.pop(key(r), r) for r in old]
+    return merged + [r for r in new if key(r) in fresh]
+
+
 def write_results(
-    rows: Sequence[Result], meta: dict[str, str], out_dir: str | Path, quick: bool = False, plot: bool = True
+    rows: Sequence[Result],
+    meta: dict[str, str],
+    out_dir: str | Path,
+    quick: bool = False,
+    plot: bool = True,
+    merge: bool = False,
 ) -> list[Path]:
-    """One set per workload in the rows, named :func:`result_stem` (``<workload>-<gpu>[-quick]``)."""
+    """One set per workload in the rows, named :func:`result_stem` (``<workload>-<gpu>[-quick]``). ``merge``: rows
+    of a set already in ``out_dir`` that these rows do not re-measure are kept (:func:`merge_rows`); the metadata
+    (commit, date) is this run's."""
     by_workload: dict[str, list[Result]] = {}
     for r in rows:
         by_workload.setdefault(r.workload, []).append(r)
     gpu = meta.get("GPU", "unknown")
-    return [
-        path
-        for workload, group in by_workload.items()
-        for path in write_set(group, meta, out_dir, result_stem(gpu, workload, quick), plot)
-    ]
+    paths = []
+    for workload, group in by_workload.items():
+        stem = result_stem(gpu, workload, quick)
+        existing = Path(out_dir) / f"{stem}.csv"
+        if merge and existing.exists():
+            group = merge_rows(read_csv(existing), group)
+        paths += write_set(group, meta, out_dir, stem, plot)
+    return paths
 
 
 def rewrite_from_csv(csv_path: str | Path, plot: bool = True) -> list[Path]:

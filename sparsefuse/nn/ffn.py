@@ -5,27 +5,29 @@ matmul writes TwELL and only the fired rows of up_proj / down_proj are read. ``d
 [hidden, intermediate] shape but is stored column-major (``stride(0) == 1``) so that each neuron's row of
 W_down^T is contiguous; ``load_state_dict`` copies into that layout, ``.to()`` preserves it, and ``F.linear`` reads
 it as is. ``method="auto"`` decides from the estimate of the non-zeros per token that :func:`twell_mlp` keeps per gate
-weight (one host sync in the weight's life, then sync-free samples every few calls), so the module's call costs
-what the functional call costs; :attr:`SparseGatedMLP.monitor` reads that estimate. Inference uses the sparse
+weight (one host sync in the weight's life, then sync-free samples ever more rarely). A plain eager call for which
+that choice is dense runs the dense ops directly, at ``LlamaMLP``'s host cost; :attr:`SparseGatedMLP.monitor`
+reads the estimate. Inference uses the sparse
 kernels; when autograd needs gradients the block runs densely (differentiable).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from .._auto import SparsityMonitor, observable
+from .._auto import SparsityMonitor, observable, sampled_nonzero_stats
 from ..ffn.twell import DEFAULT_COMPRESSION, METHODS, twell_down_layout, twell_mlp
 from ..ffn.twell.auto import ESTIMATES, eager_runs_dense
-from ..ffn.twell.reference import dense_mlp
+from ..ffn.twell.launch import STATS_TOKENS
+
+SAMPLE_EVERY, SAMPLE_EVERY_MAX = 8, 256  # dense eager calls between samples of the gate's sparsity: first, at most
 
 
 class SparseGatedMLP(nn.Module):
     """Parameters: gate_proj.weight [intermediate, hidden], up_proj.weight [intermediate, hidden],
     down_proj.weight [hidden, intermediate] (+ biases when ``bias=True``, as ``LlamaConfig(mlp_bias=True)``)."""
-
-    EAGER_REFRESH = 16
 
     def __init__(
         self,
@@ -48,7 +50,9 @@ class SparseGatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, **kw)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, **kw)
         self.compression, self.tile, self.method = compression, tile, method
-        self._eager_calls = 0
+        self._eager_choice: dict[tuple[int, torch.dtype], bool] = {}  # (tokens, dtype) -> auto runs dense
+        self._eager_choice_weight: torch.Tensor | None = None  # the gate weight those choices were made for
+        self._eager_calls, self._next_sample = 0, SAMPLE_EVERY  # dense eager calls; when the next sample is taken
         self.relayout_down_proj()
 
     @torch.no_grad()
@@ -61,9 +65,8 @@ class SparseGatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.down_proj.weight.stride(0) != 1 and not torch.compiler.is_compiling():
             self.relayout_down_proj()  # a new weight was assigned or loaded with another layout
-        if self.method == "auto" and self._eager_dense(x):
-            gate, up, down = self.gate_proj, self.up_proj, self.down_proj
-            return dense_mlp(x, gate.weight, gate.bias, up.weight, up.bias, down.weight, down.bias)
+        if self.method == "auto" and x.is_cuda and self._eager_dense(x):
+            return self._dense_forward(x)
         return twell_mlp(
             x,
             self.gate_proj.weight,
@@ -78,16 +81,40 @@ class SparseGatedMLP(nn.Module):
         )
 
     def _eager_dense(self, x: torch.Tensor) -> bool:
-        """A decode step run from Python is host-bound, and there ``auto`` runs dense (its host time is lower): the
-        module then calls the same five dense ops as ``LlamaMLP`` directly, skipping the functional API's checks
-        (~60 us a call). Every ``EAGER_REFRESH``-th call still goes through :func:`twell_mlp`, which keeps the
-        estimate fed; compiled and captured calls always do."""
-        if not (x.is_cuda and observable(x)):
+        """Whether this call is a plain eager CUDA call for which ``auto`` runs dense (its host time is lower: a
+        decode step run from Python is host-bound). Such calls skip the functional API (its checks and method
+        choice cost more host time than the five dense ops themselves) and run :meth:`_dense_forward`; the answer
+        is kept per (tokens, dtype) until the next sample of the gate's sparsity. False before the gate weight has
+        an estimate (the call then goes through :func:`twell_mlp`, which makes one), and for compiled or captured
+        calls (they always go through it)."""
+        if not observable(x) or x.shape[-1] != self.hidden_size:
             return False
+        weight = self.gate_proj.weight
+        if self._eager_choice_weight is not weight:  # a new gate weight has its own estimate
+            self._eager_choice.clear()
+            self._eager_choice_weight = weight
+        key = (x.numel() // self.hidden_size, x.dtype)
+        choice = self._eager_choice.get(key)
+        if choice is None:
+            choice = eager_runs_dense(weight, *key)
+            if choice is None:  # no estimate yet
+                return False
+            self._eager_choice[key] = choice
+        return choice
+
+    def _dense_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``LlamaMLP``'s computation (three cuBLAS matmuls, ReLU, product) on x [..., K]. Now and then (after
+        ``SAMPLE_EVERY`` calls, the gap doubling up to ``SAMPLE_EVERY_MAX``) the gate activations are counted on the
+        device for the gate weight's estimate (no sync) and the cached eager choices are dropped, so they follow
+        the sparsity."""
+        gate, up, down = self.gate_proj, self.up_proj, self.down_proj
+        h = torch.relu(F.linear(x, gate.weight, gate.bias))
         self._eager_calls += 1
-        if self._eager_calls % self.EAGER_REFRESH == 0 or x.shape[-1] != self.hidden_size:
-            return False
-        return eager_runs_dense(self.gate_proj.weight, x.numel() // self.hidden_size, x.dtype)
+        if self._eager_calls >= self._next_sample:
+            ESTIMATES.observe(gate.weight, sampled_nonzero_stats(h.reshape(-1, h.shape[-1]), STATS_TOKENS))
+            self._next_sample = self._eager_calls + min(SAMPLE_EVERY_MAX, max(SAMPLE_EVERY, self._eager_calls))
+            self._eager_choice.clear()
+        return F.linear(h * F.linear(x, up.weight, up.bias), down.weight, down.bias)
 
     @property
     def monitor(self) -> SparsityMonitor | None:

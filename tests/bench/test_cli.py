@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import dataclasses
 import math
 import os
 import subprocess
@@ -514,3 +515,38 @@ def test_harness_eager_method_times_plain_calls(monkeypatch):
     case.impls = {"eager": case.impls["eager"], "no graph": case.impls["no graph"]}
     rows = harness.run_cases([case], Options(quick=True, device="cpu"), Ceilings(1e12, 1e15))
     assert [(r.method, r.sets, r.status) for r in rows] == [("eager", 1, "ok"), ("eager", 1, "ok")]
+
+
+def test_merge_keeps_rows_not_remeasured_and_replaces_the_others(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPARSEFUSE_COMMIT", "abc1234")
+    meta = report.environment(Ceilings(3.0e12, 7.5e14), "NVIDIA H100 80GB HBM3", 50 * 10**6)
+    rows = [r for r in _fake_rows() if r.workload == "snake"]
+    report.write_results(rows, meta, tmp_path, plot=False)
+    remeasured = dataclasses.replace(rows[0], median_us=1.0)
+    added = dataclasses.replace(rows[0], shape="2x2x2")
+    report.write_results([remeasured, added], meta, tmp_path, plot=False, merge=True)
+    merged = report.read_csv(tmp_path / "snake-NVIDIA-H100-80GB-HBM3.csv")
+    assert len(merged) == len(rows) + 1
+    assert merged[0].median_us == 1.0 and merged[-1].shape == "2x2x2"
+    assert [r.median_us for r in merged[1 : len(rows)]] == [r.median_us for r in rows[1:]] or any(
+        math.isnan(r.median_us) for r in merged
+    )
+    report.write_results([remeasured], meta, tmp_path, plot=False)  # without merge the set is replaced
+    assert len(report.read_csv(tmp_path / "snake-NVIDIA-H100-80GB-HBM3.csv")) == 1
+
+
+def test_bench_shapes_filter_runs_only_matching_cases(monkeypatch, tmp_path, capsys):
+    fake = _FakeCuda()
+    fake.install(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(sparsefuse._backend, "INTERPRET", False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU 9000")
+    monkeypatch.setattr(harness, "measure_ceilings", lambda quick=False: Ceilings(2.0e12, 5.0e14))
+    other = dataclasses.replace(_fake_case(), shape="other")
+    monkeypatch.setitem(harness.WORKLOADS, "fake", lambda options: [_fake_case(), other])
+    rc = main(["bench", "fake", "--quick", "--no-plot", "--out", str(tmp_path), "--shapes", "^oth"], allow_reexec=False)
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert {r.shape for r in report.read_csv(tmp_path / "fake-Fake-GPU-9000-quick.csv")} == {"other"}
+    assert main(["bench", "fake", "--out", str(tmp_path), "--shapes", "("], allow_reexec=False) == 2
+    assert "not a regular expression" in capsys.readouterr().out

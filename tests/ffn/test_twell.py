@@ -554,7 +554,7 @@ def test_auto_under_cuda_graph_capture_gpu(device):
 @pytest.mark.gpu
 def test_module_decode_step_eager_dense_then_captured_sparse_gpu(device):
     """One token from Python: the module runs the dense ops directly (host-bound: cheaper), feeding the estimate
-    through twell_mlp every EAGER_REFRESH-th call; a CUDA-graph capture of the same call runs the TwELL kernels,
+    from its own gate activations now and then; a CUDA-graph capture of the same call runs the TwELL kernels,
     compiled and tuned by the eager warm-up, and gives the float64 reference's result."""
     from sparsefuse.nn import SparseGatedMLP
 
@@ -569,9 +569,10 @@ def test_module_decode_step_eager_dense_then_captured_sparse_gpu(device):
         for _ in range(3):
             mlp(x)  # the first call counts the estimate (and warms up the in-graph pick)
         with track_launches() as launched:
-            for _ in range(SparseGatedMLP.EAGER_REFRESH - 1):
+            for _ in range(40):
                 y_eager = mlp(x)
         assert launched["twell_up_down_fwd_kernel"] == 0, launched
+        assert mlp._eager_calls >= 38 and mlp._next_sample > 32  # samples taken at 8, 16 and 32 dense calls
         graph = torch.cuda.CUDAGraph()
         with track_launches() as launched, torch.cuda.graph(graph):
             y_graph = mlp(x)
@@ -583,3 +584,32 @@ def test_module_decode_step_eager_dense_then_captured_sparse_gpu(device):
     lowp = torch_lowp_mlp(x2, ffn.w_gate, ffn.w_up, ffn.w_down)
     assert_close_to_reference(y_graph.reshape(1, 2048), ref, lowp)
     assert_close_to_reference(y_eager.reshape(1, 2048), ref, lowp)
+
+
+@pytest.mark.gpu
+def test_default_calls_never_sync_after_the_weights_first_gpu(device):
+    """The default call (no hint) and the module, eager, at decode and prefill batch sizes: after the first call on
+    a gate weight (its one counted probe) no call synchronises with the GPU (sync debug mode raises if one does)."""
+    from sparsefuse.nn import SparseGatedMLP
+
+    ffn = synthetic_ffn(512, 1536, dtype=torch.bfloat16, device=device, seed=15)
+    mlp = SparseGatedMLP(512, 1536, device=device, dtype=torch.bfloat16)
+    with torch.no_grad():
+        mlp.gate_proj.weight.copy_(ffn.w_gate)
+        mlp.up_proj.weight.copy_(ffn.w_up)
+        mlp.down_proj.weight.copy_(ffn.w_down)
+    inputs = [ffn.make_input(M, 30.0) for M in (1, 8, 128, 2048)]
+    with torch.no_grad():
+        for x in inputs:  # first calls: the probes, kernel compilation and tuning
+            twell_mlp(x, ffn.w_gate, ffn.w_up, ffn.w_down)
+            mlp(x)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(40):
+                for x in inputs:
+                    twell_mlp(x, ffn.w_gate, ffn.w_up, ffn.w_down)
+                    mlp(x)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()

@@ -23,8 +23,9 @@ import torch
 
 import sparsefuse
 
-from ...ffn import SparsityMonitor, twell_mlp
+from ...ffn import twell_mlp
 from ...ffn.synthetic import synthetic_ffn
+from ...nn import SparseGatedMLP
 from ...sae import sparse_decode
 from ..harness import Case, Options, register
 from .activations import SNAC_SNAKE, eager_celu, eager_snake, snac_snake
@@ -104,14 +105,32 @@ def _sae_decode(device: str) -> list[Case]:
 
 
 def _ffn(device: str) -> list[Case]:
+    """One token through the 1.5B model's FFN layer: the default functional call (no hint), the explicit twell
+    method, the drop-in module and what it replaces (transformers' ``LlamaMLP``, when installed), and the eager
+    torch expression."""
     K, N, nnz = 2048, 5632, 32  # the 1.5B model's layer, one decode token
-    ffn: list[Any] = []
-    monitor = SparsityMonitor()
+    built: dict[str, Any] = {}
 
     def make_inputs() -> tuple[torch.Tensor, ...]:
-        if not ffn:  # built on first use (on the GPU, inside the harness), not when cases are listed
-            ffn.append(synthetic_ffn(K, N, dtype=torch.bfloat16, device=device, seed=0))
-        f = ffn[0]
+        if not built:  # built on first use (on the GPU, inside the harness), not when cases are listed
+            f = synthetic_ffn(K, N, dtype=torch.bfloat16, device=device, seed=0)
+            built["ffn"] = f
+            built["module"] = SparseGatedMLP(K, N, device=device, dtype=torch.bfloat16)
+            try:
+                from transformers import LlamaConfig
+                from transformers.models.llama.modeling_llama import LlamaMLP
+
+                built["llama"] = LlamaMLP(LlamaConfig(hidden_size=K, intermediate_size=N, hidden_act="relu"))
+                built["llama"].to(device=device, dtype=torch.bfloat16)
+            except ImportError:
+                pass
+            for module in (built["module"], built.get("llama")):
+                if module is not None:
+                    module.requires_grad_(False)
+                    module.gate_proj.weight.copy_(f.w_gate)
+                    module.up_proj.weight.copy_(f.w_up)
+                    module.down_proj.weight.copy_(f.w_down)
+        f = built["ffn"]
         return f.make_input(1, float(nnz)), f.w_gate, f.w_up, f.w_down
 
     def eager(x, w_gate, w_up, w_down):
@@ -119,10 +138,17 @@ def _ffn(device: str) -> list[Case]:
         return F_.linear(torch.relu(F_.linear(x, w_gate)) * F_.linear(x, w_up), w_down)
 
     impls = {
-        "sparsefuse auto": lambda *a: twell_mlp(*a, monitor=monitor),
+        "sparsefuse default": lambda *a: twell_mlp(*a),
         "sparsefuse twell": lambda *a: twell_mlp(*a, method="twell"),
+        "SparseGatedMLP": lambda x, *w: built["module"](x),
         "eager": eager,
     }
+    try:
+        import transformers  # noqa: F401
+
+        impls["transformers LlamaMLP"] = lambda x, *w: built["llama"](x)
+    except ImportError:
+        pass
     return _cases("ffn", f"M=1 K={K} N={N} nnz={nnz}", torch.bfloat16, make_inputs, impls)
 
 

@@ -170,12 +170,12 @@ def probe_stats(x2: torch.Tensor, w_gate: torch.Tensor, b_gate: torch.Tensor | N
 ESTIMATES = EstimateCache()  # per gate weight: the default call's estimate
 
 
-def eager_runs_dense(w_gate: torch.Tensor, M: int, dtype: torch.dtype) -> bool:
-    """Whether an eager CUDA call of M tokens on this gate weight would run dense by its current estimate (False
+def eager_runs_dense(w_gate: torch.Tensor, M: int, dtype: torch.dtype) -> bool | None:
+    """Whether an eager CUDA call of M tokens on this gate weight would run dense by its current estimate (None
     when none exists yet): a dictionary lookup, for callers that can then skip the functional API's checks."""
     monitor = ESTIMATES.monitor(w_gate)
     if monitor is None or monitor.mean_nnz is None:
-        return False
+        return None
     N, K = w_gate.shape
     return _cached_auto_method(M, K, N, round(monitor.mean_nnz, 1), dtype, True) == "dense"
 

@@ -202,11 +202,8 @@ def twell_mlp(
                 x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile or 0, compression, m, False
             ),
         )
-    with_stats = (
-        monitor is not None
-        and not torch.compiler.is_compiling()
-        and not (x2.is_cuda and torch.cuda.is_current_stream_capturing())
-    )
+    # Counting costs a few launches: only when the monitor would take the count (none in flight, not capturing).
+    with_stats = monitor is not None and not torch.compiler.is_compiling() and monitor.accepts
     args = (x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile or 0, compression, method, with_stats)
     # Plain eager inference skips the dispatcher (tens of microseconds per call: it matters for decode batches).
     fast = _backend.bypass_dispatcher(*(t for t in args[:7] if t is not None))
