@@ -84,9 +84,9 @@ class SparseGatedMLP(nn.Module):
         """Whether this call is a plain eager CUDA call for which ``auto`` runs dense (its host time is lower: a
         decode step run from Python is host-bound). Such calls skip the functional API (its checks and method
         choice cost more host time than the five dense ops themselves) and run :meth:`_dense_forward`; the answer
-        is kept per (tokens, dtype) until the next sample of the gate's sparsity. False before the gate weight has
-        an estimate (the call then goes through :func:`twell_mlp`, which makes one), and for compiled or captured
-        calls (they always go through it)."""
+        is kept per (tokens, dtype) until the next sample of the gate's sparsity. False for the call that makes
+        that answer (it goes through :func:`twell_mlp`, which makes the estimate on a new weight and warms up the
+        kernels a later capture will run), and for compiled or captured calls (they always go through it)."""
         if not observable(x) or x.shape[-1] != self.hidden_size:
             return False
         weight = self.gate_proj.weight
@@ -96,10 +96,12 @@ class SparseGatedMLP(nn.Module):
         key = (x.numel() // self.hidden_size, x.dtype)
         choice = self._eager_choice.get(key)
         if choice is None:
+            # This call still goes through twell_mlp: for a new batch size it compiles and tunes the kernels a
+            # later CUDA-graph capture of the same call will launch (a capture cannot), and it feeds the estimate.
             choice = eager_runs_dense(weight, *key)
-            if choice is None:  # no estimate yet
-                return False
-            self._eager_choice[key] = choice
+            if choice is not None:  # None: no estimate yet
+                self._eager_choice[key] = choice
+            return False
         return choice
 
     def _dense_forward(self, x: torch.Tensor) -> torch.Tensor:
