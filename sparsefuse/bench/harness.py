@@ -12,7 +12,8 @@ How a case is timed (warm up first, device events, median of many, inputs that d
   captured and replayed; time per call = replay time / number of sets. Replaying a graph removes Python launch
   overhead for every implementation alike. If capture fails the implementation is timed with events around plain
   calls over the same sets (``method`` column: ``"events"``).
-* ``method="eager"``: plain back-to-back calls from Python, device events around the sweep: what a user's eager
+* ``method="eager"``: plain back-to-back calls from Python, device events around the sweep, the implementations
+  timed in alternating rounds (a drifting host slows them alike): what a user's eager
   loop gets. For a call too small to fill the GPU this is the host's time per call (launch overhead); compared with
   the ``graph`` time of the same case it measures that overhead.
 * ``method="wall"``: whole calls (e.g. an end-to-end model decode) timed with a host clock between device
@@ -342,6 +343,21 @@ def _time_events(fn: Callable[..., Any], sets: list[tuple[Any, ...]], quick: boo
     return statistics.median(_event_times_ms(sweep, reps)) / len(sets)
 
 
+def _time_events_interleaved(
+    fns: dict[str, Callable[..., Any]], sets: list[tuple[Any, ...]], quick: bool
+) -> dict[str, float]:
+    """:func:`_time_events` for several implementations in alternating rounds (one sweep of each per round), so a
+    host whose speed drifts during the measurement -- common for host-bound eager loops -- slows every
+    implementation alike instead of whichever happened to run then."""
+    sweeps = {name: (lambda fn=fn: [fn(*inputs) for inputs in sets]) for name, fn in fns.items()}
+    reps = max(_choose_reps(sweep, quick) for sweep in sweeps.values())
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, sweep in sweeps.items():
+            times[name] += _event_times_ms(sweep, 1)
+    return {name: statistics.median(t) / len(sets) for name, t in times.items()}
+
+
 def _time_wall(fn: Callable[..., Any], inputs: tuple[Any, ...], quick: bool) -> float:
     """Median ms of whole calls, host clock between device synchronizations (end-to-end latency)."""
     reps = 5 if quick else 20
@@ -410,6 +426,7 @@ def run_case(case: Case, options: Options, ceilings: Ceilings, advance: Callable
         torch.cuda.empty_cache()
         return rows
 
+    interleaved: dict[str, Callable[..., Any]] = {}  # eager cases: timed together after every warm-up
     for impl, fn in case.impls.items():
         row = _blank_row(case, impl)
         row.sets, row.rotation_mb = n_sets, per_set * n_sets / 1e6
@@ -419,36 +436,53 @@ def run_case(case: Case, options: Options, ceilings: Ceilings, advance: Callable
             if case.method == "wall":
                 ms, row.method = _time_wall(fn, sets[0], options.quick), "wall"
             elif case.method == "eager":
-                ms, row.method = _time_events(fn, sets, options.quick), "eager"
+                interleaved[impl], row.method = fn, "eager"
             else:
                 ms = _time_graph(fn, sets, options.quick)
                 row.method = "graph"
                 if ms is None:
                     ms, row.method = _time_events(fn, sets, options.quick), "events"
-            row.median_us = ms * 1e3
-            seconds = ms * 1e-3
-            if case.bytes_moved:
-                row.gbps = case.bytes_moved / seconds / 1e9
-            if case.flops:
-                row.tflops = case.flops / seconds / 1e12
-            if case.tokens:
-                row.tokens_per_s = case.tokens / seconds
-            achieved = {"copy": case.bytes_moved / seconds, "matmul": case.flops / seconds}.get(case.ceiling)
-            if achieved:
-                row.pct_ceiling = 100.0 * achieved / ceilings.rate(case.ceiling)
+            if impl not in interleaved:
+                _fill_rates(row, case, ceilings, ms)
         except Exception as exc:  # noqa: BLE001
-            row.method, row.status = "", _short_error(exc)
-            try:
-                torch.cuda.synchronize()
-            except Exception:  # noqa: BLE001
-                pass
+            _failed(row, exc)
         rows.append(row)
         advance(impl)
+    if interleaved:
+        try:
+            for impl, ms in _time_events_interleaved(interleaved, sets, options.quick).items():
+                _fill_rates(next(r for r in rows if r.impl == impl), case, ceilings, ms)
+        except Exception as exc:  # noqa: BLE001
+            for row in rows:
+                if row.impl in interleaved:
+                    _failed(row, exc)
     del sets, first
     gc.collect()
     torch.cuda.empty_cache()
     fill_relative_columns(rows)
     return rows
+
+
+def _fill_rates(row: Result, case: Case, ceilings: Ceilings, ms: float) -> None:
+    row.median_us = ms * 1e3
+    seconds = ms * 1e-3
+    if case.bytes_moved:
+        row.gbps = case.bytes_moved / seconds / 1e9
+    if case.flops:
+        row.tflops = case.flops / seconds / 1e12
+    if case.tokens:
+        row.tokens_per_s = case.tokens / seconds
+    achieved = {"copy": case.bytes_moved / seconds, "matmul": case.flops / seconds}.get(case.ceiling)
+    if achieved:
+        row.pct_ceiling = 100.0 * achieved / ceilings.rate(case.ceiling)
+
+
+def _failed(row: Result, exc: Exception) -> None:
+    row.method, row.status = "", _short_error(exc)
+    try:
+        torch.cuda.synchronize()
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def fill_relative_columns(rows: Iterable[Result]) -> None:
