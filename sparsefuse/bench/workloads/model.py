@@ -119,7 +119,7 @@ def _cache_keyword(model: torch.nn.Module) -> str:
 def prefill_logits(model: torch.nn.Module, input_ids: torch.Tensor, call: Callable[..., Any] | None = None) -> Any:
     """Logits [B, 1, vocab] of the last token of one forward over ``input_ids`` [B, S], no KV cache written.
     ``call`` (default: the model) is what runs it, e.g. its torch.compile wrapper."""
-    call = call or model
+    call = model if call is None else call  # not `call or model`: a compiled module defines __len__
     with torch.no_grad():  # the patched MLP runs its sparse kernels only when no gradient is wanted
         params = _params(model.forward)
         for keyword in ("logits_to_keep", "num_logits_to_keep"):
