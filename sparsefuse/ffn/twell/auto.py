@@ -6,7 +6,7 @@ running estimate; the per-gate-weight :data:`ESTIMATES` cache, whose first obser
 gate of <= :data:`PROBE_TOKENS` sampled tokens densely and reads the count (the one host sync of that weight's
 life), and which later folds in a new sample every few calls without a sync. Under torch.compile tracing the pick of
 the cached estimate is frozen into the graph (:func:`_traced_pick`); under CUDA-graph capture the cached estimate is
-read as it stands. With nothing observed yet, the call assumes the sparse regime (twell).
+read as it stands. With nothing observed yet, the call assumes the sparse regime (:data:`PRIOR_FIRING`).
 """
 
 from __future__ import annotations
@@ -223,19 +223,32 @@ def resolve_method(
         return method
     if torch.compiler.is_compiling() and isinstance(M, int) and M > 0:
         return _traced_pick(w_gate, M, K, w_gate.shape[0], x2.dtype)
-    if M > 0:
-        # Nothing can be read (a capture before any observation, or a symbolic batch size under tracing): assume the
-        # sparse regime.
-        return "twell"
+    if isinstance(M, int) and M > 0:
+        # Nothing can be read (a capture before any observation): assume the sparse regime the kernels are for.
+        return _prior_pick(M, K, w_gate.shape[0], x2.dtype)
+    if M != 0:
+        return "twell"  # a symbolic batch size under tracing: the fused kernels take any M
     return "dense"  # an empty batch: nothing to count, nothing to gain
+
+
+# With nothing observed, auto assumes this fraction of the gate fires (~1.5%: 88 of 5632, the sparse regime the
+# kernels are built for) and picks by the cost model for the batch size: the fused kernels for a few tokens, the
+# row-block path for thousands, dense between -- never the fused path on a large batch, where a wrong guess is a
+# cliff (12x dense at 2048 tokens), while block's worst case is ~1.5x dense.
+PRIOR_FIRING = 1.0 / 64
+
+
+def _prior_pick(M: int, K: int, N: int, dtype: torch.dtype) -> str:
+    return _cached_auto_method(M, K, N, round(PRIOR_FIRING * N, 1), dtype, False)
 
 
 @torch.compiler.assume_constant_result
 def _traced_pick(w_gate: torch.Tensor, M: int, K: int, N: int, dtype: torch.dtype) -> str:
     """The pick frozen into a compiled graph: evaluated once at trace time from the estimate the eager calls left
     for this gate weight (``twell`` when there is none), and not guarded on, so a drifting estimate never recompiles
-    the graph. Compile after a warm-up call for the pick to follow the model's sparsity."""
+    the graph. Compile after a warm-up call for the pick to follow the model's sparsity (without one, the pick of
+    :data:`PRIOR_FIRING`)."""
     monitor = ESTIMATES.monitor(w_gate)
     if monitor is None or monitor.mean_nnz is None:
-        return "twell"
+        return _prior_pick(M, K, N, dtype)
     return _cached_auto_method(M, K, N, round(monitor.mean_nnz, 1), dtype, False)
