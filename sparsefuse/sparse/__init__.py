@@ -1,4 +1,5 @@
-"""The shared sparse core: row formats (:mod:`.formats`), dense -> sparse compaction (:mod:`.compact`) and the
+"""The shared sparse core: row formats (:mod:`.formats`; the training format :mod:`.hybrid`), dense -> sparse
+compaction (:mod:`.compact`) and the
 gather-accumulate product (:mod:`.spmm`) that every sparse x dense product in sparsefuse is built on.
 
 Used by the SAE decode/encode (:mod:`sparsefuse.sae`), the SPLADE backward and the TwELL FFN (:mod:`sparsefuse.ffn`).
@@ -13,6 +14,7 @@ from .._auto import SparsityMonitor, sampled_nonzero_stats
 from .block_spmm import block_sparse_matmul
 from .compact import dense_to_csr, dense_to_ell, dense_to_row_block_pattern
 from .formats import CSR, ELL, BlockELL, RowBlockPattern, TwELL
+from .hybrid import Hybrid, dense_to_hybrid
 from .sddmm import block_sddmm, torch_block_sddmm
 from .spmm import ThresholdedLinear, matmul_skip_zeros, sparse_matmul, torch_sparse_matmul
 
@@ -22,6 +24,8 @@ __all__ = [
     "TwELL",
     "RowBlockPattern",
     "BlockELL",
+    "Hybrid",
+    "dense_to_hybrid",
     "ThresholdedLinear",
     "dense_to_csr",
     "dense_to_ell",
