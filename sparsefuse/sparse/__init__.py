@@ -1,6 +1,6 @@
-"""The shared sparse core: row formats (:mod:`.formats`; the training format :mod:`.hybrid`), dense -> sparse
-compaction (:mod:`.compact`) and the
-gather-accumulate product (:mod:`.spmm`) that every sparse x dense product in sparsefuse is built on.
+"""The shared sparse core: row formats (:mod:`.formats`, the training format :class:`.Hybrid` among them),
+dense -> sparse compaction (:mod:`.compact`) and the gather-accumulate product (:mod:`.spmm`) that every
+sparse x dense product in sparsefuse is built on.
 
 Used by the SAE decode/encode (:mod:`sparsefuse.sae`), the SPLADE backward and the TwELL FFN (:mod:`sparsefuse.ffn`).
 """
@@ -12,9 +12,8 @@ from typing import Any
 
 from .._auto import SparsityMonitor, sampled_nonzero_stats
 from .block_spmm import block_sparse_matmul
-from .compact import dense_to_csr, dense_to_ell, dense_to_row_block_pattern
-from .formats import CSR, ELL, BlockELL, RowBlockPattern, TwELL
-from .hybrid import Hybrid, dense_to_hybrid
+from .compact import dense_to_csr, dense_to_ell, dense_to_hybrid, dense_to_row_block_pattern
+from .formats import CSR, ELL, BlockELL, Hybrid, RowBlockPattern, TwELL
 from .sddmm import block_sddmm, torch_block_sddmm
 from .spmm import ThresholdedLinear, matmul_skip_zeros, sparse_matmul, torch_sparse_matmul
 

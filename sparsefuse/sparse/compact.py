@@ -19,14 +19,16 @@ propagates into whatever consumes the format.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
 from .. import _backend
 from .._backend import Backend, backend_for, new_output, record_launch
-from .._validation import check_dense, check_twell_geometry, unit_last_stride
-from .formats import CSR, ELL, RowBlockPattern
+from .._validation import check_dense, check_rows, check_twell_geometry, unit_last_stride
+from .formats import CSR, ELL, IN_ELL, SPILLED, Hybrid, RowBlockPattern
 
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension; row_bits_kernel's programs loop past it
 
@@ -446,3 +448,35 @@ def dense_to_row_block_pattern(
     )
     record_launch("row_block_union_kernel")
     return RowBlockPattern(indices, union_counts, order, M, N, tile, block_rows)
+
+
+DEFAULT_HYBRID_WIDTH = 128  # ELL slots per row of the training format (the TwELL paper's)
+
+
+def dense_to_hybrid(dense: torch.Tensor, width: int = DEFAULT_HYBRID_WIDTH, backup_rows: int | None = None) -> Hybrid:
+    """The :class:`Hybrid` form of ``dense`` [M, N] (non-zeros: entries != 0; pass ``relu(pre)`` for a ReLU layer).
+
+    Args:
+        width: ELL slots per row (a row with more non-zeros goes to the backup whole).
+        backup_rows: R, dense rows kept for overflowed rows (default ``ceil(M / 8)``); overflowed rows past the
+            first R are marked ``SPILLED``.
+    No host sync; deterministic (prefix sums and a sorted search, no atomics), so the same input always gives the
+    same format. How many rows spilled is a device scalar (:meth:`Hybrid.spilled`) a caller reads when it chooses,
+    e.g. to size the next step's backup."""
+    check_rows("dense", dense, 2)
+    M, N = dense.shape
+    R = math.ceil(M / 8) if backup_rows is None else backup_rows
+    if not isinstance(R, int) or isinstance(R, bool) or R < 0:
+        raise ValueError(f"dense_to_hybrid: backup_rows must be a non-negative int or None; got {backup_rows!r}")
+    ell = dense_to_ell(dense, width)
+    overflowed = ell.overflowed()
+    seen = overflowed.to(torch.int32).cumsum(0, dtype=torch.int32)  # overflowed rows up to and including each row
+    rank = seen - 1
+    slot = torch.where(overflowed, torch.where(rank < R, rank, SPILLED), IN_ELL).to(torch.int32)
+    # backup row s holds the first row at which `seen` reaches s + 1 (M when fewer rows overflowed)
+    wanted = torch.arange(1, R + 1, device=dense.device, dtype=torch.int32)
+    rows = torch.searchsorted(seen, wanted) if M else torch.zeros(R, dtype=torch.int64, device=dense.device)
+    valid = rows < M
+    backup = dense[rows.clamp(max=max(M - 1, 0))] if M else dense.new_zeros(R, N)
+    backup = torch.where(valid[:, None], backup, 0)  # unused rows: zeros (never read)
+    return Hybrid(ell, backup, torch.where(valid, rows, -1).to(torch.int32), slot)

@@ -10,6 +10,9 @@ Both formats store each row's non-zeros in increasing column order (compaction i
   (never silently drop it). Unused slots hold index 0 and value 0.
 * :class:`TwELL` -- tile-wise ELL: per (row, column tile of width T) ``T / C`` slots and the tile's true count;
   written by a matmul epilogue (the FFN gate), overflowed tiles are recomputed by the consumer.
+* :class:`Hybrid` -- the training format: a fixed-width ELL plus a dense backup of the rows that overflow it, and a
+  per-row slot (in the ELL, a backup row, or spilled past the backup: the consumer recomputes it). Exact in a fixed
+  memory budget, built without a sync (:func:`sparsefuse.sparse.dense_to_hybrid`).
 * :class:`RowBlockPattern` -- per (block of rows, column tile) the union of the rows' non-zero columns, shared by
   the block (rows optionally permuted first); never overflows. :class:`BlockELL` -- values on such unions, one
   compacted column list per row block. For tensor-core products at large batches.
@@ -23,7 +26,7 @@ import torch
 
 from .._validation import check_block_rows, check_indices, check_row_order, check_rows, check_twell_geometry
 
-__all__ = ["CSR", "ELL", "TwELL", "RowBlockPattern", "BlockELL", "check_twell_geometry"]
+__all__ = ["CSR", "ELL", "TwELL", "Hybrid", "RowBlockPattern", "BlockELL", "check_twell_geometry", "IN_ELL", "SPILLED"]
 
 
 @dataclass(frozen=True)
@@ -226,6 +229,81 @@ class TwELL:
         values[rows, dest] = padded[rows, global_cols]
         indices[rows, dest] = global_cols.to(torch.int32)
         return TwELL(values, indices, counts, N, tile, compression)
+
+
+IN_ELL, SPILLED = -1, -2  # Hybrid.slot of a row held whole by the ELL part / overflowed past the backup
+
+
+@dataclass(frozen=True)
+class Hybrid:
+    """A sparse training step's activations, exact in a fixed memory budget. A ReLU layer trained with an L1 penalty
+    fires a few dozen of thousands of neurons per token with a heavy tail: most rows fit a narrow ELL, a few do not.
+
+    * ``ell``: :class:`ELL` of fixed width (the TwELL paper's default: 128) holding every row's first ``width``
+      non-zeros in column order and its **true** count;
+    * ``backup`` [R, N]: the rows whose count exceeds the width, whole, in row order (default R = ceil(M / 8));
+      ``backup_rows`` [R] int32: the matrix row in each backup row (-1 when unused);
+    * ``slot`` [M] int32: ``IN_ELL`` when the ELL holds the whole row, ``s >= 0`` when backup row ``s`` does, and
+      ``SPILLED`` when the row overflowed after the backup was full. A consumer recomputes a spilled row from its
+      inputs (the gate's x row and weight): nothing is dropped, and the format never grows behind the caller's back.
+    """
+
+    ell: ELL
+    backup: torch.Tensor
+    backup_rows: torch.Tensor
+    slot: torch.Tensor
+
+    def __post_init__(self) -> None:
+        check_rows("Hybrid.backup", self.backup, 2)
+        M, N = self.ell.shape
+        R = self.backup.shape[0]
+        if self.backup.shape[1] != N or self.backup.dtype != self.ell.values.dtype:
+            raise ValueError(
+                f"Hybrid.backup must be [R, {N}] of the ELL's dtype {self.ell.values.dtype}; got "
+                f"{self.backup.dtype} {list(self.backup.shape)}"
+            )
+        for name, t, n in (("backup_rows", self.backup_rows, R), ("slot", self.slot, M)):
+            if t.shape != (n,) or t.dtype != torch.int32:
+                raise ValueError(f"Hybrid.{name} must be int32 of shape [{n}]; got {t.dtype} {list(t.shape)}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.ell.shape
+
+    @property
+    def n_cols(self) -> int:
+        return self.ell.n_cols
+
+    def spilled_rows(self) -> torch.Tensor:
+        """[M] bool: rows that overflowed the ELL width after the backup was full (to be recomputed)."""
+        return self.slot == SPILLED
+
+    def spilled(self) -> torch.Tensor:
+        """0-dim int32 on the device: how many rows spilled (reading it on the host is the caller's sync)."""
+        return self.spilled_rows().sum(dtype=torch.int32)
+
+    def nonzeros(self) -> torch.Tensor:
+        """0-dim int64 on the device: the matrix's non-zeros (the ELL's true counts: spilled rows included)."""
+        return self.ell.counts.sum(dtype=torch.int64)
+
+    def to_dense(self, spilled: torch.Tensor | None = None) -> torch.Tensor:
+        """The dense [M, N] matrix. Rows that spilled are taken from ``spilled`` ([M, N] or None); without it a
+        spilled row raises (its values are not stored). Reads the slots on the host: a reference, not a hot path."""
+        M, N = self.shape
+        overflowed = self.ell.overflowed()
+        fitting = ELL(self.ell.values, self.ell.indices, self.ell.counts.masked_fill(overflowed, 0), N)
+        dense = fitting.to_dense()
+        used = self.backup_rows >= 0
+        dense[self.backup_rows[used].long()] = self.backup[used]
+        lost = self.spilled_rows()
+        if bool(lost.any()):
+            if spilled is None:
+                raise ValueError(
+                    f"Hybrid.to_dense: {int(lost.sum())} row(s) spilled past the backup's {self.backup.shape[0]} "
+                    "rows; pass their dense values (spilled=) or recompute them"
+                )
+            dense[lost] = spilled[lost].to(dense.dtype)
+        return dense
 
 
 def _block_rows_of(M: int, block_rows: int, b: int, row_order: torch.Tensor | None):

@@ -8,7 +8,7 @@ from helpers import sparse_rows
 
 from sparsefuse import track_launches
 from sparsefuse.sparse import ELL, Hybrid, dense_to_hybrid
-from sparsefuse.sparse.hybrid import IN_ELL, SPILLED
+from sparsefuse.sparse.formats import IN_ELL, SPILLED
 
 
 def _expected_slots(counts: list[int], width: int, backup: int) -> list[int]:
