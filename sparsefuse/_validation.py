@@ -398,19 +398,28 @@ def check_splade_args(
 # --- FFN (TwELL inference, training) ------------------------------------------------------------------------------
 
 
-def check_ffn_x(op: str, x: object, K: int | None = None) -> torch.Tensor:
+def check_ffn_x(
+    op: str, x: object, K: int | None = None, dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES
+) -> torch.Tensor:
     """x [..., K] of a float dtype."""
     check_tensor(op, "x", x)
-    check_float(op, "x", x, FLOAT_DTYPES)
+    check_float(op, "x", x, dtypes)
     if x.dim() < 1 or (K is not None and x.shape[-1] != K):
         raise ValueError(f"{op}: x must be [..., hidden_size={K}]; got {describe(x)}")
     return x
 
 
-def check_ffn_weight(op: str, name: str, w: object, shape: tuple[int, int], x: torch.Tensor) -> torch.Tensor:
+def check_ffn_weight(
+    op: str,
+    name: str,
+    w: object,
+    shape: tuple[int, int],
+    x: torch.Tensor,
+    dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES,
+) -> torch.Tensor:
     """A weight of exactly ``shape`` (nn.Linear layout [out, in]) in x's dtype."""
     check_tensor(op, name, w)
-    check_float(op, name, w)
+    check_float(op, name, w, dtypes)
     if w.dtype != x.dtype:
         raise TypeError(f"{op}: {name} must have x's dtype {str(x.dtype).removeprefix('torch.')}; got {describe(w)}")
     if tuple(w.shape) != shape:
@@ -421,10 +430,12 @@ def check_ffn_weight(op: str, name: str, w: object, shape: tuple[int, int], x: t
     return w
 
 
-def check_ffn_bias(op: str, name: str, b: object, n: int, x: torch.Tensor) -> None:
+def check_ffn_bias(
+    op: str, name: str, b: object, n: int, x: torch.Tensor, dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES
+) -> None:
     """A bias [n] in x's dtype."""
     check_tensor(op, name, b)
-    check_float(op, name, b)
+    check_float(op, name, b, dtypes)
     if b.dtype != x.dtype or tuple(b.shape) != (n,):
         raise ValueError(
             f"{op}: {name} must be a [{n}] tensor of x's dtype {str(x.dtype).removeprefix('torch.')}; got {describe(b)}"
@@ -471,10 +482,11 @@ def check_ffn_mlp(
     w_down: object,
     b_down: object,
     gate_names: tuple[str, str] = ("w_gate", "b_gate"),
+    dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES,
 ) -> None:
     """A feed-forward block's arguments: x [..., K]; w_gate, w_up [N, K]; w_down [K, N]; biases [N], [N], [K];
-    one dtype and device. ``gate_names``: what the activation weight and bias are called in messages (w_up/b_up for
-    the non-gated block, which passes ``w_up=None``)."""
+    one dtype (of ``dtypes``) and device. ``gate_names``: what the activation weight and bias are called in
+    messages (w_up/b_up for the non-gated block, which passes ``w_up=None``)."""
     w_name, b_name = gate_names
     check_tensor(op, w_name, w_gate)
     if w_gate.dim() != 2:
@@ -482,15 +494,15 @@ def check_ffn_mlp(
             f"{op}: {w_name} must be [intermediate_size, hidden_size] (nn.Linear layout); got {describe(w_gate)}"
         )
     N, K = w_gate.shape
-    check_ffn_x(op, x, K)
-    check_ffn_weight(op, w_name, w_gate, (N, K), x)
+    check_ffn_x(op, x, K, dtypes)
+    check_ffn_weight(op, w_name, w_gate, (N, K), x, dtypes)
     if w_up is not None:
-        check_ffn_weight(op, "w_up", w_up, (N, K), x)
-    check_ffn_weight(op, "w_down", w_down, (K, N), x)
+        check_ffn_weight(op, "w_up", w_up, (N, K), x, dtypes)
+    check_ffn_weight(op, "w_down", w_down, (K, N), x, dtypes)
     biases = {}
     for name, b, n in ((b_name, b_gate, N), ("b_up", b_up, N), ("b_down", b_down, K)):
         if b is not None:
-            check_ffn_bias(op, name, b, n, x)
+            check_ffn_bias(op, name, b, n, x, dtypes)
             biases[name] = b
     others = {w_name: w_gate, "w_down": w_down, **({"w_up": w_up} if w_up is not None else {}), **biases}
     check_same_device(op, x=x, **others)

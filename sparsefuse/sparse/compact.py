@@ -468,7 +468,8 @@ def dense_to_hybrid(dense: torch.Tensor, width: int = DEFAULT_HYBRID_WIDTH, back
     R = math.ceil(M / 8) if backup_rows is None else backup_rows
     if not isinstance(R, int) or isinstance(R, bool) or R < 0:
         raise ValueError(f"dense_to_hybrid: backup_rows must be a non-negative int or None; got {backup_rows!r}")
-    ell = dense_to_ell(dense, width)
+    # float64 (gradient checks) has no kernel: the plain-torch compaction, same format
+    ell = ELL.from_dense(dense, width) if dense.dtype == torch.float64 else dense_to_ell(dense, width)
     overflowed = ell.overflowed()
     seen = overflowed.to(torch.int32).cumsum(0, dtype=torch.int32)  # overflowed rows up to and including each row
     rank = seen - 1

@@ -1,0 +1,9 @@
+"""Sparse training of the gated ReLU block (the TwELL paper's Hybrid half): every product of the step but the
+gate's forward runs on the gate's sparsity pattern, and the backward keeps only sparse activations.
+:func:`hybrid_mlp` is the function; :mod:`.reference` holds the float64 ground truth, product by product."""
+
+from .functional import HybridMLPOutput, hybrid_mlp, sparsity_stats
+from .op import REBUILDS
+from .reference import StepGrads, hybrid_step_reference
+
+__all__ = ["hybrid_mlp", "HybridMLPOutput", "sparsity_stats", "hybrid_step_reference", "StepGrads", "REBUILDS"]

@@ -1,0 +1,93 @@
+"""The public training function of the gated ReLU block: :func:`hybrid_mlp` (arguments checked, the step run by
+:mod:`.op`) and :func:`sparsity_stats` (what a training loop logs)."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from ..._validation import check_ffn_mlp, unit_last_stride
+from ...sparse.compact import DEFAULT_HYBRID_WIDTH
+from .op import hybrid_mlp_fwd_op
+
+# float64 too: the step runs its products through torch and the core's reference paths there (gradcheck)
+TRAIN_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+class HybridMLPOutput(NamedTuple):
+    """``y`` [..., K]; ``l1`` 0-dim fp32 (differentiable): the gate activations' L1 norm per element,
+    ``sum(relu(x W_g^T + b_g)) / (M * N)``; ``token_counts`` [M] int32: gate non-zeros per token;
+    ``neuron_counts`` [N] int32: tokens in which each neuron fired (0: dead in this batch)."""
+
+    y: torch.Tensor
+    l1: torch.Tensor
+    token_counts: torch.Tensor
+    neuron_counts: torch.Tensor
+
+
+def hybrid_mlp(
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    *,
+    b_gate: torch.Tensor | None = None,
+    b_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
+    width: int = DEFAULT_HYBRID_WIDTH,
+    backup_rows: int | None = None,
+) -> HybridMLPOutput:
+    """Gated ReLU block ``(relu(x W_g^T + b_g) * (x W_u^T + b_u)) W_d^T + b_d`` for training: differentiable in
+    every tensor argument, and what it keeps for the backward is sparse (the gate and up activations where the gate
+    fired, in the :class:`~sparsefuse.sparse.Hybrid` layout; no [M, N] tensor).
+
+    Args:
+        x: [..., K] float32/float16/bfloat16 (float64 for gradient checks); w_gate, w_up: [N, K]; w_down: [K, N]
+            (``nn.Linear`` weights, x's dtype; w_down column-major, as :class:`sparsefuse.nn.SparseGatedMLP` stores
+            it, avoids a copy per call).
+        width: ELL slots kept per token (the TwELL paper's 128); a token with more non-zeros is kept whole in the
+            backup.
+        backup_rows: whole rows kept for such tokens (default ``ceil(M / 8)``); when more overflow, the step grows
+            its backup to hold them all (exact; counted in :data:`sparsefuse.ffn.hybrid.op.REBUILDS`).
+    Returns: :class:`HybridMLPOutput` (y, l1, per-token and per-neuron firing counts, all on the device). Under
+    ``torch.autocast`` the step runs in the autocast dtype, as ``nn.Linear`` would.
+    For the L1 penalty add ``coefficient * out.l1`` to the loss: its gradient reaches the gate only where it fired.
+    """
+    op = "hybrid_mlp"
+    kind = x.device.type if isinstance(x, torch.Tensor) else "cpu"
+    if torch.is_autocast_enabled(kind):  # as F.linear under autocast: the products run in the autocast dtype
+        cast = torch.get_autocast_dtype(kind)
+        x, w_gate, w_up, w_down, b_gate, b_up, b_down = (
+            t.to(cast) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+            for t in (x, w_gate, w_up, w_down, b_gate, b_up, b_down)
+        )
+    check_ffn_mlp(op, x, w_gate, b_gate, w_up, b_up, w_down, b_down, dtypes=TRAIN_DTYPES)
+    if not isinstance(width, int) or isinstance(width, bool) or width <= 0:
+        raise ValueError(f"{op}: width must be a positive int; got {width!r}")
+    x2 = unit_last_stride(x.reshape(-1, x.shape[-1]))
+    M = x2.shape[0]
+    if backup_rows is None:
+        backup_rows = math.ceil(M / 8)
+    elif not isinstance(backup_rows, int) or isinstance(backup_rows, bool) or backup_rows < 0:
+        raise ValueError(f"{op}: backup_rows must be a non-negative int or None; got {backup_rows!r}")
+    y, l1, *_, counts, _, _, _, neuron_counts = hybrid_mlp_fwd_op(
+        x2, w_gate, b_gate, unit_last_stride(w_up), b_up, w_down.t(), b_down, width, backup_rows
+    )
+    return HybridMLPOutput(y.reshape(*x.shape[:-1], w_down.shape[0]), l1, counts, neuron_counts)
+
+
+def sparsity_stats(token_counts: torch.Tensor, neuron_counts: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Device scalars for logging (reading them is the caller's sync): mean, p99 and max gate non-zeros per token,
+    and the fraction of neurons that fired in no token of the batch."""
+    counts = token_counts.float()
+    if counts.numel() == 0:
+        nan = torch.full((), math.nan, device=counts.device)
+        return {"mean_nnz": nan, "p99_nnz": nan, "max_nnz": nan, "dead_fraction": (neuron_counts == 0).float().mean()}
+    return {
+        "mean_nnz": counts.mean(),
+        "p99_nnz": torch.quantile(counts, 0.99),
+        "max_nnz": counts.max(),
+        "dead_fraction": (neuron_counts == 0).float().mean(),
+    }

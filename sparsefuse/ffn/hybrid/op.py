@@ -1,0 +1,224 @@
+"""The training step of the gated ReLU block on the Hybrid format, as two ``torch.library`` ops (forward, backward)
+joined by a registered autograd rule.
+
+What the forward keeps for the backward is sparse: x, the gate and up activations on the gate's pattern in the
+:class:`~sparsefuse.sparse.Hybrid` layout (ELL of ``width`` slots per token plus whole backup rows for the tokens
+that overflow it), and no [M, N] tensor.
+
+Products, and what runs them now (see :mod:`.reference` for the formulas):
+
+=====================  ===============================================  ==========================================
+product                on the pattern                                   runs on
+=====================  ===============================================  ==========================================
+gate ``x W_g^T``       dense (it finds the pattern)                     cuBLAS
+up ``x W_u^T``         sampled where ``h_g > 0``                        cuBLAS, then gathered (a sampled kernel:
+                                                                        to do)
+down ``h W_d^T``       sparse rows                                      the core's gather-accumulate kernel; backup
+                                                                        rows on cuBLAS
+``dh = dy W_d``        sampled                                          cuBLAS, then gathered (to do)
+``dx``                 sparse rows                                      the core's gather-accumulate kernel (x2)
+``dW_u, dW_g, dW_d``   transposed sparse                                cuBLAS on the scattered [M, N] (to do)
+=====================  ===============================================  ==========================================
+
+Exactness: a token over ``width`` non-zeros is kept whole in the backup; when more tokens overflow than the backup
+holds, the format is rebuilt with a backup that holds them all (reading how many spilled is this version's one
+host sync per call; the counter :data:`REBUILDS` says how often a rebuild was needed).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ...sparse import ELL, dense_to_hybrid, sparse_matmul, torch_sparse_matmul
+
+REBUILDS = {"calls": 0, "rebuilt": 0}  # forward calls, and those whose backup had to grow (all processes' layers)
+
+
+def _l1_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The L1 term is summed in float32 at least (float64 for float64 inputs)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _slots_used(counts: torch.Tensor, width: int) -> torch.Tensor:
+    """[M, width] bool: the ELL slots holding a value of a row that fits (an overflowed row lives in the backup)."""
+    fits = counts <= width
+    return (torch.arange(width, device=counts.device)[None, :] < counts[:, None]) & fits[:, None]
+
+
+def _fitting(values: torch.Tensor, indices: torch.Tensor, counts: torch.Tensor, n_cols: int) -> ELL:
+    """The ELL of the rows that fit (overflowed rows' counts set to 0: their products come from the backup)."""
+    return ELL(values, indices, counts.masked_fill(counts > values.shape[1], 0), n_cols)
+
+
+def _product(sparse: ELL, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``sparse @ weight`` [M, n_out]: the core's gather-accumulate kernel (float64, for gradient checks: the torch
+    reference)."""
+    if weight.dtype == torch.float64:
+        return torch_sparse_matmul(sparse, weight).to(dtype)
+    return sparse_matmul(sparse, weight, out_dtype=dtype)
+
+
+def _scatter(values: torch.Tensor, indices: torch.Tensor, backup: torch.Tensor, rows: torch.Tensor, n_cols: int):
+    """Dense [M, N] from ELL values (zero in unused slots) and whole backup rows (``rows`` -1: unused, zero)."""
+    dense = values.new_zeros(values.shape[0], n_cols)
+    dense.scatter_add_(1, indices.long(), values)  # unused slots add 0 to column 0: exact, order-free
+    if backup.shape[0]:
+        dense.index_put_((rows.clamp(min=0).long(),), backup, accumulate=True)  # unused backup rows are 0
+    return dense
+
+
+def _add_rows(out: torch.Tensor, rows: torch.Tensor, part: torch.Tensor) -> None:
+    if part.shape[0]:
+        out.index_put_((rows.clamp(min=0).long(),), part.to(out.dtype), accumulate=True)
+
+
+@torch.library.custom_op("sparsefuse::hybrid_mlp_fwd", mutates_args=())
+def hybrid_mlp_fwd_op(
+    x2: torch.Tensor,
+    w_gate: torch.Tensor,
+    b_gate: torch.Tensor | None,
+    w_up: torch.Tensor,
+    b_up: torch.Tensor | None,
+    w_down_t: torch.Tensor,
+    b_down: torch.Tensor | None,
+    width: int,
+    backup_rows: int,
+) -> tuple[
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+]:
+    """x2 [M, K]; w_gate, w_up, w_down_t [N, K]. Returns y [M, K], l1 (0-dim, float32 or float64), the saved
+    Hybrid parts -- gate values, up values, indices [M, width] (int32), counts [M] (int32), gate backup, up backup
+    [R, N], backup rows [R] (int32) -- and the gate's firing count per neuron [N] (int32)."""
+    M, N = x2.shape[0], w_gate.shape[0]
+    pre = F.linear(x2, w_gate, b_gate)
+    h_gate = torch.relu(pre)
+    hybrid = dense_to_hybrid(h_gate, width, backup_rows)
+    REBUILDS["calls"] += 1
+    if M and backup_rows < M:
+        spilled = int(hybrid.spilled())  # this version's one host sync
+        if spilled:
+            REBUILDS["rebuilt"] += 1
+            hybrid = dense_to_hybrid(h_gate, width, backup_rows + spilled)
+    ell, rows = hybrid.ell, hybrid.backup_rows
+    used = _slots_used(ell.counts, width)
+    pre_up = F.linear(x2, w_up, b_up)
+    g_vals = torch.where(used, ell.values, 0)
+    u_vals = torch.where(used, pre_up.gather(1, ell.indices.long()), 0)
+    valid = (rows >= 0)[:, None]
+    g_backup = hybrid.backup
+    u_backup = torch.where(valid, pre_up[rows.clamp(min=0).long()], 0)
+    y = _product(_fitting(g_vals * u_vals, ell.indices, ell.counts, N), w_down_t, x2.dtype)
+    _add_rows(y, rows, F.linear(g_backup * u_backup, w_down_t.t()))
+    if b_down is not None:
+        y = y + b_down
+    l1 = h_gate.sum(dtype=_l1_dtype(x2.dtype)) / max(M * N, 1)
+    fired = torch.zeros(N + 1, dtype=torch.int32, device=x2.device)
+    fired.scatter_add_(0, torch.where(used, ell.indices, N).flatten().long(), used.flatten().to(torch.int32))
+    neuron_counts = fired[:N] + (g_backup != 0).sum(0, dtype=torch.int32)
+    return y, l1, g_vals, u_vals, ell.indices, ell.counts, g_backup, u_backup, rows, neuron_counts
+
+
+@hybrid_mlp_fwd_op.register_fake
+def _(x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, width, backup_rows):
+    M, N = x2.shape[0], w_gate.shape[0]
+    R = torch.library.get_ctx().new_dynamic_size()  # grows when more rows overflow than the backup holds
+    slots = x2.new_empty(M, width)
+    index = lambda *shape: torch.empty(*shape, dtype=torch.int32, device=x2.device)  # noqa: E731
+    return (
+        x2.new_empty(M, w_down_t.shape[1]),
+        torch.empty((), dtype=_l1_dtype(x2.dtype), device=x2.device),
+        slots,
+        torch.empty_like(slots),
+        index(M, width),
+        index(M),
+        x2.new_empty(R, N),
+        x2.new_empty(R, N),
+        index(R),
+        index(N),
+    )
+
+
+@torch.library.custom_op("sparsefuse::hybrid_mlp_bwd", mutates_args=())
+def hybrid_mlp_bwd_op(
+    dy: torch.Tensor,
+    dl1: torch.Tensor,
+    x2: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down_t: torch.Tensor,
+    g_vals: torch.Tensor,
+    u_vals: torch.Tensor,
+    indices: torch.Tensor,
+    counts: torch.Tensor,
+    g_backup: torch.Tensor,
+    u_backup: torch.Tensor,
+    rows: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dx [M, K], dw_gate, dw_up, dw_down_t [N, K], db_gate, db_up [N], db_down [K]) of the forward's
+    outputs' gradients dy [M, K] and dl1 (0-dim)."""
+    M, N = x2.shape[0], w_gate.shape[0]
+    dy = dy.to(x2.dtype)
+    dh = F.linear(dy, w_down_t)  # [M, N]: dy W_d
+    used = _slots_used(counts, g_vals.shape[1])
+    valid = (rows >= 0)[:, None]
+    dh_vals = torch.where(used, dh.gather(1, indices.long()), 0)
+    dh_backup = torch.where(valid, dh[rows.clamp(min=0).long()], 0)
+    l1_grad = (dl1.to(_l1_dtype(x2.dtype)) / max(M * N, 1)).to(x2.dtype)
+    du_vals, du_backup = dh_vals * g_vals, dh_backup * g_backup
+    dpre_vals = torch.where(used, dh_vals * u_vals + l1_grad, 0)  # stored gate values are the fired ones
+    dpre_backup = torch.where(g_backup != 0, dh_backup * u_backup + l1_grad, 0)
+    dx = _product(_fitting(du_vals, indices, counts, N), w_up, x2.dtype)
+    dx = dx + _product(_fitting(dpre_vals, indices, counts, N), w_gate, x2.dtype)
+    _add_rows(dx, rows, F.linear(du_backup, w_up.t()) + F.linear(dpre_backup, w_gate.t()))
+    du = _scatter(du_vals, indices, du_backup, rows, N)
+    dpre = _scatter(dpre_vals, indices, dpre_backup, rows, N)
+    h = _scatter(g_vals * u_vals, indices, g_backup * u_backup, rows, N)
+    return (
+        dx,
+        dpre.t() @ x2,
+        du.t() @ x2,
+        h.t() @ dy,
+        dpre.sum(0, dtype=torch.float32).to(x2.dtype),
+        du.sum(0, dtype=torch.float32).to(x2.dtype),
+        dy.sum(0, dtype=torch.float32).to(x2.dtype),
+    )
+
+
+@hybrid_mlp_bwd_op.register_fake
+def _(dy, dl1, x2, w_gate, w_up, w_down_t, g_vals, u_vals, indices, counts, g_backup, u_backup, rows):
+    N, K = w_gate.shape
+    return (
+        torch.empty_like(x2),
+        torch.empty_like(w_gate),
+        torch.empty_like(w_up),
+        torch.empty_like(w_down_t),
+        x2.new_empty(N),
+        x2.new_empty(N),
+        x2.new_empty(w_down_t.shape[1]),
+    )
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, width, backup_rows = inputs
+    _, _, g_vals, u_vals, indices, counts, g_backup, u_backup, rows, _ = output
+    ctx.save_for_backward(x2, w_gate, w_up, w_down_t, g_vals, u_vals, indices, counts, g_backup, u_backup, rows)
+    ctx.has_bias = (b_gate is not None, b_up is not None, b_down is not None)
+
+
+def _backward(ctx, dy, dl1, *unused):
+    dx, dwg, dwu, dwd, dbg, dbu, dbd = hybrid_mlp_bwd_op(dy, dl1, *ctx.saved_tensors)
+    has_g, has_u, has_d = ctx.has_bias
+    return dx, dwg, dbg if has_g else None, dwu, dbu if has_u else None, dwd, dbd if has_d else None, None, None
+
+
+hybrid_mlp_fwd_op.register_autograd(_backward, setup_context=_setup_context)

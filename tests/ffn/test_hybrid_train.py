@@ -1,0 +1,177 @@
+"""Sparse training of the gated block (:func:`sparsefuse.ffn.hybrid.hybrid_mlp`): gradients against the float64
+product-by-product reference, every overflow case of the Hybrid format, what the backward keeps, and the
+autograd contexts a training loop uses (gradcheck, compile, checkpointing, autocast)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_backend
+
+from sparsefuse import track_launches
+from sparsefuse.ffn.hybrid import REBUILDS, hybrid_mlp, hybrid_step_reference, sparsity_stats
+from sparsefuse.ffn.synthetic import synthetic_ffn
+from sparsefuse.testing import assert_close_to_reference
+
+NAMES = ("x", "w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
+
+
+def _leaves(M, K, N, dtype, device, bias, seed=0, dense_rows=(), zero=False):
+    """x [M, K] and weights with ~a third of the gate firing; ``dense_rows``: tokens that fire every neuron."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(M, K, generator=g, dtype=torch.float64)
+    wg, wu, wd = (torch.randn(*s, generator=g, dtype=torch.float64) / K**0.5 for s in ((N, K), (N, K), (K, N)))
+    bg = torch.full((N,), -0.5 if not zero else -1e3, dtype=torch.float64)
+    for r in dense_rows:
+        x[r] = 0.0
+        bg_row = None  # a zero input row fires where the bias is positive: make it fire everywhere via x
+        x[r, 0] = 1.0
+        wg[:, 0] = 1e3
+        del bg_row
+    bu, bd = torch.randn(N, generator=g, dtype=torch.float64), torch.randn(K, generator=g, dtype=torch.float64)
+    tensors = [x, wg, wu, wd] + ([bg, bu, bd] if bias else [None, None, None])
+    return [t.to(device=device, dtype=dtype).requires_grad_() if t is not None else None for t in tensors]
+
+
+def _run(leaves, dy, coef, **kw):
+    x, wg, wu, wd, bg, bu, bd = leaves
+    out = hybrid_mlp(x, wg, wu, wd, b_gate=bg, b_up=bu, b_down=bd, **kw)
+    grads = torch.autograd.grad(
+        (out.y * dy).sum() + coef * out.l1, [t for t in leaves if t is not None], allow_unused=False
+    )
+    return out, grads
+
+
+def _dense_lowp(leaves, dy, coef):
+    """The same step in the same dtype with plain torch (what an unpatched model computes)."""
+    x, wg, wu, wd, bg, bu, bd = (t.detach().clone().requires_grad_() if t is not None else None for t in leaves)
+    M, N = x.shape[0], wg.shape[0]
+    h_g = torch.relu(F.linear(x, wg, bg))
+    y = F.linear(h_g * F.linear(x, wu, bu), wd, bd)
+    l1 = h_g.float().sum() / (M * N)
+    leaves2 = [t for t in (x, wg, wu, wd, bg, bu, bd) if t is not None]
+    return y, l1, torch.autograd.grad((y * dy).sum() + coef * l1, leaves2)
+
+
+def _check(leaves, dy, coef, out, grads):
+    x, wg, wu, wd, bg, bu, bd = leaves
+    y64, l164, g64 = hybrid_step_reference(x, wg, wu, wd, dy, coef, bg, bu, bd)
+    y_lp, l1_lp, grads_lp = _dense_lowp(leaves, dy, coef)
+    assert_close_to_reference(out.y, y64, y_lp, name="y")
+    assert_close_to_reference(out.l1.reshape(1), l164.reshape(1), l1_lp.reshape(1), dtype=torch.float32, name="l1")
+    ref = [getattr(g64, n) for n, t in zip(NAMES, leaves) if t is not None]
+    names = [n for n, t in zip(NAMES, leaves) if t is not None]
+    for name, ours, r, lp in zip(names, grads, ref, grads_lp):
+        assert_close_to_reference(ours, r, lp, name=f"d{name}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_step_matches_the_float64_reference_with_the_kernels(dtype, bias, device):
+    leaves = _leaves(24, 32, 80, dtype, device, bias, seed=1)
+    assert_backend(leaves[0])
+    dy = torch.randn(24, 32, dtype=dtype, device=device)
+    with track_launches() as launched:
+        out, grads = _run(leaves, dy, coef=0.3, width=8, backup_rows=1)
+    assert launched["bits_to_sparse_kernel"] >= 1 and launched["gather_accumulate_kernel"] == 3, launched
+    _check(leaves, dy, 0.3, out, grads)
+
+
+@pytest.mark.parametrize(
+    "M, N, width, backup, dense_rows, zero",
+    [
+        (16, 300, 16, 2, (3,), False),  # a token firing all 300 neurons (over the width): kept whole
+        (20, 64, 2, 1, (), False),  # most tokens over the width, more than the backup: rebuilt larger, exact
+        (12, 64, 8, None, (), True),  # an all-zero batch: no neuron fires
+        (0, 64, 8, None, (), False),  # an empty batch
+        (9, 300, 300, 0, (0, 8), False),  # width covers every row; no backup at all
+    ],
+)
+def test_every_overflow_case_is_exact(M, N, width, backup, dense_rows, zero, device):
+    leaves = _leaves(M, 16, N, torch.float32, device, True, seed=2, dense_rows=dense_rows, zero=zero)
+    dy = torch.randn(M, 16, device=device)
+    before = dict(REBUILDS)
+    out, grads = _run(leaves, dy, coef=0.5, width=width, backup_rows=backup)
+    _check(leaves, dy, 0.5, out, grads)
+    counts = out.token_counts.cpu()
+    assert counts.shape == (M,)
+    if dense_rows:
+        assert all(int(counts[r]) == N for r in dense_rows)
+    if zero:
+        assert int(counts.sum()) == 0 and float(out.l1.detach()) == 0.0
+    overflowing = int((counts > width).sum())
+    R = -(-M // 8) if backup is None else backup
+    assert REBUILDS["rebuilt"] - before["rebuilt"] == (1 if overflowing > R else 0)
+
+
+def test_gradcheck_float64():
+    leaves = _leaves(6, 5, 12, torch.float64, "cpu", True, seed=3)
+
+    def step(*args):
+        out = hybrid_mlp(*args[:4], b_gate=args[4], b_up=args[5], b_down=args[6], width=2, backup_rows=1)
+        return out.y, out.l1
+
+    assert torch.autograd.gradcheck(step, tuple(leaves), eps=1e-6, atol=1e-6)
+
+
+def test_backward_keeps_no_dense_activations(device):
+    """What autograd saves for the backward: x, the weights, and the Hybrid parts -- at ~6 of 256 neurons per token
+    (ELL width 16, a backup of M/8 rows) none of it is [M, N], and the activations kept are ~1/8 of what the dense
+    block keeps."""
+    ffn = synthetic_ffn(64, 256, dtype=torch.float32, device=device, seed=4)
+    x = ffn.make_input(128, 6.0).requires_grad_()
+    weights = [w.clone().requires_grad_() for w in (ffn.w_gate, ffn.w_up, ffn.w_down)]
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        hybrid_mlp(x, *weights, width=16).y.sum().backward()
+    inputs = {t.untyped_storage().data_ptr() for t in [x, *weights]}  # x and weights, or views of them
+    activations = sum(t.numel() * t.element_size() for t in saved if t.untyped_storage().data_ptr() not in inputs)
+    assert all(tuple(t.shape) != (128, 256) for t in saved)
+    dense_keeps = 4 * 128 * 256 * 4  # gate, relu, up, product outputs of the dense block
+    assert activations < dense_keeps / 6, (activations, dense_keeps)
+
+
+def test_compile_checkpoint_and_autocast(device):
+    leaves = _leaves(16, 16, 48, torch.float32, device, True, seed=5)
+    dy = torch.randn(16, 16, device=device)
+    out, grads = _run(leaves, dy, coef=0.2, width=4)
+
+    def fn(*args):
+        o = hybrid_mlp(*args[:4], b_gate=args[4], b_up=args[5], b_down=args[6], width=4)
+        return o.y, o.l1
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    y_c, l1_c = compiled(*leaves)
+    grads_c = torch.autograd.grad((y_c * dy).sum() + 0.2 * l1_c, leaves)
+    torch.testing.assert_close(y_c, out.y)
+    for a, b in zip(grads_c, grads):
+        torch.testing.assert_close(a, b)
+    y_k, l1_k = torch.utils.checkpoint.checkpoint(fn, *leaves, use_reentrant=False)
+    grads_k = torch.autograd.grad((y_k * dy).sum() + 0.2 * l1_k, leaves)
+    for a, b in zip(grads_k, grads):
+        torch.testing.assert_close(a, b)
+    kind = "cuda" if leaves[0].is_cuda else "cpu"
+    with torch.autocast(kind, dtype=torch.float16):
+        y_a = hybrid_mlp(*leaves[:4], b_gate=leaves[4], b_up=leaves[5], b_down=leaves[6], width=4).y
+    assert y_a.dtype == torch.float16
+    assert_close_to_reference(y_a, hybrid_step_reference(*leaves[:4], dy, 0.0, *leaves[4:])[0], dtype=torch.float16)
+
+
+def test_sparsity_stats_and_bad_arguments(device):
+    leaves = _leaves(10, 8, 20, torch.float32, device, False, seed=6)
+    out = hybrid_mlp(*leaves[:4], width=4)
+    stats = sparsity_stats(out.token_counts, out.neuron_counts)
+    fired = F.linear(leaves[0], leaves[1]).detach() > 0
+    assert float(stats["mean_nnz"]) == pytest.approx(float(fired.sum(1).float().mean()))
+    assert float(stats["max_nnz"]) == float(fired.sum(1).max())
+    assert float(stats["dead_fraction"]) == pytest.approx(float((~fired.any(0)).float().mean()))
+    with pytest.raises(ValueError, match="width must be a positive int"):
+        hybrid_mlp(*leaves[:4], width=0)
+    with pytest.raises(ValueError, match="backup_rows must be a non-negative int"):
+        hybrid_mlp(*leaves[:4], backup_rows=-2)
+    with pytest.raises(TypeError, match="w_up must have x's dtype"):
+        hybrid_mlp(leaves[0], leaves[1], leaves[2].double(), leaves[3])
