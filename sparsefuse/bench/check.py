@@ -26,6 +26,7 @@ from sparsefuse._backend import Backend, poison_outputs, track_launches
 from sparsefuse.activations.celu import torch_celu, torch_celu_backward
 from sparsefuse.activations.snake import torch_snake, torch_snake_backward
 from sparsefuse.ffn import torch_relu_mlp, torch_twell_mlp, twell_mlp, twell_relu_mlp
+from sparsefuse.ffn.hybrid import hybrid_mlp, hybrid_step_reference
 from sparsefuse.ffn.synthetic import synthetic_ffn
 from sparsefuse.sae import (
     jumprelu_encode,
@@ -424,6 +425,27 @@ def _twell_relu_mlp(shape, dtype, device, gen):
     return x, run
 
 
+def _hybrid_mlp(shape, dtype, device, gen):
+    ffn, x = _ffn_inputs(shape, dtype, device, gen)
+    leaves = [t.detach().clone().requires_grad_() for t in (x, ffn.w_gate, ffn.w_up, ffn.w_down)]
+    dy = torch.randn(x.shape, generator=gen).to(device=device, dtype=dtype)
+
+    def run() -> Outputs:
+        out = hybrid_mlp(*leaves, width=4, backup_rows=1)  # narrow: overflow and a grown backup are exercised
+        ours = torch.autograd.grad(out.y, leaves, dy)
+        xl, wg, wu, wd = (t.detach().clone().requires_grad_() for t in leaves)
+        y_low = torch.nn.functional.linear(torch.relu(xl @ wg.t()) * (xl @ wu.t()), wd)
+        low = torch.autograd.grad(y_low, (xl, wg, wu, wd), dy)
+        y64, _, g64 = hybrid_step_reference(*leaves, dy)
+        refs = (g64.x, g64.w_gate, g64.w_up, g64.w_down)
+        outs = [compare("y", out.y, y64, y_low, dtype, extra_abs=_mlp_allowance(x, ffn.w_up, ffn.w_down, ffn.w_gate))]
+        for name, o, r, lo in zip(("dx", "dw_gate", "dw_up", "dw_down"), ours, refs, low):
+            outs.append(compare(name, o, r, lo, dtype, extra_rel=2 * torch.finfo(torch.float32).eps * x.shape[0]))
+        return outs
+
+    return x, run
+
+
 @dataclasses.dataclass(frozen=True)
 class OpCheck:
     family: str  # what `check WORKLOAD` selects it by (see WORKLOAD_FAMILIES)
@@ -457,6 +479,7 @@ OPS: dict[str, OpCheck] = {
     # (M, K, N, mean non-zeros per token)
     "ffn twell_mlp": OpCheck("ffn", _twell_mlp, [(13, 80, 100, 6)], [(256, 2048, 5632, 32)], True),
     "ffn twell_relu_mlp": OpCheck("ffn", _twell_relu_mlp, [(13, 80, 100, 6)], [(256, 2048, 5632, 32)], True),
+    "ffn hybrid_mlp fwd+bwd": OpCheck("ffn_train", _hybrid_mlp, [(13, 80, 100, 6)], [(1024, 2048, 5632, 32)], True),
 }
 
 # What `check WORKLOAD` runs: the op families each benchmark workload times ("sae" is both SAE families).
@@ -472,6 +495,7 @@ WORKLOAD_FAMILIES: dict[str, tuple[str, ...]] = {
     "splade_sum": ("splade",),
     "ffn": ("ffn",),
     "model": ("ffn",),  # a whole patched Llama: its only sparsefuse kernels are the FFN's
+    "ffn_train": ("ffn_train",),
 }
 
 

@@ -1,0 +1,95 @@
+"""Benchmark workload ``ffn_train``: one training step (forward and backward) of the gated ReLU block, sparse
+(:func:`sparsefuse.ffn.hybrid.hybrid_mlp`) against dense eager and torch.compile.
+
+Shapes: the paper's 1.5B layer (K=2048, N=5632) and an 8B-class layer (K=4096, N=14336) at M in {8192, 16384} tokens,
+bf16 (fp16 when bf16 is not requested). Inputs from :mod:`sparsefuse.ffn.synthetic`: ``nnz=30`` has ~30 gate
+non-zeros per token with the paper's heavy tail (a model trained with L1); ``nnz=half`` fires ~45% of N (a model at
+the start of training). Each implementation computes ``y`` (and for the sparse rows the L1 term, coefficient 2e-5)
+and the gradients of x and the three weights with ``torch.autograd.grad``. Rows are plain eager calls (method
+``eager``: the sparse step reads one device scalar per call, so it is not captured in a CUDA graph). ``--quick``:
+the 1.5B layer at 8192 tokens.
+
+* ``dense eager``       ``F.linear(relu(F.linear(x, Wg)) * F.linear(x, Wu), Wd)`` and its autograd backward
+* ``torch.compile``     the same, compiled
+* ``hybrid nnz=S``      the sparse step at S non-zeros per token
+
+``flops`` is the dense step's ``18 M K N`` for every row (TFLOP/s of a sparse row is dense-equivalent); the
+``peak MB`` column is each call's allocator high-water mark above what was allocated before it: with no activation
+kept past the call, it includes what the forward keeps for the backward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...ffn.hybrid import hybrid_mlp
+from ...ffn.synthetic import synthetic_ffn
+from ..harness import Case, Options, register
+from .ffn import eager_ffn
+
+SHAPES: list[tuple[int, int]] = [(2048, 5632), (4096, 14336)]
+M_VALUES = [8192, 16384]
+QUICK = ([(2048, 5632)], [8192])
+L1_COEFFICIENT = 2e-5  # the TwELL paper's
+
+
+def _dense_step(fn, x, w_gate, w_up, w_down, dy):
+    y = fn(x, w_gate, w_up, w_down)
+    return torch.autograd.grad(y, (x, w_gate, w_up, w_down), dy)
+
+
+def _hybrid_step(x, w_gate, w_up, w_down, dy):
+    out = hybrid_mlp(x, w_gate, w_up, w_down)
+    loss = (out.y.float() * dy.float()).sum() + L1_COEFFICIENT * out.l1
+    return torch.autograd.grad(loss, (x, w_gate, w_up, w_down))
+
+
+def _case(K: int, N: int, M: int, dtype: torch.dtype, device: str) -> Case:
+    seeds = iter(range(1 << 30))
+    half = 0.45 * N  # synthetic_ffn leaves 30% of the neurons dead: at most ~0.7 N can fire
+
+    def make_inputs() -> tuple[Any, ...]:
+        ffn = synthetic_ffn(K, N, dtype=dtype, device=device, seed=next(seeds))
+        x30, x_half = (ffn.make_input(M, s).requires_grad_() for s in (30.0, half))
+        weights = [w.clone().requires_grad_() for w in (ffn.w_gate, ffn.w_up, ffn.w_down)]
+        dy = torch.randn(M, K, device=device, dtype=dtype)
+        return x30, x_half, *weights, dy
+
+    compiled = torch.compile(eager_ffn)
+    impls = {
+        "dense eager": lambda x30, xh, wg, wu, wd, dy: _dense_step(eager_ffn, x30, wg, wu, wd, dy),
+        "torch.compile": lambda x30, xh, wg, wu, wd, dy: _dense_step(compiled, x30, wg, wu, wd, dy),
+        "hybrid nnz=30": lambda x30, xh, wg, wu, wd, dy: _hybrid_step(x30, wg, wu, wd, dy),
+        "hybrid nnz=half": lambda x30, xh, wg, wu, wd, dy: _hybrid_step(xh, wg, wu, wd, dy),
+    }
+    return Case(
+        workload="ffn_train",
+        shape=f"M={M} K={K} N={N}",
+        dtype=dtype,
+        direction="fwd+bwd",
+        bytes_moved=0,
+        flops=18 * M * K * N,
+        ceiling="matmul",
+        make_inputs=make_inputs,
+        impls=impls,
+        method="eager",
+        rotate=False,
+        eager_impl="dense eager",
+        compile_impl="torch.compile",
+    )
+
+
+@register(
+    "ffn_train",
+    "Gated FFN training step (forward + backward): sparsefuse hybrid_mlp vs dense eager and torch.compile",
+    "tokens M, hidden K, intermediate N",
+)
+def ffn_train_cases(options: Options) -> list[Case]:
+    dtype = torch.bfloat16 if torch.bfloat16 in options.dtypes else torch.float16
+    shapes, ms = QUICK if options.quick else (SHAPES, M_VALUES)
+    return [_case(K, N, M, dtype, options.device) for K, N in shapes for M in ms]
+
+
+__all__ = ["ffn_train_cases"]
