@@ -59,18 +59,25 @@ def _product(sparse: ELL, weight: torch.Tensor, dtype: torch.dtype) -> torch.Ten
     return sparse_matmul(sparse, weight, out_dtype=dtype)
 
 
+def _backup_destinations(rows: torch.Tensor, garbage: int) -> torch.Tensor:
+    """int64 destination row of each backup row: its matrix row, or ``garbage`` for an unused one."""
+    return torch.where(rows >= 0, rows, garbage).long()
+
+
 def _scatter(values: torch.Tensor, indices: torch.Tensor, backup: torch.Tensor, rows: torch.Tensor, n_cols: int):
-    """Dense [M, N] from ELL values (zero in unused slots) and whole backup rows (``rows`` -1: unused, zero)."""
-    dense = values.new_zeros(values.shape[0], n_cols)
-    dense.scatter_add_(1, indices.long(), values)  # unused slots add 0 to column 0: exact, order-free
+    """Dense [M, N] from ELL values (zero in unused slots) and whole backup rows (``rows`` -1: unused)."""
+    M = values.shape[0]
+    dense = values.new_zeros(M + 1, n_cols)  # row M takes the unused backup rows
+    dense[:M].scatter_add_(1, indices.long(), values)  # unused slots add 0 to column 0: exact, order-free
     if backup.shape[0]:
-        dense.index_put_((rows.clamp(min=0).long(),), backup, accumulate=True)  # unused backup rows are 0
-    return dense
+        dense.index_copy_(0, _backup_destinations(rows, M), backup)  # overflowed rows hold no ELL values
+    return dense[:M]
 
 
 def _add_rows(out: torch.Tensor, rows: torch.Tensor, part: torch.Tensor) -> None:
+    """``out[rows[s]] += part[s]`` for the used backup rows (unused ones hold zeros and add them to row 0)."""
     if part.shape[0]:
-        out.index_put_((rows.clamp(min=0).long(),), part.to(out.dtype), accumulate=True)
+        out.index_add_(0, rows.clamp(min=0).long(), part.to(out.dtype))
 
 
 @torch.library.custom_op("sparsefuse::hybrid_mlp_fwd", mutates_args=())
