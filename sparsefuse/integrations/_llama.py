@@ -32,7 +32,9 @@ def is_relu_llama_mlp(module: nn.Module) -> bool:
     )
 
 
-def _replacement(mlp: nn.Module, compression: int, tile: int | None, method: str) -> SparseGatedMLP:
+def _replacement(
+    mlp: nn.Module, compression: int, tile: int | None, method: str, train_method: str = "dense"
+) -> SparseGatedMLP:
     gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
     fused = SparseGatedMLP(
         gate.in_features,
@@ -41,6 +43,7 @@ def _replacement(mlp: nn.Module, compression: int, tile: int | None, method: str
         compression=compression,
         tile=tile,
         method=method,
+        train_method=train_method,
         device="meta",
     )
     fused.gate_proj, fused.up_proj, fused.down_proj = gate, up, down  # the modules themselves, not copies
@@ -50,19 +53,26 @@ def _replacement(mlp: nn.Module, compression: int, tile: int | None, method: str
 
 
 def patch_llama(
-    model: nn.Module, *, compression: int = DEFAULT_COMPRESSION, tile: int | None = None, method: str = "auto"
+    model: nn.Module,
+    *,
+    compression: int = DEFAULT_COMPRESSION,
+    tile: int | None = None,
+    method: str = "auto",
+    train_method: str = "dense",
 ) -> nn.Module:
-    """Replace every ReLU ``LlamaMLP`` inside ``model`` (in place) with :class:`sparsefuse.nn.SparseGatedMLP`.
+    """Replace every ReLU ``LlamaMLP`` inside ``model`` (in place) with :class:`sparsefuse.nn.SparseGatedMLP`
+    (inference by ``method``; forwards that need gradients by ``train_method``: "dense" or "hybrid", the sparse
+    training step).
 
     Returns the model (or, if ``model`` itself is a ReLU LlamaMLP, its replacement). Raises ``ValueError`` if no
     ReLU LlamaMLP was found (e.g. a model with ``hidden_act="silu"``: TwELL needs the ReLU's exact zeros)."""
     if is_relu_llama_mlp(model):
-        return _replacement(model, compression, tile, method)
+        return _replacement(model, compression, tile, method, train_method)
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if is_relu_llama_mlp(child):
-                setattr(parent, name, _replacement(child, compression, tile, method))
+                setattr(parent, name, _replacement(child, compression, tile, method, train_method))
                 replaced += 1
     if replaced == 0:
         act = getattr(getattr(model, "config", None), "hidden_act", None)

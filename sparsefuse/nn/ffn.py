@@ -8,7 +8,9 @@ it as is. ``method="auto"`` decides from the estimate of the non-zeros per token
 weight (one host sync in the weight's life, then sync-free samples ever more rarely). A plain eager call for which
 that choice is dense runs the dense ops directly, at ``LlamaMLP``'s host cost; :attr:`SparseGatedMLP.monitor`
 reads the estimate. Inference uses the sparse
-kernels; when autograd needs gradients the block runs densely (differentiable).
+kernels. When autograd needs gradients, ``train_method`` decides: ``"dense"`` (default) runs ``LlamaMLP``'s ops,
+``"hybrid"`` the sparse training step (:func:`sparsefuse.ffn.hybrid.hybrid_mlp`); both leave the step's L1 term in
+:attr:`SparseGatedMLP.last_l1` and its firing statistics in :meth:`SparseGatedMLP.sparsity_report`.
 """
 
 from __future__ import annotations
@@ -18,9 +20,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._auto import SparsityMonitor, observable, sampled_nonzero_stats
+from ..ffn.hybrid import hybrid_mlp, sparsity_stats
 from ..ffn.twell import DEFAULT_COMPRESSION, METHODS, twell_down_layout, twell_mlp
 from ..ffn.twell.auto import ESTIMATES, eager_runs_dense
 from ..ffn.twell.launch import STATS_TOKENS
+from ..sparse.compact import DEFAULT_HYBRID_WIDTH
+
+# How a forward that needs gradients runs: "dense" (LlamaMLP's ops) or "hybrid" (the sparse training step).
+TRAIN_METHODS = ("dense", "hybrid")
 
 SAMPLE_EVERY, SAMPLE_EVERY_MAX = 8, 256  # dense eager calls between samples of the gate's sparsity: first, at most
 
@@ -38,18 +45,27 @@ class SparseGatedMLP(nn.Module):
         compression: int = DEFAULT_COMPRESSION,
         tile: int | None = None,
         method: str = "auto",
+        train_method: str = "dense",
+        train_width: int = DEFAULT_HYBRID_WIDTH,
         device=None,
         dtype=None,
     ) -> None:
         super().__init__()
         if method not in METHODS:
             raise ValueError(f"SparseGatedMLP: method must be one of {', '.join(METHODS)}; got {method!r}")
+        if train_method not in TRAIN_METHODS:
+            raise ValueError(
+                f"SparseGatedMLP: train_method must be one of {', '.join(TRAIN_METHODS)}; got {train_method!r}"
+            )
         kw = dict(device=device, dtype=dtype)
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, **kw)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, **kw)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, **kw)
         self.compression, self.tile, self.method = compression, tile, method
+        self.train_method, self.train_width = train_method, train_width
+        self.last_l1: torch.Tensor | None = None  # the last training step's L1 term (differentiable)
+        self._last_counts: tuple[torch.Tensor, torch.Tensor] | None = None  # (per token, per neuron) firing counts
         self._eager_choice: dict[tuple[int, torch.dtype], bool] = {}  # (tokens, dtype) -> auto runs dense
         self._eager_choice_weight: torch.Tensor | None = None  # the gate weight those choices were made for
         self._eager_calls, self._next_sample = 0, SAMPLE_EVERY  # dense eager calls; when the next sample is taken
@@ -65,6 +81,8 @@ class SparseGatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.down_proj.weight.stride(0) != 1 and not torch.compiler.is_compiling():
             self.relayout_down_proj()  # a new weight was assigned or loaded with another layout
+        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters())):
+            return self._train_forward(x)
         if self.method == "auto" and x.is_cuda and self._eager_dense(x):
             return self._dense_forward(x)
         return twell_mlp(
@@ -118,6 +136,38 @@ class SparseGatedMLP(nn.Module):
             self._eager_choice.clear()
         return F.linear(h * F.linear(x, up.weight, up.bias), down.weight, down.bias)
 
+    def _train_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """A forward whose gradients are wanted: ``train_method="hybrid"`` runs the sparse training step
+        (:func:`sparsefuse.ffn.hybrid.hybrid_mlp`: only sparse activations kept for the backward), ``"dense"`` the
+        dense block as ``LlamaMLP`` does. Either way :attr:`last_l1` holds the step's L1 term and
+        :meth:`sparsity_report` its firing statistics."""
+        gate, up, down = self.gate_proj, self.up_proj, self.down_proj
+        if self.train_method == "hybrid":
+            out = hybrid_mlp(
+                x,
+                gate.weight,
+                up.weight,
+                down.weight,
+                b_gate=gate.bias,
+                b_up=up.bias,
+                b_down=down.bias,
+                width=self.train_width,
+            )
+            self.last_l1, self._last_counts = out.l1, (out.token_counts, out.neuron_counts)
+            return out.y
+        h_gate = torch.relu(F.linear(x, gate.weight, gate.bias))
+        fired = (h_gate > 0).reshape(-1, h_gate.shape[-1])
+        self.last_l1 = h_gate.sum(dtype=torch.float32) / max(h_gate.numel(), 1)
+        self._last_counts = (fired.sum(1, dtype=torch.int32), fired.sum(0, dtype=torch.int32))
+        return F.linear(h_gate * F.linear(x, up.weight, up.bias), down.weight, down.bias)
+
+    def sparsity_report(self) -> dict[str, torch.Tensor]:
+        """The last training step's gate statistics as device scalars (reading them is the caller's sync): mean,
+        p99 and max non-zeros per token, and the fraction of neurons that fired in no token of the batch."""
+        if self._last_counts is None:
+            raise RuntimeError("SparseGatedMLP.sparsity_report: no training step has run yet")
+        return sparsity_stats(*self._last_counts)
+
     @property
     def monitor(self) -> SparsityMonitor | None:
         """The running estimate of the gate's non-zeros per token that ``method="auto"`` uses (None before the first
@@ -127,5 +177,5 @@ class SparseGatedMLP(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
-            f"compression={self.compression}, method={self.method!r}"
+            f"compression={self.compression}, method={self.method!r}, train_method={self.train_method!r}"
         )

@@ -175,3 +175,40 @@ def test_sparsity_stats_and_bad_arguments(device):
         hybrid_mlp(*leaves[:4], backup_rows=-2)
     with pytest.raises(TypeError, match="w_up must have x's dtype"):
         hybrid_mlp(leaves[0], leaves[1], leaves[2].double(), leaves[3])
+
+
+@pytest.mark.parametrize("train_method", ["dense", "hybrid"])
+def test_module_trains_with_either_method_and_reports(train_method, device):
+    """SparseGatedMLP under autograd: same state_dict keys as LlamaMLP, gradients of the float64 reference, the
+    step's L1 term in last_l1 (its gradient reaches the gate) and the firing statistics."""
+    from sparsefuse.nn import SparseGatedMLP
+
+    torch.manual_seed(7)
+    mlp = SparseGatedMLP(16, 48, bias=True, train_method=train_method, train_width=4, device=device)
+    with torch.no_grad():
+        mlp.gate_proj.bias.fill_(-0.3)
+    assert set(mlp.state_dict()) == {f"{p}_proj.{t}" for p in ("gate", "up", "down") for t in ("weight", "bias")}
+    x = torch.randn(2, 9, 16, device=device, requires_grad=True)
+    dy = torch.randn(2, 9, 16, device=device)
+    y = mlp(x)
+    loss = (y * dy).sum() + 0.7 * mlp.last_l1
+    loss.backward()
+    g, u, d = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+    y64, l164, ref = hybrid_step_reference(
+        x.reshape(-1, 16), g.weight, u.weight, d.weight, dy.reshape(-1, 16), 0.7, g.bias, u.bias, d.bias
+    )
+    torch.testing.assert_close(y.reshape(-1, 16).double(), y64, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mlp.last_l1.double(), l164, rtol=1e-5, atol=1e-7)
+    for got, want in (
+        (x.grad.reshape(-1, 16), ref.x),
+        (g.weight.grad, ref.w_gate),
+        (u.weight.grad, ref.w_up),
+        (d.weight.grad, ref.w_down),
+        (g.bias.grad, ref.b_gate),
+    ):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+    report = mlp.sparsity_report()
+    fired = (F.linear(x.detach().reshape(-1, 16), g.weight, g.bias) > 0).sum(1).float()
+    assert float(report["mean_nnz"]) == pytest.approx(float(fired.mean()))
+    with pytest.raises(ValueError, match="train_method must be one of dense, hybrid"):
+        SparseGatedMLP(16, 48, train_method="sparse")
