@@ -404,8 +404,9 @@ def _draw_sweep(ax: Any, group: Sequence[Result], color: Callable[[str], Any]) -
     (eager, torch.compile, yardsticks) as horizontal lines."""
     times = {r.impl: r.median_us for r in group}
     eager = times.get(group[0].eager_impl or "eager") or times.get("eager")
-    if not eager:
-        eager = max(times.values())
+    if not eager:  # a set read back from its CSV names no eager row: its time is any row's time x its speed-up
+        refs = [r.median_us * r.speedup_eager for r in group if math.isfinite(r.speedup_eager) and r.speedup_eager > 0]
+        eager = refs[0] if refs else max(times.values())
     series: dict[str, dict[str, float]] = {}
     param = ""
     for impl, t in times.items():
@@ -413,7 +414,11 @@ def _draw_sweep(ax: Any, group: Sequence[Result], color: Callable[[str], Any]) -
         if match:
             param = match.group("param")
             series.setdefault(match.group("series"), {})[match.group("value")] = eager / t
-    values = sorted({v for points in series.values() for v in points}, key=lambda v: float(v) if _is_number(v) else v)
+    # numbers in numeric order first, then labels (e.g. nnz=30, nnz=half) in text order
+    values = sorted(
+        {v for points in series.values() for v in points},
+        key=lambda v: (0, float(v), "") if _is_number(v) else (1, 0.0, v),
+    )
     width = 0.84 / max(1, len(series))
     for j, (name, points) in enumerate(series.items()):
         xs = [i + (j - (len(series) - 1) / 2) * width for i in range(len(values))]
