@@ -13,12 +13,13 @@ done once).
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from ..ffn.twell import DEFAULT_COMPRESSION
 from ..nn.ffn import SparseGatedMLP
 
-__all__ = ["patch_llama", "is_relu_llama_mlp"]
+__all__ = ["patch_llama", "is_relu_llama_mlp", "l1_loss", "sparsity_report", "patched_mlps"]
 
 
 def is_relu_llama_mlp(module: nn.Module) -> bool:
@@ -81,3 +82,28 @@ def patch_llama(
             f"{type(model).__name__}" + (f" (config.hidden_act={act!r})" if act else "")
         )
     return model
+
+
+def patched_mlps(model: nn.Module) -> list[tuple[str, SparseGatedMLP]]:
+    """(qualified name, module) of every :class:`SparseGatedMLP` in ``model``, in module order."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, SparseGatedMLP)]
+
+
+def l1_loss(model: nn.Module) -> torch.Tensor:
+    """The summed L1 term of every patched layer's last forward that needed gradients (each the gate activations'
+    mean per element, :attr:`SparseGatedMLP.last_l1`): add ``coefficient * l1_loss(model)`` to the loss after the
+    forward. A per-element mean per layer keeps a coefficient portable across batch sizes and widths; summing over
+    layers weighs every layer alike. Raises if no patched layer has run a training forward."""
+    terms = [m.last_l1 for _, m in patched_mlps(model) if m.last_l1 is not None]
+    if not terms:
+        raise RuntimeError(
+            "sparsefuse l1_loss: no patched SparseGatedMLP has run a forward with gradients yet "
+            "(patch the model with patch_llama and call l1_loss after the forward)"
+        )
+    return torch.stack([t.float() for t in terms]).sum()
+
+
+def sparsity_report(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
+    """Per patched layer (qualified name): the last training step's gate statistics as device scalars (mean, p99
+    and max non-zeros per token, dead-neuron fraction). Reading them is one sync: do it when logging."""
+    return {name: m.sparsity_report() for name, m in patched_mlps(model) if m._last_counts is not None}

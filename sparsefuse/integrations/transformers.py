@@ -1,13 +1,17 @@
-"""transformers integrations: ``patch_llama`` (activation-sparse TwELL FFN for ReLU ``LlamaMLP`` layers) and a SPLADE
+"""transformers integrations: ``patch_llama`` (activation-sparse TwELL FFN for ReLU ``LlamaMLP`` layers; for training
+``l1_loss`` and ``sparsity_report`` over the patched layers) and a SPLADE
 encoder over any ``AutoModelForMaskedLM`` (the fused head replaces the vocabulary projection + pooling); imports
 transformers lazily."""
 
-from ._llama import is_relu_llama_mlp, patch_llama
+from ._llama import is_relu_llama_mlp, l1_loss, patch_llama, patched_mlps, sparsity_report
 from .transformers_mlm import SpladeEncoderForMaskedLM, projection_bypassed, splade_encode, vocabulary_projection
 
 __all__ = [
     "patch_llama",
     "is_relu_llama_mlp",
+    "patched_mlps",
+    "l1_loss",
+    "sparsity_report",
     "SpladeEncoderForMaskedLM",
     "projection_bypassed",
     "splade_encode",

@@ -155,3 +155,42 @@ def test_patched_bf16_llama_gpu(device):
         patched = model(ids).logits  # second call: the monitor's estimate, no probe
     assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
     assert_norm_close_to_reference(patched, ref64, unpatched, name="logits")
+
+
+@pytest.mark.parametrize("train_method", ["dense", "hybrid"])
+def test_patched_llama_trains_with_l1_and_reports(train_method, device):
+    """A patched model under a training step: the loss's gradients equal the unpatched model's (plus the L1 term's
+    gate gradient), l1_loss sums every layer's term and sparsity_report gives every layer's statistics."""
+    from sparsefuse.integrations.transformers import l1_loss, sparsity_report
+
+    torch.manual_seed(1)
+    model = transformers.LlamaForCausalLM(tiny_config(mlp_bias=True)).to(device)
+    sparsify_gates(model, -1.0)
+    ref = transformers.LlamaForCausalLM(model.config).to(device)
+    ref.load_state_dict(model.state_dict())
+    patch_llama(model, train_method=train_method)
+    ids = torch.randint(0, 97, (2, 6), device=device)
+    with pytest.raises(RuntimeError, match="no patched SparseGatedMLP has run"):
+        l1_loss(model)
+    out = model(ids, labels=ids)
+    l1 = l1_loss(model)
+    (out.loss + 0.1 * l1).backward()
+    # the reference: same loss, and the L1 term computed by hand from each layer's gate activations
+    gates = []
+    hooks = [
+        layer.mlp.gate_proj.register_forward_hook(lambda m, a, o: gates.append(torch.relu(o)))
+        for layer in ref.model.layers
+    ]
+    ref_out = ref(ids, labels=ids)
+    for h in hooks:
+        h.remove()
+    ref_l1 = sum(g.float().sum() / g.numel() for g in gates)
+    (ref_out.loss + 0.1 * ref_l1).backward()
+    torch.testing.assert_close(out.loss, ref_out.loss)
+    torch.testing.assert_close(l1, ref_l1)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+    report = sparsity_report(model)
+    assert len(report) == model.config.num_hidden_layers
+    first = report["model.layers.0.mlp"]
+    assert float(first["mean_nnz"]) == pytest.approx(float((gates[0] > 0).sum(-1).float().mean()))
