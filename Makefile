@@ -33,12 +33,12 @@ test: $(STAMP)
 	$(if $(HAS_GPU),SPARSEFUSE_TEST_DEVICE=cuda,TRITON_INTERPRET=1) $(PY) -m pytest -n $(PYTEST_WORKERS) -q $(ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff format --check sparsefuse tests
-	$(VENV)/bin/ruff check sparsefuse tests
+	$(VENV)/bin/ruff format --check sparsefuse tests examples
+	$(VENV)/bin/ruff check sparsefuse tests examples
 
 format: $(STAMP)
-	$(VENV)/bin/ruff format sparsefuse tests
-	$(VENV)/bin/ruff check --fix sparsefuse tests
+	$(VENV)/bin/ruff format sparsefuse tests examples
+	$(VENV)/bin/ruff check --fix sparsefuse tests examples
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
