@@ -34,7 +34,12 @@ def is_relu_llama_mlp(module: nn.Module) -> bool:
 
 
 def _replacement(
-    mlp: nn.Module, compression: int, tile: int | None, method: str, train_method: str = "dense"
+    mlp: nn.Module,
+    compression: int,
+    tile: int | None,
+    method: str,
+    train_method: str = "dense",
+    down_layout: str = "column",
 ) -> SparseGatedMLP:
     gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
     fused = SparseGatedMLP(
@@ -45,6 +50,7 @@ def _replacement(
         tile=tile,
         method=method,
         train_method=train_method,
+        down_layout=down_layout,
         device="meta",
     )
     fused.gate_proj, fused.up_proj, fused.down_proj = gate, up, down  # the modules themselves, not copies
@@ -60,20 +66,21 @@ def patch_llama(
     tile: int | None = None,
     method: str = "auto",
     train_method: str = "dense",
+    down_layout: str = "column",
 ) -> nn.Module:
     """Replace every ReLU ``LlamaMLP`` inside ``model`` (in place) with :class:`sparsefuse.nn.SparseGatedMLP`
     (inference by ``method``; forwards that need gradients by ``train_method``: "dense" or "hybrid", the sparse
-    training step).
+    training step; ``down_layout="row"`` keeps ``down_proj.weight`` contiguous, for FSDP2).
 
     Returns the model (or, if ``model`` itself is a ReLU LlamaMLP, its replacement). Raises ``ValueError`` if no
     ReLU LlamaMLP was found (e.g. a model with ``hidden_act="silu"``: TwELL needs the ReLU's exact zeros)."""
     if is_relu_llama_mlp(model):
-        return _replacement(model, compression, tile, method, train_method)
+        return _replacement(model, compression, tile, method, train_method, down_layout)
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if is_relu_llama_mlp(child):
-                setattr(parent, name, _replacement(child, compression, tile, method, train_method))
+                setattr(parent, name, _replacement(child, compression, tile, method, train_method, down_layout))
                 replaced += 1
     if replaced == 0:
         act = getattr(getattr(model, "config", None), "hidden_act", None)

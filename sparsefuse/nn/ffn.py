@@ -11,6 +11,8 @@ reads the estimate. Inference uses the sparse
 kernels. When autograd needs gradients, ``train_method`` decides: ``"dense"`` (default) runs ``LlamaMLP``'s ops,
 ``"hybrid"`` the sparse training step (:func:`sparsefuse.ffn.hybrid.hybrid_mlp`); both leave the step's L1 term in
 :attr:`SparseGatedMLP.last_l1` and its firing statistics in :meth:`SparseGatedMLP.sparsity_report`.
+``down_layout="row"`` keeps ``down_proj.weight`` row-major (contiguous), as FSDP2's ``fully_shard`` requires of
+the parameters it shards; the sparse kernels then copy W_down^T once per call.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class SparseGatedMLP(nn.Module):
         method: str = "auto",
         train_method: str = "dense",
         train_width: int = DEFAULT_HYBRID_WIDTH,
+        down_layout: str = "column",
         device=None,
         dtype=None,
     ) -> None:
@@ -63,7 +66,9 @@ class SparseGatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, **kw)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, **kw)
         self.compression, self.tile, self.method = compression, tile, method
-        self.train_method, self.train_width = train_method, train_width
+        if down_layout not in ("column", "row"):
+            raise ValueError(f"SparseGatedMLP: down_layout must be 'column' or 'row'; got {down_layout!r}")
+        self.train_method, self.train_width, self.down_layout = train_method, train_width, down_layout
         self.last_l1: torch.Tensor | None = None  # the last training step's L1 term (differentiable)
         self._last_counts: tuple[torch.Tensor, torch.Tensor] | None = None  # (per token, per neuron) firing counts
         self._eager_choice: dict[tuple[int, torch.dtype], bool] = {}  # (tokens, dtype) -> auto runs dense
@@ -73,13 +78,16 @@ class SparseGatedMLP(nn.Module):
 
     @torch.no_grad()
     def relayout_down_proj(self) -> None:
-        """Store down_proj.weight column-major in place (same Parameter object, same values)."""
+        """Store down_proj.weight column-major in place (same Parameter object, same values); nothing with
+        ``down_layout="row"``."""
         weight = self.down_proj.weight
+        if self.down_layout == "row":
+            return
         if weight.device.type != "meta" and weight.stride(0) != 1 and weight.shape[1] > 1:
             weight.data = twell_down_layout(weight.data)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.down_proj.weight.stride(0) != 1 and not torch.compiler.is_compiling():
+        if self.down_layout == "column" and self.down_proj.weight.stride(0) != 1 and not torch.compiler.is_compiling():
             self.relayout_down_proj()  # a new weight was assigned or loaded with another layout
         if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters())):
             return self._train_forward(x)

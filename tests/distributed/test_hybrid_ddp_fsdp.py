@@ -1,0 +1,78 @@
+"""The sparse training layer under the engines users run: DDP and FSDP2 (``fully_shard``), two processes on the
+CPU with the gloo backend. Each rank takes half of the batch; the gradients after one step must equal one process's
+on the whole batch (the loss and the L1 term are means, so DDP's gradient average is the full-batch gradient)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from sparsefuse.nn import SparseGatedMLP
+
+K, N, M = 16, 48, 12
+
+
+def _module(seed: int = 0) -> SparseGatedMLP:
+    torch.manual_seed(seed)
+    # row-major down_proj: FSDP2 shards contiguous parameters only
+    mlp = SparseGatedMLP(K, N, bias=True, train_method="hybrid", train_width=4, down_layout="row")
+    with torch.no_grad():
+        mlp.gate_proj.bias.fill_(-0.4)
+    return mlp
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(M, K, generator=g), torch.randn(M, K, generator=g)
+
+
+def _loss(mlp_out: torch.Tensor, target: torch.Tensor, l1: torch.Tensor) -> torch.Tensor:
+    return (mlp_out - target).square().mean() + 0.3 * l1
+
+
+def _worker(rank: int, world: int, init: str, engine: str, out_path: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        mlp = _module()
+        x, target = _batch()
+        part = slice(rank * M // world, (rank + 1) * M // world)
+        if engine == "ddp":
+            model = torch.nn.parallel.DistributedDataParallel(mlp)
+            y = model(x[part])
+        else:
+            from torch.distributed.fsdp import fully_shard
+
+            model = fully_shard(mlp)
+            y = model(x[part])
+        _loss(y, target[part], mlp.last_l1).backward()
+        grads = {}
+        for name, p in mlp.named_parameters():
+            g = p.grad
+            if hasattr(g, "full_tensor"):  # FSDP2 shards parameters and gradients as DTensors
+                g = g.full_tensor()
+            grads[name] = g.detach().clone()
+        if rank == 0:
+            torch.save(grads, out_path)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+def test_two_processes_match_one(engine, tmp_path):
+    if engine == "fsdp2":
+        pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 needs torch >= 2.6")
+        from torch.distributed import fsdp
+
+        if not hasattr(fsdp, "fully_shard"):
+            pytest.skip("this torch has no torch.distributed.fsdp.fully_shard")
+    mlp = _module()
+    x, target = _batch()
+    _loss(mlp(x), target, mlp.last_l1).backward()
+    single = {name: p.grad for name, p in mlp.named_parameters()}
+    out_path = str(tmp_path / "grads.pt")
+    init = f"file://{tmp_path / 'rendezvous'}"
+    mp.spawn(_worker, args=(2, init, engine, out_path), nprocs=2, join=True)
+    distributed = torch.load(out_path)
+    assert distributed.keys() == single.keys()
+    for name, g in single.items():
+        torch.testing.assert_close(distributed[name], g, rtol=1e-5, atol=1e-6, msg=name)
