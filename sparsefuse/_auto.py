@@ -129,8 +129,13 @@ class EstimateCache:
             entry[1] += 1
             if entry[1] >= entry[2] and monitor.accepts:
                 monitor.observe(stats())
-                entry[2] = entry[1] + min(self.max_every, max(self.observe_every, entry[1]))
+                entry[2] = self.next_sample_at(entry[1])
         return value
+
+    def next_sample_at(self, calls: int) -> int:
+        """The call count at which the sample after one taken at ``calls`` is due: the gap doubles with the calls
+        made, from ``observe_every`` up to ``max_every`` (for callers that keep their own count, too)."""
+        return calls + min(self.max_every, max(self.observe_every, calls))
 
     def observe(self, weight: torch.Tensor, stats: torch.Tensor) -> bool:
         """Hand a sample taken by the caller's own route (e.g. a module's dense path) to ``weight``'s monitor:

@@ -31,8 +31,6 @@ from ..sparse.compact import DEFAULT_HYBRID_WIDTH
 # How a forward that needs gradients runs: "dense" (LlamaMLP's ops) or "hybrid" (the sparse training step).
 TRAIN_METHODS = ("dense", "hybrid")
 
-SAMPLE_EVERY, SAMPLE_EVERY_MAX = 8, 256  # dense eager calls between samples of the gate's sparsity: first, at most
-
 
 class SparseGatedMLP(nn.Module):
     """Parameters: gate_proj.weight [intermediate, hidden], up_proj.weight [intermediate, hidden],
@@ -73,7 +71,8 @@ class SparseGatedMLP(nn.Module):
         self._last_counts: tuple[torch.Tensor, torch.Tensor] | None = None  # (per token, per neuron) firing counts
         self._eager_choice: dict[tuple[int, torch.dtype], bool] = {}  # (tokens, dtype) -> auto runs dense
         self._eager_choice_weight: torch.Tensor | None = None  # the gate weight those choices were made for
-        self._eager_calls, self._next_sample = 0, SAMPLE_EVERY  # dense eager calls; when the next sample is taken
+        # dense eager calls made; the count at which the next sample of the gate's sparsity is taken
+        self._eager_calls, self._next_sample = 0, ESTIMATES.observe_every
         self.relayout_down_proj()
 
     @torch.no_grad()
@@ -131,8 +130,8 @@ class SparseGatedMLP(nn.Module):
         return choice
 
     def _dense_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``LlamaMLP``'s computation (three cuBLAS matmuls, ReLU, product) on x [..., K]. Now and then (after
-        ``SAMPLE_EVERY`` calls, the gap doubling up to ``SAMPLE_EVERY_MAX``) the gate activations are counted on the
+        """``LlamaMLP``'s computation (three cuBLAS matmuls, ReLU, product) on x [..., K]. Now and then (on the
+        per-weight estimates' schedule, :meth:`EstimateCache.next_sample_at`) the gate activations are counted on the
         device for the gate weight's estimate (no sync) and the cached eager choices are dropped, so they follow
         the sparsity."""
         gate, up, down = self.gate_proj, self.up_proj, self.down_proj
@@ -140,7 +139,7 @@ class SparseGatedMLP(nn.Module):
         self._eager_calls += 1
         if self._eager_calls >= self._next_sample:
             ESTIMATES.observe(gate.weight, sampled_nonzero_stats(h.reshape(-1, h.shape[-1]), STATS_TOKENS))
-            self._next_sample = self._eager_calls + min(SAMPLE_EVERY_MAX, max(SAMPLE_EVERY, self._eager_calls))
+            self._next_sample = ESTIMATES.next_sample_at(self._eager_calls)
             self._eager_choice.clear()
         return F.linear(h * F.linear(x, up.weight, up.bias), down.weight, down.bias)
 
