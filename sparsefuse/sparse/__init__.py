@@ -11,9 +11,10 @@ import warnings
 from typing import Any
 
 from .._auto import SparsityMonitor, sampled_nonzero_stats
+from .block_grad import block_ell_sddmm, block_ell_transpose, transposed_matmul
 from .block_spmm import block_sparse_matmul
 from .compact import dense_to_csr, dense_to_ell, dense_to_hybrid, dense_to_row_block_pattern
-from .formats import CSR, ELL, BlockELL, Hybrid, RowBlockPattern, TwELL
+from .formats import CSR, ELL, BlockCSC, BlockELL, Hybrid, RowBlockPattern, TwELL
 from .sddmm import block_sddmm, torch_block_sddmm
 from .spmm import ThresholdedLinear, matmul_skip_zeros, sparse_matmul, torch_sparse_matmul
 
@@ -23,6 +24,7 @@ __all__ = [
     "TwELL",
     "RowBlockPattern",
     "BlockELL",
+    "BlockCSC",
     "Hybrid",
     "dense_to_hybrid",
     "ThresholdedLinear",
@@ -35,6 +37,9 @@ __all__ = [
     "block_sddmm",
     "torch_block_sddmm",
     "block_sparse_matmul",
+    "block_ell_sddmm",
+    "block_ell_transpose",
+    "transposed_matmul",
     "SparsityMonitor",
     "sampled_nonzero_stats",
 ]

@@ -67,6 +67,7 @@ def block_ell_matmul_kernel(
     HAS_ORDER: tl.constexpr,
     HAS_SCHEDULE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
     IEEE_FP32: tl.constexpr,
 ):
     # BlockELL values [M, width] (slot rows), indices [n_blocks, width], counts [n_blocks], order [M] int32 (slot
@@ -74,6 +75,7 @@ def block_ell_matmul_kernel(
     # column stride), bias [n_out]; out [M, n_out]. Grid (D blocks, row blocks): program (db, blk) walks its block's
     # column list BLOCK_J at a time -- a [BLOCK_ROWS, BLOCK_J] tile of values times BLOCK_J gathered rows of w --
     # on tensor cores (the gather-accumulate of sparsefuse.sparse.spmm, batched over a row block's shared columns).
+    # ACCUMULATE adds the product to what out holds (a backward's A1 W1 + A2 W2 as two launches).
     d_block = tl.program_id(0)
     block = tl.load(schedule_ptr + tl.program_id(1)) if HAS_SCHEDULE else tl.program_id(1)
     count = tl.load(counts_ptr + block)
@@ -104,11 +106,11 @@ def block_ell_matmul_kernel(
     if HAS_BIAS:
         acc += tl.load(bias_ptr + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     rows = tl.load(order_ptr + slots, mask=row_mask, other=0) if HAS_ORDER else slots
-    tl.store(
-        out_ptr + rows[:, None].to(tl.int64) * stride_out + d[None, :],
-        acc.to(out_ptr.dtype.element_ty),
-        mask=row_mask[:, None] & d_mask[None, :],
-    )
+    out_tile_ptr = out_ptr + rows[:, None].to(tl.int64) * stride_out + d[None, :]
+    out_mask = row_mask[:, None] & d_mask[None, :]
+    if ACCUMULATE:
+        acc += tl.load(out_tile_ptr, mask=out_mask, other=0.0).to(tl.float32)
+    tl.store(out_tile_ptr, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 def _block_matmul_blocks(n_out: int) -> tuple[int, int, int, int]:
@@ -126,6 +128,7 @@ def block_sparse_matmul(
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     heavy_first: bool = True,
+    accumulate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``sparse @ weight + bias`` -> [M, n_out] for a :class:`BlockELL` [M, n_in] (rows in blocks sharing their
     column lists; slot rows written to their ``row_order`` rows) and weight [n_in, n_out] (columns contiguous or
@@ -135,20 +138,33 @@ def block_sparse_matmul(
 
     A block's programs take time in proportion to its column count, which varies several-fold between blocks. With
     ``heavy_first`` (default) the blocks are launched longest first (:func:`heavy_first_schedule`, one small extra
-    launch) so that no long block starts last and runs alone at the end of the grid."""
+    launch) so that no long block starts last and runs alone at the end of the grid.
+
+    ``accumulate`` [M, n_out] (unit column stride): the product is added to it in place and it is returned (in its
+    dtype; no bias then) -- a sum of products ``A1 W1 + A2 W2`` without a second output."""
     op = "block_sparse_matmul"
     check_sparse_weight(op, sparse, weight)
     n_out = weight.shape[1]
     if bias is not None and (bias.shape != (n_out,) or bias.device != weight.device):
         raise ValueError(f"{op}: bias must be [{n_out}] on {weight.device}; got {describe(bias)}")
-    weight, out = product_operands(sparse.values.dtype, sparse.shape[0], weight, out_dtype)
+    if accumulate is not None:
+        if bias is not None or accumulate.shape != (sparse.shape[0], n_out) or accumulate.stride(-1) != 1:
+            raise ValueError(
+                f"{op}: accumulate must be [{sparse.shape[0]}, {n_out}] with unit column stride, and no bias given; "
+                f"got {describe(accumulate)}"
+            )
+        weight = product_operands(sparse.values.dtype, 0, weight, None)[0]
+        out = accumulate
+    else:
+        weight, out = product_operands(sparse.values.dtype, sparse.shape[0], weight, out_dtype)
     M, out_dtype = out.shape[0], out.dtype
     if M == 0 or n_out == 0:
         return out
     if backend_for(weight) is Backend.TORCH:
         _backend.warn_reference_once(op)
         ref = sparse.to_dense().double() @ weight.double()
-        return (ref + bias.double() if bias is not None else ref).to(out_dtype)
+        ref = ref + bias.double() if bias is not None else ref
+        return out.add_(ref.to(out_dtype)) if accumulate is not None else ref.to(out_dtype)
     block_j, block_d, warps, stages = _block_matmul_blocks(n_out)
     n_blocks = sparse.counts.shape[0]
     schedule = heavy_first_schedule(sparse.counts) if heavy_first and n_blocks > 1 else None
@@ -172,6 +188,7 @@ def block_sparse_matmul(
         HAS_ORDER=sparse.row_order is not None,
         HAS_SCHEDULE=schedule is not None,
         HAS_BIAS=bias is not None,
+        ACCUMULATE=accumulate is not None,
         IEEE_FP32=ieee_fp32(sparse.values.dtype),
         num_warps=warps,
         num_stages=stages,

@@ -461,3 +461,40 @@ class BlockELL:
             values[rows, : cols.numel()] = dense[rows][:, cols]
         counts = torch.tensor([u.numel() for u in unions], dtype=torch.int32, device=dense.device)
         return BlockELL(values, indices, counts, N, block_rows)
+
+
+@dataclass(frozen=True)
+class BlockCSC:
+    """The non-zero slots of a :class:`BlockELL` grouped by column (its transpose, as indices into its slots):
+    column n's entries are ``src[offsets[n]:offsets[n + 1]]``, each the flat index ``slot_row * width + slot`` into
+    the BlockELL's [M, width] value arrays (so any array on the same slots can be read through it), in (block,
+    row) order. A slot row r stands for matrix row ``row_order[r]`` (r when None). What
+    :func:`sparsefuse.sparse.block_grad.transposed_matmul` walks for the weight gradients ``A^T X``.
+
+    * ``src`` [capacity] int32 (int64 when M * width >= 2**31): only the first ``offsets[-1]`` are meaningful.
+    * ``offsets`` [N + 1] int64."""
+
+    src: torch.Tensor
+    offsets: torch.Tensor
+    width: int
+    row_order: torch.Tensor | None
+    n_rows: int
+    n_cols: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n_rows, self.n_cols)
+
+    def to_dense(self, values: torch.Tensor) -> torch.Tensor:
+        """[M, N]: ``values`` [M, width] (an array on the BlockELL's slots) at this pattern's entries, 0 elsewhere."""
+        nnz = int(self.offsets[-1])
+        flat = self.src[:nnz].long()
+        cols = torch.repeat_interleave(
+            torch.arange(self.n_cols, device=flat.device), (self.offsets[1:] - self.offsets[:-1])
+        )
+        rows = flat // self.width
+        if self.row_order is not None:
+            rows = self.row_order[rows].long()
+        dense = torch.zeros(self.n_rows, self.n_cols, dtype=values.dtype, device=values.device)
+        dense[rows, cols] = values.flatten()[flat]
+        return dense

@@ -11,6 +11,8 @@ the compacted :class:`~sparsefuse.sparse.BlockELL` that :func:`~sparsefuse.spars
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -126,7 +128,13 @@ def block_sddmm_kernel(
     out_values_ptr,
     out_indices_ptr,
     out_counts_ptr,
+    gate_out_ptr,
+    up_out_ptr,
+    pair_ptr,
+    row_part_ptr,
+    sum_part_ptr,
     M,
+    N,
     D,
     n_tiles,
     stride_scale,
@@ -140,6 +148,7 @@ def block_sddmm_kernel(
     HAS_ORDER: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     RELU: tl.constexpr,
+    FACTORS: tl.constexpr,
     IEEE_FP32: tl.constexpr,
 ):
     # Pattern (RowBlockPattern): indices [n_blocks, width], counts [n_blocks, n_tiles] (width = n_tiles * TILE),
@@ -147,7 +156,12 @@ def block_sddmm_kernel(
     # column strides), bias [N]. Out: BlockELL values [M, width] (slot rows), indices [n_blocks, width], counts
     # [n_blocks]. Grid (chunks, row blocks): program (c, blk) computes compacted union slots
     # [c * BLOCK_C, (c + 1) * BLOCK_C) of its block -- the tiles' unions laid end to end, so a chunk spans tiles and
-    # every tensor-core tile is full but the block's last -- and stores them in that compacted order.
+    # every tensor-core tile is full but the block's last -- and stores them in that compacted order. With FACTORS
+    # the two factors are stored as well, in the same slots: relu?(scale) to gate_out, the product (+ bias) to
+    # up_out (what a backward through the product needs), with the statistics of the gate factor's non-zeros --
+    # every one lies in its block's union, so they cost no extra pass: per (block, column) counts to pair[blk, col],
+    # per row counts to row_part[c, row], the factor's sum to sum_part[blk, c] (partial sums, reduced by the host
+    # code in a fixed order: no atomics).
     chunk = tl.program_id(0)
     block = tl.program_id(1)
     width = n_tiles * TILE
@@ -187,12 +201,16 @@ def block_sddmm_kernel(
         )
         if RELU:
             scale = tl.where((scale > 0) | (scale != scale), scale, 0.0)
-        out_block_ptr = out_values_ptr + block.to(tl.int64) * BLOCK_ROWS * width  # 32-bit offsets within the block
-        tl.store(
-            out_block_ptr + tl.arange(0, BLOCK_ROWS)[:, None] * width + p[None, :],
-            (scale * acc).to(out_values_ptr.dtype.element_ty),
-            mask=mask,
-        )
+        block_offset = block.to(tl.int64) * BLOCK_ROWS * width  # 32-bit offsets within the block
+        in_block = tl.arange(0, BLOCK_ROWS)[:, None] * width + p[None, :]
+        tl.store(out_values_ptr + block_offset + in_block, (scale * acc).to(out_values_ptr.dtype.element_ty), mask=mask)
+        if FACTORS:
+            tl.store(gate_out_ptr + block_offset + in_block, scale.to(gate_out_ptr.dtype.element_ty), mask=mask)
+            tl.store(up_out_ptr + block_offset + in_block, acc.to(up_out_ptr.dtype.element_ty), mask=mask)
+            fired = ((scale != 0) & mask).to(tl.int32)
+            tl.store(pair_ptr + block.to(tl.int64) * N + cols, tl.sum(fired, axis=0), mask=p_mask)
+            tl.store(row_part_ptr + chunk.to(tl.int64) * M + rows, tl.sum(fired, axis=1), mask=row_mask)
+            tl.store(sum_part_ptr + block * tl.num_programs(0) + chunk, tl.sum(tl.sum(scale, axis=1), axis=0))
         tl.store(out_indices_ptr + block.to(tl.int64) * width + p, cols, mask=p_mask)
 
 
@@ -221,6 +239,19 @@ def _block_sddmm_blocks(D: int, block_rows: int) -> tuple[int, int, int, int]:
     return 128, 64, 8, 4
 
 
+class BlockFactors(NamedTuple):
+    """What :func:`block_sddmm` returns with ``factors``: three BlockELLs on the same slots (one indices/counts)
+    and the statistics of the gate factor's non-zeros: ``column_counts`` [n_blocks, N] int32 (per row block and
+    column), ``row_counts`` [M] int32 (per matrix row), ``gate_sum`` 0-dim fp32 (its sum)."""
+
+    product: BlockELL
+    gate: BlockELL
+    up: BlockELL
+    column_counts: torch.Tensor
+    row_counts: torch.Tensor
+    gate_sum: torch.Tensor
+
+
 def block_sddmm(
     pattern: RowBlockPattern,
     scale: torch.Tensor,
@@ -230,12 +261,17 @@ def block_sddmm(
     *,
     relu: bool = False,
     out_dtype: torch.dtype | None = None,
-) -> BlockELL:
+    factors: bool = False,
+) -> BlockELL | BlockFactors:
     """``relu?(scale) * (a @ b^T + bias)`` on the pattern's row-block unions, compacted: pattern [M, N]
     (:class:`RowBlockPattern`), scale [M, N] dense (e.g. gate pre-activations, relu'd when ``relu``), a [M, D],
     b [N, D], bias [N] -> :class:`BlockELL` [M, N] (same block rows and row order, width n_tiles * tile) in
     ``out_dtype`` (default: scale's). fp32 accumulation on tensor cores, no host sync; the work is
-    ``2 * block_rows * D * sum(union sizes)`` flops."""
+    ``2 * block_rows * D * sum(union sizes)`` flops.
+
+    With ``factors`` it returns :class:`BlockFactors`: ``gate = relu?(scale)`` and ``up = a @ b^T + bias`` as well
+    as their product, and the gate's non-zero statistics -- what the training step keeps for its backward and
+    reports."""
     a = unit_last_stride(a)
     b = unit_last_stride(b)
     scale = unit_last_stride(scale)
@@ -246,10 +282,40 @@ def block_sddmm(
     values = new_output((M, width), out_dtype, a.device)  # slots past a block's count are never read
     indices = torch.empty(n_blocks, width, dtype=torch.int32, device=a.device)
     counts = torch.empty(n_blocks, dtype=torch.int32, device=a.device)
-    out = BlockELL(values, indices, counts, N, pattern.block_rows, pattern.row_order)
+
+    def on_slots(v: torch.Tensor) -> BlockELL:
+        return BlockELL(v, indices, counts, N, pattern.block_rows, pattern.row_order)
+
+    block_c, block_d, warps, stages = _block_sddmm_blocks(D, pattern.block_rows)
+    n_chunks = triton.cdiv(width, block_c)
+    out = on_slots(values)
+    gate = on_slots(new_output((M, width), out_dtype, a.device)) if factors else out
+    up = on_slots(new_output((M, width), out_dtype, a.device)) if factors else out
+    stats = (
+        (
+            torch.zeros(n_blocks, N, dtype=torch.int32, device=a.device),
+            torch.zeros(n_chunks, M, dtype=torch.int32, device=a.device),
+            torch.zeros(n_blocks, n_chunks, dtype=torch.float32, device=a.device),
+        )
+        if factors
+        else (counts, counts, counts)  # not read
+    )
+    if factors:
+        column_counts, row_part, sum_part = stats
+
+        def result():
+            return BlockFactors(out, gate, up, column_counts, row_part.sum(0, dtype=torch.int32), sum_part.sum())
+
+    else:
+
+        def result():
+            return out
+
     if M == 0:
-        return out
+        return result()
     if backend_for(a) is Backend.TORCH:
+        if factors:
+            raise NotImplementedError("block_sddmm(factors=True) runs on the GPU or the Triton interpreter")
         _backend.warn_reference_once("block_sddmm")
         dense = torch_block_sddmm(pattern, scale, a, b, bias, relu).to(out_dtype)
         for blk in range(n_blocks):
@@ -260,10 +326,9 @@ def block_sddmm(
             indices[blk, : cols.numel()] = cols.to(torch.int32)
             values[slots, : cols.numel()] = dense[rows[:, None], cols[None, :]]
         counts.copy_(pattern.union_sizes())
-        return out
-    block_c, block_d, warps, stages = _block_sddmm_blocks(D, pattern.block_rows)
+        return result()
     order = pattern.row_order
-    block_sddmm_kernel[(triton.cdiv(width, block_c), n_blocks)](
+    block_sddmm_kernel[(n_chunks, n_blocks)](
         scale,
         pattern.indices,
         pattern.counts,
@@ -274,7 +339,11 @@ def block_sddmm(
         values,
         indices,
         counts,
+        gate.values,
+        up.values,
+        *stats,
         M,
+        N,
         D,
         n_tiles,
         scale.stride(0),
@@ -288,9 +357,10 @@ def block_sddmm(
         HAS_ORDER=order is not None,
         HAS_BIAS=bias is not None,
         RELU=relu,
+        FACTORS=factors,
         IEEE_FP32=ieee_fp32(a.dtype),
         num_warps=warps,
         num_stages=stages,
     )
     record_launch("block_sddmm_kernel")
-    return out
+    return result()

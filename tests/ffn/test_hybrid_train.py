@@ -64,16 +64,61 @@ def _check(leaves, dy, coef, out, grads):
         assert_close_to_reference(ours, r, lp, name=f"d{name}")
 
 
+BLOCK_KERNELS = (
+    "block_sddmm_kernel",
+    "block_ell_matmul_kernel",
+    "block_ell_sddmm_kernel",
+    "block_csc_kernel",
+    "transposed_matmul_kernel",
+)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("bias", [False, True])
-def test_step_matches_the_float64_reference_with_the_kernels(dtype, bias, device):
-    leaves = _leaves(24, 32, 80, dtype, device, bias, seed=1)
+@pytest.mark.parametrize("layout", ["block", "hybrid"])
+def test_step_matches_the_float64_reference_with_the_kernels(layout, dtype, bias, device):
+    leaves = _leaves(40, 32, 80, dtype, device, bias, seed=1)
     assert_backend(leaves[0])
-    dy = torch.randn(24, 32, dtype=dtype, device=device)
+    dy = torch.randn(40, 32, dtype=dtype, device=device)
     with track_launches() as launched:
-        out, grads = _run(leaves, dy, coef=0.3, width=8, backup_rows=1)
-    assert launched["bits_to_sparse_kernel"] >= 1 and launched["gather_accumulate_kernel"] == 3, launched
+        out, grads = _run(leaves, dy, coef=0.3, layout=layout, width=8, backup_rows=1)
+    if layout == "hybrid":
+        assert launched["bits_to_sparse_kernel"] >= 1 and launched["gather_accumulate_kernel"] == 3, launched
+    else:  # forward: up on the unions (+ statistics), down; backward: dh + chain rule, dx, transpose, weight grads
+        assert all(launched[k] >= 1 for k in BLOCK_KERNELS), launched
+        assert launched["block_ell_matmul_kernel"] == 3 and launched["transposed_matmul_kernel"] == 2, launched
     _check(leaves, dy, 0.3, out, grads)
+
+
+@pytest.mark.parametrize(
+    "M, N, dense_rows, zero",
+    [
+        (16, 300, (3,), False),  # a token firing all 300 neurons; N not a multiple of the tile
+        (70, 64, (0, 1, 2, 69), False),  # several all-dense tokens; M past a whole number of blocks, sorted rows
+        (12, 64, (), True),  # an all-zero batch: no neuron fires
+        (0, 64, (), False),  # an empty batch
+        (1, 20, (), False),  # one token
+    ],
+)
+def test_block_layout_edge_cases_are_exact(M, N, dense_rows, zero, device):
+    leaves = _leaves(M, 16, N, torch.float32, device, True, seed=2, dense_rows=dense_rows, zero=zero)
+    dy = torch.randn(M, 16, device=device)
+    out, grads = _run(leaves, dy, coef=0.5, layout="block")
+    _check(leaves, dy, 0.5, out, grads)
+    counts = out.token_counts.cpu()
+    assert counts.shape == (M,)
+    assert all(int(counts[r]) == N for r in dense_rows)
+    if zero:
+        assert int(counts.sum()) == 0 and float(out.l1.detach()) == 0.0
+
+
+def test_block_layout_is_deterministic(device):
+    leaves = _leaves(48, 16, 96, torch.float32, device, True, seed=8)
+    dy = torch.randn(48, 16, device=device)
+    first = _run(leaves, dy, coef=0.1, layout="block")[1]
+    second = _run(leaves, dy, coef=0.1, layout="block")[1]
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize(
@@ -90,7 +135,7 @@ def test_every_overflow_case_is_exact(M, N, width, backup, dense_rows, zero, dev
     leaves = _leaves(M, 16, N, torch.float32, device, True, seed=2, dense_rows=dense_rows, zero=zero)
     dy = torch.randn(M, 16, device=device)
     before = dict(REBUILDS)
-    out, grads = _run(leaves, dy, coef=0.5, width=width, backup_rows=backup)
+    out, grads = _run(leaves, dy, coef=0.5, layout="hybrid", width=width, backup_rows=backup)
     _check(leaves, dy, 0.5, out, grads)
     counts = out.token_counts.cpu()
     assert counts.shape == (M,)
@@ -127,7 +172,7 @@ def test_backward_keeps_no_dense_activations(device):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        hybrid_mlp(x, *weights, width=16).y.sum().backward()
+        hybrid_mlp(x, *weights, layout="hybrid", width=16).y.sum().backward()
     inputs = {t.untyped_storage().data_ptr() for t in [x, *weights]}  # x and weights, or views of them
     activations = sum(t.numel() * t.element_size() for t in saved if t.untyped_storage().data_ptr() not in inputs)
     assert all(tuple(t.shape) != (128, 256) for t in saved)

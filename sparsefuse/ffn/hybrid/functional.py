@@ -8,9 +8,14 @@ from typing import NamedTuple
 
 import torch
 
+from ..._backend import Backend, backend_for
 from ..._validation import check_ffn_mlp, unit_last_stride
 from ...sparse.compact import DEFAULT_HYBRID_WIDTH
+from ..twell.block import block_plan
+from .block_step import block_mlp_train_fwd_op
 from .op import hybrid_mlp_fwd_op
+
+LAYOUTS = ("block", "hybrid")
 
 # float64 too: the step runs its products through torch and the core's reference paths there (gradcheck)
 TRAIN_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -36,6 +41,7 @@ def hybrid_mlp(
     b_gate: torch.Tensor | None = None,
     b_up: torch.Tensor | None = None,
     b_down: torch.Tensor | None = None,
+    layout: str = "block",
     width: int = DEFAULT_HYBRID_WIDTH,
     backup_rows: int | None = None,
 ) -> HybridMLPOutput:
@@ -44,13 +50,18 @@ def hybrid_mlp(
     fired, in the :class:`~sparsefuse.sparse.Hybrid` layout; no [M, N] tensor).
 
     Args:
+        layout: how the pattern is kept and walked. ``"block"`` (default): tokens in blocks of 64 (sorted by
+            firing count from 8192 tokens), each block's union of fired neurons; tensor cores throughout, never
+            overflows, no host sync (CUDA-graph capturable). ``"hybrid"``: the TwELL paper's format, an ELL of
+            ``width`` slots per token plus whole backup rows for tokens over it (one host sync per call).
+            float64, and CPU tensors without the Triton interpreter, always take ``"hybrid"``'s torch path.
         x: [..., K] float32/float16/bfloat16 (float64 for gradient checks); w_gate, w_up: [N, K]; w_down: [K, N]
             (``nn.Linear`` weights, x's dtype; w_down column-major, as :class:`sparsefuse.nn.SparseGatedMLP` stores
             it, avoids a copy per call).
-        width: ELL slots kept per token (the TwELL paper's 128); a token with more non-zeros is kept whole in the
-            backup.
-        backup_rows: whole rows kept for such tokens (default ``ceil(M / 8)``); when more overflow, the step grows
-            its backup to hold them all (exact; counted in :data:`sparsefuse.ffn.hybrid.op.REBUILDS`).
+        width: (``"hybrid"``) ELL slots kept per token (the TwELL paper's 128); a token with more non-zeros is
+            kept whole in the backup.
+        backup_rows: (``"hybrid"``) whole rows kept for such tokens (default ``ceil(M / 8)``); when more overflow,
+            the step grows its backup to hold them all (exact; counted in :data:`sparsefuse.ffn.hybrid.op.REBUILDS`).
     Returns: :class:`HybridMLPOutput` (y, l1, per-token and per-neuron firing counts, all on the device). Under
     ``torch.autocast`` the step runs in the autocast dtype, as ``nn.Linear`` would.
     For the L1 penalty add ``coefficient * out.l1`` to the loss: its gradient reaches the gate only where it fired.
@@ -64,6 +75,8 @@ def hybrid_mlp(
             for t in (x, w_gate, w_up, w_down, b_gate, b_up, b_down)
         )
     check_ffn_mlp(op, x, w_gate, b_gate, w_up, b_up, w_down, b_down, dtypes=TRAIN_DTYPES)
+    if layout not in LAYOUTS:
+        raise ValueError(f"{op}: layout must be one of {', '.join(map(repr, LAYOUTS))}; got {layout!r}")
     if not isinstance(width, int) or isinstance(width, bool) or width <= 0:
         raise ValueError(f"{op}: width must be a positive int; got {width!r}")
     x2 = unit_last_stride(x.reshape(-1, x.shape[-1]))
@@ -72,6 +85,21 @@ def hybrid_mlp(
         backup_rows = math.ceil(M / 8)
     elif not isinstance(backup_rows, int) or isinstance(backup_rows, bool) or backup_rows < 0:
         raise ValueError(f"{op}: backup_rows must be a non-negative int or None; got {backup_rows!r}")
+    if layout == "block" and x2.dtype != torch.float64 and backend_for(x2) is not Backend.TORCH:
+        plan = block_plan(w_gate.shape[0])
+        y, l1, counts, neuron_counts, *_ = block_mlp_train_fwd_op(
+            x2,
+            w_gate,
+            b_gate,
+            unit_last_stride(w_up),
+            b_up,
+            w_down.t(),
+            b_down,
+            plan.block_rows,
+            plan.tile,
+            plan.sorts(M),
+        )
+        return HybridMLPOutput(y.reshape(*x.shape[:-1], w_down.shape[0]), l1, counts, neuron_counts)
     y, l1, *_, counts, _, _, _, neuron_counts = hybrid_mlp_fwd_op(
         x2, w_gate, b_gate, unit_last_stride(w_up), b_up, w_down.t(), b_down, width, backup_rows
     )

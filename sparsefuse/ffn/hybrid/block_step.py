@@ -1,0 +1,178 @@
+"""The training step of the gated ReLU block on row-block unions (``layout="block"``, the default), as two
+``torch.library`` ops joined by a registered autograd rule. Tokens are grouped ``block_rows`` at a time (sorted by
+their gate's non-zero count first at large batches); each block's union of fired neurons is the pattern every
+product but the gate's forward runs on. A union never overflows, so the step is exact with no capacity to size, no
+host sync, and it can be captured in a CUDA graph.
+
+=====================  ===============================================  =========================================
+product                what it computes                                 kernel (``sparsefuse.sparse``)
+=====================  ===============================================  =========================================
+gate ``x W_g^T``       dense: it finds the pattern                      cuBLAS
+up ``x W_u^T``         on the unions; gate and up kept, the gate's      ``block_sddmm(factors=True)``
+                       L1 and firing counts in the same epilogue
+down ``h W_d^T``       sparse rows                                      ``block_sparse_matmul``
+``dh = dy W_d``        on the unions, chain rule in the epilogue        ``block_ell_sddmm(gate=, up=)``
+``dx``                 two sparse operands into one output              ``block_sparse_matmul(accumulate=)``
+``dW_u, dW_g, dW_d``   transposed, per fired (token, neuron) only       ``block_ell_transpose`` +
+                                                                        ``transposed_matmul``
+=====================  ===============================================  =========================================
+
+Kept for the backward: x, the gate and up values on the unions ([M, width] each, width = N rounded up to the tile),
+the unions' column lists, the token order and the firing counts per (block, neuron) -- no pre-activation, no
+product h.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from ...sparse import BlockELL
+from ...sparse.block_grad import block_ell_sddmm, block_ell_transpose, transposed_matmul
+from ...sparse.block_spmm import block_sparse_matmul
+from ...sparse.compact import dense_to_row_block_pattern
+from ...sparse.sddmm import block_sddmm
+
+
+def _on_slots(values, indices, counts, order, N, block_rows) -> BlockELL:
+    return BlockELL(values, indices, counts, N, block_rows, order)
+
+
+@torch.library.custom_op("sparsefuse::block_mlp_train_fwd", mutates_args=())
+def block_mlp_train_fwd_op(
+    x2: torch.Tensor,
+    w_gate: torch.Tensor,
+    b_gate: torch.Tensor | None,
+    w_up: torch.Tensor,
+    b_up: torch.Tensor | None,
+    w_down_t: torch.Tensor,
+    b_down: torch.Tensor | None,
+    block_rows: int,
+    tile: int,
+    sort_rows: bool,
+) -> tuple[
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+]:
+    """x2 [M, K]; w_gate, w_up, w_down_t [N, K]. Returns y [M, K], l1 (0-dim fp32), token counts [M] and neuron
+    counts [N] (int32), and what the backward keeps: gate and up values [M, width], union columns [n_blocks, width]
+    and sizes [n_blocks] (int32), token order [M] (int32), the gate's firing counts per (row block, neuron)
+    [n_blocks, N] (int32)."""
+    M, N = x2.shape[0], w_gate.shape[0]
+    pre = F.linear(x2, w_gate, b_gate)
+    pattern = dense_to_row_block_pattern(pre, tile, block_rows, relu=True, sort_rows=sort_rows)
+    f = block_sddmm(pattern, pre, x2, w_up, b_up, relu=True, out_dtype=x2.dtype, factors=True)
+    y = block_sparse_matmul(f.product, w_down_t, bias=b_down, out_dtype=x2.dtype)
+    order = pattern.row_order
+    if order is None:
+        order = torch.arange(M, dtype=torch.int32, device=x2.device)
+    return (
+        y,
+        f.gate_sum / max(M * N, 1),
+        f.row_counts,
+        f.column_counts.sum(0, dtype=torch.int32),
+        f.gate.values,
+        f.up.values,
+        f.product.indices,
+        f.product.counts,
+        order,
+        f.column_counts,
+    )
+
+
+@block_mlp_train_fwd_op.register_fake
+def _(x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, block_rows, tile, sort_rows):
+    M, N = x2.shape[0], w_gate.shape[0]
+    width, n_blocks = triton.cdiv(N, tile) * tile, triton.cdiv(M, block_rows)
+    index = lambda *shape: torch.empty(*shape, dtype=torch.int32, device=x2.device)  # noqa: E731
+    return (
+        x2.new_empty(M, w_down_t.shape[1]),
+        torch.empty((), dtype=torch.float32, device=x2.device),
+        index(M),
+        index(N),
+        x2.new_empty(M, width),
+        x2.new_empty(M, width),
+        index(n_blocks, width),
+        index(n_blocks),
+        index(M),
+        index(n_blocks, N),
+    )
+
+
+@torch.library.custom_op("sparsefuse::block_mlp_train_bwd", mutates_args=())
+def block_mlp_train_bwd_op(
+    dy: torch.Tensor,
+    dl1: torch.Tensor,
+    x2: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down_t: torch.Tensor,
+    gate_values: torch.Tensor,
+    up_values: torch.Tensor,
+    indices: torch.Tensor,
+    counts: torch.Tensor,
+    order: torch.Tensor,
+    column_counts: torch.Tensor,
+    block_rows: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx [M, K], dw_gate, dw_up, dw_down_t [N, K], db_gate, db_up [N], db_down [K]) from dy [M, K] and dl1
+    (0-dim: the loss's gradient w.r.t. the L1 term)."""
+    M, N = x2.shape[0], w_gate.shape[0]
+    dy = dy.to(x2.dtype).contiguous()
+    gate = _on_slots(gate_values, indices, counts, order, N, block_rows)
+    gate_grad = (dl1.to(torch.float32) / max(M * N, 1)).reshape(1)
+    d_up, d_pre = block_ell_sddmm(gate, dy, w_down_t, gate=gate_values, up=up_values, gate_grad=gate_grad)
+    dx = block_sparse_matmul(_on_slots(d_up, indices, counts, order, N, block_rows), w_up, out_dtype=x2.dtype)
+    dx = block_sparse_matmul(_on_slots(d_pre, indices, counts, order, N, block_rows), w_gate, accumulate=dx)
+    csc = block_ell_transpose(gate, column_counts)
+    dw, bias_sums = transposed_matmul(csc, x2, d_pre, d_up, mode="two", bias=True)
+    dw_down_t, _ = transposed_matmul(csc, dy, gate_values, up_values, mode="product")
+    return (
+        dx,
+        dw[0],
+        dw[1],
+        dw_down_t[0],
+        bias_sums[0].to(x2.dtype),
+        bias_sums[1].to(x2.dtype),
+        dy.sum(0, dtype=torch.float32).to(x2.dtype),
+    )
+
+
+@block_mlp_train_bwd_op.register_fake
+def _(dy, dl1, x2, w_gate, w_up, w_down_t, gate_values, up_values, indices, counts, order, column_counts, block_rows):
+    N = w_gate.shape[0]
+    return (
+        torch.empty_like(x2),
+        torch.empty_like(w_gate),
+        torch.empty_like(w_up),
+        torch.empty_like(w_down_t),
+        x2.new_empty(N),
+        x2.new_empty(N),
+        x2.new_empty(w_down_t.shape[1]),
+    )
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, block_rows, *_ = inputs
+    *_, gate_values, up_values, indices, counts, order, column_counts = output
+    ctx.save_for_backward(x2, w_gate, w_up, w_down_t, gate_values, up_values, indices, counts, order, column_counts)
+    ctx.has_bias = (b_gate is not None, b_up is not None, b_down is not None)
+    ctx.block_rows = block_rows
+
+
+def _backward(ctx, dy, dl1, *unused):
+    dx, dwg, dwu, dwd, dbg, dbu, dbd = block_mlp_train_bwd_op(dy, dl1, *ctx.saved_tensors, ctx.block_rows)
+    has_g, has_u, has_d = ctx.has_bias
+    return dx, dwg, dbg if has_g else None, dwu, dbu if has_u else None, dwd, dbd if has_d else None, None, None, None
+
+
+block_mlp_train_fwd_op.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,371 @@
+"""The backward products of a row-block sparse layer (the gated FFN's training step on row-block unions).
+
+Given the forward's :class:`~sparsefuse.sparse.BlockELL` slots (each block of rows shares the union of its columns):
+
+* :func:`block_ell_sddmm` -- a dense x dense product sampled on those slots, ``(a @ b^T)[row, col]`` (the gradient
+  w.r.t. the sparse activations, ``dh = dy W_d``), with the gated layer's chain rule fused in its epilogue;
+* :func:`block_ell_transpose` -- the slots holding a non-zero, grouped by column (:class:`BlockCSC`): deterministic,
+  no atomics on values and no host sync;
+* :func:`transposed_matmul` -- ``out[col] = sum over rows of value[row, col] * x[row]`` from that grouping (the weight
+  gradients ``A^T X``) on tensor cores, each column's terms summed in one fixed order, so the result does not depend
+  on scheduling. The work is the non-zeros', not the dense product's.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import _backend
+from .._backend import Backend, backend_for, new_output, record_launch
+from .._triton.dot import dot_accumulate, ieee_fp32
+from .._validation import unit_last_stride
+from .formats import BlockCSC, BlockELL
+
+
+@triton.jit
+def block_ell_sddmm_kernel(
+    indices_ptr,
+    counts_ptr,
+    order_ptr,
+    a_ptr,
+    b_ptr,
+    gate_ptr,
+    up_ptr,
+    gate_grad_ptr,
+    out_ptr,
+    out2_ptr,
+    M,
+    D,
+    width,
+    stride_a,
+    stride_b,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_ORDER: tl.constexpr,
+    GATED: tl.constexpr,
+    IEEE_FP32: tl.constexpr,
+):
+    # BlockELL slots: indices [n_blocks, width], counts [n_blocks], order [M] (slot row -> matrix row); a [M, D],
+    # b [N, D]. Program (c, blk): slots [c * BLOCK_C, (c + 1) * BLOCK_C) of block blk, acc = a[rows] @ b[cols]^T.
+    # Plain: out = acc. GATED (gate, up [M, width] on the same slots; gate_grad a 1-element fp32 tensor):
+    #   out = acc * gate                                   (gradient w.r.t. up)
+    #   out2 = (acc * up + gate_grad) where gate != 0     (gradient w.r.t. the gate's pre-activation)
+    chunk = tl.program_id(0)
+    block = tl.program_id(1)
+    count = tl.load(counts_ptr + block)
+    if chunk * BLOCK_C < count:
+        p = chunk * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C]
+        p_mask = p < count
+        cols = tl.load(indices_ptr + block.to(tl.int64) * width + p, mask=p_mask, other=0)
+        local = tl.arange(0, BLOCK_ROWS)
+        slots = block * BLOCK_ROWS + local  # [BLOCK_ROWS]
+        row_mask = slots < M
+        rows = tl.load(order_ptr + slots, mask=row_mask, other=0) if HAS_ORDER else slots
+        a_rows_ptr = a_ptr + rows[:, None].to(tl.int64) * stride_a
+        b_cols_ptr = b_ptr + cols[None, :].to(tl.int64) * stride_b
+        acc = tl.zeros([BLOCK_ROWS, BLOCK_C], dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            d_mask = d < D
+            a = tl.load(a_rows_ptr + d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+            bt = tl.load(b_cols_ptr + d[:, None], mask=d_mask[:, None] & p_mask[None, :], other=0.0)
+            acc = dot_accumulate(acc, a, bt.to(a.dtype), IEEE_FP32)  # [BLOCK_ROWS, BLOCK_C]
+        mask = row_mask[:, None] & p_mask[None, :]
+        offsets = block.to(tl.int64) * BLOCK_ROWS * width + local[:, None] * width + p[None, :]
+        if GATED:
+            gate = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+            up = tl.load(up_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+            gate_grad = tl.load(gate_grad_ptr)
+            tl.store(out_ptr + offsets, (acc * gate).to(out_ptr.dtype.element_ty), mask=mask)
+            d_gate = tl.where(gate != 0, acc * up + gate_grad, 0.0)
+            tl.store(out2_ptr + offsets, d_gate.to(out2_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _sddmm_blocks() -> tuple[int, int, int, int]:
+    """(BLOCK_C, BLOCK_D, num_warps, num_stages): block_sddmm's measured tiles."""
+    return (16, 32, 4, 1) if _backend.INTERPRET else (128, 64, 8, 4)
+
+
+def block_ell_sddmm(
+    like: BlockELL,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    gate: torch.Tensor | None = None,
+    up: torch.Tensor | None = None,
+    gate_grad: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``(a @ b^T)`` on ``like``'s slots: a [M, D], b [N, D] -> values [M, width] (``like``'s slots, fp32
+    accumulation on tensor cores, no host sync; ``2 * block_rows * D`` flops per listed column).
+
+    With ``gate``/``up`` ([M, width], the forward's factors of ``h = gate * up`` on the same slots, gate already
+    relu'd) and ``gate_grad`` (1-element fp32: the gradient added to every fired gate pre-activation, e.g. an L1
+    term's), returns the two gradients of ``h`` given ``dh = a @ b^T``: ``(dh * gate, (dh * up + gate_grad) *
+    [gate != 0])``."""
+    a, b = unit_last_stride(a), unit_last_stride(b)
+    M, width = like.values.shape
+    gated = gate is not None
+    out_dtype = out_dtype or a.dtype
+    out = new_output((M, width), out_dtype, a.device)  # slots past a block's count are never read
+    out2 = new_output((M, width), out_dtype, a.device) if gated else out
+    if M == 0:
+        return (out, out2) if gated else out
+    if backend_for(a) is Backend.TORCH:
+        raise NotImplementedError("block_ell_sddmm runs on the GPU or the Triton interpreter")
+    block_c, block_d, warps, stages = _sddmm_blocks()
+    order = like.row_order
+    block_ell_sddmm_kernel[(triton.cdiv(width, block_c), like.counts.shape[0])](
+        like.indices,
+        like.counts,
+        order if order is not None else like.counts,
+        a,
+        b,
+        gate if gated else a,
+        up if gated else a,
+        gate_grad if gated else a,
+        out,
+        out2,
+        M,
+        a.shape[1],
+        width,
+        a.stride(0),
+        b.stride(0),
+        BLOCK_ROWS=like.block_rows,
+        BLOCK_C=block_c,
+        BLOCK_D=block_d,
+        HAS_ORDER=order is not None,
+        GATED=gated,
+        IEEE_FP32=ieee_fp32(a.dtype),
+        num_warps=warps,
+        num_stages=stages,
+    )
+    record_launch("block_ell_sddmm_kernel")
+    return (out, out2) if gated else out
+
+
+@triton.jit
+def block_csc_kernel(
+    values_ptr,
+    indices_ptr,
+    counts_ptr,
+    start_ptr,
+    pair_ptr,
+    src_ptr,
+    M,
+    N,
+    width,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    FILL: tl.constexpr,
+):
+    # BlockELL values [M, width], indices [n_blocks, width], counts [n_blocks]. Program (c, blk) takes slots
+    # [c * BLOCK_C, (c + 1) * BLOCK_C) of block blk and finds the rows of the block holding a non-zero there.
+    # Count pass (not FILL): pair[blk, col] = how many. Fill pass: each such (row, slot) gets the position
+    # start[blk, col] + (its rank among the block's non-zeros of that column, by row) and its flat slot index
+    # row * width + slot is written there -- every position once: no atomics, the same layout every run.
+    chunk = tl.program_id(0)
+    block = tl.program_id(1)
+    count = tl.load(counts_ptr + block)
+    if chunk * BLOCK_C < count:
+        p = chunk * BLOCK_C + tl.arange(0, BLOCK_C)
+        p_mask = p < count
+        cols = tl.load(indices_ptr + block.to(tl.int64) * width + p, mask=p_mask, other=0)
+        local = tl.arange(0, BLOCK_ROWS)
+        row_mask = block * BLOCK_ROWS + local < M
+        flat = block.to(tl.int64) * BLOCK_ROWS * width + local[:, None] * width + p[None, :]  # [BLOCK_ROWS, BLOCK_C]
+        mask = row_mask[:, None] & p_mask[None, :]
+        v = tl.load(values_ptr + flat, mask=mask, other=0.0)
+        nz = ((v != 0) & mask).to(tl.int32)
+        if FILL:
+            start = tl.load(start_ptr + block.to(tl.int64) * N + cols, mask=p_mask, other=0)  # [BLOCK_C] int64
+            position = start[None, :] + (tl.cumsum(nz, axis=0) - nz)
+            tl.store(src_ptr + position, flat.to(src_ptr.dtype.element_ty), mask=nz > 0)
+        else:
+            tl.store(pair_ptr + block.to(tl.int64) * N + cols, tl.sum(nz, axis=0), mask=p_mask)
+
+
+def block_ell_transpose(sparse: BlockELL, column_counts: torch.Tensor | None = None) -> BlockCSC:
+    """The non-zero slots of ``sparse`` (values != 0; NaN counts) grouped by column, in (block, row) order within a
+    column: :class:`BlockCSC`. Two passes over the slots and prefix sums over a [n_blocks, N] table; no host sync.
+    ``column_counts`` [n_blocks, N] int32, the non-zeros per (row block, column) when already known (e.g. from
+    :func:`sparsefuse.sparse.block_sddmm` with ``factors``), saves the first pass.
+    The index array is allocated for every slot that could hold a non-zero (``M * N`` entries: 4 bytes each while
+    ``M * width < 2**31``), since the count is only known on the device."""
+    values = sparse.values
+    M, width = values.shape
+    N, n_blocks = sparse.n_cols, sparse.counts.shape[0]
+    index_dtype = torch.int32 if M * width < 2**31 else torch.int64
+    src = torch.empty(M * N, dtype=index_dtype, device=values.device)
+    offsets = torch.zeros(N + 1, dtype=torch.int64, device=values.device)
+    csc = BlockCSC(src, offsets, width, sparse.row_order, M, N)
+    if M == 0 or N == 0:
+        return csc
+    if backend_for(values) is Backend.TORCH:
+        raise NotImplementedError("block_ell_transpose runs on the GPU or the Triton interpreter")
+    block_c = 16 if _backend.INTERPRET else 128
+    grid = (triton.cdiv(width, block_c), n_blocks)
+    args = (sparse.indices, sparse.counts)
+    common = dict(BLOCK_ROWS=sparse.block_rows, BLOCK_C=block_c, num_warps=4)
+    pair = column_counts
+    if pair is None:
+        pair = torch.zeros(n_blocks, N, dtype=torch.int32, device=values.device)
+        block_csc_kernel[grid](values, *args, pair, pair, src, M, N, width, FILL=False, **common)
+        record_launch("block_csc_kernel")
+    running = pair.cumsum(0)  # int64 [n_blocks, N]: each column's non-zeros in blocks up to and including b
+    torch.cumsum(running[-1], 0, out=offsets[1:])
+    start = offsets[:-1][None, :] + running - pair
+    block_csc_kernel[grid](values, *args, start, pair, src, M, N, width, FILL=True, **common)
+    record_launch("block_csc_kernel")
+    return csc
+
+
+@triton.jit
+def transposed_matmul_kernel(
+    src_ptr,
+    offsets_ptr,
+    order_ptr,
+    v1_ptr,
+    v2_ptr,
+    x_ptr,
+    out_ptr,
+    out2_ptr,
+    sum_ptr,
+    sum2_ptr,
+    N,
+    D,
+    width,
+    stride_x,
+    BLOCK_N: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_ORDER: tl.constexpr,
+    TWO: tl.constexpr,
+    PRODUCT: tl.constexpr,
+    BIAS: tl.constexpr,
+    IEEE_FP32: tl.constexpr,
+):
+    # BlockCSC src [nnz] (flat slot index, grouped by column), offsets [N + 1]; values v1 (and v2) [M, width] on
+    # the slots; x [M, D]. Program (nb, db): columns [nb * BLOCK_N, ...) x features [db * BLOCK_D, ...). Their
+    # entries are contiguous in src; BLOCK_E at a time they form A [BLOCK_N, BLOCK_E] (entry e's value in its
+    # column's row, 0 elsewhere) times the gathered x rows [BLOCK_E, BLOCK_D], on tensor cores. Values: v1 (out);
+    # TWO: v1 and v2 (out, out2); PRODUCT: v1 * v2 (out). BIAS: the program of feature block 0 also writes each
+    # column's sum of values (sum, sum2: [N] fp32).
+    n0 = tl.program_id(0) * BLOCK_N
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_mask = d < D
+    col = tl.arange(0, BLOCK_N)
+    ends = tl.load(offsets_ptr + tl.minimum(n0 + 1 + col, N))  # [BLOCK_N]: where each column's entries end
+    first = tl.load(offsets_ptr + n0)
+    last = tl.load(offsets_ptr + tl.minimum(n0 + BLOCK_N, N))
+    acc1 = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    sum1 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    sum2 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for e0 in range(first, last, BLOCK_E):
+        e = e0 + tl.arange(0, BLOCK_E)  # [BLOCK_E]
+        e_mask = e < last
+        flat = tl.load(src_ptr + e, mask=e_mask, other=0).to(tl.int64)
+        slot_row = flat // width
+        row = tl.load(order_ptr + slot_row, mask=e_mask, other=0) if HAS_ORDER else slot_row
+        owner = tl.sum((e[:, None] >= ends[None, :]).to(tl.int32), axis=1)  # [BLOCK_E]: column within the block
+        hit = (owner[None, :] == col[:, None]) & e_mask[None, :]  # [BLOCK_N, BLOCK_E]
+        xv = tl.load(x_ptr + row[:, None] * stride_x + d[None, :], mask=e_mask[:, None] & d_mask[None, :], other=0.0)
+        v1 = tl.load(v1_ptr + flat, mask=e_mask, other=0.0)
+        if PRODUCT:
+            v1 = (v1.to(tl.float32) * tl.load(v2_ptr + flat, mask=e_mask, other=0.0).to(tl.float32)).to(xv.dtype)
+        a1 = tl.where(hit, v1[None, :], 0.0).to(xv.dtype)
+        acc1 = dot_accumulate(acc1, a1, xv, IEEE_FP32)
+        if BIAS:
+            sum1 += tl.sum(a1.to(tl.float32), axis=1)
+        if TWO:
+            v2 = tl.load(v2_ptr + flat, mask=e_mask, other=0.0)
+            a2 = tl.where(hit, v2[None, :], 0.0).to(xv.dtype)
+            acc2 = dot_accumulate(acc2, a2, xv, IEEE_FP32)
+            if BIAS:
+                sum2 += tl.sum(a2.to(tl.float32), axis=1)
+    cols = n0 + col
+    n_mask = cols < N
+    out_offsets = cols[:, None].to(tl.int64) * D + d[None, :]
+    mask = n_mask[:, None] & d_mask[None, :]
+    tl.store(out_ptr + out_offsets, acc1.to(out_ptr.dtype.element_ty), mask=mask)
+    if TWO:
+        tl.store(out2_ptr + out_offsets, acc2.to(out2_ptr.dtype.element_ty), mask=mask)
+    if BIAS:
+        if tl.program_id(1) == 0:
+            tl.store(sum_ptr + cols, sum1, mask=n_mask)
+            if TWO:
+                tl.store(sum2_ptr + cols, sum2, mask=n_mask)
+
+
+# (BLOCK_N, BLOCK_E, BLOCK_D, num_warps, num_stages), measured on an H100 at the 1.5B and 8B FFN shapes: two
+# outputs share each gathered x tile best with wide feature blocks; one output, with more entries per step.
+TRANSPOSED_CONFIG = {1: (16, 128, 128, 4, 3), 2: (16, 64, 256, 8, 2)}
+
+
+def transposed_matmul(
+    csc: BlockCSC,
+    x: torch.Tensor,
+    values: torch.Tensor,
+    second: torch.Tensor | None = None,
+    *,
+    mode: str = "one",
+    bias: bool = False,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """``A^T x`` for each sparse A on ``csc``'s non-zero slots: x [M, D]; values (and second) [M, width].
+
+    ``mode``: "one" -> A = values; "two" -> A = values and A = second; "product" -> A = values * second
+    (elementwise, on the slots). Returns (a list of [N, D] products in ``out_dtype`` (default x's), one per A; their
+    column sums [N] fp32 when ``bias``, else None). Deterministic: each column's terms are summed in one fixed
+    order."""
+    if mode not in ("one", "two", "product"):
+        raise ValueError(f"transposed_matmul: mode must be 'one', 'two' or 'product'; got {mode!r}")
+    x = unit_last_stride(x)
+    n_out = 2 if mode == "two" else 1
+    N, D = csc.n_cols, x.shape[1]
+    out = [new_output((N, D), out_dtype or x.dtype, x.device) for _ in range(n_out)]
+    sums = [torch.zeros(N, dtype=torch.float32, device=x.device) for _ in range(n_out)] if bias else None
+    if N == 0 or D == 0:
+        return out, sums
+    if csc.n_rows == 0:
+        for o in out:
+            o.zero_()
+        return out, sums
+    if backend_for(x) is Backend.TORCH:
+        raise NotImplementedError("transposed_matmul runs on the GPU or the Triton interpreter")
+    block_n, block_e, block_d, warps, stages = (16, 16, 32, 4, 1) if _backend.INTERPRET else TRANSPOSED_CONFIG[n_out]
+    order = csc.row_order
+    transposed_matmul_kernel[(triton.cdiv(N, block_n), triton.cdiv(D, block_d))](
+        csc.src,
+        csc.offsets,
+        order if order is not None else csc.offsets,
+        values,
+        second if second is not None else values,
+        x,
+        out[0],
+        out[-1],
+        sums[0] if bias else out[0],
+        sums[-1] if bias else out[0],
+        N,
+        D,
+        csc.width,
+        x.stride(0),
+        BLOCK_N=block_n,
+        BLOCK_E=block_e,
+        BLOCK_D=block_d,
+        HAS_ORDER=order is not None,
+        TWO=mode == "two",
+        PRODUCT=mode == "product",
+        BIAS=bias,
+        IEEE_FP32=ieee_fp32(x.dtype),
+        num_warps=warps,
+        num_stages=stages,
+    )
+    record_launch("transposed_matmul_kernel")
+    return out, sums
