@@ -226,6 +226,78 @@ def block_ell_transpose(sparse: BlockELL, column_counts: torch.Tensor | None = N
 
 
 @triton.jit
+def block_ell_scatter_kernel(
+    values_ptr,
+    factor_ptr,
+    indices_ptr,
+    counts_ptr,
+    order_ptr,
+    out_ptr,
+    M,
+    width,
+    stride_out,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    HAS_ORDER: tl.constexpr,
+    PRODUCT: tl.constexpr,
+):
+    # BlockELL values (times factor, same slots, when PRODUCT) [M, width] -> out [M, n_cols] (zeros elsewhere,
+    # written by the caller): program (c, blk) stores slots [c * BLOCK_C, (c + 1) * BLOCK_C) of block blk.
+    chunk = tl.program_id(0)
+    block = tl.program_id(1)
+    count = tl.load(counts_ptr + block)
+    if chunk * BLOCK_C < count:
+        p = chunk * BLOCK_C + tl.arange(0, BLOCK_C)
+        p_mask = p < count
+        cols = tl.load(indices_ptr + block.to(tl.int64) * width + p, mask=p_mask, other=0)
+        local = tl.arange(0, BLOCK_ROWS)
+        slots = block * BLOCK_ROWS + local
+        row_mask = slots < M
+        rows = tl.load(order_ptr + slots, mask=row_mask, other=0) if HAS_ORDER else slots
+        flat = block.to(tl.int64) * BLOCK_ROWS * width + local[:, None] * width + p[None, :]
+        mask = row_mask[:, None] & p_mask[None, :]
+        v = tl.load(values_ptr + flat, mask=mask, other=0.0)
+        if PRODUCT:
+            v = v.to(tl.float32) * tl.load(factor_ptr + flat, mask=mask, other=0.0).to(tl.float32)
+        tl.store(
+            out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :], v.to(out_ptr.dtype.element_ty), mask=mask
+        )
+
+
+def block_ell_to_dense(sparse: BlockELL, factor: torch.Tensor | None = None) -> torch.Tensor:
+    """[M, N] dense form of ``sparse`` (times ``factor`` [M, width], an array on the same slots, when given) in the
+    values' dtype: one zero fill and one pass over the slots -- the operand of a cuBLAS product when the pattern is
+    too dense for the sparse kernels to win."""
+    values = sparse.values
+    M, width = values.shape
+    out = torch.zeros(M, sparse.n_cols, dtype=values.dtype, device=values.device)
+    if M == 0 or sparse.n_cols == 0:
+        return out
+    if backend_for(values) is Backend.TORCH:
+        raise NotImplementedError("block_ell_to_dense runs on the GPU or the Triton interpreter")
+    block_c = 16 if _backend.INTERPRET else 128
+    order = sparse.row_order
+    block_ell_scatter_kernel[(triton.cdiv(width, block_c), sparse.counts.shape[0])](
+        values,
+        factor if factor is not None else values,
+        sparse.indices,
+        sparse.counts,
+        order if order is not None else sparse.counts,
+        out,
+        M,
+        width,
+        out.stride(0),
+        BLOCK_ROWS=sparse.block_rows,
+        BLOCK_C=block_c,
+        HAS_ORDER=order is not None,
+        PRODUCT=factor is not None,
+        num_warps=4,
+    )
+    record_launch("block_ell_scatter_kernel")
+    return out
+
+
+@triton.jit
 def transposed_matmul_kernel(
     src_ptr,
     offsets_ptr,

@@ -13,9 +13,10 @@ from ..._validation import check_ffn_mlp, unit_last_stride
 from ...sparse.compact import DEFAULT_HYBRID_WIDTH
 from ..twell.block import block_plan
 from .block_step import block_mlp_train_fwd_op
+from .choice import TRAIN_CHOICE, dense_step
 from .op import hybrid_mlp_fwd_op
 
-LAYOUTS = ("block", "hybrid")
+LAYOUTS = ("auto", "block", "dense", "hybrid")
 
 # float64 too: the step runs its products through torch and the core's reference paths there (gradcheck)
 TRAIN_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -41,7 +42,7 @@ def hybrid_mlp(
     b_gate: torch.Tensor | None = None,
     b_up: torch.Tensor | None = None,
     b_down: torch.Tensor | None = None,
-    layout: str = "block",
+    layout: str = "auto",
     width: int = DEFAULT_HYBRID_WIDTH,
     backup_rows: int | None = None,
 ) -> HybridMLPOutput:
@@ -50,11 +51,14 @@ def hybrid_mlp(
     fired, in the :class:`~sparsefuse.sparse.Hybrid` layout; no [M, N] tensor).
 
     Args:
-        layout: how the pattern is kept and walked. ``"block"`` (default): tokens in blocks of 64 (sorted by
-            firing count from 8192 tokens), each block's union of fired neurons; tensor cores throughout, never
-            overflows, no host sync (CUDA-graph capturable). ``"hybrid"``: the TwELL paper's format, an ELL of
-            ``width`` slots per token plus whole backup rows for tokens over it (one host sync per call).
-            float64, and CPU tensors without the Triton interpreter, always take ``"hybrid"``'s torch path.
+        layout: how the step runs. ``"auto"`` (default): ``"block"`` while the gate is sparse, ``"dense"`` once
+            more than :data:`~sparsefuse.ffn.hybrid.choice.TRAIN_CHOICE` ``.dense_above`` of it fires, from the
+            firing seen on this weight's earlier calls (no host sync). ``"block"``: tokens in blocks of 64
+            (sorted by firing count from 8192 tokens), each block's union of fired neurons; tensor cores
+            throughout, never overflows, no host sync (CUDA-graph capturable). ``"dense"``: plain torch ops (the
+            dense block's speed and memory). ``"hybrid"``: the TwELL paper's format, an ELL of ``width`` slots per
+            token plus whole backup rows for tokens over it (one host sync per call). float64, and CPU tensors
+            without the Triton interpreter, take ``"hybrid"``'s torch path for ``"auto"`` and ``"block"``.
         x: [..., K] float32/float16/bfloat16 (float64 for gradient checks); w_gate, w_up: [N, K]; w_down: [K, N]
             (``nn.Linear`` weights, x's dtype; w_down column-major, as :class:`sparsefuse.nn.SparseGatedMLP` stores
             it, avoids a copy per call).
@@ -85,6 +89,13 @@ def hybrid_mlp(
         backup_rows = math.ceil(M / 8)
     elif not isinstance(backup_rows, int) or isinstance(backup_rows, bool) or backup_rows < 0:
         raise ValueError(f"{op}: backup_rows must be a non-negative int or None; got {backup_rows!r}")
+    dense_weight_grads = False
+    if layout == "auto":
+        layout, dense_weight_grads = TRAIN_CHOICE.choose(w_gate)
+    if layout == "dense":
+        y, l1, counts, neuron_counts = dense_step(x2, w_gate, b_gate, w_up, b_up, w_down, b_down)
+        TRAIN_CHOICE.observe(w_gate, counts)
+        return HybridMLPOutput(y.reshape(*x.shape[:-1], w_down.shape[0]), l1, counts, neuron_counts)
     if layout == "block" and x2.dtype != torch.float64 and backend_for(x2) is not Backend.TORCH:
         plan = block_plan(w_gate.shape[0])
         y, l1, counts, neuron_counts, *_ = block_mlp_train_fwd_op(
@@ -98,7 +109,9 @@ def hybrid_mlp(
             plan.block_rows,
             plan.tile,
             plan.sorts(M),
+            dense_weight_grads,
         )
+        TRAIN_CHOICE.observe(w_gate, counts)
         return HybridMLPOutput(y.reshape(*x.shape[:-1], w_down.shape[0]), l1, counts, neuron_counts)
     y, l1, *_, counts, _, _, _, neuron_counts = hybrid_mlp_fwd_op(
         x2, w_gate, b_gate, unit_last_stride(w_up), b_up, w_down.t(), b_down, width, backup_rows

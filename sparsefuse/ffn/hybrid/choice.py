@@ -1,0 +1,77 @@
+"""How ``hybrid_mlp(layout="auto")`` runs a step: the sparse block step while the gate is sparse, plain dense ops
+once it is not (the start of training, before L1 has made it sparse), decided on the host without a sync.
+
+The firing fraction comes from a :class:`~sparsefuse._auto.SparsityMonitor` per gate weight: every call hands it
+the step's non-zero count (a copy to pinned memory that completes in the background), and the next calls read the
+last count that has arrived. The first call of a weight has no estimate and takes the sparse step; so does a call
+traced by torch.compile."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ..._auto import SparsityMonitor
+
+
+@dataclass
+class TrainChoice:
+    """Thresholds on the fraction of (token, neuron) pairs that fire, measured on an H100 with the synthetic
+    layers (1.5B and 8B shapes, 8192-16384 tokens).
+
+    * ``dense_above``: the dense step beats the block step above it (at 50% firing the block step's weight
+      gradients alone cost many dense steps; at 0.5% the block step wins).
+    * ``dense_weight_grads_above``: the block step takes its weight gradients from cuBLAS on the scattered
+      gradients above it, and from the transposed sparse product below (which gathers one row of x or dy per
+      fired pair: its cost grows with the firing, cuBLAS's does not)."""
+
+    dense_above: float = 0.05
+    dense_weight_grads_above: float = 0.004
+
+    def __post_init__(self) -> None:
+        self._monitors: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def firing(self, w_gate: torch.Tensor) -> float | None:
+        """The last observed fraction of firing (token, neuron) pairs for this gate weight (None: none yet)."""
+        monitor = self._monitors.get(w_gate)
+        estimate = monitor.estimate() if monitor is not None else None
+        return None if estimate is None else estimate / max(w_gate.shape[0], 1)
+
+    def choose(self, w_gate: torch.Tensor) -> tuple[str, bool]:
+        """(``"block"`` or ``"dense"``, dense weight gradients) for the next step with this gate weight. While
+        torch.compile traces, the estimate is not read (a traced read would break the graph): the block step with
+        sparse weight gradients, unless the caller names a layout."""
+        if torch.compiler.is_compiling():
+            return "block", False
+        firing = self.firing(w_gate)
+        if firing is None:
+            return "block", False
+        return ("dense" if firing > self.dense_above else "block"), firing > self.dense_weight_grads_above
+
+    def observe(self, w_gate: torch.Tensor, token_counts: torch.Tensor) -> None:
+        """Hand this step's per-token firing counts to the weight's monitor (no sync; skipped while compiling or
+        while an earlier count is still in flight)."""
+        if torch.compiler.is_compiling() or type(w_gate) not in (torch.Tensor, torch.nn.Parameter):
+            return
+        monitor = self._monitors.get(w_gate)
+        if monitor is None:
+            monitor = self._monitors[w_gate] = SparsityMonitor(momentum=0.0)
+        if monitor.accepts:
+            total = token_counts.sum(dtype=torch.int64).reshape(1)
+            monitor.observe(torch.cat([total, total.new_full((1,), token_counts.shape[0])]))
+
+
+TRAIN_CHOICE = TrainChoice()
+
+
+def dense_step(x2, w_gate, b_gate, w_up, b_up, w_down, b_down):
+    """The step with plain torch ops (autograd through them): (y [M, K], l1, token counts [M], neuron counts [N])."""
+    M, N = x2.shape[0], w_gate.shape[0]
+    h_gate = torch.relu(F.linear(x2, w_gate, b_gate))
+    y = F.linear(h_gate * F.linear(x2, w_up, b_up), w_down, b_down)
+    l1 = h_gate.sum(dtype=torch.float32) / max(M * N, 1)
+    fired = h_gate.detach() != 0
+    return y, l1, fired.sum(1, dtype=torch.int32), fired.sum(0, dtype=torch.int32)
