@@ -226,108 +226,44 @@ def block_ell_transpose(sparse: BlockELL, column_counts: torch.Tensor | None = N
 
 
 @triton.jit
-def block_ell_scatter_kernel(
-    values_ptr,
-    factor_ptr,
-    indices_ptr,
-    counts_ptr,
-    order_ptr,
-    out_ptr,
-    M,
-    width,
-    stride_out,
-    BLOCK_ROWS: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    HAS_ORDER: tl.constexpr,
-    PRODUCT: tl.constexpr,
-):
-    # BlockELL values (times factor, same slots, when PRODUCT) [M, width] -> out [M, n_cols] (zeros elsewhere,
-    # written by the caller): program (c, blk) stores slots [c * BLOCK_C, (c + 1) * BLOCK_C) of block blk.
-    chunk = tl.program_id(0)
-    block = tl.program_id(1)
-    count = tl.load(counts_ptr + block)
-    if chunk * BLOCK_C < count:
-        p = chunk * BLOCK_C + tl.arange(0, BLOCK_C)
-        p_mask = p < count
-        cols = tl.load(indices_ptr + block.to(tl.int64) * width + p, mask=p_mask, other=0)
-        local = tl.arange(0, BLOCK_ROWS)
-        slots = block * BLOCK_ROWS + local
-        row_mask = slots < M
-        rows = tl.load(order_ptr + slots, mask=row_mask, other=0) if HAS_ORDER else slots
-        flat = block.to(tl.int64) * BLOCK_ROWS * width + local[:, None] * width + p[None, :]
-        mask = row_mask[:, None] & p_mask[None, :]
-        v = tl.load(values_ptr + flat, mask=mask, other=0.0)
-        if PRODUCT:
-            v = v.to(tl.float32) * tl.load(factor_ptr + flat, mask=mask, other=0.0).to(tl.float32)
-        tl.store(
-            out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :], v.to(out_ptr.dtype.element_ty), mask=mask
-        )
-
-
-def block_ell_to_dense(sparse: BlockELL, factor: torch.Tensor | None = None) -> torch.Tensor:
-    """[M, N] dense form of ``sparse`` (times ``factor`` [M, width], an array on the same slots, when given) in the
-    values' dtype: one zero fill and one pass over the slots -- the operand of a cuBLAS product when the pattern is
-    too dense for the sparse kernels to win."""
-    values = sparse.values
-    M, width = values.shape
-    out = torch.zeros(M, sparse.n_cols, dtype=values.dtype, device=values.device)
-    if M == 0 or sparse.n_cols == 0:
-        return out
-    if backend_for(values) is Backend.TORCH:
-        raise NotImplementedError("block_ell_to_dense runs on the GPU or the Triton interpreter")
-    block_c = 16 if _backend.INTERPRET else 128
-    order = sparse.row_order
-    block_ell_scatter_kernel[(triton.cdiv(width, block_c), sparse.counts.shape[0])](
-        values,
-        factor if factor is not None else values,
-        sparse.indices,
-        sparse.counts,
-        order if order is not None else sparse.counts,
-        out,
-        M,
-        width,
-        out.stride(0),
-        BLOCK_ROWS=sparse.block_rows,
-        BLOCK_C=block_c,
-        HAS_ORDER=order is not None,
-        PRODUCT=factor is not None,
-        num_warps=4,
-    )
-    record_launch("block_ell_scatter_kernel")
-    return out
-
-
-@triton.jit
 def transposed_matmul_kernel(
     src_ptr,
     offsets_ptr,
     order_ptr,
     v1_ptr,
     v2_ptr,
+    v3_ptr,
+    v4_ptr,
     x_ptr,
+    y_ptr,
     out_ptr,
     out2_ptr,
+    out3_ptr,
     sum_ptr,
     sum2_ptr,
     N,
     D,
     width,
     stride_x,
+    stride_y,
     BLOCK_N: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_ORDER: tl.constexpr,
     TWO: tl.constexpr,
     PRODUCT: tl.constexpr,
+    THIRD: tl.constexpr,
     BIAS: tl.constexpr,
     IEEE_FP32: tl.constexpr,
 ):
-    # BlockCSC src [nnz] (flat slot index, grouped by column), offsets [N + 1]; values v1 (and v2) [M, width] on
-    # the slots; x [M, D]. Program (nb, db): columns [nb * BLOCK_N, ...) x features [db * BLOCK_D, ...). Their
+    # BlockCSC src [nnz] (flat slot index, grouped by column), offsets [N + 1]; values v1..v4 [M, width] on the
+    # slots; x, y [M, D]. Program (nb, db): columns [nb * BLOCK_N, ...) x features [db * BLOCK_D, ...). Their
     # entries are contiguous in src; BLOCK_E at a time they form A [BLOCK_N, BLOCK_E] (entry e's value in its
-    # column's row, 0 elsewhere) times the gathered x rows [BLOCK_E, BLOCK_D], on tensor cores. Values: v1 (out);
-    # TWO: v1 and v2 (out, out2); PRODUCT: v1 * v2 (out). BIAS: the program of feature block 0 also writes each
-    # column's sum of values (sum, sum2: [N] fp32).
+    # column's row, 0 elsewhere) times the gathered x rows [BLOCK_E, BLOCK_D], on tensor cores. Outputs: out = A1^T x
+    # with A1 = v1 (v1 * v2 when PRODUCT); TWO: out2 = v2^T x as well (the same gathered rows); THIRD: out3 =
+    # (v3 * v4)^T y. BIAS: the programs of feature block 0 also write the column sums of A1 (and v2) to sum (sum2),
+    # fp32. The next step's entry rows are loaded before this step's gathers, so the gathers that depend on them
+    # never wait on that chain of loads.
     n0 = tl.program_id(0) * BLOCK_N
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_mask = d < D
@@ -337,14 +273,20 @@ def transposed_matmul_kernel(
     last = tl.load(offsets_ptr + tl.minimum(n0 + BLOCK_N, N))
     acc1 = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     sum1 = tl.zeros([BLOCK_N], dtype=tl.float32)
     sum2 = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for e0 in range(first, last, BLOCK_E):
-        e = e0 + tl.arange(0, BLOCK_E)  # [BLOCK_E]
+    e = first + tl.arange(0, BLOCK_E)  # [BLOCK_E]
+    flat = tl.load(src_ptr + e, mask=e < last, other=0).to(tl.int64)
+    row = tl.load(order_ptr + flat // width, mask=e < last, other=0).to(tl.int64) if HAS_ORDER else flat // width
+    for _ in range(first, last, BLOCK_E):
         e_mask = e < last
-        flat = tl.load(src_ptr + e, mask=e_mask, other=0).to(tl.int64)
-        slot_row = flat // width
-        row = tl.load(order_ptr + slot_row, mask=e_mask, other=0) if HAS_ORDER else slot_row
+        e_next = e + BLOCK_E
+        flat_next = tl.load(src_ptr + e_next, mask=e_next < last, other=0).to(tl.int64)
+        if HAS_ORDER:
+            row_next = tl.load(order_ptr + flat_next // width, mask=e_next < last, other=0).to(tl.int64)
+        else:
+            row_next = flat_next // width
         owner = tl.sum((e[:, None] >= ends[None, :]).to(tl.int32), axis=1)  # [BLOCK_E]: column within the block
         hit = (owner[None, :] == col[:, None]) & e_mask[None, :]  # [BLOCK_N, BLOCK_E]
         xv = tl.load(x_ptr + row[:, None] * stride_x + d[None, :], mask=e_mask[:, None] & d_mask[None, :], other=0.0)
@@ -361,6 +303,15 @@ def transposed_matmul_kernel(
             acc2 = dot_accumulate(acc2, a2, xv, IEEE_FP32)
             if BIAS:
                 sum2 += tl.sum(a2.to(tl.float32), axis=1)
+        if THIRD:
+            yv = tl.load(
+                y_ptr + row[:, None] * stride_y + d[None, :], mask=e_mask[:, None] & d_mask[None, :], other=0.0
+            )
+            v3 = tl.load(v3_ptr + flat, mask=e_mask, other=0.0).to(tl.float32)
+            v3 = v3 * tl.load(v4_ptr + flat, mask=e_mask, other=0.0).to(tl.float32)
+            a3 = tl.where(hit, v3[None, :], 0.0).to(yv.dtype)
+            acc3 = dot_accumulate(acc3, a3, yv, IEEE_FP32)
+        e, flat, row = e_next, flat_next, row_next
     cols = n0 + col
     n_mask = cols < N
     out_offsets = cols[:, None].to(tl.int64) * D + d[None, :]
@@ -368,6 +319,8 @@ def transposed_matmul_kernel(
     tl.store(out_ptr + out_offsets, acc1.to(out_ptr.dtype.element_ty), mask=mask)
     if TWO:
         tl.store(out2_ptr + out_offsets, acc2.to(out2_ptr.dtype.element_ty), mask=mask)
+    if THIRD:
+        tl.store(out3_ptr + out_offsets, acc3.to(out3_ptr.dtype.element_ty), mask=mask)
     if BIAS:
         if tl.program_id(1) == 0:
             tl.store(sum_ptr + cols, sum1, mask=n_mask)
@@ -377,7 +330,7 @@ def transposed_matmul_kernel(
 
 # (BLOCK_N, BLOCK_E, BLOCK_D, num_warps, num_stages), measured on an H100 at the 1.5B and 8B FFN shapes: two
 # outputs share each gathered x tile best with wide feature blocks; one output, with more entries per step.
-TRANSPOSED_CONFIG = {1: (16, 128, 128, 4, 3), 2: (16, 64, 256, 8, 2)}
+TRANSPOSED_CONFIG = {1: (16, 128, 128, 4, 3), 2: (16, 64, 256, 8, 2), 3: (16, 64, 128, 8, 2)}
 
 
 def transposed_matmul(
@@ -387,22 +340,31 @@ def transposed_matmul(
     second: torch.Tensor | None = None,
     *,
     mode: str = "one",
+    third: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     bias: bool = False,
     out_dtype: torch.dtype | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     """``A^T x`` for each sparse A on ``csc``'s non-zero slots: x [M, D]; values (and second) [M, width].
 
-    ``mode``: "one" -> A = values; "two" -> A = values and A = second; "product" -> A = values * second
-    (elementwise, on the slots). Returns (a list of [N, D] products in ``out_dtype`` (default x's), one per A; their
-    column sums [N] fp32 when ``bias``, else None). Deterministic: each column's terms are summed in one fixed
-    order."""
+    ``mode``: "one" -> A = values; "two" -> A = values and A = second (one gather of x for both); "product" -> A =
+    values * second (elementwise, on the slots). ``third = (y, v3, v4)`` adds ``(v3 * v4)^T y`` (y of x's shape)
+    in the same pass over the entries. Returns (a list of [N, D] products in ``out_dtype`` (default x's), one per
+    A, the third last; the column sums [N] fp32 of the A's on x when ``bias``, else None). Deterministic: each
+    column's terms are summed in one fixed order. The cost is one gathered row of x (and y) per entry: ``nnz * D``
+    elements, against the dense product's ``M * N * D`` multiply-adds."""
     if mode not in ("one", "two", "product"):
         raise ValueError(f"transposed_matmul: mode must be 'one', 'two' or 'product'; got {mode!r}")
     x = unit_last_stride(x)
-    n_out = 2 if mode == "two" else 1
+    n_x = 2 if mode == "two" else 1
+    n_out = n_x + (third is not None)
     N, D = csc.n_cols, x.shape[1]
+    if third is not None:
+        y, v3, v4 = third
+        y = unit_last_stride(y)
+        if y.shape != x.shape:
+            raise ValueError(f"transposed_matmul: third's y must have x's shape {list(x.shape)}; got {list(y.shape)}")
     out = [new_output((N, D), out_dtype or x.dtype, x.device) for _ in range(n_out)]
-    sums = [torch.zeros(N, dtype=torch.float32, device=x.device) for _ in range(n_out)] if bias else None
+    sums = [torch.zeros(N, dtype=torch.float32, device=x.device) for _ in range(n_x)] if bias else None
     if N == 0 or D == 0:
         return out, sums
     if csc.n_rows == 0:
@@ -419,8 +381,12 @@ def transposed_matmul(
         order if order is not None else csc.offsets,
         values,
         second if second is not None else values,
+        v3 if third is not None else values,
+        v4 if third is not None else values,
         x,
+        y if third is not None else x,
         out[0],
+        out[1] if n_x == 2 else out[0],
         out[-1],
         sums[0] if bias else out[0],
         sums[-1] if bias else out[0],
@@ -428,12 +394,14 @@ def transposed_matmul(
         D,
         csc.width,
         x.stride(0),
+        y.stride(0) if third is not None else x.stride(0),
         BLOCK_N=block_n,
         BLOCK_E=block_e,
         BLOCK_D=block_d,
         HAS_ORDER=order is not None,
         TWO=mode == "two",
         PRODUCT=mode == "product",
+        THIRD=third is not None,
         BIAS=bias,
         IEEE_FP32=ieee_fp32(x.dtype),
         num_warps=warps,

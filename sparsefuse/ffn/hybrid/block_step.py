@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import triton
 
 from ...sparse import BlockELL
-from ...sparse.block_grad import block_ell_sddmm, block_ell_to_dense, block_ell_transpose, transposed_matmul
+from ...sparse.block_grad import block_ell_sddmm, block_ell_transpose, transposed_matmul
 from ...sparse.block_spmm import block_sparse_matmul
 from ...sparse.compact import dense_to_row_block_pattern
 from ...sparse.sddmm import block_sddmm
@@ -51,7 +51,6 @@ def block_mlp_train_fwd_op(
     block_rows: int,
     tile: int,
     sort_rows: bool,
-    dense_weight_grads: bool,
 ) -> tuple[
     torch.Tensor,
     torch.Tensor,
@@ -91,7 +90,7 @@ def block_mlp_train_fwd_op(
 
 
 @block_mlp_train_fwd_op.register_fake
-def _(x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, block_rows, tile, sort_rows, dense_weight_grads):
+def _(x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, block_rows, tile, sort_rows):
     M, N = x2.shape[0], w_gate.shape[0]
     width, n_blocks = triton.cdiv(N, tile) * tile, triton.cdiv(M, block_rows)
     index = lambda *shape: torch.empty(*shape, dtype=torch.int32, device=x2.device)  # noqa: E731
@@ -124,12 +123,9 @@ def block_mlp_train_bwd_op(
     order: torch.Tensor,
     column_counts: torch.Tensor,
     block_rows: int,
-    dense_weight_grads: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx [M, K], dw_gate, dw_up, dw_down_t [N, K], db_gate, db_up [N], db_down [K]) from dy [M, K] and dl1
-    (0-dim: the loss's gradient w.r.t. the L1 term). ``dense_weight_grads``: the weight gradients by cuBLAS on the
-    scattered [M, N] gradients (faster once the gate fires in more than ~0.5% of (token, neuron) pairs) instead of
-    the transposed sparse product."""
+    (0-dim: the loss's gradient w.r.t. the L1 term)."""
     M, N = x2.shape[0], w_gate.shape[0]
     dy = dy.to(x2.dtype).contiguous()
     gate = _on_slots(gate_values, indices, counts, order, N, block_rows)
@@ -137,22 +133,13 @@ def block_mlp_train_bwd_op(
     d_up, d_pre = block_ell_sddmm(gate, dy, w_down_t, gate=gate_values, up=up_values, gate_grad=gate_grad)
     dx = block_sparse_matmul(_on_slots(d_up, indices, counts, order, N, block_rows), w_up, out_dtype=x2.dtype)
     dx = block_sparse_matmul(_on_slots(d_pre, indices, counts, order, N, block_rows), w_gate, accumulate=dx)
-    if dense_weight_grads:
-        d_pre_dense = block_ell_to_dense(_on_slots(d_pre, indices, counts, order, N, block_rows))
-        d_up_dense = block_ell_to_dense(_on_slots(d_up, indices, counts, order, N, block_rows))
-        h_dense = block_ell_to_dense(gate, up_values)
-        dw = [d_pre_dense.t() @ x2, d_up_dense.t() @ x2]
-        dw_down_t = [h_dense.t() @ dy]
-        bias_sums = [d_pre_dense.sum(0, dtype=torch.float32), d_up_dense.sum(0, dtype=torch.float32)]
-    else:
-        csc = block_ell_transpose(gate, column_counts)
-        dw, bias_sums = transposed_matmul(csc, x2, d_pre, d_up, mode="two", bias=True)
-        dw_down_t, _ = transposed_matmul(csc, dy, gate_values, up_values, mode="product")
+    csc = block_ell_transpose(gate, column_counts)
+    dw, bias_sums = transposed_matmul(csc, x2, d_pre, d_up, mode="two", third=(dy, gate_values, up_values), bias=True)
     return (
         dx,
         dw[0],
         dw[1],
-        dw_down_t[0],
+        dw[2],
         bias_sums[0].to(x2.dtype),
         bias_sums[1].to(x2.dtype),
         dy.sum(0, dtype=torch.float32).to(x2.dtype),
@@ -174,7 +161,6 @@ def _(
     order,
     column_counts,
     block_rows,
-    dense_weight_grads,
 ):
     N = w_gate.shape[0]
     return (
@@ -189,19 +175,17 @@ def _(
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, block_rows, _, _, dense_weight_grads = inputs
+    x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, block_rows, *_ = inputs
     *_, gate_values, up_values, indices, counts, order, column_counts = output
     ctx.save_for_backward(x2, w_gate, w_up, w_down_t, gate_values, up_values, indices, counts, order, column_counts)
     ctx.has_bias = (b_gate is not None, b_up is not None, b_down is not None)
-    ctx.block_rows, ctx.dense_weight_grads = block_rows, dense_weight_grads
+    ctx.block_rows = block_rows
 
 
 def _backward(ctx, dy, dl1, *unused):
-    dx, dwg, dwu, dwd, dbg, dbu, dbd = block_mlp_train_bwd_op(
-        dy, dl1, *ctx.saved_tensors, ctx.block_rows, ctx.dense_weight_grads
-    )
+    dx, dwg, dwu, dwd, dbg, dbu, dbd = block_mlp_train_bwd_op(dy, dl1, *ctx.saved_tensors, ctx.block_rows)
     has_g, has_u, has_d = ctx.has_bias
-    return dx, dwg, dbg if has_g else None, dwu, dbu if has_u else None, dwd, dbd if has_d else None, *[None] * 4
+    return dx, dwg, dbg if has_g else None, dwu, dbu if has_u else None, dwd, dbd if has_d else None, *[None] * 3
 
 
 block_mlp_train_fwd_op.register_autograd(_backward, setup_context=_setup_context)

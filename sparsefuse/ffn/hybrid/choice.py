@@ -19,17 +19,12 @@ from ..._auto import SparsityMonitor
 
 @dataclass
 class TrainChoice:
-    """Thresholds on the fraction of (token, neuron) pairs that fire, measured on an H100 with the synthetic
-    layers (1.5B and 8B shapes, 8192-16384 tokens).
+    """``dense_above``: the fraction of (token, neuron) pairs firing above which the dense step beats the block
+    step. The block step's weight gradients gather one row of x and of dy per fired pair, so its cost grows with
+    the firing while the dense step's does not; measured on an H100 with the synthetic layers (1.5B and 8B
+    shapes, 8192-16384 tokens) the two cross between 0.5% and 0.8%."""
 
-    * ``dense_above``: the dense step beats the block step above it (at 50% firing the block step's weight
-      gradients alone cost many dense steps; at 0.5% the block step wins).
-    * ``dense_weight_grads_above``: the block step takes its weight gradients from cuBLAS on the scattered
-      gradients above it, and from the transposed sparse product below (which gathers one row of x or dy per
-      fired pair: its cost grows with the firing, cuBLAS's does not)."""
-
-    dense_above: float = 0.05
-    dense_weight_grads_above: float = 0.004
+    dense_above: float = 0.006
 
     def __post_init__(self) -> None:
         self._monitors: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -40,16 +35,14 @@ class TrainChoice:
         estimate = monitor.estimate() if monitor is not None else None
         return None if estimate is None else estimate / max(w_gate.shape[0], 1)
 
-    def choose(self, w_gate: torch.Tensor) -> tuple[str, bool]:
-        """(``"block"`` or ``"dense"``, dense weight gradients) for the next step with this gate weight. While
-        torch.compile traces, the estimate is not read (a traced read would break the graph): the block step with
-        sparse weight gradients, unless the caller names a layout."""
+    def choose(self, w_gate: torch.Tensor) -> str:
+        """``"block"`` or ``"dense"`` for the next step with this gate weight. While torch.compile traces, the
+        estimate is not read (a traced read would break the graph): the block step, unless the caller names a
+        layout."""
         if torch.compiler.is_compiling():
-            return "block", False
+            return "block"
         firing = self.firing(w_gate)
-        if firing is None:
-            return "block", False
-        return ("dense" if firing > self.dense_above else "block"), firing > self.dense_weight_grads_above
+        return "dense" if firing is not None and firing > self.dense_above else "block"
 
     def observe(self, w_gate: torch.Tensor, token_counts: torch.Tensor) -> None:
         """Hand this step's per-token firing counts to the weight's monitor (no sync; skipped while compiling or

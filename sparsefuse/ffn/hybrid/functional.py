@@ -89,9 +89,8 @@ def hybrid_mlp(
         backup_rows = math.ceil(M / 8)
     elif not isinstance(backup_rows, int) or isinstance(backup_rows, bool) or backup_rows < 0:
         raise ValueError(f"{op}: backup_rows must be a non-negative int or None; got {backup_rows!r}")
-    dense_weight_grads = False
     if layout == "auto":
-        layout, dense_weight_grads = TRAIN_CHOICE.choose(w_gate)
+        layout = TRAIN_CHOICE.choose(w_gate)
     if layout == "dense":
         y, l1, counts, neuron_counts = dense_step(x2, w_gate, b_gate, w_up, b_up, w_down, b_down)
         TRAIN_CHOICE.observe(w_gate, counts)
@@ -109,7 +108,6 @@ def hybrid_mlp(
             plan.block_rows,
             plan.tile,
             plan.sorts(M),
-            dense_weight_grads,
         )
         TRAIN_CHOICE.observe(w_gate, counts)
         return HybridMLPOutput(y.reshape(*x.shape[:-1], w_down.shape[0]), l1, counts, neuron_counts)
