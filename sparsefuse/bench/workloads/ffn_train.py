@@ -6,12 +6,13 @@ bf16 (fp16 when bf16 is not requested). Inputs from :mod:`sparsefuse.ffn.synthet
 non-zeros per token with the paper's heavy tail (a model trained with L1); ``nnz=half`` fires ~45% of N (a model at
 the start of training). Each implementation computes ``y`` (and for the sparse rows the L1 term, coefficient 2e-5)
 and the gradients of x and the three weights with ``torch.autograd.grad``. Rows are plain eager calls (method
-``eager``: the sparse step reads one device scalar per call, so it is not captured in a CUDA graph). ``--quick``:
-the 1.5B layer at 8192 tokens.
+``eager``: what a training loop runs). ``--quick``: the 1.5B layer at 8192 tokens.
 
 * ``dense eager``       ``F.linear(relu(F.linear(x, Wg)) * F.linear(x, Wu), Wd)`` and its autograd backward
 * ``torch.compile``     the same, compiled
-* ``hybrid nnz=S``      the sparse step at S non-zeros per token
+* ``sparse nnz=S``      ``hybrid_mlp`` as a user calls it (``layout="auto"``: the block step while the gate is
+                        sparse, dense ops once it fires widely) at S non-zeros per token
+* ``ELL nnz=30``        ``layout="hybrid"``: the TwELL paper's ELL + dense-backup format (one host sync per call)
 
 ``flops`` is the dense step's ``18 M K N`` for every row (TFLOP/s of a sparse row is dense-equivalent); the
 ``peak MB`` column is each call's allocator high-water mark above what was allocated before it: with no activation
@@ -40,10 +41,9 @@ def _dense_step(fn, x, w_gate, w_up, w_down, dy):
     return torch.autograd.grad(y, (x, w_gate, w_up, w_down), dy)
 
 
-def _hybrid_step(x, w_gate, w_up, w_down, dy):
-    out = hybrid_mlp(x, w_gate, w_up, w_down)
-    loss = (out.y.float() * dy.float()).sum() + L1_COEFFICIENT * out.l1
-    return torch.autograd.grad(loss, (x, w_gate, w_up, w_down))
+def _sparse_step(x, w_gate, w_up, w_down, dy, coefficient, layout):
+    out = hybrid_mlp(x, w_gate, w_up, w_down, layout=layout)
+    return torch.autograd.grad((out.y, out.l1), (x, w_gate, w_up, w_down), (dy, coefficient))
 
 
 def _case(K: int, N: int, M: int, dtype: torch.dtype, device: str) -> Case:
@@ -55,14 +55,15 @@ def _case(K: int, N: int, M: int, dtype: torch.dtype, device: str) -> Case:
         x30, x_half = (ffn.make_input(M, s).requires_grad_() for s in (30.0, half))
         weights = [w.clone().requires_grad_() for w in (ffn.w_gate, ffn.w_up, ffn.w_down)]
         dy = torch.randn(M, K, device=device, dtype=dtype)
-        return x30, x_half, *weights, dy
+        return x30, x_half, *weights, dy, torch.tensor(L1_COEFFICIENT, device=device)
 
     compiled = torch.compile(eager_ffn)
     impls = {
-        "dense eager": lambda x30, xh, wg, wu, wd, dy: _dense_step(eager_ffn, x30, wg, wu, wd, dy),
-        "torch.compile": lambda x30, xh, wg, wu, wd, dy: _dense_step(compiled, x30, wg, wu, wd, dy),
-        "hybrid nnz=30": lambda x30, xh, wg, wu, wd, dy: _hybrid_step(x30, wg, wu, wd, dy),
-        "hybrid nnz=half": lambda x30, xh, wg, wu, wd, dy: _hybrid_step(xh, wg, wu, wd, dy),
+        "dense eager": lambda x30, xh, wg, wu, wd, dy, c: _dense_step(eager_ffn, x30, wg, wu, wd, dy),
+        "torch.compile": lambda x30, xh, wg, wu, wd, dy, c: _dense_step(compiled, x30, wg, wu, wd, dy),
+        "sparse nnz=30": lambda x30, xh, wg, wu, wd, dy, c: _sparse_step(x30, wg, wu, wd, dy, c, "auto"),
+        "ELL nnz=30": lambda x30, xh, wg, wu, wd, dy, c: _sparse_step(x30, wg, wu, wd, dy, c, "hybrid"),
+        "sparse nnz=half": lambda x30, xh, wg, wu, wd, dy, c: _sparse_step(xh, wg, wu, wd, dy, c, "auto"),
     }
     return Case(
         workload="ffn_train",
