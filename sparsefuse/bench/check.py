@@ -496,6 +496,7 @@ WORKLOAD_FAMILIES: dict[str, tuple[str, ...]] = {
     "ffn": ("ffn",),
     "model": ("ffn",),  # a whole patched Llama: its only sparsefuse kernels are the FFN's
     "ffn_train": ("ffn_train",),
+    "train": ("ffn_train",),  # a whole patched Llama training: its sparsefuse kernels are the training step's
 }
 
 

@@ -1,0 +1,114 @@
+"""The backward products of the shared sparse core on row-block unions (:mod:`sparsefuse.sparse.block_grad`) against
+float64 references: the sampled product with the gated chain rule in its epilogue, the accumulated block product,
+the column grouping of the fired slots and the transposed products. Interpreter: fp32/fp16 (interpreted bf16
+tl.dot is wrong); the GPU test adds bf16 at the 1.5B layer's shape."""
+
+import pytest
+import torch
+from conftest import assert_backend
+
+from sparsefuse import track_launches
+from sparsefuse.sparse import (
+    BlockELL,
+    block_ell_sddmm,
+    block_ell_transpose,
+    block_sddmm,
+    block_sparse_matmul,
+    dense_to_row_block_pattern,
+    transposed_matmul,
+)
+from sparsefuse.testing import accumulation_allowance, assert_close_to_reference
+
+
+def _factors(M, K, N, dtype, device, sort_rows, block_rows=16, tile=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x, wg, wu, wd = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((M, K), (N, K), (N, K), (N, K)))
+    wg, wu, wd = wg / K**0.5, wu / K**0.5, wd / K**0.5
+    bias = torch.randn(N, generator=g, dtype=torch.float64)
+    pre = x @ wg.t() - 0.8
+    if M > 2:
+        pre[1] = 1.0  # a token firing every neuron
+        pre[2] = -1.0  # one firing none
+    x, wu, wd, bias, pre = (t.to(device=device, dtype=dtype) for t in (x, wu, wd, bias, pre))
+    pattern = dense_to_row_block_pattern(pre, tile, block_rows, relu=True, sort_rows=sort_rows)
+    return x, wu, wd, bias, pre, block_sddmm(pattern, pre, x, wu, bias, relu=True, out_dtype=dtype, factors=True)
+
+
+def _dense(sparse: BlockELL, values: torch.Tensor) -> torch.Tensor:
+    return BlockELL(
+        values, sparse.indices, sparse.counts, sparse.n_cols, sparse.block_rows, sparse.row_order
+    ).to_dense()
+
+
+def _check(M, K, N, dtype, device, sort_rows, **kw):
+    x, wu, wd, bias, pre, f = _factors(M, K, N, dtype, device, sort_rows, **kw)
+    G = torch.relu(pre.double().cpu())
+    fired = G != 0
+    U = (x.double() @ wu.double().t() + bias.double()).cpu()
+    # forward factors and their statistics
+    assert_close_to_reference(_dense(f.gate, f.gate.values), G, name="gate")
+    assert_close_to_reference(_dense(f.up, f.up.values).cpu() * fired, U * fired, name="up")
+    assert torch.equal(f.row_counts.cpu(), fired.sum(1, dtype=torch.int32))
+    assert torch.equal(f.column_counts.sum(0).cpu(), fired.sum(0))
+    assert_close_to_reference(f.gate_sum.reshape(1), G.sum().reshape(1), dtype=torch.float32, name="gate sum")
+    # backward: dh on the slots with the chain rule, dx from two accumulated products
+    dy = torch.randn(M, K, dtype=dtype, device=device)
+    gate_grad = torch.tensor([0.25], device=device)
+    d_up, d_pre = block_ell_sddmm(f.gate, dy, wd, gate=f.gate.values, up=f.up.values, gate_grad=gate_grad)
+    DH = (dy.double() @ wd.double().t()).cpu()
+    DU, DP = DH * G, (DH * U + 0.25) * fired
+    assert_close_to_reference(_dense(f.gate, d_up).cpu(), DU, name="d_up")
+    assert_close_to_reference(_dense(f.gate, d_pre).cpu(), DP, name="d_pre")
+    # each later product is checked on the kernels' own rounded inputs, with the summation-order allowance
+    DUk, DPk = _dense(f.gate, d_up).double().cpu(), _dense(f.gate, d_pre).double().cpu()
+    wuc, wdc = wu.double().cpu(), wd.double().cpu()
+    dx = block_sparse_matmul(BlockELL(d_up, f.gate.indices, f.gate.counts, N, f.gate.block_rows, f.gate.row_order), wu)
+    dx = block_sparse_matmul(
+        BlockELL(d_pre, f.gate.indices, f.gate.counts, N, f.gate.block_rows, f.gate.row_order), wd, accumulate=dx
+    )
+    slack = accumulation_allowance(DUk, wuc) + accumulation_allowance(DPk, wdc)
+    if dtype != torch.float32:  # the first product is rounded to the output dtype before the second is added
+        slack = slack + torch.finfo(dtype).eps * (DUk @ wuc).abs()
+    assert_close_to_reference(dx, DUk @ wuc + DPk @ wdc, extra_abs=slack, name="dx")
+    # the fired slots by column, and the weight gradients in one pass
+    csc = block_ell_transpose(f.gate, f.column_counts)
+    recount = block_ell_transpose(f.gate)  # the counting pass gives the same grouping
+    assert int(csc.offsets[-1]) == int(fired.sum()) and torch.equal(csc.offsets, recount.offsets)
+    assert torch.equal(csc.to_dense(f.gate.values).cpu().double(), G.to(dtype).double())
+    with track_launches() as launched:
+        out, sums = transposed_matmul(
+            csc, x, d_pre, d_up, mode="two", third=(dy, f.gate.values, f.up.values), bias=True
+        )
+    assert launched["transposed_matmul_kernel"] == 1
+    H = _dense(f.gate, f.gate.values).double().cpu() * _dense(f.gate, f.up.values).double().cpu()
+    xc, dyc = x.double().cpu(), dy.double().cpu()
+    h_slack = accumulation_allowance(H.t(), dyc) + torch.finfo(dtype).eps * (H.abs().t() @ dyc.abs())  # h rounded
+    ones = torch.ones(M, 1, dtype=torch.float64)
+    assert_close_to_reference(out[0], DPk.t() @ xc, extra_abs=accumulation_allowance(DPk.t(), xc), name="dW_gate")
+    assert_close_to_reference(out[1], DUk.t() @ xc, extra_abs=accumulation_allowance(DUk.t(), xc), name="dW_up")
+    assert_close_to_reference(out[2], H.t() @ dyc, extra_abs=h_slack, name="dW_down")
+    for name, ours, D in (("db_gate", sums[0], DPk), ("db_up", sums[1], DUk)):
+        slack = accumulation_allowance(D.t(), ones).flatten()
+        assert_close_to_reference(ours, D.sum(0), dtype=torch.float32, extra_abs=slack, name=name)
+    (one,), _ = transposed_matmul(csc, dy, f.gate.values, f.up.values, mode="product")
+    assert_close_to_reference(one, H.t() @ dyc, extra_abs=h_slack, name="dW_down alone")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("sort_rows", [False, True])
+def test_backward_products_match_float64(dtype, sort_rows, device):
+    assert_backend(torch.empty(0, device=device))
+    _check(40, 24, 100, dtype, device, sort_rows)  # N past a whole tile, M past whole blocks
+
+
+def test_backward_products_on_an_empty_batch(device):
+    x, wu, wd, bias, pre, f = _factors(0, 8, 20, torch.float32, device, False)
+    csc = block_ell_transpose(f.gate, f.column_counts)
+    out, sums = transposed_matmul(csc, x, f.gate.values, f.up.values, mode="two", bias=True)
+    assert int(csc.offsets[-1]) == 0 and all(torch.equal(o, torch.zeros_like(o)) for o in out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_backward_products_at_the_1p5b_layer_shape(dtype):
+    _check(1024, 2048, 5632, dtype, torch.device("cuda"), True, block_rows=64, tile=256)
