@@ -129,6 +129,7 @@ def block_sparse_matmul(
     out_dtype: torch.dtype | None = None,
     heavy_first: bool = True,
     accumulate: torch.Tensor | None = None,
+    schedule: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``sparse @ weight + bias`` -> [M, n_out] for a :class:`BlockELL` [M, n_in] (rows in blocks sharing their
     column lists; slot rows written to their ``row_order`` rows) and weight [n_in, n_out] (columns contiguous or
@@ -141,7 +142,9 @@ def block_sparse_matmul(
     launch) so that no long block starts last and runs alone at the end of the grid.
 
     ``accumulate`` [M, n_out] (unit column stride): the product is added to it in place and it is returned (in its
-    dtype; no bias then) -- a sum of products ``A1 W1 + A2 W2`` without a second output."""
+    dtype; no bias then) -- a sum of products ``A1 W1 + A2 W2`` without a second output. ``schedule``: the
+    :func:`heavy_first_schedule` of ``sparse.counts`` when the caller already has it (several products on the same
+    pattern)."""
     op = "block_sparse_matmul"
     check_sparse_weight(op, sparse, weight)
     n_out = weight.shape[1]
@@ -167,7 +170,8 @@ def block_sparse_matmul(
         return out.add_(ref.to(out_dtype)) if accumulate is not None else ref.to(out_dtype)
     block_j, block_d, warps, stages = _block_matmul_blocks(n_out)
     n_blocks = sparse.counts.shape[0]
-    schedule = heavy_first_schedule(sparse.counts) if heavy_first and n_blocks > 1 else None
+    if schedule is None and heavy_first and n_blocks > 1:
+        schedule = heavy_first_schedule(sparse.counts)
     block_ell_matmul_kernel[(triton.cdiv(n_out, block_d), n_blocks)](
         sparse.values,
         sparse.indices,

@@ -10,7 +10,7 @@ from conftest import assert_backend
 from sparsefuse import track_launches
 from sparsefuse.ffn.hybrid import REBUILDS, hybrid_mlp, hybrid_step_reference, sparsity_stats
 from sparsefuse.ffn.synthetic import synthetic_ffn
-from sparsefuse.testing import assert_close_to_reference
+from sparsefuse.testing import accumulation_allowance, assert_close_to_reference
 
 NAMES = ("x", "w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
 
@@ -56,7 +56,11 @@ def _check(leaves, dy, coef, out, grads):
     x, wg, wu, wd, bg, bu, bd = leaves
     y64, l164, g64 = hybrid_step_reference(x, wg, wu, wd, dy, coef, bg, bu, bd)
     y_lp, l1_lp, grads_lp = _dense_lowp(leaves, dy, coef)
-    assert_close_to_reference(out.y, y64, y_lp, name="y")
+    x64 = x.detach().double()
+    h64 = torch.relu(F.linear(x64, wg.double(), bg.double() if bg is not None else None))
+    h64 = h64 * F.linear(x64, wu.double(), bu.double() if bu is not None else None)
+    # the sparse products sum in another order than cuBLAS: allow for it (torch's own error can be smaller by luck)
+    assert_close_to_reference(out.y, y64, y_lp, extra_abs=accumulation_allowance(h64, wd.double().t()), name="y")
     assert_close_to_reference(out.l1.reshape(1), l164.reshape(1), l1_lp.reshape(1), dtype=torch.float32, name="l1")
     ref = [getattr(g64, n) for n, t in zip(NAMES, leaves) if t is not None]
     names = [n for n, t in zip(NAMES, leaves) if t is not None]

@@ -30,7 +30,7 @@ import triton
 
 from ...sparse import BlockELL
 from ...sparse.block_grad import block_ell_sddmm, block_ell_transpose, transposed_matmul
-from ...sparse.block_spmm import block_sparse_matmul
+from ...sparse.block_spmm import block_sparse_matmul, heavy_first_schedule
 from ...sparse.compact import dense_to_row_block_pattern
 from ...sparse.sddmm import block_sddmm
 
@@ -123,27 +123,29 @@ def block_mlp_train_bwd_op(
     order: torch.Tensor,
     column_counts: torch.Tensor,
     block_rows: int,
+    bias_grads: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx [M, K], dw_gate, dw_up, dw_down_t [N, K], db_gate, db_up [N], db_down [K]) from dy [M, K] and dl1
-    (0-dim: the loss's gradient w.r.t. the L1 term)."""
+    (0-dim: the loss's gradient w.r.t. the L1 term). Without ``bias_grads`` the three bias gradients are empty
+    tensors (nothing computed for them)."""
     M, N = x2.shape[0], w_gate.shape[0]
     dy = dy.to(x2.dtype).contiguous()
     gate = _on_slots(gate_values, indices, counts, order, N, block_rows)
     gate_grad = (dl1.to(torch.float32) / max(M * N, 1)).reshape(1)
     d_up, d_pre = block_ell_sddmm(gate, dy, w_down_t, gate=gate_values, up=up_values, gate_grad=gate_grad)
-    dx = block_sparse_matmul(_on_slots(d_up, indices, counts, order, N, block_rows), w_up, out_dtype=x2.dtype)
-    dx = block_sparse_matmul(_on_slots(d_pre, indices, counts, order, N, block_rows), w_gate, accumulate=dx)
+    schedule = heavy_first_schedule(counts) if counts.shape[0] > 1 else None
+    d_up_slots = _on_slots(d_up, indices, counts, order, N, block_rows)
+    dx = block_sparse_matmul(d_up_slots, w_up, out_dtype=x2.dtype, schedule=schedule)
+    d_pre_slots = _on_slots(d_pre, indices, counts, order, N, block_rows)
+    dx = block_sparse_matmul(d_pre_slots, w_gate, accumulate=dx, schedule=schedule)
     csc = block_ell_transpose(gate, column_counts)
-    dw, bias_sums = transposed_matmul(csc, x2, d_pre, d_up, mode="two", third=(dy, gate_values, up_values), bias=True)
-    return (
-        dx,
-        dw[0],
-        dw[1],
-        dw[2],
-        bias_sums[0].to(x2.dtype),
-        bias_sums[1].to(x2.dtype),
-        dy.sum(0, dtype=torch.float32).to(x2.dtype),
-    )
+    third = (dy, gate_values, up_values)
+    dw, sums = transposed_matmul(csc, x2, d_pre, d_up, mode="two", third=third, bias=bias_grads)
+    if bias_grads:
+        biases = [sums[0].to(x2.dtype), sums[1].to(x2.dtype), dy.sum(0, dtype=torch.float32).to(x2.dtype)]
+    else:
+        biases = [x2.new_empty(0) for _ in range(3)]
+    return (dx, dw[0], dw[1], dw[2], *biases)
 
 
 @block_mlp_train_bwd_op.register_fake
@@ -161,16 +163,17 @@ def _(
     order,
     column_counts,
     block_rows,
+    bias_grads,
 ):
-    N = w_gate.shape[0]
+    N, K = w_gate.shape[0], w_down_t.shape[1]
     return (
         torch.empty_like(x2),
         torch.empty_like(w_gate),
         torch.empty_like(w_up),
         torch.empty_like(w_down_t),
-        x2.new_empty(N),
-        x2.new_empty(N),
-        x2.new_empty(w_down_t.shape[1]),
+        x2.new_empty(N if bias_grads else 0),
+        x2.new_empty(N if bias_grads else 0),
+        x2.new_empty(K if bias_grads else 0),
     )
 
 
@@ -183,7 +186,9 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, dy, dl1, *unused):
-    dx, dwg, dwu, dwd, dbg, dbu, dbd = block_mlp_train_bwd_op(dy, dl1, *ctx.saved_tensors, ctx.block_rows)
+    dx, dwg, dwu, dwd, dbg, dbu, dbd = block_mlp_train_bwd_op(
+        dy, dl1, *ctx.saved_tensors, ctx.block_rows, any(ctx.has_bias)
+    )
     has_g, has_u, has_d = ctx.has_bias
     return dx, dwg, dbg if has_g else None, dwu, dbu if has_u else None, dwd, dbd if has_d else None, *[None] * 3
 

@@ -25,14 +25,15 @@ class TrainChoice:
     shapes, 8192-16384 tokens) the two cross between 0.5% and 0.8%."""
 
     dense_above: float = 0.006
+    observe_every: int = 16  # calls between observations once an estimate exists (each costs a few launches)
 
     def __post_init__(self) -> None:
-        self._monitors: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._monitors: WeakIdKeyDictionary = WeakIdKeyDictionary()  # gate weight -> [monitor, calls]
 
     def firing(self, w_gate: torch.Tensor) -> float | None:
         """The last observed fraction of firing (token, neuron) pairs for this gate weight (None: none yet)."""
-        monitor = self._monitors.get(w_gate)
-        estimate = monitor.estimate() if monitor is not None else None
+        entry = self._monitors.get(w_gate)
+        estimate = entry[0].estimate() if entry is not None else None
         return None if estimate is None else estimate / max(w_gate.shape[0], 1)
 
     def choose(self, w_gate: torch.Tensor) -> str:
@@ -49,10 +50,11 @@ class TrainChoice:
         while an earlier count is still in flight)."""
         if torch.compiler.is_compiling() or type(w_gate) not in (torch.Tensor, torch.nn.Parameter):
             return
-        monitor = self._monitors.get(w_gate)
-        if monitor is None:
-            monitor = self._monitors[w_gate] = SparsityMonitor(momentum=0.0)
-        if monitor.accepts:
+        entry = self._monitors.get(w_gate)
+        if entry is None:
+            entry = self._monitors[w_gate] = [SparsityMonitor(momentum=0.0), 0]
+        monitor, entry[1] = entry[0], entry[1] + 1
+        if monitor.accepts and (monitor.mean_nnz is None or entry[1] % self.observe_every == 0):
             total = token_counts.sum(dtype=torch.int64).reshape(1)
             monitor.observe(torch.cat([total, total.new_full((1,), token_counts.shape[0])]))
 
