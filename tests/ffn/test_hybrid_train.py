@@ -79,7 +79,7 @@ BLOCK_KERNELS = (
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("layout", ["block", "hybrid"])
+@pytest.mark.parametrize("layout", ["block", "hybrid", "dense"])
 def test_step_matches_the_float64_reference_with_the_kernels(layout, dtype, bias, device):
     leaves = _leaves(40, 32, 80, dtype, device, bias, seed=1)
     assert_backend(leaves[0])
@@ -88,6 +88,8 @@ def test_step_matches_the_float64_reference_with_the_kernels(layout, dtype, bias
         out, grads = _run(leaves, dy, coef=0.3, layout=layout, width=8, backup_rows=1)
     if layout == "hybrid":
         assert launched["bits_to_sparse_kernel"] >= 1 and launched["gather_accumulate_kernel"] == 3, launched
+    elif layout == "dense":  # cuBLAS products; relu, L1 and counts in one pass, the L1 gradient in relu's backward
+        assert launched == {"relu_stats_kernel": 1, "relu_l1_backward_kernel": 1}, launched
     else:  # forward: up on the unions (+ statistics), down; backward: dh + chain rule, dx, transpose, weight grads
         assert all(launched[k] >= 1 for k in BLOCK_KERNELS), launched
         assert launched["block_ell_matmul_kernel"] == 3 and launched["transposed_matmul_kernel"] == 1, launched
@@ -114,6 +116,20 @@ def test_block_layout_edge_cases_are_exact(M, N, dense_rows, zero, device):
     assert all(int(counts[r]) == N for r in dense_rows)
     if zero:
         assert int(counts.sum()) == 0 and float(out.l1.detach()) == 0.0
+
+
+def test_auto_takes_the_dense_step_once_the_gate_fires_widely(device):
+    """~a third of the gate fires here: the first call (no estimate yet) takes the block step, the next ones the
+    dense step; a gate weight of its own starts over."""
+    leaves = _leaves(32, 16, 64, torch.float32, device, False, seed=11)
+    dy = torch.randn(32, 16, device=device)
+    runs = []
+    for _ in range(3):
+        with track_launches() as launched:
+            out, grads = _run(leaves, dy, coef=0.2)
+        runs.append("dense" if launched["relu_stats_kernel"] else "block")
+        _check(leaves, dy, 0.2, out, grads)  # (on a GPU its reads also let the first call's count arrive)
+    assert runs == ["block", "dense", "dense"], runs
 
 
 def test_block_layout_is_deterministic(device):

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..._auto import SparsityMonitor
@@ -60,13 +59,3 @@ class TrainChoice:
 
 
 TRAIN_CHOICE = TrainChoice()
-
-
-def dense_step(x2, w_gate, b_gate, w_up, b_up, w_down, b_down):
-    """The step with plain torch ops (autograd through them): (y [M, K], l1, token counts [M], neuron counts [N])."""
-    M, N = x2.shape[0], w_gate.shape[0]
-    h_gate = torch.relu(F.linear(x2, w_gate, b_gate))
-    y = F.linear(h_gate * F.linear(x2, w_up, b_up), w_down, b_down)
-    l1 = h_gate.sum(dtype=torch.float32) / max(M * N, 1)
-    fired = h_gate.detach() != 0
-    return y, l1, fired.sum(1, dtype=torch.int32), fired.sum(0, dtype=torch.int32)

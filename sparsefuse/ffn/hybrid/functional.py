@@ -13,7 +13,8 @@ from ..._validation import check_ffn_mlp, unit_last_stride
 from ...sparse.compact import DEFAULT_HYBRID_WIDTH
 from ..twell.block import block_plan
 from .block_step import block_mlp_train_fwd_op
-from .choice import TRAIN_CHOICE, dense_step
+from .choice import TRAIN_CHOICE
+from .dense import dense_step
 from .op import hybrid_mlp_fwd_op
 
 LAYOUTS = ("auto", "block", "dense", "hybrid")
