@@ -25,7 +25,12 @@ def test_train_workload_steps_patched_and_unpatched(monkeypatch, device):
     monkeypatch.setattr(train, "QUICK", ((2,), (6.0,), [(2, 16)]))
     options = Options(quick=True, dtypes=(torch.float32,), device=str(device), log=lambda _: None)
     (case,) = train.train_cases(options)
-    assert case.shape == "2L nnz=6 B=2 S=16" and set(case.impls) == {"unpatched", "patched", "unpatched compile"}
+    assert case.shape == "2L nnz=6 B=2 S=16" and set(case.impls) == {
+        "unpatched",
+        "patched",
+        "unpatched compile",
+        "patched compile",
+    }
     (ids,) = case.make_inputs()
     losses = {}
     for impl in ("unpatched", "patched"):

@@ -3,8 +3,8 @@ once it is not (the start of training, before L1 has made it sparse), decided on
 
 The firing fraction comes from a :class:`~sparsefuse._auto.SparsityMonitor` per gate weight: every call hands it
 the step's non-zero count (a copy to pinned memory that completes in the background), and the next calls read the
-last count that has arrived. The first call of a weight has no estimate and takes the sparse step; so does a call
-traced by torch.compile."""
+last count that has arrived. The first call of a weight has no estimate and takes the sparse step; a call traced by
+torch.compile takes the most recent eager choice."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ class TrainChoice:
 
     def __post_init__(self) -> None:
         self._monitors: WeakIdKeyDictionary = WeakIdKeyDictionary()  # gate weight -> [monitor, calls]
+        self.last = "block"  # the most recent eager choice: what a compiled call takes
 
     def firing(self, w_gate: torch.Tensor) -> float | None:
         """The last observed fraction of firing (token, neuron) pairs for this gate weight (None: none yet)."""
@@ -37,12 +38,14 @@ class TrainChoice:
 
     def choose(self, w_gate: torch.Tensor) -> str:
         """``"block"`` or ``"dense"`` for the next step with this gate weight. While torch.compile traces, the
-        estimate is not read (a traced read would break the graph): the block step, unless the caller names a
-        layout."""
+        per-weight estimate is not read (a traced read of it would break the graph): the compiled call takes the
+        most recent eager choice (:attr:`last`, guarded: a later change of it recompiles), so run one eager step
+        before compiling, as for inference."""
         if torch.compiler.is_compiling():
-            return "block"
+            return self.last
         firing = self.firing(w_gate)
-        return "dense" if firing is not None and firing > self.dense_above else "block"
+        self.last = "dense" if firing is not None and firing > self.dense_above else "block"
+        return self.last
 
     def observe(self, w_gate: torch.Tensor, token_counts: torch.Tensor) -> None:
         """Hand this step's per-token firing counts to the weight's monitor (no sync; skipped while compiling or
