@@ -118,6 +118,19 @@ def test_block_layout_edge_cases_are_exact(M, N, dense_rows, zero, device):
         assert int(counts.sum()) == 0 and float(out.l1.detach()) == 0.0
 
 
+@pytest.mark.parametrize("which", ["y", "l1"])
+def test_block_step_with_only_one_output_in_the_loss(which, device):
+    """The backward gets no gradient for an output the loss does not use (none is materialised): y alone, or the
+    L1 term alone, still gives the reference's gradients."""
+    leaves = _leaves(24, 16, 48, torch.float32, device, False, seed=5)
+    dy = torch.randn(24, 16, device=device) if which == "y" else torch.zeros(24, 16, device=device)
+    coef = 0.0 if which == "y" else 0.7
+    out = hybrid_mlp(*leaves[:4], layout="block")
+    loss = (out.y * dy).sum() if which == "y" else coef * out.l1
+    grads = torch.autograd.grad(loss, leaves[:4])
+    _check(leaves, dy, coef, out, grads)
+
+
 def test_auto_takes_the_dense_step_once_the_gate_fires_widely(device):
     """~a third of the gate fires here: the first call (no estimate yet) takes the block step, the next ones the
     dense step; a gate weight of its own starts over."""

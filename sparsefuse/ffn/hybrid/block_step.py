@@ -183,9 +183,17 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(x2, w_gate, w_up, w_down_t, gate_values, up_values, indices, counts, order, column_counts)
     ctx.has_bias = (b_gate is not None, b_up is not None, b_down is not None)
     ctx.block_rows = block_rows
+    # The saved factors are outputs only so that the backward can have them: no loss uses them, and materialising
+    # their (zero) gradients would fill two [M, width] tensors per step.
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dy, dl1, *unused):
+    x2 = ctx.saved_tensors[0]
+    if dy is None:  # only the L1 term reached the loss
+        dy = torch.zeros(x2.shape[0], ctx.saved_tensors[3].shape[1], dtype=x2.dtype, device=x2.device)
+    if dl1 is None:
+        dl1 = torch.zeros((), dtype=torch.float32, device=x2.device)
     dx, dwg, dwu, dwd, dbg, dbu, dbd = block_mlp_train_bwd_op(
         dy, dl1, *ctx.saved_tensors, ctx.block_rows, any(ctx.has_bias)
     )
