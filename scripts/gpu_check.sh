@@ -5,6 +5,8 @@
 # the source tree, no install. Results land in OUT_DIR with the names benchmarks/results/ keeps, so they can be
 # copied over as they are: <workload>-<gpu>.{csv,md,png} per workload, gpu-tests-<gpu>.log, plus env-<gpu>.txt and
 # bench-<gpu>.log (the console output).
+# The result headers name the commit from SPARSEFUSE_COMMIT, else from git in this tree: where the tree was copied
+# without its current .git (a lent machine), pass SPARSEFUSE_COMMIT=$(git rev-parse --short HEAD) from the checkout.
 set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUT_DIR [bench args...]}
 shift
