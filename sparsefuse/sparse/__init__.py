@@ -12,6 +12,7 @@ from typing import Any
 
 from .._auto import SparsityMonitor, sampled_nonzero_stats
 from .block_grad import block_ell_sddmm, block_ell_transpose, transposed_matmul
+from .block_pack import PackedFactors, pack_block_factors, spilled_blocks, unpack_block_factors
 from .block_spmm import block_sparse_matmul
 from .compact import dense_to_csr, dense_to_ell, dense_to_hybrid, dense_to_row_block_pattern
 from .formats import CSR, ELL, BlockCSC, BlockELL, Hybrid, RowBlockPattern, TwELL
@@ -40,6 +41,10 @@ __all__ = [
     "block_ell_sddmm",
     "block_ell_transpose",
     "transposed_matmul",
+    "PackedFactors",
+    "pack_block_factors",
+    "unpack_block_factors",
+    "spilled_blocks",
     "SparsityMonitor",
     "sampled_nonzero_stats",
 ]

@@ -131,6 +131,54 @@ def test_block_step_with_only_one_output_in_the_loss(which, device):
     _check(leaves, dy, coef, out, grads)
 
 
+@pytest.mark.parametrize("capacity", [0, 700, None])
+def test_block_step_recomputes_blocks_past_the_kept_capacity(capacity, device):
+    """block_capacity bounds what the forward keeps; blocks past it (all at 0, some at 700 values) are recomputed in
+    the backward from x and the weights (biases included) and counted, and the gradients stay the reference's."""
+    from sparsefuse.sparse.block_pack import spilled_blocks
+
+    leaves = _leaves(70, 16, 96, torch.float32, device, True, seed=6, dense_rows=(5,))
+    dy = torch.randn(70, 16, device=device)
+    before = int(spilled_blocks(device))
+    with track_launches() as launched:
+        out, grads = _run(leaves, dy, coef=0.4, layout="block", block_capacity=capacity)
+    assert launched["block_pack_kernel"] == 1 and launched["block_unpack_kernel"] == 1, launched
+    _check(leaves, dy, 0.4, out, grads)
+    spilled = int(spilled_blocks(device)) - before
+    assert (spilled == 0) if capacity is None else (spilled >= 1), spilled
+
+
+def test_block_step_keeps_the_unions_share_of_the_activations(device, monkeypatch):
+    """After one observed step, the block step keeps the gate and up values packed to 1.25x the unions seen (no
+    [M, width] array): here ~a tenth of what the dense block keeps, with no block spilled."""
+    from sparsefuse.ffn.hybrid.choice import TRAIN_CHOICE
+    from sparsefuse.sparse.block_pack import spilled_blocks
+
+    monkeypatch.setattr(TRAIN_CHOICE, "capacity_quantum", 64)  # the default rounds small layers up to all of it
+    ffn = synthetic_ffn(64, 512, dtype=torch.float32, device=device, seed=4)
+    x = ffn.make_input(128, 6.0).requires_grad_()
+    weights = [w.clone().requires_grad_() for w in (ffn.w_gate, ffn.w_up, ffn.w_down)]
+    hybrid_mlp(x, *weights, layout="block").y.sum().backward()  # observes the union sizes (at once on the CPU)
+    if x.is_cuda:
+        torch.cuda.synchronize()
+        TRAIN_CHOICE.capacity(weights[0], 8, 16, 512)  # takes in the observation that has arrived
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    before = int(spilled_blocks(device))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        hybrid_mlp(x, *weights, layout="block").y.sum().backward()
+    assert int(spilled_blocks(device)) == before
+    inputs = {t.untyped_storage().data_ptr() for t in [x, *weights]}
+    activations = sum(t.numel() * t.element_size() for t in saved if t.untyped_storage().data_ptr() not in inputs)
+    assert all(t.dim() < 2 or t.shape[0] != 128 for t in saved if t.untyped_storage().data_ptr() not in inputs)
+    dense_keeps = 4 * 128 * 512 * 4
+    assert activations < dense_keeps / 6, (activations, dense_keeps)
+
+
 def test_auto_takes_the_dense_step_once_the_gate_fires_widely(device):
     """~a third of the gate fires here: the first call (no estimate yet) takes the block step, the next ones the
     dense step; a gate weight of its own starts over."""

@@ -17,9 +17,10 @@ down ``h W_d^T``       sparse rows                                      ``block_
                                                                         ``transposed_matmul``
 =====================  ===============================================  =========================================
 
-Kept for the backward: x, the gate and up values on the unions ([M, width] each, width = N rounded up to the tile),
-the unions' column lists, the token order and the firing counts per (block, neuron) -- no pre-activation, no
-product h.
+Kept for the backward: x, the gate and up values on the unions packed into ``capacity`` values each
+(:func:`~sparsefuse.sparse.block_pack.pack_block_factors`: ~the unions' share of [M, N], not the [M, width] layout the
+products walk), the unions' column lists, the token order and the firing counts per (block, neuron) -- no
+pre-activation, no product h. A block past the capacity is recomputed in the backward, never dropped.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import triton
 
 from ...sparse import BlockELL
 from ...sparse.block_grad import block_ell_sddmm, block_ell_transpose, transposed_matmul
+from ...sparse.block_pack import PackedFactors, pack_block_factors, unpack_block_factors
 from ...sparse.block_spmm import block_sparse_matmul, heavy_first_schedule
 from ...sparse.compact import dense_to_row_block_pattern
 from ...sparse.sddmm import block_sddmm
@@ -51,7 +53,9 @@ def block_mlp_train_fwd_op(
     block_rows: int,
     tile: int,
     sort_rows: bool,
+    capacity: int,
 ) -> tuple[
+    torch.Tensor,
     torch.Tensor,
     torch.Tensor,
     torch.Tensor,
@@ -64,14 +68,15 @@ def block_mlp_train_fwd_op(
     torch.Tensor,
 ]:
     """x2 [M, K]; w_gate, w_up, w_down_t [N, K]. Returns y [M, K], l1 (0-dim fp32), token counts [M] and neuron
-    counts [N] (int32), and what the backward keeps: gate and up values [M, width], union columns [n_blocks, width]
-    and sizes [n_blocks] (int32), token order [M] (int32), the gate's firing counts per (row block, neuron)
-    [n_blocks, N] (int32)."""
+    counts [N] (int32), and what the backward keeps: gate and up values packed [capacity] each with their block
+    offsets [n_blocks + 1] (int64), union columns [n_blocks, width] and sizes [n_blocks] (int32), token order [M]
+    (int32), the gate's firing counts per (row block, neuron) [n_blocks, N] (int32)."""
     M, N = x2.shape[0], w_gate.shape[0]
     pre = F.linear(x2, w_gate, b_gate)
     pattern = dense_to_row_block_pattern(pre, tile, block_rows, relu=True, sort_rows=sort_rows)
     f = block_sddmm(pattern, pre, x2, w_up, b_up, relu=True, out_dtype=x2.dtype, factors=True)
     y = block_sparse_matmul(f.product, w_down_t, bias=b_down, out_dtype=x2.dtype)
+    packed = pack_block_factors(f.gate.values, f.up.values, f.product.counts, block_rows, capacity)
     order = pattern.row_order
     if order is None:
         order = torch.arange(M, dtype=torch.int32, device=x2.device)
@@ -80,8 +85,7 @@ def block_mlp_train_fwd_op(
         f.gate_sum / max(M * N, 1),
         f.row_counts,
         f.column_counts.sum(0, dtype=torch.int32),
-        f.gate.values,
-        f.up.values,
+        *packed,
         f.product.indices,
         f.product.counts,
         order,
@@ -90,7 +94,7 @@ def block_mlp_train_fwd_op(
 
 
 @block_mlp_train_fwd_op.register_fake
-def _(x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, block_rows, tile, sort_rows):
+def _(x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, block_rows, tile, sort_rows, capacity):
     M, N = x2.shape[0], w_gate.shape[0]
     width, n_blocks = triton.cdiv(N, tile) * tile, triton.cdiv(M, block_rows)
     index = lambda *shape: torch.empty(*shape, dtype=torch.int32, device=x2.device)  # noqa: E731
@@ -99,8 +103,9 @@ def _(x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, block_rows, tile, sort_r
         torch.empty((), dtype=torch.float32, device=x2.device),
         index(M),
         index(N),
-        x2.new_empty(M, width),
-        x2.new_empty(M, width),
+        x2.new_empty(capacity),
+        x2.new_empty(capacity),
+        torch.empty(n_blocks + 1, dtype=torch.int64, device=x2.device),
         index(n_blocks, width),
         index(n_blocks),
         index(M),
@@ -116,8 +121,11 @@ def block_mlp_train_bwd_op(
     w_gate: torch.Tensor,
     w_up: torch.Tensor,
     w_down_t: torch.Tensor,
-    gate_values: torch.Tensor,
-    up_values: torch.Tensor,
+    b_gate: torch.Tensor | None,
+    b_up: torch.Tensor | None,
+    packed_gate: torch.Tensor,
+    packed_up: torch.Tensor,
+    offsets: torch.Tensor,
     indices: torch.Tensor,
     counts: torch.Tensor,
     order: torch.Tensor,
@@ -127,9 +135,14 @@ def block_mlp_train_bwd_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx [M, K], dw_gate, dw_up, dw_down_t [N, K], db_gate, db_up [N], db_down [K]) from dy [M, K] and dl1
     (0-dim: the loss's gradient w.r.t. the L1 term). Without ``bias_grads`` the three bias gradients are empty
-    tensors (nothing computed for them)."""
+    tensors (nothing computed for them). The biases are read only to recompute blocks that did not fit the packed
+    capacity."""
     M, N = x2.shape[0], w_gate.shape[0]
     dy = dy.to(x2.dtype).contiguous()
+    packed = PackedFactors(packed_gate, packed_up, offsets)
+    gate_values, up_values, column_counts = unpack_block_factors(
+        packed, indices, counts, order, column_counts, block_rows, x2, w_gate, b_gate, w_up, b_up
+    )
     gate = _on_slots(gate_values, indices, counts, order, N, block_rows)
     gate_grad = (dl1.to(torch.float32) / max(M * N, 1)).reshape(1)
     d_up, d_pre = block_ell_sddmm(gate, dy, w_down_t, gate=gate_values, up=up_values, gate_grad=gate_grad)
@@ -156,8 +169,11 @@ def _(
     w_gate,
     w_up,
     w_down_t,
-    gate_values,
-    up_values,
+    b_gate,
+    b_up,
+    packed_gate,
+    packed_up,
+    offsets,
     indices,
     counts,
     order,
@@ -179,12 +195,13 @@ def _(
 
 def _setup_context(ctx, inputs, output) -> None:
     x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, block_rows, *_ = inputs
-    *_, gate_values, up_values, indices, counts, order, column_counts = output
-    ctx.save_for_backward(x2, w_gate, w_up, w_down_t, gate_values, up_values, indices, counts, order, column_counts)
+    *_, packed_gate, packed_up, offsets, indices, counts, order, column_counts = output
+    saved = (packed_gate, packed_up, offsets, indices, counts, order, column_counts)
+    ctx.save_for_backward(x2, w_gate, w_up, w_down_t, b_gate, b_up, *saved)
     ctx.has_bias = (b_gate is not None, b_up is not None, b_down is not None)
     ctx.block_rows = block_rows
     # The saved factors are outputs only so that the backward can have them: no loss uses them, and materialising
-    # their (zero) gradients would fill two [M, width] tensors per step.
+    # their (zero) gradients would fill two more arrays per step.
     ctx.set_materialize_grads(False)
 
 
@@ -198,7 +215,7 @@ def _backward(ctx, dy, dl1, *unused):
         dy, dl1, *ctx.saved_tensors, ctx.block_rows, any(ctx.has_bias)
     )
     has_g, has_u, has_d = ctx.has_bias
-    return dx, dwg, dbg if has_g else None, dwu, dbu if has_u else None, dwd, dbd if has_d else None, *[None] * 3
+    return dx, dwg, dbg if has_g else None, dwu, dbu if has_u else None, dwd, dbd if has_d else None, *[None] * 4
 
 
 block_mlp_train_fwd_op.register_autograd(_backward, setup_context=_setup_context)

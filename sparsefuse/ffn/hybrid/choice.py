@@ -4,11 +4,16 @@ once it is not (the start of training, before L1 has made it sparse), decided on
 The firing fraction comes from a :class:`~sparsefuse._auto.SparsityMonitor` per gate weight: every call hands it
 the step's non-zero count (a copy to pinned memory that completes in the background), and the next calls read the
 last count that has arrived. The first call of a weight has no estimate and takes the sparse step; a call traced by
-torch.compile takes the most recent eager choice."""
+torch.compile takes the most recent eager choice.
+
+The same per-weight record sizes what the block step keeps for its backward (:meth:`TrainChoice.capacity`): the
+union sizes seen on the weight's last observed call, with a margin."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import math
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -25,9 +30,12 @@ class TrainChoice:
 
     dense_above: float = 0.006
     observe_every: int = 16  # calls between observations once an estimate exists (each costs a few launches)
+    capacity_margin: float = 1.25  # kept slots per union slot last seen: batches vary by a few percent
+    capacity_quantum: int = 1 << 16  # capacities rounded up to this many values, so the allocator reuses blocks
 
     def __post_init__(self) -> None:
-        self._monitors: WeakIdKeyDictionary = WeakIdKeyDictionary()  # gate weight -> [monitor, calls]
+        # gate weight -> [firing monitor, calls, union-size monitor]
+        self._monitors: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.last = "block"  # the most recent eager choice: what a compiled call takes
 
     def firing(self, w_gate: torch.Tensor) -> float | None:
@@ -47,18 +55,45 @@ class TrainChoice:
         self.last = "dense" if firing is not None and firing > self.dense_above else "block"
         return self.last
 
-    def observe(self, w_gate: torch.Tensor, token_counts: torch.Tensor) -> None:
-        """Hand this step's per-token firing counts to the weight's monitor (no sync; skipped while compiling or
-        while an earlier count is still in flight)."""
+    def observe(
+        self, w_gate: torch.Tensor, token_counts: torch.Tensor, union_sizes: torch.Tensor | None = None
+    ) -> None:
+        """Hand this step's per-token firing counts (and the block step's union sizes per row block) to the
+        weight's monitors (no sync; skipped while compiling or while an earlier count is still in flight)."""
         if torch.compiler.is_compiling() or type(w_gate) not in (torch.Tensor, torch.nn.Parameter):
             return
-        entry = self._monitors.get(w_gate)
-        if entry is None:
-            entry = self._monitors[w_gate] = [SparsityMonitor(momentum=0.0), 0]
+        entry = self._entry(w_gate)
         monitor, entry[1] = entry[0], entry[1] + 1
-        if monitor.accepts and (monitor.mean_nnz is None or entry[1] % self.observe_every == 0):
+        due = entry[1] % self.observe_every == 0
+        if monitor.accepts and (monitor.mean_nnz is None or due):
             total = token_counts.sum(dtype=torch.int64).reshape(1)
             monitor.observe(torch.cat([total, total.new_full((1,), token_counts.shape[0])]))
+        unions = entry[2]
+        if union_sizes is not None and unions.accepts and (unions.mean_nnz is None or due):
+            total = union_sizes.sum(dtype=torch.int64).reshape(1)
+            unions.observe(torch.cat([total, total.new_full((1,), union_sizes.shape[0])]))
+
+    def _entry(self, w_gate: torch.Tensor) -> list:
+        entry = self._monitors.get(w_gate)
+        if entry is None:
+            entry = self._monitors[w_gate] = [SparsityMonitor(momentum=0.0), 0, SparsityMonitor(momentum=0.0)]
+        return entry
+
+    def capacity(self, w_gate: torch.Tensor, n_blocks: int, block_rows: int, width: int) -> int:
+        """Values of each factor the block step keeps for its backward: ``capacity_margin`` times the union sizes
+        last observed for this gate weight (``n_blocks`` blocks of ``block_rows`` rows), rounded up; the full
+        ``n_blocks * block_rows * width`` (every block fits) before the first observation and while torch.compile
+        traces (a traced read of the estimate would break the graph). Blocks past it are recomputed in the
+        backward, exactly; :func:`sparsefuse.sparse.block_pack.spilled_blocks` counts them."""
+        full = n_blocks * block_rows * width
+        if torch.compiler.is_compiling() or type(w_gate) not in (torch.Tensor, torch.nn.Parameter):
+            return full
+        entry = self._monitors.get(w_gate)
+        per_block = entry[2].estimate() if entry is not None else None
+        if per_block is None:
+            return full
+        wanted = self.capacity_margin * per_block * n_blocks * block_rows
+        return min(full, self.capacity_quantum * max(1, math.ceil(wanted / self.capacity_quantum)))
 
 
 TRAIN_CHOICE = TrainChoice()

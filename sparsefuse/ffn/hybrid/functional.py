@@ -7,6 +7,7 @@ import math
 from typing import NamedTuple
 
 import torch
+import triton
 
 from ..._backend import Backend, backend_for
 from ..._validation import check_ffn_mlp, unit_last_stride
@@ -46,6 +47,7 @@ def hybrid_mlp(
     layout: str = "auto",
     width: int = DEFAULT_HYBRID_WIDTH,
     backup_rows: int | None = None,
+    block_capacity: int | None = None,
 ) -> HybridMLPOutput:
     """Gated ReLU block ``(relu(x W_g^T + b_g) * (x W_u^T + b_u)) W_d^T + b_d`` for training: differentiable in
     every tensor argument, and what it keeps for the backward is sparse (the gate and up activations where the gate
@@ -67,6 +69,10 @@ def hybrid_mlp(
             kept whole in the backup.
         backup_rows: (``"hybrid"``) whole rows kept for such tokens (default ``ceil(M / 8)``); when more overflow,
             the step grows its backup to hold them all (exact; counted in :data:`sparsefuse.ffn.hybrid.op.REBUILDS`).
+        block_capacity: (``"block"``) values of the gate and of the up factor kept for the backward, each. Default:
+            1.25x the union sizes last seen on this gate weight (all of them before the first observation and under
+            torch.compile). Row blocks past it are recomputed in the backward from x and the weights, never
+            dropped; :func:`sparsefuse.sparse.block_pack.spilled_blocks` counts them.
     Returns: :class:`HybridMLPOutput` (y, l1, per-token and per-neuron firing counts, all on the device). Under
     ``torch.autocast`` the step runs in the autocast dtype, as ``nn.Linear`` would.
     For the L1 penalty add ``coefficient * out.l1`` to the loss: its gradient reaches the gate only where it fired.
@@ -90,6 +96,10 @@ def hybrid_mlp(
         backup_rows = math.ceil(M / 8)
     elif not isinstance(backup_rows, int) or isinstance(backup_rows, bool) or backup_rows < 0:
         raise ValueError(f"{op}: backup_rows must be a non-negative int or None; got {backup_rows!r}")
+    if block_capacity is not None and (
+        not isinstance(block_capacity, int) or isinstance(block_capacity, bool) or block_capacity < 0
+    ):
+        raise ValueError(f"{op}: block_capacity must be a non-negative int or None; got {block_capacity!r}")
     if layout == "auto":
         layout = TRAIN_CHOICE.choose(w_gate)
     if layout == "dense":
@@ -97,8 +107,12 @@ def hybrid_mlp(
         TRAIN_CHOICE.observe(w_gate, counts)
         return HybridMLPOutput(y.reshape(*x.shape[:-1], w_down.shape[0]), l1, counts, neuron_counts)
     if layout == "block" and x2.dtype != torch.float64 and backend_for(x2) is not Backend.TORCH:
-        plan = block_plan(w_gate.shape[0])
-        y, l1, counts, neuron_counts, *_ = block_mlp_train_fwd_op(
+        N = w_gate.shape[0]
+        plan = block_plan(N)
+        n_blocks, width = triton.cdiv(M, plan.block_rows), triton.cdiv(N, plan.tile) * plan.tile
+        if block_capacity is None:
+            block_capacity = TRAIN_CHOICE.capacity(w_gate, n_blocks, plan.block_rows, width)
+        y, l1, counts, neuron_counts, *_, union_sizes, _, _ = block_mlp_train_fwd_op(
             x2,
             w_gate,
             b_gate,
@@ -109,8 +123,9 @@ def hybrid_mlp(
             plan.block_rows,
             plan.tile,
             plan.sorts(M),
+            block_capacity,
         )
-        TRAIN_CHOICE.observe(w_gate, counts)
+        TRAIN_CHOICE.observe(w_gate, counts, union_sizes)
         return HybridMLPOutput(y.reshape(*x.shape[:-1], w_down.shape[0]), l1, counts, neuron_counts)
     y, l1, *_, counts, _, _, _, neuron_counts = hybrid_mlp_fwd_op(
         x2, w_gate, b_gate, unit_last_stride(w_up), b_up, w_down.t(), b_down, width, backup_rows

@@ -1,0 +1,241 @@
+"""Kept storage for the factors of a row-block sparse layer between its forward and backward passes.
+
+A :class:`~sparsefuse.sparse.BlockELL` lays each block of rows out at the full width (the largest union it could
+have): ``M * width`` values, of which a trained sparse layer fills ~13%. Keeping two such arrays per layer until the
+backward would cost half of what a dense layer keeps. :func:`pack_block_factors` copies the filled slots of the
+gate and up factors into flat arrays of a fixed ``capacity`` (block b at ``offsets[b]``, its ``block_rows x
+counts[b]`` values row after row); :func:`unpack_block_factors` lays them out again for the backward.
+
+The capacity is chosen on the host before the union sizes are known (no host sync), so a batch can need more. A block
+that does not fit is **not dropped**: it is marked (``offsets[b] + block_rows * counts[b] > capacity``, known on the
+device to both passes) and the unpack pass recomputes its factors from the layer's input and weights --
+``relu(x W_g^T + b_g)`` and ``x W_u^T + b_u`` on the block's union, on tensor cores -- together with its firing counts
+per column, which the backward's transpose needs to match the recomputed values. A counter of such blocks is
+kept on the device (:func:`spilled_blocks`), read only when the user asks.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import _backend
+from .._backend import Backend, backend_for, new_output, record_launch
+from .._triton.dot import dot_accumulate, ieee_fp32
+
+_SPILLED: dict[torch.device, torch.Tensor] = {}
+
+
+def spilled_blocks(device: torch.device | str) -> torch.Tensor:
+    """0-dim int64 device tensor: row blocks whose factors did not fit their packed capacity (and were recomputed in
+    the backward) since the process started on this device. Reading its value is a host sync: read it when logging,
+    not every step. Call once before capturing a CUDA graph, so that the counter is not graph-private."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _SPILLED:
+        _SPILLED[device] = torch.zeros((), dtype=torch.int64, device=device)
+    return _SPILLED[device]
+
+
+class PackedFactors(NamedTuple):
+    """What :func:`pack_block_factors` returns: ``gate`` and ``up`` [capacity] (x's dtype) and ``offsets``
+    [n_blocks + 1] int64 (block b's values start at ``offsets[b]``; it fits iff ``offsets[b + 1] <= capacity``)."""
+
+    gate: torch.Tensor
+    up: torch.Tensor
+    offsets: torch.Tensor
+
+
+def block_offsets(counts: torch.Tensor, block_rows: int) -> torch.Tensor:
+    """[n_blocks + 1] int64: where each block's ``block_rows x counts[b]`` values start in the packed arrays."""
+    offsets = torch.zeros(counts.shape[0] + 1, dtype=torch.int64, device=counts.device)
+    torch.cumsum(counts.to(torch.int64) * block_rows, 0, out=offsets[1:])
+    return offsets
+
+
+@triton.jit
+def block_pack_kernel(
+    gate_ptr,
+    up_ptr,
+    counts_ptr,
+    offsets_ptr,
+    packed_gate_ptr,
+    packed_up_ptr,
+    spilled_ptr,
+    M,
+    width,
+    capacity,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    # gate, up [M, width] (BlockELL slots), counts [n_blocks], offsets [n_blocks + 1] int64 -> packed [capacity]:
+    # block blk's slot (r, p) at offsets[blk] + r * counts[blk] + p. Program (c, blk): slots [c * BLOCK_C, ...).
+    chunk = tl.program_id(0)
+    block = tl.program_id(1)
+    count = tl.load(counts_ptr + block)
+    end = tl.load(offsets_ptr + block + 1)
+    fits = end <= capacity
+    if (chunk == 0) & (end > capacity) & (count > 0):
+        tl.atomic_add(spilled_ptr, 1)  # integer: the same total in any order
+    if fits & (chunk * BLOCK_C < count):
+        start = tl.load(offsets_ptr + block)
+        p = chunk * BLOCK_C + tl.arange(0, BLOCK_C)
+        local = tl.arange(0, BLOCK_ROWS)
+        mask = (block * BLOCK_ROWS + local < M)[:, None] & (p < count)[None, :]
+        src = block.to(tl.int64) * BLOCK_ROWS * width + local[:, None] * width + p[None, :]
+        dst = start + local[:, None] * count + p[None, :]
+        tl.store(packed_gate_ptr + dst, tl.load(gate_ptr + src, mask=mask), mask=mask)
+        tl.store(packed_up_ptr + dst, tl.load(up_ptr + src, mask=mask), mask=mask)
+
+
+def _chunk() -> int:
+    return 16 if _backend.INTERPRET else 128
+
+
+def pack_block_factors(
+    gate: torch.Tensor, up: torch.Tensor, counts: torch.Tensor, block_rows: int, capacity: int
+) -> PackedFactors:
+    """Copy the filled slots of ``gate`` and ``up`` ([M, width], one :class:`~sparsefuse.sparse.BlockELL` layout with
+    union sizes ``counts`` [n_blocks] int32) into arrays of ``capacity`` values each; blocks past the capacity are
+    counted in :func:`spilled_blocks` and left for :func:`unpack_block_factors` to recompute. No host sync."""
+    M, width = gate.shape
+    offsets = block_offsets(counts, block_rows)
+    packed = PackedFactors(
+        new_output((capacity,), gate.dtype, gate.device), new_output((capacity,), up.dtype, up.device), offsets
+    )
+    if M == 0 or counts.shape[0] == 0:
+        return packed
+    if backend_for(gate) is Backend.TORCH:
+        raise NotImplementedError("pack_block_factors runs on the GPU or the Triton interpreter")
+    block_c = _chunk()
+    block_pack_kernel[(triton.cdiv(width, block_c), counts.shape[0])](
+        gate, up, counts, offsets, packed.gate, packed.up, spilled_blocks(gate.device), M, width, capacity,
+        BLOCK_ROWS=block_rows, BLOCK_C=block_c, num_warps=4,
+    )  # fmt: skip
+    record_launch("block_pack_kernel")
+    return packed
+
+
+@triton.jit
+def block_unpack_kernel(
+    packed_gate_ptr,
+    packed_up_ptr,
+    offsets_ptr,
+    indices_ptr,
+    counts_ptr,
+    order_ptr,
+    x_ptr,
+    w_gate_ptr,
+    b_gate_ptr,
+    w_up_ptr,
+    b_up_ptr,
+    gate_ptr,
+    up_ptr,
+    column_counts_ptr,
+    M,
+    N,
+    K,
+    width,
+    capacity,
+    stride_x,
+    stride_wg,
+    stride_wu,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_ORDER: tl.constexpr,
+    HAS_B_GATE: tl.constexpr,
+    HAS_B_UP: tl.constexpr,
+    IEEE_FP32: tl.constexpr,
+):
+    # The inverse of block_pack_kernel into gate, up [M, width]; a block past the capacity is recomputed instead:
+    # gate = relu(round(x[rows] @ w_gate[cols]^T + b_gate)), up = x[rows] @ w_up[cols]^T + b_up (x [M, K], weights
+    # [N, K]), and its fired counts per column (gate != 0, as the transpose counts them) to column_counts[blk, cols].
+    chunk = tl.program_id(0)
+    block = tl.program_id(1)
+    count = tl.load(counts_ptr + block)
+    if chunk * BLOCK_C < count:
+        start = tl.load(offsets_ptr + block)
+        end = tl.load(offsets_ptr + block + 1)
+        p = chunk * BLOCK_C + tl.arange(0, BLOCK_C)
+        p_mask = p < count
+        local = tl.arange(0, BLOCK_ROWS)
+        slots = block * BLOCK_ROWS + local
+        row_mask = slots < M
+        mask = row_mask[:, None] & p_mask[None, :]
+        dst = block.to(tl.int64) * BLOCK_ROWS * width + local[:, None] * width + p[None, :]
+        if end <= capacity:
+            src = start + local[:, None] * count + p[None, :]
+            tl.store(gate_ptr + dst, tl.load(packed_gate_ptr + src, mask=mask), mask=mask)
+            tl.store(up_ptr + dst, tl.load(packed_up_ptr + src, mask=mask), mask=mask)
+        else:
+            cols = tl.load(indices_ptr + block.to(tl.int64) * width + p, mask=p_mask, other=0)
+            rows = tl.load(order_ptr + slots, mask=row_mask, other=0) if HAS_ORDER else slots
+            x_rows_ptr = x_ptr + rows[:, None].to(tl.int64) * stride_x
+            acc_g = tl.zeros([BLOCK_ROWS, BLOCK_C], dtype=tl.float32)
+            acc_u = tl.zeros([BLOCK_ROWS, BLOCK_C], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                k_mask = k < K
+                xv = tl.load(x_rows_ptr + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                wmask = k_mask[:, None] & p_mask[None, :]
+                wg = tl.load(w_gate_ptr + cols[None, :].to(tl.int64) * stride_wg + k[:, None], mask=wmask, other=0.0)
+                wu = tl.load(w_up_ptr + cols[None, :].to(tl.int64) * stride_wu + k[:, None], mask=wmask, other=0.0)
+                acc_g = dot_accumulate(acc_g, xv, wg, IEEE_FP32)
+                acc_u = dot_accumulate(acc_u, xv, wu, IEEE_FP32)
+            if HAS_B_GATE:
+                acc_g += tl.load(b_gate_ptr + cols, mask=p_mask, other=0.0).to(tl.float32)[None, :]
+            if HAS_B_UP:
+                acc_u += tl.load(b_up_ptr + cols, mask=p_mask, other=0.0).to(tl.float32)[None, :]
+            pre = acc_g.to(gate_ptr.dtype.element_ty)  # rounded as the forward's gate product was
+            gate = tl.where((pre > 0) | (pre != pre), pre, 0.0).to(gate_ptr.dtype.element_ty)
+            tl.store(gate_ptr + dst, gate, mask=mask)
+            tl.store(up_ptr + dst, acc_u.to(up_ptr.dtype.element_ty), mask=mask)
+            fired = ((gate != 0) & mask).to(tl.int32)
+            tl.store(column_counts_ptr + block.to(tl.int64) * N + cols, tl.sum(fired, axis=0), mask=p_mask)
+
+
+def unpack_block_factors(
+    packed: PackedFactors,
+    indices: torch.Tensor,
+    counts: torch.Tensor,
+    order: torch.Tensor | None,
+    column_counts: torch.Tensor,
+    block_rows: int,
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    b_gate: torch.Tensor | None,
+    w_up: torch.Tensor,
+    b_up: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(gate, up [M, width] on the BlockELL slots of ``indices`` [n_blocks, width] / ``counts`` / ``order``, column
+    counts [n_blocks, N] int32) from :func:`pack_block_factors`' arrays, in their dtype. Blocks past the capacity are
+    recomputed from x [M, K] and the weights [N, K] (biases [N] or None), and their entries of ``column_counts`` (the
+    forward's, copied) are recounted from the recomputed gate. No host sync."""
+    M, width = x.shape[0], indices.shape[1]
+    N, K = w_gate.shape
+    dtype, device = packed.gate.dtype, packed.gate.device
+    gate, up = new_output((M, width), dtype, device), new_output((M, width), dtype, device)
+    column_counts = column_counts.clone()
+    if M == 0 or counts.shape[0] == 0:
+        return gate, up, column_counts
+    if backend_for(x) is Backend.TORCH:
+        raise NotImplementedError("unpack_block_factors runs on the GPU or the Triton interpreter")
+    block_c, block_k, warps, stages = (16, 32, 4, 1) if _backend.INTERPRET else (64, 64, 4, 2)
+    block_unpack_kernel[(triton.cdiv(width, block_c), counts.shape[0])](
+        packed.gate, packed.up, packed.offsets, indices, counts, order if order is not None else counts,
+        x, w_gate, b_gate if b_gate is not None else w_gate, w_up, b_up if b_up is not None else w_up,
+        gate, up, column_counts, M, N, K, width, packed.gate.shape[0], x.stride(0), w_gate.stride(0), w_up.stride(0),
+        BLOCK_ROWS=block_rows, BLOCK_C=block_c, BLOCK_K=block_k, HAS_ORDER=order is not None,
+        HAS_B_GATE=b_gate is not None, HAS_B_UP=b_up is not None, IEEE_FP32=ieee_fp32(x.dtype),
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    record_launch("block_unpack_kernel")
+    return gate, up, column_counts
+
+
+__all__ = ["PackedFactors", "block_offsets", "pack_block_factors", "unpack_block_factors", "spilled_blocks"]
