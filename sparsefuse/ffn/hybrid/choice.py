@@ -11,9 +11,8 @@ union sizes seen on the weight's last observed call, with a margin."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import math
+from dataclasses import dataclass
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
