@@ -46,6 +46,7 @@ def block_ell_sddmm_kernel(
     BLOCK_D: tl.constexpr,
     HAS_ORDER: tl.constexpr,
     GATED: tl.constexpr,
+    HAS_UP: tl.constexpr,
     IEEE_FP32: tl.constexpr,
 ):
     # BlockELL slots: indices [n_blocks, width], counts [n_blocks], order [M] (slot row -> matrix row); a [M, D],
@@ -53,6 +54,7 @@ def block_ell_sddmm_kernel(
     # Plain: out = acc. GATED (gate, up [M, width] on the same slots; gate_grad a 1-element fp32 tensor):
     #   out = acc * gate                                   (gradient w.r.t. up)
     #   out2 = (acc * up + gate_grad) where gate != 0     (gradient w.r.t. the gate's pre-activation)
+    # Without HAS_UP (a non-gated layer: h = gate) only out2, with up = 1.
     chunk = tl.program_id(0)
     block = tl.program_id(1)
     count = tl.load(counts_ptr + block)
@@ -77,10 +79,13 @@ def block_ell_sddmm_kernel(
         offsets = block.to(tl.int64) * BLOCK_ROWS * width + local[:, None] * width + p[None, :]
         if GATED:
             gate = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-            up = tl.load(up_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
             gate_grad = tl.load(gate_grad_ptr)
-            tl.store(out_ptr + offsets, (acc * gate).to(out_ptr.dtype.element_ty), mask=mask)
-            d_gate = tl.where(gate != 0, acc * up + gate_grad, 0.0)
+            if HAS_UP:
+                up = tl.load(up_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+                tl.store(out_ptr + offsets, (acc * gate).to(out_ptr.dtype.element_ty), mask=mask)
+                d_gate = tl.where(gate != 0, acc * up + gate_grad, 0.0)
+            else:
+                d_gate = tl.where(gate != 0, acc + gate_grad, 0.0)
             tl.store(out2_ptr + offsets, d_gate.to(out2_ptr.dtype.element_ty), mask=mask)
         else:
             tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -100,22 +105,27 @@ def block_ell_sddmm(
     up: torch.Tensor | None = None,
     gate_grad: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor | tuple[torch.Tensor | None, torch.Tensor]:
     """``(a @ b^T)`` on ``like``'s slots: a [M, D], b [N, D] -> values [M, width] (``like``'s slots, fp32
     accumulation on tensor cores, no host sync; ``2 * block_rows * D`` flops per listed column).
 
     With ``gate``/``up`` ([M, width], the forward's factors of ``h = gate * up`` on the same slots, gate already
     relu'd) and ``gate_grad`` (1-element fp32: the gradient added to every fired gate pre-activation, e.g. an L1
     term's), returns the two gradients of ``h`` given ``dh = a @ b^T``: ``(dh * gate, (dh * up + gate_grad) *
+    [gate != 0])``. With ``gate`` but no ``up`` (a non-gated layer, ``h = gate``): ``(None, (dh + gate_grad) *
     [gate != 0])``."""
     a, b = unit_last_stride(a), unit_last_stride(b)
     M, width = like.values.shape
-    gated = gate is not None
+    gated, has_up = gate is not None, up is not None
     out_dtype = out_dtype or a.dtype
-    out = new_output((M, width), out_dtype, a.device)  # slots past a block's count are never read
-    out2 = new_output((M, width), out_dtype, a.device) if gated else out
+    out2 = new_output((M, width), out_dtype, a.device) if gated else None  # slots past a count are never read
+    out = new_output((M, width), out_dtype, a.device) if has_up or not gated else out2
+
+    def result():
+        return (out if has_up else None, out2) if gated else out
+
     if M == 0:
-        return (out, out2) if gated else out
+        return result()
     if backend_for(a) is Backend.TORCH:
         raise NotImplementedError("block_ell_sddmm runs on the GPU or the Triton interpreter")
     block_c, block_d, warps, stages = _sddmm_blocks()
@@ -127,10 +137,10 @@ def block_ell_sddmm(
         a,
         b,
         gate if gated else a,
-        up if gated else a,
+        up if has_up else a,
         gate_grad if gated else a,
         out,
-        out2,
+        out2 if gated else out,
         M,
         a.shape[1],
         width,
@@ -141,12 +151,13 @@ def block_ell_sddmm(
         BLOCK_D=block_d,
         HAS_ORDER=order is not None,
         GATED=gated,
+        HAS_UP=has_up,
         IEEE_FP32=ieee_fp32(a.dtype),
         num_warps=warps,
         num_stages=stages,
     )
     record_launch("block_ell_sddmm_kernel")
-    return (out, out2) if gated else out
+    return result()
 
 
 @triton.jit
@@ -253,6 +264,7 @@ def transposed_matmul_kernel(
     TWO: tl.constexpr,
     PRODUCT: tl.constexpr,
     THIRD: tl.constexpr,
+    THIRD_PRODUCT: tl.constexpr,
     BIAS: tl.constexpr,
     IEEE_FP32: tl.constexpr,
 ):
@@ -308,7 +320,8 @@ def transposed_matmul_kernel(
                 y_ptr + row[:, None] * stride_y + d[None, :], mask=e_mask[:, None] & d_mask[None, :], other=0.0
             )
             v3 = tl.load(v3_ptr + flat, mask=e_mask, other=0.0).to(tl.float32)
-            v3 = v3 * tl.load(v4_ptr + flat, mask=e_mask, other=0.0).to(tl.float32)
+            if THIRD_PRODUCT:
+                v3 = v3 * tl.load(v4_ptr + flat, mask=e_mask, other=0.0).to(tl.float32)
             a3 = tl.where(hit, v3[None, :], 0.0).to(yv.dtype)
             acc3 = dot_accumulate(acc3, a3, yv, IEEE_FP32)
         e, flat, row = e_next, flat_next, row_next
@@ -342,14 +355,15 @@ def transposed_matmul(
     second: torch.Tensor | None = None,
     *,
     mode: str = "one",
-    third: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    third: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
     bias: bool = False,
     out_dtype: torch.dtype | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     """``A^T x`` for each sparse A on ``csc``'s non-zero slots: x [M, D]; values (and second) [M, width].
 
     ``mode``: "one" -> A = values; "two" -> A = values and A = second (one gather of x for both); "product" -> A =
-    values * second (elementwise, on the slots). ``third = (y, v3, v4)`` adds ``(v3 * v4)^T y`` (y of x's shape)
+    values * second (elementwise, on the slots). ``third = (y, v3, v4)`` adds ``(v3 * v4)^T y`` (y of x's shape;
+    ``v3^T y`` when v4 is None)
     in the same pass over the entries. Returns (a list of [N, D] products in ``out_dtype`` (default x's), one per
     A, the third last; the column sums [N] fp32 of the A's on x when ``bias``, else None). Deterministic: each
     column's terms are summed in one fixed order. The cost is one gathered row of x (and y) per entry: ``nnz * D``
@@ -384,7 +398,7 @@ def transposed_matmul(
         values,
         second if second is not None else values,
         v3 if third is not None else values,
-        v4 if third is not None else values,
+        v4 if third is not None and v4 is not None else values,
         x,
         y if third is not None else x,
         out[0],
@@ -404,6 +418,7 @@ def transposed_matmul(
         TWO=mode == "two",
         PRODUCT=mode == "product",
         THIRD=third is not None,
+        THIRD_PRODUCT=third is not None and v4 is not None,
         BIAS=bias,
         IEEE_FP32=ieee_fp32(x.dtype),
         num_warps=warps,

@@ -71,6 +71,7 @@ def block_pack_kernel(
     capacity,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    HAS_UP: tl.constexpr,
 ):
     # gate, up [M, width] (BlockELL slots), counts [n_blocks], offsets [n_blocks + 1] int64 -> packed [capacity]:
     # block blk's slot (r, p) at offsets[blk] + r * counts[blk] + p. Program (c, blk): slots [c * BLOCK_C, ...).
@@ -89,7 +90,8 @@ def block_pack_kernel(
         src = block.to(tl.int64) * BLOCK_ROWS * width + local[:, None] * width + p[None, :]
         dst = start + local[:, None] * count + p[None, :]
         tl.store(packed_gate_ptr + dst, tl.load(gate_ptr + src, mask=mask), mask=mask)
-        tl.store(packed_up_ptr + dst, tl.load(up_ptr + src, mask=mask), mask=mask)
+        if HAS_UP:
+            tl.store(packed_up_ptr + dst, tl.load(up_ptr + src, mask=mask), mask=mask)
 
 
 def _chunk() -> int:
@@ -97,24 +99,24 @@ def _chunk() -> int:
 
 
 def pack_block_factors(
-    gate: torch.Tensor, up: torch.Tensor, counts: torch.Tensor, block_rows: int, capacity: int
+    gate: torch.Tensor, up: torch.Tensor | None, counts: torch.Tensor, block_rows: int, capacity: int
 ) -> PackedFactors:
     """Copy the filled slots of ``gate`` and ``up`` ([M, width], one :class:`~sparsefuse.sparse.BlockELL` layout with
     union sizes ``counts`` [n_blocks] int32) into arrays of ``capacity`` values each; blocks past the capacity are
-    counted in :func:`spilled_blocks` and left for :func:`unpack_block_factors` to recompute. No host sync."""
+    counted in :func:`spilled_blocks` and left for :func:`unpack_block_factors` to recompute. No host sync.
+    ``up=None`` (a non-gated layer): only the gate is kept; the returned ``up`` is empty."""
     M, width = gate.shape
     offsets = block_offsets(counts, block_rows)
-    packed = PackedFactors(
-        new_output((capacity,), gate.dtype, gate.device), new_output((capacity,), up.dtype, up.device), offsets
-    )
+    up_packed = new_output((capacity if up is not None else 0,), gate.dtype, gate.device)
+    packed = PackedFactors(new_output((capacity,), gate.dtype, gate.device), up_packed, offsets)
     if M == 0 or counts.shape[0] == 0:
         return packed
     if backend_for(gate) is Backend.TORCH:
         raise NotImplementedError("pack_block_factors runs on the GPU or the Triton interpreter")
     block_c = _chunk()
     block_pack_kernel[(triton.cdiv(width, block_c), counts.shape[0])](
-        gate, up, counts, offsets, packed.gate, packed.up, spilled_blocks(gate.device), M, width, capacity,
-        BLOCK_ROWS=block_rows, BLOCK_C=block_c, num_warps=4,
+        gate, up if up is not None else gate, counts, offsets, packed.gate, packed.up, spilled_blocks(gate.device),
+        M, width, capacity, BLOCK_ROWS=block_rows, BLOCK_C=block_c, HAS_UP=up is not None, num_warps=4,
     )  # fmt: skip
     record_launch("block_pack_kernel")
     return packed
@@ -150,6 +152,7 @@ def block_unpack_kernel(
     HAS_ORDER: tl.constexpr,
     HAS_B_GATE: tl.constexpr,
     HAS_B_UP: tl.constexpr,
+    HAS_UP: tl.constexpr,
     IEEE_FP32: tl.constexpr,
 ):
     # The inverse of block_pack_kernel into gate, up [M, width]; a block past the capacity is recomputed instead:
@@ -171,7 +174,8 @@ def block_unpack_kernel(
         if end <= capacity:
             src = start + local[:, None] * count + p[None, :]
             tl.store(gate_ptr + dst, tl.load(packed_gate_ptr + src, mask=mask), mask=mask)
-            tl.store(up_ptr + dst, tl.load(packed_up_ptr + src, mask=mask), mask=mask)
+            if HAS_UP:
+                tl.store(up_ptr + dst, tl.load(packed_up_ptr + src, mask=mask), mask=mask)
         else:
             cols = tl.load(indices_ptr + block.to(tl.int64) * width + p, mask=p_mask, other=0)
             rows = tl.load(order_ptr + slots, mask=row_mask, other=0) if HAS_ORDER else slots
@@ -184,9 +188,10 @@ def block_unpack_kernel(
                 xv = tl.load(x_rows_ptr + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
                 wmask = k_mask[:, None] & p_mask[None, :]
                 wg = tl.load(w_gate_ptr + cols[None, :].to(tl.int64) * stride_wg + k[:, None], mask=wmask, other=0.0)
-                wu = tl.load(w_up_ptr + cols[None, :].to(tl.int64) * stride_wu + k[:, None], mask=wmask, other=0.0)
                 acc_g = dot_accumulate(acc_g, xv, wg, IEEE_FP32)
-                acc_u = dot_accumulate(acc_u, xv, wu, IEEE_FP32)
+                if HAS_UP:
+                    wu_ptr = w_up_ptr + cols[None, :].to(tl.int64) * stride_wu + k[:, None]
+                    acc_u = dot_accumulate(acc_u, xv, tl.load(wu_ptr, mask=wmask, other=0.0), IEEE_FP32)
             if HAS_B_GATE:
                 acc_g += tl.load(b_gate_ptr + cols, mask=p_mask, other=0.0).to(tl.float32)[None, :]
             if HAS_B_UP:
@@ -194,7 +199,8 @@ def block_unpack_kernel(
             pre = acc_g.to(gate_ptr.dtype.element_ty)  # rounded as the forward's gate product was
             gate = tl.where((pre > 0) | (pre != pre), pre, 0.0).to(gate_ptr.dtype.element_ty)
             tl.store(gate_ptr + dst, gate, mask=mask)
-            tl.store(up_ptr + dst, acc_u.to(up_ptr.dtype.element_ty), mask=mask)
+            if HAS_UP:
+                tl.store(up_ptr + dst, acc_u.to(up_ptr.dtype.element_ty), mask=mask)
             fired = ((gate != 0) & mask).to(tl.int32)
             tl.store(column_counts_ptr + block.to(tl.int64) * N + cols, tl.sum(fired, axis=0), mask=p_mask)
 
@@ -209,17 +215,20 @@ def unpack_block_factors(
     x: torch.Tensor,
     w_gate: torch.Tensor,
     b_gate: torch.Tensor | None,
-    w_up: torch.Tensor,
+    w_up: torch.Tensor | None,
     b_up: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """(gate, up [M, width] on the BlockELL slots of ``indices`` [n_blocks, width] / ``counts`` / ``order``, column
     counts [n_blocks, N] int32) from :func:`pack_block_factors`' arrays, in their dtype. Blocks past the capacity are
     recomputed from x [M, K] and the weights [N, K] (biases [N] or None), and their entries of ``column_counts`` (the
-    forward's, copied) are recounted from the recomputed gate. No host sync."""
+    forward's, copied) are recounted from the recomputed gate. No host sync. ``w_up=None`` (a non-gated layer, packed
+    without an up factor): up is None."""
     M, width = x.shape[0], indices.shape[1]
     N, K = w_gate.shape
     dtype, device = packed.gate.dtype, packed.gate.device
-    gate, up = new_output((M, width), dtype, device), new_output((M, width), dtype, device)
+    has_up = w_up is not None
+    gate = new_output((M, width), dtype, device)
+    up = new_output((M, width), dtype, device) if has_up else None
     column_counts = column_counts.clone()
     if M == 0 or counts.shape[0] == 0:
         return gate, up, column_counts
@@ -228,10 +237,11 @@ def unpack_block_factors(
     block_c, block_k, warps, stages = (16, 32, 4, 1) if _backend.INTERPRET else (64, 64, 4, 2)
     block_unpack_kernel[(triton.cdiv(width, block_c), counts.shape[0])](
         packed.gate, packed.up, packed.offsets, indices, counts, order if order is not None else counts,
-        x, w_gate, b_gate if b_gate is not None else w_gate, w_up, b_up if b_up is not None else w_up,
-        gate, up, column_counts, M, N, K, width, packed.gate.shape[0], x.stride(0), w_gate.stride(0), w_up.stride(0),
+        x, w_gate, b_gate if b_gate is not None else w_gate, w_up if has_up else w_gate,
+        b_up if b_up is not None else w_gate, gate, up if has_up else gate, column_counts, M, N, K, width,
+        packed.gate.shape[0], x.stride(0), w_gate.stride(0), w_up.stride(0) if has_up else 0,
         BLOCK_ROWS=block_rows, BLOCK_C=block_c, BLOCK_K=block_k, HAS_ORDER=order is not None,
-        HAS_B_GATE=b_gate is not None, HAS_B_UP=b_up is not None, IEEE_FP32=ieee_fp32(x.dtype),
+        HAS_B_GATE=b_gate is not None, HAS_B_UP=b_up is not None, HAS_UP=has_up, IEEE_FP32=ieee_fp32(x.dtype),
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     record_launch("block_unpack_kernel")

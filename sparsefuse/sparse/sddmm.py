@@ -149,6 +149,7 @@ def block_sddmm_kernel(
     HAS_BIAS: tl.constexpr,
     RELU: tl.constexpr,
     FACTORS: tl.constexpr,
+    HAS_B: tl.constexpr,
     IEEE_FP32: tl.constexpr,
 ):
     # Pattern (RowBlockPattern): indices [n_blocks, width], counts [n_blocks, n_tiles] (width = n_tiles * TILE),
@@ -182,17 +183,20 @@ def block_sddmm_kernel(
         slots = block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [BLOCK_ROWS]
         row_mask = slots < M
         rows = tl.load(order_ptr + slots, mask=row_mask, other=0) if HAS_ORDER else slots
-        a_rows_ptr = a_ptr + rows[:, None].to(tl.int64) * stride_a  # [BLOCK_ROWS, 1]
-        b_cols_ptr = b_ptr + cols[None, :].to(tl.int64) * stride_b  # [1, BLOCK_C]
-        acc = tl.zeros([BLOCK_ROWS, BLOCK_C], dtype=tl.float32)
-        for d0 in range(0, D, BLOCK_D):
-            d = d0 + tl.arange(0, BLOCK_D)  # [BLOCK_D]
-            d_mask = d < D
-            a = tl.load(a_rows_ptr + d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
-            bt = tl.load(
-                b_cols_ptr + d[:, None], mask=d_mask[:, None] & p_mask[None, :], other=0.0
-            )  # [BLOCK_D, BLOCK_C]
-            acc = dot_accumulate(acc, a, bt, IEEE_FP32)
+        if HAS_B:
+            a_rows_ptr = a_ptr + rows[:, None].to(tl.int64) * stride_a  # [BLOCK_ROWS, 1]
+            b_cols_ptr = b_ptr + cols[None, :].to(tl.int64) * stride_b  # [1, BLOCK_C]
+            acc = tl.zeros([BLOCK_ROWS, BLOCK_C], dtype=tl.float32)
+            for d0 in range(0, D, BLOCK_D):
+                d = d0 + tl.arange(0, BLOCK_D)  # [BLOCK_D]
+                d_mask = d < D
+                a = tl.load(a_rows_ptr + d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+                bt = tl.load(
+                    b_cols_ptr + d[:, None], mask=d_mask[:, None] & p_mask[None, :], other=0.0
+                )  # [BLOCK_D, BLOCK_C]
+                acc = dot_accumulate(acc, a, bt, IEEE_FP32)
+        else:  # no product: the scale alone, compacted (a non-gated layer's relu(pre))
+            acc = tl.full([BLOCK_ROWS, BLOCK_C], 1.0, dtype=tl.float32)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=p_mask, other=0.0).to(tl.float32)[None, :]
         mask = row_mask[:, None] & p_mask[None, :]
@@ -205,8 +209,9 @@ def block_sddmm_kernel(
         in_block = tl.arange(0, BLOCK_ROWS)[:, None] * width + p[None, :]
         tl.store(out_values_ptr + block_offset + in_block, (scale * acc).to(out_values_ptr.dtype.element_ty), mask=mask)
         if FACTORS:
-            tl.store(gate_out_ptr + block_offset + in_block, scale.to(gate_out_ptr.dtype.element_ty), mask=mask)
-            tl.store(up_out_ptr + block_offset + in_block, acc.to(up_out_ptr.dtype.element_ty), mask=mask)
+            if HAS_B:  # without a product the values already are the gate factor
+                tl.store(gate_out_ptr + block_offset + in_block, scale.to(gate_out_ptr.dtype.element_ty), mask=mask)
+                tl.store(up_out_ptr + block_offset + in_block, acc.to(up_out_ptr.dtype.element_ty), mask=mask)
             fired = ((scale != 0) & mask).to(tl.int32)
             tl.store(pair_ptr + block.to(tl.int64) * N + cols, tl.sum(fired, axis=0), mask=p_mask)
             tl.store(row_part_ptr + chunk.to(tl.int64) * M + rows, tl.sum(fired, axis=1), mask=row_mask)
@@ -218,12 +223,13 @@ def torch_block_sddmm(
     pattern: RowBlockPattern,
     scale: torch.Tensor,
     a: torch.Tensor,
-    b: torch.Tensor,
+    b: torch.Tensor | None,
     bias: torch.Tensor | None = None,
     relu: bool = False,
 ) -> torch.Tensor:
-    """Reference: the dense [M, N] ``pattern * relu?(scale) * (a @ b^T + bias)`` in float64."""
-    prod = a.double() @ b.double().t()
+    """Reference: the dense [M, N] ``pattern * relu?(scale) * (a @ b^T + bias)`` in float64 (no product when b is
+    None)."""
+    prod = a.double() @ b.double().t() if b is not None else torch.ones((), dtype=torch.float64, device=scale.device)
     if bias is not None:
         prod = prod + bias.double()
     s = scale.double()
@@ -246,7 +252,7 @@ class BlockFactors(NamedTuple):
 
     product: BlockELL
     gate: BlockELL
-    up: BlockELL
+    up: BlockELL | None
     column_counts: torch.Tensor
     row_counts: torch.Tensor
     gate_sum: torch.Tensor
@@ -256,7 +262,7 @@ def block_sddmm(
     pattern: RowBlockPattern,
     scale: torch.Tensor,
     a: torch.Tensor,
-    b: torch.Tensor,
+    b: torch.Tensor | None,
     bias: torch.Tensor | None = None,
     *,
     relu: bool = False,
@@ -271,9 +277,14 @@ def block_sddmm(
 
     With ``factors`` it returns :class:`BlockFactors`: ``gate = relu?(scale)`` and ``up = a @ b^T + bias`` as well
     as their product, and the gate's non-zero statistics -- what the training step keeps for its backward and
-    reports."""
+    reports.
+
+    ``b=None`` (and no bias): no product, just ``relu?(scale)`` on the unions -- a non-gated layer's activation;
+    with ``factors`` the gate is then the product itself and ``up`` is None."""
     a = unit_last_stride(a)
-    b = unit_last_stride(b)
+    b = unit_last_stride(b) if b is not None else None
+    if b is None and bias is not None:
+        raise ValueError("block_sddmm: a bias needs the product's b")
     scale = unit_last_stride(scale)
     M, N = pattern.shape
     n_blocks, n_tiles = pattern.counts.shape
@@ -289,8 +300,9 @@ def block_sddmm(
     block_c, block_d, warps, stages = _block_sddmm_blocks(D, pattern.block_rows)
     n_chunks = triton.cdiv(width, block_c)
     out = on_slots(values)
-    gate = on_slots(new_output((M, width), out_dtype, a.device)) if factors else out
-    up = on_slots(new_output((M, width), out_dtype, a.device)) if factors else out
+    separate = factors and b is not None  # without a product the values are the gate factor
+    gate = on_slots(new_output((M, width), out_dtype, a.device)) if separate else out
+    up = on_slots(new_output((M, width), out_dtype, a.device)) if separate else (out if b is not None else None)
     stats = (
         (
             torch.zeros(n_blocks, N, dtype=torch.int32, device=a.device),
@@ -334,13 +346,13 @@ def block_sddmm(
         pattern.counts,
         order if order is not None else pattern.counts,
         a,
-        b,
+        b if b is not None else a,
         bias if bias is not None else a,
         values,
         indices,
         counts,
         gate.values,
-        up.values,
+        up.values if up is not None else values,
         *stats,
         M,
         N,
@@ -348,7 +360,7 @@ def block_sddmm(
         n_tiles,
         scale.stride(0),
         a.stride(0),
-        b.stride(0),
+        b.stride(0) if b is not None else 0,
         TILE=pattern.tile,
         BLOCK_ROWS=pattern.block_rows,
         BLOCK_C=block_c,
@@ -358,6 +370,7 @@ def block_sddmm(
         HAS_BIAS=bias is not None,
         RELU=relu,
         FACTORS=factors,
+        HAS_B=b is not None,
         IEEE_FP32=ieee_fp32(a.dtype),
         num_warps=warps,
         num_stages=stages,

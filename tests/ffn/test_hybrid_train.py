@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from conftest import assert_backend
 
 from sparsefuse import track_launches
-from sparsefuse.ffn.hybrid import REBUILDS, hybrid_mlp, hybrid_step_reference, sparsity_stats
+from sparsefuse.ffn.hybrid import REBUILDS, hybrid_mlp, hybrid_relu_mlp, hybrid_step_reference, sparsity_stats
 from sparsefuse.ffn.synthetic import synthetic_ffn
 from sparsefuse.testing import accumulation_allowance, assert_close_to_reference
 
@@ -179,6 +179,57 @@ def test_block_step_keeps_the_unions_share_of_the_activations(device, monkeypatc
     assert activations < dense_keeps / 6, (activations, dense_keeps)
 
 
+def _relu_leaves(M, K, N, dtype, device, bias, seed=0):
+    x, w, _, wd, bg, _, bd = _leaves(M, K, N, dtype, device, bias, seed=seed)
+    return [x, w, wd, bg, bd]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("layout, capacity", [("block", None), ("block", 0), ("dense", None)])
+def test_non_gated_step_matches_the_float64_reference(layout, capacity, dtype, bias, device):
+    """relu(x W^T + b) W_d^T + b_d: the block step's kernels without the up product (all groups recomputed at
+    capacity 0), and the dense layout, against the float64 reference with W_u absent."""
+    x, w, wd, b, bd = leaves = _relu_leaves(70, 32, 80, dtype, device, bias, seed=7)
+    dy = torch.randn(70, 32, dtype=dtype, device=device)
+    with track_launches() as launched:
+        out = hybrid_relu_mlp(x, w, wd, b_up=b, b_down=bd, layout=layout, block_capacity=capacity)
+        used = [t for t in leaves if t is not None]
+        grads = torch.autograd.grad((out.y * dy).sum() + 0.3 * out.l1, used)
+    if layout == "block":
+        assert launched["block_sddmm_kernel"] == 1 and launched["transposed_matmul_kernel"] == 1, launched
+        assert launched["block_ell_matmul_kernel"] == 2, launched  # down, and dx from one product
+    y64, l164, g64 = hybrid_step_reference(x, w, None, wd, dy, 0.3, b, None, bd)
+    assert g64.w_up is None
+    lowp = [t.detach().clone().requires_grad_() for t in used]  # plain torch in the same dtype
+    x_, w_, wd_, *rest = lowp
+    b_ = rest[0] if b is not None else None
+    bd_ = rest[-1] if bd is not None else None
+    h_lp = torch.relu(F.linear(x_, w_, b_))
+    y_lp = F.linear(h_lp, wd_, bd_)
+    l1_lp = h_lp.float().sum() / (70 * 80)
+    grads_lp = torch.autograd.grad((y_lp * dy).sum() + 0.3 * l1_lp, lowp)
+    h64 = torch.relu(F.linear(x.detach().double(), w.double(), b.double() if b is not None else None))
+    assert_close_to_reference(out.y, y64, y_lp, extra_abs=accumulation_allowance(h64, wd.double().t()), name="y")
+    assert_close_to_reference(out.l1.reshape(1), l164.reshape(1), l1_lp.reshape(1), dtype=torch.float32, name="l1")
+    names = ["x", "w_gate", "w_down", "b_gate", "b_down"]
+    ref = {"x": g64.x, "w_gate": g64.w_gate, "w_down": g64.w_down, "b_gate": g64.b_gate, "b_down": g64.b_down}
+    for name, g, lp in zip([n for n, t in zip(names, leaves) if t is not None], grads, grads_lp):
+        assert_close_to_reference(g, ref[name], lp, name=f"d{name}")
+
+
+def test_non_gated_gradcheck_and_bad_layout():
+    leaves = [t.requires_grad_() for t in _relu_leaves(6, 5, 12, torch.float64, "cpu", True, seed=3)]
+
+    def step(x, w, wd, b, bd):
+        out = hybrid_relu_mlp(x, w, wd, b_up=b, b_down=bd)
+        return out.y, out.l1
+
+    assert torch.autograd.gradcheck(step, tuple(leaves), eps=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="layout must be 'auto', 'block' or 'dense'"):
+        hybrid_relu_mlp(*leaves[:3], layout="hybrid")
+
+
 def test_auto_takes_the_dense_step_once_the_gate_fires_widely(device):
     """~a third of the gate fires here: the first call (no estimate yet) takes the block step, the next ones the
     dense step; a gate weight of its own starts over."""
@@ -285,6 +336,25 @@ def test_compile_checkpoint_and_autocast(device):
         y_a = hybrid_mlp(*leaves[:4], b_gate=leaves[4], b_up=leaves[5], b_down=leaves[6], width=4).y
     assert y_a.dtype == torch.float16
     assert_close_to_reference(y_a, hybrid_step_reference(*leaves[:4], dy, 0.0, *leaves[4:])[0], dtype=torch.float16)
+
+
+def test_non_gated_block_step_compiles_and_checkpoints(device):
+    leaves = _relu_leaves(40, 16, 48, torch.float32, device, True, seed=8)
+    dy = torch.randn(40, 16, device=device)
+
+    def fn(x, w, wd, b, bd):
+        o = hybrid_relu_mlp(x, w, wd, b_up=b, b_down=bd, layout="block")
+        return o.y, o.l1
+
+    def grads_of(y, l1):
+        return torch.autograd.grad((y * dy).sum() + 0.2 * l1, leaves)
+
+    eager = grads_of(*fn(*leaves))
+    compiled = grads_of(*torch.compile(fn, fullgraph=True, backend="aot_eager")(*leaves))
+    checkpointed = grads_of(*torch.utils.checkpoint.checkpoint(fn, *leaves, use_reentrant=False))
+    for a, b, c in zip(eager, compiled, checkpointed):
+        torch.testing.assert_close(b, a)
+        torch.testing.assert_close(c, a)
 
 
 def test_sparsity_stats_and_bad_arguments(device):

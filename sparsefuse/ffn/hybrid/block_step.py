@@ -46,7 +46,7 @@ def block_mlp_train_fwd_op(
     x2: torch.Tensor,
     w_gate: torch.Tensor,
     b_gate: torch.Tensor | None,
-    w_up: torch.Tensor,
+    w_up: torch.Tensor | None,
     b_up: torch.Tensor | None,
     w_down_t: torch.Tensor,
     b_down: torch.Tensor | None,
@@ -67,16 +67,18 @@ def block_mlp_train_fwd_op(
     torch.Tensor,
     torch.Tensor,
 ]:
-    """x2 [M, K]; w_gate, w_up, w_down_t [N, K]. Returns y [M, K], l1 (0-dim fp32), token counts [M] and neuron
-    counts [N] (int32), and what the backward keeps: gate and up values packed [capacity] each with their block
-    offsets [n_blocks + 1] (int64), union columns [n_blocks, width] and sizes [n_blocks] (int32), token order [M]
-    (int32), the gate's firing counts per (row block, neuron) [n_blocks, N] (int32)."""
+    """x2 [M, K]; w_gate, w_up, w_down_t [N, K] (w_up None, b_up None: the non-gated block ``relu(x W_g^T + b_g)
+    W_d^T + b_d``). Returns y [M, K], l1 (0-dim fp32), token counts [M] and neuron counts [N] (int32), and what the
+    backward keeps: gate and up values packed [capacity] each (up empty without w_up) with their block offsets
+    [n_blocks + 1] (int64), union columns [n_blocks, width] and sizes [n_blocks] (int32), token order [M] (int32),
+    the gate's firing counts per (row block, neuron) [n_blocks, N] (int32)."""
     M, N = x2.shape[0], w_gate.shape[0]
     pre = F.linear(x2, w_gate, b_gate)
     pattern = dense_to_row_block_pattern(pre, tile, block_rows, relu=True, sort_rows=sort_rows)
     f = block_sddmm(pattern, pre, x2, w_up, b_up, relu=True, out_dtype=x2.dtype, factors=True)
     y = block_sparse_matmul(f.product, w_down_t, bias=b_down, out_dtype=x2.dtype)
-    packed = pack_block_factors(f.gate.values, f.up.values, f.product.counts, block_rows, capacity)
+    up_values = f.up.values if f.up is not None else None
+    packed = pack_block_factors(f.gate.values, up_values, f.product.counts, block_rows, capacity)
     order = pattern.row_order
     if order is None:
         order = torch.arange(M, dtype=torch.int32, device=x2.device)
@@ -104,7 +106,7 @@ def _(x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, block_rows, tile, sort_r
         index(M),
         index(N),
         x2.new_empty(capacity),
-        x2.new_empty(capacity),
+        x2.new_empty(capacity if w_up is not None else 0),
         torch.empty(n_blocks + 1, dtype=torch.int64, device=x2.device),
         index(n_blocks, width),
         index(n_blocks),
@@ -119,7 +121,7 @@ def block_mlp_train_bwd_op(
     dl1: torch.Tensor,
     x2: torch.Tensor,
     w_gate: torch.Tensor,
-    w_up: torch.Tensor,
+    w_up: torch.Tensor | None,
     w_down_t: torch.Tensor,
     b_gate: torch.Tensor | None,
     b_up: torch.Tensor | None,
@@ -135,8 +137,8 @@ def block_mlp_train_bwd_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx [M, K], dw_gate, dw_up, dw_down_t [N, K], db_gate, db_up [N], db_down [K]) from dy [M, K] and dl1
     (0-dim: the loss's gradient w.r.t. the L1 term). Without ``bias_grads`` the three bias gradients are empty
-    tensors (nothing computed for them). The biases are read only to recompute blocks that did not fit the packed
-    capacity."""
+    tensors (nothing computed for them); without w_up (the non-gated block) dw_up and db_up are empty. The biases
+    are read only to recompute blocks that did not fit the packed capacity."""
     M, N = x2.shape[0], w_gate.shape[0]
     dy = dy.to(x2.dtype).contiguous()
     packed = PackedFactors(packed_gate, packed_up, offsets)
@@ -146,19 +148,26 @@ def block_mlp_train_bwd_op(
     gate = _on_slots(gate_values, indices, counts, order, N, block_rows)
     gate_grad = (dl1.to(torch.float32) / max(M * N, 1)).reshape(1)
     d_up, d_pre = block_ell_sddmm(gate, dy, w_down_t, gate=gate_values, up=up_values, gate_grad=gate_grad)
-    schedule = heavy_first_schedule(counts) if counts.shape[0] > 1 else None
-    d_up_slots = _on_slots(d_up, indices, counts, order, N, block_rows)
-    dx = block_sparse_matmul(d_up_slots, w_up, out_dtype=x2.dtype, schedule=schedule)
     d_pre_slots = _on_slots(d_pre, indices, counts, order, N, block_rows)
-    dx = block_sparse_matmul(d_pre_slots, w_gate, accumulate=dx, schedule=schedule)
     csc = block_ell_transpose(gate, column_counts)
-    third = (dy, gate_values, up_values)
-    dw, sums = transposed_matmul(csc, x2, d_pre, d_up, mode="two", third=third, bias=bias_grads)
+    if w_up is not None:
+        schedule = heavy_first_schedule(counts) if counts.shape[0] > 1 else None
+        d_up_slots = _on_slots(d_up, indices, counts, order, N, block_rows)
+        dx = block_sparse_matmul(d_up_slots, w_up, out_dtype=x2.dtype, schedule=schedule)
+        dx = block_sparse_matmul(d_pre_slots, w_gate, accumulate=dx, schedule=schedule)
+        third = (dy, gate_values, up_values)
+        (dwg, dwu, dwd), sums = transposed_matmul(csc, x2, d_pre, d_up, mode="two", third=third, bias=bias_grads)
+    else:  # h = relu(pre): one product into dx, the down gradient from the gate's own values
+        dx = block_sparse_matmul(d_pre_slots, w_gate, out_dtype=x2.dtype)
+        third = (dy, gate_values, None)
+        (dwg, dwd), sums = transposed_matmul(csc, x2, d_pre, mode="one", third=third, bias=bias_grads)
+        dwu = x2.new_empty(0)
     if bias_grads:
-        biases = [sums[0].to(x2.dtype), sums[1].to(x2.dtype), dy.sum(0, dtype=torch.float32).to(x2.dtype)]
-    else:
+        db_up = sums[1].to(x2.dtype) if w_up is not None else x2.new_empty(0)
+        biases = [sums[0].to(x2.dtype), db_up, dy.sum(0, dtype=torch.float32).to(x2.dtype)]
+    else:  # distinct tensors: a custom op's outputs may not alias one another
         biases = [x2.new_empty(0) for _ in range(3)]
-    return (dx, dw[0], dw[1], dw[2], *biases)
+    return (dx, dwg, dwu, dwd, *biases)
 
 
 @block_mlp_train_bwd_op.register_fake
@@ -185,10 +194,10 @@ def _(
     return (
         torch.empty_like(x2),
         torch.empty_like(w_gate),
-        torch.empty_like(w_up),
+        torch.empty_like(w_up) if w_up is not None else x2.new_empty(0),
         torch.empty_like(w_down_t),
         x2.new_empty(N if bias_grads else 0),
-        x2.new_empty(N if bias_grads else 0),
+        x2.new_empty(N if bias_grads and w_up is not None else 0),
         x2.new_empty(K if bias_grads else 0),
     )
 
@@ -200,21 +209,22 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(x2, w_gate, w_up, w_down_t, b_gate, b_up, *saved)
     ctx.has_bias = (b_gate is not None, b_up is not None, b_down is not None)
     ctx.block_rows = block_rows
+    ctx.has_up = w_up is not None
     # The saved factors are outputs only so that the backward can have them: no loss uses them, and materialising
     # their (zero) gradients would fill two more arrays per step.
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dy, dl1, *unused):
-    x2 = ctx.saved_tensors[0]
+    saved = ctx.saved_tensors  # unpacked once: activation checkpointing allows no second unpack
+    x2, w_down_t = saved[0], saved[3]
     if dy is None:  # only the L1 term reached the loss
-        dy = torch.zeros(x2.shape[0], ctx.saved_tensors[3].shape[1], dtype=x2.dtype, device=x2.device)
+        dy = torch.zeros(x2.shape[0], w_down_t.shape[1], dtype=x2.dtype, device=x2.device)
     if dl1 is None:
         dl1 = torch.zeros((), dtype=torch.float32, device=x2.device)
-    dx, dwg, dwu, dwd, dbg, dbu, dbd = block_mlp_train_bwd_op(
-        dy, dl1, *ctx.saved_tensors, ctx.block_rows, any(ctx.has_bias)
-    )
+    dx, dwg, dwu, dwd, dbg, dbu, dbd = block_mlp_train_bwd_op(dy, dl1, *saved, ctx.block_rows, any(ctx.has_bias))
     has_g, has_u, has_d = ctx.has_bias
+    dwu = dwu if ctx.has_up else None
     return dx, dwg, dbg if has_g else None, dwu, dbu if has_u else None, dwd, dbd if has_d else None, *[None] * 4
 
 

@@ -68,15 +68,19 @@ def relu_l1_backward_kernel(h_ptr, grad_h_ptr, gate_grad_ptr, out_ptr, n, BLOCK:
     tl.store(out_ptr + i, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def _l1_dtype(pre: torch.Tensor) -> torch.dtype:
+    return torch.float64 if pre.dtype == torch.float64 else torch.float32
+
+
 @torch.library.custom_op("sparsefuse::relu_l1", mutates_args=())
 def relu_l1_op(pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """pre [M, N] -> (relu(pre), l1 = sum(relu(pre)) / (M * N) as 0-dim fp32, fired count per row [M] and per
-    column [N], int32)."""
+    """pre [M, N] -> (relu(pre), l1 = sum(relu(pre)) / (M * N) as 0-dim fp32 (float64 for float64 pre: gradient
+    checks), fired count per row [M] and per column [N], int32)."""
     M, N = pre.shape
-    if M == 0 or N == 0 or backend_for(pre) is Backend.TORCH:
+    if M == 0 or N == 0 or pre.dtype == torch.float64 or backend_for(pre) is Backend.TORCH:
         fired = (pre > 0) | pre.isnan()
         h = torch.where(fired, pre, 0)
-        l1 = h.sum(dtype=torch.float32) / max(M * N, 1)
+        l1 = h.sum(dtype=_l1_dtype(pre)) / max(M * N, 1)
         return h, l1, fired.sum(1, dtype=torch.int32), fired.sum(0, dtype=torch.int32)
     pre = pre.contiguous()
     h = torch.empty_like(pre)
@@ -98,16 +102,16 @@ def relu_l1_op(pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 def _(pre):
     M, N = pre.shape
     counts = lambda n: torch.empty(n, dtype=torch.int32, device=pre.device)  # noqa: E731
-    return torch.empty_like(pre), torch.empty((), dtype=torch.float32, device=pre.device), counts(M), counts(N)
+    return torch.empty_like(pre), torch.empty((), dtype=_l1_dtype(pre), device=pre.device), counts(M), counts(N)
 
 
 @torch.library.custom_op("sparsefuse::relu_l1_backward", mutates_args=())
 def relu_l1_backward_op(h: torch.Tensor, grad_h: torch.Tensor, grad_l1: torch.Tensor) -> torch.Tensor:
     """The gradient w.r.t. pre of ``relu_l1``'s (h, l1) outputs: ``(grad_h + grad_l1 / (M * N)) * [h != 0]``."""
     M, N = h.shape
-    gate_grad = (grad_l1.to(torch.float32) / max(M * N, 1)).reshape(1)
-    if h.numel() == 0 or backend_for(h) is Backend.TORCH:
-        return torch.where(h != 0, grad_h.float() + gate_grad, 0).to(h.dtype)
+    gate_grad = (grad_l1.to(_l1_dtype(h)) / max(M * N, 1)).reshape(1)
+    if h.numel() == 0 or h.dtype == torch.float64 or backend_for(h) is Backend.TORCH:
+        return torch.where(h != 0, grad_h.to(gate_grad.dtype) + gate_grad, 0).to(h.dtype)
     grad_h = grad_h.to(h.dtype).contiguous()
     out = torch.empty_like(h)
     block = 1024 if _backend.INTERPRET else 4096
@@ -130,7 +134,7 @@ def _backward(ctx, grad_h, grad_l1, *unused):
     if grad_h is None:
         grad_h = torch.zeros_like(h)
     if grad_l1 is None:
-        grad_l1 = torch.zeros((), dtype=torch.float32, device=h.device)
+        grad_l1 = torch.zeros((), dtype=_l1_dtype(h), device=h.device)
     return relu_l1_backward_op(h, grad_h, grad_l1)
 
 
@@ -139,7 +143,8 @@ relu_l1_op.register_autograd(_backward, setup_context=_setup)
 
 def dense_step(x2, w_gate, b_gate, w_up, b_up, w_down, b_down):
     """The step with cuBLAS products (autograd through them): (y [M, K], l1, token counts [M], neuron counts
-    [N])."""
+    [N]). ``w_up=None``: the non-gated block."""
     h_gate, l1, token_counts, neuron_counts = relu_l1_op(F.linear(x2, w_gate, b_gate))
-    y = F.linear(h_gate * F.linear(x2, w_up, b_up), w_down, b_down)
+    h = h_gate * F.linear(x2, w_up, b_up) if w_up is not None else h_gate
+    y = F.linear(h, w_down, b_down)
     return y, l1, token_counts, neuron_counts

@@ -77,7 +77,49 @@ def hybrid_mlp(
     ``torch.autocast`` the step runs in the autocast dtype, as ``nn.Linear`` would.
     For the L1 penalty add ``coefficient * out.l1`` to the loss: its gradient reaches the gate only where it fired.
     """
-    op = "hybrid_mlp"
+    return _train_step(
+        "hybrid_mlp", x, w_gate, b_gate, w_up, b_up, w_down, b_down, layout, width, backup_rows, block_capacity
+    )
+
+
+def hybrid_relu_mlp(
+    x: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    *,
+    b_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
+    layout: str = "auto",
+    block_capacity: int | None = None,
+) -> HybridMLPOutput:
+    """Non-gated ReLU block ``relu(x W_up^T + b_up) W_down^T + b_down`` for training, as :func:`hybrid_mlp` trains
+    the gated one (same outputs: ``l1`` and the counts are those of ``relu(x W_up^T + b_up)``; names as in
+    :func:`sparsefuse.twell_relu_mlp`). ``layout``: ``"auto"``, ``"block"`` or ``"dense"`` (the paper's
+    ``"hybrid"`` format exists for the gated block only). x [..., K]; w_up [N, K]; w_down [K, N]."""
+    if layout == "hybrid":
+        raise ValueError("hybrid_relu_mlp: layout must be 'auto', 'block' or 'dense'; got 'hybrid'")
+    return _train_step(
+        "hybrid_relu_mlp", x, w_up, b_up, None, None, w_down, b_down, layout, DEFAULT_HYBRID_WIDTH, None,
+        block_capacity, gate_names=("w_up", "b_up"),
+    )  # fmt: skip
+
+
+def _train_step(
+    op: str,
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    b_gate: torch.Tensor | None,
+    w_up: torch.Tensor | None,
+    b_up: torch.Tensor | None,
+    w_down: torch.Tensor,
+    b_down: torch.Tensor | None,
+    layout: str,
+    width: int,
+    backup_rows: int | None,
+    block_capacity: int | None,
+    gate_names: tuple[str, str] = ("w_gate", "b_gate"),
+) -> HybridMLPOutput:
+    """Both blocks' step (``w_up=None``: non-gated): arguments checked, the layout resolved and run."""
     kind = x.device.type if isinstance(x, torch.Tensor) else "cpu"
     if torch.is_autocast_enabled(kind):  # as F.linear under autocast: the products run in the autocast dtype
         cast = torch.get_autocast_dtype(kind)
@@ -85,7 +127,7 @@ def hybrid_mlp(
             t.to(cast) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
             for t in (x, w_gate, w_up, w_down, b_gate, b_up, b_down)
         )
-    check_ffn_mlp(op, x, w_gate, b_gate, w_up, b_up, w_down, b_down, dtypes=TRAIN_DTYPES)
+    check_ffn_mlp(op, x, w_gate, b_gate, w_up, b_up, w_down, b_down, gate_names=gate_names, dtypes=TRAIN_DTYPES)
     if layout not in LAYOUTS:
         raise ValueError(f"{op}: layout must be one of {', '.join(map(repr, LAYOUTS))}; got {layout!r}")
     if not isinstance(width, int) or isinstance(width, bool) or width <= 0:
@@ -100,13 +142,15 @@ def hybrid_mlp(
         not isinstance(block_capacity, int) or isinstance(block_capacity, bool) or block_capacity < 0
     ):
         raise ValueError(f"{op}: block_capacity must be a non-negative int or None; got {block_capacity!r}")
+    out_shape = (*x.shape[:-1], w_down.shape[0])
     if layout == "auto":
         layout = TRAIN_CHOICE.choose(w_gate)
-    if layout == "dense":
+    kernels = x2.dtype != torch.float64 and backend_for(x2) is not Backend.TORCH
+    if layout == "dense" or (w_up is None and not kernels):  # float64 / plain CPU: the torch ops, exact
         y, l1, counts, neuron_counts = dense_step(x2, w_gate, b_gate, w_up, b_up, w_down, b_down)
         TRAIN_CHOICE.observe(w_gate, counts)
-        return HybridMLPOutput(y.reshape(*x.shape[:-1], w_down.shape[0]), l1, counts, neuron_counts)
-    if layout == "block" and x2.dtype != torch.float64 and backend_for(x2) is not Backend.TORCH:
+        return HybridMLPOutput(y.reshape(out_shape), l1, counts, neuron_counts)
+    if layout == "block" and kernels:
         N = w_gate.shape[0]
         plan = block_plan(N)
         n_blocks, width = triton.cdiv(M, plan.block_rows), triton.cdiv(N, plan.tile) * plan.tile
@@ -116,7 +160,7 @@ def hybrid_mlp(
             x2,
             w_gate,
             b_gate,
-            unit_last_stride(w_up),
+            unit_last_stride(w_up) if w_up is not None else None,
             b_up,
             w_down.t(),
             b_down,
@@ -126,11 +170,11 @@ def hybrid_mlp(
             block_capacity,
         )
         TRAIN_CHOICE.observe(w_gate, counts, union_sizes)
-        return HybridMLPOutput(y.reshape(*x.shape[:-1], w_down.shape[0]), l1, counts, neuron_counts)
+        return HybridMLPOutput(y.reshape(out_shape), l1, counts, neuron_counts)
     y, l1, *_, counts, _, _, _, neuron_counts = hybrid_mlp_fwd_op(
         x2, w_gate, b_gate, unit_last_stride(w_up), b_up, w_down.t(), b_down, width, backup_rows
     )
-    return HybridMLPOutput(y.reshape(*x.shape[:-1], w_down.shape[0]), l1, counts, neuron_counts)
+    return HybridMLPOutput(y.reshape(out_shape), l1, counts, neuron_counts)
 
 
 def sparsity_stats(token_counts: torch.Tensor, neuron_counts: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -18,6 +18,9 @@ Backward, for ``dy`` [M, K] and ``dl1`` (the loss's gradient with respect to ``l
   ``dh_u``, ``dpre``, ``dy``.
 
 Every product but the gate's forward is zero off the pattern ``pre > 0``: eight of the nine run on it.
+
+The non-gated block (``W_u`` None) is the same with ``h_u = 1``: ``h = h_g``, ``dpre = (dh + dl1 / (M * N)) *
+[pre > 0]``, ``dx = dpre W_g``, and no up gradients.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ class StepGrads:
 
     x: torch.Tensor
     w_gate: torch.Tensor
-    w_up: torch.Tensor
+    w_up: torch.Tensor | None
     w_down: torch.Tensor
     b_gate: torch.Tensor | None
     b_up: torch.Tensor | None
@@ -47,7 +50,7 @@ def _d(t: torch.Tensor | None) -> torch.Tensor | None:
 def hybrid_step_reference(
     x: torch.Tensor,
     w_gate: torch.Tensor,
-    w_up: torch.Tensor,
+    w_up: torch.Tensor | None,
     w_down: torch.Tensor,
     dy: torch.Tensor,
     dl1: float = 0.0,
@@ -55,14 +58,15 @@ def hybrid_step_reference(
     b_up: torch.Tensor | None = None,
     b_down: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, StepGrads]:
-    """(y [M, K], l1 (0-dim), gradients) in float64 for x [M, K] and the output gradient dy [M, K]."""
-    x, wg, wu, wd, dy = x.double(), w_gate.double(), w_up.double(), w_down.double(), dy.double()
+    """(y [M, K], l1 (0-dim), gradients) in float64 for x [M, K] and the output gradient dy [M, K] (``w_up=None``:
+    the non-gated block)."""
+    x, wg, wu, wd, dy = x.double(), w_gate.double(), _d(w_up), w_down.double(), dy.double()
     bg, bu, bd = _d(b_gate), _d(b_up), _d(b_down)
     M, N = x.shape[0], wg.shape[0]
     pre = x @ wg.t() + (bg if bg is not None else 0.0)
     fired = pre > 0
     h_g = torch.where(fired, pre, 0.0)
-    h_u = x @ wu.t() + (bu if bu is not None else 0.0)
+    h_u = x @ wu.t() + (bu if bu is not None else 0.0) if wu is not None else torch.ones_like(h_g)
     h = h_g * h_u
     y = h @ wd.t() + (bd if bd is not None else 0.0)
     l1 = h_g.sum() / max(M * N, 1)
@@ -70,9 +74,9 @@ def hybrid_step_reference(
     dh_u = dh * h_g
     dpre = torch.where(fired, dh * h_u + dl1 / max(M * N, 1), 0.0)
     grads = StepGrads(
-        x=dh_u @ wu + dpre @ wg,
+        x=dh_u @ wu + dpre @ wg if wu is not None else dpre @ wg,
         w_gate=dpre.t() @ x,
-        w_up=dh_u.t() @ x,
+        w_up=dh_u.t() @ x if wu is not None else None,
         w_down=dy.t() @ h,
         b_gate=dpre.sum(0) if bg is not None else None,
         b_up=dh_u.sum(0) if bu is not None else None,
