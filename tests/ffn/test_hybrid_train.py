@@ -452,3 +452,24 @@ def test_block_step_on_the_gpu_is_sync_free_capturable_and_close_to_float64(K, N
     again = step()
     for a, b in zip(captured, again):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_non_gated_block_step_on_the_gpu_is_close_to_float64():
+    """bf16 at the 1.5B layer's shape: the non-gated step's gradients within twice torch's own bf16 error."""
+    from sparsefuse.testing import assert_norm_close_to_reference
+
+    ffn = synthetic_ffn(2048, 5632, dtype=torch.bfloat16, device="cuda", seed=10)
+    x = ffn.make_input(2048, 30.0).requires_grad_()
+    w, wd = (t.clone().requires_grad_() for t in (ffn.w_gate, ffn.w_down))
+    dy = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    out = hybrid_relu_mlp(x, w, wd, layout="block")
+    grads = torch.autograd.grad((out.y, out.l1), (x, w, wd), (dy, torch.tensor(0.5, device="cuda")))
+    y64, _, g64 = hybrid_step_reference(x, w, None, wd, dy, 0.5)
+    lowp = [t.detach().clone().requires_grad_() for t in (x, w, wd)]
+    h = torch.relu(F.linear(lowp[0], lowp[1]))
+    y_lp = F.linear(h, lowp[2])
+    grads_lp = torch.autograd.grad((y_lp * dy).sum() + 0.5 * h.float().sum() / h.numel(), lowp)
+    assert_norm_close_to_reference(out.y, y64, y_lp, name="y")
+    for name, ours, lp, ref in zip(("x", "w", "w_down"), grads, grads_lp, (g64.x, g64.w_gate, g64.w_down)):
+        assert_norm_close_to_reference(ours, ref, lp, name=f"d{name}")
