@@ -3,6 +3,12 @@ the Python standard library's own source files, as bytes (vocabulary 256, no tok
 
     python examples/train_sparse_llama.py --size tiny --out runs/tiny     # a CPU smoke run (CI runs it)
     python examples/train_sparse_llama.py --size small --out runs/small   # a GPU run whose numbers mean something
+    torchrun --nproc_per_node 2 examples/train_sparse_llama.py --distributed --size small --out runs/ddp
+
+With ``--distributed`` (launched by ``torchrun``) the model is wrapped in ``DistributedDataParallel`` (NCCL on GPUs,
+gloo on CPUs) and each process trains on its share of the same global batch, so a run on P processes follows the
+single-process run (same initialisation, batches and updates up to rounding); the logged loss and sparsity are
+averaged over the processes, and process 0 writes the files.
 
 Each run trains the same model twice from the same initialisation and batches, once with ``--l1 0`` and once with
 the L1 coefficient (ramped in linearly over the first half of the steps), and writes to ``--out``:
@@ -72,17 +78,46 @@ def build_model(cfg: dict, device: torch.device, train_method: str, seed: int) -
     return patch_llama(LlamaForCausalLM(config).to(device), train_method=train_method)
 
 
+def _world() -> tuple[int, int]:
+    """(rank, world size): (0, 1) unless a process group is up."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _mean_over_processes(values: list[float], device: torch.device) -> list[float]:
+    rank, world = _world()
+    if world == 1:
+        return values
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return (t / world).tolist()
+
+
 def train(cfg: dict, data: torch.Tensor, l1: float, args: argparse.Namespace, device: torch.device) -> list[dict]:
-    """One run; returns its log rows."""
+    """One run; returns its log rows (every process returns the same, averaged over processes)."""
     from sparsefuse.integrations.transformers import l1_loss, sparsity_report
 
+    rank, world = _world()
+    if cfg["batch"] % world:
+        raise ValueError(f"--distributed: the batch ({cfg['batch']}) must divide among {world} processes")
     model = build_model(cfg, device, args.train_method, args.seed)
+    inner = model
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.0)
     gen = torch.Generator().manual_seed(args.seed + 1)  # same batches for both runs
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     rows = []
     for step in range(cfg["steps"]):
         starts = torch.randint(0, data.numel() - cfg["ctx"] - 1, (cfg["batch"],), generator=gen)
+        starts = starts[rank::world]  # this process's share of the global batch
         ids = torch.stack([data[s : s + cfg["ctx"]] for s in starts.tolist()]).long().to(device)
         lr_scale = min(1.0, (step + 1) / max(1, cfg["steps"] // 20))  # short warm-up
         for group in opt.param_groups:
@@ -91,7 +126,7 @@ def train(cfg: dict, data: torch.Tensor, l1: float, args: argparse.Namespace, de
         t0 = time.perf_counter()
         with autocast:
             out = model(ids, labels=ids)
-            loss = out.loss + coef * l1_loss(model)
+            loss = out.loss + coef * l1_loss(inner)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -99,27 +134,29 @@ def train(cfg: dict, data: torch.Tensor, l1: float, args: argparse.Namespace, de
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         if step % args.log_every == 0 or step == cfg["steps"] - 1:
-            report = sparsity_report(model)
+            report = sparsity_report(inner)
             mean = sum(float(r["mean_nnz"]) for r in report.values()) / len(report)
             p99 = max(float(r["p99_nnz"]) for r in report.values())
+            step_loss, mean, p99, seconds = _mean_over_processes([float(out.loss.detach()), mean, p99, seconds], device)
             rows.append(
                 dict(
                     l1=l1,
                     step=step,
-                    loss=float(out.loss.detach()),
+                    loss=step_loss,
                     mean_nnz=mean,
                     p99_nnz=p99,
                     nnz_fraction=mean / cfg["inter"],
                     step_ms=1e3 * seconds,
                 )
             )
-            print(
-                f"l1={l1:g} step {step:5d} loss {float(out.loss.detach()):.4f} nnz/token {mean:7.1f} "
-                f"({100 * mean / cfg['inter']:.1f}%) {1e3 * seconds:.0f} ms",
-                flush=True,
-            )
-    if l1 > 0:
-        torch.save({"config": model.config.to_dict(), "state_dict": model.state_dict()}, args.out / "model-l1.pt")
+            if rank == 0:
+                print(
+                    f"l1={l1:g} step {step:5d} loss {step_loss:.4f} nnz/token {mean:7.1f} "
+                    f"({100 * mean / cfg['inter']:.1f}%) {1e3 * seconds:.0f} ms",
+                    flush=True,
+                )
+    if l1 > 0 and rank == 0:
+        torch.save({"config": inner.config.to_dict(), "state_dict": inner.state_dict()}, args.out / "model-l1.pt")
     return rows
 
 
@@ -157,16 +194,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--out", type=Path, default=Path("runs/train_sparse_llama"))
+    parser.add_argument(
+        "--distributed", action="store_true", help="DistributedDataParallel over the processes torchrun started"
+    )
     args = parser.parse_args(argv)
     cfg = dict(SIZES[args.size])
     if args.steps is not None:
         cfg["steps"] = args.steps
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.distributed:
+        import os
+
+        import torch.distributed as dist
+
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    try:
+        return _run(cfg, args, device)
+    finally:
+        if args.distributed:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _run(cfg: dict, args: argparse.Namespace, device: torch.device) -> int:
     data = stdlib_bytes(limit=max(1 << 20, 64 * cfg["batch"] * cfg["ctx"]))
     rows = []
     for l1 in (0.0, args.l1):
         rows += train(cfg, data, l1, args, device)
+    if _world()[0] != 0:
+        return 0 if all(math.isfinite(r["loss"]) for r in rows) else 1
     with (args.out / "log.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()

@@ -31,3 +31,32 @@ def test_train_sparse_llama_tiny(tmp_path):
     assert all(math.isfinite(float(r["loss"])) and 0 < float(r["nnz_fraction"]) <= 1 for r in rows)
     assert (tmp_path / "model-l1.pt").stat().st_size > 0
     assert (tmp_path / "curves.png").exists() or importlib.util.find_spec("matplotlib") is None
+
+
+def test_train_sparse_llama_distributed_follows_one_process(tmp_path):
+    """torchrun with two CPU processes (gloo, DistributedDataParallel), each on half of the same global batch: the
+    logged loss follows the single-process run step for step."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    common = ["--size", "tiny", "--steps", "3", "--log-every", "1"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port)]
+    cmd += [str(EXAMPLES / "train_sparse_llama.py"), "--distributed", *common, "--out", str(tmp_path / "ddp")]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert _load("train_sparse_llama").main([*common, "--out", str(tmp_path / "one")]) == 0
+
+    def losses(run):
+        with (tmp_path / run / "log.csv").open() as f:
+            return [(float(r["l1"]), int(r["step"]), float(r["loss"])) for r in csv.DictReader(f)]
+
+    ddp, one = losses("ddp"), losses("one")
+    assert [r[:2] for r in ddp] == [r[:2] for r in one]
+    for (_, step, a), (_, _, b) in zip(ddp, one):
+        assert a == pytest.approx(b, rel=1e-4), (step, a, b)
