@@ -96,6 +96,10 @@ class Case:
     compile_impl: str | None = "torch.compile"
     auto_choices: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     tokens: int = 0  # tokens one call processes (a model's batch x sequence): gives the tokens/s column
+    # per implementation, where they differ (each at its own batch size): tokens one call processes, and the row's
+    # note; both read after the implementation has run
+    impl_tokens: Callable[[str], int] | None = None
+    impl_note: Callable[[str], str] | None = None
 
 
 WorkloadFn = Callable[[Options], list[Case]]
@@ -178,6 +182,7 @@ class Result:
     bytes_moved: int = 0
     flops: int = 0
     status: str = "ok"
+    note: str = ""  # what the case says of this row (e.g. the batch size it ran at); shown when status is ok
     # Not written to files: which rows the speed-up columns divide by, and an auto row's choices.
     eager_impl: str | None = dataclasses.field(default=None, repr=False)
     compile_impl: str | None = dataclasses.field(default=None, repr=False)
@@ -470,8 +475,11 @@ def _fill_rates(row: Result, case: Case, ceilings: Ceilings, ms: float) -> None:
         row.gbps = case.bytes_moved / seconds / 1e9
     if case.flops:
         row.tflops = case.flops / seconds / 1e12
-    if case.tokens:
-        row.tokens_per_s = case.tokens / seconds
+    tokens = case.impl_tokens(row.impl) if case.impl_tokens is not None else case.tokens
+    if tokens:
+        row.tokens_per_s = tokens / seconds
+    if case.impl_note is not None:
+        row.note = case.impl_note(row.impl)
     achieved = {"copy": case.bytes_moved / seconds, "matmul": case.flops / seconds}.get(case.ceiling)
     if achieved:
         row.pct_ceiling = 100.0 * achieved / ceilings.rate(case.ceiling)

@@ -145,7 +145,7 @@ def format_row(r: Result) -> list[str]:
         _num(r.speedup_eager, ".2f", "x"),
         _num(r.speedup_compile, ".2f", "x"),
         _num(r.peak_mb, ".1f"),
-        "" if r.status == "ok" else r.status,
+        r.note if r.status == "ok" else r.status,
     ]
 
 

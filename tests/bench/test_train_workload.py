@@ -24,13 +24,15 @@ def test_train_workload_steps_patched_and_unpatched(monkeypatch, device):
     monkeypatch.setattr(train, "MODEL_SHAPE", TINY)
     monkeypatch.setattr(train, "QUICK", ((2,), (6.0,), [(2, 16)]))
     options = Options(quick=True, dtypes=(torch.float32,), device=str(device), log=lambda _: None)
-    (case,) = train.train_cases(options)
+    case, largest = train.train_cases(options)
     assert case.shape == "2L nnz=6 B=2 S=16" and set(case.impls) == {
         "unpatched",
         "patched",
         "unpatched compile",
         "patched compile",
+        "no FFN",
     }
+    assert largest.shape == "2L nnz=6 S=16 largest B" and set(largest.impls) == {"unpatched", "patched"}
     (ids,) = case.make_inputs()
     losses = {}
     for impl in ("unpatched", "patched"):
@@ -42,3 +44,53 @@ def test_train_workload_steps_patched_and_unpatched(monkeypatch, device):
             assert not launched, launched
     # same weights, same tokens: the LM losses agree (the patched loss adds 2e-5 * L1, about 1e-5 here)
     assert losses["patched"] == pytest.approx(losses["unpatched"], rel=1e-3)
+
+    # without its MLPs the step runs no FFN kernel and still steps every weight (their gradients are zeros)
+    with track_launches() as launched:
+        float(case.impls["no FFN"](ids))
+    assert not launched, launched
+
+
+@pytest.mark.parametrize("limit", [0, 1, 3, 4, 5, 9, 64, 200])
+@pytest.mark.parametrize("start", [1, 4, 6])
+def test_largest_batch_search(limit, start):
+    tried = []
+
+    def fits(b):
+        tried.append(b)
+        return b <= limit
+
+    assert train.largest_batch(fits, start, 64) == min(limit, 64)
+    assert len(tried) <= 16 and max(tried) <= 64
+
+
+def test_largest_batch_case_and_summary(monkeypatch, device):
+    """Each implementation's largest micro-batch (capped here: no GPU runs out of memory) with its tokens and note,
+    and the summary's FFN share and tokens/s lines from rows."""
+    from sparsefuse.bench.harness import Result
+
+    monkeypatch.setattr(train, "MODEL_SHAPE", TINY)
+    monkeypatch.setattr(train, "QUICK", ((1,), (6.0,), [(1, 8)]))
+    monkeypatch.setattr(train, "LARGEST_BATCH_CAP", 3)
+    options = Options(quick=True, dtypes=(torch.float32,), device=str(device), log=lambda _: None)
+    _, largest = train.train_cases(options)
+    (dummy,) = largest.make_inputs()
+    for impl in ("unpatched", "patched"):
+        assert torch.isfinite(largest.impls[impl](dummy))
+        assert largest.impl_tokens(impl) == 3 * 8 and largest.impl_note(impl) == "largest B=3"
+
+    def row(shape, impl, us, tok=float("nan"), note=""):
+        return Result("train", shape, "bfloat16", "fwd+bwd", impl, median_us=us, tokens_per_s=tok, note=note)
+
+    lines = train.summary(
+        [
+            row("24L nnz=30 B=4 S=2048", "unpatched", 200.0),
+            row("24L nnz=30 B=4 S=2048", "patched", 160.0),
+            row("24L nnz=30 B=4 S=2048", "no FFN", 130.0),
+            row("24L nnz=30 S=2048 largest B", "unpatched", 1.0, 1000.0, "largest B=8"),
+            row("24L nnz=30 S=2048 largest B", "patched", 1.0, 1400.0, "largest B=12"),
+        ]
+    )
+    text = "\n".join(lines)
+    assert "| 24L nnz=30 B=4 S=2048 | 35% | 1.54x | 1.25x |" in text
+    assert "patched largest B=12, 1400 tok/s (1.40x)" in text

@@ -15,6 +15,12 @@ Rows (shape label ``"<layers>L <sparsity> B=.. S=.."``; speed-up = unpatched eag
 * ``unpatched compile``  its forward under ``torch.compile`` (8 layers only: compiling 24 costs minutes)
 * ``patched``            after ``patch_llama(model, train_method="hybrid")``, eager
 * ``patched compile``    its forward under ``torch.compile`` after one eager step (8 layers only)
+* ``no FFN``             the unpatched model with every MLP's forward replaced by zeros (its weights still in
+                         AdamW): the FFN's share of the step is ``1 - no FFN / unpatched``, by subtraction
+
+And per model at ~30 non-zeros, the **largest micro-batch** (shape label ``"<layers>L nnz=30 S=.. largest B"``, method
+``wall``): each of ``unpatched`` and ``patched`` alone on the GPU, the batch doubled from B until a step runs out of
+memory, then bisected; the row times a step at that batch (its note names it; tokens/s counts its tokens).
 
 ``peak MB`` is the step's allocator high-water mark above what was allocated before it (weights, gradients and
 optimizer state are allocated by then): the activations kept for the backward and the step's transients.
@@ -29,7 +35,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..harness import Case, Options, register
+from ..harness import Case, Options, Result, register
 
 MODEL_SHAPE: str | dict = "1.5B"  # a synthetic_llama shape (tests use a tiny dict)
 LAYERS = (24, 8)  # full depth, and a depth where compiling is affordable
@@ -37,6 +43,7 @@ SPARSITIES: tuple[float | None, ...] = (30.0, None)
 BATCHES: list[tuple[int, int]] = [(4, 2048)]
 L1_COEFFICIENT = 2e-5  # the TwELL paper's
 QUICK = ((8,), (30.0,), [(4, 2048)])
+LARGEST_BATCH_CAP = 128  # micro-batches tried at most (sequences)
 
 
 class _Trainer:
@@ -69,7 +76,9 @@ class _Models:
     def __init__(self, build: Callable[[int, float | None], torch.nn.Module]) -> None:
         self.build, self.key, self.trainers = build, None, {}
 
-    def get(self, key: tuple[int, float | None], impl: str) -> _Trainer:
+    def get(self, key: tuple, impl: str, alone: bool = False) -> _Trainer:
+        """The trainer of ``impl`` on the model of ``key`` ((layers, sparsity), built on first use). ``alone``: the
+        implementation's model is the only one resident (patched in place, no unpatched copy kept)."""
         if key != self.key:
             self.trainers, self.key = {}, None
             gc.collect()
@@ -80,21 +89,110 @@ class _Models:
             from ...integrations.transformers import patch_llama
 
             if impl.startswith("patched"):
-                model = patch_llama(copy.deepcopy(self._base()), train_method="hybrid")
+                base = self._base() if alone else copy.deepcopy(self._base())
+                model = patch_llama(base, train_method="hybrid")
+            elif impl == "no FFN":
+                model = _without_ffn(copy.deepcopy(self._base()))
             else:
                 model = self._base()
             self.trainers[impl] = _Trainer(model, compiled=impl.endswith("compile"), l1=impl.startswith("patched"))
+            if alone:
+                self.trainers.pop("base", None)
         return self.trainers[impl]
 
     def _base(self) -> torch.nn.Module:
         if "base" not in self.trainers:
-            self.trainers["base"] = self.build(*self.key)
+            self.trainers["base"] = self.build(*self.key[:2])
         return self.trainers["base"]
+
+
+def _without_ffn(model: torch.nn.Module) -> torch.nn.Module:
+    """Every decoder layer's MLP returns zeros (the residual carries on); its weights keep zero gradients, so AdamW
+    still updates them and the step differs from the full one by the FFN's forward and backward only."""
+    for layer in model.model.layers:
+        layer.mlp.forward = torch.zeros_like
+        for p in layer.mlp.parameters():
+            p.grad = torch.zeros_like(p)
+    return model
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc)
+
+
+def largest_batch(fits: Callable[[int], bool], start: int, cap: int) -> int:
+    """The largest b in [1, cap] with ``fits(b)``, for a ``fits`` true up to some b and false above: doubling from
+    ``start`` until a step fails or passes ``cap`` (halving when ``start`` already fails), then bisection between
+    the last batch that fitted and the first that did not. 0 when not even 1 fits."""
+    b = max(1, min(start, cap))
+    if fits(b):
+        lo, hi = b, cap + 1
+        while 2 * b <= cap:
+            b *= 2
+            if not fits(b):
+                hi = b
+                break
+            lo = b
+    else:
+        lo, hi = 0, b
+        while b > 1:
+            b //= 2
+            if fits(b):
+                lo = b
+                break
+            hi = b
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+class _LargestBatch:
+    """The ``largest B`` case's implementations: on its first call an implementation's model is built alone
+    (the other one freed), its largest micro-batch searched with real training steps; every call then runs one step
+    at that batch."""
+
+    def __init__(self, models: _Models, key: tuple[int, float | None], batch: int, seq: int) -> None:
+        self.models, self.key, self.start, self.seq = models, key, batch, seq
+        self.batch: dict[str, int] = {}
+
+    def _ids(self, trainer: _Trainer, batch: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(batch)
+        vocab = trainer.model.config.vocab_size
+        return torch.randint(0, vocab, (batch, self.seq), generator=g).to(trainer.model.device)
+
+    def _fits(self, trainer: _Trainer, batch: int) -> bool:
+        try:
+            trainer.step(self._ids(trainer, batch))
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            return True
+        except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
+            if not _out_of_memory(exc):
+                raise
+            trainer.optimizer.zero_grad(set_to_none=False)
+            gc.collect()
+            torch.cuda.empty_cache()
+            return False
+
+    def step(self, impl: str) -> torch.Tensor:
+        trainer = self.models.get((*self.key, impl), impl, alone=True)
+        if impl not in self.batch:
+            self.batch[impl] = largest_batch(lambda b: self._fits(trainer, b), self.start, LARGEST_BATCH_CAP)
+            if not self.batch[impl]:
+                raise RuntimeError(f"train: not even one sequence of {self.seq} tokens fits ({impl})")
+        return trainer.step(self._ids(trainer, self.batch[impl]))
+
+    def tokens(self, impl: str) -> int:
+        return self.batch.get(impl, 0) * self.seq
+
+    def note(self, impl: str) -> str:
+        return f"largest B={self.batch[impl]}" if impl in self.batch else ""
 
 
 def _case(models: _Models, key: tuple[int, float | None], batch: int, seq: int, dtype: torch.dtype) -> Case:
     layers, mean_nnz = key
-    impls = ["unpatched", "patched"] + (["unpatched compile", "patched compile"] if layers <= 8 else [])
+    impls = ["unpatched", "patched"] + (["unpatched compile", "patched compile"] if layers <= 8 else []) + ["no FFN"]
 
     def make_inputs() -> tuple[torch.Tensor]:
         model = models.get(key, "unpatched").model
@@ -119,11 +217,67 @@ def _case(models: _Models, key: tuple[int, float | None], batch: int, seq: int, 
     )
 
 
+def _largest_batch_case(models: _Models, key: tuple[int, float], batch: int, seq: int, dtype: torch.dtype) -> Case:
+    largest = _LargestBatch(models, key, batch, seq)
+    return Case(
+        workload="train",
+        shape=f"{key[0]}L nnz={key[1]:g} S={seq} largest B",
+        dtype=dtype,
+        direction="fwd+bwd",
+        bytes_moved=0,
+        flops=0,
+        ceiling="none",
+        make_inputs=lambda: (torch.zeros(1),),  # each implementation makes its own batch
+        impls={impl: (lambda _, impl=impl: largest.step(impl)) for impl in ("unpatched", "patched")},
+        method="wall",
+        rotate=False,
+        eager_impl="unpatched",
+        compile_impl=None,
+        impl_tokens=largest.tokens,
+        impl_note=largest.note,
+    )
+
+
+def summary(rows: list[Result]) -> list[str]:
+    """Markdown: per model case, the FFN's share of the unpatched step (by subtraction), the speed-up it bounds
+    (Amdahl, for an infinitely fast FFN) and the patched speed-up; per largest-batch case, tokens/s of each."""
+    by_shape: dict[str, dict[str, Result]] = {}
+    for r in rows:
+        if r.status == "ok":
+            by_shape.setdefault(r.shape, {})[r.impl] = r
+    lines = [
+        "FFN share: 1 - (step with every MLP returning zeros) / (unpatched step). Bound: the speed-up of an "
+        "infinitely fast FFN, 1 / (1 - share).",
+        "",
+        "| case | FFN share | bound | patched speed-up | peak MB (unpatched / patched) |",
+        "|---|---|---|---|---|",
+    ]
+    for shape, impls in by_shape.items():
+        u, p, n = impls.get("unpatched"), impls.get("patched"), impls.get("no FFN")
+        if u is None or p is None or shape.endswith("largest B"):
+            continue
+        share = 1 - n.median_us / u.median_us if n is not None else float("nan")
+        lines.append(
+            f"| {shape} | {100 * share:.0f}% | {1 / (1 - share):.2f}x | {u.median_us / p.median_us:.2f}x | "
+            f"{u.peak_mb:.0f} / {p.peak_mb:.0f} |"
+        )
+    for shape, impls in by_shape.items():
+        u, p = impls.get("unpatched"), impls.get("patched")
+        if shape.endswith("largest B") and u is not None and p is not None:
+            lines.append("")
+            lines.append(
+                f"{shape}: unpatched {u.note}, {u.tokens_per_s:.0f} tok/s; patched {p.note}, "
+                f"{p.tokens_per_s:.0f} tok/s ({p.tokens_per_s / u.tokens_per_s:.2f}x)"
+            )
+    return [*lines, ""]
+
+
 @register(
     "train",
     "Whole-model training step (forward, backward, AdamW) of a ReLU Llama: patch_llama(train_method='hybrid') vs "
     "unpatched eager and compiled",
     "layers, gate sparsity, batch x sequence",
+    summary=summary,
 )
 def train_cases(options: Options) -> list[Case]:
     try:
@@ -140,12 +294,17 @@ def train_cases(options: Options) -> list[Case]:
 
     models = _Models(build)
     layer_set, sparsities, batches = QUICK if options.quick else (LAYERS, SPARSITIES, BATCHES)
-    return [
+    cases = [
         _case(models, (layers, nnz), batch, seq, dtype)
         for layers in layer_set
         for nnz in sparsities
         for batch, seq in batches
     ]
+    sparse_levels = [nnz for nnz in sparsities if nnz is not None]
+    if sparse_levels:  # the largest micro-batch at the first sparse level, the first sequence length
+        batch, seq = batches[0]
+        cases += [_largest_batch_case(models, (layers, sparse_levels[0]), batch, seq, dtype) for layers in layer_set]
+    return cases
 
 
 __all__ = ["train_cases"]
