@@ -25,3 +25,19 @@ def dot_accumulate(acc, a, b, IEEE_FP32: tl.constexpr):
     if IEEE_FP32:
         return tl.dot(a, b.to(a.dtype), acc, input_precision="ieee")
     return tl.dot(a, b.to(a.dtype), acc)
+
+
+@triton.jit
+def gathered_rows_dot(
+    acc, a_rows_ptr, row_mask, b_rows_ptr, col_mask, D, BLOCK_D: tl.constexpr, IEEE_FP32: tl.constexpr
+):
+    """acc [R, C] + a[rows] @ b[cols]^T over D features, the rows of both operands gathered: ``a_rows_ptr`` [R, 1] and
+    ``b_rows_ptr`` [1, C] point at the starts of the gathered rows (unit feature stride); masked rows and columns
+    read as 0. The sampled product every row-block kernel computes (the "sample" move of the sparse core)."""
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)  # [BLOCK_D]
+        d_mask = d < D
+        a = tl.load(a_rows_ptr + d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # [R, BLOCK_D]
+        bt = tl.load(b_rows_ptr + d[:, None], mask=d_mask[:, None] & col_mask[None, :], other=0.0)  # [BLOCK_D, C]
+        acc = dot_accumulate(acc, a, bt, IEEE_FP32)
+    return acc

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from .. import _backend
 from .._backend import Backend, backend_for, new_output, record_launch
-from .._triton.dot import dot_accumulate, ieee_fp32
+from .._triton.dot import gathered_rows_dot, ieee_fp32
 
 _SPILLED: dict[torch.device, torch.Tensor] = {}
 
@@ -180,18 +180,13 @@ def block_unpack_kernel(
             cols = tl.load(indices_ptr + block.to(tl.int64) * width + p, mask=p_mask, other=0)
             rows = tl.load(order_ptr + slots, mask=row_mask, other=0) if HAS_ORDER else slots
             x_rows_ptr = x_ptr + rows[:, None].to(tl.int64) * stride_x
+            wg_rows_ptr = w_gate_ptr + cols[None, :].to(tl.int64) * stride_wg
             acc_g = tl.zeros([BLOCK_ROWS, BLOCK_C], dtype=tl.float32)
+            acc_g = gathered_rows_dot(acc_g, x_rows_ptr, row_mask, wg_rows_ptr, p_mask, K, BLOCK_K, IEEE_FP32)
             acc_u = tl.zeros([BLOCK_ROWS, BLOCK_C], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                k = k0 + tl.arange(0, BLOCK_K)
-                k_mask = k < K
-                xv = tl.load(x_rows_ptr + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-                wmask = k_mask[:, None] & p_mask[None, :]
-                wg = tl.load(w_gate_ptr + cols[None, :].to(tl.int64) * stride_wg + k[:, None], mask=wmask, other=0.0)
-                acc_g = dot_accumulate(acc_g, xv, wg, IEEE_FP32)
-                if HAS_UP:
-                    wu_ptr = w_up_ptr + cols[None, :].to(tl.int64) * stride_wu + k[:, None]
-                    acc_u = dot_accumulate(acc_u, xv, tl.load(wu_ptr, mask=wmask, other=0.0), IEEE_FP32)
+            if HAS_UP:
+                wu_rows_ptr = w_up_ptr + cols[None, :].to(tl.int64) * stride_wu
+                acc_u = gathered_rows_dot(acc_u, x_rows_ptr, row_mask, wu_rows_ptr, p_mask, K, BLOCK_K, IEEE_FP32)
             if HAS_B_GATE:
                 acc_g += tl.load(b_gate_ptr + cols, mask=p_mask, other=0.0).to(tl.float32)[None, :]
             if HAS_B_UP:

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from .. import _backend
 from .._backend import Backend, backend_for, new_output, record_launch
-from .._triton.dot import dot_accumulate, ieee_fp32
+from .._triton.dot import gathered_rows_dot, ieee_fp32
 from .._triton.gather import pick_nonzeros, rank_nonzeros
 from .._validation import unit_last_stride
 from .formats import BlockELL, RowBlockPattern
@@ -187,14 +187,7 @@ def block_sddmm_kernel(
             a_rows_ptr = a_ptr + rows[:, None].to(tl.int64) * stride_a  # [BLOCK_ROWS, 1]
             b_cols_ptr = b_ptr + cols[None, :].to(tl.int64) * stride_b  # [1, BLOCK_C]
             acc = tl.zeros([BLOCK_ROWS, BLOCK_C], dtype=tl.float32)
-            for d0 in range(0, D, BLOCK_D):
-                d = d0 + tl.arange(0, BLOCK_D)  # [BLOCK_D]
-                d_mask = d < D
-                a = tl.load(a_rows_ptr + d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
-                bt = tl.load(
-                    b_cols_ptr + d[:, None], mask=d_mask[:, None] & p_mask[None, :], other=0.0
-                )  # [BLOCK_D, BLOCK_C]
-                acc = dot_accumulate(acc, a, bt, IEEE_FP32)
+            acc = gathered_rows_dot(acc, a_rows_ptr, row_mask, b_cols_ptr, p_mask, D, BLOCK_D, IEEE_FP32)
         else:  # no product: the scale alone, compacted (a non-gated layer's relu(pre))
             acc = tl.full([BLOCK_ROWS, BLOCK_C], 1.0, dtype=tl.float32)
         if HAS_BIAS:
