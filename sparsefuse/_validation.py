@@ -232,6 +232,7 @@ def check_sparse_decode(
     check_float(op, "feature_acts", feature_acts)
     check_float(op, "W_dec", W_dec)
     check_same_device(op, feature_acts=feature_acts, W_dec=W_dec)
+    check_matmul_dtypes(op, ("feature_acts", "W_dec"), feature_acts, W_dec)
     if W_dec.dim() != 2 or feature_acts.dim() < 1 or feature_acts.shape[-1] != W_dec.shape[0]:
         raise ValueError(
             f"{op}: feature_acts [..., d_sae] and W_dec [d_sae, d_model] disagree on d_sae: "
@@ -247,6 +248,25 @@ def check_sparse_decode(
         raise ValueError(f"{op}: expected_l0 must be a non-negative number; got {expected_l0!r}")
 
 
+def check_matmul_dtypes(op: str, names: tuple[str, str], a: torch.Tensor, b: torch.Tensor) -> None:
+    """Torch's rule for ``a @ b``: one floating dtype (outside autocast; the caller casts under it)."""
+    if a.dtype != b.dtype:
+        raise TypeError(
+            f"{op}: {names[0]} and {names[1]} must have the same dtype, as for {names[0]} @ {names[1]} in torch "
+            f"(or run under torch.autocast); got {names[0]} {describe(a)}, {names[1]} {describe(b)}"
+        )
+
+
+def autocast_operands(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Under ``torch.autocast`` for the first tensor's device, the floating tensors in the autocast dtype (as
+    torch.matmul takes them); otherwise as given."""
+    kind = tensors[0].device.type
+    if not torch.is_autocast_enabled(kind):
+        return tensors
+    cast = torch.get_autocast_dtype(kind)
+    return tuple(t.to(cast) if t.is_floating_point() else t for t in tensors)
+
+
 def check_topk_decode(op: str, top_indices: torch.Tensor, top_acts: torch.Tensor, W_dec: torch.Tensor) -> None:
     """top_indices int32/int64 and top_acts float, both [..., k]; W_dec [d_sae, d_model] float; one device. (The
     range of the indices is checked by the caller: it costs a host sync.)"""
@@ -258,6 +278,7 @@ def check_topk_decode(op: str, top_indices: torch.Tensor, top_acts: torch.Tensor
             f"{describe(top_indices)}"
         )
     check_same_device(op, top_acts=top_acts, top_indices=top_indices, W_dec=W_dec)
+    check_matmul_dtypes(op, ("top_acts", "W_dec"), top_acts, W_dec)
 
 
 def check_index_range(op: str, top_indices: torch.Tensor, d_sae: int) -> None:

@@ -109,6 +109,25 @@ def test_bad_inputs(device):
         sparse_decode(acts, w.to("meta"))
 
 
+def test_dtypes_follow_torch_matmul(device):
+    """A mix of dtypes raises, as ``feature_acts @ W_dec`` does; under autocast both take the autocast dtype."""
+    acts = torch.relu(torch.randn(4, 64, device=device)) * (torch.rand(4, 64, device=device) < 0.2)
+    w = torch.randn(64, 8, device=device)
+    with pytest.raises(TypeError, match=r"feature_acts and W_dec must have the same dtype.*float16.*float32"):
+        sparse_decode(acts.half(), w)
+    with pytest.raises(RuntimeError, match="same dtype"):
+        acts.half() @ w  # the rule being followed (torch's own error is a RuntimeError)
+    idx = torch.topk(acts, 4).indices
+    with pytest.raises(TypeError, match="top_acts and W_dec must have the same dtype"):
+        topk_decode(idx, acts.gather(1, idx).half(), w)
+    kind, low = device.type, torch.float16  # (the interpreter's bf16 tl.dot is wrong: triton#11584)
+    with torch.autocast(kind, dtype=low):
+        out, expected = sparse_decode(acts, w, method="scan"), acts @ w
+        top = topk_decode(idx, acts.gather(1, idx), w)
+    assert out.dtype == expected.dtype == low and top.dtype == low
+    assert_close_to_reference(out, acts.double() @ w.double(), expected, dtype=low)
+
+
 def test_torch_compile_fullgraph(device):
     acts = sparse_rows(4, 256, [3, 9], device=device).requires_grad_()
     w = torch.randn(256, 16, device=device, requires_grad=True)

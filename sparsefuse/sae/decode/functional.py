@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ..._validation import check_index_range, check_sparse_decode, check_topk_decode
+from ..._validation import autocast_operands, check_index_range, check_sparse_decode, check_topk_decode
 from ...sparse import ELL, sparse_matmul
 from . import auto
 from .op import sparse_decode_op
@@ -54,7 +54,12 @@ def sparse_decode(
         expected_l0: for "auto", the mean number of features that fire per token, if known (e.g. under
             torch.compile, where nothing is observed); otherwise it is estimated (see :mod:`.auto`).
     Returns: [..., d_model]. Accumulation is in float32.
+
+    Dtypes follow ``feature_acts @ W_dec``: one dtype (a mix raises TypeError), or under ``torch.autocast`` both
+    taken in the autocast dtype.
     """
+    if isinstance(feature_acts, torch.Tensor) and isinstance(W_dec, torch.Tensor):
+        feature_acts, W_dec = autocast_operands(feature_acts, W_dec)
     check_sparse_decode("sparse_decode", feature_acts, W_dec, method, METHODS, max_l0, expected_l0)
     out_dtype = out_dtype or torch.promote_types(feature_acts.dtype, W_dec.dtype)  # (result_type: not traceable)
     acts = feature_acts.reshape(-1, feature_acts.shape[-1])
@@ -66,12 +71,15 @@ def sparse_decode(
 def topk_decode(
     top_indices: torch.Tensor, top_acts: torch.Tensor, W_dec: torch.Tensor, *, check_indices: bool = True
 ) -> torch.Tensor:
-    """TopK SAE decode: ``sum_j top_acts[..., j] * W_dec[top_indices[..., j]]`` -> [..., d_model].
+    """TopK SAE decode: ``sum_j top_acts[..., j] * W_dec[top_indices[..., j]]`` -> [..., d_model] (top_acts and
+    W_dec of one dtype, or under ``torch.autocast``, as for :func:`sparse_decode`).
 
     top_indices: [..., k] integer feature ids in [0, d_sae); top_acts: [..., k] floating. Forward only for now.
     Indices are range-checked (one host sync) -- an out-of-range id would read outside W_dec; pass
     ``check_indices=False`` for ids that are in range by construction (``topk_encode``'s), e.g. inside a CUDA graph."""
     op = "topk_decode"
+    if isinstance(top_acts, torch.Tensor) and isinstance(W_dec, torch.Tensor):
+        top_acts, W_dec = autocast_operands(top_acts, W_dec)
     check_topk_decode(op, top_indices, top_acts, W_dec)
     d_sae = W_dec.shape[0]
     if check_indices:
