@@ -109,6 +109,20 @@ def test_bad_inputs(device):
         sparse_decode(acts, w.to("meta"))
 
 
+@pytest.mark.parametrize("method", ["scan", "exact", "fixed", "dense", "auto"])
+def test_every_method_meets_one_accuracy_contract(method, device):
+    """fp16 inputs, ``out_dtype=torch.float32``: whichever method runs (the dense fallback ``auto`` can pick
+    included), the result is fp32-accurate -- fp32 accumulation rounded once -- not a 16-bit product widened."""
+    acts = sparse_rows(48, 256, [24, 3, 60], torch.float16, device)
+    w = torch.randn(256, 40, device=device).half()
+    out = sparse_decode(acts, w, method=method, max_l0=32, out_dtype=torch.float32)
+    assert out.dtype == torch.float32
+    ref = acts.double() @ w.double()
+    assert_close_to_reference(out, ref, dtype=torch.float32, extra_abs=accumulation_allowance(acts, w))
+    widened = (acts @ w).float()  # what a 16-bit product cast afterwards gives: the contract excludes it
+    assert (widened.double() - ref).abs().max() > 10 * (out.double() - ref).abs().max()
+
+
 def test_dtypes_follow_torch_matmul(device):
     """A mix of dtypes raises, as ``feature_acts @ W_dec`` does; under autocast both take the autocast dtype."""
     acts = torch.relu(torch.randn(4, 64, device=device)) * (torch.rand(4, 64, device=device) < 0.2)

@@ -25,8 +25,7 @@ def _decode_forward(
     if method == "exact":
         return sparse_matmul(dense_to_csr(acts), W_dec, out_dtype=out_dtype)
     if method == "dense":
-        compute = torch.promote_types(acts.dtype, W_dec.dtype)
-        return (acts.to(compute) @ W_dec.to(compute)).to(out_dtype)
+        return _dense_product(acts, W_dec, out_dtype)
     ell = dense_to_ell(acts, max_l0)
     if validate and acts.shape[0]:
         largest = int(ell.counts.max())
@@ -36,6 +35,22 @@ def _decode_forward(
                 "or use validate=False (overflowing tokens are then decoded from their dense rows)"
             )
     return sparse_matmul(ell, W_dec, dense=acts, out_dtype=out_dtype)
+
+
+def _dense_product(acts: torch.Tensor, W_dec: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``acts @ W_dec`` in ``out_dtype`` with the sparse methods' accuracy: accumulated in fp32 and rounded once to
+    ``out_dtype`` -- not a 16-bit product widened afterwards when fp32 is asked of 16-bit inputs. There cuBLAS
+    writes fp32 directly where torch offers it (``mm`` with ``out_dtype``); otherwise the operands are widened
+    (16-bit values are exact in fp32, and in TF32 too)."""
+    compute = torch.promote_types(acts.dtype, W_dec.dtype)
+    if out_dtype.itemsize <= compute.itemsize:
+        return (acts.to(compute) @ W_dec.to(compute)).to(out_dtype)
+    if acts.is_cuda and hasattr(torch.ops.aten.mm, "dtype") and compute in (torch.float16, torch.bfloat16):
+        try:
+            return torch.mm(acts.to(compute), W_dec.to(compute), out_dtype=torch.float32).to(out_dtype)
+        except (RuntimeError, TypeError):  # a build without that kernel: widen instead
+            pass
+    return (acts.to(torch.float32) @ W_dec.to(torch.float32)).to(out_dtype)
 
 
 @torch.library.custom_op("sparsefuse::sparse_decode", mutates_args=())
