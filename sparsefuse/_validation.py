@@ -37,6 +37,8 @@ def check_float(op: str, name: str, t: torch.Tensor, allowed: tuple[torch.dtype,
 
 
 def check_same_device(op: str, **tensors: torch.Tensor) -> None:
+    """One device for every tensor, and one the kernels run on (CUDA, or the CPU through Triton's interpreter or the
+    torch reference): a meta tensor, say, gets this error rather than a failure deep in a launch."""
     items = list(tensors.items())
     first_name, first = items[0]
     for name, t in items[1:]:
@@ -45,6 +47,11 @@ def check_same_device(op: str, **tensors: torch.Tensor) -> None:
                 f"{op}: {name} is on {t.device} but {first_name} is on {first.device}; "
                 "all tensors must be on the same device"
             )
+    if first.device.type not in ("cpu", "cuda"):
+        raise ValueError(
+            f"{op}: {first_name} is on {first.device}; sparsefuse runs on CUDA devices and on the CPU "
+            f"(Triton's interpreter or the torch reference); got {describe(first)}"
+        )
 
 
 def check_scalar(op: str, name: str, value: object) -> float:
@@ -200,6 +207,7 @@ def check_celu_args(
 ) -> tuple[float, float, float]:
     """(alpha, scale, input_scale) as floats for ``celu`` / ``celu_``; alpha must be non-zero (CELU divides by it)."""
     check_float(op, "x", x, CELU_DTYPES)
+    check_same_device(op, x=x)
     alpha, scale, input_scale = (
         check_scalar(op, n, v) for n, v in (("alpha", alpha), ("scale", scale), ("input_scale", input_scale))
     )

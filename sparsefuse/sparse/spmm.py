@@ -97,7 +97,7 @@ def thresholded_linear_chunk(
         pre += tl.sum(xe[:, None] * we.to(tl.float32), axis=0)
     pre += tl.load(bias_ptr + f, mask=f_mask, other=0.0).to(tl.float32)
     threshold = tl.load(threshold_ptr + f, mask=f_mask, other=float("inf")).to(tl.float32)
-    return tl.where((pre > threshold) & (pre > 0), pre, 0.0)
+    return tl.where(((pre > threshold) & (pre > 0)) | (pre != pre), pre, 0.0)  # NaN kept, as in the reference
 
 
 _FORMAT_ELL = tl.constexpr(0)

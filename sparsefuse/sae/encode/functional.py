@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..._validation import check_jumprelu_encode
+from ..._validation import autocast_operands, check_jumprelu_encode
 from ...sparse import ELL
 from .op import jumprelu_encode_op
 
@@ -35,6 +35,8 @@ def jumprelu_encode(
 ) -> ELL:
     """Fused JumpReLU encode straight into ELL (see module docstring). x [..., d_in] -> ELL of [M, d_sae]."""
     op = "jumprelu_encode"
+    if isinstance(x, torch.Tensor) and isinstance(W_enc, torch.Tensor):  # x @ W_enc under autocast, as torch
+        x, W_enc = autocast_operands(x, W_enc)
     check_jumprelu_encode(op, x, W_enc, b_enc, threshold, b_dec, max_l0)
     d_in, d_sae = W_enc.shape
     values, indices, counts = jumprelu_encode_op(x.reshape(-1, d_in), W_enc, b_enc, threshold, b_dec, max_l0)
