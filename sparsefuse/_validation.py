@@ -269,7 +269,7 @@ def autocast_operands(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Under ``torch.autocast`` for the first tensor's device, the floating tensors in the autocast dtype (as
     torch.matmul takes them); otherwise as given."""
     kind = tensors[0].device.type
-    if not torch.is_autocast_enabled(kind):
+    if kind not in ("cpu", "cuda") or not torch.is_autocast_enabled(kind):  # (meta etc.: the device check says so)
         return tensors
     cast = torch.get_autocast_dtype(kind)
     return tuple(t.to(cast) if t.is_floating_point() else t for t in tensors)

@@ -121,7 +121,7 @@ def _train_step(
 ) -> HybridMLPOutput:
     """Both blocks' step (``w_up=None``: non-gated): arguments checked, the layout resolved and run."""
     kind = x.device.type if isinstance(x, torch.Tensor) else "cpu"
-    if torch.is_autocast_enabled(kind):  # as F.linear under autocast: the products run in the autocast dtype
+    if kind in ("cpu", "cuda") and torch.is_autocast_enabled(kind):  # as F.linear: products in the autocast dtype
         cast = torch.get_autocast_dtype(kind)
         x, w_gate, w_up, w_down, b_gate, b_up, b_down = (
             t.to(cast) if isinstance(t, torch.Tensor) and t.is_floating_point() else t

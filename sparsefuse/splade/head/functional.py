@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ... import _backend
-from ..._validation import SPLADE_DTYPES, SPLADE_POOLINGS, check_splade_args, check_tensor
+from ..._validation import SPLADE_DTYPES, SPLADE_POOLINGS, autocast_operands, check_splade_args, check_tensor
 from .op import splade_forward, splade_pool_op
 
 __all__ = ["splade_pool", "POOLINGS", "SPLADE_DTYPES"]
@@ -42,10 +42,8 @@ def splade_pool(
     name = "splade_pool"
     check_tensor(name, "hidden", hidden)
     check_tensor(name, "weight", weight)
-    device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type) and hidden.is_floating_point() and weight.is_floating_point():
-        autocast_dtype = torch.get_autocast_dtype(device_type)
-        hidden, weight = hidden.to(autocast_dtype), weight.to(autocast_dtype)
+    if hidden.is_floating_point() and weight.is_floating_point():
+        hidden, weight = autocast_operands(hidden, weight)
     check_splade_args(name, hidden, weight, bias, attention_mask, pooling)
     tensors = [t for t in (hidden, weight, bias, attention_mask) if t is not None]
     if _backend.bypass_dispatcher(*tensors):
