@@ -53,7 +53,8 @@ class ThresholdedLinear:
         """(x, weight, bias, threshold, input_shift) with unit column strides, input_shift defaulting to a
         placeholder (never read)."""
         shift = self.input_shift if self.input_shift is not None else self.bias
-        return unit_last_stride(self.x), unit_last_stride(self.weight), self.bias, self.threshold, shift
+        vectors = (unit_last_stride(v) for v in (self.bias, self.threshold, shift))  # read at unit stride
+        return unit_last_stride(self.x), unit_last_stride(self.weight), *vectors
 
     def reference_activations(self) -> torch.Tensor:
         """float64 activations [M, n]; ``x - input_shift`` is rounded to x's dtype first, as the encode kernels feed

@@ -74,9 +74,16 @@ def _scatter(values: torch.Tensor, indices: torch.Tensor, backup: torch.Tensor, 
     return dense[:M]
 
 
+def _rows_of(dense: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``dense[rows]`` for the used backup rows; unused ones (-1) read row 0, or zeros when there is no row."""
+    if dense.shape[0] == 0:
+        return dense.new_zeros(rows.shape[0], dense.shape[1])
+    return dense[rows.clamp(min=0).long()]
+
+
 def _add_rows(out: torch.Tensor, rows: torch.Tensor, part: torch.Tensor) -> None:
     """``out[rows[s]] += part[s]`` for the used backup rows (unused ones hold zeros and add them to row 0)."""
-    if part.shape[0]:
+    if part.shape[0] and out.shape[0]:  # (no rows: nothing to add to, and row 0 does not exist)
         out.index_add_(0, rows.clamp(min=0).long(), part.to(out.dtype))
 
 
@@ -123,7 +130,7 @@ def hybrid_mlp_fwd_op(
     u_vals = torch.where(used, pre_up.gather(1, ell.indices.long()), 0)
     valid = (rows >= 0)[:, None]
     g_backup = hybrid.backup
-    u_backup = torch.where(valid, pre_up[rows.clamp(min=0).long()], 0)
+    u_backup = torch.where(valid, _rows_of(pre_up, rows), 0)
     y = _product(_fitting(g_vals * u_vals, ell.indices, ell.counts, N), w_down_t, x2.dtype)
     _add_rows(y, rows, F.linear(g_backup * u_backup, w_down_t.t()))
     if b_down is not None:
@@ -179,7 +186,7 @@ def hybrid_mlp_bwd_op(
     used = _slots_used(counts, g_vals.shape[1])
     valid = (rows >= 0)[:, None]
     dh_vals = torch.where(used, dh.gather(1, indices.long()), 0)
-    dh_backup = torch.where(valid, dh[rows.clamp(min=0).long()], 0)
+    dh_backup = torch.where(valid, _rows_of(dh, rows), 0)
     l1_grad = (dl1.to(_l1_dtype(x2.dtype)) / max(M * N, 1)).to(x2.dtype)
     du_vals, du_backup = dh_vals * g_vals, dh_backup * g_backup
     dpre_vals = torch.where(used, dh_vals * u_vals + l1_grad, 0)  # stored gate values are the fired ones

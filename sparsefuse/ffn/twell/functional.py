@@ -36,7 +36,7 @@ def twell_down_layout(w_down: torch.Tensor) -> torch.Tensor:
     """``w_down`` [K, N] (``down_proj.weight``) with the same values laid out column-major (strides (1, K)), so
     that row n of W_down^T -- what the sparse kernels read per non-zero -- is contiguous. Returns w_down itself
     when it already is. ``F.linear`` and ``load_state_dict`` accept the result unchanged."""
-    if w_down.dim() == 2 and (w_down.stride(0) == 1 or w_down.shape[1] <= 1):
+    if w_down.dim() == 2 and (w_down.stride(0) == 1 or w_down.shape[0] <= 1):
         return w_down
     return w_down.t().contiguous().t()
 
@@ -46,9 +46,9 @@ _warned_down_copy: set[str] = set()
 
 def _down_rows(op: str, w_down: torch.Tensor) -> torch.Tensor:
     """W_down^T [N, K] with unit column stride (a view when w_down is column-major, else one copy per call)."""
-    if w_down.stride(0) == 1 or w_down.shape[1] <= 1:
+    if w_down.stride(0) == 1 or w_down.shape[0] <= 1:
         return w_down.t()
-    if op not in _warned_down_copy:
+    if w_down.shape[1] > 1 and op not in _warned_down_copy:  # (one neuron: a copy of K values, no warning)
         _warned_down_copy.add(op)
         warnings.warn(
             f"sparsefuse.{op}: w_down is row-major [K, N], so its rows per neuron are strided; it is "

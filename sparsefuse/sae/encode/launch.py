@@ -29,6 +29,7 @@ def launch_jumprelu_encode(
     if M and d_sae:
         x2 = sae_input(x2, b_dec)
         W = unit_last_stride(W_enc)  # dtype cast per tile in the kernel, not here
+        b_enc, threshold = unit_last_stride(b_enc), unit_last_stride(threshold)  # read at unit stride
         grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(d_sae, meta["BLOCK_N"]))  # noqa: E731
         jumprelu_encode_kernel[grid](
             x2,

@@ -46,6 +46,8 @@ def launch_topk_keys(
     k_pad = triton.next_power_of_2(k)
     x2 = sae_input(x2, b_dec)
     W = unit_last_stride(W_enc)  # dtype cast per tile in the kernel, not here
+    b_enc = unit_last_stride(b_enc)  # read at unit stride
+    feature_scale = unit_last_stride(feature_scale) if feature_scale is not None else None
     bm, bn, bk, warps, cols_per_group = _launch_shape(M, d_sae, k_pad, x2.dtype, x2.device)
     groups = triton.cdiv(d_sae, cols_per_group)
     candidates = new_output((M, groups * k), torch.int64, x2.device)  # every element is written
