@@ -17,7 +17,6 @@ import sparsefuse
 from sparsefuse.activations.celu.reference import torch_celu
 from sparsefuse.activations.snake.reference import torch_snake
 from sparsefuse.ffn.hybrid import hybrid_mlp, hybrid_relu_mlp
-from sparsefuse.ffn.twell.reference import torch_relu_mlp, torch_twell_mlp
 from sparsefuse.sae.encode.reference import torch_jumprelu_encode
 from sparsefuse.splade.head.reference import torch_splade_pool
 from sparsefuse.testing import accumulation_allowance, assert_close_to_reference
