@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One call on a GPU machine: the whole test suite on CUDA (compiled kernels, GPU-only tests included), then the
-# benchmarks. Usage: scripts/gpu_check.sh OUT_DIR [bench arguments...]
+# One call on a GPU machine: the whole test suite on CUDA (compiled kernels, GPU-only tests included), every op under
+# compute-sanitizer (memcheck; racecheck where kernels use atomics), then the benchmarks.
+# Usage: scripts/gpu_check.sh OUT_DIR [bench arguments...]
 # Runs from the repository root with the machine's python3 (torch + triton preinstalled); sparsefuse is used from
 # the source tree, no install. Results land in OUT_DIR with the names benchmarks/results/ keeps, so they can be
 # copied over as they are: <workload>-<gpu>.{csv,md,png} per workload, gpu-tests-<gpu>.log, plus env-<gpu>.txt and
@@ -25,8 +26,31 @@ gpu=$($PY -c 'import torch; from sparsefuse.bench.report import sanitize; print(
 $PY -m pytest tests -q -n ${PYTEST_WORKERS:-4} -p no:cacheprovider 2>&1 | tee "$out/gpu-tests-$gpu.log"
 tests_status=${PIPESTATUS[0]}
 
+# compute-sanitizer over every op: the property tests (random shapes, tails, strides, NaN) at a few cases per op,
+# memcheck with the caching allocator off (an out-of-bounds access inside a cached block would go unseen), then
+# racecheck on the tests of the kernels that use atomics. Any error fails the script; SANITIZE=0 skips it.
+sanitize_status=0
+if [ "${SANITIZE:-1}" != 0 ]; then
+  if command -v compute-sanitizer >/dev/null 2>&1; then
+    props="tests/test_properties.py -q -p no:cacheprovider"
+    { PYTORCH_NO_CUDA_MEMORY_CACHING=1 SPARSEFUSE_PROPERTY_CASES=${SANITIZE_CASES:-20} compute-sanitizer \
+        --tool memcheck --error-exitcode 97 $PY -m pytest $props
+      memcheck=$?
+      atomics="tests/sae/test_sae_encode.py tests/sparse/test_block_pack.py tests/sae/test_sae_decode.py"
+      compute-sanitizer --tool racecheck --error-exitcode 97 $PY -m pytest $atomics -q -p no:cacheprovider -x
+      racecheck=$?
+      echo "sanitizer: memcheck exit $memcheck, racecheck exit $racecheck"
+      exit $(( memcheck != 0 || racecheck != 0 ))
+    } 2>&1 | tee "$out/sanitizer-$gpu.log"
+    sanitize_status=${PIPESTATUS[0]}
+  else
+    echo "gpu_check: compute-sanitizer not found on PATH: sanitizer not run" | tee "$out/sanitizer-$gpu.log"
+    sanitize_status=1
+  fi
+fi
+
 $PY -m sparsefuse bench --out "$out" "$@" 2>&1 | tee "$out/bench-$gpu.log"
 bench_status=${PIPESTATUS[0]}
 
-echo "gpu_check: tests exit $tests_status, bench exit $bench_status"
-exit $(( tests_status != 0 || bench_status != 0 ))
+echo "gpu_check: tests exit $tests_status, sanitizer exit $sanitize_status, bench exit $bench_status"
+exit $(( tests_status != 0 || sanitize_status != 0 || bench_status != 0 ))
