@@ -7,8 +7,9 @@ of W as one [BLOCK_K, BLOCK_D] tile, and accumulates in fp32.
 Cost: per row, nnz * D weight elements gathered plus the row's values and indices; the output is written once.
 
 ELL rows that overflowed (true count > width) are completed without a host sync when the dense activations are
-passed in: such a row is recomputed from its dense form, loading W only where the activation is non-zero (masked
-loads fetch nothing for the zeros), so the fallback costs a scan of the dense row plus the rows actually used. Or,
+passed in: a second launch scans those rows alone from their dense form (the other rows' programs exit at once),
+each row's columns spread over several programs as :func:`matmul_skip_zeros` spreads them, loading W only where the
+activation is non-zero -- an overflowed row costs what ``"scan"`` pays for it, not one program's serial walk. Or,
 given the :class:`ThresholdedLinear` layer whose activations the rows are, the row's activations are recomputed
 from that layer's inputs. Without either an overflowed row is written as NaN -- visibly wrong, never silently
 truncated.
@@ -144,6 +145,7 @@ def gather_accumulate_kernel(
     FALLBACK: tl.constexpr,
     HAS_SHIFT: tl.constexpr,
     ATOMIC_SPLITS: tl.constexpr = False,
+    ONLY_OVERFLOWED: tl.constexpr = False,
 ):
     # Grid (rows * D blocks, splits): the D blocks of one row are neighbours, so a row's activations are read from
     # DRAM once and from L2 by the other blocks (rows live on axis 0: the other axes are capped at 65535).
@@ -154,12 +156,16 @@ def gather_accumulate_kernel(
     #   arrive (arrivals [M, D blocks] int32, zeroed) sums them in split order: deterministic, no float atomics;
     #   with ATOMIC_SPLITS each program instead adds its fp32 sum into partial [M, n_out] (zeroed) by atomics.
     # w [n_in, n_out] (unit column stride); out [M, n_out].
-    # Overflowed ELL rows (FALLBACK): 1 = recompute from dense [M, n_in]; 2 = recompute the activations of a
-    # ThresholdedLinear from enc_x [M, d_enc], enc_w [d_enc, n_in], enc_bias/enc_threshold [n_in], enc_shift
-    # [d_enc]; 0 = write NaN.
+    # Overflowed ELL rows (FALLBACK): 1 = left unwritten, for a DENSE pass over those rows alone (ONLY_OVERFLOWED:
+    # rows whose ELL count, counts[row], is within width are skipped), which spreads each row's scan over splits;
+    # 2 = recompute the activations of a ThresholdedLinear from enc_x [M, d_enc], enc_w [d_enc, n_in],
+    # enc_bias/enc_threshold [n_in], enc_shift [d_enc]; 0 = write NaN.
     n_d_blocks = tl.cdiv(n_out, BLOCK_D)
     d_block = tl.program_id(0) % n_d_blocks
     row = (tl.program_id(0) // n_d_blocks).to(tl.int64)
+    if ONLY_OVERFLOWED:
+        if tl.load(counts_ptr + row) <= width:
+            return
     split = tl.program_id(1)
     d = d_block * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
     d_mask = d < n_out
@@ -227,29 +233,26 @@ def gather_accumulate_kernel(
         if overflowed:
             if FALLBACK == 0:
                 acc += float("nan")
+            elif FALLBACK == 1:
+                return  # the DENSE pass over the overflowed rows writes this one
             else:
                 for f0 in range(0, n_in, BLOCK_F):
                     f = f0 + tl.arange(0, BLOCK_F)
-                    if FALLBACK == 1:
-                        a = tl.load(
-                            dense_ptr + row * stride_dense + f.to(tl.int64) * stride_dense_col, mask=f < n_in, other=0.0
-                        ).to(tl.float32)
-                    else:
-                        a = thresholded_linear_chunk(
-                            row,
-                            f,
-                            f < n_in,
-                            enc_x_ptr,
-                            stride_enc_x,
-                            enc_w_ptr,
-                            stride_enc_w,
-                            enc_bias_ptr,
-                            enc_threshold_ptr,
-                            enc_shift_ptr,
-                            d_enc,
-                            HAS_SHIFT,
-                            BLOCK_K,
-                        )
+                    a = thresholded_linear_chunk(
+                        row,
+                        f,
+                        f < n_in,
+                        enc_x_ptr,
+                        stride_enc_x,
+                        enc_w_ptr,
+                        stride_enc_w,
+                        enc_bias_ptr,
+                        enc_threshold_ptr,
+                        enc_shift_ptr,
+                        d_enc,
+                        HAS_SHIFT,
+                        BLOCK_K,
+                    )
                     acc = accumulate_nonzeros(acc, a, f, w_ptr, stride_w, d, d_mask, GROUP)
     tl.store(out_ptr + row * stride_out + d, acc.to(out_ptr.dtype.element_ty), mask=d_mask)
 
@@ -395,6 +398,8 @@ def sparse_matmul(
         num_warps=cfg.num_warps,
     )
     record_launch("gather_accumulate_kernel")
+    if is_ell and dense is not None:  # overflowed rows: scanned from their dense rows, each over several programs
+        _scan_into(out, dense, weight, None, True, overflowed=(sparse.counts, sparse.width))
     return out
 
 
@@ -429,6 +434,22 @@ def matmul_skip_zeros(
         return (a.double() @ weight.double()).to(out_dtype)
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
+    return _scan_into(out, a, weight, splits, deterministic)
+
+
+def _scan_into(
+    out: torch.Tensor,
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    splits: int | None,
+    deterministic: bool,
+    overflowed: tuple[torch.Tensor, int] | None = None,
+) -> torch.Tensor:
+    """The DENSE-format launch of :func:`matmul_skip_zeros` into ``out`` [M, n_out]. ``overflowed = (counts,
+    width)``: only the rows of an ELL whose count passed its width are computed (the others keep what ``out``
+    holds); their partial sums are then always reduced in a fixed order, which never touches the other rows."""
+    (M, n_in), n_out = a.shape, weight.shape[1]
+    deterministic = deterministic or overflowed is not None
     cfg = _launch_config(n_out)
     block_d, n_chunks = cfg.block_d, triton.cdiv(n_in, cfg.block_f)
     programs = _device_programs(a.device)
@@ -449,15 +470,16 @@ def matmul_skip_zeros(
     atomic = n_splits > 1 and not deterministic
     partial = split_nnz = arrivals = out
     if atomic:  # out itself when fp32; else an fp32 sum cast into out after the launch
-        partial = out.zero_() if out_dtype == torch.float32 else torch.zeros(M, n_out, device=a.device)
+        partial = out.zero_() if out.dtype == torch.float32 else torch.zeros(M, n_out, device=a.device)
     elif n_splits > 1:
         partial = torch.empty(M, n_splits, n_out, dtype=torch.float32, device=a.device)  # read where written only
         split_nnz = torch.empty(M, n_splits, dtype=torch.int32, device=a.device)
         arrivals = torch.zeros(M, d_blocks, dtype=torch.int32, device=a.device)
+    counts, width = overflowed if overflowed is not None else (a, 0)
     gather_accumulate_kernel[(d_blocks * M, n_splits)](
         a,
         a,
-        a,
+        counts,
         a,
         a,
         weight,
@@ -472,7 +494,7 @@ def matmul_skip_zeros(
         a,
         n_out,
         n_in,
-        0,
+        width,
         weight.stride(0),
         out.stride(0),
         a.stride(0),
@@ -491,6 +513,7 @@ def matmul_skip_zeros(
         FALLBACK=0,
         HAS_SHIFT=False,
         ATOMIC_SPLITS=atomic,
+        ONLY_OVERFLOWED=overflowed is not None,
         num_warps=warps,
     )
     record_launch("gather_accumulate_kernel")

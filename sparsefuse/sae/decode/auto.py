@@ -5,7 +5,7 @@ cost model fitted to an H200 (sae_decode benchmark: main shapes, L0 and batch sw
 predicted at least 10% faster than cuBLAS at the activations' mean L0:
 
 * scan ~ rows x (d_sae bytes / row rate + L0 x d_model bytes / gather rate);
-* fixed ~ 3 launches + rows x (d_sae bytes / bitmask rate + d_sae / 8 bytes / word rate + L0 x d_model bytes /
+* fixed ~ 4 launches + rows x (d_sae bytes / bitmask rate + d_sae / 8 bytes / word rate + L0 x d_model bytes /
   gather rate), or one program's serial walk over a row when that is longer (few rows, large L0) -- the scan wins
   small batches, the two-pass "fixed" large ones (from ~64-256 rows);
 * dense ~ the hypotenuse of flops / matmul rate and W_dec bytes / 3.3 TB/s.
@@ -16,7 +16,7 @@ sampled rows); on the first eager call with a new ``W_dec``, a count of those ro
 CUDA-graph capture the estimate from the warm-up calls decides; under torch.compile tracing, without
 ``expected_l0``, SAE-like sparsity (L0 = d_sae / 1024) is assumed. When auto picks ``"fixed"`` without a
 ``max_l0``, the width is 4x the mean L0 (at least 256): tokens past it are still decoded exactly, from their dense
-rows, just more slowly.
+rows, by a scan spread over several programs per row (as ``"scan"`` decodes them).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def _predicted_seconds(
     scan = _LAUNCH_S + M * (
         d_sae * e_a / _SCAN_ROW_RATE.get(e_a, 1.5e12) + gathered / _SCAN_GATHER_RATE.get(e_a, 2.0e12)
     )
-    fixed = 3 * _LAUNCH_S + max(
+    fixed = 4 * _LAUNCH_S + max(  # bitmask, bits -> ELL, gather, and the overflowed rows' scan
         M
         * (
             d_sae * e_a / _FIXED_BITS_RATE
