@@ -1,8 +1,9 @@
 """Seeded random cases for every public op against its float64 reference: shapes with 0, 1 and tails, strided
 inputs, fp32/fp16 (bf16 for the ops without ``tl.dot``: the interpreter's bf16 dot is wrong, triton#11584), NaN and
 infinities, random parameters and methods. ``SPARSEFUSE_PROPERTY_CASES`` cases per op (default 1000); the GPU suite
-runs them compiled on CUDA. Outputs are NaN-poisoned before every launch (conftest), so an unwritten element fails.
-A failure names its case's seed: ``_case(seed)`` rebuilds it."""
+runs them compiled on CUDA, and a fifth as many at shapes up to 16x larger. Outputs are NaN-poisoned before every
+launch (conftest), so an unwritten element fails. A failure names its case's seed: ``Draw(seed, device)`` and the
+op's check rebuild it."""
 
 from __future__ import annotations
 
@@ -27,14 +28,16 @@ CASES = int(os.environ.get("SPARSEFUSE_PROPERTY_CASES", "1000"))
 class Draw:
     """Random choices of one case, from its seed (edge values favoured)."""
 
-    def __init__(self, seed: int, device: torch.device) -> None:
+    def __init__(self, seed: int, device: torch.device, scale: int = 1) -> None:
         self.g = torch.Generator().manual_seed(seed)
         self.device = device
+        self.scale = scale  # sizes' upper ends multiplied by this (the GPU grid's larger shapes)
 
     def uniform(self) -> float:
         return float(torch.rand((), generator=self.g))
 
     def size(self, lo: int, hi: int) -> int:
+        hi = max(lo, hi * self.scale)
         edges = [v for v in (lo, lo + 1, hi, hi - 1) if lo <= v <= hi]
         if self.uniform() < 0.3:
             return edges[int(self.uniform() * len(edges))]
@@ -62,10 +65,10 @@ class Draw:
         return (values * keep).to(dtype).to(self.device)
 
 
-def _run(name, check, device):
-    for seed in range(CASES):
+def _run(name, check, device, cases=CASES, scale=1):
+    for seed in range(cases):
         try:
-            check(Draw(seed, device))
+            check(Draw(seed, device, scale))
         except AssertionError as exc:
             raise AssertionError(f"{name}: case seed={seed}: {exc}") from exc
 
@@ -82,7 +85,7 @@ def _snake(d):
 
 def _celu(d):
     dtype = d.choice([torch.float32, torch.float16, torch.bfloat16])
-    shape = [d.size(0, 4) for _ in range(d.size(1, 3))]
+    shape = [d.size(0, 4) for _ in range(d.choice([1, 2, 3]))]
     x = d.tensor(*shape, dtype=dtype, scale=d.choice([1.0, 30.0]), special=0.1)
     alpha, scale, input_scale = d.choice([1.0, 0.5, 2.0]), d.choice([1.0, 1.0507]), d.choice([1.0, 0.7])
     out = sparsefuse.celu(x, alpha, scale, input_scale)
@@ -230,3 +233,10 @@ CHECKS = {
 @pytest.mark.parametrize("name", list(CHECKS))
 def test_random_cases(name, device):
     _run(name, CHECKS[name], device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_random_cases_larger_shapes_on_the_gpu(name):
+    """The same checks with shapes up to 16x larger (several tiles and programs per dimension), compiled."""
+    _run(name, CHECKS[name], torch.device("cuda"), cases=max(1, CASES // 5), scale=16)
