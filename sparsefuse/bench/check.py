@@ -489,6 +489,7 @@ WORKLOAD_FAMILIES: dict[str, tuple[str, ...]] = {
     "celu": ("celu",),
     "overhead": ("snake", "celu", "sae_decode"),
     "sae_decode": ("sae_decode",),
+    "sae_decode_grid": ("sae_decode",),
     "sae_forward": ("sae_encode", "sae_decode"),
     "sae": ("sae_encode", "sae_decode"),
     "splade": ("splade",),
