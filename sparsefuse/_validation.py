@@ -60,6 +60,14 @@ def check_scalar(op: str, name: str, value: object) -> float:
     return float(value)
 
 
+def flat_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` [..., n] as [rows, n] -- ``reshape(-1, n)``, but also for n = 0, where -1 would be ambiguous."""
+    rows = 1
+    for size in t.shape[:-1]:
+        rows *= size
+    return t.reshape(rows, t.shape[-1])
+
+
 def unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself when its last dimension is contiguous (what the kernels' row loads need), else a contiguous copy."""
     return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()

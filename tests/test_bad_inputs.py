@@ -250,3 +250,19 @@ def test_the_table_and_the_tests_hold_the_same_rows():
     tested = {(name, cls) for name in OPS for cls in CLASSES}
     documented = _doc_rows()
     assert documented == tested, (sorted(documented - tested), sorted(tested - documented))
+
+
+def test_zero_size_feature_dimensions(device):
+    """A zero-size feature dimension (d_sae, d_in, hidden or k = 0) is a valid, empty sum: zeros of the right shape
+    (docs/bad-inputs.md, "Zero-size dimensions")."""
+    z = lambda *s: torch.zeros(*s, device=device)  # noqa: E731
+    r = lambda *s: torch.randn(*s, device=device)  # noqa: E731
+    for out, shape in [
+        (sparsefuse.sparse_decode(z(3, 0), r(0, 8), method="fixed", max_l0=4), (3, 8)),
+        (sparsefuse.sparse_decode(z(3, 0), r(0, 8)), (3, 8)),
+        (sparsefuse.topk_decode(torch.zeros(3, 0, dtype=torch.long, device=device), z(3, 0), r(5, 8)), (3, 8)),
+        (sparsefuse.jumprelu_encode(z(3, 0), z(0, 6), z(6), z(6) + 1, max_l0=4).to_dense(), (3, 6)),
+        (sparsefuse.twell_mlp(z(3, 0), z(4, 0), z(4, 0), z(0, 4)), (3, 0)),
+        (hybrid_mlp(r(3, 5), z(0, 5), z(0, 5), z(5, 0), layout="block").y, (3, 5)),
+    ]:
+        assert out.shape == shape and not bool(out.float().any()), (out.shape, shape)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .._validation import check_jumprelu_decoder, check_jumprelu_encode
+from .._validation import check_jumprelu_decoder, check_jumprelu_encode, flat_rows
 from ..sparse import sparse_matmul
 from .decode import DEFAULT_MAX_L0, sparse_decode
 from .encode import jumprelu_encode
@@ -55,7 +55,7 @@ def jumprelu_sae_forward(
     input_shift = b_dec if apply_b_dec_to_input else None
     check_jumprelu_encode(op, x, W_enc, b_enc, threshold, input_shift, max_l0 if max_l0 is not None else 1)
     check_jumprelu_decoder(op, W_enc, W_dec, b_dec)
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = flat_rows(x)
     if fused:
         width = max_l0 if max_l0 is not None else min(DEFAULT_MAX_L0, W_enc.shape[1])
         ell = jumprelu_encode(x2, W_enc, b_enc, threshold, b_dec=input_shift, max_l0=width)

@@ -25,6 +25,7 @@ import triton.language as tl
 from .. import _backend
 from .._backend import Backend, backend_for, new_output, record_launch
 from .._triton.dot import gathered_rows_dot, ieee_fp32
+from .._validation import unit_last_stride
 
 _SPILLED: dict[torch.device, torch.Tensor] = {}
 
@@ -218,6 +219,8 @@ def unpack_block_factors(
     recomputed from x [M, K] and the weights [N, K] (biases [N] or None), and their entries of ``column_counts`` (the
     forward's, copied) are recounted from the recomputed gate. No host sync. ``w_up=None`` (a non-gated layer, packed
     without an up factor): up is None."""
+    unit = lambda t: unit_last_stride(t) if t is not None else None  # noqa: E731  (rows and vectors read at unit stride)
+    x, w_gate, b_gate, w_up, b_up = unit(x), unit(w_gate), unit(b_gate), unit(w_up), unit(b_up)
     M, width = x.shape[0], indices.shape[1]
     N, K = w_gate.shape
     dtype, device = packed.gate.dtype, packed.gate.device

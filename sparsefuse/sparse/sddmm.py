@@ -276,6 +276,7 @@ def block_sddmm(
     with ``factors`` the gate is then the product itself and ``up`` is None."""
     a = unit_last_stride(a)
     b = unit_last_stride(b) if b is not None else None
+    bias = unit_last_stride(bias) if bias is not None else None  # read at unit stride
     if b is None and bias is not None:
         raise ValueError("block_sddmm: a bias needs the product's b")
     scale = unit_last_stride(scale)
@@ -292,6 +293,8 @@ def block_sddmm(
 
     block_c, block_d, warps, stages = _block_sddmm_blocks(D, pattern.block_rows)
     n_chunks = triton.cdiv(width, block_c)
+    if n_chunks == 0:  # no column (N = 0): no program writes the unions' sizes, which are all 0
+        counts.zero_()
     out = on_slots(values)
     separate = factors and b is not None  # without a product the values are the gate factor
     gate = on_slots(new_output((M, width), out_dtype, a.device)) if separate else out

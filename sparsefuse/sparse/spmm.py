@@ -398,7 +398,8 @@ def sparse_matmul(
         num_warps=cfg.num_warps,
     )
     record_launch("gather_accumulate_kernel")
-    if is_ell and dense is not None:  # overflowed rows: scanned from their dense rows, each over several programs
+    if is_ell and dense is not None and sparse.width < sparse.n_cols:  # overflowed rows (when a row can overflow):
+        # scanned from their dense rows, each over several programs
         _scan_into(out, dense, weight, None, True, overflowed=(sparse.counts, sparse.width))
     return out
 

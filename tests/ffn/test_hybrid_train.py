@@ -281,6 +281,45 @@ def test_block_step_fuzz_over_token_count_distributions(case, device):
     assert torch.equal(out.token_counts.cpu().long(), fired.cpu())
 
 
+@pytest.mark.parametrize("capacity", [0, None])
+def test_block_step_with_strided_weights_and_biases(capacity, device):
+    """A column-major gate weight and biases at stride 2 (leaves as a user may hold them): the forward and the
+    recompute of groups past the capacity read them as they are laid out."""
+    ref = _leaves(40, 16, 48, torch.float32, device, True, seed=12)
+
+    def strided(t, strides):
+        out = torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device)
+        return out.copy_(t.detach()).requires_grad_()
+
+    x, wg, wu, wd, bg, bu, bd = ref
+    leaves = [x, strided(wg, (1, wg.shape[0])), wu, wd, strided(bg, (2,)), strided(bu, (2,)), strided(bd, (2,))]
+    assert leaves[1].stride(-1) != 1 and leaves[4].stride(0) == 2
+    dy = torch.randn(40, 16, device=device)
+    out, grads = _run(leaves, dy, coef=0.3, layout="block", block_capacity=capacity)
+    _check(leaves, dy, 0.3, out, grads)
+
+
+def test_block_step_under_checkpointing_keeps_its_capacity(device, monkeypatch):
+    """Activation checkpointing re-runs the forward inside the backward: it takes the capacity (and layout) of the
+    forward it recomputes, though the estimate moved in between, so the saved tensors keep their shapes."""
+    from sparsefuse.ffn.hybrid.choice import TRAIN_CHOICE
+
+    monkeypatch.setattr(TRAIN_CHOICE, "capacity_quantum", 64)
+    leaves = _leaves(64, 16, 80, torch.float32, device, False, seed=13)[:4]
+    dy = torch.randn(64, 16, device=device)
+
+    def fn(x, wg, wu, wd):
+        o = hybrid_mlp(x, wg, wu, wd, layout="block")
+        return o.y, o.l1
+
+    for _ in range(3):  # the first step keeps everything, the next ones the estimate (different shapes)
+        y, l1 = torch.utils.checkpoint.checkpoint(fn, *leaves, use_reentrant=False)
+        grads = torch.autograd.grad((y * dy).sum() + 0.2 * l1, leaves)
+        plain = torch.autograd.grad((fn(*leaves)[0] * dy).sum() + 0.2 * fn(*leaves)[1], leaves)
+        for a, b in zip(grads, plain):
+            torch.testing.assert_close(a, b)
+
+
 def test_auto_takes_the_dense_step_once_the_gate_fires_widely(device):
     """~a third of the gate fires here: the first call (no estimate yet) takes the block step, the next ones the
     dense step; a gate weight of its own starts over."""

@@ -35,6 +35,10 @@ class TrainChoice:
     def __post_init__(self) -> None:
         # gate weight -> [firing monitor, calls, union-size monitor]
         self._monitors: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # gate weight -> {"layout": ..., "capacity": ...}: what its latest forward outside a backward took, which a
+        # forward re-run inside a backward (activation checkpointing's recompute) takes again, so the recomputed
+        # saved tensors have the shapes of the first forward's
+        self._frozen: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.last = "block"  # the most recent eager choice: what a compiled call takes
 
     def firing(self, w_gate: torch.Tensor) -> float | None:
@@ -50,16 +54,31 @@ class TrainChoice:
         before compiling, as for inference."""
         if torch.compiler.is_compiling():
             return self.last
+        frozen = self._frozen_value(w_gate, "layout")
+        if frozen is not None:
+            return frozen
         firing = self.firing(w_gate)
         self.last = "dense" if firing is not None and firing > self.dense_above else "block"
+        self._freeze(w_gate, "layout", self.last)
         return self.last
+
+    def _frozen_value(self, w_gate: torch.Tensor, key: str):
+        """Inside a backward (a checkpointed forward being recomputed): the value the weight's forward took."""
+        if not _in_backward() or type(w_gate) not in (torch.Tensor, torch.nn.Parameter):
+            return None
+        return self._frozen.get(w_gate, {}).get(key)
+
+    def _freeze(self, w_gate: torch.Tensor, key: str, value) -> None:
+        if not _in_backward() and type(w_gate) in (torch.Tensor, torch.nn.Parameter):
+            self._frozen.setdefault(w_gate, {})[key] = value
 
     def observe(
         self, w_gate: torch.Tensor, token_counts: torch.Tensor, union_sizes: torch.Tensor | None = None
     ) -> None:
         """Hand this step's per-token firing counts (and the block step's union sizes per row block) to the
-        weight's monitors (no sync; skipped while compiling or while an earlier count is still in flight)."""
-        if torch.compiler.is_compiling() or type(w_gate) not in (torch.Tensor, torch.nn.Parameter):
+        weight's monitors (no sync; skipped while compiling, inside a backward -- a checkpointed forward's recompute
+        saw the same batch -- or while an earlier count is still in flight)."""
+        if torch.compiler.is_compiling() or type(w_gate) not in (torch.Tensor, torch.nn.Parameter) or _in_backward():
             return
         entry = self._entry(w_gate)
         monitor, entry[1] = entry[0], entry[1] + 1
@@ -87,12 +106,23 @@ class TrainChoice:
         full = n_blocks * block_rows * width
         if torch.compiler.is_compiling() or type(w_gate) not in (torch.Tensor, torch.nn.Parameter):
             return full
+        frozen = self._frozen_value(w_gate, "capacity")
+        if frozen is not None and frozen[0] == (n_blocks, block_rows, width):
+            return frozen[1]
         entry = self._monitors.get(w_gate)
         per_block = entry[2].estimate() if entry is not None else None
-        if per_block is None:
-            return full
-        wanted = self.capacity_margin * per_block * n_blocks * block_rows
-        return min(full, self.capacity_quantum * max(1, math.ceil(wanted / self.capacity_quantum)))
+        capacity = full
+        if per_block is not None:
+            wanted = self.capacity_margin * per_block * n_blocks * block_rows
+            capacity = min(full, self.capacity_quantum * max(1, math.ceil(wanted / self.capacity_quantum)))
+        self._freeze(w_gate, "capacity", ((n_blocks, block_rows, width), capacity))
+        return capacity
+
+
+def _in_backward() -> bool:
+    """Whether an autograd backward is running on this thread (where activation checkpointing re-runs forwards)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
 
 
 TRAIN_CHOICE = TrainChoice()

@@ -10,7 +10,7 @@ import torch
 import triton
 
 from ..._backend import Backend, backend_for
-from ..._validation import check_ffn_mlp, unit_last_stride
+from ..._validation import check_ffn_mlp, flat_rows, unit_last_stride
 from ...sparse.compact import DEFAULT_HYBRID_WIDTH
 from ..twell.block import block_plan
 from .block_step import block_mlp_train_fwd_op
@@ -132,7 +132,7 @@ def _train_step(
         raise ValueError(f"{op}: layout must be one of {', '.join(map(repr, LAYOUTS))}; got {layout!r}")
     if not isinstance(width, int) or isinstance(width, bool) or width <= 0:
         raise ValueError(f"{op}: width must be a positive int; got {width!r}")
-    x2 = unit_last_stride(x.reshape(-1, x.shape[-1]))
+    x2 = unit_last_stride(flat_rows(x))
     M = x2.shape[0]
     if backup_rows is None:
         backup_rows = math.ceil(M / 8)
@@ -146,7 +146,8 @@ def _train_step(
     if layout == "auto":
         layout = TRAIN_CHOICE.choose(w_gate)
     kernels = x2.dtype != torch.float64 and backend_for(x2) is not Backend.TORCH
-    if layout == "dense" or (w_up is None and not kernels):  # float64 / plain CPU: the torch ops, exact
+    # float64 / plain CPU (non-gated), or no neuron at all: the torch ops, exact
+    if layout == "dense" or (w_up is None and not kernels) or w_gate.shape[0] == 0:
         y, l1, counts, neuron_counts = dense_step(x2, w_gate, b_gate, w_up, b_up, w_down, b_down)
         TRAIN_CHOICE.observe(w_gate, counts)
         return HybridMLPOutput(y.reshape(out_shape), l1, counts, neuron_counts)
@@ -156,14 +157,16 @@ def _train_step(
         n_blocks, width = triton.cdiv(M, plan.block_rows), triton.cdiv(N, plan.tile) * plan.tile
         if block_capacity is None:
             block_capacity = TRAIN_CHOICE.capacity(w_gate, n_blocks, plan.block_rows, width)
+        # the kernels read weight rows and bias vectors at unit stride (a strided one is copied, differentiably)
+        unit = lambda t: unit_last_stride(t) if t is not None else None  # noqa: E731
         y, l1, counts, neuron_counts, *_, union_sizes, _, _ = block_mlp_train_fwd_op(
             x2,
-            w_gate,
-            b_gate,
-            unit_last_stride(w_up) if w_up is not None else None,
-            b_up,
+            unit(w_gate),
+            unit(b_gate),
+            unit(w_up),
+            unit(b_up),
             w_down.t(),
-            b_down,
+            unit(b_down),
             plan.block_rows,
             plan.tile,
             plan.sorts(M),

@@ -20,6 +20,7 @@ from ..._validation import (
     check_same_device,
     check_tensor,
     describe,
+    flat_rows,
     unit_last_stride,
 )
 from ...sparse.formats import ELL, TwELL
@@ -62,7 +63,7 @@ def _down_rows(op: str, w_down: torch.Tensor) -> torch.Tensor:
 def _mlp_layout(op: str, x, w_up, w_down) -> tuple[torch.Tensor, ...]:
     """(x2 [M, K], w_up, W_down^T [N, K]) as the kernels read them: unit column strides (the gate weight is read
     with any strides)."""
-    x2 = unit_last_stride(x.reshape(-1, x.shape[-1]))
+    x2 = unit_last_stride(flat_rows(x))
     return x2, unit_last_stride(w_up) if w_up is not None else None, _down_rows(op, w_down)
 
 
@@ -97,7 +98,7 @@ def twell_gate(
     if b is not None:
         check_ffn_bias(op, "b", b, w.shape[0], x)
     check_same_device(op, x=x, w=w, **({"b": b} if b is not None else {}))
-    x2 = unit_last_stride(x.reshape(-1, x.shape[-1]))
+    x2 = unit_last_stride(flat_rows(x))
     values, indices, counts = twell_gate_op(x2, w, b, tile, compression)
     return TwELL(values, indices, counts, w.shape[0], tile, compression)
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ..._validation import autocast_operands, check_index_range, check_sparse_decode, check_topk_decode
+from ..._validation import autocast_operands, check_index_range, check_sparse_decode, check_topk_decode, flat_rows
 from ...sparse import ELL, sparse_matmul
 from . import auto
 from .op import sparse_decode_op
@@ -62,7 +62,7 @@ def sparse_decode(
         feature_acts, W_dec = autocast_operands(feature_acts, W_dec)
     check_sparse_decode("sparse_decode", feature_acts, W_dec, method, METHODS, max_l0, expected_l0)
     out_dtype = out_dtype or torch.promote_types(feature_acts.dtype, W_dec.dtype)  # (result_type: not traceable)
-    acts = feature_acts.reshape(-1, feature_acts.shape[-1])
+    acts = flat_rows(feature_acts)
     method, max_l0 = auto.resolve_method(method, acts, W_dec, max_l0, expected_l0)
     out = sparse_decode_op(acts, W_dec, method, max_l0, bool(validate), out_dtype)
     return out.reshape(*feature_acts.shape[:-1], W_dec.shape[1])
@@ -85,11 +85,11 @@ def topk_decode(
     if check_indices:
         check_index_range(op, top_indices, d_sae)
     k = top_acts.shape[-1]
-    values = top_acts.reshape(-1, k)
+    values = flat_rows(top_acts)
     M = values.shape[0]
     ell = ELL(
         values.contiguous(),
-        top_indices.reshape(-1, k).to(torch.int32).contiguous(),
+        flat_rows(top_indices).to(torch.int32).contiguous(),
         torch.full((M,), k, dtype=torch.int32, device=values.device),
         d_sae,
     )

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..._validation import autocast_operands, check_jumprelu_encode
+from ..._validation import autocast_operands, check_jumprelu_encode, flat_rows
 from ...sparse import ELL
 from .op import jumprelu_encode_op
 
@@ -39,7 +39,7 @@ def jumprelu_encode(
         x, W_enc = autocast_operands(x, W_enc)
     check_jumprelu_encode(op, x, W_enc, b_enc, threshold, b_dec, max_l0)
     d_in, d_sae = W_enc.shape
-    values, indices, counts = jumprelu_encode_op(x.reshape(-1, d_in), W_enc, b_enc, threshold, b_dec, max_l0)
+    values, indices, counts = jumprelu_encode_op(flat_rows(x), W_enc, b_enc, threshold, b_dec, max_l0)
     ell = ELL(values, indices, counts, d_sae)
     if validate and values.shape[0]:
         largest = int(ell.counts.max())

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from ..._validation import autocast_operands, check_topk_encode
+from ..._validation import autocast_operands, check_topk_encode, flat_rows
 from .op import topk_encode_op
 
 ACTIVATIONS = ("relu", "none")
@@ -64,7 +64,6 @@ def topk_encode(
     if isinstance(x, torch.Tensor) and isinstance(W_enc, torch.Tensor):  # x @ W_enc under autocast, as torch
         x, W_enc = autocast_operands(x, W_enc)
     check_topk_encode(op, x, W_enc, b_enc, k, b_dec, activation, ACTIVATIONS, feature_scale)
-    d_in = W_enc.shape[0]
-    acts, indices = topk_encode_op(x.reshape(-1, d_in), W_enc, b_enc, b_dec, feature_scale, k, activation == "relu")
+    acts, indices = topk_encode_op(flat_rows(x), W_enc, b_enc, b_dec, feature_scale, k, activation == "relu")
     batch = x.shape[:-1]
     return indices.reshape(*batch, k), acts.reshape(*batch, k)
