@@ -68,8 +68,11 @@ def flat_rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(rows, t.shape[-1])
 
 
-def unit_last_stride(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself when its last dimension is contiguous (what the kernels' row loads need), else a contiguous copy."""
+def unit_last_stride(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` itself when its last dimension is contiguous (what the kernels' row loads need), else a contiguous copy
+    (None, an absent optional tensor, passes through)."""
+    if t is None:
+        return None
     return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 
@@ -234,6 +237,12 @@ def check_positive_int(op: str, name: str, value: object) -> None:
         raise ValueError(f"{op}: {name} must be a positive int; got {value!r}")
 
 
+def check_optional_count(op: str, name: str, value: object) -> None:
+    """None, or a non-negative int (a capacity or a number of rows)."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise ValueError(f"{op}: {name} must be a non-negative int or None; got {value!r}")
+
+
 def check_sparse_decode(
     op: str,
     feature_acts: torch.Tensor,
@@ -273,14 +282,16 @@ def check_matmul_dtypes(op: str, names: tuple[str, str], a: torch.Tensor, b: tor
         )
 
 
-def autocast_operands(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def autocast_operands(*tensors: object) -> tuple:
     """Under ``torch.autocast`` for the first tensor's device, the floating tensors in the autocast dtype (as
-    torch.matmul takes them); otherwise as given."""
-    kind = tensors[0].device.type
+    torch.matmul and F.linear take them); anything else (None, integers, a non-tensor the checks will name) and
+    everything outside autocast as given."""
+    first = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
+    kind = first.device.type if first is not None else "cpu"
     if kind not in ("cpu", "cuda") or not torch.is_autocast_enabled(kind):  # (meta etc.: the device check says so)
         return tensors
     cast = torch.get_autocast_dtype(kind)
-    return tuple(t.to(cast) if t.is_floating_point() else t for t in tensors)
+    return tuple(t.to(cast) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in tensors)
 
 
 def check_topk_decode(op: str, top_indices: torch.Tensor, top_acts: torch.Tensor, W_dec: torch.Tensor) -> None:

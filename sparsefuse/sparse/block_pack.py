@@ -219,8 +219,9 @@ def unpack_block_factors(
     recomputed from x [M, K] and the weights [N, K] (biases [N] or None), and their entries of ``column_counts`` (the
     forward's, copied) are recounted from the recomputed gate. No host sync. ``w_up=None`` (a non-gated layer, packed
     without an up factor): up is None."""
-    unit = lambda t: unit_last_stride(t) if t is not None else None  # noqa: E731  (rows and vectors read at unit stride)
-    x, w_gate, b_gate, w_up, b_up = unit(x), unit(w_gate), unit(b_gate), unit(w_up), unit(b_up)
+    x, w_gate, b_gate, w_up, b_up = (
+        unit_last_stride(t) for t in (x, w_gate, b_gate, w_up, b_up)
+    )  # read at unit stride
     M, width = x.shape[0], indices.shape[1]
     N, K = w_gate.shape
     dtype, device = packed.gate.dtype, packed.gate.device

@@ -10,7 +10,14 @@ import torch
 import triton
 
 from ..._backend import Backend, backend_for
-from ..._validation import check_ffn_mlp, flat_rows, unit_last_stride
+from ..._validation import (
+    autocast_operands,
+    check_ffn_mlp,
+    check_optional_count,
+    check_positive_int,
+    flat_rows,
+    unit_last_stride,
+)
 from ...sparse.compact import DEFAULT_HYBRID_WIDTH
 from ..twell.block import block_plan
 from .block_step import block_mlp_train_fwd_op
@@ -120,28 +127,18 @@ def _train_step(
     gate_names: tuple[str, str] = ("w_gate", "b_gate"),
 ) -> HybridMLPOutput:
     """Both blocks' step (``w_up=None``: non-gated): arguments checked, the layout resolved and run."""
-    kind = x.device.type if isinstance(x, torch.Tensor) else "cpu"
-    if kind in ("cpu", "cuda") and torch.is_autocast_enabled(kind):  # as F.linear: products in the autocast dtype
-        cast = torch.get_autocast_dtype(kind)
-        x, w_gate, w_up, w_down, b_gate, b_up, b_down = (
-            t.to(cast) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-            for t in (x, w_gate, w_up, w_down, b_gate, b_up, b_down)
-        )
+    # as F.linear under autocast: the products in the autocast dtype
+    x, w_gate, w_up, w_down, b_gate, b_up, b_down = autocast_operands(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
     check_ffn_mlp(op, x, w_gate, b_gate, w_up, b_up, w_down, b_down, gate_names=gate_names, dtypes=TRAIN_DTYPES)
     if layout not in LAYOUTS:
         raise ValueError(f"{op}: layout must be one of {', '.join(map(repr, LAYOUTS))}; got {layout!r}")
-    if not isinstance(width, int) or isinstance(width, bool) or width <= 0:
-        raise ValueError(f"{op}: width must be a positive int; got {width!r}")
+    check_positive_int(op, "width", width)
+    check_optional_count(op, "backup_rows", backup_rows)
+    check_optional_count(op, "block_capacity", block_capacity)
     x2 = unit_last_stride(flat_rows(x))
     M = x2.shape[0]
     if backup_rows is None:
         backup_rows = math.ceil(M / 8)
-    elif not isinstance(backup_rows, int) or isinstance(backup_rows, bool) or backup_rows < 0:
-        raise ValueError(f"{op}: backup_rows must be a non-negative int or None; got {backup_rows!r}")
-    if block_capacity is not None and (
-        not isinstance(block_capacity, int) or isinstance(block_capacity, bool) or block_capacity < 0
-    ):
-        raise ValueError(f"{op}: block_capacity must be a non-negative int or None; got {block_capacity!r}")
     out_shape = (*x.shape[:-1], w_down.shape[0])
     if layout == "auto":
         layout = TRAIN_CHOICE.choose(w_gate)
@@ -158,15 +155,14 @@ def _train_step(
         if block_capacity is None:
             block_capacity = TRAIN_CHOICE.capacity(w_gate, n_blocks, plan.block_rows, width)
         # the kernels read weight rows and bias vectors at unit stride (a strided one is copied, differentiably)
-        unit = lambda t: unit_last_stride(t) if t is not None else None  # noqa: E731
         y, l1, counts, neuron_counts, *_, union_sizes, _, _ = block_mlp_train_fwd_op(
             x2,
-            unit(w_gate),
-            unit(b_gate),
-            unit(w_up),
-            unit(b_up),
+            unit_last_stride(w_gate),
+            unit_last_stride(b_gate),
+            unit_last_stride(w_up),
+            unit_last_stride(b_up),
             w_down.t(),
-            unit(b_down),
+            unit_last_stride(b_down),
             plan.block_rows,
             plan.tile,
             plan.sorts(M),

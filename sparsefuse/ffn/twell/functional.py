@@ -64,7 +64,7 @@ def _mlp_layout(op: str, x, w_up, w_down) -> tuple[torch.Tensor, ...]:
     """(x2 [M, K], w_up, W_down^T [N, K]) as the kernels read them: unit column strides (the gate weight is read
     with any strides)."""
     x2 = unit_last_stride(flat_rows(x))
-    return x2, unit_last_stride(w_up) if w_up is not None else None, _down_rows(op, w_down)
+    return x2, unit_last_stride(w_up), _down_rows(op, w_down)
 
 
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:

@@ -58,8 +58,7 @@ def sparse_decode(
     Dtypes follow ``feature_acts @ W_dec``: one dtype (a mix raises TypeError), or under ``torch.autocast`` both
     taken in the autocast dtype.
     """
-    if isinstance(feature_acts, torch.Tensor) and isinstance(W_dec, torch.Tensor):
-        feature_acts, W_dec = autocast_operands(feature_acts, W_dec)
+    feature_acts, W_dec = autocast_operands(feature_acts, W_dec)
     check_sparse_decode("sparse_decode", feature_acts, W_dec, method, METHODS, max_l0, expected_l0)
     out_dtype = out_dtype or torch.promote_types(feature_acts.dtype, W_dec.dtype)  # (result_type: not traceable)
     acts = flat_rows(feature_acts)
@@ -78,8 +77,7 @@ def topk_decode(
     Indices are range-checked (one host sync) -- an out-of-range id would read outside W_dec; pass
     ``check_indices=False`` for ids that are in range by construction (``topk_encode``'s), e.g. inside a CUDA graph."""
     op = "topk_decode"
-    if isinstance(top_acts, torch.Tensor) and isinstance(W_dec, torch.Tensor):
-        top_acts, W_dec = autocast_operands(top_acts, W_dec)
+    top_acts, W_dec = autocast_operands(top_acts, W_dec)
     check_topk_decode(op, top_indices, top_acts, W_dec)
     d_sae = W_dec.shape[0]
     if check_indices:

@@ -35,8 +35,7 @@ def jumprelu_encode(
 ) -> ELL:
     """Fused JumpReLU encode straight into ELL (see module docstring). x [..., d_in] -> ELL of [M, d_sae]."""
     op = "jumprelu_encode"
-    if isinstance(x, torch.Tensor) and isinstance(W_enc, torch.Tensor):  # x @ W_enc under autocast, as torch
-        x, W_enc = autocast_operands(x, W_enc)
+    x, W_enc = autocast_operands(x, W_enc)  # x @ W_enc under autocast, as torch
     check_jumprelu_encode(op, x, W_enc, b_enc, threshold, b_dec, max_l0)
     d_in, d_sae = W_enc.shape
     values, indices, counts = jumprelu_encode_op(flat_rows(x), W_enc, b_enc, threshold, b_dec, max_l0)

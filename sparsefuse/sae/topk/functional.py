@@ -61,8 +61,7 @@ def topk_encode(
         ties by increasing feature index (see module docstring for NaN and rounding).
     """
     op = "topk_encode"
-    if isinstance(x, torch.Tensor) and isinstance(W_enc, torch.Tensor):  # x @ W_enc under autocast, as torch
-        x, W_enc = autocast_operands(x, W_enc)
+    x, W_enc = autocast_operands(x, W_enc)  # x @ W_enc under autocast, as torch
     check_topk_encode(op, x, W_enc, b_enc, k, b_dec, activation, ACTIVATIONS, feature_scale)
     acts, indices = topk_encode_op(flat_rows(x), W_enc, b_enc, b_dec, feature_scale, k, activation == "relu")
     batch = x.shape[:-1]

@@ -42,8 +42,7 @@ def splade_pool(
     name = "splade_pool"
     check_tensor(name, "hidden", hidden)
     check_tensor(name, "weight", weight)
-    if hidden.is_floating_point() and weight.is_floating_point():
-        hidden, weight = autocast_operands(hidden, weight)
+    hidden, weight = autocast_operands(hidden, weight)
     check_splade_args(name, hidden, weight, bias, attention_mask, pooling)
     tensors = [t for t in (hidden, weight, bias, attention_mask) if t is not None]
     if _backend.bypass_dispatcher(*tensors):
