@@ -44,7 +44,7 @@ def test_train_sparse_llama_distributed_follows_one_process(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    common = ["--size", "tiny", "--steps", "3", "--log-every", "1"]
+    common = ["--size", "tiny", "--steps", "3", "--log-every", "1", "--device", "cpu"]  # gloo, also on a GPU host
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port)]
     cmd += [str(EXAMPLES / "train_sparse_llama.py"), "--distributed", *common, "--out", str(tmp_path / "ddp")]
     env = dict(os.environ, OMP_NUM_THREADS="1")

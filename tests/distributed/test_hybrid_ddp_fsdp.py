@@ -40,9 +40,11 @@ def _worker(rank: int, world: int, init: str, engine: str, out_path: str) -> Non
             model = torch.nn.parallel.DistributedDataParallel(mlp)
             y = model(x[part])
         else:
+            from torch.distributed.device_mesh import DeviceMesh
             from torch.distributed.fsdp import fully_shard
 
-            model = fully_shard(mlp)
+            # a CPU mesh: left to itself, fully_shard would move the parameters to a visible GPU
+            model = fully_shard(mlp, mesh=DeviceMesh.from_group(dist.group.WORLD, "cpu"))
             y = model(x[part])
         _loss(y, target[part], mlp.last_l1).backward()
         grads = {}
