@@ -10,13 +10,14 @@ gloo on CPUs) and each process trains on its share of the same global batch, so 
 single-process run (same initialisation, batches and updates up to rounding); the logged loss and sparsity are
 averaged over the processes, and process 0 writes the files.
 
-Each run trains the same model twice from the same initialisation and batches, once with ``--l1 0`` and once with
-the L1 coefficient (ramped in linearly over the first half of the steps), and writes to ``--out``:
+Each run trains the same model from the same initialisation and batches once with no L1 and once per coefficient of
+``--l1`` (comma-separated; each ramped in linearly over the first half of the steps), and writes to ``--out`` (after
+each training, so a run cut short keeps what it finished):
 
 * ``log.csv``: per step and run, the loss, the mean and p99 gate non-zeros per token (all layers), the step time;
 * ``curves.png``: loss and non-zeros per token against the step, both runs;
-* ``model-l1.pt``: the L1 run's ``state_dict`` and config (a model whose sparsity was learned, for the inference
-  benchmarks).
+* ``model-l1.pt``: the last L1 run's ``state_dict`` and config (a model whose sparsity was learned, for the
+  inference benchmarks).
 
 The MLPs are patched with :func:`sparsefuse.integrations.transformers.patch_llama` (``--train-method`` dense or
 hybrid); the L1 term is :func:`sparsefuse.integrations.transformers.l1_loss` (each layer's per-element mean, summed
@@ -188,7 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
     parser.add_argument(
-        "--l1", type=float, default=2e-2, help="L1 coefficient of the per-element term (default %(default)s)"
+        "--l1",
+        type=lambda text: [float(v) for v in text.split(",")],
+        default=[2e-2],
+        help="L1 coefficients of the per-element term, comma-separated: one run each (default 2e-2)",
     )
     parser.add_argument("--train-method", choices=("dense", "hybrid"), default="dense")
     parser.add_argument("--steps", type=int, default=None, help="override the size's step count")
@@ -228,26 +232,33 @@ def main(argv: list[str] | None = None) -> int:
 def _run(cfg: dict, args: argparse.Namespace, device: torch.device) -> int:
     data = stdlib_bytes(limit=cfg["data"])
     rows = []
-    for l1 in (0.0, args.l1):
+    for l1 in (0.0, *args.l1):
         rows += train(cfg, data, l1, args, device)
+        if _world()[0] == 0:
+            _write(rows, args.out)
     if _world()[0] != 0:
         return 0 if all(math.isfinite(r["loss"]) for r in rows) else 1
-    with (args.out / "log.csv").open("w", newline="") as f:
+    dense = [r for r in rows if r["l1"] == 0.0][-1]
+    print(f"final: L1=0 loss {dense['loss']:.4f}, {100 * dense['nnz_fraction']:.1f}% firing")
+    for l1 in args.l1:
+        sparse = [r for r in rows if r["l1"] == l1][-1]
+        print(
+            f"       L1={l1:g} loss {sparse['loss']:.4f} ({100 * (sparse['loss'] / dense['loss'] - 1):+.1f}%), "
+            f"{100 * sparse['nnz_fraction']:.1f}% firing"
+        )
+    return 0 if all(math.isfinite(r["loss"]) for r in rows) else 1
+
+
+def _write(rows: list[dict], out: Path) -> None:
+    """log.csv and curves.png of the runs so far."""
+    with (out / "log.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
     try:
-        plot(rows, args.out / "curves.png")
+        plot(rows, out / "curves.png")
     except ImportError:
         print("matplotlib is not installed: no plot")
-    final = {l1: [r for r in rows if r["l1"] == l1][-1] for l1 in (0.0, args.l1)}
-    dense, sparse = final[0.0], final[args.l1]
-    print(
-        f"final: L1=0 loss {dense['loss']:.4f}, {100 * dense['nnz_fraction']:.1f}% firing; "
-        f"L1={args.l1:g} loss {sparse['loss']:.4f} ({100 * (sparse['loss'] / dense['loss'] - 1):+.1f}%), "
-        f"{100 * sparse['nnz_fraction']:.1f}% firing"
-    )
-    return 0 if all(math.isfinite(r["loss"]) for r in rows) else 1
 
 
 if __name__ == "__main__":
