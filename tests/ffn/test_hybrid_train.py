@@ -516,7 +516,10 @@ def test_block_step_on_the_gpu_is_sync_free_capturable_and_close_to_float64(K, N
 
     def step():
         out = hybrid_mlp(*leaves[:4], layout="block")
-        return (out.y, *torch.autograd.grad((out.y, out.l1), leaves[:4], (dy, coef)))
+        grads = torch.autograd.grad((out.y, out.l1), leaves[:4], (dy, coef))
+        # y detached: a graph kept alive from an eager step keeps the leaves' gradient accumulators, bound to the
+        # stream of that step (the legacy default stream), and the captured backward would sync with it
+        return (out.y.detach(), *grads)
 
     eager = step()  # compiles the kernels
     torch.cuda.synchronize()

@@ -44,6 +44,7 @@ BATCHES: list[tuple[int, int]] = [(4, 2048)]
 L1_COEFFICIENT = 2e-5  # the TwELL paper's
 QUICK = ((8,), (30.0,), [(4, 2048)])
 LARGEST_BATCH_CAP = 128  # micro-batches tried at most (sequences)
+FIT_STEPS = 3  # training steps a micro-batch must run to count as fitting (the first steps at a size differ)
 
 
 class _Trainer:
@@ -161,27 +162,40 @@ class _LargestBatch:
         vocab = trainer.model.config.vocab_size
         return torch.randint(0, vocab, (batch, self.seq), generator=g).to(trainer.model.device)
 
-    def _fits(self, trainer: _Trainer, batch: int) -> bool:
+    def _fits(self, trainer: _Trainer, batch: int, steps: int = FIT_STEPS) -> bool:
         try:
-            trainer.step(self._ids(trainer, batch))
+            for _ in range(steps):
+                trainer.step(self._ids(trainer, batch))
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             return True
         except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
             if not _out_of_memory(exc):
                 raise
-            trainer.optimizer.zero_grad(set_to_none=False)
-            gc.collect()
-            torch.cuda.empty_cache()
-            return False
+        # outside the except block: the exception's frames (and the step's tensors) are gone before freeing
+        trainer.optimizer.zero_grad(set_to_none=False)
+        gc.collect()
+        torch.cuda.empty_cache()
+        return False
 
     def step(self, impl: str) -> torch.Tensor:
         trainer = self.models.get((*self.key, impl), impl, alone=True)
         if impl not in self.batch:
             self.batch[impl] = largest_batch(lambda b: self._fits(trainer, b), self.start, LARGEST_BATCH_CAP)
+        while True:
             if not self.batch[impl]:
                 raise RuntimeError(f"train: not even one sequence of {self.seq} tokens fits ({impl})")
-        return trainer.step(self._ids(trainer, self.batch[impl]))
+            try:
+                return trainer.step(self._ids(trainer, self.batch[impl]))
+            except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
+                if not _out_of_memory(exc):
+                    raise
+            # a batch that fitted its search steps can still run out on a later one (the sparse layer's kept
+            # capacity follows the firing it observes): one sequence fewer (its note says the batch timed)
+            self.batch[impl] -= 1
+            trainer.optimizer.zero_grad(set_to_none=False)
+            gc.collect()
+            torch.cuda.empty_cache()
 
     def tokens(self, impl: str) -> int:
         return self.batch.get(impl, 0) * self.seq
