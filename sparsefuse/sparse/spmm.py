@@ -438,6 +438,10 @@ def matmul_skip_zeros(
     return _scan_into(out, a, weight, splits, deterministic)
 
 
+OVERFLOW_ROW_SHARE = 32  # the overflow pass sizes its splits as if one row in this many had overflowed
+OVERFLOW_PARTIAL_BYTES = 64 << 20  # at most this much fp32 partial-sum buffer for the overflow pass's splits
+
+
 def _scan_into(
     out: torch.Tensor,
     a: torch.Tensor,
@@ -457,9 +461,15 @@ def _scan_into(
     if not deterministic and M * triton.cdiv(n_out, block_d) < programs:  # rows alone do not fill the GPU
         programs = _device_programs(a.device, atomic_splits=True)
 
+    # The overflow pass works on the rows past the ELL width only, which the host cannot count without a sync: its
+    # splits are sized for a share of the rows (the other rows' programs exit at once), so that a few long rows are
+    # spread over the GPU instead of each walked by one program -- within a budget for the fp32 partials.
+    rows = M if overflowed is None else triton.cdiv(M, OVERFLOW_ROW_SHARE)
+    most = n_chunks if overflowed is None else max(1, OVERFLOW_PARTIAL_BYTES // (4 * M * n_out))
+
     def n_splits_for(block_d: int) -> int:
-        wanted = splits if splits is not None else triton.cdiv(programs, M * triton.cdiv(n_out, block_d))
-        return triton.cdiv(n_chunks, triton.cdiv(n_chunks, max(1, min(wanted, n_chunks))))
+        wanted = splits if splits is not None else triton.cdiv(programs, rows * triton.cdiv(n_out, block_d))
+        return triton.cdiv(n_chunks, triton.cdiv(n_chunks, max(1, min(wanted, n_chunks, most))))
 
     # One program per (row, D block) sums that row's split partials: keep its read (n_splits * block_d fp32) within
     # ~64 KiB by narrowing the D blocks when rows are few (at B=1, D=2304 a single 4096-wide block took 25 us).
