@@ -47,6 +47,7 @@ def _d(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.double()
 
 
+@torch.no_grad()  # gradients by the formulas: no autograd graph (which would also hold the inputs' accumulators)
 def hybrid_step_reference(
     x: torch.Tensor,
     w_gate: torch.Tensor,
