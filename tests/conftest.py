@@ -37,6 +37,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+def loopback_env(**extra: str) -> dict[str, str]:
+    """The environment for processes that meet over gloo on this machine: rendezvous and gloo's own sockets on the
+    loopback interface. Left to itself gloo binds to whatever the hostname resolves to, which on a sandboxed CI
+    machine can be an address nothing connects through, and the processes then wait out the 30-minute timeout."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", **extra)
+    if os.path.exists("/sys/class/net/lo"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    return env
+
+
 @pytest.fixture
 def device() -> torch.device:
     if DEVICE == "cuda" and not torch.cuda.is_available():

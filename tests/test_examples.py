@@ -37,19 +37,34 @@ def test_train_sparse_llama_distributed_follows_one_process(tmp_path):
     """torchrun with two CPU processes (gloo, DistributedDataParallel), each on half of the same global batch: the
     logged loss follows the single-process run step for step."""
     import os
+    import signal
     import socket
     import subprocess
     import sys
+
+    from conftest import loopback_env
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     common = ["--size", "tiny", "--steps", "3", "--log-every", "1", "--device", "cpu"]  # gloo, also on a GPU host
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1"]
+    cmd += ["--master_port", str(port)]
     cmd += [str(EXAMPLES / "train_sparse_llama.py"), "--distributed", *common, "--out", str(tmp_path / "ddp")]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    # output to files and the run in its own process group: on a timeout the workers torchrun started are killed
+    # too (left alive, they would hold captured pipes open and the test would wait for them forever)
+    log = tmp_path / "torchrun.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            cmd, env=loopback_env(OMP_NUM_THREADS="1"), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            returncode = proc.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            returncode = None
+    assert returncode == 0, f"torchrun returned {returncode}:\n" + log.read_text()[-6000:]
     assert _load("train_sparse_llama").main([*common, "--out", str(tmp_path / "one")]) == 0
 
     def losses(run):

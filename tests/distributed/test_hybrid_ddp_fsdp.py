@@ -2,11 +2,15 @@
 CPU with the gloo backend. Each rank takes half of the batch; the gradients after one step must equal one process's
 on the whole batch (the loss and the L1 term are means, so DDP's gradient average is the full-batch gradient)."""
 
+import time
+from datetime import timedelta
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from conftest import loopback_env
 from sparsefuse.nn import SparseGatedMLP
 
 K, N, M = 16, 48, 12
@@ -31,7 +35,8 @@ def _loss(mlp_out: torch.Tensor, target: torch.Tensor, l1: torch.Tensor) -> torc
 
 
 def _worker(rank: int, world: int, init: str, engine: str, out_path: str) -> None:
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    # a peer that never connects fails the test in a minute, not in the default 30
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
         mlp = _module()
         x, target = _batch()
@@ -59,8 +64,19 @@ def _worker(rank: int, world: int, init: str, engine: str, out_path: str) -> Non
         dist.destroy_process_group()
 
 
+def _run_processes(fn, args: tuple, nprocs: int, seconds: float) -> None:
+    """``mp.spawn`` with a deadline: processes still running after ``seconds`` are killed and the test fails."""
+    context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + seconds
+    while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"{nprocs} gloo processes still running after {seconds} s")
+
+
 @pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
-def test_two_processes_match_one(engine, tmp_path):
+def test_two_processes_match_one(engine, tmp_path, monkeypatch):
     if engine == "fsdp2":
         pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 needs torch >= 2.6")
         from torch.distributed import fsdp
@@ -73,7 +89,9 @@ def test_two_processes_match_one(engine, tmp_path):
     single = {name: p.grad for name, p in mlp.named_parameters()}
     out_path = str(tmp_path / "grads.pt")
     init = f"file://{tmp_path / 'rendezvous'}"
-    mp.spawn(_worker, args=(2, init, engine, out_path), nprocs=2, join=True)
+    for name, value in loopback_env().items():  # the spawned processes start from this environment
+        monkeypatch.setenv(name, value)
+    _run_processes(_worker, (2, init, engine, out_path), nprocs=2, seconds=300)
     distributed = torch.load(out_path)
     assert distributed.keys() == single.keys()
     for name, g in single.items():
