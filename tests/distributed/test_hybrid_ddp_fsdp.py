@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
 from conftest import loopback_env
+
 from sparsefuse.nn import SparseGatedMLP
 
 K, N, M = 16, 48, 12
