@@ -38,6 +38,7 @@ __all__ = [
     "new_output_like",
     "poison_outputs",
     "sm_count",
+    "dram_bandwidth",
 ]
 
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0").lower() not in ("", "0", "false", "off")
@@ -60,6 +61,25 @@ def sm_count(device: torch.device, interpreted: int = 8) -> int:
     if device.type != "cuda":
         return interpreted
     return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_dram_bandwidth(index: int) -> float | None:
+    props = triton.runtime.driver.active.utils.get_device_properties(index)
+    clock_khz, bus_bits = props.get("mem_clock_rate", 0), props.get("mem_bus_width", 0)
+    return 2 * clock_khz * 1e3 * bus_bits / 8 if clock_khz and bus_bits else None  # double data rate
+
+
+def dram_bandwidth(device: torch.device) -> float | None:
+    """Peak DRAM bandwidth of a CUDA device in bytes/s (memory clock x bus width, double data rate; cached), or
+    None where it is unknown (CPU tensors, a driver that does not report it). Cost models scale their byte-bound
+    terms by it: H100 SXM 3.35e12, H200 4.8e12."""
+    if device.type != "cuda":
+        return None
+    try:
+        return _cuda_dram_bandwidth(device.index if device.index is not None else torch.cuda.current_device())
+    except (AttributeError, RuntimeError):  # a Triton without the query: cost models keep their reference rates
+        return None
 
 
 # Launch rule for the elementwise (streaming) kernels, measured rather than autotuned (H200, CUDA-graph replay with
