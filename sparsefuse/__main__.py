@@ -75,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="run only the cases whose shape label matches REGEX (re.search), e.g. '^8B nnz=30 prefill'",
     )
     bench.add_argument(
+        "--checkpoint",
+        metavar="PATH",
+        default=None,
+        help="model workload: bench this saved model ({'config', 'state_dict'}, e.g. the training example's "
+        "model-l1.pt: sparsity learned) instead of the synthetic ones",
+    )
+    bench.add_argument(
         "--merge",
         action="store_true",
         help="merge into the result sets already in --out: re-measured rows replace theirs, other rows are kept "
@@ -198,7 +205,7 @@ def _bench(names: list[str], args: argparse.Namespace, dtypes: tuple[torch.dtype
         else:
             print(message, flush=True)
 
-    options = Options(quick=args.quick, dtypes=dtypes, log=say)
+    options = Options(quick=args.quick, dtypes=dtypes, log=say, checkpoint=args.checkpoint)
     cases = [case for name in names for case in WORKLOADS[name](options)]
     if args.shapes is not None:
         try:

@@ -63,6 +63,7 @@ class Options:
     max_sets: int = 256  # cap on rotated input sets (small shapes would otherwise need thousands)
     max_rotation_bytes: int = 4 << 30  # cap on the rotated inputs' total size (further capped by free memory)
     log: Callable[[str], None] = print  # where workloads print notes (e.g. "skipped: snac not installed")
+    checkpoint: str | None = None  # model workload: a saved model to bench instead of the synthetic ones
 
 
 @dataclasses.dataclass

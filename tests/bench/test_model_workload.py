@@ -96,7 +96,9 @@ def test_patched_and_unpatched_compute_the_same_logits(tiny, monkeypatch, method
         )
     pairs: list[workload._ModelPair] = []
     make_pair = workload._ModelPair
-    monkeypatch.setattr(workload, "_ModelPair", lambda build: pairs.append(make_pair(build)) or pairs[-1])
+    monkeypatch.setattr(
+        workload, "_ModelPair", lambda build, text=None: pairs.append(make_pair(build, text)) or pairs[-1]
+    )
     cases = harness.WORKLOADS["model"](Options(quick=True, device=str(device), dtypes=(torch.float32,)))
     assert len(cases) == 9 and all(c.dtype == torch.float32 for c in cases)
     for case in cases:
@@ -125,6 +127,36 @@ def test_patched_and_unpatched_compute_the_same_logits(tiny, monkeypatch, method
             full = torch.cat([state.context_ids, state.input_ids], dim=1)
             reference = workload.prefill_logits(models["unpatched"], full)
             torch.testing.assert_close(out["unpatched"], reference, rtol=1e-4, atol=1e-4)
+
+
+def test_a_saved_model_is_benched_on_the_text_it_was_trained_on(tiny, tmp_path, device):
+    """--checkpoint: the training example's file format ({"config", "state_dict"} of a patched model) is loaded
+    into an unpatched Llama; its cases are labelled by the file's name and "learned"; a byte vocabulary is fed
+    windows of the standard library's source; both implementations give the same logits."""
+    model = tiny_llama("tiny")
+    config = model.config.to_dict() | {"vocab_size": 256}
+    patched = sparsefuse.integrations.transformers.patch_llama(
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
+    )
+    path = tmp_path / "model-l1.pt"
+    torch.save({"config": config, "state_dict": patched.state_dict()}, path)
+    options = Options(quick=True, device=str(device), dtypes=(torch.float32,), checkpoint=str(path))
+    cases = harness.WORKLOADS["model"](options)
+    parts = [workload.parse_shape(c.shape) for c in cases]
+    assert {(p["model"], p["sparsity"]) for p in parts} == {("model-l1", "learned")} and len(cases) == 9
+    case = next(c for c, p in zip(cases, parts) if p["phase"] == "prefill" and p["how"] == "eager")
+    (ids,) = case.make_inputs()
+    text = workload.stdlib_text(16 << 20)
+    row = bytes(ids[0].tolist())
+    assert ids.shape == (2, 7) and row in text.numpy().tobytes()
+    torch.testing.assert_close(case.impls["patched"](ids), case.impls["unpatched"](ids), rtol=1e-4, atol=1e-4)
+
+
+def test_a_checkpoint_of_another_format_is_a_clear_error(tmp_path):
+    path = tmp_path / "weights.pt"
+    torch.save({"weight": torch.ones(2)}, path)
+    with pytest.raises(ValueError, match=r"--checkpoint .*weights\.pt.*'config' and 'state_dict'.*\['weight'\]"):
+        harness.WORKLOADS["model"](Options(quick=True, device="cpu", checkpoint=str(path)))
 
 
 def _fake_rows() -> list[Result]:

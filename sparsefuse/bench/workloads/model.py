@@ -30,6 +30,10 @@ unpatched time / patched time):
 :func:`summary` joins them: FFN share = FFN time (unpatched) / whole-model time (unpatched) and the Amdahl bound
 ``1 / (1 - share + share / ffn_speedup)``; :func:`plot` draws tokens/s per prefill shape and against the decode
 batch. ``--quick``: 1.5B, nnz=30, prefill (4, 2048), decode B in {1, 8}, eager and graph.
+
+``--checkpoint PATH`` benches a trained model instead (a ``{"config", "state_dict"}`` file such as the training
+example's ``model-l1.pt``: sparsity learned, not synthesised), sparsity label ``learned``, fed what it was trained on
+where its vocabulary is bytes (windows of the standard library's ``.py`` files), random tokens otherwise.
 """
 
 from __future__ import annotations
@@ -62,7 +66,9 @@ _SHAPE = re.compile(
 )
 
 
-def sparsity_label(mean_nnz: float | None) -> str:
+def sparsity_label(mean_nnz: float | str | None) -> str:
+    if isinstance(mean_nnz, str):
+        return mean_nnz
     return "dense" if mean_nnz is None else f"nnz={mean_nnz:g}"
 
 
@@ -77,13 +83,19 @@ def parse_shape(shape: str) -> dict[str, str] | None:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def uniform_token_ids(model: torch.nn.Module, shape: tuple[int, int], generator: torch.Generator) -> torch.Tensor:
+    """[B, S] int64 token ids drawn uniformly from the model's vocabulary, on its device."""
+    return torch.randint(0, model.config.vocab_size, shape, generator=generator).to(model.device)
+
+
 class _ModelPair:
     """The unpatched model of one (shape, sparsity) and its patched deep copy, built on first use; asking for
     another key frees this pair first (two 8B pairs do not fit on an 80 GB GPU beside each other). Compiled
     wrappers are kept here too, so that they are freed with their model."""
 
-    def __init__(self, build: Callable[[str, float | None], torch.nn.Module]) -> None:
+    def __init__(self, build: Callable[[str, float | None], torch.nn.Module], text: torch.Tensor | None = None) -> None:
         self.build = build
+        self.text = text  # [T] uint8 corpus the model was trained on (byte vocabulary), or None: random tokens
         self.key: tuple[str, float | None] | None = None
         self.models: dict[str, torch.nn.Module] = {}
         self.compiled: dict[tuple[str, str], Callable[..., Any]] = {}
@@ -100,6 +112,14 @@ class _ModelPair:
             self.models = {"unpatched": model, "patched": patch_llama(copy.deepcopy(model))}
             self.key = key
         return self.models
+
+    def token_ids(self, model: torch.nn.Module, shape: tuple[int, int], generator: torch.Generator) -> torch.Tensor:
+        """[B, S] int64 token ids on the model's device: random windows of the corpus, else uniform tokens."""
+        batch, seq = shape
+        if self.text is None or self.text.numel() <= seq:
+            return uniform_token_ids(model, shape, generator)
+        starts = torch.randint(0, self.text.numel() - seq, (batch, 1), generator=generator)
+        return self.text[starts + torch.arange(seq)].long().to(model.device)
 
     def compile(
         self, key: tuple[str, float | None], impl: str, mode: str, warm_up: Callable[[Any], Any]
@@ -139,11 +159,18 @@ class DecodeState:
     the next step: token ids [B, 1] and their position. :meth:`step` runs that step and rewinds the cache in place
     (transformers versions that count the filled length on the device), so it can be repeated and captured."""
 
-    def __init__(self, model: torch.nn.Module, batch: int, context: int, generator: torch.Generator) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        batch: int,
+        context: int,
+        generator: torch.Generator,
+        token_ids: Callable[[torch.nn.Module, tuple[int, int], torch.Generator], torch.Tensor] | None = None,
+    ) -> None:
         from transformers import StaticCache
 
+        token_ids = uniform_token_ids if token_ids is None else token_ids
         device = model.device
-        vocab = model.config.vocab_size
         kwargs: dict[str, Any] = {"config": model.config, "max_cache_len": context + 1}
         params = _params(StaticCache.__init__)
         if "max_batch_size" in params:  # older transformers allocate the cache up front
@@ -151,7 +178,8 @@ class DecodeState:
         self.cache = StaticCache(**kwargs)
         self.cache_keyword = _cache_keyword(model)
         self.with_cache_position = "cache_position" in _params(model.model.forward)
-        self.context_ids = torch.randint(0, vocab, (batch, context), generator=generator).to(device)
+        ids = token_ids(model, (batch, context + 1), generator)  # the context, then each sequence's next token
+        self.context_ids = ids[:, :context].contiguous()
         with torch.no_grad():
             model(
                 input_ids=self.context_ids, use_cache=True, **self._cache_kwargs(torch.arange(context, device=device))
@@ -161,7 +189,7 @@ class DecodeState:
             for layer in getattr(self.cache, "layers", [])
             if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)
         ]
-        self.input_ids = torch.randint(0, vocab, (batch, 1), generator=generator).to(device)
+        self.input_ids = ids[:, context:].contiguous()
         self.position_ids = torch.full((batch, 1), context, device=device, dtype=torch.long)
         self.cache_position = torch.tensor([context], device=device)
 
@@ -251,7 +279,7 @@ def _scenario_cases(
 
         def make_inputs() -> tuple[torch.Tensor]:
             model = pair.get(key)["unpatched"]
-            return (torch.randint(0, model.config.vocab_size, (batch, seq), generator=generator()).to(model.device),)
+            return (pair.token_ids(model, (batch, seq), generator()),)
 
         def whole(impl: str, how: str) -> Callable[..., Any]:
             if how == "compile":
@@ -269,7 +297,7 @@ def _scenario_cases(
         tokens = batch
 
         def make_inputs() -> tuple[DecodeState]:
-            return (DecodeState(pair.get(key)["unpatched"], batch, CONTEXT, generator()),)
+            return (DecodeState(pair.get(key)["unpatched"], batch, CONTEXT, generator(), pair.token_ids),)
 
         def whole(impl: str, how: str) -> Callable[..., Any]:
             if how == "compile":
@@ -287,6 +315,39 @@ def _scenario_cases(
     ffn = {impl: (lambda *xs, impl=impl: run_mlps(pair.get(key)[impl], xs)) for impl in IMPLS}
     cases.append(_case(label, dtype, "FFN", tokens, make_ffn_inputs, ffn))
     return cases
+
+
+def load_checkpoint(path: Path, dtype: torch.dtype, device: str, config_only: bool = False) -> Any:
+    """The ``LlamaForCausalLM`` saved at ``path`` as ``{"config": dict, "state_dict": ...}`` (the training example's
+    ``model-l1.pt``; a patched model's state_dict has the unpatched keys), in eval mode on ``device`` in ``dtype``;
+    with ``config_only`` its ``LlamaConfig`` alone."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(saved, dict) or not {"config", "state_dict"} <= saved.keys():
+        raise ValueError(
+            f"--checkpoint {str(path)!r}: expected a dict with 'config' and 'state_dict' (as saved by "
+            f"examples/train_sparse_llama.py), got {type(saved).__name__}"
+            + (f" with keys {sorted(saved)}" if isinstance(saved, dict) else "")
+        )
+    config = LlamaConfig(**saved["config"])
+    if config_only:
+        return config
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(saved["state_dict"])
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def stdlib_text(limit: int) -> torch.Tensor:
+    """[<= limit] uint8: the standard library's ``.py`` files in sorted order, the training example's corpus."""
+    import sysconfig
+
+    chunks, total = [], 0
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+        if "site-packages" not in path.parts and total < limit:
+            chunks.append(path.read_bytes())
+            total += len(chunks[-1])
+    return torch.frombuffer(bytearray(b"".join(chunks)[:limit]), dtype=torch.uint8)
 
 
 def _synthetic_llama() -> Callable[..., torch.nn.Module]:
@@ -316,23 +377,35 @@ def model_cases(options: Options) -> list[Case]:
     except ImportError:
         options.log("model: skipped (the `transformers` package is not installed: pip install transformers)")
         return []
-    try:
-        build_llama = _synthetic_llama()
-    except ImportError as exc:
-        options.log(f"model: skipped (sparsefuse.ffn.synthetic.synthetic_llama is unavailable: {exc})")
-        return []
     # bf16 is the design point; another dtype only when bf16 was not asked for (e.g. float32 on the CPU in tests).
     dtype = torch.bfloat16 if torch.bfloat16 in options.dtypes else options.dtypes[0]
     quick = options.quick
+    if options.checkpoint is not None:
+        path = Path(options.checkpoint)
+        models, sparsities = (path.stem,), ("learned",)
+        config = load_checkpoint(path, torch.float32, "cpu", config_only=True)
+        text = stdlib_text(16 << 20) if config.vocab_size == 256 else None
 
-    def build(shape: str, mean_nnz: float | None) -> torch.nn.Module:
-        return build_llama(shape, mean_nnz=mean_nnz, dtype=dtype, device=options.device)
+        def build(shape: str, mean_nnz: float | str | None) -> torch.nn.Module:
+            return load_checkpoint(path, dtype, options.device)
 
-    pair = _ModelPair(build)
+    else:
+        try:
+            build_llama = _synthetic_llama()
+        except ImportError as exc:
+            options.log(f"model: skipped (sparsefuse.ffn.synthetic.synthetic_llama is unavailable: {exc})")
+            return []
+        models = QUICK_MODELS if quick else MODELS
+        sparsities, text = QUICK_SPARSITIES if quick else SPARSITIES, None
+
+        def build(shape: str, mean_nnz: float | str | None) -> torch.nn.Module:
+            return build_llama(shape, mean_nnz=mean_nnz, dtype=dtype, device=options.device)
+
+    pair = _ModelPair(build, text)
     methods = QUICK_METHODS if quick else METHODS
     cases: list[Case] = []
-    for model in QUICK_MODELS if quick else MODELS:  # cases of one model pair stay together: it is built once
-        for mean_nnz in QUICK_SPARSITIES if quick else SPARSITIES:
+    for model in models:  # cases of one model pair stay together: it is built once
+        for mean_nnz in sparsities:
             key = (model, mean_nnz)
             for batch, seq in QUICK_PREFILL if quick else PREFILL:
                 cases += _scenario_cases(pair, key, "prefill", batch, seq, methods, dtype, seed=len(cases))
