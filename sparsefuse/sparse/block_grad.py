@@ -20,6 +20,7 @@ import triton.language as tl
 from .. import _backend
 from .._backend import Backend, backend_for, new_output, record_launch
 from .._triton.dot import dot_accumulate, gathered_rows_dot, ieee_fp32
+from .._triton.slots import block_slots
 from .._validation import unit_last_stride
 from .formats import BlockCSC, BlockELL
 
@@ -59,19 +60,13 @@ def block_ell_sddmm_kernel(
     block = tl.program_id(1)
     count = tl.load(counts_ptr + block)
     if chunk * BLOCK_C < count:
-        p = chunk * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C]
-        p_mask = p < count
-        cols = tl.load(indices_ptr + block.to(tl.int64) * width + p, mask=p_mask, other=0)
-        local = tl.arange(0, BLOCK_ROWS)
-        slots = block * BLOCK_ROWS + local  # [BLOCK_ROWS]
-        row_mask = slots < M
-        rows = tl.load(order_ptr + slots, mask=row_mask, other=0) if HAS_ORDER else slots
+        _, p_mask, cols, _, rows, row_mask, mask, offsets = block_slots(
+            indices_ptr, order_ptr, block, chunk, count, M, width, BLOCK_ROWS, BLOCK_C, True, HAS_ORDER
+        )
         a_rows_ptr = a_ptr + rows[:, None].to(tl.int64) * stride_a
         b_cols_ptr = b_ptr + cols[None, :].to(tl.int64) * stride_b
         acc = tl.zeros([BLOCK_ROWS, BLOCK_C], dtype=tl.float32)
         acc = gathered_rows_dot(acc, a_rows_ptr, row_mask, b_cols_ptr, p_mask, D, BLOCK_D, IEEE_FP32)
-        mask = row_mask[:, None] & p_mask[None, :]
-        offsets = block.to(tl.int64) * BLOCK_ROWS * width + local[:, None] * width + p[None, :]
         if GATED:
             gate = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
             gate_grad = tl.load(gate_grad_ptr)
@@ -179,13 +174,9 @@ def block_csc_kernel(
     block = tl.program_id(1)
     count = tl.load(counts_ptr + block)
     if chunk * BLOCK_C < count:
-        p = chunk * BLOCK_C + tl.arange(0, BLOCK_C)
-        p_mask = p < count
-        cols = tl.load(indices_ptr + block.to(tl.int64) * width + p, mask=p_mask, other=0)
-        local = tl.arange(0, BLOCK_ROWS)
-        row_mask = block * BLOCK_ROWS + local < M
-        flat = block.to(tl.int64) * BLOCK_ROWS * width + local[:, None] * width + p[None, :]  # [BLOCK_ROWS, BLOCK_C]
-        mask = row_mask[:, None] & p_mask[None, :]
+        _, p_mask, cols, _, _, _, mask, flat = block_slots(
+            indices_ptr, indices_ptr, block, chunk, count, M, width, BLOCK_ROWS, BLOCK_C, True, False
+        )  # [BLOCK_ROWS, BLOCK_C] flat slot indices
         v = tl.load(values_ptr + flat, mask=mask, other=0.0)
         nz = ((v != 0) & mask).to(tl.int32)
         if FILL:
@@ -196,11 +187,26 @@ def block_csc_kernel(
             tl.store(pair_ptr + block.to(tl.int64) * N + cols, tl.sum(nz, axis=0), mask=p_mask)
 
 
-def block_ell_transpose(sparse: BlockELL, column_counts: torch.Tensor | None = None) -> BlockCSC:
+def column_count_table(column_counts: torch.Tensor) -> torch.Tensor:
+    """``column_counts`` [n_blocks, N] laid out as :func:`block_ell_transpose`'s ``count_table``: a new
+    [n_blocks + 1, N] int64 table, block b's counts in row b + 1 and zeros in row 0. A caller that must correct some
+    blocks' counts (a backward that recomputed them) writes into its rows and leaves ``column_counts`` as it was."""
+    n_blocks, N = column_counts.shape
+    table = torch.empty(n_blocks + 1, N, dtype=torch.int64, device=column_counts.device)
+    table[0].zero_()
+    table[1:].copy_(column_counts)
+    return table
+
+
+def block_ell_transpose(
+    sparse: BlockELL, column_counts: torch.Tensor | None = None, *, count_table: torch.Tensor | None = None
+) -> BlockCSC:
     """The non-zero slots of ``sparse`` (values != 0; NaN counts) grouped by column, in (block, row) order within a
     column: :class:`BlockCSC`. Two passes over the slots and prefix sums over a [n_blocks, N] table; no host sync.
     ``column_counts`` [n_blocks, N] int32, the non-zeros per (row block, column) when already known (e.g. from
-    :func:`sparsefuse.sparse.block_sddmm` with ``factors``), saves the first pass.
+    :func:`sparsefuse.sparse.block_sddmm` with ``factors``), saves the first pass; it is only read. Or
+    ``count_table``, the same counts as :func:`column_count_table` lays them out: this call takes it over and
+    overwrites it with its prefix sums.
     The index array is allocated for every slot that could hold a non-zero (``M * N`` entries: 4 bytes each while
     ``M * width < 2**31``), since the count is only known on the device."""
     values = sparse.values
@@ -218,15 +224,25 @@ def block_ell_transpose(sparse: BlockELL, column_counts: torch.Tensor | None = N
     grid = (triton.cdiv(width, block_c), n_blocks)
     args = (sparse.indices, sparse.counts)
     common = dict(BLOCK_ROWS=sparse.block_rows, BLOCK_C=block_c, num_warps=4)
-    pair = column_counts
-    if pair is None:
-        pair = torch.zeros(n_blocks, N, dtype=torch.int32, device=values.device)
-        block_csc_kernel[grid](values, *args, pair, pair, src, M, N, width, FILL=False, **common)
+    # One int64 table [n_blocks + 1, N] holds the counts shifted down a row, so that its running sum in place is
+    # each (block, column)'s count in the blocks before it (row n_blocks: the column's total) and, plus the
+    # column's offset, where the block's entries of the column start: no second table of the counts is needed.
+    if count_table is not None:
+        if count_table.shape != (n_blocks + 1, N) or count_table.dtype != torch.int64:
+            raise ValueError(f"block_ell_transpose: count_table must be [{n_blocks + 1}, {N}] int64")
+        table = count_table.cumsum_(0)
+    elif column_counts is not None:
+        table = torch.empty(n_blocks + 1, N, dtype=torch.int64, device=values.device)
+        table[0].zero_()
+        torch.cumsum(column_counts, 0, dtype=torch.int64, out=table[1:])
+    else:
+        table = torch.zeros(n_blocks + 1, N, dtype=torch.int64, device=values.device)
+        block_csc_kernel[grid](values, *args, table[1:], table[1:], src, M, N, width, FILL=False, **common)
         record_launch("block_csc_kernel")
-    running = pair.cumsum(0)  # int64 [n_blocks, N]: each column's non-zeros in blocks up to and including b
-    torch.cumsum(running[-1], 0, out=offsets[1:])
-    start = offsets[:-1][None, :] + running - pair
-    block_csc_kernel[grid](values, *args, start, pair, src, M, N, width, FILL=True, **common)
+        table.cumsum_(0)
+    torch.cumsum(table[-1], 0, out=offsets[1:])
+    start = table[:-1].add_(offsets[:-1])  # [n_blocks, N]
+    block_csc_kernel[grid](values, *args, start, start, src, M, N, width, FILL=True, **common)
     record_launch("block_csc_kernel")
     return csc
 

@@ -25,7 +25,9 @@ import triton.language as tl
 from .. import _backend
 from .._backend import Backend, backend_for, new_output, record_launch
 from .._triton.dot import gathered_rows_dot, ieee_fp32
+from .._triton.slots import block_slots
 from .._validation import unit_last_stride
+from .block_grad import column_count_table
 
 _SPILLED: dict[torch.device, torch.Tensor] = {}
 
@@ -85,10 +87,9 @@ def block_pack_kernel(
         tl.atomic_add(spilled_ptr, 1)  # integer: the same total in any order
     if fits & (chunk * BLOCK_C < count):
         start = tl.load(offsets_ptr + block)
-        p = chunk * BLOCK_C + tl.arange(0, BLOCK_C)
-        local = tl.arange(0, BLOCK_ROWS)
-        mask = (block * BLOCK_ROWS + local < M)[:, None] & (p < count)[None, :]
-        src = block.to(tl.int64) * BLOCK_ROWS * width + local[:, None] * width + p[None, :]
+        p, _, _, local, _, _, mask, src = block_slots(
+            counts_ptr, counts_ptr, block, chunk, count, M, width, BLOCK_ROWS, BLOCK_C, False, False
+        )  # no columns or rows: a copy
         dst = start + local[:, None] * count + p[None, :]
         tl.store(packed_gate_ptr + dst, tl.load(gate_ptr + src, mask=mask), mask=mask)
         if HAS_UP:
@@ -158,28 +159,26 @@ def block_unpack_kernel(
 ):
     # The inverse of block_pack_kernel into gate, up [M, width]; a block past the capacity is recomputed instead:
     # gate = relu(round(x[rows] @ w_gate[cols]^T + b_gate)), up = x[rows] @ w_up[cols]^T + b_up (x [M, K], weights
-    # [N, K]), and its fired counts per column (gate != 0, as the transpose counts them) to column_counts[blk, cols].
+    # [N, K]), and its fired counts per column (gate != 0, as the transpose counts them) to column_counts[blk, cols]
+    # ([n_blocks, N], any integer dtype).
     chunk = tl.program_id(0)
     block = tl.program_id(1)
     count = tl.load(counts_ptr + block)
     if chunk * BLOCK_C < count:
         start = tl.load(offsets_ptr + block)
         end = tl.load(offsets_ptr + block + 1)
-        p = chunk * BLOCK_C + tl.arange(0, BLOCK_C)
-        p_mask = p < count
-        local = tl.arange(0, BLOCK_ROWS)
-        slots = block * BLOCK_ROWS + local
-        row_mask = slots < M
-        mask = row_mask[:, None] & p_mask[None, :]
-        dst = block.to(tl.int64) * BLOCK_ROWS * width + local[:, None] * width + p[None, :]
-        if end <= capacity:
+        if end <= capacity:  # a copy: the block's columns and rows are not read
+            p, _, _, local, _, _, mask, dst = block_slots(
+                indices_ptr, order_ptr, block, chunk, count, M, width, BLOCK_ROWS, BLOCK_C, False, False
+            )
             src = start + local[:, None] * count + p[None, :]
             tl.store(gate_ptr + dst, tl.load(packed_gate_ptr + src, mask=mask), mask=mask)
             if HAS_UP:
                 tl.store(up_ptr + dst, tl.load(packed_up_ptr + src, mask=mask), mask=mask)
         else:
-            cols = tl.load(indices_ptr + block.to(tl.int64) * width + p, mask=p_mask, other=0)
-            rows = tl.load(order_ptr + slots, mask=row_mask, other=0) if HAS_ORDER else slots
+            _, p_mask, cols, _, rows, row_mask, mask, dst = block_slots(
+                indices_ptr, order_ptr, block, chunk, count, M, width, BLOCK_ROWS, BLOCK_C, True, HAS_ORDER
+            )
             x_rows_ptr = x_ptr + rows[:, None].to(tl.int64) * stride_x
             wg_rows_ptr = w_gate_ptr + cols[None, :].to(tl.int64) * stride_wg
             acc_g = tl.zeros([BLOCK_ROWS, BLOCK_C], dtype=tl.float32)
@@ -215,10 +214,15 @@ def unpack_block_factors(
     b_up: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """(gate, up [M, width] on the BlockELL slots of ``indices`` [n_blocks, width] / ``counts`` / ``order``, column
-    counts [n_blocks, N] int32) from :func:`pack_block_factors`' arrays, in their dtype. Blocks past the capacity are
-    recomputed from x [M, K] and the weights [N, K] (biases [N] or None), and their entries of ``column_counts`` (the
-    forward's, copied) are recounted from the recomputed gate. No host sync. ``w_up=None`` (a non-gated layer, packed
-    without an up factor): up is None."""
+    counts) from :func:`pack_block_factors`' arrays, in their dtype. Blocks past the capacity are recomputed from
+    x [M, K] and the weights [N, K] (biases [N] or None) and recounted from the recomputed gate. No host sync.
+    ``w_up=None`` (a non-gated layer, packed without an up factor): up is None.
+
+    The column counts come back as :func:`~sparsefuse.sparse.block_grad.column_count_table` lays out the forward's
+    ``column_counts`` [n_blocks, N] (left unchanged), the recounted blocks' rows corrected: what
+    :func:`~sparsefuse.sparse.block_ell_transpose` takes as ``count_table``. Whether a block was recomputed is known
+    only on the device, so the recounts need a table of their own on every call: this is the int64 table that the
+    transpose's prefix sums then run in, in place, rather than a copy of the counts beside it."""
     x, w_gate, b_gate, w_up, b_up = (
         unit_last_stride(t) for t in (x, w_gate, b_gate, w_up, b_up)
     )  # read at unit stride
@@ -228,23 +232,23 @@ def unpack_block_factors(
     has_up = w_up is not None
     gate = new_output((M, width), dtype, device)
     up = new_output((M, width), dtype, device) if has_up else None
-    column_counts = column_counts.clone()
+    table = column_count_table(column_counts)
     if M == 0 or counts.shape[0] == 0:
-        return gate, up, column_counts
+        return gate, up, table
     if backend_for(x) is Backend.TORCH:
         raise NotImplementedError("unpack_block_factors runs on the GPU or the Triton interpreter")
     block_c, block_k, warps, stages = (16, 32, 4, 1) if _backend.INTERPRET else (64, 64, 4, 2)
     block_unpack_kernel[(triton.cdiv(width, block_c), counts.shape[0])](
         packed.gate, packed.up, packed.offsets, indices, counts, order if order is not None else counts,
         x, w_gate, b_gate if b_gate is not None else w_gate, w_up if has_up else w_gate,
-        b_up if b_up is not None else w_gate, gate, up if has_up else gate, column_counts, M, N, K, width,
+        b_up if b_up is not None else w_gate, gate, up if has_up else gate, table[1:], M, N, K, width,
         packed.gate.shape[0], x.stride(0), w_gate.stride(0), w_up.stride(0) if has_up else 0,
         BLOCK_ROWS=block_rows, BLOCK_C=block_c, BLOCK_K=block_k, HAS_ORDER=order is not None,
         HAS_B_GATE=b_gate is not None, HAS_B_UP=b_up is not None, HAS_UP=has_up, IEEE_FP32=ieee_fp32(x.dtype),
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     record_launch("block_unpack_kernel")
-    return gate, up, column_counts
+    return gate, up, table
 
 
 __all__ = ["PackedFactors", "block_offsets", "pack_block_factors", "unpack_block_factors", "spilled_blocks"]

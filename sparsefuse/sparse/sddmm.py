@@ -21,6 +21,7 @@ from .. import _backend
 from .._backend import Backend, backend_for, new_output, record_launch
 from .._triton.dot import gathered_rows_dot, ieee_fp32
 from .._triton.gather import pick_nonzeros, rank_nonzeros
+from .._triton.slots import block_slots
 from .._validation import unit_last_stride
 from .formats import BlockELL, RowBlockPattern
 
@@ -173,16 +174,15 @@ def block_sddmm_kernel(
     if chunk == 0:
         tl.store(out_counts_ptr + block, total)
     if chunk * BLOCK_C < total:
-        p = chunk * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C] compacted slots
-        p_mask = p < total
+        # p: [BLOCK_C] compacted slots; their columns are looked up through the per-tile layout below
+        p, p_mask, _, _, rows, row_mask, mask, out_offsets = block_slots(
+            indices_ptr, order_ptr, block, chunk, total, M, width, BLOCK_ROWS, BLOCK_C, False, HAS_ORDER
+        )
         # each slot's tile (how many tiles end at or before it) and its place in that tile's union
         tile_of_p = tl.sum((ends[None, :] <= p[:, None]).to(tl.int32), axis=1)  # [BLOCK_C]
         first_of_tile = tl.sum(tl.where(tiles[None, :] == tile_of_p[:, None], (ends - counts)[None, :], 0), axis=1)
         src = tile_of_p * TILE + p - first_of_tile  # [BLOCK_C] slot in the per-tile layout
         cols = tl.load(indices_ptr + block.to(tl.int64) * width + src, mask=p_mask, other=0)
-        slots = block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [BLOCK_ROWS]
-        row_mask = slots < M
-        rows = tl.load(order_ptr + slots, mask=row_mask, other=0) if HAS_ORDER else slots
         if HAS_B:
             a_rows_ptr = a_ptr + rows[:, None].to(tl.int64) * stride_a  # [BLOCK_ROWS, 1]
             b_cols_ptr = b_ptr + cols[None, :].to(tl.int64) * stride_b  # [1, BLOCK_C]
@@ -192,19 +192,16 @@ def block_sddmm_kernel(
             acc = tl.full([BLOCK_ROWS, BLOCK_C], 1.0, dtype=tl.float32)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=p_mask, other=0.0).to(tl.float32)[None, :]
-        mask = row_mask[:, None] & p_mask[None, :]
         scale = tl.load(scale_ptr + rows[:, None].to(tl.int64) * stride_scale + cols[None, :], mask=mask, other=0.0).to(
             tl.float32
         )
         if RELU:
             scale = tl.where((scale > 0) | (scale != scale), scale, 0.0)
-        block_offset = block.to(tl.int64) * BLOCK_ROWS * width  # 32-bit offsets within the block
-        in_block = tl.arange(0, BLOCK_ROWS)[:, None] * width + p[None, :]
-        tl.store(out_values_ptr + block_offset + in_block, (scale * acc).to(out_values_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_values_ptr + out_offsets, (scale * acc).to(out_values_ptr.dtype.element_ty), mask=mask)
         if FACTORS:
             if HAS_B:  # without a product the values already are the gate factor
-                tl.store(gate_out_ptr + block_offset + in_block, scale.to(gate_out_ptr.dtype.element_ty), mask=mask)
-                tl.store(up_out_ptr + block_offset + in_block, acc.to(up_out_ptr.dtype.element_ty), mask=mask)
+                tl.store(gate_out_ptr + out_offsets, scale.to(gate_out_ptr.dtype.element_ty), mask=mask)
+                tl.store(up_out_ptr + out_offsets, acc.to(up_out_ptr.dtype.element_ty), mask=mask)
             fired = ((scale != 0) & mask).to(tl.int32)
             tl.store(pair_ptr + block.to(tl.int64) * N + cols, tl.sum(fired, axis=0), mask=p_mask)
             tl.store(row_part_ptr + chunk.to(tl.int64) * M + rows, tl.sum(fired, axis=1), mask=row_mask)

@@ -10,6 +10,7 @@ from conftest import assert_backend
 from sparsefuse import track_launches
 from sparsefuse.ffn.hybrid import REBUILDS, hybrid_mlp, hybrid_relu_mlp, hybrid_step_reference, sparsity_stats
 from sparsefuse.ffn.synthetic import synthetic_ffn
+from sparsefuse.ffn.twell.block import block_plan
 from sparsefuse.testing import accumulation_allowance, assert_close_to_reference
 
 NAMES = ("x", "w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
@@ -121,6 +122,9 @@ def test_step_matches_the_float64_reference_with_the_kernels(layout, dtype, bias
     else:  # forward: up on the unions (+ statistics), down; backward: dh + chain rule, dx, transpose, weight grads
         assert all(launched[k] >= 1 for k in BLOCK_KERNELS), launched
         assert launched["block_ell_matmul_kernel"] == 3 and launched["transposed_matmul_kernel"] == 1, launched
+        # the blocks' launch order is found once, in the forward, and kept for the backward's products
+        several_blocks = 40 > block_plan(80).block_rows
+        assert launched["heavy_first_schedule_kernel"] == several_blocks, launched
     _check(leaves, dy, 0.3, out, grads)
 
 

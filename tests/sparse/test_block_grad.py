@@ -17,6 +17,7 @@ from sparsefuse.sparse import (
     dense_to_row_block_pattern,
     transposed_matmul,
 )
+from sparsefuse.sparse.block_grad import column_count_table
 from sparsefuse.testing import accumulation_allowance, assert_close_to_reference
 
 
@@ -71,9 +72,16 @@ def _check(M, K, N, dtype, device, sort_rows, **kw):
         slack = slack + torch.finfo(dtype).eps * (DUk @ wuc).abs()
     assert_close_to_reference(dx, DUk @ wuc + DPk @ wdc, extra_abs=slack, name="dx")
     # the fired slots by column, and the weight gradients in one pass
+    given = f.column_counts.clone()
     csc = block_ell_transpose(f.gate, f.column_counts)
+    assert torch.equal(f.column_counts, given)  # only read
     recount = block_ell_transpose(f.gate)  # the counting pass gives the same grouping
-    assert int(csc.offsets[-1]) == int(fired.sum()) and torch.equal(csc.offsets, recount.offsets)
+    table = column_count_table(f.column_counts)  # ... and so does a table of the counts, taken over
+    tabled = block_ell_transpose(f.gate, count_table=table)
+    nnz = int(fired.sum())
+    assert int(csc.offsets[-1]) == nnz
+    for other in (recount, tabled):
+        assert torch.equal(csc.offsets, other.offsets) and torch.equal(csc.src[:nnz], other.src[:nnz])
     assert torch.equal(csc.to_dense(f.gate.values).cpu().double(), G.to(dtype).double())
     with track_launches() as launched:
         out, sums = transposed_matmul(

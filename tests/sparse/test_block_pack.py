@@ -49,7 +49,8 @@ def test_round_trip_and_recompute(M, fit_blocks, bias, dtype, device):
     spilled_before = int(spilled_blocks(device))
     with track_launches() as launched:
         packed = pack_block_factors(f.gate.values, f.up.values, counts, rows, capacity)
-        gate, up, column_counts = unpack_block_factors(
+        forward_counts = f.column_counts.clone()
+        gate, up, table = unpack_block_factors(
             packed, f.gate.indices, counts, f.gate.row_order, f.column_counts, rows, x, wg, bg, wu, bu
         )
     assert launched == {"block_pack_kernel": 1, "block_unpack_kernel": 1}, launched
@@ -75,17 +76,24 @@ def test_round_trip_and_recompute(M, fit_blocks, bias, dtype, device):
         assert_close_to_reference(g_out[live], torch.relu(pre64)[live], dtype=dtype, name="recomputed gate")
         assert_close_to_reference(u_out[live], up64[live], dtype=dtype, name="recomputed up")
         assert not torch.isnan(g_out[live]).any()
-    # the column counts agree with the gate the backward reads, recomputed blocks included
+    # the column counts (block b in row b + 1, the transpose's table) agree with the gate the backward reads,
+    # recomputed blocks included; the forward's counts are left as they were
+    assert table.shape == (n_blocks + 1, 96) and table.dtype == torch.int64 and not table[0].any()
+    assert torch.equal(f.column_counts, forward_counts)
     for b in range(n_blocks):
         c = int(counts[b])
         fired = (gate[b * rows : (b + 1) * rows, :c] != 0).sum(0).cpu()
-        assert torch.equal(column_counts[b, f.gate.indices[b, :c].long()].cpu(), fired.to(torch.int32))
+        listed = f.gate.indices[b, :c].long()
+        assert torch.equal(table[b + 1, listed].cpu(), fired.to(torch.int64))
+        unlisted = torch.ones(96, dtype=torch.bool, device=table.device)
+        unlisted[listed] = False
+        assert not table[b + 1, unlisted].any()
 
 
 def test_empty_batch(device):
     x, wg, bg, wu, bu, f = _layer(0, 8, 32, torch.float32, device, bias=True)
     packed = pack_block_factors(f.gate.values, f.up.values, f.gate.counts, 16, 0)
-    gate, up, cc = unpack_block_factors(
+    gate, up, table = unpack_block_factors(
         packed, f.gate.indices, f.gate.counts, None, f.column_counts, 16, x, wg, bg, wu, bu
     )
-    assert gate.shape == (0, f.gate.values.shape[1]) and up.shape == gate.shape
+    assert gate.shape == (0, f.gate.values.shape[1]) and up.shape == gate.shape and table.shape == (1, 32)

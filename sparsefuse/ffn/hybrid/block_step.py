@@ -66,17 +66,23 @@ def block_mlp_train_fwd_op(
     torch.Tensor,
     torch.Tensor,
     torch.Tensor,
+    torch.Tensor,
 ]:
     """x2 [M, K]; w_gate, w_up, w_down_t [N, K] (w_up None, b_up None: the non-gated block ``relu(x W_g^T + b_g)
     W_d^T + b_d``). Returns y [M, K], l1 (0-dim fp32), token counts [M] and neuron counts [N] (int32), and what the
     backward keeps: gate and up values packed [capacity] each (up empty without w_up) with their block offsets
     [n_blocks + 1] (int64), union columns [n_blocks, width] and sizes [n_blocks] (int32), token order [M] (int32),
-    the gate's firing counts per (row block, neuron) [n_blocks, N] (int32)."""
+    the gate's firing counts per (row block, neuron) [n_blocks, N] (int32) and the blocks' heavy-first launch order
+    [n_blocks] (int32; unused with one block)."""
     M, N = x2.shape[0], w_gate.shape[0]
     pre = F.linear(x2, w_gate, b_gate)
     pattern = dense_to_row_block_pattern(pre, tile, block_rows, relu=True, sort_rows=sort_rows)
     f = block_sddmm(pattern, pre, x2, w_up, b_up, relu=True, out_dtype=x2.dtype, factors=True)
-    y = block_sparse_matmul(f.product, w_down_t, bias=b_down, out_dtype=x2.dtype)
+    # The down product here and the backward's dx products walk the same unions: their heavy-first launch order is
+    # found once and kept (4 bytes a block). One block has nothing to order: zeros stand in, and no product reads them.
+    many = f.product.counts.shape[0] > 1
+    schedule = heavy_first_schedule(f.product.counts) if many else torch.zeros_like(f.product.counts)
+    y = block_sparse_matmul(f.product, w_down_t, bias=b_down, out_dtype=x2.dtype, schedule=schedule if many else None)
     up_values = f.up.values if f.up is not None else None
     packed = pack_block_factors(f.gate.values, up_values, f.product.counts, block_rows, capacity)
     order = pattern.row_order
@@ -92,6 +98,7 @@ def block_mlp_train_fwd_op(
         f.product.counts,
         order,
         f.column_counts,
+        schedule,
     )
 
 
@@ -112,6 +119,7 @@ def _(x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, block_rows, tile, sort_r
         index(n_blocks),
         index(M),
         index(n_blocks, N),
+        index(n_blocks),
     )
 
 
@@ -132,6 +140,7 @@ def block_mlp_train_bwd_op(
     counts: torch.Tensor,
     order: torch.Tensor,
     column_counts: torch.Tensor,
+    schedule: torch.Tensor,
     block_rows: int,
     bias_grads: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -142,23 +151,23 @@ def block_mlp_train_bwd_op(
     M, N = x2.shape[0], w_gate.shape[0]
     dy = dy.to(x2.dtype).contiguous()
     packed = PackedFactors(packed_gate, packed_up, offsets)
-    gate_values, up_values, column_counts = unpack_block_factors(
+    gate_values, up_values, count_table = unpack_block_factors(
         packed, indices, counts, order, column_counts, block_rows, x2, w_gate, b_gate, w_up, b_up
     )
     gate = _on_slots(gate_values, indices, counts, order, N, block_rows)
     gate_grad = (dl1.to(torch.float32) / max(M * N, 1)).reshape(1)
     d_up, d_pre = block_ell_sddmm(gate, dy, w_down_t, gate=gate_values, up=up_values, gate_grad=gate_grad)
     d_pre_slots = _on_slots(d_pre, indices, counts, order, N, block_rows)
-    csc = block_ell_transpose(gate, column_counts)
+    csc = block_ell_transpose(gate, count_table=count_table)
+    schedule = schedule if counts.shape[0] > 1 else None
     if w_up is not None:
-        schedule = heavy_first_schedule(counts) if counts.shape[0] > 1 else None
         d_up_slots = _on_slots(d_up, indices, counts, order, N, block_rows)
         dx = block_sparse_matmul(d_up_slots, w_up, out_dtype=x2.dtype, schedule=schedule)
         dx = block_sparse_matmul(d_pre_slots, w_gate, accumulate=dx, schedule=schedule)
         third = (dy, gate_values, up_values)
         (dwg, dwu, dwd), sums = transposed_matmul(csc, x2, d_pre, d_up, mode="two", third=third, bias=bias_grads)
     else:  # h = relu(pre): one product into dx, the down gradient from the gate's own values
-        dx = block_sparse_matmul(d_pre_slots, w_gate, out_dtype=x2.dtype)
+        dx = block_sparse_matmul(d_pre_slots, w_gate, out_dtype=x2.dtype, schedule=schedule)
         third = (dy, gate_values, None)
         (dwg, dwd), sums = transposed_matmul(csc, x2, d_pre, mode="one", third=third, bias=bias_grads)
         dwu = x2.new_empty(0)
@@ -187,6 +196,7 @@ def _(
     counts,
     order,
     column_counts,
+    schedule,
     block_rows,
     bias_grads,
 ):
@@ -204,8 +214,8 @@ def _(
 
 def _setup_context(ctx, inputs, output) -> None:
     x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, block_rows, *_ = inputs
-    *_, packed_gate, packed_up, offsets, indices, counts, order, column_counts = output
-    saved = (packed_gate, packed_up, offsets, indices, counts, order, column_counts)
+    *_, packed_gate, packed_up, offsets, indices, counts, order, column_counts, schedule = output
+    saved = (packed_gate, packed_up, offsets, indices, counts, order, column_counts, schedule)
     ctx.save_for_backward(x2, w_gate, w_up, w_down_t, b_gate, b_up, *saved)
     ctx.has_bias = (b_gate is not None, b_up is not None, b_down is not None)
     ctx.block_rows = block_rows

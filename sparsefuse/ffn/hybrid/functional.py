@@ -155,7 +155,7 @@ def _train_step(
         if block_capacity is None:
             block_capacity = TRAIN_CHOICE.capacity(w_gate, n_blocks, plan.block_rows, width)
         # the kernels read weight rows and bias vectors at unit stride (a strided one is copied, differentiably)
-        y, l1, counts, neuron_counts, *_, union_sizes, _, _ = block_mlp_train_fwd_op(
+        y, l1, counts, neuron_counts, *_, union_sizes, _, _, _ = block_mlp_train_fwd_op(
             x2,
             unit_last_stride(w_gate),
             unit_last_stride(b_gate),

@@ -1,0 +1,48 @@
+"""The tile of :class:`~sparsefuse.sparse.BlockELL` slots that one program of a row-block kernel covers: the
+prologue shared by the kernels that walk a block's union of columns a chunk at a time (the sampled products,
+packing, the column grouping)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def block_slots(
+    indices_ptr,
+    order_ptr,
+    block,
+    chunk,
+    count,
+    M,
+    width,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    LOAD_COLS: tl.constexpr,
+    HAS_ORDER: tl.constexpr,
+):
+    """Slots [chunk * BLOCK_C, (chunk + 1) * BLOCK_C) of row block ``block`` (``count`` of its slots listed) in a
+    BlockELL laid out as [M, width] values, indices [n_blocks, width] and order [M] (slot row -> matrix row).
+
+    Returns ``(p, p_mask, cols, local, rows, row_mask, mask, flat)``: the slot positions p [BLOCK_C] and p < count;
+    the union's columns there [BLOCK_C] (0 where masked; loaded only with ``LOAD_COLS``, else p); the rows within the
+    block [BLOCK_ROWS], their matrix rows (through ``order`` with ``HAS_ORDER``, else the slot rows) and which exist;
+    the [BLOCK_ROWS, BLOCK_C] mask and each slot's offset in the [M, width] arrays, int64. Loads happen only where
+    the flags ask, so a kernel that needs neither columns nor rows (or needs them on one branch only) reads nothing
+    here."""
+    p = chunk * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C]
+    p_mask = p < count
+    if LOAD_COLS:
+        cols = tl.load(indices_ptr + block.to(tl.int64) * width + p, mask=p_mask, other=0)
+    else:
+        cols = p
+    local = tl.arange(0, BLOCK_ROWS)  # [BLOCK_ROWS]
+    slots = block * BLOCK_ROWS + local
+    row_mask = slots < M
+    if HAS_ORDER:
+        rows = tl.load(order_ptr + slots, mask=row_mask, other=0)
+    else:
+        rows = slots
+    mask = row_mask[:, None] & p_mask[None, :]  # [BLOCK_ROWS, BLOCK_C]
+    # the block's start can pass 2**31 (M * width values); an offset within one block cannot
+    flat = block.to(tl.int64) * BLOCK_ROWS * width + (local[:, None] * width + p[None, :])
+    return p, p_mask, cols, local, rows, row_mask, mask, flat
