@@ -4,11 +4,14 @@ the Python standard library's own source files, as bytes (vocabulary 256, no tok
     python examples/train_sparse_llama.py --size tiny --out runs/tiny     # a CPU smoke run (CI runs it)
     python examples/train_sparse_llama.py --size small --out runs/small   # a GPU run whose numbers mean something
     torchrun --nproc_per_node 2 examples/train_sparse_llama.py --distributed --size small --out runs/ddp
+    torchrun --nproc_per_node 2 examples/train_sparse_llama.py --distributed --engine fsdp2 --size small --out runs/fsdp
 
 With ``--distributed`` (launched by ``torchrun``) the model is wrapped in ``DistributedDataParallel`` (NCCL on GPUs,
-gloo on CPUs) and each process trains on its share of the same global batch, so a run on P processes follows the
-single-process run (same initialisation, batches and updates up to rounding); the logged loss and sparsity are
-averaged over the processes, and process 0 writes the files.
+gloo on CPUs), or with ``--engine fsdp2`` sharded by FSDP2 (``fully_shard`` per decoder layer, then the root; the
+MLPs keep ``down_proj.weight`` row-major, as FSDP2 shards contiguous parameters only), and each process trains on
+its share of the same global batch, so a run on P processes follows the single-process run (same initialisation,
+batches and updates up to rounding); the logged loss and sparsity are averaged over the processes, and process 0
+writes the files.
 
 Each run trains the same model from the same initialisation and batches once with no L1 and once per coefficient of
 ``--l1`` (comma-separated; each ramped in linearly over the first half of the steps), and writes to ``--out`` (after
@@ -60,7 +63,9 @@ def stdlib_bytes(limit: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(b"".join(chunks)[:limit]), dtype=torch.uint8)
 
 
-def build_model(cfg: dict, device: torch.device, train_method: str, seed: int) -> torch.nn.Module:
+def build_model(
+    cfg: dict, device: torch.device, train_method: str, seed: int, down_layout: str = "column"
+) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from sparsefuse.integrations.transformers import patch_llama
@@ -77,7 +82,29 @@ def build_model(cfg: dict, device: torch.device, train_method: str, seed: int) -
         hidden_act="relu",
         tie_word_embeddings=True,
     )
-    return patch_llama(LlamaForCausalLM(config).to(device), train_method=train_method)
+    return patch_llama(LlamaForCausalLM(config).to(device), train_method=train_method, down_layout=down_layout)
+
+
+def _shard(model: torch.nn.Module, engine: str, device: torch.device) -> torch.nn.Module:
+    """``model`` under the engine (``ddp`` or ``fsdp2``) over the process group already up."""
+    import torch.distributed as dist
+
+    if engine == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)  # on CPUs: left to itself it would take a GPU
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's whole ``state_dict`` (FSDP2's shards gathered: a collective, every process calls it)."""
+    return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
 
 
 def _world() -> tuple[int, int]:
@@ -107,12 +134,11 @@ def train(cfg: dict, data: torch.Tensor, l1: float, args: argparse.Namespace, de
     rank, world = _world()
     if cfg["batch"] % world:
         raise ValueError(f"--distributed: the batch ({cfg['batch']}) must divide among {world} processes")
-    model = build_model(cfg, device, args.train_method, args.seed)
+    layout = "row" if args.distributed and args.engine == "fsdp2" else "column"
+    model = build_model(cfg, device, args.train_method, args.seed, down_layout=layout)
     inner = model
-    if world > 1:
-        from torch.nn.parallel import DistributedDataParallel
-
-        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if args.distributed:
+        model = _shard(model, args.engine, device)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.0)
     gen = torch.Generator().manual_seed(args.seed + 1)  # same batches for both runs
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
@@ -157,8 +183,10 @@ def train(cfg: dict, data: torch.Tensor, l1: float, args: argparse.Namespace, de
                     f"({100 * mean / cfg['inter']:.1f}%) {1e3 * seconds:.0f} ms",
                     flush=True,
                 )
-    if l1 > 0 and rank == 0:
-        torch.save({"config": inner.config.to_dict(), "state_dict": inner.state_dict()}, args.out / "model-l1.pt")
+    if l1 > 0:
+        state = _full_state_dict(inner)
+        if rank == 0:
+            torch.save({"config": inner.config.to_dict(), "state_dict": state}, args.out / "model-l1.pt")
     return rows
 
 
@@ -203,6 +231,12 @@ def main(argv: list[str] | None = None) -> int:
         "--distributed", action="store_true", help="DistributedDataParallel over the processes torchrun started"
     )
     parser.add_argument(
+        "--engine",
+        choices=("ddp", "fsdp2"),
+        default="ddp",
+        help="with --distributed: DistributedDataParallel (default) or FSDP2's fully_shard",
+    )
+    parser.add_argument(
         "--device", choices=("cuda", "cpu"), default=None, help="default: cuda when a GPU is visible, else cpu"
     )
     args = parser.parse_args(argv)
@@ -221,7 +255,12 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
-        return _run(cfg, args, device)
+        code = _run(cfg, args, device)
+        if args.distributed:
+            # every process done (process 0 writes the files last) before any tears the group down: gloo can
+            # abort a process that closes its connections while a peer still holds them
+            dist.barrier()
+        return code
     finally:
         if args.distributed:
             import torch.distributed as dist

@@ -228,7 +228,9 @@ def _bench(names: list[str], args: argparse.Namespace, dtypes: tuple[torch.dtype
         say(f"{key}: {value}")
 
     total = sum(len(c.impls) for c in cases)
-    save_partial = lambda rows: write_csv(rows, partial)  # noqa: E731
+    # Under torchrun every process runs the cases (a workload's distributed mode) and the first one reports.
+    reporting = int(os.environ.get("RANK", "0")) == 0
+    save_partial = (lambda rows: write_csv(rows, partial)) if reporting else None
     if console is not None and console.is_terminal:
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, console=console, transient=True) as bar:
@@ -245,6 +247,8 @@ def _bench(names: list[str], args: argparse.Namespace, dtypes: tuple[torch.dtype
 
         rows = run_cases(cases, options, ceilings, tick, save_partial)
 
+    if not reporting:
+        return 1 if all(r.status != "ok" for r in rows) else 0
     meta = environment(ceilings, gpu, l2_cache_bytes())
     print_table(rows, meta, console)
     for path in write_results(rows, meta, out_dir, quick=args.quick, plot=not args.no_plot, merge=args.merge):

@@ -94,3 +94,33 @@ def test_largest_batch_case_and_summary(monkeypatch, device):
     text = "\n".join(lines)
     assert "| 24L nnz=30 B=4 S=2048 | 35% | 1.54x | 1.25x |" in text
     assert "patched largest B=12, 1400 tok/s (1.40x)" in text
+
+
+def test_summary_of_distributed_rows():
+    """Rows of the distributed mode (an N=1 and an N=2 run merged into one set): tokens/s per GPU, the patched
+    speed-up and the scaling efficiency per engine, each patched row's note; the single-GPU table leaves them out."""
+    from sparsefuse.bench.harness import Result
+
+    def row(shape, impl, tok, note=""):
+        return Result("train", shape, "bfloat16", "fwd+bwd", impl, median_us=1e6 * 8192 / tok, tokens_per_s=tok,
+                      note=note)  # fmt: skip
+
+    rows = [
+        row("24L nnz=30 B=4 S=2048 ddp x1", "unpatched", 40000.0),
+        row("24L nnz=30 B=4 S=2048 ddp x1", "patched", 50000.0, "ddp on 1x H100; ok"),
+        row("24L nnz=30 B=4 S=2048 ddp x2", "unpatched", 36000.0),
+        row("24L nnz=30 B=4 S=2048 ddp x2", "patched", 47500.0, "ddp on 2x H100; ok"),
+        row("24L nnz=30 B=4 S=2048 fsdp2 x2", "unpatched", 30000.0),  # no 1-GPU FSDP2 rows: no efficiency
+        row("24L nnz=30 B=4 S=2048 fsdp2 x2", "patched", 33000.0, "fsdp2 on 2x H100; ok"),
+    ]
+    text = "\n".join(train.summary(rows))
+    assert "| 24L nnz=30 B=4 S=2048 | ddp | 1 | 40000 / 50000 | 1.25x | 1.00 / 1.00 |" in text
+    assert "| 24L nnz=30 B=4 S=2048 | ddp | 2 | 36000 / 47500 | 1.32x | 0.90 / 0.95 |" in text
+    assert "| 24L nnz=30 B=4 S=2048 | fsdp2 | 2 | 30000 / 33000 | 1.10x | nan / nan |" in text
+    assert "- 24L nnz=30 B=4 S=2048 ddp x2 patched: ddp on 2x H100; ok" in text
+    assert "FFN share" not in text  # no single-GPU rows
+
+    single = [row("24L nnz=30 B=4 S=2048", "unpatched", 40000.0), row("24L nnz=30 B=4 S=2048", "patched", 40000.0)]
+    text = "\n".join(train.summary(single + rows))
+    assert "| 24L nnz=30 B=4 S=2048 | nan% |" in text and "ddp x2" not in text.split("Several GPUs")[0]
+    assert "| 24L nnz=30 B=4 S=2048 | ddp | 2 |" in text

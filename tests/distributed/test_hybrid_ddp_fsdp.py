@@ -2,6 +2,7 @@
 CPU with the gloo backend. Each rank takes half of the batch; the gradients after one step must equal one process's
 on the whole batch (the loss and the L1 term are means, so DDP's gradient average is the full-batch gradient)."""
 
+import gc
 import time
 from datetime import timedelta
 
@@ -38,30 +39,38 @@ def _worker(rank: int, world: int, init: str, engine: str, out_path: str) -> Non
     # a peer that never connects fails the test in a minute, not in the default 30
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
-        mlp = _module()
-        x, target = _batch()
-        part = slice(rank * M // world, (rank + 1) * M // world)
-        if engine == "ddp":
-            model = torch.nn.parallel.DistributedDataParallel(mlp)
-            y = model(x[part])
-        else:
-            from torch.distributed.device_mesh import DeviceMesh
-            from torch.distributed.fsdp import fully_shard
-
-            # a CPU mesh: left to itself, fully_shard would move the parameters to a visible GPU
-            model = fully_shard(mlp, mesh=DeviceMesh.from_group(dist.group.WORLD, "cpu"))
-            y = model(x[part])
-        _loss(y, target[part], mlp.last_l1).backward()
-        grads = {}
-        for name, p in mlp.named_parameters():
-            g = p.grad
-            if hasattr(g, "full_tensor"):  # FSDP2 shards parameters and gradients as DTensors
-                g = g.full_tensor()
-            grads[name] = g.detach().clone()
-        if rank == 0:
-            torch.save(grads, out_path)
+        _step(rank, world, engine, out_path)
+        # the wrapped model gone before its group: a DDP reducer freed after destroy_process_group can hang its
+        # process at exit (its hooks hold it in reference cycles, hence the collection)
+        gc.collect()
     finally:
         dist.destroy_process_group()
+
+
+def _step(rank: int, world: int, engine: str, out_path: str) -> None:
+    """One step of the wrapped module on this rank's half of the batch; rank 0 saves the (whole) gradients."""
+    mlp = _module()
+    x, target = _batch()
+    part = slice(rank * M // world, (rank + 1) * M // world)
+    if engine == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(mlp)
+        y = model(x[part])
+    else:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        # a CPU mesh: left to itself, fully_shard would move the parameters to a visible GPU
+        model = fully_shard(mlp, mesh=DeviceMesh.from_group(dist.group.WORLD, "cpu"))
+        y = model(x[part])
+    _loss(y, target[part], mlp.last_l1).backward()
+    grads = {}
+    for name, p in mlp.named_parameters():
+        g = p.grad
+        if hasattr(g, "full_tensor"):  # FSDP2 shards parameters and gradients as DTensors
+            g = g.full_tensor()
+        grads[name] = g.detach().clone()
+    if rank == 0:
+        torch.save(grads, out_path)
 
 
 def _run_processes(fn, args: tuple, nprocs: int, seconds: float) -> None:

@@ -25,6 +25,9 @@ memory, then bisected; the row times a step at that batch (its note names it; to
 ``peak MB`` is the step's allocator high-water mark above what was allocated before it (weights, gradients and
 optimizer state are allocated by then): the activations kept for the backward and the step's transients.
 ``--quick``: 8 layers, nnz=30, B=4 S=2048.
+
+Under ``torchrun`` the workload runs its distributed mode instead (DDP and FSDP2 over the launched processes, one
+GPU each; rows tagged with the engine and the GPU count): :mod:`.train_dist`.
 """
 
 from __future__ import annotations
@@ -48,13 +51,20 @@ FIT_STEPS = 3  # training steps a micro-batch must run to count as fitting (the 
 
 
 class _Trainer:
-    """A model, its AdamW and (optionally) its compiled forward: one training step per call."""
+    """A model, its AdamW and (optionally) its compiled forward: one training step per call. ``forward``: the
+    module the step calls, when it is not ``model`` itself (a ``DistributedDataParallel`` around it); the L1 term is
+    read from ``model``'s layers either way."""
 
-    def __init__(self, model: torch.nn.Module, compiled: bool, l1: bool) -> None:
+    def __init__(
+        self, model: torch.nn.Module, compiled: bool, l1: bool, forward: torch.nn.Module | None = None
+    ) -> None:
         self.model = model.train()
-        self.forward, self.compile_on_first_step = model, compiled
-        fused = next(model.parameters()).is_cuda
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=0.0, fused=fused)
+        self.forward, self.compile_on_first_step = forward if forward is not None else model, compiled
+        params = list(self.forward.parameters())
+        # fused for plain CUDA tensors only: FSDP2's sharded DTensors take the default (foreach) implementation,
+        # which every torch with fully_shard supports for them
+        fused = params[0].is_cuda and all(type(p) is torch.nn.Parameter for p in params)
+        self.optimizer = torch.optim.AdamW(params, lr=0.0, fused=fused)
         self.l1 = l1
 
     def step(self, ids: torch.Tensor) -> torch.Tensor:
@@ -259,6 +269,12 @@ def summary(rows: list[Result]) -> list[str]:
     for r in rows:
         if r.status == "ok":
             by_shape.setdefault(r.shape, {})[r.impl] = r
+    from .train_dist import is_distributed, summary_lines
+
+    several = summary_lines(rows)  # the rows of the distributed mode, tagged with engine and GPU count
+    by_shape = {shape: impls for shape, impls in by_shape.items() if not is_distributed(shape)}
+    if not by_shape and several:
+        return several
     lines = [
         "FFN share: 1 - (step with every MLP returning zeros) / (unpatched step). Bound: the speed-up of an "
         "infinitely fast FFN, 1 / (1 - share).",
@@ -283,7 +299,7 @@ def summary(rows: list[Result]) -> list[str]:
                 f"{shape}: unpatched {u.note}, {u.tokens_per_s:.0f} tok/s; patched {p.note}, "
                 f"{p.tokens_per_s:.0f} tok/s ({p.tokens_per_s / u.tokens_per_s:.2f}x)"
             )
-    return [*lines, ""]
+    return [*lines, "", *several]
 
 
 @register(
@@ -300,6 +316,10 @@ def train_cases(options: Options) -> list[Case]:
         options.log(f"train: skipped ({exc})")
         return []
     dtype = torch.bfloat16 if torch.bfloat16 in options.dtypes else options.dtypes[0]
+    from .train_dist import distributed_cases, launched
+
+    if launched():  # under torchrun: the distributed mode's cases (module train_dist)
+        return distributed_cases(options, dtype)
 
     def build(layers: int, mean_nnz: float | None) -> torch.nn.Module:
         return synthetic_llama(

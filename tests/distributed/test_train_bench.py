@@ -1,0 +1,112 @@
+"""The ``train`` bench workload's distributed mode (sparsefuse.bench.workloads.train_dist) on the CPU: two
+processes under torchrun over gloo, a tiny synthetic Llama, DDP and FSDP2, patched (the sparse training layer's
+kernels, through the interpreter) and unpatched; and the gradient check's arithmetic on its own."""
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import loopback_env
+
+pytest.importorskip("transformers")
+
+from sparsefuse.bench.workloads import train_dist  # noqa: E402
+
+WORKER = Path(__file__).resolve().parent / "train_bench_worker.py"
+
+
+def _torchrun(args: list[str], log: Path, nprocs: int = 2, seconds: float = 240, **env: str) -> int | None:
+    """``torchrun --nproc_per_node nprocs`` on loopback, in its own session so that a timeout kills the workers
+    too (left alive they would hold the log open and the test would wait for them). None on a timeout."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nprocs)]
+    cmd += ["--master_addr", "127.0.0.1", "--master_port", str(port), *args]
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            cmd, env=loopback_env(OMP_NUM_THREADS="1", **env), stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            return proc.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return None
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_train_bench_distributed_mode_two_processes(tmp_path, device):
+    """Both engines' cases, tagged with the engine and the process count; every step finite; the patched and
+    unpatched losses of a rank's micro-batch agree (same weights: the patched loss adds 2e-5 * L1), as do the
+    engines' (same weights and tokens); each model's gradients after one step equal one process's (fp32). On
+    ``cuda``: one GPU per process, NCCL."""
+    if device == "cuda" and torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    out = tmp_path / "rows.json"
+    log = tmp_path / "torchrun.log"
+    returncode = _torchrun([str(WORKER), str(out), device], log)
+    assert returncode == 0, f"torchrun returned {returncode}:\n" + log.read_text()[-6000:]
+    result = json.loads(out.read_text())
+    assert result["world"] == 2
+    rows = result["rows"]
+    assert set(rows) == {"2L nnz=6 B=2 S=16 ddp x2", "2L nnz=6 B=2 S=16 fsdp2 x2"}
+    where = "CPU; peak n/a" if device == "cpu" else f"{torch.cuda.get_device_name(0)}; peak/GPU "
+    for shape, impls in rows.items():
+        assert set(impls) == {"unpatched", "patched"}
+        engine = shape.split()[-2]
+        for impl, row in impls.items():
+            assert row["method"] == "wall" and row["tokens"] == 2 * 16
+            assert all(math.isfinite(v) for v in row["losses"]), (shape, impl, row)
+            assert row["note"].startswith(f"{engine} on 2x {where}"), row["note"]
+            assert row["note"].endswith(": ok"), (shape, impl, row["note"])
+            error = float(row["note"].split("grads vs 1 process ")[1].split()[0])
+            assert error < 1e-5, (shape, impl, row["note"])
+        assert impls["patched"]["losses"][0] == pytest.approx(impls["unpatched"]["losses"][0], rel=1e-3)
+        assert not impls["unpatched"]["launched"], impls["unpatched"]["launched"]
+        if impls["patched"]["backend"] != "torch":  # (CPU tensors without the interpreter run the torch reference)
+            # the sparse training step in both layers, forward and backward, at each of the two steps
+            launched = impls["patched"]["launched"]
+            assert launched.get("block_sddmm_kernel") == launched.get("transposed_matmul_kernel") == 4, launched
+    ddp, fsdp = rows["2L nnz=6 B=2 S=16 ddp x2"], rows["2L nnz=6 B=2 S=16 fsdp2 x2"]
+    for impl in ("unpatched", "patched"):
+        assert ddp[impl]["losses"] == pytest.approx(fsdp[impl]["losses"], rel=1e-4), impl
+
+
+def test_engines_from_env(monkeypatch):
+    monkeypatch.delenv(train_dist.ENGINES_ENV, raising=False)
+    assert train_dist.engines_from_env() == ("ddp", "fsdp2")
+    monkeypatch.setenv(train_dist.ENGINES_ENV, " fsdp2 ")
+    assert train_dist.engines_from_env() == ("fsdp2",)
+    monkeypatch.setenv(train_dist.ENGINES_ENV, "ddp,zero3")
+    with pytest.raises(ValueError, match="zero3"):
+        train_dist.engines_from_env()
+
+
+def test_relative_error_and_verdict():
+    """The check compares norms per parameter and takes the worst; a gradient present on one side only, or a
+    difference past twice the re-batching error plus the tolerance, fails it."""
+    g = torch.Generator().manual_seed(0)
+    ref = {"a": torch.randn(8, 4, generator=g), "b": torch.randn(5, generator=g), "unused": None}
+    same = {k: (None if v is None else v.clone()) for k, v in ref.items()}
+    assert train_dist.relative_error(same, ref) == 0.0
+    off = dict(same, b=ref["b"] * 1.01)
+    assert train_dist.relative_error(off, ref) == pytest.approx(0.01, rel=1e-4)
+    assert train_dist.relative_error(dict(same, unused=torch.zeros(1)), ref) == math.inf
+    assert train_dist.relative_error(dict(same, a=None), ref) == math.inf
+    zero = {"z": torch.zeros(3)}
+    assert train_dist.relative_error(zero, zero) == 0.0
+    assert train_dist.relative_error({"z": torch.ones(3)}, zero) == math.inf
+
+    assert train_dist.GradAgreement(3e-3, 2e-3, 1e-2).ok
+    assert not train_dist.GradAgreement(5e-2, 2e-3, 1e-2).ok
+    assert not train_dist.GradAgreement(math.inf, 0.0, 1e-2).ok
+    assert str(train_dist.GradAgreement(1e-7, 5e-8, 1e-5)) == "grads vs 1 process 1.0e-07 (re-batched 5.0e-08): ok"
