@@ -6,13 +6,12 @@ of W as one [BLOCK_K, BLOCK_D] tile, and accumulates in fp32.
 
 Cost: per row, nnz * D weight elements gathered plus the row's values and indices; the output is written once.
 
-ELL rows that overflowed (true count > width) are completed without a host sync when the dense activations are
-passed in: a second launch scans those rows alone from their dense form (the other rows' programs exit at once),
-each row's columns spread over several programs as :func:`matmul_skip_zeros` spreads them, loading W only where the
-activation is non-zero -- an overflowed row costs what ``"scan"`` pays for it, not one program's serial walk. Or,
-given the :class:`ThresholdedLinear` layer whose activations the rows are, the row's activations are recomputed
-from that layer's inputs. Without either an overflowed row is written as NaN -- visibly wrong, never silently
-truncated.
+Rows far longer than the others -- a token that fires every feature -- would each be one program's serial walk:
+the main launch lists them on the device instead and a second launch of the same kernel spreads each over many
+programs (:mod:`.long_rows`; no host sync). That is how ELL rows that overflowed are completed when the dense
+activations are passed in. Or, given the :class:`ThresholdedLinear` layer whose activations the rows are, an
+overflowed row's activations are recomputed from that layer's inputs. Without either an overflowed row is written as
+NaN -- visibly wrong, never silently truncated.
 """
 
 from __future__ import annotations
@@ -26,85 +25,22 @@ import triton.language as tl
 from .. import _backend
 from .._backend import Backend, backend_for, new_output, record_launch, sm_count
 from .._triton.gather import accumulate_nonzeros, accumulate_rows, sum_split_partials
-from .._validation import (
-    check_matmul_skip_zeros,
-    check_overflow_completion,
-    check_sparse_weight,
-    unit_last_stride,
-)
+from .._validation import check_matmul_skip_zeros, check_overflow_completion, check_sparse_weight
 from .formats import CSR, ELL
-
-
-@dataclass(frozen=True)
-class ThresholdedLinear:
-    """A thresholded linear layer whose activations form the rows of a sparse operand, so that the gather product
-    can recompute an overflowed ELL row on the device instead of reading its (incomplete) stored entries:
-
-        activations = relu(pre) * (pre > threshold),   pre = (x - input_shift) @ weight + bias
-
-    (e.g. a JumpReLU encoder; a ReLU layer is threshold 0)."""
-
-    x: torch.Tensor  # [M, d_in]
-    weight: torch.Tensor  # [d_in, n]
-    bias: torch.Tensor  # [n]
-    threshold: torch.Tensor  # [n]
-    input_shift: torch.Tensor | None = None  # [d_in]
-
-    def prepared(self) -> tuple[torch.Tensor, ...]:
-        """(x, weight, bias, threshold, input_shift) with unit column strides, input_shift defaulting to a
-        placeholder (never read)."""
-        shift = self.input_shift if self.input_shift is not None else self.bias
-        vectors = (unit_last_stride(v) for v in (self.bias, self.threshold, shift))  # read at unit stride
-        return unit_last_stride(self.x), unit_last_stride(self.weight), *vectors
-
-    def reference_activations(self) -> torch.Tensor:
-        """float64 activations [M, n]; ``x - input_shift`` is rounded to x's dtype first, as the encode kernels feed
-        it to tl.dot in that dtype."""
-        shifted = self.x.double()
-        if self.input_shift is not None:
-            shifted = (shifted - self.input_shift.double()).to(self.x.dtype).double()
-        pre = shifted @ self.weight.double() + self.bias.double()
-        return torch.relu(pre) * (pre > self.threshold.double())
-
-
-@triton.jit
-def thresholded_linear_chunk(
-    row,
-    f,
-    f_mask,
-    x_ptr,
-    stride_x,
-    w_ptr,
-    stride_w,
-    bias_ptr,
-    threshold_ptr,
-    shift_ptr,
-    d_in,
-    HAS_SHIFT: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-):
-    """Activations [BLOCK_F] of input row ``row`` for outputs f of a :class:`ThresholdedLinear` (x [M, d_in],
-    w [d_in, n], bias/threshold [n], shift [d_in]): relu(pre) * (pre > threshold), fp32. A GEMV: meant for the rare
-    rows that overflowed."""
-    pre = tl.zeros(f.shape, dtype=tl.float32)
-    for e0 in range(0, d_in, BLOCK_E):
-        e = e0 + tl.arange(0, BLOCK_E)
-        e_mask = e < d_in
-        xe = tl.load(x_ptr + row * stride_x + e, mask=e_mask, other=0.0).to(tl.float32)
-        if HAS_SHIFT:
-            xe -= tl.load(shift_ptr + e, mask=e_mask, other=0.0).to(tl.float32)
-        we = tl.load(
-            w_ptr + e[:, None].to(tl.int64) * stride_w + f[None, :], mask=e_mask[:, None] & f_mask[None, :], other=0.0
-        )  # [BLOCK_E, BLOCK_F]
-        pre += tl.sum(xe[:, None] * we.to(tl.float32), axis=0)
-    pre += tl.load(bias_ptr + f, mask=f_mask, other=0.0).to(tl.float32)
-    threshold = tl.load(threshold_ptr + f, mask=f_mask, other=float("inf")).to(tl.float32)
-    return tl.where(((pre > threshold) & (pre > 0)) | (pre != pre), pre, 0.0)  # NaN kept, as in the reference
-
-
-_FORMAT_ELL = tl.constexpr(0)
-_FORMAT_CSR = tl.constexpr(1)
-_FORMAT_DENSE = tl.constexpr(2)
+from .long_rows import (
+    DELIVER_ATOMIC,
+    DELIVER_SPLITS,
+    DELIVER_STORE,
+    FORMAT_CSR,
+    FORMAT_DENSE,
+    FORMAT_ELL,
+    NEVER_LONG,
+    LongRows,
+    list_long_unit,
+    long_row_threshold,
+    spread_long_units,
+)
+from .thresholded import ThresholdedLinear, thresholded_linear_chunk
 
 
 @triton.jit
@@ -124,28 +60,42 @@ def gather_accumulate_kernel(
     enc_bias_ptr,
     enc_threshold_ptr,
     enc_shift_ptr,
+    long_units_ptr,
+    long_count_ptr,
+    long_arrivals_ptr,
+    long_partial_ptr,
+    long_used_ptr,
     n_out,
     n_in,
-    width,
     stride_w,
     stride_out,
-    stride_dense,
-    stride_dense_col,
-    chunks_per_split,
-    n_splits,
-    d_enc,
-    stride_enc_x,
-    stride_enc_w,
     BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_F: tl.constexpr,
     GROUP: tl.constexpr,
-    REDUCE_SPLITS: tl.constexpr,
     FORMAT: tl.constexpr,
-    FALLBACK: tl.constexpr,
-    HAS_SHIFT: tl.constexpr,
+    width=0,
+    stride_dense=0,
+    stride_dense_col=1,
+    chunks_per_split=0,
+    n_splits=1,
+    d_enc=0,
+    stride_enc_x=0,
+    stride_enc_w=0,
+    long_nnz=NEVER_LONG,
+    long_unit_cols=0,
+    long_partial_rows=0,
+    long_max_subsplits=1,
+    long_target_items=0,
+    REDUCE_SPLITS: tl.constexpr = 1,
+    FALLBACK: tl.constexpr = 0,
+    HAS_SHIFT: tl.constexpr = False,
     ATOMIC_SPLITS: tl.constexpr = False,
-    ONLY_OVERFLOWED: tl.constexpr = False,
+    LIST_LONG: tl.constexpr = False,
+    SPREAD_PASS: tl.constexpr = False,
+    DELIVER: tl.constexpr = 0,  # DELIVER_STORE
+    ARRIVALS: tl.constexpr = 0,
+    REDUCE_SUBSPLITS: tl.constexpr = 1,
 ):
     # Grid (rows * D blocks, splits): the D blocks of one row are neighbours, so a row's activations are read from
     # DRAM once and from L2 by the other blocks (rows live on axis 0: the other axes are capped at 65535).
@@ -156,22 +106,62 @@ def gather_accumulate_kernel(
     #   arrive (arrivals [M, D blocks] int32, zeroed) sums them in split order: deterministic, no float atomics;
     #   with ATOMIC_SPLITS each program instead adds its fp32 sum into partial [M, n_out] (zeroed) by atomics.
     # w [n_in, n_out] (unit column stride); out [M, n_out].
-    # Overflowed ELL rows (FALLBACK): 1 = left unwritten, for a DENSE pass over those rows alone (ONLY_OVERFLOWED:
-    # rows whose ELL count, counts[row], is within width are skipped), which spreads each row's scan over splits;
-    # 2 = recompute the activations of a ThresholdedLinear from enc_x [M, d_enc], enc_w [d_enc, n_in],
-    # enc_bias/enc_threshold [n_in], enc_shift [d_enc]; 0 = write NaN.
+    # LIST_LONG: long units (long_rows.py) -- rows with more than long_nnz stored entries, overflowed ELL rows
+    #   (FALLBACK 1), dense ranges whose count passes long_nnz while scanned -- are appended to the device list
+    #   long_units / long_count (their arrival counters long_arrivals [capacity, ARRIVALS] zeroed) and left to
+    #   the SPREAD_PASS launch, a 1-D grid over that list (long_rows.spread_long_units).
+    # Other overflowed ELL rows (count > width): FALLBACK 2 recomputes the activations of a ThresholdedLinear from
+    # enc_x [M, d_enc], enc_w [d_enc, n_in], enc_bias/enc_threshold [n_in], enc_shift [d_enc]; 0 writes NaN.
+    if SPREAD_PASS:
+        spread_long_units(
+            long_units_ptr,
+            long_count_ptr,
+            long_arrivals_ptr,
+            long_partial_ptr,
+            long_used_ptr,
+            values_ptr,
+            indices_ptr,
+            counts_ptr,
+            row_offsets_ptr,
+            dense_ptr,
+            w_ptr,
+            out_ptr,
+            partial_ptr,
+            split_nnz_ptr,
+            arrivals_ptr,
+            n_out,
+            n_in,
+            width,
+            stride_w,
+            stride_out,
+            stride_dense,
+            stride_dense_col,
+            n_splits,
+            long_unit_cols,
+            long_partial_rows,
+            long_max_subsplits,
+            long_target_items,
+            FORMAT,
+            DELIVER,
+            BLOCK_D,
+            BLOCK_F,
+            BLOCK_K,
+            GROUP,
+            ARRIVALS,
+            REDUCE_SUBSPLITS,
+            REDUCE_SPLITS,
+        )
+        return
     n_d_blocks = tl.cdiv(n_out, BLOCK_D)
     d_block = tl.program_id(0) % n_d_blocks
     row = (tl.program_id(0) // n_d_blocks).to(tl.int64)
-    if ONLY_OVERFLOWED:
-        if tl.load(counts_ptr + row) <= width:
-            return
     split = tl.program_id(1)
     d = d_block * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
     d_mask = d < n_out
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    if FORMAT == _FORMAT_DENSE:
+    if FORMAT == FORMAT_DENSE:
         split_nnz = tl.zeros([], dtype=tl.int32)
+        deferred = tl.zeros([], dtype=tl.int32)  # the range turned out long: left to the spread pass
         c_begin = split * chunks_per_split
         c_end = tl.minimum(c_begin + chunks_per_split, tl.cdiv(n_in, BLOCK_F))
         row_ptr = dense_ptr + row * stride_dense
@@ -183,9 +173,19 @@ def gather_accumulate_kernel(
             # per chunk.
             f, a = f_next, a_next.to(tl.float32)
             f_next = f + BLOCK_F
-            a_next = tl.load(row_ptr + f_next.to(tl.int64) * stride_dense_col, mask=f_next < f_end, other=0.0)
-            split_nnz += tl.sum((a != 0).to(tl.int32), axis=0)
-            acc = accumulate_nonzeros(acc, a, f, w_ptr, stride_w, d, d_mask, GROUP)
+            f_stop = tl.where(deferred == 0, f_end, 0)  # a deferred range loads nothing more
+            a_next = tl.load(row_ptr + f_next.to(tl.int64) * stride_dense_col, mask=f_next < f_stop, other=0.0)
+            chunk_nnz = tl.sum((a != 0).to(tl.int32), axis=0)
+            if LIST_LONG:  # counted before it is gathered: a long range wastes at most long_nnz gathers
+                deferred = deferred | (split_nnz + chunk_nnz > long_nnz).to(tl.int32)
+            if deferred == 0:
+                split_nnz += chunk_nnz
+                acc = accumulate_nonzeros(acc, a, f, w_ptr, stride_w, d, d_mask, GROUP)
+        if LIST_LONG:
+            if deferred != 0:  # every D block of the range decides alike; the first lists it
+                if d_block == 0:
+                    list_long_unit(long_units_ptr, long_count_ptr, long_arrivals_ptr, row * n_splits + split, ARRIVALS)
+                return
         if ATOMIC_SPLITS:
             # fp32 atomics into partial [M, n_out] (zeroed; out itself when out is fp32): no per-split buffer to
             # write and re-read, no arrival counter, but the summation order varies from run to run.
@@ -213,7 +213,7 @@ def gather_accumulate_kernel(
                 tl.store(out_ptr + row * stride_out + d, acc.to(out_ptr.dtype.element_ty), mask=d_mask)
             return
     else:
-        if FORMAT == _FORMAT_ELL:
+        if FORMAT == FORMAT_ELL:
             start = row * width
             count = tl.load(counts_ptr + row)
             n = tl.minimum(count, width)
@@ -222,6 +222,15 @@ def gather_accumulate_kernel(
             start = tl.load(row_offsets_ptr + row)
             n = (tl.load(row_offsets_ptr + row + 1) - start).to(tl.int32)
             overflowed = n < 0  # never
+        if LIST_LONG:
+            if FALLBACK == 1:  # an overflowed row is completed from its dense row by the spread pass
+                long = overflowed | (n > long_nnz)
+            else:  # ... or here, by the other fallbacks
+                long = tl.where(overflowed, 0, n) > long_nnz
+            if long:
+                if d_block == 0:
+                    list_long_unit(long_units_ptr, long_count_ptr, long_arrivals_ptr, row, ARRIVALS)
+                return
         if overflowed:
             n = 0  # the stored entries are incomplete: recomputed below
         for k0 in range(0, n, BLOCK_K):
@@ -233,8 +242,6 @@ def gather_accumulate_kernel(
         if overflowed:
             if FALLBACK == 0:
                 acc += float("nan")
-            elif FALLBACK == 1:
-                return  # the DENSE pass over the overflowed rows writes this one
             else:
                 for f0 in range(0, n_in, BLOCK_F):
                     f = f0 + tl.arange(0, BLOCK_F)
@@ -255,6 +262,28 @@ def gather_accumulate_kernel(
                     )
                     acc = accumulate_nonzeros(acc, a, f, w_ptr, stride_w, d, d_mask, GROUP)
     tl.store(out_ptr + row * stride_out + d, acc.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+_POINTER_ARGS = (
+    "values_ptr indices_ptr counts_ptr row_offsets_ptr dense_ptr partial_ptr split_nnz_ptr arrivals_ptr enc_x_ptr "
+    "enc_w_ptr enc_bias_ptr enc_threshold_ptr enc_shift_ptr long_units_ptr long_count_ptr long_arrivals_ptr "
+    "long_partial_ptr long_used_ptr"
+).split()
+
+
+def _launch_gather(grid: tuple[int, int], weight: torch.Tensor, out: torch.Tensor, num_warps: int, **args) -> None:
+    """One gather_accumulate_kernel launch; pointers not given are ``out`` (never read), other arguments not given
+    take the kernel's defaults (unused)."""
+    shapes = dict(n_out=weight.shape[1], stride_w=weight.stride(0), stride_out=out.stride(0))
+    args = dict.fromkeys(_POINTER_ARGS, out) | shapes | args | dict(w_ptr=weight, out_ptr=out)
+    gather_accumulate_kernel[grid](**args, num_warps=num_warps)
+    record_launch("gather_accumulate_kernel")
+
+
+def _spread_long_rows(long_rows: LongRows, weight: torch.Tensor, out: torch.Tensor, **args) -> None:
+    """The spread launch over ``long_rows``' list (``args``: the main launch's operands, FORMAT, ...)."""
+    cfg = long_rows.config
+    _launch_gather((cfg.programs, 1), weight, out, cfg.num_warps, **args | long_rows.spread_args())
 
 
 def torch_sparse_matmul(sparse: ELL | CSR, weight: torch.Tensor) -> torch.Tensor:
@@ -332,6 +361,7 @@ def sparse_matmul(
     dense: torch.Tensor | None = None,
     encoder: ThresholdedLinear | None = None,
     out_dtype: torch.dtype | None = None,
+    spread_long_rows: bool = False,
 ) -> torch.Tensor:
     """``sparse @ weight`` -> [M, n_out] with fp32 accumulation.
 
@@ -339,11 +369,14 @@ def sparse_matmul(
         sparse: ELL or CSR, [M, n_in].
         weight: [n_in, n_out], float32/float16/bfloat16 (any row stride; columns contiguous or copied once).
         dense: for ELL, the dense [M, n_in] rows the format came from: overflowed rows are recomputed from them on
-            the device.
+            the device, each spread over many programs by a second launch (:mod:`.long_rows`).
         encoder: for ELL holding the activations of a :class:`ThresholdedLinear` (e.g. written by a fused encode),
             that layer: overflowed rows' activations are recomputed on the device (a GEMV per overflowed row and
             output tile: meant for rare rows). Without ``dense`` or ``encoder`` an overflowed row comes out as NaN.
         out_dtype: defaults to the promoted dtype of values and weight.
+        spread_long_rows: rows with more stored entries than ``long_row_threshold(n_in)`` (1 in 64 columns, at
+            least 32) are also listed on the device and spread over many programs by that second launch, instead
+            of each walked by one program. Off by default: one launch where rows are bounded by construction.
     """
     op = "sparse_matmul"
     check_sparse_weight(op, sparse, weight)
@@ -361,46 +394,52 @@ def sparse_matmul(
             return (encoder.reference_activations() @ weight.double()).to(out_dtype)
         return torch_sparse_matmul(sparse, weight).to(out_dtype)
     cfg = _gather_config(M, n_out, weight.device)
-    placeholder = sparse.values
+    n_in, width = sparse.n_cols, sparse.width if is_ell else 0
+    threshold = long_row_threshold(n_in) if spread_long_rows else NEVER_LONG
+    can_overflow = is_ell and dense is not None and width < n_in  # completed by the spread pass
+    long_rows = None
+    if can_overflow or threshold < (width if is_ell else n_in):
+        unit_cols, unit_entries = n_in if can_overflow else 0, width if is_ell else n_in
+        long_rows = LongRows.allocate(M, n_out, weight, threshold, DELIVER_STORE.value, unit_cols, unit_entries)
     enc = encoder.prepared() if encoder is not None else None
-    gather_accumulate_kernel[(triton.cdiv(n_out, cfg.block_d) * M, 1)](
-        sparse.values,
-        sparse.indices,
-        sparse.counts if is_ell else placeholder,
-        placeholder if is_ell else sparse.row_offsets,
-        dense if dense is not None else placeholder,
+    operands = dict(
+        values_ptr=sparse.values,
+        indices_ptr=sparse.indices,
+        counts_ptr=sparse.counts if is_ell else sparse.values,
+        row_offsets_ptr=sparse.values if is_ell else sparse.row_offsets,
+        dense_ptr=dense if dense is not None else sparse.values,
+        n_in=n_in,
+        width=width,
+        stride_dense=dense.stride(0) if dense is not None else 0,
+        stride_dense_col=dense.stride(1) if dense is not None else 1,
+        FORMAT=FORMAT_ELL.value if is_ell else FORMAT_CSR.value,
+    )
+    encoder_args = {}
+    if enc is not None:
+        encoder_args = dict(
+            zip(("enc_x_ptr", "enc_w_ptr", "enc_bias_ptr", "enc_threshold_ptr", "enc_shift_ptr"), enc),
+            d_enc=enc[1].shape[0],
+            stride_enc_x=enc[0].stride(0),
+            stride_enc_w=enc[1].stride(0),
+            HAS_SHIFT=encoder.input_shift is not None,
+        )
+    listing = long_rows.listing_args() if long_rows is not None else {}
+    _launch_gather(
+        (triton.cdiv(n_out, cfg.block_d) * M, 1),
         weight,
         out,
-        placeholder,
-        placeholder,
-        placeholder,
-        *(enc if enc is not None else (placeholder,) * 5),
-        n_out,
-        sparse.n_cols,
-        sparse.width if is_ell else 0,
-        weight.stride(0),
-        out.stride(0),
-        dense.stride(0) if dense is not None else 0,
-        dense.stride(1) if dense is not None else 1,
-        0,
-        1,
-        enc[1].shape[0] if enc is not None else 0,
-        enc[0].stride(0) if enc is not None else 0,
-        enc[1].stride(0) if enc is not None else 0,
+        cfg.num_warps,
+        **operands,
+        **encoder_args,
+        **listing,
+        FALLBACK=1 if can_overflow else (2 if enc is not None else 0),
         BLOCK_K=cfg.block_k,
         BLOCK_D=cfg.block_d,
         BLOCK_F=cfg.block_f,
         GROUP=cfg.group,
-        REDUCE_SPLITS=1,
-        FORMAT=0 if is_ell else 1,
-        FALLBACK=1 if dense is not None else (2 if encoder is not None else 0),
-        HAS_SHIFT=encoder is not None and encoder.input_shift is not None,
-        num_warps=cfg.num_warps,
     )
-    record_launch("gather_accumulate_kernel")
-    if is_ell and dense is not None and sparse.width < sparse.n_cols:  # overflowed rows (when a row can overflow):
-        # scanned from their dense rows, each over several programs
-        _scan_into(out, dense, weight, None, True, overflowed=(sparse.counts, sparse.width))
+    if long_rows is not None:
+        _spread_long_rows(long_rows, weight, out, **operands)
     return out
 
 
@@ -420,7 +459,8 @@ def matmul_skip_zeros(
     ``splits``: how many programs share one row's columns (default: enough to fill the GPU when M is small); with
     more than one, per-split fp32 partials are summed in a fixed order when ``deterministic`` (default:
     ``torch.are_deterministic_algorithms_enabled()``), else added with fp32 atomics (faster; the last bits of the
-    sum vary from run to run).
+    sum vary from run to run). A program whose columns turn out denser than ``long_row_threshold`` (a token that
+    fires everything) hands them to a second launch that spreads them over many programs (:mod:`.long_rows`).
     """
     op = "matmul_skip_zeros"
     check_matmul_skip_zeros(op, a, weight, splits)
@@ -438,38 +478,21 @@ def matmul_skip_zeros(
     return _scan_into(out, a, weight, splits, deterministic)
 
 
-OVERFLOW_ROW_SHARE = 32  # the overflow pass sizes its splits as if one row in this many had overflowed
-OVERFLOW_PARTIAL_BYTES = 64 << 20  # at most this much fp32 partial-sum buffer for the overflow pass's splits
-
-
 def _scan_into(
-    out: torch.Tensor,
-    a: torch.Tensor,
-    weight: torch.Tensor,
-    splits: int | None,
-    deterministic: bool,
-    overflowed: tuple[torch.Tensor, int] | None = None,
+    out: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, splits: int | None, deterministic: bool
 ) -> torch.Tensor:
-    """The DENSE-format launch of :func:`matmul_skip_zeros` into ``out`` [M, n_out]. ``overflowed = (counts,
-    width)``: only the rows of an ELL whose count passed its width are computed (the others keep what ``out``
-    holds); their partial sums are then always reduced in a fixed order, which never touches the other rows."""
+    """The DENSE-format launches of :func:`matmul_skip_zeros` into ``out`` [M, n_out]: the scan, then (when a
+    program's columns can be long) the spread pass over the ranges it listed."""
     (M, n_in), n_out = a.shape, weight.shape[1]
-    deterministic = deterministic or overflowed is not None
     cfg = _launch_config(n_out)
     block_d, n_chunks = cfg.block_d, triton.cdiv(n_in, cfg.block_f)
     programs = _device_programs(a.device)
     if not deterministic and M * triton.cdiv(n_out, block_d) < programs:  # rows alone do not fill the GPU
         programs = _device_programs(a.device, atomic_splits=True)
 
-    # The overflow pass works on the rows past the ELL width only, which the host cannot count without a sync: its
-    # splits are sized for a share of the rows (the other rows' programs exit at once), so that a few long rows are
-    # spread over the GPU instead of each walked by one program -- within a budget for the fp32 partials.
-    rows = M if overflowed is None else triton.cdiv(M, OVERFLOW_ROW_SHARE)
-    most = n_chunks if overflowed is None else max(1, OVERFLOW_PARTIAL_BYTES // (4 * M * n_out))
-
     def n_splits_for(block_d: int) -> int:
-        wanted = splits if splits is not None else triton.cdiv(programs, rows * triton.cdiv(n_out, block_d))
-        return triton.cdiv(n_chunks, triton.cdiv(n_chunks, max(1, min(wanted, n_chunks, most))))
+        wanted = splits if splits is not None else triton.cdiv(programs, M * triton.cdiv(n_out, block_d))
+        return triton.cdiv(n_chunks, triton.cdiv(n_chunks, max(1, min(wanted, n_chunks))))
 
     # One program per (row, D block) sums that row's split partials: keep its read (n_splits * block_d fp32) within
     # ~64 KiB by narrowing the D blocks when rows are few (at B=1, D=2304 a single 4096-wide block took 25 us).
@@ -486,46 +509,42 @@ def _scan_into(
         partial = torch.empty(M, n_splits, n_out, dtype=torch.float32, device=a.device)  # read where written only
         split_nnz = torch.empty(M, n_splits, dtype=torch.int32, device=a.device)
         arrivals = torch.zeros(M, d_blocks, dtype=torch.int32, device=a.device)
-    counts, width = overflowed if overflowed is not None else (a, 0)
-    gather_accumulate_kernel[(d_blocks * M, n_splits)](
-        a,
-        a,
-        counts,
-        a,
-        a,
+    unit_cols = min(n_in, chunks_per_split * cfg.block_f)  # the columns one program scans
+    threshold = long_row_threshold(unit_cols)
+    long_rows = None
+    if threshold < unit_cols:  # a program's columns can be long: list them, spread them
+        deliver = DELIVER_ATOMIC if atomic else (DELIVER_SPLITS if n_splits > 1 else DELIVER_STORE)
+        spread_block_d = block_d if deliver == DELIVER_SPLITS else None  # that sum is per main-launch D block
+        long_rows = LongRows.allocate(
+            M * n_splits, n_out, weight, threshold, deliver.value, unit_cols, 0, spread_block_d
+        )
+    operands = dict(
+        dense_ptr=a,
+        partial_ptr=partial,
+        split_nnz_ptr=split_nnz,
+        arrivals_ptr=arrivals,
+        n_in=n_in,
+        stride_dense=a.stride(0),
+        stride_dense_col=a.stride(1),
+        chunks_per_split=chunks_per_split,
+        n_splits=n_splits,
+        long_unit_cols=chunks_per_split * cfg.block_f,
+        REDUCE_SPLITS=max(1, min(triton.next_power_of_2(n_splits), 8192 // block_d)),
+        FORMAT=FORMAT_DENSE.value,
+    )
+    _launch_gather(
+        (d_blocks * M, n_splits),
         weight,
         out,
-        partial,
-        split_nnz,
-        arrivals,
-        a,
-        a,
-        a,
-        a,
-        a,
-        n_out,
-        n_in,
-        width,
-        weight.stride(0),
-        out.stride(0),
-        a.stride(0),
-        a.stride(1),
-        chunks_per_split,
-        n_splits,
-        0,
-        0,
-        0,
+        warps,
+        **operands,
+        **(long_rows.listing_args() if long_rows is not None else {}),
         BLOCK_K=cfg.block_k,
         BLOCK_D=block_d,
         BLOCK_F=cfg.block_f,
         GROUP=cfg.group,
-        REDUCE_SPLITS=max(1, min(triton.next_power_of_2(n_splits), 8192 // block_d)),
-        FORMAT=2,
-        FALLBACK=0,
-        HAS_SHIFT=False,
         ATOMIC_SPLITS=atomic,
-        ONLY_OVERFLOWED=overflowed is not None,
-        num_warps=warps,
     )
-    record_launch("gather_accumulate_kernel")
+    if long_rows is not None:
+        _spread_long_rows(long_rows, weight, out, **operands)
     return out.copy_(partial) if atomic and partial is not out else out

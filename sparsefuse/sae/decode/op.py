@@ -3,7 +3,8 @@ the shared sparse core (:mod:`sparsefuse.sparse`): the decode has no kernels of 
 
 Backward, without a host sync: the gradient for W_dec is ``feature_acts^T @ grad_out`` computed by the same
 skip-zeros kernel on the transposed activations (d_sae rows fill the GPU, so no split and no float atomics, unless
-d_sae < 4 rows per SM); the gradient for the activations is the sampled product ``grad_out[m] . W_dec[f]`` on the
+d_sae < 4 rows per SM; a feature that fired for many of the tokens is spread by the long-row pass and summed in a
+fixed order); the gradient for the activations is the sampled product ``grad_out[m] . W_dec[f]`` on the
 activations' own sparsity pattern (zero elsewhere) -- the gradient a thresholded activation (JumpReLU, TopK) passes
 on.
 """
@@ -23,7 +24,7 @@ def _decode_forward(
     if method == "scan":
         return matmul_skip_zeros(acts, W_dec, out_dtype=out_dtype)
     if method == "exact":
-        return sparse_matmul(dense_to_csr(acts), W_dec, out_dtype=out_dtype)
+        return sparse_matmul(dense_to_csr(acts), W_dec, out_dtype=out_dtype, spread_long_rows=True)
     if method == "dense":
         return _dense_product(acts, W_dec, out_dtype)
     ell = dense_to_ell(acts, max_l0)
@@ -34,7 +35,7 @@ def _decode_forward(
                 f"sparse_decode: a token fired {largest} features but max_l0={max_l0}; raise max_l0 "
                 "or use validate=False (overflowing tokens are then decoded from their dense rows)"
             )
-    return sparse_matmul(ell, W_dec, dense=acts, out_dtype=out_dtype)
+    return sparse_matmul(ell, W_dec, dense=acts, out_dtype=out_dtype, spread_long_rows=True)
 
 
 def _dense_product(acts: torch.Tensor, W_dec: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
