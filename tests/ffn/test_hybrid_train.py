@@ -339,6 +339,22 @@ def test_auto_takes_the_dense_step_once_the_gate_fires_widely(device):
     assert runs == ["block", "dense", "dense"], runs
 
 
+def test_auto_keeps_its_choice_for_the_callers_gate_weight_under_autocast(device):
+    """Under autocast the step runs on cast copies of the weights made anew each call; the layout choice (and the
+    capacity) must follow the caller's fp32 gate weight, as outside autocast: block first, then dense."""
+    leaves = _leaves(32, 16, 64, torch.float32, device, False, seed=11)
+    dy = torch.randn(32, 16, device=device)
+    half = torch.float16 if device.type == "cuda" else torch.bfloat16
+    runs = []
+    for _ in range(3):
+        with track_launches() as launched, torch.autocast(device.type, dtype=half):
+            _run(leaves, dy, coef=0.2)
+        runs.append("dense" if launched["relu_stats_kernel"] else "block")
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # the first call's count arrives
+    assert runs == ["block", "dense", "dense"], runs
+
+
 def test_block_layout_is_deterministic(device):
     leaves = _leaves(48, 16, 96, torch.float32, device, True, seed=8)
     dy = torch.randn(48, 16, device=device)

@@ -32,9 +32,50 @@ def test_decode_matches_dense_product(B, F, D, l0s, method, dtype, device):
     assert_backend(acts)
     with track_launches() as launched:
         out = sparse_decode(acts, w, method=method, max_l0=16)
-    if method in ("scan", "fixed", "exact"):  # fixed: the ELL rows, then the overflowed rows scanned
-        assert launched["gather_accumulate_kernel"] == (2 if method == "fixed" else 1)
+    if method in ("scan", "fixed", "exact"):  # the main launch, then the spread pass over the long rows it listed
+        assert launched["gather_accumulate_kernel"] == 2
     assert out.shape == (B, D) and out.dtype == dtype
+    assert_close_to_reference(out, *reference(acts, w), **allowance(acts, w))
+
+
+LONG_ROW_CASES = {  # (B, per-token L0 cycled over the batch) at d_sae 700: not a multiple of any block
+    "one full row": (5, [3, 700, 0, 12, 1]),
+    "several full rows": (6, [700, 700, 2, 700, 0, 1]),
+    "heavy tail": (7, [1, 3, 9, 27, 81, 243, 700]),
+    "all rows full": (3, [700]),
+    "zero rows": (4, [0]),
+    "B=1, full": (1, [700]),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("method", ["scan", "fixed", "exact"])
+@pytest.mark.parametrize("case", list(LONG_ROW_CASES))
+def test_tokens_firing_every_feature_are_spread_and_exact(case, method, dtype, device, monkeypatch):
+    """Tokens far denser than the rest are listed on the device by the main launch and spread over many programs
+    by a second one (sparsefuse/sparse/long_rows.py); the result is the fp32-accumulated product either way."""
+    from sparsefuse.sparse import long_rows
+
+    plans = []
+    allocate = long_rows.LongRows.allocate
+    monkeypatch.setattr(
+        long_rows.LongRows, "allocate", staticmethod(lambda *a, **k: plans.append(allocate(*a, **k)) or plans[-1])
+    )
+    B, l0s = LONG_ROW_CASES[case]
+    acts = sparse_rows(B, 700, l0s, dtype, device)
+    w = (torch.randn(700, 40) / 8).to(dtype).to(device)
+    assert_backend(acts)
+    with track_launches() as launched:
+        out = sparse_decode(acts, w, method=method, max_l0=16)
+    assert launched["gather_accumulate_kernel"] == 2  # the main launch, then the spread pass
+    (plan,) = plans
+    fired = (acts != 0).sum(1)
+    if method == "scan":  # a row's columns may be split over programs, each range listed on its own (every case
+        # with a row past 32 non-zeros here has a full one)
+        assert (int(plan.count) > 0) == bool((fired > 32).any())
+    else:  # rows past 32 non-zeros (1 in 64 columns, at least 32), and for "fixed" those past its 16 slots
+        assert int(plan.count) == int((fired > (16 if method == "fixed" else 32)).sum())
+    assert out.shape == (B, 40) and out.dtype == dtype
     assert_close_to_reference(out, *reference(acts, w), **allowance(acts, w))
 
 
@@ -332,6 +373,17 @@ def test_auto_measures_each_decoder_once_then_follows_it_without_syncs(device, s
     assert scan_below_10[-2:] == [40.0, 5]
     with pytest.raises(ValueError, match="expected_l0 must be a non-negative number"):
         sparse_decode(dense_ish, w, expected_l0=-1.0)
+
+
+def test_auto_keeps_the_estimate_of_the_callers_decoder_under_autocast(device, scan_below_10):
+    """Under autocast the decode runs on a cast copy of W_dec made anew each call; the estimate must still be the
+    one kept for the caller's W_dec (counted once), not a fresh count (a host sync) every call."""
+    w = torch.randn(512, 8, device=device)
+    half = torch.float16 if device.type == "cuda" else torch.bfloat16
+    with torch.autocast(device.type, dtype=half):
+        sparse_decode(sparse_rows(2, 512, [3], device=device), w)  # first call: counted, 3
+        sparse_decode(sparse_rows(6, 512, [40], device=device), w)  # the estimate holds (observed later)
+    assert scan_below_10 == [3.0, 3.0]
 
 
 @pytest.mark.gpu

@@ -127,6 +127,8 @@ def _train_step(
     gate_names: tuple[str, str] = ("w_gate", "b_gate"),
 ) -> HybridMLPOutput:
     """Both blocks' step (``w_up=None``: non-gated): arguments checked, the layout resolved and run."""
+    # the layout choice and the capacity are kept per gate weight: the caller's, not autocast's per-call copy
+    gate = w_gate
     # as F.linear under autocast: the products in the autocast dtype
     x, w_gate, w_up, w_down, b_gate, b_up, b_down = autocast_operands(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
     check_ffn_mlp(op, x, w_gate, b_gate, w_up, b_up, w_down, b_down, gate_names=gate_names, dtypes=TRAIN_DTYPES)
@@ -141,19 +143,19 @@ def _train_step(
         backup_rows = math.ceil(M / 8)
     out_shape = (*x.shape[:-1], w_down.shape[0])
     if layout == "auto":
-        layout = TRAIN_CHOICE.choose(w_gate)
+        layout = TRAIN_CHOICE.choose(gate)
     kernels = x2.dtype != torch.float64 and backend_for(x2) is not Backend.TORCH
     # float64 / plain CPU (non-gated), or no neuron at all: the torch ops, exact
     if layout == "dense" or (w_up is None and not kernels) or w_gate.shape[0] == 0:
         y, l1, counts, neuron_counts = dense_step(x2, w_gate, b_gate, w_up, b_up, w_down, b_down)
-        TRAIN_CHOICE.observe(w_gate, counts)
+        TRAIN_CHOICE.observe(gate, counts)
         return HybridMLPOutput(y.reshape(out_shape), l1, counts, neuron_counts)
     if layout == "block" and kernels:
         N = w_gate.shape[0]
         plan = block_plan(N)
         n_blocks, width = triton.cdiv(M, plan.block_rows), triton.cdiv(N, plan.tile) * plan.tile
         if block_capacity is None:
-            block_capacity = TRAIN_CHOICE.capacity(w_gate, n_blocks, plan.block_rows, width)
+            block_capacity = TRAIN_CHOICE.capacity(gate, n_blocks, plan.block_rows, width)
         # the kernels read weight rows and bias vectors at unit stride (a strided one is copied, differentiably)
         y, l1, counts, neuron_counts, *_, union_sizes, _, _, _ = block_mlp_train_fwd_op(
             x2,
@@ -168,7 +170,7 @@ def _train_step(
             plan.sorts(M),
             block_capacity,
         )
-        TRAIN_CHOICE.observe(w_gate, counts, union_sizes)
+        TRAIN_CHOICE.observe(gate, counts, union_sizes)
         return HybridMLPOutput(y.reshape(out_shape), l1, counts, neuron_counts)
     y, l1, *_, counts, _, _, _, neuron_counts = hybrid_mlp_fwd_op(
         x2, w_gate, b_gate, unit_last_stride(w_up), b_up, w_down.t(), b_down, width, backup_rows

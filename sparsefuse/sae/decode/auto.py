@@ -23,7 +23,7 @@ sampled rows); on the first eager call with a new ``W_dec``, a count of those ro
 CUDA-graph capture the estimate from the warm-up calls decides; under torch.compile tracing, without
 ``expected_l0``, SAE-like sparsity (L0 = d_sae / 1024) is assumed. When auto picks ``"fixed"`` without a
 ``max_l0``, the width is 4x the mean L0 (at least 256): tokens past it are still decoded exactly, from their dense
-rows, by a scan spread over several programs per row (as ``"scan"`` decodes them).
+rows, each spread over many programs by the long-row pass (:mod:`sparsefuse.sparse.long_rows`).
 """
 
 from __future__ import annotations
@@ -118,25 +118,33 @@ def _auto_width(mean_l0: float, d_sae: int) -> int:
     return min(d_sae, max(DEFAULT_MAX_L0, triton.next_power_of_2(max(1, math.ceil(AUTO_WIDTH_PER_L0 * mean_l0)))))
 
 
-def _estimated_l0(acts: torch.Tensor, W_dec: torch.Tensor) -> float | None:
+def _estimated_l0(acts: torch.Tensor, decoder: torch.Tensor) -> float | None:
     """Mean L0 from the decoder's estimate, fed by this call when it is eager (see module docstring); None when
     nothing is known (compile tracing, or a capture without a warm-up call)."""
     return _ESTIMATES.estimate(
-        W_dec, lambda: sampled_nonzero_stats(acts, AUTO_SAMPLE_ROWS), observable(acts) and acts.shape[0] > 0
+        decoder, lambda: sampled_nonzero_stats(acts, AUTO_SAMPLE_ROWS), observable(acts) and acts.shape[0] > 0
     )
 
 
 def resolve_method(
-    method: str, acts: torch.Tensor, W_dec: torch.Tensor, max_l0: int | None, expected_l0: float | None
+    method: str,
+    acts: torch.Tensor,
+    W_dec: torch.Tensor,
+    max_l0: int | None,
+    expected_l0: float | None,
+    decoder: torch.Tensor | None = None,
 ) -> tuple[str, int]:
-    """(method, ELL width) for acts [M, d_sae], W_dec [d_sae, d_model]: ``method`` itself unless it is "auto"."""
+    """(method, ELL width) for acts [M, d_sae], W_dec [d_sae, d_model]: ``method`` itself unless it is "auto".
+    ``decoder``: the tensor the estimate is kept for, the caller's W_dec where ``W_dec`` is its autocast copy."""
     (M, d_sae), d_model = acts.shape, W_dec.shape[1]
     width = max_l0 if max_l0 is not None else min(DEFAULT_MAX_L0, d_sae)
     if method == "auto":
         if d_sae < AUTO_DENSE_BELOW_D_SAE:
             method = "dense"
         else:
-            mean_l0 = expected_l0 if expected_l0 is not None else _estimated_l0(acts, W_dec)
+            mean_l0 = (
+                expected_l0 if expected_l0 is not None else _estimated_l0(acts, W_dec if decoder is None else decoder)
+            )
             if mean_l0 is None:
                 mean_l0 = d_sae / 1024  # SAE-like sparsity, assumed where nothing was observed
             bandwidth = dram_bandwidth(acts.device) or REFERENCE_BANDWIDTH

@@ -16,6 +16,10 @@ Methods (all built on the shared core in :mod:`sparsefuse.sparse`):
 * ``"auto"`` -- ``"dense"`` for small dictionaries, else the fastest of the others by a cost model at the
   activations' mean L0, estimated without host syncs after the first call per decoder (:mod:`.auto`).
 
+In ``"scan"``, ``"fixed"`` and ``"exact"`` a token far denser than the rest (past 1 in 64 features: one that fires
+every feature) is not walked by one program: the first launch lists it on the device and a second spreads it over
+the GPU, without a host sync (:mod:`sparsefuse.sparse.long_rows`).
+
 Backward, without a host sync, on the activations' sparsity pattern (:mod:`.op`).
 """
 
@@ -58,11 +62,12 @@ def sparse_decode(
     Dtypes follow ``feature_acts @ W_dec``: one dtype (a mix raises TypeError), or under ``torch.autocast`` both
     taken in the autocast dtype.
     """
+    decoder = W_dec  # auto's estimate is kept per decoder: under autocast W_dec is a new cast copy every call
     feature_acts, W_dec = autocast_operands(feature_acts, W_dec)
     check_sparse_decode("sparse_decode", feature_acts, W_dec, method, METHODS, max_l0, expected_l0)
     out_dtype = out_dtype or torch.promote_types(feature_acts.dtype, W_dec.dtype)  # (result_type: not traceable)
     acts = flat_rows(feature_acts)
-    method, max_l0 = auto.resolve_method(method, acts, W_dec, max_l0, expected_l0)
+    method, max_l0 = auto.resolve_method(method, acts, W_dec, max_l0, expected_l0, decoder)
     out = sparse_decode_op(acts, W_dec, method, max_l0, bool(validate), out_dtype)
     return out.reshape(*feature_acts.shape[:-1], W_dec.shape[1])
 
