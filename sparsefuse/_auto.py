@@ -76,7 +76,7 @@ class SparsityMonitor:
         host = torch.empty(2, dtype=torch.int64, pin_memory=True)
         host.copy_(stats, non_blocking=True)
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(stats.device))  # the copy's stream, whichever device is current
         self._pending = (host, event)
 
     def estimate(self) -> float | None:

@@ -96,6 +96,36 @@ def test_largest_batch_case_and_summary(monkeypatch, device):
     assert "patched largest B=12, 1400 tok/s (1.40x)" in text
 
 
+def test_largest_batch_note_says_what_the_allocator_said(monkeypatch):
+    """A search that stops at an out-of-memory error names the smallest batch that failed and the allocator's figures
+    (asked, free, allocated, cached), so an early stop explains itself in the results."""
+    from types import SimpleNamespace
+
+    message = (
+        "CUDA out of memory. Tried to allocate 12.00 GiB. GPU 0 has a total capacity of 79.10 GiB of which 3.21 GiB "
+        "is free. Of the allocated memory 70.10 GiB is allocated by PyTorch, and 5.20 GiB is reserved by PyTorch but "
+        "unallocated."
+    )
+
+    class Trainer:
+        model = SimpleNamespace(config=SimpleNamespace(vocab_size=11), device="cpu")
+        optimizer = SimpleNamespace(zero_grad=lambda set_to_none: None)
+
+        def step(self, ids):
+            if ids.shape[0] > 6:
+                raise torch.cuda.OutOfMemoryError(message)
+            return torch.zeros(())
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    models = SimpleNamespace(get=lambda key, impl, alone: Trainer())
+    largest = train._LargestBatch(models, (24, 30.0), batch=4, seq=8)
+    largest.step("patched")
+    assert (
+        largest.note("patched")
+        == "largest B=6 (B=7: asked 12.00 GiB, 3.21 GiB free, 70.10 GiB allocated, 5.20 GiB cached)"
+    )
+
+
 def test_summary_of_distributed_rows():
     """Rows of the distributed mode (an N=1 and an N=2 run merged into one set): tokens/s per GPU, the patched
     speed-up and the scaling efficiency per engine, each patched row's note; the single-GPU table leaves them out."""

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import re
 from collections.abc import Callable
 
 import torch
@@ -131,6 +132,21 @@ def _out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc)
 
 
+_ALLOCATOR_FIGURES = (
+    (r"Tried to allocate ([\d.]+ \w+)", "asked {}"),
+    (r"of which ([\d.]+ \w+) is free", "{} free"),
+    (r"([\d.]+ \w+) is allocated by PyTorch", "{} allocated"),
+    (r"([\d.]+ \w+) is reserved by PyTorch but unallocated", "{} cached"),
+)
+
+
+def out_of_memory_summary(message: str) -> str:
+    """The figures of torch's out-of-memory message in a few words (size asked, free, allocated, cached), or its
+    first 80 characters where it has none of them."""
+    parts = [fmt.format(m.group(1)) for pattern, fmt in _ALLOCATOR_FIGURES if (m := re.search(pattern, message))]
+    return ", ".join(parts) if parts else message.strip().splitlines()[0][:80] if message.strip() else "out of memory"
+
+
 def largest_batch(fits: Callable[[int], bool], start: int, cap: int) -> int:
     """The largest b in [1, cap] with ``fits(b)``, for a ``fits`` true up to some b and false above: doubling from
     ``start`` until a step fails or passes ``cap`` (halving when ``start`` already fails), then bisection between
@@ -166,13 +182,16 @@ class _LargestBatch:
     def __init__(self, models: _Models, key: tuple[int, float | None], batch: int, seq: int) -> None:
         self.models, self.key, self.start, self.seq = models, key, batch, seq
         self.batch: dict[str, int] = {}
+        # impl -> (smallest batch that ran out of memory, what the allocator said): the note carries it, so a
+        # search that stops early explains itself
+        self.out_of_memory: dict[str, tuple[int, str]] = {}
 
     def _ids(self, trainer: _Trainer, batch: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(batch)
         vocab = trainer.model.config.vocab_size
         return torch.randint(0, vocab, (batch, self.seq), generator=g).to(trainer.model.device)
 
-    def _fits(self, trainer: _Trainer, batch: int, steps: int = FIT_STEPS) -> bool:
+    def _fits(self, impl: str, trainer: _Trainer, batch: int, steps: int = FIT_STEPS) -> bool:
         try:
             for _ in range(steps):
                 trainer.step(self._ids(trainer, batch))
@@ -182,6 +201,8 @@ class _LargestBatch:
         except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
             if not _out_of_memory(exc):
                 raise
+            if batch < self.out_of_memory.get(impl, (batch + 1, ""))[0]:
+                self.out_of_memory[impl] = (batch, out_of_memory_summary(str(exc)))
         # outside the except block: the exception's frames (and the step's tensors) are gone before freeing
         trainer.optimizer.zero_grad(set_to_none=False)
         gc.collect()
@@ -191,7 +212,7 @@ class _LargestBatch:
     def step(self, impl: str) -> torch.Tensor:
         trainer = self.models.get((*self.key, impl), impl, alone=True)
         if impl not in self.batch:
-            self.batch[impl] = largest_batch(lambda b: self._fits(trainer, b), self.start, LARGEST_BATCH_CAP)
+            self.batch[impl] = largest_batch(lambda b: self._fits(impl, trainer, b), self.start, LARGEST_BATCH_CAP)
         while True:
             if not self.batch[impl]:
                 raise RuntimeError(f"train: not even one sequence of {self.seq} tokens fits ({impl})")
@@ -211,7 +232,10 @@ class _LargestBatch:
         return self.batch.get(impl, 0) * self.seq
 
     def note(self, impl: str) -> str:
-        return f"largest B={self.batch[impl]}" if impl in self.batch else ""
+        if impl not in self.batch:
+            return ""
+        failed = self.out_of_memory.get(impl)
+        return f"largest B={self.batch[impl]}" + (f" (B={failed[0]}: {failed[1]})" if failed else "")
 
 
 def _case(models: _Models, key: tuple[int, float | None], batch: int, seq: int, dtype: torch.dtype) -> Case:
