@@ -19,7 +19,8 @@ import enum
 import functools
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import triton
@@ -39,6 +40,7 @@ __all__ = [
     "poison_outputs",
     "sm_count",
     "dram_bandwidth",
+    "on_tensor_device",
 ]
 
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0").lower() not in ("", "0", "false", "off")
@@ -138,9 +140,32 @@ EAGER_FAST_PATH: bool = os.environ.get("SPARSEFUSE_EAGER_FAST_PATH", "1") != "0"
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
+def _on_another_gpu(t: torch.Tensor) -> bool:
+    return t.is_cuda and t.device.index is not None and t.device.index != torch.cuda.current_device()
+
+
+def on_tensor_device(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorator for a custom op's implementation: Triton launches on the *current* CUDA device, so a call whose
+    first tensor argument lives on another GPU (a layer on ``cuda:1`` while ``cuda:0`` is current) runs with that
+    GPU made current for its duration. Costs one device query when the devices already agree."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if first is not None and _on_another_gpu(first):
+            with torch.cuda.device(first.device):
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return run
+
+
 def bypass_dispatcher(*tensors: torch.Tensor) -> bool:
-    """True when calling the launcher directly is indistinguishable from calling the torch.library op."""
+    """True when calling the launcher directly is indistinguishable from calling the torch.library op (the op
+    also makes the tensors' GPU current where it is not)."""
     if not EAGER_FAST_PATH or torch.compiler.is_compiling():
+        return False
+    if tensors and _on_another_gpu(tensors[0]):
         return False
     if any(type(t) not in _PLAIN_TENSOR_TYPES for t in tensors):
         return False

@@ -1,8 +1,8 @@
 """The sparse training step on a GPU that is not the current one. Triton launches a kernel on the current device
 (``torch.cuda.current_device()``), not on its tensors' device, so a layer on ``cuda:1`` called while ``cuda:0`` is
 current (a model placed with ``.to("cuda:1")``, DDP without ``torch.cuda.set_device``) needs a device guard around
-its launches. Run in a subprocess: an illegal memory access would poison this process's CUDA context for the tests
-after it."""
+its launches (``_backend.on_tensor_device`` on every op). Run in a subprocess: an illegal memory access would poison
+this process's CUDA context for the tests after it."""
 
 import os
 import subprocess
@@ -47,7 +47,6 @@ PROGRAM = textwrap.dedent(
 )
 
 
-@pytest.mark.xfail(reason="no device guard around the launches yet (docs/training.md, Distributed)", strict=False)
 def test_hybrid_step_on_cuda1_while_cuda0_is_current():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")

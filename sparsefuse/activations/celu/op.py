@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import torch
 
+from ..._backend import on_tensor_device
 from .launch import celu_backward, celu_forward, celu_inplace, is_dense
 
 
 @torch.library.custom_op("sparsefuse::celu", mutates_args=())
+@on_tensor_device
 def celu_op(x: torch.Tensor, alpha: float, scale: float, input_scale: float) -> torch.Tensor:
     return celu_forward(x, alpha, scale, input_scale)
 
@@ -19,6 +21,7 @@ def _(x, alpha, scale, input_scale):
 
 
 @torch.library.custom_op("sparsefuse::celu_", mutates_args=("x",))
+@on_tensor_device
 def celu_inplace_op(x: torch.Tensor, alpha: float, scale: float, input_scale: float) -> None:
     celu_inplace(x, alpha, scale, input_scale)
 
@@ -29,6 +32,7 @@ def _(x, alpha, scale, input_scale) -> None:
 
 
 @torch.library.custom_op("sparsefuse::celu_backward", mutates_args=())
+@on_tensor_device
 def celu_backward_op(
     grad_y: torch.Tensor, y: torch.Tensor, alpha: float, scale: float, input_scale: float
 ) -> torch.Tensor:

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import torch
 
+from ..._backend import on_tensor_device
 from .launch import snake_backward, snake_forward
 
 
 @torch.library.custom_op("sparsefuse::snake", mutates_args=())
+@on_tensor_device
 def snake_op(x: torch.Tensor, alpha: torch.Tensor, eps: float, fast_sin: bool) -> torch.Tensor:
     return snake_forward(x, alpha, eps, fast_sin)
 
@@ -19,6 +21,7 @@ def _(x: torch.Tensor, alpha: torch.Tensor, eps: float, fast_sin: bool) -> torch
 
 
 @torch.library.custom_op("sparsefuse::snake_backward", mutates_args=())
+@on_tensor_device
 def snake_backward_op(
     grad_y: torch.Tensor, x: torch.Tensor, alpha: torch.Tensor, eps: float, fast_sin: bool, need_alpha_grad: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from ..._backend import on_tensor_device
 from ...sparse import BlockELL
 from ...sparse.block_grad import block_ell_sddmm, block_ell_transpose, transposed_matmul
 from ...sparse.block_pack import PackedFactors, pack_block_factors, unpack_block_factors
@@ -42,6 +43,7 @@ def _on_slots(values, indices, counts, order, N, block_rows) -> BlockELL:
 
 
 @torch.library.custom_op("sparsefuse::block_mlp_train_fwd", mutates_args=())
+@on_tensor_device
 def block_mlp_train_fwd_op(
     x2: torch.Tensor,
     w_gate: torch.Tensor,
@@ -124,6 +126,7 @@ def _(x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, block_rows, tile, sort_r
 
 
 @torch.library.custom_op("sparsefuse::block_mlp_train_bwd", mutates_args=())
+@on_tensor_device
 def block_mlp_train_bwd_op(
     dy: torch.Tensor,
     dl1: torch.Tensor,

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from ... import _backend
-from ..._backend import Backend, backend_for, record_launch
+from ..._backend import Backend, backend_for, on_tensor_device, record_launch
 
 MAX_GROUPS = 512  # row groups of relu_stats_kernel: its per-neuron partial counts are [MAX_GROUPS, N] at most
 
@@ -73,6 +73,7 @@ def _l1_dtype(pre: torch.Tensor) -> torch.dtype:
 
 
 @torch.library.custom_op("sparsefuse::relu_l1", mutates_args=())
+@on_tensor_device
 def relu_l1_op(pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """pre [M, N] -> (relu(pre), l1 = sum(relu(pre)) / (M * N) as 0-dim fp32 (float64 for float64 pre: gradient
     checks), fired count per row [M] and per column [N], int32)."""
@@ -106,6 +107,7 @@ def _(pre):
 
 
 @torch.library.custom_op("sparsefuse::relu_l1_backward", mutates_args=())
+@on_tensor_device
 def relu_l1_backward_op(h: torch.Tensor, grad_h: torch.Tensor, grad_l1: torch.Tensor) -> torch.Tensor:
     """The gradient w.r.t. pre of ``relu_l1``'s (h, l1) outputs: ``(grad_h + grad_l1 / (M * N)) * [h != 0]``."""
     M, N = h.shape

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..._backend import on_tensor_device
 from ...sparse import ELL, dense_to_hybrid, sparse_matmul, torch_sparse_matmul
 
 REBUILDS = {"calls": 0, "rebuilt": 0}  # forward calls, and those whose backup had to grow (all processes' layers)
@@ -88,6 +89,7 @@ def _add_rows(out: torch.Tensor, rows: torch.Tensor, part: torch.Tensor) -> None
 
 
 @torch.library.custom_op("sparsefuse::hybrid_mlp_fwd", mutates_args=())
+@on_tensor_device
 def hybrid_mlp_fwd_op(
     x2: torch.Tensor,
     w_gate: torch.Tensor,
@@ -163,6 +165,7 @@ def _(x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, width, backup_rows):
 
 
 @torch.library.custom_op("sparsefuse::hybrid_mlp_bwd", mutates_args=())
+@on_tensor_device
 def hybrid_mlp_bwd_op(
     dy: torch.Tensor,
     dl1: torch.Tensor,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from ..._backend import on_tensor_device
 from .auto import resolve_method
 from .launch import launch_gate, launch_mlp, launch_relu_mlp, launch_up_down
 
@@ -24,6 +25,7 @@ def _no_context(ctx, inputs, output) -> None:
 
 
 @torch.library.custom_op("sparsefuse::twell_gate", mutates_args=())
+@on_tensor_device
 def twell_gate_op(
     x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tile: int, compression: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -42,6 +44,7 @@ def _(x, w, b, tile, compression):
 
 
 @torch.library.custom_op("sparsefuse::twell_up_down", mutates_args=())
+@on_tensor_device
 def twell_up_down_op(
     values: torch.Tensor,
     indices: torch.Tensor,
@@ -65,6 +68,7 @@ def _(values, indices, counts, x, w_gate, b_gate, w_up, b_up, w_down_t, b_down, 
 
 
 @torch.library.custom_op("sparsefuse::twell_mlp", mutates_args=())
+@on_tensor_device
 def twell_mlp_op(
     x: torch.Tensor,
     w_gate: torch.Tensor,
@@ -90,6 +94,7 @@ def _(x, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile, compression, method
 
 
 @torch.library.custom_op("sparsefuse::twell_relu_mlp", mutates_args=())
+@on_tensor_device
 def twell_relu_mlp_op(
     x: torch.Tensor,
     w_up: torch.Tensor,

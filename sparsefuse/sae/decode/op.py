@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..._backend import on_tensor_device
 from ...sparse import dense_to_csr, dense_to_ell, matmul_skip_zeros, sparse_matmul
 from ...sparse.sddmm import sampled_dot_dense_pattern
 
@@ -55,6 +56,7 @@ def _dense_product(acts: torch.Tensor, W_dec: torch.Tensor, out_dtype: torch.dty
 
 
 @torch.library.custom_op("sparsefuse::sparse_decode", mutates_args=())
+@on_tensor_device
 def sparse_decode_op(
     feature_acts: torch.Tensor, W_dec: torch.Tensor, method: str, max_l0: int, validate: bool, out_dtype: torch.dtype
 ) -> torch.Tensor:
@@ -67,6 +69,7 @@ def _(feature_acts, W_dec, method, max_l0, validate, out_dtype):
 
 
 @torch.library.custom_op("sparsefuse::sparse_decode_backward", mutates_args=())
+@on_tensor_device
 def sparse_decode_backward_op(
     grad_out: torch.Tensor, feature_acts: torch.Tensor, W_dec: torch.Tensor, need_acts: bool, need_weight: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:

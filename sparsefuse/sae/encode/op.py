@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ... import _backend
-from ..._backend import Backend, backend_for
+from ..._backend import Backend, backend_for, on_tensor_device
 from ...sparse import ELL
 from .launch import launch_jumprelu_encode
 from .reference import torch_jumprelu_encode
@@ -29,6 +29,7 @@ def _encode(
 
 
 @torch.library.custom_op("sparsefuse::jumprelu_encode", mutates_args=())
+@on_tensor_device
 def jumprelu_encode_op(
     x: torch.Tensor,
     W_enc: torch.Tensor,

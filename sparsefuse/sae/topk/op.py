@@ -9,7 +9,7 @@ import torch
 import triton
 
 from ... import _backend
-from ..._backend import Backend, backend_for, compute_dtype
+from ..._backend import Backend, backend_for, compute_dtype, on_tensor_device
 from .keys import _topk_keys_torch, _unpack_keys
 from .launch import MAX_KERNEL_K, launch_topk_keys
 
@@ -39,6 +39,7 @@ def _topk_encode(
 # The op returns (top_acts, top_indices): the differentiable output first (opcheck's autograd test sums the outputs
 # into the first one's dtype); the functional API returns them the other way round, like torch.topk's pair.
 @torch.library.custom_op("sparsefuse::topk_encode", mutates_args=())
+@on_tensor_device
 def topk_encode_op(
     x: torch.Tensor,
     W_enc: torch.Tensor,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ... import _backend
-from ..._backend import Backend, backend_for
+from ..._backend import Backend, backend_for, on_tensor_device
 from .launch import launch_splade_backward, launch_splade_forward
 from .reference import reference_backward, reference_forward
 
@@ -60,6 +60,7 @@ def splade_backward(
 
 
 @torch.library.custom_op("sparsefuse::splade_pool", mutates_args=())
+@on_tensor_device
 def splade_pool_op(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -85,6 +86,7 @@ def _(hidden, weight, bias, attention_mask, pooling, save_for_backward):
 
 
 @torch.library.custom_op("sparsefuse::splade_pool_backward", mutates_args=())
+@on_tensor_device
 def splade_pool_backward_op(
     grad: torch.Tensor,
     hidden: torch.Tensor,
