@@ -116,6 +116,12 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
+def _world_group():
+    import torch.distributed as dist
+
+    return dist.group.WORLD
+
+
 def _mean_over_processes(values: list[float], device: torch.device) -> list[float]:
     rank, world = _world()
     if world == 1:
@@ -162,7 +168,8 @@ def train(cfg: dict, data: torch.Tensor, l1: float, args: argparse.Namespace, de
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         if step % args.log_every == 0 or step == cfg["steps"] - 1:
-            report = sparsity_report(inner)
+            # over every process's tokens (each layer's p99 is the global batch's, not a mean of the processes')
+            report = sparsity_report(inner, group=_world_group() if args.distributed else None)
             mean = sum(float(r["mean_nnz"]) for r in report.values()) / len(report)
             p99 = max(float(r["p99_nnz"]) for r in report.values())
             step_loss, mean, p99, seconds = _mean_over_processes([float(out.loss.detach()), mean, p99, seconds], device)

@@ -110,7 +110,10 @@ def l1_loss(model: nn.Module) -> torch.Tensor:
     return torch.stack([t.float() for t in terms]).sum()
 
 
-def sparsity_report(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
+def sparsity_report(
+    model: nn.Module, group: torch.distributed.ProcessGroup | None = None
+) -> dict[str, dict[str, torch.Tensor]]:
     """Per patched layer (qualified name): the last training step's gate statistics as device scalars (mean, p99
-    and max non-zeros per token, dead-neuron fraction). Reading them is one sync: do it when logging."""
-    return {name: m.sparsity_report() for name, m in patched_mlps(model) if m._last_counts is not None}
+    and max non-zeros per token, dead-neuron fraction). Reading them is one sync: do it when logging. ``group``
+    (e.g. ``dist.group.WORLD``, every rank calling): over all its ranks' tokens; default: this process's batch."""
+    return {name: m.sparsity_report(group) for name, m in patched_mlps(model) if m._last_counts is not None}

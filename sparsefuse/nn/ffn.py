@@ -168,12 +168,14 @@ class SparseGatedMLP(nn.Module):
         self._last_counts = (fired.sum(1, dtype=torch.int32), fired.sum(0, dtype=torch.int32))
         return F.linear(h_gate * F.linear(x, up.weight, up.bias), down.weight, down.bias)
 
-    def sparsity_report(self) -> dict[str, torch.Tensor]:
+    def sparsity_report(self, group: torch.distributed.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
         """The last training step's gate statistics as device scalars (reading them is the caller's sync): mean,
-        p99 and max non-zeros per token, and the fraction of neurons that fired in no token of the batch."""
+        p99 and max non-zeros per token, and the fraction of neurons that fired in no token of the batch. ``group``:
+        report over the tokens of all that process group's ranks (see :func:`~sparsefuse.ffn.sparsity_stats`);
+        default: this process's batch."""
         if self._last_counts is None:
             raise RuntimeError("SparseGatedMLP.sparsity_report: no training step has run yet")
-        return sparsity_stats(*self._last_counts)
+        return sparsity_stats(*self._last_counts, group=group)
 
     @property
     def monitor(self) -> SparsityMonitor | None:

@@ -105,3 +105,44 @@ def test_two_processes_match_one(engine, tmp_path, monkeypatch):
     assert distributed.keys() == single.keys()
     for name, g in single.items():
         torch.testing.assert_close(distributed[name], g, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _report_worker(rank: int, world: int, init: str, out_path: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        from sparsefuse.ffn.hybrid import sparsity_stats
+
+        tokens, neurons = _rank_counts(rank)
+        stats = sparsity_stats(tokens, neurons, group=dist.group.WORLD)
+        if rank == 0:
+            torch.save({k: v.clone() for k, v in stats.items()}, out_path)
+    finally:
+        dist.destroy_process_group()
+
+
+def _rank_counts(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank r's token counts (ranks of different lengths, rank 1's heavier) and neuron counts (each rank firing
+    a different half of the neurons: no neuron is dead over both)."""
+    g = torch.Generator().manual_seed(rank)
+    tokens = torch.randint(0, 10 + 90 * rank, (7 + 5 * rank,), generator=g, dtype=torch.int32)
+    neurons = torch.zeros(8, dtype=torch.int32)
+    neurons[rank * 4 : rank * 4 + 4] = 3
+    return tokens, neurons
+
+
+def test_sparsity_report_over_ranks_is_the_global_batchs(tmp_path, monkeypatch):
+    """With ``group``, two processes' statistics are those of their batches put together: the p99 and max from every
+    token, the dead fraction from the summed neuron counts (each rank alone sees half of the neurons dead)."""
+    from sparsefuse.ffn.hybrid import sparsity_stats
+
+    for name, value in loopback_env().items():
+        monkeypatch.setenv(name, value)
+    out_path = str(tmp_path / "stats.pt")
+    _run_processes(_report_worker, (2, f"file://{tmp_path / 'rendezvous'}", out_path), nprocs=2, seconds=120)
+    (t0, n0), (t1, n1) = _rank_counts(0), _rank_counts(1)
+    expected = sparsity_stats(torch.cat([t0, t1]), n0 + n1)
+    got = torch.load(out_path)
+    assert got.keys() == expected.keys() and float(got["dead_fraction"]) == 0.0
+    for key, value in expected.items():
+        torch.testing.assert_close(got[key], value, msg=key)
+    assert float(sparsity_stats(t0, n0)["dead_fraction"]) == 0.5

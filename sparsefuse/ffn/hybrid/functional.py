@@ -178,9 +178,19 @@ def _train_step(
     return HybridMLPOutput(y.reshape(out_shape), l1, counts, neuron_counts)
 
 
-def sparsity_stats(token_counts: torch.Tensor, neuron_counts: torch.Tensor) -> dict[str, torch.Tensor]:
+def sparsity_stats(
+    token_counts: torch.Tensor, neuron_counts: torch.Tensor, group: torch.distributed.ProcessGroup | None = None
+) -> dict[str, torch.Tensor]:
     """Device scalars for logging (reading them is the caller's sync): mean, p99 and max gate non-zeros per token,
-    and the fraction of neurons that fired in no token of the batch."""
+    and the fraction of neurons that fired in no token of the batch. token_counts [M] and neuron_counts [N] are a
+    step's (``HybridMLPOutput``'s) counts.
+
+    ``group``: a ``torch.distributed`` process group (e.g. ``dist.group.WORLD``) to report over the tokens of all
+    its ranks (every rank must call; the statistics are then the same on each): the token counts are gathered and
+    the neuron counts summed, so the p99 and the dead fraction are those of the global batch, not means of the
+    ranks' own. Default: this process's batch alone (no communication)."""
+    if group is not None:
+        token_counts, neuron_counts = _counts_over_ranks(token_counts, neuron_counts, group)
     counts = token_counts.float()
     if counts.numel() == 0:
         nan = torch.full((), math.nan, device=counts.device)
@@ -191,3 +201,25 @@ def sparsity_stats(token_counts: torch.Tensor, neuron_counts: torch.Tensor) -> d
         "max_nnz": counts.max(),
         "dead_fraction": (neuron_counts == 0).float().mean(),
     }
+
+
+def _counts_over_ranks(
+    token_counts: torch.Tensor, neuron_counts: torch.Tensor, group: torch.distributed.ProcessGroup
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's token counts, concatenated in rank order, and the neuron counts summed over the ranks (two
+    all-gathers of the lengths and counts, padded to the longest, and one all-reduce)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    length = torch.tensor([token_counts.numel()], device=token_counts.device, dtype=torch.int64)
+    lengths = [torch.empty_like(length) for _ in range(world)]
+    dist.all_gather(lengths, length, group=group)
+    longest = max(int(n) for n in lengths)
+    padded = token_counts.new_zeros(longest)
+    padded[: token_counts.numel()] = token_counts
+    gathered = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(gathered, padded, group=group)
+    tokens = torch.cat([g[: int(n)] for g, n in zip(gathered, lengths)])
+    neurons = neuron_counts.clone()
+    dist.all_reduce(neurons, group=group)
+    return tokens, neurons

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from ..._backend import on_tensor_device
 from ...sparse import ELL, dense_to_hybrid, sparse_matmul, torch_sparse_matmul
 
-REBUILDS = {"calls": 0, "rebuilt": 0}  # forward calls, and those whose backup had to grow (all processes' layers)
+REBUILDS = {"calls": 0, "rebuilt": 0}  # forward calls, and those whose backup had to grow (every layer of this process)
 
 
 def _l1_dtype(dtype: torch.dtype) -> torch.dtype:
