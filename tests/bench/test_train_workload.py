@@ -8,7 +8,7 @@ pytest.importorskip("transformers")
 
 from sparsefuse import track_launches  # noqa: E402
 from sparsefuse.bench.harness import Options  # noqa: E402
-from sparsefuse.bench.workloads import train  # noqa: E402
+from sparsefuse.bench.workloads import train, train_setup  # noqa: E402
 
 TINY = dict(
     hidden_size=32,
@@ -21,8 +21,8 @@ TINY = dict(
 
 
 def test_train_workload_steps_patched_and_unpatched(monkeypatch, device):
-    monkeypatch.setattr(train, "MODEL_SHAPE", TINY)
-    monkeypatch.setattr(train, "QUICK", ((2,), (6.0,), [(2, 16)]))
+    monkeypatch.setattr(train_setup, "MODEL_SHAPE", TINY)
+    monkeypatch.setattr(train_setup, "QUICK", ((2,), (6.0,), [(2, 16)]))
     options = Options(quick=True, dtypes=(torch.float32,), device=str(device), log=lambda _: None)
     case, largest = train.train_cases(options)
     assert case.shape == "2L nnz=6 B=2 S=16" and set(case.impls) == {
@@ -69,8 +69,8 @@ def test_largest_batch_case_and_summary(monkeypatch, device):
     and the summary's FFN share and tokens/s lines from rows."""
     from sparsefuse.bench.harness import Result
 
-    monkeypatch.setattr(train, "MODEL_SHAPE", TINY)
-    monkeypatch.setattr(train, "QUICK", ((1,), (6.0,), [(1, 8)]))
+    monkeypatch.setattr(train_setup, "MODEL_SHAPE", TINY)
+    monkeypatch.setattr(train_setup, "QUICK", ((1,), (6.0,), [(1, 8)]))
     monkeypatch.setattr(train, "LARGEST_BATCH_CAP", 3)
     options = Options(quick=True, dtypes=(torch.float32,), device=str(device), log=lambda _: None)
     _, largest = train.train_cases(options)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from sparsefuse import backend_for, track_launches
 from sparsefuse.bench.harness import Options
-from sparsefuse.bench.workloads import train
+from sparsefuse.bench.workloads import train, train_setup
 from sparsefuse.ffn.hybrid.choice import TRAIN_CHOICE
 
 TINY = dict(
@@ -29,10 +29,10 @@ STEPS = 2  # per implementation: the first one after the gradient check, and one
 
 
 def main(out_path: str, device: str = "cpu") -> int:
-    train.MODEL_SHAPE = TINY
+    train_setup.MODEL_SHAPE = TINY
     # the block step in every call: the tiny model fires 6% of its neurons, past which auto takes the dense layout
     TRAIN_CHOICE.dense_above = 1.0
-    train.QUICK = ((2,), (6.0,), [(2, 16)])
+    train_setup.QUICK = ((2,), (6.0,), [(2, 16)])
     options = Options(quick=True, dtypes=(torch.float32,), device=device, log=print)
     results: dict[str, dict] = {}
     for case in train.train_cases(options):

@@ -40,46 +40,10 @@ from collections.abc import Callable
 import torch
 
 from ..harness import Case, Options, Result, register
+from . import train_setup as setup
 
-MODEL_SHAPE: str | dict = "1.5B"  # a synthetic_llama shape (tests use a tiny dict)
-LAYERS = (24, 8)  # full depth, and a depth where compiling is affordable
-SPARSITIES: tuple[float | None, ...] = (30.0, None)
-BATCHES: list[tuple[int, int]] = [(4, 2048)]
-L1_COEFFICIENT = 2e-5  # the TwELL paper's
-QUICK = ((8,), (30.0,), [(4, 2048)])
 LARGEST_BATCH_CAP = 128  # micro-batches tried at most (sequences)
 FIT_STEPS = 3  # training steps a micro-batch must run to count as fitting (the first steps at a size differ)
-
-
-class _Trainer:
-    """A model, its AdamW and (optionally) its compiled forward: one training step per call. ``forward``: the
-    module the step calls, when it is not ``model`` itself (a ``DistributedDataParallel`` around it); the L1 term is
-    read from ``model``'s layers either way."""
-
-    def __init__(
-        self, model: torch.nn.Module, compiled: bool, l1: bool, forward: torch.nn.Module | None = None
-    ) -> None:
-        self.model = model.train()
-        self.forward, self.compile_on_first_step = forward if forward is not None else model, compiled
-        params = list(self.forward.parameters())
-        # fused for plain CUDA tensors only: FSDP2's sharded DTensors take the default (foreach) implementation,
-        # which every torch with fully_shard supports for them
-        fused = params[0].is_cuda and all(type(p) is torch.nn.Parameter for p in params)
-        self.optimizer = torch.optim.AdamW(params, lr=0.0, fused=fused)
-        self.l1 = l1
-
-    def step(self, ids: torch.Tensor) -> torch.Tensor:
-        from ...integrations.transformers import l1_loss
-
-        loss = self.forward(input_ids=ids, labels=ids).loss
-        if self.compile_on_first_step:  # one eager step first, as the docs tell users: auto's choices settle
-            self.forward, self.compile_on_first_step = torch.compile(self.model), False
-        if self.l1:
-            loss = loss + L1_COEFFICIENT * l1_loss(self.model)
-        loss.backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=False)
-        return loss.detach()
 
 
 class _Models:
@@ -88,7 +52,7 @@ class _Models:
     def __init__(self, build: Callable[[int, float | None], torch.nn.Module]) -> None:
         self.build, self.key, self.trainers = build, None, {}
 
-    def get(self, key: tuple, impl: str, alone: bool = False) -> _Trainer:
+    def get(self, key: tuple, impl: str, alone: bool = False) -> setup.Trainer:
         """The trainer of ``impl`` on the model of ``key`` ((layers, sparsity), built on first use). ``alone``: the
         implementation's model is the only one resident (patched in place, no unpatched copy kept)."""
         if key != self.key:
@@ -107,7 +71,7 @@ class _Models:
                 model = _without_ffn(copy.deepcopy(self._base()))
             else:
                 model = self._base()
-            self.trainers[impl] = _Trainer(model, compiled=impl.endswith("compile"), l1=impl.startswith("patched"))
+            self.trainers[impl] = setup.Trainer(model, compiled=impl.endswith("compile"), l1=impl.startswith("patched"))
             if alone:
                 self.trainers.pop("base", None)
         return self.trainers[impl]
@@ -186,12 +150,12 @@ class _LargestBatch:
         # search that stops early explains itself
         self.out_of_memory: dict[str, tuple[int, str]] = {}
 
-    def _ids(self, trainer: _Trainer, batch: int) -> torch.Tensor:
+    def _ids(self, trainer: setup.Trainer, batch: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(batch)
         vocab = trainer.model.config.vocab_size
         return torch.randint(0, vocab, (batch, self.seq), generator=g).to(trainer.model.device)
 
-    def _fits(self, impl: str, trainer: _Trainer, batch: int, steps: int = FIT_STEPS) -> bool:
+    def _fits(self, impl: str, trainer: setup.Trainer, batch: int, steps: int = FIT_STEPS) -> bool:
         try:
             for _ in range(steps):
                 trainer.step(self._ids(trainer, batch))
@@ -347,11 +311,11 @@ def train_cases(options: Options) -> list[Case]:
 
     def build(layers: int, mean_nnz: float | None) -> torch.nn.Module:
         return synthetic_llama(
-            MODEL_SHAPE, num_hidden_layers=layers, mean_nnz=mean_nnz, dtype=dtype, device=options.device
+            setup.MODEL_SHAPE, num_hidden_layers=layers, mean_nnz=mean_nnz, dtype=dtype, device=options.device
         )
 
     models = _Models(build)
-    layer_set, sparsities, batches = QUICK if options.quick else (LAYERS, SPARSITIES, BATCHES)
+    layer_set, sparsities, batches = setup.QUICK if options.quick else (setup.LAYERS, setup.SPARSITIES, setup.BATCHES)
     cases = [
         _case(models, (layers, nnz), batch, seq, dtype)
         for layers in layer_set

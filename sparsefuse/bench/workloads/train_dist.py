@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..harness import Case, Options, Result
-from . import train
+from . import train_setup as setup
 
 ENGINES = ("ddp", "fsdp2")
 ENGINES_ENV = "SPARSEFUSE_TRAIN_ENGINES"
@@ -238,11 +238,11 @@ class _Engine:
 
     def __init__(self, build: Callable[[], nn.Module], engine: str, world: World, seq: int) -> None:
         self.build, self.engine, self.world, self.seq = build, engine, world, seq
-        self.trainers: dict[str, train._Trainer] = {}
+        self.trainers: dict[str, setup.Trainer] = {}
         self.agreement: dict[str, GradAgreement] = {}
         self.before: dict[str, int] = {}  # bytes allocated when the implementation's last step began
 
-    def trainer(self, impl: str) -> train._Trainer:
+    def trainer(self, impl: str) -> setup.Trainer:
         if impl not in self.trainers:
             from ...integrations.transformers import patch_llama
 
@@ -255,7 +255,7 @@ class _Engine:
             wrapped, self.agreement[impl] = grad_agreement(
                 model, self.engine, self.world, ids.to(self.world.device), GRAD_CHECK_L1 if patched else 0.0
             )
-            self.trainers[impl] = train._Trainer(model, compiled=False, l1=patched, forward=wrapped)
+            self.trainers[impl] = setup.Trainer(model, compiled=False, l1=patched, forward=wrapped)
         return self.trainers[impl]
 
     def step(self, impl: str, ids: torch.Tensor) -> torch.Tensor:
@@ -318,7 +318,7 @@ def distributed_cases(options: Options, dtype: torch.dtype) -> list[Case]:
     from ...ffn.synthetic import synthetic_llama
 
     world = init_world("cuda" if str(options.device).startswith("cuda") else "cpu")
-    layer_set, sparsities, batches = train.QUICK if options.quick else (train.LAYERS, train.SPARSITIES, train.BATCHES)
+    layer_set, sparsities, batches = setup.QUICK if options.quick else (setup.LAYERS, setup.SPARSITIES, setup.BATCHES)
     layers, (batch, seq) = layer_set[0], batches[0]
     nnz = next(s for s in sparsities if s is not None)
     resident = _Resident()
@@ -326,7 +326,7 @@ def distributed_cases(options: Options, dtype: torch.dtype) -> list[Case]:
 
     def build() -> nn.Module:
         return synthetic_llama(
-            train.MODEL_SHAPE, num_hidden_layers=layers, mean_nnz=nnz, dtype=dtype, device=world.device
+            setup.MODEL_SHAPE, num_hidden_layers=layers, mean_nnz=nnz, dtype=dtype, device=world.device
         )
 
     cases = []

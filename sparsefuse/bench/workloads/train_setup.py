@@ -1,0 +1,44 @@
+"""What the ``train`` workload's single-GPU and distributed modes (:mod:`.train`, :mod:`.train_dist`) share: the
+model grid and the training step (see :mod:`.train` for what they measure)."""
+
+from __future__ import annotations
+
+import torch
+
+MODEL_SHAPE: str | dict = "1.5B"  # a synthetic_llama shape (tests use a tiny dict)
+LAYERS = (24, 8)  # full depth, and a depth where compiling is affordable
+SPARSITIES: tuple[float | None, ...] = (30.0, None)
+BATCHES: list[tuple[int, int]] = [(4, 2048)]
+L1_COEFFICIENT = 2e-5  # the TwELL paper's
+QUICK = ((8,), (30.0,), [(4, 2048)])
+
+
+class Trainer:
+    """A model, its AdamW and (optionally) its compiled forward: one training step per call. ``forward``: the
+    module the step calls, when it is not ``model`` itself (a ``DistributedDataParallel`` around it); the L1 term is
+    read from ``model``'s layers either way."""
+
+    def __init__(
+        self, model: torch.nn.Module, compiled: bool, l1: bool, forward: torch.nn.Module | None = None
+    ) -> None:
+        self.model = model.train()
+        self.forward, self.compile_on_first_step = forward if forward is not None else model, compiled
+        params = list(self.forward.parameters())
+        # fused for plain CUDA tensors only: FSDP2's sharded DTensors take the default (foreach) implementation,
+        # which every torch with fully_shard supports for them
+        fused = params[0].is_cuda and all(type(p) is torch.nn.Parameter for p in params)
+        self.optimizer = torch.optim.AdamW(params, lr=0.0, fused=fused)
+        self.l1 = l1
+
+    def step(self, ids: torch.Tensor) -> torch.Tensor:
+        from ...integrations.transformers import l1_loss
+
+        loss = self.forward(input_ids=ids, labels=ids).loss
+        if self.compile_on_first_step:  # one eager step first, as the docs tell users: auto's choices settle
+            self.forward, self.compile_on_first_step = torch.compile(self.model), False
+        if self.l1:
+            loss = loss + L1_COEFFICIENT * l1_loss(self.model)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=False)
+        return loss.detach()
