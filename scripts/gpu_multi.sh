@@ -31,6 +31,10 @@ ngpu=${NGPU:-$($PY -c 'import torch; print(torch.cuda.device_count())')}
 torchrun="$PY -m torch.distributed.run --standalone"
 deadline=${DEADLINE_S:-560}
 status=0
+# A lent machine sends back only a few files: every part logs to one file, and what is not a result (the bench's
+# own sets, the example's checkpoints and plots) stays in a scratch folder outside OUT_DIR.
+log="$out/gpu-multi-$gpu.log"
+scratch=$(mktemp -d)
 
 # Seconds a part may take: its own cap, less where the deadline is nearer (0: skip it). 50 s are kept for stopping
 # a part cut short: torchrun gives its workers 30 s to stop before it kills them.
@@ -69,16 +73,16 @@ if [ "$ngpu" -lt 2 ]; then
 fi
 
 if [ "${TESTS:-1}" != 0 ]; then
-  part "tests" 100 "$out/gpu-multi-tests-$gpu.log" $PY -m pytest tests/distributed -q -rfs -p no:cacheprovider
+  part "tests" 100 "$log" $PY -m pytest tests/distributed -q -rfs -p no:cacheprovider
 fi
 
 if [ "${BENCH:-1}" != 0 ]; then
   # Both runs write one set (--merge) in a folder of their own; it is written out as train_multi below, so that the
   # single-GPU train set keeps its name.
-  sets="$out/bench-multi"
+  sets="$scratch/bench-multi"
   export SPARSEFUSE_TRAIN_ENGINES=${ENGINES:-ddp,fsdp2}
   for n in $(printf '%s\n' 1 "$ngpu" | sort -nu); do
-    part "bench train x$n" 200 "$out/bench-multi-x$n-$gpu.log" \
+    part "bench train x$n" 200 "$log" \
       $torchrun --nproc_per_node "$n" -m sparsefuse bench train --dtype bfloat16 --out "$sets" --merge --no-plot \
       ${BENCH_ARGS:-}
   done
@@ -98,7 +102,7 @@ if partial.exists():
     print(f"gpu_multi: a bench run was cut short; its finished cases come from {partial}")
     rows = merge_rows(rows, [r for r in read_csv(partial) if r.workload == "train"])
 if not rows:
-    sys.exit(f"gpu_multi: no bench rows in {sets} (see the bench-multi logs)")
+    sys.exit(f"gpu_multi: no bench rows in {sets} (see the log)")
 meta = read_meta(full.with_suffix(".md")) if full.exists() else {"GPU": gpu}
 for path in write_set(rows, meta, out, f"train_multi-{gpu}{suffix}"):
     print("wrote", path)
@@ -108,10 +112,11 @@ fi
 
 if [ "${EXAMPLE:-1}" != 0 ]; then
   for engine in ddp fsdp2; do
-    part "example $engine x$ngpu" 90 "$out/example-$engine-x$ngpu-$gpu.log" \
+    part "example $engine x$ngpu" 90 "$log" \
       $torchrun --nproc_per_node "$ngpu" examples/train_sparse_llama.py --distributed --engine "$engine" \
       --size small --train-method hybrid --steps "${EXAMPLE_STEPS:-150}" --log-every 25 \
-      --out "$out/example-$engine-x$ngpu"
+      --out "$scratch/example-$engine-x$ngpu"
+    cp "$scratch/example-$engine-x$ngpu/log.csv" "$out/example-$engine-x$ngpu-$gpu.csv" 2>/dev/null || status=1
   done
 fi
 
