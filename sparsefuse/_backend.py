@@ -140,14 +140,22 @@ EAGER_FAST_PATH: bool = os.environ.get("SPARSEFUSE_EAGER_FAST_PATH", "1") != "0"
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
+@functools.cache
+def _several_gpus() -> bool:
+    return torch.cuda.is_available() and torch.cuda.device_count() > 1
+
+
 def _on_another_gpu(t: torch.Tensor) -> bool:
-    return t.is_cuda and t.device.index is not None and t.device.index != torch.cuda.current_device()
+    """Whether ``t`` lives on a GPU other than the current one (never, and nothing queried, with one GPU visible)."""
+    return (
+        t.is_cuda and _several_gpus() and t.device.index is not None and t.device.index != torch.cuda.current_device()
+    )
 
 
 def on_tensor_device(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Decorator for a custom op's implementation: Triton launches on the *current* CUDA device, so a call whose
     first tensor argument lives on another GPU (a layer on ``cuda:1`` while ``cuda:0`` is current) runs with that
-    GPU made current for its duration. Costs one device query when the devices already agree."""
+    GPU made current for its duration. Costs a device query per call where several GPUs are visible."""
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
