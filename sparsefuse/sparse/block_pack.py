@@ -168,7 +168,8 @@ def block_unpack_kernel(
         start = tl.load(offsets_ptr + block)
         end = tl.load(offsets_ptr + block + 1)
         if end <= capacity:  # a copy: the block's columns and rows are not read
-            p, _, _, local, _, _, mask, dst = block_slots(
+            # (names unused here differ from the other branch's: the compiler types a name across both branches)
+            p, _copy_p_mask, _copy_cols, local, _copy_rows, _copy_row_mask, mask, dst = block_slots(
                 indices_ptr, order_ptr, block, chunk, count, M, width, BLOCK_ROWS, BLOCK_C, False, False
             )
             src = start + local[:, None] * count + p[None, :]
@@ -176,7 +177,7 @@ def block_unpack_kernel(
             if HAS_UP:
                 tl.store(up_ptr + dst, tl.load(packed_up_ptr + src, mask=mask), mask=mask)
         else:
-            _, p_mask, cols, _, rows, row_mask, mask, dst = block_slots(
+            _recompute_p, p_mask, cols, _recompute_local, rows, row_mask, mask, dst = block_slots(
                 indices_ptr, order_ptr, block, chunk, count, M, width, BLOCK_ROWS, BLOCK_C, True, HAS_ORDER
             )
             x_rows_ptr = x_ptr + rows[:, None].to(tl.int64) * stride_x
