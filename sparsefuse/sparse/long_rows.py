@@ -73,14 +73,17 @@ def long_row_threshold(columns: int) -> int:
 
 
 @triton.jit
-def list_long_unit(units_ptr, count_ptr, arrivals_ptr, unit, ARRIVALS: tl.constexpr):
+def list_long_unit(units_ptr, count_ptr, arrivals_ptr, unit, arrival_rows, ARRIVALS: tl.constexpr):
     """Append ``unit`` to the device list (count [1] int32, units [capacity] int32) and zero its row of arrival
-    counters (arrivals [capacity, ARRIVALS] int32; ARRIVALS = 0: the spread sums by atomics and has none)."""
+    counters (arrivals [arrival_rows, ARRIVALS] int32; ARRIVALS = 0: the spread sums by atomics and has none). Only
+    the first ``arrival_rows`` units have counters: the spread splits a unit (and counts arrivals) only while the
+    list is that short."""
     slot = tl.atomic_add(count_ptr, 1)
     tl.store(units_ptr + slot, unit.to(tl.int32))
     if ARRIVALS > 0:
-        j = tl.arange(0, ARRIVALS)
-        tl.store(arrivals_ptr + slot.to(tl.int64) * ARRIVALS + j, tl.zeros([ARRIVALS], dtype=tl.int32))
+        if slot < arrival_rows:
+            j = tl.arange(0, ARRIVALS)
+            tl.store(arrivals_ptr + slot.to(tl.int64) * ARRIVALS + j, tl.zeros([ARRIVALS], dtype=tl.int32))
 
 
 @triton.jit
@@ -264,7 +267,7 @@ def spread_long_units(
                     sub_partial_ptr,
                     sub_used_ptr,
                     arrivals_ptr,
-                    slot,
+                    slot.to(tl.int64),  # < arrival_rows: units are split only while the list is that short
                     sub,
                     subsplits,
                     d_block,
@@ -341,6 +344,7 @@ class LongRows:
     config: SpreadConfig
     max_subsplits: int
     arrivals_per_unit: int  # a power of two, at least the output blocks; 0 with DELIVER_ATOMIC
+    arrival_rows: int  # units with arrival counters: those the spread can split; 0 with DELIVER_ATOMIC
     partial_rows: int  # 0 with DELIVER_ATOMIC
 
     @staticmethod
@@ -361,12 +365,15 @@ class LongRows:
         d_blocks = triton.cdiv(n_out, cfg.block_d)
         steps = max(triton.cdiv(unit_cols, cfg.block_s), triton.cdiv(unit_entries, cfg.block_k))  # of one unit
         max_subsplits = max(1, min(MAX_SUBSPLITS, steps, SUBSPLIT_SUM_BYTES // (4 * cfg.block_d)))
-        arrivals_per_unit, partial_rows = 0, 0
+        arrivals_per_unit, arrival_rows, partial_rows = 0, 0, 0
         if deliver != DELIVER_ATOMIC.value:
             arrivals_per_unit = triton.next_power_of_2(d_blocks)
-            # one partial row per sub-split: the spread splits units only while they are fewer than its items
-            # per D block, into at most twice that many sub-splits in all (rounding up)
+            # the spread splits units (sub-splits > 1, which count their arrivals) only while they are fewer than
+            # its items per D block: counters for that many units, not for every unit that could be listed (the
+            # W_dec gradient lists among d_sae rows: ~64 MiB of counters at a million features otherwise)
             items = SPREAD_ITEMS_PER_PROGRAM * cfg.programs
+            arrival_rows = min(capacity, triton.cdiv(items, d_blocks))
+            # one partial row per sub-split: into at most twice the items per D block in all (rounding up)
             partial_rows = min(
                 capacity * max_subsplits,
                 2 * triton.cdiv(items, d_blocks) + max_subsplits,
@@ -375,7 +382,7 @@ class LongRows:
         return LongRows(
             units=torch.empty(capacity, dtype=torch.int32, device=device),
             count=torch.zeros(1, dtype=torch.int32, device=device),
-            arrivals=torch.empty(max(1, capacity * arrivals_per_unit), dtype=torch.int32, device=device),
+            arrivals=torch.empty(max(1, arrival_rows * arrivals_per_unit), dtype=torch.int32, device=device),
             sub_partial=torch.empty(max(1, partial_rows), n_out, dtype=torch.float32, device=device),
             sub_used=torch.empty(max(1, partial_rows), dtype=torch.int32, device=device),
             threshold=threshold,
@@ -383,6 +390,7 @@ class LongRows:
             config=cfg,
             max_subsplits=max_subsplits,
             arrivals_per_unit=arrivals_per_unit,
+            arrival_rows=arrival_rows,
             partial_rows=partial_rows,
         )
 
@@ -393,6 +401,7 @@ class LongRows:
             long_count_ptr=self.count,
             long_arrivals_ptr=self.arrivals,
             long_nnz=self.threshold,
+            long_arrival_rows=self.arrival_rows,
             LIST_LONG=True,
             ARRIVALS=self.arrivals_per_unit,
         )

@@ -87,6 +87,7 @@ def gather_accumulate_kernel(
     long_partial_rows=0,
     long_max_subsplits=1,
     long_target_items=0,
+    long_arrival_rows=0,
     REDUCE_SPLITS: tl.constexpr = 1,
     FALLBACK: tl.constexpr = 0,
     HAS_SHIFT: tl.constexpr = False,
@@ -184,7 +185,14 @@ def gather_accumulate_kernel(
         if LIST_LONG:
             if deferred != 0:  # every D block of the range decides alike; the first lists it
                 if d_block == 0:
-                    list_long_unit(long_units_ptr, long_count_ptr, long_arrivals_ptr, row * n_splits + split, ARRIVALS)
+                    list_long_unit(
+                        long_units_ptr,
+                        long_count_ptr,
+                        long_arrivals_ptr,
+                        row * n_splits + split,
+                        long_arrival_rows,
+                        ARRIVALS,
+                    )
                 return
         if ATOMIC_SPLITS:
             # fp32 atomics into partial [M, n_out] (zeroed; out itself when out is fp32): no per-split buffer to
@@ -229,7 +237,7 @@ def gather_accumulate_kernel(
                 long = tl.where(overflowed, 0, n) > long_nnz
             if long:
                 if d_block == 0:
-                    list_long_unit(long_units_ptr, long_count_ptr, long_arrivals_ptr, row, ARRIVALS)
+                    list_long_unit(long_units_ptr, long_count_ptr, long_arrivals_ptr, row, long_arrival_rows, ARRIVALS)
                 return
         if overflowed:
             n = 0  # the stored entries are incomplete: recomputed below
