@@ -74,7 +74,7 @@ def sum_split_partials(
         tl.store(partial_ptr + part + d, acc, mask=d_mask)
     tl.store(used_ptr + row * n_splits + split, has_work.to(tl.int32))
     tl.debug_barrier()  # every thread's stores precede the release below
-    arrived = tl.atomic_add(arrivals_ptr + row * n_d_blocks + d_block, 1) + 1  # acq_rel
+    arrived = tl.atomic_add(arrivals_ptr + row * n_d_blocks + d_block, 1, sem="acq_rel") + 1
     total = tl.zeros_like(acc)
     if arrived == n_splits:
         for s0 in range(0, n_splits, REDUCE_SPLITS):  # fixed order: deterministic

@@ -78,7 +78,7 @@ def list_long_unit(units_ptr, count_ptr, arrivals_ptr, unit, arrival_rows, ARRIV
     counters (arrivals [arrival_rows, ARRIVALS] int32; ARRIVALS = 0: the spread sums by atomics and has none). Only
     the first ``arrival_rows`` units have counters: the spread splits a unit (and counts arrivals) only while the
     list is that short."""
-    slot = tl.atomic_add(count_ptr, 1)
+    slot = tl.atomic_add(count_ptr, 1, sem="relaxed")  # the list is read by the next launch only
     tl.store(units_ptr + slot, unit.to(tl.int32))
     if ARRIVALS > 0:
         if slot < arrival_rows:
@@ -197,25 +197,7 @@ def spread_long_units(
         unit = tl.load(units_ptr + slot).to(tl.int64)
         d = d_block * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
         d_mask = d < n_out
-        if FORMAT == FORMAT_DENSE:
-            row = unit // n_splits
-            split = unit % n_splits
-            f_begin = split * unit_cols
-            acc, has_work = _sum_columns(
-                dense_ptr + row * stride_dense,
-                stride_dense_col,
-                f_begin,
-                tl.minimum(n_in, f_begin + unit_cols),
-                sub,
-                subsplits,
-                w_ptr,
-                stride_w,
-                d,
-                d_mask,
-                BLOCK_S,
-                GROUP,
-            )
-        elif FORMAT == FORMAT_CSR:
+        if FORMAT == FORMAT_CSR:
             row = unit
             split = 0
             start = tl.load(row_offsets_ptr + row)
@@ -224,15 +206,28 @@ def spread_long_units(
                 values_ptr + start, indices_ptr + start, n, sub, subsplits, w_ptr, stride_w, d, d_mask, BLOCK_K
             )
         else:
-            row = unit
-            split = 0
-            count = tl.load(counts_ptr + row)
-            if count > width:  # overflowed: its stored entries are incomplete, its dense row is read instead
+            # A dense unit is a column range of its row; an ELL row that overflowed has incomplete stored entries,
+            # so its whole dense row is read instead. Both are column sums over the dense row.
+            if FORMAT == FORMAT_DENSE:
+                row = unit // n_splits
+                split = unit % n_splits
+                f_begin = split * unit_cols
+                f_end = tl.minimum(n_in, f_begin + unit_cols)
+                count = 0
+                read_dense = True
+            else:
+                row = unit
+                split = 0
+                count = tl.load(counts_ptr + row)
+                f_begin = 0
+                f_end = n_in
+                read_dense = count > width
+            if read_dense:
                 acc, has_work = _sum_columns(
                     dense_ptr + row * stride_dense,
                     stride_dense_col,
-                    0,
-                    n_in,
+                    f_begin,
+                    f_end,
                     sub,
                     subsplits,
                     w_ptr,
