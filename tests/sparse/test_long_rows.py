@@ -77,8 +77,10 @@ def host_reads():
     ],
 )
 def test_scan_spreads_full_rows_whichever_way_splits_are_summed(m, deterministic, deliver, dtype, device, listed):
-    a = sparse_rows(m, 700, [700, 3, 0, 700, 64, 1], dtype, device)  # 700: not a multiple of any block
-    w = (torch.randn(700, 40) / 8).to(dtype).to(device)
+    # 700 columns: not a multiple of any block; a row must span several scanned chunks to be split (3 of a GPU's)
+    cols = max(700, 3 * spmm._launch_config(40).block_f - 324)
+    a = sparse_rows(m, cols, [cols, 3, 0, cols, 64, 1], dtype, device)
+    w = (torch.randn(cols, 40) / 8).to(dtype).to(device)
     assert_backend(a)
     with track_launches() as launched:
         out = matmul_skip_zeros(a, w, deterministic=deterministic)
