@@ -62,6 +62,8 @@ NEVER_LONG = 2**31 - 1  # threshold of a launch that lists no stored row as long
 # for that) so that uneven units still balance. Not timed on a GPU yet.
 SPREAD_PROGRAMS_PER_SM = 4
 SPREAD_ITEMS_PER_PROGRAM = 4
+SPREAD_MAX_BLOCK_D = 256  # output columns per item, at most
+SPREAD_BLOCK_S = 256  # dense columns scanned per step
 MAX_SUBSPLITS = 64  # at most this many programs share one unit's output block
 SUBSPLIT_SUM_BYTES = 65536  # the last sub-split's read of the partials (sub-splits x BLOCK_D fp32), at most
 SPREAD_PARTIAL_BYTES = 16 << 20  # the sub-splits' fp32 partial buffer, at most
@@ -108,11 +110,17 @@ def _sum_columns(
     s_end = tl.minimum(f_end, s_begin + per)
     acc = tl.zeros(d.shape, dtype=tl.float32)
     nnz = tl.zeros([], dtype=tl.int32)
-    for f0 in range(s_begin, s_end, BLOCK_S):
-        f = f0 + tl.arange(0, BLOCK_S)  # [BLOCK_S]
-        a = tl.load(row_ptr + f.to(tl.int64) * stride_col, mask=f < s_end, other=0.0).to(tl.float32)
+    f = s_begin + tl.arange(0, BLOCK_S)  # [BLOCK_S]
+    a_next = tl.load(row_ptr + f.to(tl.int64) * stride_col, mask=f < s_end, other=0.0)
+    for _ in range(s_begin, s_end, BLOCK_S):
+        # the next chunk's load is issued before this chunk's W gathers: a mostly-zero row is not scanned at one
+        # memory latency per chunk
+        a = a_next.to(tl.float32)
+        f_next = f + BLOCK_S
+        a_next = tl.load(row_ptr + f_next.to(tl.int64) * stride_col, mask=f_next < s_end, other=0.0)
         nnz += tl.sum((a != 0).to(tl.int32), axis=0)
         acc = accumulate_nonzeros(acc, a, f, w_ptr, stride_w, d, d_mask, GROUP)
+        f = f_next
     return acc, nnz > 0
 
 
@@ -313,8 +321,8 @@ def spread_config(n_out: int, weight: torch.Tensor, block_d: int | None = None) 
     programs = SPREAD_PROGRAMS_PER_SM * sm_count(weight.device, interpreted=2)
     if _backend.INTERPRET:
         return SpreadConfig(block_d or 32, block_s=16, block_k=8, group=8, num_warps=4, programs=programs)
-    block_d = block_d or min(256, max(32, triton.next_power_of_2(n_out)))
-    block_s = 256
+    block_d = block_d or min(SPREAD_MAX_BLOCK_D, max(32, triton.next_power_of_2(n_out)))
+    block_s = SPREAD_BLOCK_S
     warps = max(1, min(4, block_d * weight.element_size() // (32 * 16)))
     group = max(2, 64 * 32 * warps // max(block_d, block_s))
     return SpreadConfig(block_d, block_s, block_k=group, group=group, num_warps=warps, programs=programs)
