@@ -57,15 +57,19 @@ LONG_ROW_DENSITY = 64
 LONG_ROW_MIN_NNZ = 32
 NEVER_LONG = 2**31 - 1  # threshold of a launch that lists no stored row as long
 
-# The spread launch's grid: programs that all stay resident (sm_90 builds take ~140-220 registers per thread at
-# 1-2 warps, so 4 programs fit an SM), each looping over about SPREAD_ITEMS_PER_PROGRAM items (sub-splits are sized
-# for that) so that uneven units still balance. Not timed on a GPU yet.
-SPREAD_PROGRAMS_PER_SM = 4
+# The spread launch's grid and blocks, swept on an H200 over the SAE decode grid's slow inputs (two full rows at
+# B=32-4096; log-normal L0 with sigma 0.6-1.0 at B=256-4096, whose overflowed ELL rows are read whole): output
+# blocks of up to 1024 columns, 1024 dense columns scanned per step, 8 programs per SM (the grid never depends on
+# the data), each looping over about SPREAD_ITEMS_PER_PROGRAM items so that uneven units still balance. Against 256
+# / 256 / 4: geometric mean 462 against 637 us; an overflowed row's dense scan is repeated once per output block,
+# so fewer, wider blocks cut it 2-3.5x (B=4096, sigma 1.0, D=2304 bf16: 953 against 3371 us); the one loss is two
+# full rows at B=32, D=768 fp32 (778 against 222 us), which auto decodes with cuBLAS.
+SPREAD_PROGRAMS_PER_SM = 8
 SPREAD_ITEMS_PER_PROGRAM = 4
-SPREAD_MAX_BLOCK_D = 256  # output columns per item, at most
-SPREAD_BLOCK_S = 256  # dense columns scanned per step
+SPREAD_MAX_BLOCK_D = 1024  # output columns per item, at most
+SPREAD_BLOCK_S = 1024  # dense columns scanned per step
 MAX_SUBSPLITS = 64  # at most this many programs share one unit's output block
-SUBSPLIT_SUM_BYTES = 65536  # the last sub-split's read of the partials (sub-splits x BLOCK_D fp32), at most
+SUBSPLIT_SUM_BYTES = 262144  # the last sub-split's read of the partials (sub-splits x BLOCK_D fp32), at most
 SPREAD_PARTIAL_BYTES = 16 << 20  # the sub-splits' fp32 partial buffer, at most
 
 
@@ -313,11 +317,11 @@ class SpreadConfig:
 
 
 def spread_config(n_out: int, weight: torch.Tensor, block_d: int | None = None) -> SpreadConfig:
-    """Blocks of the spread pass (``block_d``: imposed, for DELIVER_SPLITS). Output blocks of at most 256 columns,
-    so that even one long row makes several items per sub-split; warps as many as one weight-tile row fills with
-    16-byte loads (the sum over the tile's rows then stays inside a warp); as many rows per weight tile (GROUP
-    picked non-zeros, BLOCK_K entries) and picks per scanned chunk as keep each at 64 values per thread: more spilled
-    registers when compiled for sm_90. Not timed on a GPU yet."""
+    """Blocks of the spread pass (``block_d``: imposed, for DELIVER_SPLITS). Output blocks of at most
+    SPREAD_MAX_BLOCK_D columns (sub-splits, not narrow blocks, give one long row many items); warps as many as one
+    weight-tile row fills with 16-byte loads (the sum over the tile's rows then stays inside a warp); as many rows
+    per weight tile (GROUP picked non-zeros, BLOCK_K entries) and picks per scanned chunk as keep each at 64 values
+    per thread: more spilled registers when compiled for sm_90."""
     programs = SPREAD_PROGRAMS_PER_SM * sm_count(weight.device, interpreted=2)
     if _backend.INTERPRET:
         return SpreadConfig(block_d or 32, block_s=16, block_k=8, group=8, num_warps=4, programs=programs)
