@@ -73,9 +73,26 @@ SUBSPLIT_SUM_BYTES = 262144  # the last sub-split's read of the partials (sub-sp
 SPREAD_PARTIAL_BYTES = 16 << 20  # the sub-splits' fp32 partial buffer, at most
 
 
+# A launch whose programs all run in one wave lasts as long as its longest row's walk: where the rows x output
+# blocks are that few, a stored row is long past ONE_WAVE_LONG_ENTRIES entries too (8 steps of the gather's 16,
+# about twice an SAE token's typical L0). So one token of 500 features among 256 (log-normal L0) is spread like
+# an overflowed one instead of holding the launch for 30 steps.
+ONE_WAVE_LONG_ENTRIES = 128
+ONE_WAVE_PROGRAMS_PER_SM = 16  # one-warp gather programs resident per SM, about
+
+
 def long_row_threshold(columns: int) -> int:
     """Non-zeros past which a unit of ``columns`` columns is long (see LONG_ROW_DENSITY)."""
     return max(LONG_ROW_MIN_NNZ, columns // LONG_ROW_DENSITY)
+
+
+def stored_row_threshold(columns: int, programs: int, device: torch.device) -> int:
+    """Stored entries past which a row of ``columns`` columns is long in a launch of ``programs`` programs: also
+    past ONE_WAVE_LONG_ENTRIES where those programs fit one wave."""
+    threshold = long_row_threshold(columns)
+    if programs <= ONE_WAVE_PROGRAMS_PER_SM * sm_count(device, interpreted=2):
+        threshold = min(threshold, ONE_WAVE_LONG_ENTRIES)
+    return threshold
 
 
 @triton.jit

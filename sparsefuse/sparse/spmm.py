@@ -39,6 +39,7 @@ from .long_rows import (
     list_long_unit,
     long_row_threshold,
     spread_long_units,
+    stored_row_threshold,
 )
 from .thresholded import ThresholdedLinear, thresholded_linear_chunk
 
@@ -383,8 +384,9 @@ def sparse_matmul(
             output tile: meant for rare rows). Without ``dense`` or ``encoder`` an overflowed row comes out as NaN.
         out_dtype: defaults to the promoted dtype of values and weight.
         spread_long_rows: rows with more stored entries than ``long_row_threshold(n_in)`` (1 in 64 columns, at
-            least 32) are also listed on the device and spread over many programs by that second launch, instead
-            of each walked by one program. Off by default: one launch where rows are bounded by construction.
+            least 32; at most 128 where the launch's programs fit one wave) are also listed on the device and spread
+            over many programs by that second launch, instead of each walked by one program. Off by default: one
+            launch where rows are bounded by construction.
     """
     op = "sparse_matmul"
     check_sparse_weight(op, sparse, weight)
@@ -403,7 +405,8 @@ def sparse_matmul(
         return torch_sparse_matmul(sparse, weight).to(out_dtype)
     cfg = _gather_config(M, n_out, weight.device)
     n_in, width = sparse.n_cols, sparse.width if is_ell else 0
-    threshold = long_row_threshold(n_in) if spread_long_rows else NEVER_LONG
+    programs = triton.cdiv(n_out, cfg.block_d) * M
+    threshold = stored_row_threshold(n_in, programs, weight.device) if spread_long_rows else NEVER_LONG
     can_overflow = is_ell and dense is not None and width < n_in  # completed by the spread pass
     long_rows = None
     if can_overflow or threshold < (width if is_ell else n_in):
@@ -433,7 +436,7 @@ def sparse_matmul(
         )
     listing = long_rows.listing_args() if long_rows is not None else {}
     _launch_gather(
-        (triton.cdiv(n_out, cfg.block_d) * M, 1),
+        (programs, 1),
         weight,
         out,
         cfg.num_warps,

@@ -120,6 +120,19 @@ def test_stored_rows_past_the_threshold_are_spread_over_their_entries(fmt, dtype
     check(one_launch, a, w)
 
 
+@pytest.mark.parametrize("m, threshold, n_long", [(4, 128, 2), (34, 200, 0)])
+def test_stored_rows_past_128_entries_are_long_where_the_launch_is_one_wave(m, threshold, n_long, device, listed):
+    """At 12800 columns a stored row is long from 200 entries (1 in 64); where the launch's programs all fit one
+    wave (4 rows on the interpreter's 2 SMs, not 34) it is long past 128 entries too: a 180-entry token among short
+    ones is spread instead of holding the whole launch."""
+    a = sparse_rows(m, 12800, [180, 3, 150, 40], device=device)
+    w = torch.randn(12800, 24, device=device) / 8
+    out = sparse_matmul(dense_to_ell(a, 256), w, dense=a, spread_long_rows=True)
+    (plan,) = listed
+    assert plan.threshold == threshold and int(plan.count) == n_long  # the rows of 180 and 150 entries
+    check(out, a, w)
+
+
 def test_overflowed_rows_are_completed_by_the_spread_pass_and_encoder_rows_are_not_listed(device, listed):
     """ELL of width 40 (more than the threshold, 32): with the dense rows, the overflowed rows and the stored rows
     past 32 entries are spread; with a ThresholdedLinear, overflowed rows are recomputed by the main launch and
