@@ -25,9 +25,49 @@ gpu=$($PY -c 'import torch; from sparsefuse.bench.report import sanitize; print(
 
 # The whole suite takes over 9 minutes on one H100 with 14 workers (the SPLADE head's opcheck and float64 gradient
 # tests are the longest, ~3.5 min each: every shape compiles its kernels): on a machine lent 10 minutes a call, run
-# it in parts with TESTS (paths or -k expressions pytest takes), SANITIZE=0 and BENCH=0.
-$PY -m pytest ${TESTS:-tests} -q -rf -n ${PYTEST_WORKERS:-8} -p no:cacheprovider 2>&1 | tee "$out/gpu-tests-$gpu.log"
-tests_status=${PIPESTATUS[0]}
+# it in parts with TESTS (paths or -k expressions pytest takes), SANITIZE=0 and BENCH=0. With several GPUs visible
+# and TESTS unset, the test files are shared out over the GPUs (balanced by size, one pytest per GPU side by side,
+# PYTEST_WORKERS each), then tests/distributed runs with every GPU visible; GPUS=1 keeps one pytest on GPU 0.
+ngpu=${GPUS:-$($PY -c 'import torch; print(torch.cuda.device_count())')}
+log="$out/gpu-tests-$gpu.log"
+if [ -n "${TESTS:-}" ] || [ "$ngpu" -le 1 ]; then
+  $PY -m pytest ${TESTS:-tests} -q -rf -n ${PYTEST_WORKERS:-8} -p no:cacheprovider 2>&1 | tee "$log"
+  tests_status=${PIPESTATUS[0]}
+else
+  mapfile -t shards < <($PY - "$ngpu" <<'PYTHON'
+import sys
+from pathlib import Path
+
+n = int(sys.argv[1])
+files = sorted(
+    (f for f in Path("tests").rglob("test_*.py") if "distributed" not in f.parts),
+    key=lambda f: (-f.stat().st_size, str(f)),
+)
+shards, loads = [[] for _ in range(n)], [0] * n
+for f in files:  # the largest file first, into the lightest shard
+    i = loads.index(min(loads))
+    shards[i].append(str(f))
+    loads[i] += f.stat().st_size
+print("\n".join(" ".join(s) for s in shards))
+PYTHON
+  )
+  pids=()
+  for i in "${!shards[@]}"; do
+    CUDA_VISIBLE_DEVICES=$i $PY -m pytest ${shards[$i]} -q -rf -n ${PYTEST_WORKERS:-8} -p no:cacheprovider \
+      >"$out/.tests-$i.log" 2>&1 &
+    pids+=($!)
+  done
+  tests_status=0
+  for i in "${!pids[@]}"; do
+    wait "${pids[$i]}" || tests_status=1
+    { echo "===== GPU $i: ${shards[$i]}"; cat "$out/.tests-$i.log"; } >>"$log"
+    rm -f "$out/.tests-$i.log"
+  done
+  { echo "===== every GPU: tests/distributed"; $PY -m pytest tests/distributed -q -rf -p no:cacheprovider 2>&1; } \
+    | tee -a "$log"
+  [ "${PIPESTATUS[0]}" = 0 ] || tests_status=1
+  grep -E "^=====|passed|failed|^FAILED|^ERROR" "$log"
+fi
 
 # compute-sanitizer over every op: the property tests (random shapes, tails, strides, NaN) at a few cases per op,
 # memcheck with the caching allocator off (an out-of-bounds access inside a cached block would go unseen), then
