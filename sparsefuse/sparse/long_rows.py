@@ -125,7 +125,11 @@ def _sum_columns(
     GROUP: tl.constexpr,
 ):
     """(fp32 sum [BLOCK_D], any non-zero) of sub-split ``sub`` of ``subsplits`` of the dense columns [f_begin,
-    f_end) of one row (row_ptr, column stride stride_col): W rows loaded only where the activation is non-zero."""
+    f_end) of one row (row_ptr, column stride stride_col): W rows loaded only where the activation is non-zero.
+
+    A chunk at least half non-zero (a token that fires everything) is summed in order, GROUP consecutive W rows at
+    a time: no ranking and picking of its non-zeros, and the rows' addresses are known ahead, so their loads can be
+    pipelined; its zeros' rows are masked off, as the picks would skip them."""
     per = tl.cdiv(tl.cdiv(f_end - f_begin, subsplits), BLOCK_S) * BLOCK_S
     s_begin = f_begin + sub * per
     s_end = tl.minimum(f_end, s_begin + per)
@@ -133,14 +137,21 @@ def _sum_columns(
     nnz = tl.zeros([], dtype=tl.int32)
     f = s_begin + tl.arange(0, BLOCK_S)  # [BLOCK_S]
     a_next = tl.load(row_ptr + f.to(tl.int64) * stride_col, mask=f < s_end, other=0.0)
-    for _ in range(s_begin, s_end, BLOCK_S):
+    for f0 in range(s_begin, s_end, BLOCK_S):
         # the next chunk's load is issued before this chunk's W gathers: a mostly-zero row is not scanned at one
         # memory latency per chunk
         a = a_next.to(tl.float32)
         f_next = f + BLOCK_S
         a_next = tl.load(row_ptr + f_next.to(tl.int64) * stride_col, mask=f_next < s_end, other=0.0)
-        nnz += tl.sum((a != 0).to(tl.int32), axis=0)
-        acc = accumulate_nonzeros(acc, a, f, w_ptr, stride_w, d, d_mask, GROUP)
+        chunk_nnz = tl.sum((a != 0).to(tl.int32), axis=0)
+        nnz += chunk_nnz
+        if 2 * chunk_nnz >= BLOCK_S:
+            for g in range(0, BLOCK_S, GROUP):
+                rows = f0 + g + tl.arange(0, GROUP)  # [GROUP]
+                coef = tl.load(row_ptr + rows.to(tl.int64) * stride_col, mask=rows < s_end, other=0.0).to(tl.float32)
+                acc = accumulate_rows(acc, coef, rows, coef != 0, w_ptr, stride_w, d, d_mask)
+        else:
+            acc = accumulate_nonzeros(acc, a, f, w_ptr, stride_w, d, d_mask, GROUP)
         f = f_next
     return acc, nnz > 0
 
