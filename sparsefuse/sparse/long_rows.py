@@ -354,8 +354,9 @@ def spread_config(n_out: int, weight: torch.Tensor, block_d: int | None = None) 
     if _backend.INTERPRET:
         return SpreadConfig(block_d or 32, block_s=16, block_k=8, group=8, num_warps=4, programs=programs)
     block_d = block_d or min(SPREAD_MAX_BLOCK_D, max(32, triton.next_power_of_2(n_out)))
-    block_s = SPREAD_BLOCK_S
     warps = max(1, min(4, block_d * weight.element_size() // (32 * 16)))
+    # 8 scanned activations per thread, as swept at 4 warps: narrow outputs (fewer warps) scan shorter chunks
+    block_s = min(SPREAD_BLOCK_S, 256 * warps)
     group = max(2, 64 * 32 * warps // max(block_d, block_s))
     return SpreadConfig(block_d, block_s, block_k=group, group=group, num_warps=warps, programs=programs)
 
