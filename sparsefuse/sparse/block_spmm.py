@@ -17,31 +17,52 @@ from .spmm import product_operands
 
 
 @triton.jit
-def heavy_first_schedule_kernel(counts_ptr, schedule_ptr, n, BLOCK: tl.constexpr):
-    # counts [n] int32 (>= 0) -> schedule [n] int32: the indices by decreasing count, ties in index order. Each
-    # index's rank is counted by comparing it with every other count (n is a number of row blocks: M / 64).
+def _group_count(counts_ptr, i, mask, n_cols, STEP: tl.constexpr, FROM_OFFSETS: tl.constexpr):
+    # Work of group i: counts[i], or with FROM_OFFSETS the entries of columns [i * STEP, (i + 1) * STEP) in a
+    # prefix-sum array of n_cols + 1 offsets. -1 where masked off (never ahead of a real count).
+    if FROM_OFFSETS:
+        hi = tl.load(counts_ptr + tl.minimum((i + 1) * STEP, n_cols), mask=mask, other=0)
+        count = hi - tl.load(counts_ptr + i * STEP, mask=mask, other=0)
+    else:
+        count = tl.load(counts_ptr + i, mask=mask, other=0)
+    return tl.where(mask, count, -1)
+
+
+@triton.jit
+def heavy_first_schedule_kernel(
+    counts_ptr, schedule_ptr, n, n_cols, STEP: tl.constexpr, FROM_OFFSETS: tl.constexpr, BLOCK: tl.constexpr
+):
+    # counts [n] int32 (>= 0; or offsets [n_cols + 1], see _group_count) -> schedule [n] int32: the indices by
+    # decreasing count, ties in index order. Each index's rank is counted by comparing it with every other count
+    # (n is a number of row blocks, M / 64, or of column groups, N / 16).
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     i_mask = i < n
-    count_i = tl.load(counts_ptr + i, mask=i_mask, other=0)
+    count_i = _group_count(counts_ptr, i, i_mask, n_cols, STEP, FROM_OFFSETS)
     rank = tl.zeros([BLOCK], dtype=tl.int32)
     for j0 in range(0, n, BLOCK):
         j = j0 + tl.arange(0, BLOCK)
-        count_j = tl.load(counts_ptr + j, mask=j < n, other=-1)  # -1: never ahead of a real count
+        count_j = _group_count(counts_ptr, j, j < n, n_cols, STEP, FROM_OFFSETS)
         tie = (count_j[None, :] == count_i[:, None]) & (j[None, :] < i[:, None])
         ahead = (count_j[None, :] > count_i[:, None]) | tie
         rank += tl.sum(ahead.to(tl.int32), axis=1)
     tl.store(schedule_ptr + rank, i, mask=i_mask)
 
 
-def heavy_first_schedule(counts: torch.Tensor) -> torch.Tensor:
+def heavy_first_schedule(counts: torch.Tensor, group: int | None = None) -> torch.Tensor:
     """[n] int32 indices of ``counts`` [n] (int32, >= 0, on the GPU) by decreasing count, ties in index order: one
     Triton launch, no host sync. A grid whose programs' work grows with their count, dispatched in this order, is
-    longest-processing-time-first scheduled: the long programs start first and the short ones fill in behind them."""
-    n = counts.numel()
+    longest-processing-time-first scheduled: the long programs start first and the short ones fill in behind them.
+
+    ``group``: ``counts`` is instead a prefix-sum array of ``n_cols + 1`` offsets (int64, a CSC's), and the
+    schedule orders the ``ceil(n_cols / group)`` groups of ``group`` consecutive columns by their entries."""
+    n_cols = counts.numel() - 1 if group is not None else counts.numel()
+    n = triton.cdiv(n_cols, group) if group is not None else n_cols
     schedule = new_output((n,), torch.int32, counts.device)  # poisoned (-1) under test: every position is written
     if n:
         block = 16 if _backend.INTERPRET else 128
-        heavy_first_schedule_kernel[(triton.cdiv(n, block),)](counts, schedule, n, BLOCK=block)
+        heavy_first_schedule_kernel[(triton.cdiv(n, block),)](
+            counts, schedule, n, n_cols, STEP=group or 1, FROM_OFFSETS=group is not None, BLOCK=block
+        )
         record_launch("heavy_first_schedule_kernel")
     return schedule
 

@@ -131,6 +131,19 @@ def test_heavy_first_schedule_orders_by_decreasing_count(n, device):
     assert torch.equal(schedule.cpu(), expected)
 
 
+@pytest.mark.parametrize("n_cols, group", [(1, 16), (16, 16), (37, 16), (300, 16), (300, 32)])
+def test_heavy_first_schedule_of_column_groups_from_offsets(n_cols, group, device):
+    # a CSC's offsets [n_cols + 1]: the groups of `group` columns (the last one partial) ordered by their entries
+    per_column = torch.randint(0, 4, (n_cols,), generator=torch.Generator().manual_seed(n_cols), dtype=torch.int64)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), per_column.cumsum(0)])
+    with track_launches() as launched:
+        schedule = heavy_first_schedule(offsets.to(device), group=group)
+    assert launched["heavy_first_schedule_kernel"] == 1
+    groups = torch.nn.functional.pad(per_column, (0, -n_cols % group)).reshape(-1, group).sum(1)
+    expected = torch.sort(groups, descending=True, stable=True).indices.to(torch.int32)
+    assert torch.equal(schedule.cpu(), expected)
+
+
 @pytest.mark.parametrize("dtype", MATMUL_DTYPES)
 @pytest.mark.parametrize("sort_rows", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
