@@ -168,18 +168,25 @@ def on_tensor_device(fn: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-def bypass_dispatcher(*tensors: torch.Tensor) -> bool:
-    """True when calling the launcher directly is indistinguishable from calling the torch.library op (the op
-    also makes the tensors' GPU current where it is not)."""
+def plain_eager_call(*tensors: torch.Tensor) -> bool:
+    """True for a plain eager call on plain tensors: no torch.compile/export tracing, no tensor subclass (FakeTensor,
+    DTensor), no dispatch mode, no functorch transform. Such a call may skip the torch.library dispatcher; autograd
+    can then be served by a ``torch.autograd.Function`` around the same implementation."""
     if not EAGER_FAST_PATH or torch.compiler.is_compiling():
-        return False
-    if tensors and _on_another_gpu(tensors[0]):
         return False
     if any(type(t) not in _PLAIN_TENSOR_TYPES for t in tensors):
         return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return False
     return torch._C._len_torch_dispatch_stack() == 0 and not torch._C._are_functorch_transforms_active()
+
+
+def bypass_dispatcher(*tensors: torch.Tensor) -> bool:
+    """True when calling the launcher directly is indistinguishable from calling the torch.library op (the op
+    also makes the tensors' GPU current where it is not)."""
+    if not plain_eager_call(*tensors):
+        return False
+    if tensors and _on_another_gpu(tensors[0]):
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
 # --- launch accounting ------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from ..._backend import on_tensor_device
+from ..._backend import on_tensor_device, plain_eager_call
 from ...sparse import BlockELL
 from ...sparse.block_grad import block_ell_sddmm, block_ell_transpose, transposed_matmul
 from ...sparse.block_pack import PackedFactors, pack_block_factors, unpack_block_factors
@@ -42,9 +42,8 @@ def _on_slots(values, indices, counts, order, N, block_rows) -> BlockELL:
     return BlockELL(values, indices, counts, N, block_rows, order)
 
 
-@torch.library.custom_op("sparsefuse::block_mlp_train_fwd", mutates_args=())
 @on_tensor_device
-def block_mlp_train_fwd_op(
+def _train_forward(
     x2: torch.Tensor,
     w_gate: torch.Tensor,
     b_gate: torch.Tensor | None,
@@ -104,6 +103,9 @@ def block_mlp_train_fwd_op(
     )
 
 
+block_mlp_train_fwd_op = torch.library.custom_op("sparsefuse::block_mlp_train_fwd", _train_forward, mutates_args=())
+
+
 @block_mlp_train_fwd_op.register_fake
 def _(x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, block_rows, tile, sort_rows, capacity):
     M, N = x2.shape[0], w_gate.shape[0]
@@ -125,9 +127,8 @@ def _(x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, block_rows, tile, sort_r
     )
 
 
-@torch.library.custom_op("sparsefuse::block_mlp_train_bwd", mutates_args=())
 @on_tensor_device
-def block_mlp_train_bwd_op(
+def _train_backward(
     dy: torch.Tensor,
     dl1: torch.Tensor,
     x2: torch.Tensor,
@@ -182,6 +183,9 @@ def block_mlp_train_bwd_op(
     return (dx, dwg, dwu, dwd, *biases)
 
 
+block_mlp_train_bwd_op = torch.library.custom_op("sparsefuse::block_mlp_train_bwd", _train_backward, mutates_args=())
+
+
 @block_mlp_train_bwd_op.register_fake
 def _(
     dy,
@@ -228,17 +232,52 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, dy, dl1, *unused):
+def _backward_with(backward_op, ctx, dy, dl1):
     saved = ctx.saved_tensors  # unpacked once: activation checkpointing allows no second unpack
     x2, w_down_t = saved[0], saved[3]
     if dy is None:  # only the L1 term reached the loss
         dy = torch.zeros(x2.shape[0], w_down_t.shape[1], dtype=x2.dtype, device=x2.device)
     if dl1 is None:
         dl1 = torch.zeros((), dtype=torch.float32, device=x2.device)
-    dx, dwg, dwu, dwd, dbg, dbu, dbd = block_mlp_train_bwd_op(dy, dl1, *saved, ctx.block_rows, any(ctx.has_bias))
+    dx, dwg, dwu, dwd, dbg, dbu, dbd = backward_op(dy, dl1, *saved, ctx.block_rows, any(ctx.has_bias))
     has_g, has_u, has_d = ctx.has_bias
     dwu = dwu if ctx.has_up else None
     return dx, dwg, dbg if has_g else None, dwu, dbu if has_u else None, dwd, dbd if has_d else None, *[None] * 4
 
 
+def _backward(ctx, dy, dl1, *unused):
+    return _backward_with(block_mlp_train_bwd_op, ctx, dy, dl1)
+
+
 block_mlp_train_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerTrainStep(torch.autograd.Function):
+    """The same two implementations and autograd rule as the ops, for plain eager calls: a torch.library op with
+    autograd costs ~0.2-0.3 ms of host time per call on its own (the dispatcher, the autograd wrapper, output alias
+    checks), which a training step from Python pays twice per layer."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        if torch.is_autocast_enabled():  # the operands are already in the step's dtype (as inside an op)
+            with torch.autocast(inputs[0].device.type, enabled=False):
+                output = _train_forward(*inputs)
+        else:
+            output = _train_forward(*inputs)
+        _setup_context(ctx, inputs, output)
+        ctx.mark_non_differentiable(*output[2:])
+        return output
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy, dl1, *unused):
+        return _backward_with(_train_backward, ctx, dy, dl1)
+
+
+def block_mlp_train_fwd(*inputs):
+    """:data:`block_mlp_train_fwd_op` with its autograd (arguments and outputs as there): through the torch.library
+    op where the dispatcher is needed (torch.compile, tensor subclasses, dispatch modes, functorch), as an
+    ``autograd.Function`` around the same code in a plain eager call."""
+    if plain_eager_call(*(t for t in inputs if isinstance(t, torch.Tensor))):
+        return _EagerTrainStep.apply(*inputs)
+    return block_mlp_train_fwd_op(*inputs)

@@ -20,7 +20,7 @@ from ..._validation import (
 )
 from ...sparse.compact import DEFAULT_HYBRID_WIDTH
 from ..twell.block import block_plan
-from .block_step import block_mlp_train_fwd_op
+from .block_step import block_mlp_train_fwd
 from .choice import TRAIN_CHOICE
 from .dense import dense_step
 from .op import hybrid_mlp_fwd_op
@@ -157,7 +157,7 @@ def _train_step(
         if block_capacity is None:
             block_capacity = TRAIN_CHOICE.capacity(gate, n_blocks, plan.block_rows, width)
         # the kernels read weight rows and bias vectors at unit stride (a strided one is copied, differentiably)
-        y, l1, counts, neuron_counts, *_, union_sizes, _, _, _ = block_mlp_train_fwd_op(
+        y, l1, counts, neuron_counts, *_, union_sizes, _, _, _ = block_mlp_train_fwd(
             x2,
             unit_last_stride(w_gate),
             unit_last_stride(b_gate),
