@@ -10,6 +10,7 @@ from conftest import assert_backend
 from helpers import sparse_rows
 
 from sparsefuse import track_launches
+from sparsefuse._backend import sm_count
 from sparsefuse.sparse import (
     ThresholdedLinear,
     dense_to_csr,
@@ -19,6 +20,7 @@ from sparsefuse.sparse import (
     sparse_matmul,
     spmm,
 )
+from sparsefuse.sparse.long_rows import ONE_WAVE_PROGRAMS_PER_SM
 from sparsefuse.testing import accumulation_allowance, assert_close_to_reference
 
 DTYPES = [torch.float32, torch.float16]
@@ -120,11 +122,14 @@ def test_stored_rows_past_the_threshold_are_spread_over_their_entries(fmt, dtype
     check(one_launch, a, w)
 
 
-@pytest.mark.parametrize("m, threshold, n_long", [(4, 128, 2), (34, 200, 0)])
-def test_stored_rows_past_128_entries_are_long_where_the_launch_is_one_wave(m, threshold, n_long, device, listed):
+@pytest.mark.parametrize("one_wave, threshold, n_long", [(True, 128, 2), (False, 200, 0)])
+def test_stored_rows_past_128_entries_are_long_where_the_launch_is_one_wave(
+    one_wave, threshold, n_long, device, listed
+):
     """At 12800 columns a stored row is long from 200 entries (1 in 64); where the launch's programs all fit one
-    wave (4 rows on the interpreter's 2 SMs, not 34) it is long past 128 entries too: a 180-entry token among short
+    wave (4 rows; not one more row than 16 per SM) it is long past 128 entries too: a 180-entry token among short
     ones is spread instead of holding the whole launch."""
+    m = 4 if one_wave else ONE_WAVE_PROGRAMS_PER_SM * sm_count(torch.device(device), interpreted=2) + 2
     a = sparse_rows(m, 12800, [180, 3, 150, 40], device=device)
     w = torch.randn(12800, 24, device=device) / 8
     out = sparse_matmul(dense_to_ell(a, 256), w, dense=a, spread_long_rows=True)
