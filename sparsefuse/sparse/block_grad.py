@@ -356,18 +356,14 @@ def transposed_matmul_kernel(
                 tl.store(sum2_ptr + cols, sum2, mask=n_mask)
 
 
-# (BLOCK_N, BLOCK_E, BLOCK_D, num_warps, num_stages) per number of outputs, measured on an H100 at the 1.5B and 8B
-# FFN shapes (8192 tokens, ~30 non-zeros each). Two outputs share each gathered x tile best with wide feature
-# blocks; one output, with more entries per step; three (the training step's dW_g, dW_u, dW_d at D = 4096): 64
-# entries a step over 128 features in 4 warps.
+# (BLOCK_N, BLOCK_E, BLOCK_D, num_warps, num_stages), measured on an H100 at the 1.5B and 8B FFN shapes (8192
+# tokens, ~30 non-zeros each). Two outputs share each gathered x tile best with wide feature blocks; one output,
+# with more entries per step. Three (the training step's dW_g, dW_u, dW_d), re-measured on an H200 on the entries of
+# a 1.5B model's layer (heavy-tailed, 30% dead neurons) and of the 8B layer: 32 entries a step where D <= 2048
+# (0.94 ms against 1.02 at 64), 64 above (1.65 ms against 1.9-2.1 at 32 or 16).
 TRANSPOSED_CONFIG = {1: (16, 128, 128, 4, 3), 2: (16, 64, 256, 8, 2), 3: (16, 64, 128, 4, 2)}
-# Up to TRANSPOSED_SPLIT_D features, the three-output call runs as two launches -- the two products gathering x
-# (32 entries a step: TRANSPOSED_SPLIT_CONFIG), then the one gathering y (TRANSPOSED_CONFIG[1]) -- lighter programs
-# that keep more gathers in flight: on a 1.5B model layer's entries (H200, heavy-tailed, 30% dead neurons) 0.51 +
-# 0.33 ms against 1.10 in one launch. Above it (the 8B layer) one launch was measured fastest.
-TRANSPOSED_SPLIT_CONFIG = (16, 32, 128, 4, 2)
-TRANSPOSED_SPLIT_D = 2048
-TRANSPOSED_BLOCK_N = 16  # columns per program in every config: one launch order serves them all
+TRANSPOSED_NARROW_CONFIG = (16, 32, 128, 4, 2)  # three outputs, D <= TRANSPOSED_NARROW_D
+TRANSPOSED_NARROW_D = 2048
 
 
 def transposed_matmul(
@@ -411,47 +407,17 @@ def transposed_matmul(
         return out, sums
     if backend_for(x) is Backend.TORCH:
         raise NotImplementedError("transposed_matmul runs on the GPU or the Triton interpreter")
+    if _backend.INTERPRET:
+        block_n, block_e, block_d, warps, stages = 16, 16, 32, 4, 1
+    elif n_out == 3 and D <= TRANSPOSED_NARROW_D:
+        block_n, block_e, block_d, warps, stages = TRANSPOSED_NARROW_CONFIG
+    else:
+        block_n, block_e, block_d, warps, stages = TRANSPOSED_CONFIG[n_out]
+    order = csc.row_order
     # Column groups are launched by decreasing entry count (longest first: hot neurons' groups hold 4-5x the mean
     # entries), and a group's feature blocks side by side, so that the rows they gather are read whole while
     # they are in L2: 1.43x on a 1.5B model layer's entries (H200), order-only, the sums unchanged.
-    schedule = heavy_first_schedule(csc.offsets, group=TRANSPOSED_BLOCK_N)
-    launch = dict(csc=csc, schedule=schedule, ieee=ieee_fp32(x.dtype))
-    sum_args = (sums[0], sums[-1]) if bias else (out[0], out[0])
-    if third is not None and mode == "two" and D <= TRANSPOSED_SPLIT_D:
-        _launch_transposed(x, values, second, out[0], out[1], sum_args, "two", bias, TRANSPOSED_SPLIT_CONFIG, **launch)
-        y_mode = "product" if v4 is not None else "one"
-        _launch_transposed(y, v3, v4, out[2], out[2], (out[0], out[0]), y_mode, False, TRANSPOSED_CONFIG[1], **launch)
-        return out, sums
-    _launch_transposed(
-        x, values, second, out[0], out[1] if n_x == 2 else out[0], sum_args, mode, bias, TRANSPOSED_CONFIG[n_out],
-        third=(y, v3, v4, out[-1]) if third is not None else None, **launch,
-    )  # fmt: skip
-    return out, sums
-
-
-def _launch_transposed(
-    x: torch.Tensor,
-    values: torch.Tensor,
-    second: torch.Tensor | None,
-    out1: torch.Tensor,
-    out2: torch.Tensor,
-    sum_args: tuple[torch.Tensor, torch.Tensor],
-    mode: str,
-    bias: bool,
-    config: tuple[int, int, int, int, int],
-    *,
-    csc: BlockCSC,
-    schedule: torch.Tensor,
-    ieee: bool,
-    third: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None,
-) -> None:
-    """One launch of transposed_matmul_kernel: out1 (and out2 in mode "two") from x's gathered rows, and
-    ``third = (y, v3, v4, out3)`` from y's in the same pass."""
-    block_n, block_e, block_d, warps, stages = (16, 16, 32, 4, 1) if _backend.INTERPRET else config
-    assert block_n == TRANSPOSED_BLOCK_N  # the launch order groups TRANSPOSED_BLOCK_N columns
-    y, v3, v4, out3 = third if third is not None else (x, values, None, out1)
-    N, D = csc.n_cols, x.shape[1]
-    order = csc.row_order
+    schedule = heavy_first_schedule(csc.offsets, group=block_n)
     transposed_matmul_kernel[(triton.cdiv(D, block_d), triton.cdiv(N, block_n))](
         csc.src,
         csc.offsets,
@@ -459,19 +425,20 @@ def _launch_transposed(
         schedule,
         values,
         second if second is not None else values,
-        v3,
-        v4 if v4 is not None else values,
+        v3 if third is not None else values,
+        v4 if third is not None and v4 is not None else values,
         x,
-        y,
-        out1,
-        out2,
-        out3,
-        *sum_args,
+        y if third is not None else x,
+        out[0],
+        out[1] if n_x == 2 else out[0],
+        out[-1],
+        sums[0] if bias else out[0],
+        sums[-1] if bias else out[0],
         N,
         D,
         csc.width,
         x.stride(0),
-        y.stride(0),
+        y.stride(0) if third is not None else x.stride(0),
         BLOCK_N=block_n,
         BLOCK_E=block_e,
         BLOCK_D=block_d,
@@ -481,8 +448,9 @@ def _launch_transposed(
         THIRD=third is not None,
         THIRD_PRODUCT=third is not None and v4 is not None,
         BIAS=bias,
-        IEEE_FP32=ieee,
+        IEEE_FP32=ieee_fp32(x.dtype),
         num_warps=warps,
         num_stages=stages,
     )
     record_launch("transposed_matmul_kernel")
+    return out, sums
