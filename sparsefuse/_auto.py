@@ -34,6 +34,28 @@ def sampled_nonzero_stats(t: torch.Tensor, max_rows: int, positive: bool = False
     return torch.stack([fired.sum(dtype=torch.int64), device_scalar(sample.shape[0], t.device)])
 
 
+def sampled_row_stats(t: torch.Tensor, max_rows: int, long_above: int) -> torch.Tensor:
+    """[5] int64 over the rows :func:`sampled_nonzero_stats` samples, without a sync: (non-zeros of the ordinary
+    rows, rows, sum of the ordinary rows' squared counts, long rows, non-zeros of the long rows), a row being long
+    when it holds more than ``long_above`` non-zeros. For a cost model that needs the spread of the per-row count
+    (its second moment) and the few rows far denser than the rest, which would swamp a plain mean. A
+    :class:`SparsityMonitor` keeps each element per row counted (:attr:`SparsityMonitor.per_row`)."""
+    M = t.shape[0]
+    sample = t[torch.linspace(0, M - 1, min(M, max_rows), device=t.device).long()]
+    counts = (sample != 0).sum(dim=1, dtype=torch.int64)
+    long = counts > long_above
+    ordinary = torch.where(long, 0, counts)
+    return torch.stack(
+        [
+            ordinary.sum(),
+            device_scalar(sample.shape[0], t.device),
+            (ordinary * ordinary).sum(),
+            long.sum(dtype=torch.int64),
+            torch.where(long, counts, 0).sum(),
+        ]
+    )
+
+
 def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
@@ -51,13 +73,20 @@ class SparsityMonitor:
             raise ValueError(f"SparsityMonitor: momentum must be in [0, 1); got {momentum!r}")
         self.momentum = momentum
         self.mean_nnz: float | None = None
+        self.per_row: tuple[float, ...] | None = None  # every element of the stats over the tokens, averaged alike
         self._pending: tuple[torch.Tensor, torch.cuda.Event] | None = None
 
-    def update(self, nnz: float, tokens: float) -> None:
-        """Fold a count taken on the host (``nnz`` non-zeros over ``tokens`` tokens) into the estimate now."""
+    def update(self, nnz: float, tokens: float, *extra: float) -> None:
+        """Fold a count taken on the host (``nnz`` non-zeros over ``tokens`` tokens; ``extra``: further sums over
+        those tokens, such as :func:`sampled_row_stats` gives) into the estimate now."""
         if tokens <= 0:
             return
-        value = nnz / tokens
+        values = (nnz / tokens, *(x / tokens for x in extra))
+        if self.per_row is None or len(self.per_row) != len(values):
+            self.per_row = values
+        else:
+            self.per_row = tuple(self.momentum * a + (1 - self.momentum) * b for a, b in zip(self.per_row, values))
+        value = values[0]
         self.mean_nnz = value if self.mean_nnz is None else self.momentum * self.mean_nnz + (1 - self.momentum) * value
 
     @property
@@ -67,13 +96,14 @@ class SparsityMonitor:
         return self._pending is None and not _capturing()
 
     def observe(self, stats: torch.Tensor) -> None:
-        """``stats``: [2] int64 device tensor (non-zeros, tokens). Dropped while an earlier one is in flight."""
+        """``stats``: [2] int64 device tensor (non-zeros, tokens), or longer (further sums over those tokens).
+        Dropped while an earlier one is in flight."""
         if stats.device.type != "cuda":
             self.update(*(float(v) for v in stats.tolist()))
             return
         if not self.accepts:
             return
-        host = torch.empty(2, dtype=torch.int64, pin_memory=True)
+        host = torch.empty(stats.numel(), dtype=torch.int64, pin_memory=True)
         host.copy_(stats, non_blocking=True)
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(stats.device))  # the copy's stream, whichever device is current
@@ -84,7 +114,7 @@ class SparsityMonitor:
         if self._pending is not None and not _capturing() and self._pending[1].query():
             host, _ = self._pending
             self._pending = None
-            self.update(float(host[0]), float(host[1]))
+            self.update(*(float(v) for v in host.tolist()))
         return self.mean_nnz
 
 
@@ -113,6 +143,16 @@ class EstimateCache:
         self._entries: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight -> [SparsityMonitor, calls, next_at]
 
     def estimate(self, weight: torch.Tensor, stats: Callable[[], torch.Tensor], can_observe: bool) -> float | None:
+        return self._read(weight, stats, can_observe, lambda monitor: monitor.mean_nnz)
+
+    def estimate_per_row(
+        self, weight: torch.Tensor, stats: Callable[[], torch.Tensor], can_observe: bool
+    ) -> tuple[float, ...] | None:
+        """:meth:`estimate` for stats longer than [2]: every element's running average per row counted
+        (:attr:`SparsityMonitor.per_row`), as read before this call's own observation."""
+        return self._read(weight, stats, can_observe, lambda monitor: monitor.per_row)
+
+    def _read(self, weight, stats, can_observe, value_of):
         if torch.compiler.is_compiling() or type(weight) not in (torch.Tensor, torch.nn.Parameter):
             return None
         entry = self._entries.get(weight)
@@ -122,9 +162,10 @@ class EstimateCache:
             monitor = SparsityMonitor()
             monitor.update(*(float(v) for v in stats().tolist()))  # the one sync
             self._entries[weight] = [monitor, 0, self.observe_every]
-            return monitor.mean_nnz
+            return value_of(monitor)
         monitor = entry[0]
-        value = monitor.estimate()
+        monitor.estimate()
+        value = value_of(monitor)
         if can_observe:
             entry[1] += 1
             if entry[1] >= entry[2] and monitor.accepts:

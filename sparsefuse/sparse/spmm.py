@@ -336,10 +336,17 @@ def _gather_config(M: int, n_out: int, device: torch.device) -> _LaunchConfig:
     fewer than 8 programs per SM (B=256, D=768: 10.8 us at 128 against 18.6 at 512)."""
     if _backend.INTERPRET:
         return _INTERPRETER_CONFIG
-    block_d = min(512, max(32, triton.next_power_of_2(n_out)))
-    while block_d > 128 and M * triton.cdiv(n_out, block_d) < 8 * sm_count(device):
-        block_d //= 2
+    block_d = gather_block_d(M, n_out, sm_count(device))
     return _LaunchConfig(block_d=block_d, block_f=1024, block_k=16, group=2, num_warps=1)
+
+
+def gather_block_d(M: int, n_out: int, sms: int) -> int:
+    """Output columns per program of the gather of stored entries on a GPU of ``sms`` SMs (see
+    :func:`_gather_config`; also for cost models, which count its programs)."""
+    block_d = min(512, max(32, triton.next_power_of_2(n_out)))
+    while block_d > 128 and M * triton.cdiv(n_out, block_d) < 8 * sms:
+        block_d //= 2
+    return block_d
 
 
 def _device_programs(device: torch.device, atomic_splits: bool = False) -> int:

@@ -330,7 +330,7 @@ def scan_below_10(monkeypatch):
     monkeypatch.setattr(auto, "AUTO_DENSE_BELOW_D_SAE", 256)
     seen = []
     monkeypatch.setattr(
-        auto, "_fastest_method", lambda M, F, D, l0, *_: seen.append(l0) or ("scan" if l0 < 10 else "dense")
+        auto, "_fastest_method", lambda M, F, D, l0, *_, **__: seen.append(l0) or ("scan" if l0 < 10 else "dense")
     )
     return seen
 
@@ -341,7 +341,7 @@ def test_auto_runs_the_two_pass_method_when_the_model_picks_it(device, monkeypat
     import sparsefuse.sae.decode.auto as auto
 
     monkeypatch.setattr(auto, "AUTO_DENSE_BELOW_D_SAE", 256)
-    monkeypatch.setattr(auto, "_fastest_method", lambda *_: "fixed")
+    monkeypatch.setattr(auto, "_fastest_method", lambda *_, **__: "fixed")
     acts = sparse_rows(5, 600, [3, 300, 0, 40, 7], device=device)
     w = torch.randn(600, 24, device=device)
     with track_launches() as launched:
@@ -362,15 +362,15 @@ def test_auto_measures_each_decoder_once_then_follows_it_without_syncs(device, s
 
     w = torch.randn(512, 8, device=device)
     _auto_decode(sparse_rows(2, 512, [3], device=device), w, "gather_accumulate_kernel")  # first call: counted, 3
-    dense_ish = sparse_rows(6, 512, [40], device=device)
+    dense_ish = sparse_rows(6, 512, [25], device=device)  # not long (the long-row threshold of 512 columns: 32)
     for _ in range(auto.AUTO_OBSERVE_EVERY - 1):  # the estimate (3) holds until the next observation
         _auto_decode(dense_ish, w, "gather_accumulate_kernel")
-    _auto_decode(dense_ish, w, "gather_accumulate_kernel")  # observes 40 (on the CPU folded at once)
-    _auto_decode(dense_ish, w, None)  # estimate (3 + 40) / 2: cuBLAS
-    assert scan_below_10[:2] == [3.0, 3.0] and scan_below_10[-1] == pytest.approx(21.5)
-    _auto_decode(dense_ish, w.clone(), None)  # another decoder: counted anew (40)
+    _auto_decode(dense_ish, w, "gather_accumulate_kernel")  # observes 25 (on the CPU folded at once)
+    _auto_decode(dense_ish, w, None)  # estimate (3 + 25) / 2: cuBLAS
+    assert scan_below_10[:2] == [3.0, 3.0] and scan_below_10[-1] == pytest.approx(14.0)
+    _auto_decode(dense_ish, w.clone(), None)  # another decoder: counted anew (25)
     _auto_decode(dense_ish, w.clone(), "gather_accumulate_kernel", expected_l0=5)  # the hint decides
-    assert scan_below_10[-2:] == [40.0, 5]
+    assert scan_below_10[-2:] == [25.0, 5]
     with pytest.raises(ValueError, match="expected_l0 must be a non-negative number"):
         sparse_decode(dense_ish, w, expected_l0=-1.0)
 
@@ -416,3 +416,75 @@ def test_auto_scales_the_cost_model_by_the_device_dram_bandwidth(device):
     bf16 = torch.bfloat16
     assert _fastest_method(256, 65536, 2304, 72, bf16, bf16, REFERENCE_BANDWIDTH) == "fixed"
     assert _fastest_method(256, 65536, 2304, 72, bf16, bf16, 3.35e12) == "scan"
+
+
+# sae_decode_grid on an H200 (F=65536; fp32 D=768 mean L0 64, bf16 D=2304 mean L0 72): medians (us) of scan, of
+# "fixed" at auto's width (4x the mean L0, at least 256; auto's own run where it took "fixed", else the grid's
+# "fixed" at 2x the mean) and of cuBLAS, per L0 distribution and batch
+_MEASURED_GRID = [
+    ("constant", 32, fp32, 14.5, 19.8, 152.3),
+    ("lognormal 0.3", 32, fp32, 14.2, 22.1, 152.1),
+    ("lognormal 0.6", 32, fp32, 15.0, 37.3, 152.1),
+    ("lognormal 1.0", 32, fp32, 15.6, 39.4, 152.2),
+    ("full rows", 32, fp32, 321.7, 473.4, 152.3),
+    ("constant", 256, fp32, 55.1, 48.8, 504.6),
+    ("lognormal 0.3", 256, fp32, 56.6, 65.7, 504.9),
+    ("lognormal 0.6", 256, fp32, 61.2, 74.1, 505.1),
+    ("lognormal 1.0", 256, fp32, 76.9, 89.9, 504.6),
+    ("full rows", 256, fp32, 378.7, 495.0, 504.7),
+    ("constant", 4096, fp32, 609.8, 456.3, 7681.4),
+    ("lognormal 0.3", 4096, fp32, 633.4, 496.6, 7682.9),
+    ("lognormal 0.6", 4096, fp32, 727.4, 552.6, 7681.2),
+    ("lognormal 1.0", 4096, fp32, 986.2, 622.4, 7681.6),
+    ("full rows", 4096, fp32, 881.1, 876.1, 7681.1),
+    ("constant", 32, bf16, 19.5, 19.8, 76.7),
+    ("lognormal 0.3", 32, bf16, 19.4, 20.4, 76.7),
+    ("lognormal 0.6", 32, bf16, 19.6, 33.4, 76.6),
+    ("lognormal 1.0", 32, bf16, 21.2, 33.5, 76.7),
+    ("full rows", 32, bf16, 217.0, 185.3, 76.3),
+    ("constant", 256, bf16, 74.3, 64.5, 103.2),
+    ("lognormal 0.3", 256, bf16, 73.6, 96.8, 103.3),
+    ("lognormal 0.6", 256, bf16, 78.5, 120.7, 103.3),
+    ("lognormal 1.0", 256, bf16, 101.0, 144.7, 103.1),
+    ("full rows", 256, bf16, 271.2, 223.1, 102.5),
+    ("constant", 4096, bf16, 812.1, 510.5, 1572.8),
+    ("lognormal 0.3", 4096, bf16, 848.8, 571.9, 1588.2),
+    ("lognormal 0.6", 4096, bf16, 924.3, 655.5, 1572.7),
+    ("lognormal 1.0", 4096, bf16, 1228.4, 776.0, 1588.6),
+    ("full rows", 4096, bf16, 946.8, 639.0, 1587.8),
+]
+
+
+@pytest.mark.parametrize("row", _MEASURED_GRID, ids=lambda r: f"{r[0]}-B{r[1]}-{r[2]}".replace(" ", ""))
+def test_auto_picks_within_5_percent_on_the_sae_decode_grid(row):
+    """auto's pick from what its sample of the grid's input shows (the per-token L0s of the benchmark, counted over
+    the rows auto samples and made into an estimate as a decoder's first call makes it) ran within 5% of the
+    fastest method on the H200."""
+    from sparsefuse._auto import SparsityMonitor
+    from sparsefuse.bench.workloads.sae_grid import token_l0s
+    from sparsefuse.sae.decode.auto import AUTO_SAMPLE_ROWS, L0Estimate, _fastest_method
+    from sparsefuse.sparse.long_rows import long_row_threshold
+
+    distribution, M, dtype, scan, fixed, dense = row
+    F, D, mean = (65536, 768, 64) if dtype == fp32 else (65536, 2304, 72)
+    l0 = token_l0s(M, F, mean, distribution, torch.Generator().manual_seed(M + F + D))
+    counts = l0[torch.linspace(0, M - 1, min(M, AUTO_SAMPLE_ROWS)).long()]  # the rows sampled_row_stats counts
+    long = counts > long_row_threshold(F)
+    ordinary = torch.where(long, 0, counts)
+    monitor = SparsityMonitor()
+    monitor.update(ordinary.sum(), len(counts), (ordinary**2).sum(), long.sum(), torch.where(long, counts, 0).sum())
+    est = L0Estimate.from_per_row(monitor.per_row)
+    measured = {"scan": scan, "fixed": fixed, "dense": dense}
+    pick = _fastest_method(
+        M, F, D, est.mean, dtype, dtype, cv=est.cv, long_share=est.long_share, long_l0=est.long_l0, sms=132
+    )
+    assert measured[pick] <= 1.05 * min(measured.values()), (pick, measured, est)
+
+
+def test_sampled_row_stats_sets_long_rows_apart(device):
+    from sparsefuse._auto import sampled_row_stats
+
+    acts = sparse_rows(4, 512, [3, 40, 5, 0], device=device)
+    stats = sampled_row_stats(acts, 64, long_above=32)
+    assert stats.tolist() == [8, 4, 34, 1, 40]
+    assert sampled_row_stats(acts, 2, long_above=32).tolist() == [3, 2, 9, 0, 0]  # rows 0 and 3

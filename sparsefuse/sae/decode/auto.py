@@ -1,40 +1,63 @@
 """The cost model of ``sparse_decode(method="auto")`` and its pick.
 
 ``"dense"`` for small dictionaries (d_sae < 4096); otherwise the fastest of ``"scan"``, ``"fixed"`` and cuBLAS by a
-cost model fitted to H200 and H100 timings (sae_decode benchmark: main shapes, L0 and batch sweeps; sae_decode_grid's
-constant-L0 rows), a sparse method only when predicted at least 10% faster than cuBLAS at the activations' mean L0:
+cost model fitted to H200 and H100 timings (sae_decode benchmark: main shapes, L0 and batch sweeps; sae_decode_grid),
+a sparse method only when predicted at least 10% faster than cuBLAS. What it knows of the per-token L0 is an
+:class:`L0Estimate`: the mean and coefficient of variation of the *ordinary* tokens, and the share of *long* ones
+(past :func:`~sparsefuse.sparse.long_rows.long_row_threshold` of d_sae: 1024 of 65536), with their mean L0. Long
+tokens are set apart because each is spread over the whole GPU by a second launch in every sparse method, so they
+cost their own bytes at the spread's rate; folded into a mean, one token firing all 65536 features among 64 sampled
+would make every token look like 1100 and send a batch that is sparse but for it to cuBLAS.
 
-* scan ~ rows x (d_sae bytes / row rate + L0 x d_model bytes / gather rate);
-* fixed ~ 4 launches + rows x (d_sae bytes / bitmask rate + d_sae / 8 bytes / word rate + L0 x d_model bytes /
-  gather rate), or one program's serial walk over a row when that is longer (few rows, large L0) -- the scan wins
-  small batches, the two-pass "fixed" large ones (from ~64-1024 rows, later on GPUs of less bandwidth);
-* dense ~ the hypotenuse of flops / matmul rate and W_dec bytes / DRAM rate.
+* scan ~ rows x d_sae bytes / row rate + ordinary rows x L0 x d_model bytes / gather rate + the long rows;
+* fixed ~ 4 launches + rows x (d_sae bytes / bitmask rate + d_sae / 8 bytes / word rate) + ordinary rows x L0 x
+  d_model bytes / gather rate + the long rows, or one program's serial walk over a row when that is longer (few
+  rows, large L0) -- the scan wins small batches, the two-pass "fixed" large ones (from ~64-1024 rows, later on GPUs
+  of less bandwidth);
+* dense ~ the hypotenuse of flops / matmul rate and W_dec bytes / DRAM rate;
+* the long rows ~ their W_dec bytes over the spread launch's rate (bound by its sub-splits, not by DRAM).
+
+Where the gather launch of "fixed" fits in one wave (rows x output blocks <= 16 programs per SM: ~256 tokens), it
+lasts as long as its longest row, and rows past 128 stored entries are spread by a second launch
+(:func:`~sparsefuse.sparse.long_rows.stored_row_threshold`): a cost paid once any row gets there (~15 us), then a
+little per row. The scan reads each row's d_sae activations whatever its L0, so it hardly feels the spread. The
+share of ordinary tokens past 128 comes from their mean and coefficient of variation, the L0 taken as log-normal
+(heavy-tailed, as sae_decode_grid models SAE tokens): at B=256, "fixed" wins by ~13% at a constant L0 but loses
+15-50% to the scan once the L0s spread (log-normal sigma >= 0.3). In launches of many waves rows of different
+lengths even out, and the mean decides.
+
+The number of long tokens in a batch of more rows than were sampled: the first one the sample holds is taken for a
+lone token (the first of a batch, which the evenly spaced sample always includes, is the typical one: two full
+tokens of 4096 are decoded best by "fixed", 639 us against cuBLAS's 1572), any further ones as a share of
+the batch (a batch dense throughout goes to cuBLAS).
 
 The byte-bound terms of "fixed" and cuBLAS scale with the device's DRAM bandwidth
 (:func:`~sparsefuse._backend.dram_bandwidth`); the scan's do not: at B=4096, D=2304 bf16 the scan took 811 us on an
 H100 and 783 on an H200, the two-pass "fixed" 723 and 529, in the ratio of the two memories (3.35 vs 4.8 TB/s), so
-"fixed" takes over from the scan at ~512 (bf16) to ~2048 (fp32) rows on an H100, at ~256 on an H200. The model
-knows the mean L0 only: with heavy-tailed L0 (log-normal sigma >= 0.6) "fixed" loses up to 25% to the scan at
-large batches, which it cannot see.
+"fixed" takes over from the scan at ~512 (bf16) to ~2048 (fp32) rows on an H100, at ~256 on an H200.
 
-The mean L0 is, first available: ``expected_l0``; the running estimate kept per decoder (an
-:class:`~sparsefuse._auto.EstimateCache` keyed on ``W_dec``, fed without a sync every 8th eager call from up to 64
-sampled rows); on the first eager call with a new ``W_dec``, a count of those rows (the one host sync). Under
-CUDA-graph capture the estimate from the warm-up calls decides; under torch.compile tracing, without
-``expected_l0``, SAE-like sparsity (L0 = d_sae / 1024) is assumed. When auto picks ``"fixed"`` without a
-``max_l0``, the width is 4x the mean L0 (at least 256): tokens past it are still decoded exactly, from their dense
-rows, each spread over many programs by the long-row pass (:mod:`sparsefuse.sparse.long_rows`).
+The estimate is, first available: ``expected_l0`` (a mean only: taken as a constant L0, no long tokens); the running
+estimate kept per decoder (an :class:`~sparsefuse._auto.EstimateCache` keyed on ``W_dec``, fed without a sync every
+8th eager call from up to 64 sampled rows: :func:`~sparsefuse._auto.sampled_row_stats`); on the first eager call
+with a new ``W_dec``, a count of those rows (the one host sync). Under CUDA-graph capture the estimate from the
+warm-up calls decides; under torch.compile tracing, without ``expected_l0``, SAE-like sparsity (L0 = d_sae / 1024)
+is assumed. When auto picks ``"fixed"`` without a ``max_l0``, the width is 4x the ordinary tokens' mean L0 (at
+least 256): tokens past it are still decoded exactly, from their dense rows, each spread over many programs by the
+long-row pass (:mod:`sparsefuse.sparse.long_rows`).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
 
-from ..._auto import EstimateCache, observable, pick_fastest, sampled_nonzero_stats
-from ..._backend import dram_bandwidth
+from ..._auto import EstimateCache, observable, pick_fastest, sampled_row_stats
+from ..._backend import dram_bandwidth, sm_count
+from ...sparse.long_rows import ONE_WAVE_LONG_ENTRIES, ONE_WAVE_PROGRAMS_PER_SM, long_row_threshold
+from ...sparse.spmm import gather_block_d
 
 DEFAULT_MAX_L0 = 256
 AUTO_DENSE_BELOW_D_SAE = 4096
@@ -60,8 +83,61 @@ _FIXED_WORDS_CHUNK_S = 2e-6
 _DENSE_WEIGHT_RATE = 3.3e12
 _DENSE_FLOP_RATE = {torch.float32: 50e12, torch.float16: 800e12, torch.bfloat16: 800e12}
 _LAUNCH_S = 5e-6
+# Long tokens (e.g. two firing all 65536 features, sae_decode_grid): their W_dec bytes over the spread launch's
+# rate, which is bound by its sub-splits per output block (64 of them), not by DRAM: so per activation element
+# size, as fp32 rows (D=768) have a third of the output blocks of the bf16 ones (D=2304)
+_SCAN_LONG_RATE = {4: 1.34e12, 2: 3.4e12}
+_FIXED_LONG_RATE = {4: 0.92e12, 2: 4.0e12}
+# A one-wave gather launch with rows past ONE_WAVE_LONG_ENTRIES: the spread launch's cost once, then W_dec bytes
+# of one output row per such row over this rate
+_ONE_WAVE_SPREAD_S = 15e-6
+_ONE_WAVE_ROW_RATE = 3e9
+REFERENCE_SMS = 132  # H100 and H200
 
 _ESTIMATES = EstimateCache(observe_every=AUTO_OBSERVE_EVERY)  # per W_dec: dies with the decoder
+
+
+@dataclass(frozen=True)
+class L0Estimate:
+    """What auto knows of the per-token L0: the mean of the ordinary tokens, their coefficient of variation, and the
+    share of long tokens (past :func:`~sparsefuse.sparse.long_rows.long_row_threshold` of d_sae, spread in every
+    launch) with their mean L0."""
+
+    mean: float
+    cv: float = 0.0
+    long_share: float = 0.0
+    long_l0: float = 0.0
+
+    @staticmethod
+    def from_per_row(per_row: tuple[float, ...]) -> L0Estimate:
+        """From a monitor's per-row averages of :func:`~sparsefuse._auto.sampled_row_stats` (ordinary non-zeros,
+        ordinary squared counts, long rows, long non-zeros; each per row sampled)."""
+        nnz, squares, long, long_nnz = per_row
+        ordinary = 1.0 - long
+        if ordinary <= 1e-9:
+            return L0Estimate(0.0, 0.0, 1.0, long_nnz)
+        mean = nnz / ordinary
+        cv = math.sqrt(max(0.0, squares / ordinary / mean**2 - 1.0)) if mean > 0 else 0.0
+        return L0Estimate(mean, cv, long, long_nnz / long if long > 0 else 0.0)
+
+
+def _long_rows_in_batch(M: int, long_share: float) -> float:
+    """Long tokens expected in a batch of M from their share of the sampled rows: the first one a sample holds is
+    taken for a lone token (the first of a batch, which the evenly spaced sample always includes, is the typical
+    one), any further ones as a share of the batch."""
+    n = min(M, AUTO_SAMPLE_ROWS)
+    return n * long_share + (M - n) * max(0.0, long_share - 1.0 / AUTO_SAMPLE_ROWS)
+
+
+def _share_above(threshold: float, mean: float, cv: float) -> float:
+    """Share of ordinary tokens with more than ``threshold`` features, their L0 taken as log-normal of this mean and
+    coefficient of variation (heavy-tailed, as sae_decode_grid models SAE tokens)."""
+    if mean <= 0:
+        return 0.0
+    if cv <= 0:
+        return float(mean > threshold)
+    sigma = math.sqrt(math.log1p(cv * cv))
+    return 0.5 * math.erfc((math.log(threshold / mean) + sigma * sigma / 2) / (sigma * math.sqrt(2)))
 
 
 def _predicted_seconds(
@@ -72,24 +148,38 @@ def _predicted_seconds(
     acts_dtype: torch.dtype,
     w_dtype: torch.dtype,
     bandwidth: float = REFERENCE_BANDWIDTH,
+    *,
+    cv: float = 0.0,
+    long_share: float = 0.0,
+    long_l0: float = 0.0,
+    sms: int = REFERENCE_SMS,
 ) -> dict[str, float]:
     """The cost model (see module docstring): predicted seconds per method on a device of DRAM ``bandwidth``
-    (bytes/s)."""
+    (bytes/s) and ``sms`` SMs. ``mean_l0``, ``cv``: of the ordinary tokens; ``long_share``, ``long_l0``: the long
+    tokens' share of the sampled rows and their mean L0 (see :class:`L0Estimate`)."""
     e_a, e_w = acts_dtype.itemsize, w_dtype.itemsize
     scale = bandwidth / REFERENCE_BANDWIDTH
-    gathered = mean_l0 * d_model * e_w  # W_dec bytes per row
-    scan = _LAUNCH_S + M * (
-        d_sae * e_a / _SCAN_ROW_RATE.get(e_a, 1.4e12) + gathered / _SCAN_GATHER_RATE.get(e_a, 2.4e12)
+    n_long = _long_rows_in_batch(M, long_share) if long_share > 0 else 0.0
+    ordinary = M - n_long
+    gathered = ordinary * mean_l0 * d_model * e_w  # W_dec bytes of the ordinary rows
+    long_bytes = n_long * long_l0 * d_model * e_w
+    scan_gather, fixed_gather = _SCAN_GATHER_RATE.get(e_a, 2.4e12), _FIXED_GATHER_RATE.get(e_w, 3.8e12) * scale
+    scan = (
+        _LAUNCH_S
+        + M * d_sae * e_a / _SCAN_ROW_RATE.get(e_a, 1.4e12)
+        + gathered / scan_gather
+        + long_bytes / min(scan_gather, _SCAN_LONG_RATE.get(e_a, 1.3e12))
     )
-    fixed = 4 * _LAUNCH_S + max(  # bitmask, bits -> ELL, gather, and the overflowed rows' scan
-        M
-        * (
-            d_sae * e_a / (_FIXED_BITS_RATE * scale)
-            + d_sae / 8 / _FIXED_WORDS_RATE
-            + gathered / (_FIXED_GATHER_RATE.get(e_w, 3.8e12) * scale)
-        ),
+    fixed = 4 * _LAUNCH_S + max(  # bitmask, bits -> ELL, gather, and the long rows' spread
+        M * (d_sae * e_a / (_FIXED_BITS_RATE * scale) + d_sae / 8 / _FIXED_WORDS_RATE) + gathered / fixed_gather,
         mean_l0 / 16 * _FIXED_GATHER_STEP_S + math.ceil(d_sae / 32768) * _FIXED_WORDS_CHUNK_S,
     )
+    fixed += long_bytes / min(fixed_gather, _FIXED_LONG_RATE.get(e_a, 0.9e12))
+    if M * triton.cdiv(d_model, gather_block_d(M, d_model, sms)) <= ONE_WAVE_PROGRAMS_PER_SM * sms:
+        # one wave: the gather lasts as long as its longest row, and rows past ONE_WAVE_LONG_ENTRIES entries are
+        # spread by a second launch -- a cost paid once any row gets there, then a little more per row
+        over = ordinary * _share_above(ONE_WAVE_LONG_ENTRIES, mean_l0, cv)
+        fixed += min(1.0, over + n_long) * _ONE_WAVE_SPREAD_S + over * d_model * e_w / _ONE_WAVE_ROW_RATE
     compute = torch.promote_types(acts_dtype, w_dtype)
     # cuBLAS reaches neither bound where both are close (B=256, d_model=768: 45 us against 32 and 31): their sum
     # in quadrature
@@ -108,9 +198,11 @@ def _fastest_method(
     acts_dtype: torch.dtype,
     w_dtype: torch.dtype,
     bandwidth: float = REFERENCE_BANDWIDTH,
+    **spread: float,
 ) -> str:
-    """auto's pick: the faster sparse method if predicted at least 1 - AUTO_MARGIN faster than cuBLAS, else dense."""
-    predicted = _predicted_seconds(M, d_sae, d_model, mean_l0, acts_dtype, w_dtype, bandwidth)
+    """auto's pick: the faster sparse method if predicted at least 1 - AUTO_MARGIN faster than cuBLAS, else dense.
+    ``spread``: the keywords of :func:`_predicted_seconds` past the mean (cv, long_share, long_l0, sms)."""
+    predicted = _predicted_seconds(M, d_sae, d_model, mean_l0, acts_dtype, w_dtype, bandwidth, **spread)
     return pick_fastest(predicted, margin=AUTO_MARGIN)
 
 
@@ -118,12 +210,16 @@ def _auto_width(mean_l0: float, d_sae: int) -> int:
     return min(d_sae, max(DEFAULT_MAX_L0, triton.next_power_of_2(max(1, math.ceil(AUTO_WIDTH_PER_L0 * mean_l0)))))
 
 
-def _estimated_l0(acts: torch.Tensor, decoder: torch.Tensor) -> float | None:
-    """Mean L0 from the decoder's estimate, fed by this call when it is eager (see module docstring); None when
-    nothing is known (compile tracing, or a capture without a warm-up call)."""
-    return _ESTIMATES.estimate(
-        decoder, lambda: sampled_nonzero_stats(acts, AUTO_SAMPLE_ROWS), observable(acts) and acts.shape[0] > 0
+def _estimated_l0(acts: torch.Tensor, decoder: torch.Tensor) -> L0Estimate | None:
+    """The per-token L0 from the decoder's estimate, fed by this call when it is eager (see module docstring); None
+    when nothing is known (compile tracing, or a capture without a warm-up call)."""
+    d_sae = acts.shape[1]
+    per_row = _ESTIMATES.estimate_per_row(
+        decoder,
+        lambda: sampled_row_stats(acts, AUTO_SAMPLE_ROWS, long_row_threshold(d_sae)),
+        observable(acts) and acts.shape[0] > 0,
     )
+    return None if per_row is None else L0Estimate.from_per_row(per_row)
 
 
 def resolve_method(
@@ -142,13 +238,18 @@ def resolve_method(
         if d_sae < AUTO_DENSE_BELOW_D_SAE:
             method = "dense"
         else:
-            mean_l0 = (
-                expected_l0 if expected_l0 is not None else _estimated_l0(acts, W_dec if decoder is None else decoder)
-            )
-            if mean_l0 is None:
-                mean_l0 = d_sae / 1024  # SAE-like sparsity, assumed where nothing was observed
+            if expected_l0 is not None:
+                l0 = L0Estimate(expected_l0)
+            else:
+                l0 = _estimated_l0(acts, W_dec if decoder is None else decoder)
+                if l0 is None:
+                    l0 = L0Estimate(d_sae / 1024)  # SAE-like sparsity, assumed where nothing was observed
             bandwidth = dram_bandwidth(acts.device) or REFERENCE_BANDWIDTH
-            method = _fastest_method(M, d_sae, d_model, mean_l0, acts.dtype, W_dec.dtype, bandwidth)
+            sms = sm_count(acts.device) if acts.is_cuda else REFERENCE_SMS
+            method = _fastest_method(
+                M, d_sae, d_model, l0.mean, acts.dtype, W_dec.dtype, bandwidth,
+                cv=l0.cv, long_share=l0.long_share, long_l0=l0.long_l0, sms=sms,
+            )  # fmt: skip
             if max_l0 is None:
-                width = _auto_width(mean_l0, d_sae)
+                width = _auto_width(l0.mean, d_sae)
     return method, width
