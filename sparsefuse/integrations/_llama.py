@@ -19,7 +19,7 @@ from torch import nn
 from ..ffn.twell import DEFAULT_COMPRESSION
 from ..nn.ffn import SparseGatedMLP
 
-__all__ = ["patch_llama", "is_relu_llama_mlp", "l1_loss", "sparsity_report", "patched_mlps"]
+__all__ = ["patch_llama", "is_relu_llama_mlp", "l1_loss", "sparsity_report", "patched_mlps", "release_step"]
 
 
 def is_relu_llama_mlp(module: nn.Module) -> bool:
@@ -108,6 +108,16 @@ def l1_loss(model: nn.Module) -> torch.Tensor:
             "(patch the model with patch_llama and call l1_loss after the forward)"
         )
     return torch.stack([t.float() for t in terms]).sum()
+
+
+def release_step(model: nn.Module) -> None:
+    """Drop what every patched layer keeps of its last forward (:attr:`SparseGatedMLP.last_l1` and the firing
+    counts). ``last_l1`` is differentiable, so until the backward has run it holds the layer's whole autograd graph,
+    saved activations included: call this where a step fails between forward and backward (a caught
+    ``torch.OutOfMemoryError`` in a batch-size search) so that the failed step's memory is freed before the next
+    try, not only as each layer runs again."""
+    for _, module in patched_mlps(model):
+        module.last_l1, module._last_counts = None, None
 
 
 def sparsity_report(

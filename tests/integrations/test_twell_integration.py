@@ -194,3 +194,25 @@ def test_patched_llama_trains_with_l1_and_reports(train_method, device):
     assert len(report) == model.config.num_hidden_layers
     first = report["model.layers.0.mlp"]
     assert float(first["mean_nnz"]) == pytest.approx(float((gates[0] > 0).sum(-1).float().mean()))
+
+
+def test_release_step_frees_a_failed_steps_graph(device):
+    """A step that fails between forward and backward (an out-of-memory error in a batch-size search) leaves each
+    patched layer's differentiable L1 term holding its forward's graph; release_step drops it."""
+    import weakref
+
+    from sparsefuse.integrations.transformers import l1_loss, patched_mlps, release_step
+
+    torch.manual_seed(2)
+    model = transformers.LlamaForCausalLM(tiny_config()).to(device)
+    sparsify_gates(model, -1.0)
+    patch_llama(model, train_method="hybrid")
+    ids = torch.randint(0, 97, (2, 6), device=device)
+    model(ids, labels=ids)  # the forward ran; its backward never will
+    held = [weakref.ref(m.last_l1.grad_fn) for _, m in patched_mlps(model)]
+    assert all(ref() is not None for ref in held)
+    release_step(model)
+    assert all(m.last_l1 is None and m._last_counts is None for _, m in patched_mlps(model))
+    assert all(ref() is None for ref in held)  # nothing else kept the graphs alive
+    with pytest.raises(RuntimeError, match="no patched SparseGatedMLP has run"):
+        l1_loss(model)

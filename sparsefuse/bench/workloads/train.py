@@ -138,6 +138,12 @@ def largest_batch(fits: Callable[[int], bool], start: int, cap: int) -> int:
     return lo
 
 
+def _release(trainer: setup.Trainer) -> None:
+    from ...integrations.transformers import release_step
+
+    release_step(trainer.model)
+
+
 class _LargestBatch:
     """The ``largest B`` case's implementations: on its first call an implementation's model is built alone
     (the other one freed), its largest micro-batch searched with real training steps; every call then runs one step
@@ -167,7 +173,9 @@ class _LargestBatch:
                 raise
             if batch < self.out_of_memory.get(impl, (batch + 1, ""))[0]:
                 self.out_of_memory[impl] = (batch, out_of_memory_summary(str(exc)))
-        # outside the except block: the exception's frames (and the step's tensors) are gone before freeing
+        # outside the except block: the exception's frames (and the step's tensors) are gone before freeing; the
+        # patched layers' L1 terms still hold the failed forward's graph
+        _release(trainer)
         trainer.optimizer.zero_grad(set_to_none=False)
         gc.collect()
         torch.cuda.empty_cache()
@@ -188,6 +196,7 @@ class _LargestBatch:
             # a batch that fitted its search steps can still run out on a later one (the sparse layer's kept
             # capacity follows the firing it observes): one sequence fewer (its note says the batch timed)
             self.batch[impl] -= 1
+            _release(trainer)
             trainer.optimizer.zero_grad(set_to_none=False)
             gc.collect()
             torch.cuda.empty_cache()
