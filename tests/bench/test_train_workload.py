@@ -108,7 +108,7 @@ def test_largest_batch_note_says_what_the_allocator_said(monkeypatch):
     )
 
     class Trainer:
-        model = SimpleNamespace(config=SimpleNamespace(vocab_size=11), device="cpu")
+        model = SimpleNamespace(config=SimpleNamespace(vocab_size=11), device="cpu", named_modules=lambda: [])
         optimizer = SimpleNamespace(zero_grad=lambda set_to_none: None)
 
         def step(self, ids):
