@@ -101,14 +101,21 @@ def _chunk() -> int:
 
 
 def pack_block_factors(
-    gate: torch.Tensor, up: torch.Tensor | None, counts: torch.Tensor, block_rows: int, capacity: int
+    gate: torch.Tensor,
+    up: torch.Tensor | None,
+    counts: torch.Tensor,
+    block_rows: int,
+    capacity: int,
+    offsets: torch.Tensor | None = None,
 ) -> PackedFactors:
     """Copy the filled slots of ``gate`` and ``up`` ([M, width], one :class:`~sparsefuse.sparse.BlockELL` layout with
     union sizes ``counts`` [n_blocks] int32) into arrays of ``capacity`` values each; blocks past the capacity are
     counted in :func:`spilled_blocks` and left for :func:`unpack_block_factors` to recompute. No host sync.
-    ``up=None`` (a non-gated layer): only the gate is kept; the returned ``up`` is empty."""
+    ``up=None`` (a non-gated layer): only the gate is kept; the returned ``up`` is empty. ``offsets``: the
+    :func:`block_offsets` of these counts when already computed (e.g. by
+    :func:`~sparsefuse.sparse.block_spmm.heavy_first_schedule_and_offsets`)."""
     M, width = gate.shape
-    offsets = block_offsets(counts, block_rows)
+    offsets = block_offsets(counts, block_rows) if offsets is None else offsets
     up_packed = new_output((capacity if up is not None else 0,), gate.dtype, gate.device)
     packed = PackedFactors(new_output((capacity,), gate.dtype, gate.device), up_packed, offsets)
     if M == 0 or counts.shape[0] == 0:

@@ -30,22 +30,40 @@ def _group_count(counts_ptr, i, mask, n_cols, STEP: tl.constexpr, FROM_OFFSETS: 
 
 @triton.jit
 def heavy_first_schedule_kernel(
-    counts_ptr, schedule_ptr, n, n_cols, STEP: tl.constexpr, FROM_OFFSETS: tl.constexpr, BLOCK: tl.constexpr
+    counts_ptr,
+    schedule_ptr,
+    prefix_ptr,
+    n,
+    n_cols,
+    scale,
+    STEP: tl.constexpr,
+    FROM_OFFSETS: tl.constexpr,
+    PREFIX: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     # counts [n] int32 (>= 0; or offsets [n_cols + 1], see _group_count) -> schedule [n] int32: the indices by
     # decreasing count, ties in index order. Each index's rank is counted by comparing it with every other count
-    # (n is a number of row blocks, M / 64, or of column groups, N / 16).
+    # (n is a number of row blocks, M / 64, or of column groups, N / 16). PREFIX: the same comparisons also sum the
+    # counts up to each index, prefix [n + 1] int64 = scale * (exclusive running sum), its last entry the total.
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     i_mask = i < n
     count_i = _group_count(counts_ptr, i, i_mask, n_cols, STEP, FROM_OFFSETS)
     rank = tl.zeros([BLOCK], dtype=tl.int32)
+    through = tl.zeros([BLOCK], dtype=tl.int64)
     for j0 in range(0, n, BLOCK):
         j = j0 + tl.arange(0, BLOCK)
         count_j = _group_count(counts_ptr, j, j < n, n_cols, STEP, FROM_OFFSETS)
         tie = (count_j[None, :] == count_i[:, None]) & (j[None, :] < i[:, None])
         ahead = (count_j[None, :] > count_i[:, None]) | tie
         rank += tl.sum(ahead.to(tl.int32), axis=1)
+        if PREFIX:
+            up_to = (j[None, :] <= i[:, None]) & (j[None, :] < n)
+            through += tl.sum(tl.where(up_to, count_j[None, :], 0).to(tl.int64), axis=1)
     tl.store(schedule_ptr + rank, i, mask=i_mask)
+    if PREFIX:
+        tl.store(prefix_ptr + i + 1, through * scale, mask=i_mask)
+        if tl.program_id(0) == 0:
+            tl.store(prefix_ptr, tl.zeros([], dtype=tl.int64))
 
 
 def heavy_first_schedule(counts: torch.Tensor, group: int | None = None) -> torch.Tensor:
@@ -61,10 +79,28 @@ def heavy_first_schedule(counts: torch.Tensor, group: int | None = None) -> torc
     if n:
         block = 16 if _backend.INTERPRET else 128
         heavy_first_schedule_kernel[(triton.cdiv(n, block),)](
-            counts, schedule, n, n_cols, STEP=group or 1, FROM_OFFSETS=group is not None, BLOCK=block
-        )
+            counts, schedule, schedule, n, n_cols, 1,
+            STEP=group or 1, FROM_OFFSETS=group is not None, PREFIX=False, BLOCK=block,
+        )  # fmt: skip
         record_launch("heavy_first_schedule_kernel")
     return schedule
+
+
+def heavy_first_schedule_and_offsets(counts: torch.Tensor, scale: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(:func:`heavy_first_schedule` of ``counts`` [n] int32, offsets [n + 1] int64 = ``scale`` times the running
+    sum of the counts before each index, then the total) in the one launch: where blocks are both scheduled and
+    packed end to end (the training step), the offsets cost no launch of their own."""
+    n = counts.numel()
+    schedule = new_output((n,), torch.int32, counts.device)
+    offsets = new_output((n + 1,), torch.int64, counts.device)
+    if n == 0:
+        return schedule, offsets.zero_()
+    block = 16 if _backend.INTERPRET else 128
+    heavy_first_schedule_kernel[(triton.cdiv(n, block),)](
+        counts, schedule, offsets, n, n, scale, STEP=1, FROM_OFFSETS=False, PREFIX=True, BLOCK=block
+    )
+    record_launch("heavy_first_schedule_kernel")
+    return schedule, offsets
 
 
 @triton.jit

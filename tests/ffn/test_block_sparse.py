@@ -20,7 +20,8 @@ from sparsefuse.sparse import (
     dense_to_row_block_pattern,
     torch_block_sddmm,
 )
-from sparsefuse.sparse.block_spmm import heavy_first_schedule
+from sparsefuse.sparse.block_pack import block_offsets
+from sparsefuse.sparse.block_spmm import heavy_first_schedule, heavy_first_schedule_and_offsets
 from sparsefuse.sparse.compact import count_order, torch_count_order
 from sparsefuse.testing import accumulation_allowance, assert_close_to_reference
 
@@ -129,6 +130,17 @@ def test_heavy_first_schedule_orders_by_decreasing_count(n, device):
     assert launched["heavy_first_schedule_kernel"] == 1
     expected = torch.sort(counts, descending=True, stable=True).indices.to(torch.int32)  # ties in index order
     assert torch.equal(schedule.cpu(), expected)
+
+
+@pytest.mark.parametrize("n", [0, 1, 5, 17, 300])
+def test_heavy_first_schedule_and_offsets_in_one_launch(n, device):
+    # the training step's blocks: their launch order and where each starts when packed end to end (64 rows each)
+    counts = torch.randint(0, 6, (n,), generator=torch.Generator().manual_seed(n), dtype=torch.int32)
+    with track_launches() as launched:
+        schedule, offsets = heavy_first_schedule_and_offsets(counts.to(device), 64)
+    assert launched["heavy_first_schedule_kernel"] == (1 if n else 0)
+    assert torch.equal(schedule.cpu(), torch.sort(counts, descending=True, stable=True).indices.to(torch.int32))
+    assert torch.equal(offsets.cpu(), block_offsets(counts, 64))
 
 
 @pytest.mark.parametrize("n_cols, group", [(1, 16), (16, 16), (37, 16), (300, 16), (300, 32)])

@@ -33,7 +33,7 @@ from ..._backend import on_tensor_device, plain_eager_call
 from ...sparse import BlockELL
 from ...sparse.block_grad import block_ell_sddmm, block_ell_transpose, transposed_matmul
 from ...sparse.block_pack import PackedFactors, pack_block_factors, unpack_block_factors
-from ...sparse.block_spmm import block_sparse_matmul, heavy_first_schedule
+from ...sparse.block_spmm import block_sparse_matmul, heavy_first_schedule_and_offsets
 from ...sparse.compact import dense_to_row_block_pattern
 from ...sparse.sddmm import block_sddmm
 
@@ -81,11 +81,15 @@ def _train_forward(
     f = block_sddmm(pattern, pre, x2, w_up, b_up, relu=True, out_dtype=x2.dtype, factors=True)
     # The down product here and the backward's dx products walk the same unions: their heavy-first launch order is
     # found once and kept (4 bytes a block). One block has nothing to order: zeros stand in, and no product reads them.
+    # The same launch sums the blocks' sizes into where each starts in the packed arrays.
     many = f.product.counts.shape[0] > 1
-    schedule = heavy_first_schedule(f.product.counts) if many else torch.zeros_like(f.product.counts)
+    if many:
+        schedule, offsets = heavy_first_schedule_and_offsets(f.product.counts, block_rows)
+    else:
+        schedule, offsets = torch.zeros_like(f.product.counts), None
     y = block_sparse_matmul(f.product, w_down_t, bias=b_down, out_dtype=x2.dtype, schedule=schedule if many else None)
     up_values = f.up.values if f.up is not None else None
-    packed = pack_block_factors(f.gate.values, up_values, f.product.counts, block_rows, capacity)
+    packed = pack_block_factors(f.gate.values, up_values, f.product.counts, block_rows, capacity, offsets)
     order = pattern.row_order
     if order is None:
         order = torch.arange(M, dtype=torch.int32, device=x2.device)
