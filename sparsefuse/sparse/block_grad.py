@@ -274,6 +274,7 @@ def transposed_matmul_kernel(
     BLOCK_E: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_ORDER: tl.constexpr,
+    HAS_SCHEDULE: tl.constexpr,
     TWO: tl.constexpr,
     PRODUCT: tl.constexpr,
     THIRD: tl.constexpr,
@@ -282,16 +283,18 @@ def transposed_matmul_kernel(
     IEEE_FP32: tl.constexpr,
 ):
     # BlockCSC src [nnz] (flat slot index, grouped by column), offsets [N + 1]; schedule [cdiv(N, BLOCK_N)] int32
-    # (launch order of the column groups); values v1..v4 [M, width] on the slots; x, y [M, D]. Program (db, i):
-    # columns [nb * BLOCK_N, ...) with nb = schedule[i] x features [db * BLOCK_D, ...). Their
+    # (launch order of the column groups; the natural order without HAS_SCHEDULE); values v1..v4 [M, width] on the
+    # slots; x, y [M, D]. A 1-D grid (any N): program p takes features [db * BLOCK_D, ...), db = p % cdiv(D, BLOCK_D),
+    # of columns [nb * BLOCK_N, ...), nb = schedule[p // cdiv(D, BLOCK_D)]. Their
     # entries are contiguous in src; BLOCK_E at a time they form A [BLOCK_N, BLOCK_E] (entry e's value in its
     # column's row, 0 elsewhere) times the gathered x rows [BLOCK_E, BLOCK_D], on tensor cores. Outputs: out = A1^T x
     # with A1 = v1 (v1 * v2 when PRODUCT); TWO: out2 = v2^T x as well (the same gathered rows); THIRD: out3 =
     # (v3 * v4)^T y. BIAS: the programs of feature block 0 also write the column sums of A1 (and v2) to sum (sum2),
     # fp32. The next step's entry rows are loaded before this step's gathers, so the gathers that depend on them
     # never wait on that chain of loads.
-    d_program = tl.program_id(0)
-    n0 = tl.load(schedule_ptr + tl.program_id(1)) * BLOCK_N
+    n_d = tl.cdiv(D, BLOCK_D)
+    group, d_program = tl.program_id(0) // n_d, tl.program_id(0) % n_d
+    n0 = (tl.load(schedule_ptr + group) if HAS_SCHEDULE else group) * BLOCK_N
     d = d_program * BLOCK_D + tl.arange(0, BLOCK_D)
     d_mask = d < D
     col = tl.arange(0, BLOCK_N)
@@ -364,6 +367,7 @@ def transposed_matmul_kernel(
 TRANSPOSED_CONFIG = {1: (16, 128, 128, 4, 3), 2: (16, 64, 256, 8, 2), 3: (16, 64, 128, 4, 2)}
 TRANSPOSED_NARROW_CONFIG = (16, 32, 128, 4, 2)  # three outputs, D <= TRANSPOSED_NARROW_D
 TRANSPOSED_NARROW_D = 2048
+TRANSPOSED_SCHEDULED_GROUPS = 8192  # column groups up to which they are launched heaviest first
 
 
 def transposed_matmul(
@@ -417,12 +421,15 @@ def transposed_matmul(
     # Column groups are launched by decreasing entry count (longest first: hot neurons' groups hold 4-5x the mean
     # entries), and a group's feature blocks side by side, so that the rows they gather are read whole while
     # they are in L2: 1.43x on a 1.5B model layer's entries (H200), order-only, the sums unchanged.
-    schedule = heavy_first_schedule(csc.offsets, group=block_n)
-    transposed_matmul_kernel[(triton.cdiv(D, block_d), triton.cdiv(N, block_n))](
+    # The order costs one launch comparing every group with every other: past TRANSPOSED_SCHEDULED_GROUPS groups
+    # (N > 131072) the grid is long enough for its tail not to matter, and the natural order is taken.
+    n_groups = triton.cdiv(N, block_n)
+    schedule = heavy_first_schedule(csc.offsets, group=block_n) if n_groups <= TRANSPOSED_SCHEDULED_GROUPS else None
+    transposed_matmul_kernel[(n_groups * triton.cdiv(D, block_d),)](
         csc.src,
         csc.offsets,
         order if order is not None else csc.offsets,
-        schedule,
+        schedule if schedule is not None else csc.offsets,
         values,
         second if second is not None else values,
         v3 if third is not None else values,
@@ -443,6 +450,7 @@ def transposed_matmul(
         BLOCK_E=block_e,
         BLOCK_D=block_d,
         HAS_ORDER=order is not None,
+        HAS_SCHEDULE=schedule is not None,
         TWO=mode == "two",
         PRODUCT=mode == "product",
         THIRD=third is not None,

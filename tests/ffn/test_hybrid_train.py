@@ -2,6 +2,8 @@
 product-by-product reference, every overflow case of the Hybrid format, what the backward keeps, and the
 autograd contexts a training loop uses (gradcheck, compile, checkpointing, autocast)."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -384,6 +386,26 @@ def test_eager_step_skips_the_dispatcher_with_the_same_results(bias, device, mon
     assert calls == [1]
     for a, b in zip((*fast_out, *fast), (*op_out, *through_op)):
         assert torch.equal(a, b)
+
+
+def test_compiled_autograd_over_an_eager_forward(device):
+    # the eager step's backward, traced by compiled autograd, runs the opaque backward op (Dynamo does not step
+    # into the kernels' launchers): the same gradients as a plain backward
+    from torch._dynamo import compiled_autograd
+
+    enable = getattr(compiled_autograd, "_enable", None) or compiled_autograd.enable
+    leaves = _leaves(48, 16, 96, torch.float32, device, False, seed=10)
+    dy = torch.randn(48, 16, device=device)
+    grads = []
+    for compiled in (False, True):
+        params = [t.detach().clone().requires_grad_() for t in leaves if t is not None]
+        out = hybrid_mlp(*params, layout="block", block_capacity=10**6)
+        loss = (out.y * dy).sum() + 0.1 * out.l1
+        with enable(torch.compile(backend="aot_eager")) if compiled else contextlib.nullcontext():
+            loss.backward()
+        grads.append([p.grad for p in params])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(

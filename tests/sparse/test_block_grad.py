@@ -109,6 +109,25 @@ def test_backward_products_match_float64(dtype, sort_rows, device):
     _check(40, 24, 100, dtype, device, sort_rows)  # N past a whole tile, M past whole blocks
 
 
+def test_weight_gradients_do_not_depend_on_the_launch_order(device, monkeypatch):
+    # past TRANSPOSED_SCHEDULED_GROUPS column groups the groups launch in their natural order: the same sums, bit
+    # for bit (each column's terms are added in one fixed order either way), and no schedule launch
+    from sparsefuse.sparse import block_grad
+
+    x, wu, wd, bias, pre, f = _factors(40, 24, 100, torch.float32, device, True)
+    csc = block_ell_transpose(f.gate, f.column_counts)
+    args = (csc, x, f.gate.values, f.up.values)
+    with track_launches() as launched:
+        scheduled, sums = transposed_matmul(*args, mode="two", bias=True)
+    assert launched["heavy_first_schedule_kernel"] == 1
+    monkeypatch.setattr(block_grad, "TRANSPOSED_SCHEDULED_GROUPS", 0)
+    with track_launches() as launched:
+        natural, natural_sums = transposed_matmul(*args, mode="two", bias=True)
+    assert launched["heavy_first_schedule_kernel"] == 0 and launched["transposed_matmul_kernel"] == 1
+    for a, b in zip((*scheduled, *sums), (*natural, *natural_sums)):
+        assert torch.equal(a, b)
+
+
 def test_backward_products_on_an_empty_batch(device):
     x, wu, wd, bias, pre, f = _factors(0, 8, 20, torch.float32, device, False)
     csc = block_ell_transpose(f.gate, f.column_counts)

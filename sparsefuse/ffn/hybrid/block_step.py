@@ -275,7 +275,9 @@ class _EagerTrainStep(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy, dl1, *unused):
-        return _backward_with(_train_backward, ctx, dy, dl1)
+        # traced (compiled autograd over an eager forward): the opaque op, which Dynamo does not step into
+        backward = block_mlp_train_bwd_op if torch.compiler.is_compiling() else _train_backward
+        return _backward_with(backward, ctx, dy, dl1)
 
 
 def block_mlp_train_fwd(*inputs):
