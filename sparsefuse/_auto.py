@@ -25,11 +25,16 @@ def device_scalar(value: int, device: torch.device) -> torch.Tensor:
     return torch.full((), value, dtype=torch.int64, device=device)
 
 
+def _sampled_rows(t: torch.Tensor, max_rows: int) -> torch.Tensor:
+    """<= ``max_rows`` evenly spaced rows of ``t`` [M, n] (M >= 1), the first and the last included."""
+    M = t.shape[0]
+    return t[torch.linspace(0, M - 1, min(M, max_rows), device=t.device).long()]
+
+
 def sampled_nonzero_stats(t: torch.Tensor, max_rows: int, positive: bool = False) -> torch.Tensor:
     """[2] int64 (non-zeros, rows) over <= ``max_rows`` evenly spaced rows of ``t`` [M, n] (M >= 1), without a sync.
     ``positive``: count entries > 0 (pre-activations of a ReLU) instead of entries != 0 (NaN counts as fired)."""
-    M = t.shape[0]
-    sample = t[torch.linspace(0, M - 1, min(M, max_rows), device=t.device).long()]
+    sample = _sampled_rows(t, max_rows)
     fired = sample > 0 if positive else sample != 0
     return torch.stack([fired.sum(dtype=torch.int64), device_scalar(sample.shape[0], t.device)])
 
@@ -40,8 +45,7 @@ def sampled_row_stats(t: torch.Tensor, max_rows: int, long_above: int) -> torch.
     when it holds more than ``long_above`` non-zeros. For a cost model that needs the spread of the per-row count
     (its second moment) and the few rows far denser than the rest, which would swamp a plain mean. A
     :class:`SparsityMonitor` keeps each element per row counted (:attr:`SparsityMonitor.per_row`)."""
-    M = t.shape[0]
-    sample = t[torch.linspace(0, M - 1, min(M, max_rows), device=t.device).long()]
+    sample = _sampled_rows(t, max_rows)
     counts = (sample != 0).sum(dim=1, dtype=torch.int64)
     long = counts > long_above
     ordinary = torch.where(long, 0, counts)
@@ -72,7 +76,6 @@ class SparsityMonitor:
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"SparsityMonitor: momentum must be in [0, 1); got {momentum!r}")
         self.momentum = momentum
-        self.mean_nnz: float | None = None
         self.per_row: tuple[float, ...] | None = None  # every element of the stats over the tokens, averaged alike
         self._pending: tuple[torch.Tensor, torch.cuda.Event] | None = None
 
@@ -86,8 +89,11 @@ class SparsityMonitor:
             self.per_row = values
         else:
             self.per_row = tuple(self.momentum * a + (1 - self.momentum) * b for a, b in zip(self.per_row, values))
-        value = values[0]
-        self.mean_nnz = value if self.mean_nnz is None else self.momentum * self.mean_nnz + (1 - self.momentum) * value
+
+    @property
+    def mean_nnz(self) -> float | None:
+        """The running mean of non-zeros per token (None before the first observation has been folded in)."""
+        return None if self.per_row is None else self.per_row[0]
 
     @property
     def accepts(self) -> bool:
