@@ -76,13 +76,7 @@ def heavy_first_schedule(counts: torch.Tensor, group: int | None = None) -> torc
     n_cols = counts.numel() - 1 if group is not None else counts.numel()
     n = triton.cdiv(n_cols, group) if group is not None else n_cols
     schedule = new_output((n,), torch.int32, counts.device)  # poisoned (-1) under test: every position is written
-    if n:
-        block = 16 if _backend.INTERPRET else 128
-        heavy_first_schedule_kernel[(triton.cdiv(n, block),)](
-            counts, schedule, schedule, n, n_cols, 1,
-            STEP=group or 1, FROM_OFFSETS=group is not None, PREFIX=False, BLOCK=block,
-        )  # fmt: skip
-        record_launch("heavy_first_schedule_kernel")
+    _launch_schedule(counts, schedule, None, n, n_cols, group, 1)
     return schedule
 
 
@@ -95,12 +89,26 @@ def heavy_first_schedule_and_offsets(counts: torch.Tensor, scale: int) -> tuple[
     offsets = new_output((n + 1,), torch.int64, counts.device)
     if n == 0:
         return schedule, offsets.zero_()
-    block = 16 if _backend.INTERPRET else 128
-    heavy_first_schedule_kernel[(triton.cdiv(n, block),)](
-        counts, schedule, offsets, n, n, scale, STEP=1, FROM_OFFSETS=False, PREFIX=True, BLOCK=block
-    )
-    record_launch("heavy_first_schedule_kernel")
+    _launch_schedule(counts, schedule, offsets, n, n, None, scale)
     return schedule, offsets
+
+
+def _launch_schedule(
+    counts: torch.Tensor,
+    schedule: torch.Tensor,
+    prefix: torch.Tensor | None,
+    n: int,
+    n_cols: int,
+    group: int | None,
+    scale: int,
+) -> None:
+    if n:
+        block = 16 if _backend.INTERPRET else 128
+        heavy_first_schedule_kernel[(triton.cdiv(n, block),)](
+            counts, schedule, prefix if prefix is not None else schedule, n, n_cols, scale,
+            STEP=group or 1, FROM_OFFSETS=group is not None, PREFIX=prefix is not None, BLOCK=block,
+        )  # fmt: skip
+        record_launch("heavy_first_schedule_kernel")
 
 
 @triton.jit
