@@ -2,7 +2,7 @@
 
 Functional API (mirrors ``torch.nn.functional``): :func:`snake`, :func:`celu`, :func:`celu_`, :func:`sparse_decode`,
 :func:`topk_decode`, :func:`jumprelu_encode`, :func:`topk_encode`, :func:`splade_pool`, :func:`twell_mlp`,
-:func:`twell_relu_mlp`.
+:func:`twell_relu_mlp`, :func:`rms_norm`.
 Modules: :mod:`sparsefuse.nn`. Integrations with model libraries: :mod:`sparsefuse.integrations`.
 Which path a call takes: :func:`backend_for` (``"triton"``, ``"interpreter"`` or ``"torch"``).
 """
@@ -12,6 +12,7 @@ from ._backend import Backend, backend_for, track_launches
 from .activations.celu import celu, celu_
 from .activations.snake import snake
 from .ffn import twell_mlp, twell_relu_mlp
+from .norms import rms_norm
 from .sae import jumprelu_encode, sparse_decode, topk_decode, topk_encode
 from .splade import splade_pool
 
@@ -28,6 +29,7 @@ __all__ = [
     "splade_pool",
     "twell_mlp",
     "twell_relu_mlp",
+    "rms_norm",
     "backend_for",
     "Backend",
     "track_launches",

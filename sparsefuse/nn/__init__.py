@@ -2,7 +2,8 @@
 
 from .activations import CELU, Snake1d
 from .ffn import SparseGatedMLP
+from .norms import RMSNorm
 from .sae import SparseJumpReLUSAE
 from .splade import SpladeHead
 
-__all__ = ["Snake1d", "CELU", "SparseJumpReLUSAE", "SpladeHead", "SparseGatedMLP"]
+__all__ = ["Snake1d", "CELU", "SparseJumpReLUSAE", "SpladeHead", "SparseGatedMLP", "RMSNorm"]

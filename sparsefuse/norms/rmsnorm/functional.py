@@ -1,0 +1,76 @@
+"""The public ``rms_norm``: check the arguments, then run the launcher directly (plain eager inference), through an
+``autograd.Function`` (plain eager training) or through the torch.library op (torch.compile, subclasses, modes)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from ... import _backend
+from ..._validation import CELU_DTYPES, check_float, check_same_device, check_scalar, describe, unit_last_stride
+from .launch import rms_norm_forward
+from .op import EagerRMSNorm, rms_norm_fwd_op
+
+RMS_NORM_DTYPES = CELU_DTYPES  # float32, float16, bfloat16, float64
+
+
+def _normalized(op: str, x: torch.Tensor, normalized_shape: int | Sequence[int]) -> tuple[int, ...]:
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    if not shape or not all(isinstance(n, int) and not isinstance(n, bool) for n in shape):
+        raise TypeError(
+            f"{op}: normalized_shape must be an int or a non-empty sequence of ints; got {normalized_shape!r}"
+        )
+    if tuple(x.shape[x.dim() - len(shape) :]) != shape or x.dim() < len(shape):
+        raise ValueError(
+            f"{op}: normalized_shape {list(shape)} must equal the last dimensions of input ({describe(x)})"
+        )
+    return shape
+
+
+def rms_norm(
+    input: torch.Tensor,
+    normalized_shape: int | Sequence[int],
+    weight: torch.Tensor | None = None,
+    eps: float | None = None,
+) -> torch.Tensor:
+    """Root-mean-square normalisation over the trailing ``normalized_shape`` dimensions, in one kernel forward and
+    one backward (plus a small sum for the weight's gradient).
+
+    Args (as ``torch.nn.functional.rms_norm``):
+        input: [..., *normalized_shape]; float32, float16, bfloat16 or float64; any strides (a last dimension that
+            is not contiguous is copied once).
+        normalized_shape: the trailing dimensions normalised together (an int for the last one).
+        weight: None or normalized_shape; any of the same float dtypes.
+        eps: added to the mean square; None: ``torch.finfo(input.dtype).eps``. Must be >= 0.
+
+    Returns input's shape, in input's dtype promoted with weight's. The computation is transformers'
+    ``LlamaRMSNorm``'s: ``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)`` with the normalisation in float32
+    (float64 for float64 input), so a patched model's outputs match the unpatched ones to the last rounding of the
+    mean. Differentiable in input and weight (the backward recomputes the normalised row from x and a saved 1/rms
+    per row: it keeps 4 bytes a row besides x, where LlamaRMSNorm keeps float32 copies of the whole input)."""
+    op = "rms_norm"
+    check_float(op, "input", input, RMS_NORM_DTYPES)
+    shape = _normalized(op, input, normalized_shape)
+    if weight is not None:
+        check_float(op, "weight", weight, RMS_NORM_DTYPES)
+        check_same_device(op, input=input, weight=weight)
+        if tuple(weight.shape) != shape:
+            raise ValueError(f"{op}: weight must have normalized_shape {list(shape)}; got {describe(weight)}")
+    else:
+        check_same_device(op, input=input)
+    eps = torch.finfo(input.dtype).eps if eps is None else check_scalar(op, "eps", eps)
+    if not eps >= 0.0:
+        raise ValueError(f"{op}: eps must be >= 0; got eps={eps}")
+    D = math.prod(shape)
+    x2 = unit_last_stride(input.reshape(-1, D))
+    w = unit_last_stride(weight.reshape(D)) if weight is not None else None
+    tensors = (x2,) if w is None else (x2, w)
+    if _backend.bypass_dispatcher(*tensors):
+        y = rms_norm_forward(x2, w, eps)[0]
+    elif _backend.plain_eager_call(*tensors) and torch.is_grad_enabled():
+        y = EagerRMSNorm.apply(x2, w, eps)[0]
+    else:
+        y = rms_norm_fwd_op(x2, w, eps)[0]
+    return y.reshape(input.shape)
