@@ -3,11 +3,22 @@
 encoder over any ``AutoModelForMaskedLM`` (the fused head replaces the vocabulary projection + pooling); imports
 transformers lazily."""
 
-from ._llama import is_relu_llama_mlp, l1_loss, patch_llama, patched_mlps, release_step, sparsity_report
+from ._llama import (
+    fuse_norms,
+    fuse_rotary,
+    is_relu_llama_mlp,
+    l1_loss,
+    patch_llama,
+    patched_mlps,
+    release_step,
+    sparsity_report,
+)
 from .transformers_mlm import SpladeEncoderForMaskedLM, projection_bypassed, splade_encode, vocabulary_projection
 
 __all__ = [
     "patch_llama",
+    "fuse_norms",
+    "fuse_rotary",
     "is_relu_llama_mlp",
     "patched_mlps",
     "l1_loss",

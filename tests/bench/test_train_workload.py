@@ -28,6 +28,7 @@ def test_train_workload_steps_patched_and_unpatched(monkeypatch, device):
     assert case.shape == "2L nnz=6 B=2 S=16" and set(case.impls) == {
         "unpatched",
         "patched",
+        "fused only",
         "unpatched compile",
         "patched compile",
         "no FFN",
@@ -44,6 +45,12 @@ def test_train_workload_steps_patched_and_unpatched(monkeypatch, device):
             assert not launched, launched
     # same weights, same tokens: the LM losses agree (the patched loss adds 2e-5 * L1, about 1e-5 here)
     assert losses["patched"] == pytest.approx(losses["unpatched"], rel=1e-3)
+
+    # the fused-only model: the norms and the rotary embedding fused, the FFN dense (no sparse kernel)
+    with track_launches() as launched:
+        fused_loss = float(case.impls["fused only"](ids))
+    assert launched["rms_norm_fwd_kernel"] == 5 and launched["rotary_fwd_kernel"] == 2, launched
+    assert not launched["block_sddmm_kernel"] and fused_loss == pytest.approx(losses["unpatched"], rel=1e-4)
 
     # without its MLPs the step runs no FFN kernel and still steps every weight (their gradients are zeros)
     with track_launches() as launched:
@@ -86,13 +93,14 @@ def test_largest_batch_case_and_summary(monkeypatch, device):
         [
             row("24L nnz=30 B=4 S=2048", "unpatched", 200.0),
             row("24L nnz=30 B=4 S=2048", "patched", 160.0),
+            row("24L nnz=30 B=4 S=2048", "fused only", 180.0),
             row("24L nnz=30 B=4 S=2048", "no FFN", 130.0),
             row("24L nnz=30 S=2048 largest B", "unpatched", 1.0, 1000.0, "largest B=8"),
             row("24L nnz=30 S=2048 largest B", "patched", 1.0, 1400.0, "largest B=12"),
         ]
     )
     text = "\n".join(lines)
-    assert "| 24L nnz=30 B=4 S=2048 | 35% | 1.54x | 1.25x |" in text
+    assert "| 24L nnz=30 B=4 S=2048 | 35% | 1.54x | 1.25x | 1.11x |" in text
     assert "patched largest B=12, 1400 tok/s (1.40x)" in text
 
 

@@ -8,12 +8,13 @@ from conftest import assert_backend
 from sparsefuse import track_launches
 from sparsefuse.ffn import torch_twell_mlp
 from sparsefuse.nn.ffn import SparseGatedMLP
+from sparsefuse.nn.norms import RMSNorm
 from sparsefuse.testing import assert_close_to_reference, assert_norm_close_to_reference
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.llama.modeling_llama import LlamaMLP  # noqa: E402
 
-from sparsefuse.integrations._llama import patch_llama  # noqa: E402
+from sparsefuse.integrations._llama import fuse_norms, patch_llama  # noqa: E402
 
 TWELL_KERNELS = ("twell_gate_fwd_kernel", "twell_up_down_fwd_kernel")
 
@@ -108,6 +109,7 @@ def test_patch_llama_logits_match_unpatched(mlp_bias, device):
         unpatched = model(ids).logits
         ref64 = ref_model(ids).logits
     gate_before = model.model.layers[0].mlp.gate_proj.weight
+    norm_before = model.model.layers[0].input_layernorm.weight
     keys_before = model.state_dict().keys()
     # Random weights fire ~50% (unbiased): 64-column tiles keep every non-zero there (compression 1); the sparse
     # model (biased) runs the defaults, 8 slots per tile.
@@ -115,10 +117,13 @@ def test_patch_llama_logits_match_unpatched(mlp_bias, device):
     mlps = [layer.mlp for layer in model.model.layers]
     assert all(isinstance(m, SparseGatedMLP) for m in mlps)
     assert mlps[0].gate_proj.weight is gate_before  # the very Parameters, not copies
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    assert len(norms) == 2 * model.config.num_hidden_layers + 1 and norms[0].weight is norm_before
     assert model.state_dict().keys() == keys_before
     with torch.no_grad(), track_launches() as launched:
         patched = model(ids).logits
     assert all(launched[k] == model.config.num_hidden_layers for k in TWELL_KERNELS), launched
+    assert launched["rms_norm_fwd_kernel"] == len(norms)
     assert_norm_close_to_reference(patched, ref64, unpatched, name="logits")
 
 
@@ -128,6 +133,16 @@ def test_patch_llama_refuses_models_without_relu_mlps(device):
         patch_llama(model)
     single = LlamaMLP(tiny_config())
     assert isinstance(patch_llama(single), SparseGatedMLP)
+
+
+def test_patch_llama_fuse_false_keeps_transformers_norms_and_fuse_norms_works_alone(device):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    model = transformers.LlamaForCausalLM(tiny_config(num_hidden_layers=2)).to(device)
+    patch_llama(model, fuse=False)
+    assert not any(isinstance(m, RMSNorm) for m in model.modules())
+    silu = transformers.LlamaForCausalLM(tiny_config(hidden_act="silu", num_hidden_layers=2)).to(device)
+    assert fuse_norms(silu) == 5 and not any(type(m) is LlamaRMSNorm for m in silu.modules())
 
 
 @pytest.mark.gpu
@@ -216,3 +231,44 @@ def test_release_step_frees_a_failed_steps_graph(device):
     assert all(ref() is None for ref in held)  # nothing else kept the graphs alive
     with pytest.raises(RuntimeError, match="no patched SparseGatedMLP has run"):
         l1_loss(model)
+
+
+def test_fused_rotary_runs_only_inside_fused_models(device):
+    """After patch_llama the fused model's attention rotates q and k with one kernel each way; a model that was not
+    patched, in the same process, keeps transformers' function; an attention forward that raises leaves nothing
+    behind."""
+    from sparsefuse.integrations import _llama
+
+    torch.manual_seed(0)
+    fused = transformers.LlamaForCausalLM(tiny_config(num_hidden_layers=2)).to(device)
+    plain = transformers.LlamaForCausalLM(fused.config).to(device)
+    plain.load_state_dict(fused.state_dict())
+    patch_llama(fused, method="dense")
+    ids = torch.randint(0, 97, (2, 5), device=device)
+    with track_launches() as launched:
+        loss = fused(ids, labels=ids).loss
+        loss.backward()
+    assert launched["rotary_fwd_kernel"] == 2 and launched["rotary_bwd_kernel"] == 2
+    with track_launches() as launched:
+        plain_loss = plain(ids, labels=ids).loss
+        plain_loss.backward()
+    assert launched["rotary_fwd_kernel"] == 0
+    torch.testing.assert_close(loss, plain_loss, rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(fused.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+    with pytest.raises(RuntimeError):  # hidden states of the wrong width
+        fused.model.layers[0].self_attn(torch.ones(1, 2, 3, device=device), position_embeddings=None)
+    assert _llama._FUSED_ATTENTION_DEPTH == 0
+
+
+def test_fused_model_compiles_without_graph_breaks(device):
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(tiny_config(num_hidden_layers=2, mlp_bias=True)).to(device)
+    sparsify_gates(model, -1.0)
+    patch_llama(model, train_method="hybrid")
+    ids = torch.randint(0, 97, (2, 6), device=device)
+    model(ids, labels=ids).loss.backward()  # one eager step first, as the docs say (auto's choices settle)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with track_launches() as launched:
+        compiled(ids, labels=ids).loss.backward()
+    assert launched["rms_norm_fwd_kernel"] == 5 and launched["rotary_fwd_kernel"] == 2, launched

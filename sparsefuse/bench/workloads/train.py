@@ -13,7 +13,10 @@ Rows (shape label ``"<layers>L <sparsity> B=.. S=.."``; speed-up = unpatched eag
 
 * ``unpatched``          the model as transformers builds it, eager
 * ``unpatched compile``  its forward under ``torch.compile`` (8 layers only: compiling 24 costs minutes)
-* ``patched``            after ``patch_llama(model, train_method="hybrid")``, eager
+* ``patched``            after ``patch_llama(model, train_method="hybrid")``, eager: the sparse FFN, and the norms and
+                         the rotary embedding fused (``fuse=True``, the default)
+* ``fused only``         the unpatched model with only the norms and the rotary embedding fused (``fuse_norms``,
+                         ``fuse_rotary``; dense FFN): how much of ``patched``'s gain is not the FFN's
 * ``patched compile``    its forward under ``torch.compile`` after one eager step (8 layers only)
 * ``no FFN``             the unpatched model with every MLP's forward replaced by zeros (its weights still in
                          AdamW): the FFN's share of the step is ``1 - no FFN / unpatched``, by subtraction
@@ -67,6 +70,12 @@ class _Models:
             if impl.startswith("patched"):
                 base = self._base() if alone else copy.deepcopy(self._base())
                 model = patch_llama(base, train_method="hybrid")
+            elif impl == "fused only":
+                from ...integrations.transformers import fuse_norms, fuse_rotary
+
+                model = copy.deepcopy(self._base())
+                fuse_norms(model)
+                fuse_rotary(model)
             elif impl == "no FFN":
                 model = _without_ffn(copy.deepcopy(self._base()))
             else:
@@ -213,7 +222,8 @@ class _LargestBatch:
 
 def _case(models: _Models, key: tuple[int, float | None], batch: int, seq: int, dtype: torch.dtype) -> Case:
     layers, mean_nnz = key
-    impls = ["unpatched", "patched"] + (["unpatched compile", "patched compile"] if layers <= 8 else []) + ["no FFN"]
+    compiled = ["unpatched compile", "patched compile"] if layers <= 8 else []
+    impls = ["unpatched", "patched", "fused only", *compiled, "no FFN"]
 
     def make_inputs() -> tuple[torch.Tensor]:
         model = models.get(key, "unpatched").model
@@ -276,17 +286,19 @@ def summary(rows: list[Result]) -> list[str]:
         "FFN share: 1 - (step with every MLP returning zeros) / (unpatched step). Bound: the speed-up of an "
         "infinitely fast FFN, 1 / (1 - share).",
         "",
-        "| case | FFN share | bound | patched speed-up | peak MB (unpatched / patched) |",
-        "|---|---|---|---|---|",
+        "| case | FFN share | bound | patched speed-up | fused-only speed-up | peak MB (unpatched / patched) |",
+        "|---|---|---|---|---|---|",
     ]
     for shape, impls in by_shape.items():
         u, p, n = impls.get("unpatched"), impls.get("patched"), impls.get("no FFN")
         if u is None or p is None or shape.endswith("largest B"):
             continue
         share = 1 - n.median_us / u.median_us if n is not None else float("nan")
+        fused = impls.get("fused only")
+        fused_speedup = f"{u.median_us / fused.median_us:.2f}x" if fused is not None else "-"
         lines.append(
             f"| {shape} | {100 * share:.0f}% | {1 / (1 - share):.2f}x | {u.median_us / p.median_us:.2f}x | "
-            f"{u.peak_mb:.0f} / {p.peak_mb:.0f} |"
+            f"{fused_speedup} | {u.peak_mb:.0f} / {p.peak_mb:.0f} |"
         )
     for shape, impls in by_shape.items():
         u, p = impls.get("unpatched"), impls.get("patched")
