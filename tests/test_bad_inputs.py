@@ -19,6 +19,8 @@ from sparsefuse.activations.celu.reference import torch_celu
 from sparsefuse.activations.snake.reference import torch_snake
 from sparsefuse.ffn.hybrid import hybrid_mlp, hybrid_relu_mlp
 from sparsefuse.ffn.twell.reference import torch_relu_mlp, torch_twell_mlp
+from sparsefuse.norms.rmsnorm.reference import torch_rms_norm
+from sparsefuse.rotary import apply_rotary_pos_emb, torch_apply_rotary_pos_emb
 from sparsefuse.sae.decode.reference import torch_sparse_decode
 from sparsefuse.sae.encode.reference import torch_jumprelu_encode
 from sparsefuse.sae.topk.reference import torch_topk_encode
@@ -160,6 +162,28 @@ OPS: dict[str, Op] = {
         (lambda a: [a[0][:, :-1], *a[1:]], ValueError, r"x must be \[\.\.\., hidden_size=8\]"),
         ({"layout": "hybrid"}, ValueError, "layout must be 'auto', 'block' or 'dense'"),
         (1, TypeError, "w_up must have x's dtype"),
+    ),
+    "rms_norm": Op(
+        lambda x, w, **kw: sparsefuse.rms_norm(x, x.shape[-1], w, **kw),
+        lambda dev: [_r(M, K, device=dev), _r(K, device=dev)],
+        lambda a: torch_rms_norm(a[0].double(), a[1].double(), torch.finfo(torch.float32).eps),
+        (lambda a: [a[0], a[1][:-1]], ValueError, r"weight must have normalized_shape \[8\]"),
+        ({"eps": -1.0}, ValueError, "eps must be >= 0"),
+        (1, torch.float32, ""),  # documented: the promoted dtype, as LlamaRMSNorm's weight * normed
+    ),
+    "apply_rotary_pos_emb": Op(
+        apply_rotary_pos_emb,
+        lambda dev: [
+            _r(2, 3, 4, K, device=dev),
+            _r(2, 1, 4, K, device=dev),
+            _r(1, 4, K, device=dev),
+            _r(1, 4, K, device=dev),
+        ],
+        lambda a: torch_apply_rotary_pos_emb(*[t.double() for t in a])[0],
+        (lambda a: [a[0][..., :-1], a[1][..., :-1], a[2][..., :-1], a[3][..., :-1]], ValueError, "must be even"),
+        ({"unsqueeze_dim": 3}, ValueError, "unsqueeze_dim must be 1"),
+        (1, TypeError, "k must have q's dtype"),
+        batch=lambda a: [a[0][:0], a[1][:0], *a[2:]],
     ),
 }
 CLASSES = ("dtype", "mixed dtypes", "shape", "device", "empty batch", "NaN / inf", "non-contiguous", "parameter")

@@ -211,6 +211,18 @@ def _exercise_ops(dtype: torch.dtype, ffn: bool) -> None:
         sparsefuse.splade_pool(hidden, weight, r(96), mask, pooling=pooling)
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         sparsefuse.splade_pool(h, w, r(96, grad=True), mask, pooling=pooling).sum().backward()
+    # the fused Llama pieces: RMSNorm with and without a weight, rows whole and chunked; rotary with GQA heads
+    from sparsefuse.norms.rmsnorm import launch as rms_launch
+    from sparsefuse.rotary import apply_rotary_pos_emb
+
+    for single_max in (rms_launch.SINGLE_MAX, 16):
+        with mock.patch.object(rms_launch, "SINGLE_MAX", single_max), mock.patch.object(rms_launch, "CHUNK", 16):
+            sparsefuse.rms_norm(r(6, 48, grad=True), 48, r(48, grad=True)).float().sum().backward()
+            sparsefuse.rms_norm(r(6, 48, grad=True), 48).float().sum().backward()
+    q, k = r(2, 5, 4, 64, grad=True), r(2, 5, 2, 64, grad=True)  # [B, S, H, hd] storage, as Llama's projections
+    cos, sin = r(1, 5, 64), r(1, 5, 64)
+    qe, ke = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    (qe.float().sum() + ke.float().sum()).backward()
     if not ffn:  # the MLPs dominate the interpreter's time: fp32 and fp16 only
         return
     K, N = 64, 256  # 64 tokens: several row blocks (heavy-first schedule) and row sorting (block plan)

@@ -18,12 +18,13 @@ runs ~10). In an eager 1.5B-shape training step those two are ~30% of the time.
 
 The attention module looks ``apply_rotary_pos_emb`` up in its module's globals on every call, so that name is
 replaced once by a dispatcher that runs the fused function only while a fused model's attention is running (a
-counter kept by forward hooks on those modules): other Llama models in the process keep transformers' function.
+per-thread count kept by forward hooks on those modules): other Llama models keep transformers' function.
 """
 
 from __future__ import annotations
 
 import inspect
+import threading
 
 import torch
 from torch import nn
@@ -120,15 +121,22 @@ def patch_llama(
     return model
 
 
-# Fused-model attention modules currently inside their forward (their rotary embedding takes the fused function).
-_FUSED_ATTENTION_DEPTH = 0
+class _FusedAttentionState(threading.local):
+    """How many fused models' attention modules are inside their forward on this thread (their rotary embedding
+    takes the fused function). Per thread: an unfused Llama run by another thread at the same moment keeps
+    transformers' function."""
+
+    depth: int = 0
+
+
+_FUSED_ATTENTION = _FusedAttentionState()
 _TRANSFORMERS_ROTARY = None  # transformers' own apply_rotary_pos_emb, called outside fused models
 
 
 def _rotary_dispatch(q, k, cos, sin, *args, **kwargs):
     """What ``modeling_llama.apply_rotary_pos_emb`` names once a model was fused: the fused function inside a fused
     model's attention, transformers' elsewhere."""
-    if _FUSED_ATTENTION_DEPTH > 0:
+    if _FUSED_ATTENTION.depth > 0:
         if not args and not kwargs:  # how LlamaAttention calls it
             return apply_rotary_pos_emb(q, k, cos, sin)
         # other callers: their arguments read as transformers' signature says (it changed across versions)
@@ -137,34 +145,57 @@ def _rotary_dispatch(q, k, cos, sin, *args, **kwargs):
     return _TRANSFORMERS_ROTARY(q, k, cos, sin, *args, **kwargs)
 
 
+_rotary_dispatch._sparsefuse_dispatch = True  # how a re-imported module recognises an installed dispatcher
+
+
 def _enter_fused_attention(module, args, kwargs) -> None:
-    global _FUSED_ATTENTION_DEPTH
-    _FUSED_ATTENTION_DEPTH += 1
+    _FUSED_ATTENTION.depth += 1
 
 
 def _leave_fused_attention(module, args, kwargs, output) -> None:
-    global _FUSED_ATTENTION_DEPTH
-    _FUSED_ATTENTION_DEPTH -= 1
+    # never below zero: a pre-hook registered before ours that raised skips ours but not this one
+    _FUSED_ATTENTION.depth = max(0, _FUSED_ATTENTION.depth - 1)
+
+
+def _reset_fused_attention(module, args, kwargs) -> None:
+    # No attention module is inside its forward when a model (or a decoder layer) starts its own: a count left over
+    # by an interrupted forward (a KeyboardInterrupt skips the post-hooks) is cleared here.
+    _FUSED_ATTENTION.depth = 0
+
+
+def _install_rotary_dispatch(modeling_llama) -> None:
+    """Point ``modeling_llama.apply_rotary_pos_emb`` at the dispatcher once, remembering transformers' function on
+    that module (so a reloaded sparsefuse finds it there rather than taking the dispatcher for it)."""
+    global _TRANSFORMERS_ROTARY
+    current = modeling_llama.apply_rotary_pos_emb
+    if getattr(current, "_sparsefuse_dispatch", False):
+        _TRANSFORMERS_ROTARY = modeling_llama._sparsefuse_transformers_rotary
+    else:
+        _TRANSFORMERS_ROTARY = modeling_llama._sparsefuse_transformers_rotary = current
+    modeling_llama.apply_rotary_pos_emb = _rotary_dispatch
 
 
 def fuse_rotary(model: nn.Module) -> int:
     """Make every transformers ``LlamaAttention`` inside ``model`` apply its rotary embedding with
-    :func:`sparsefuse.rotary.apply_rotary_pos_emb` (see the module docstring); returns how many modules. Idempotent."""
-    global _TRANSFORMERS_ROTARY
+    :func:`sparsefuse.rotary.apply_rotary_pos_emb` (see the module docstring); returns how many modules. Idempotent.
+    Patch before wrapping the model (FSDP, accelerate's device maps): the hooks go on the modules found here."""
     from transformers.models.llama import modeling_llama
 
-    if _TRANSFORMERS_ROTARY is None:
-        _TRANSFORMERS_ROTARY = modeling_llama.apply_rotary_pos_emb
-        modeling_llama.apply_rotary_pos_emb = _rotary_dispatch
+    if _TRANSFORMERS_ROTARY is None or modeling_llama.apply_rotary_pos_emb is not _rotary_dispatch:
+        _install_rotary_dispatch(modeling_llama)
     fused = 0
     for module in model.modules():
         if isinstance(module, modeling_llama.LlamaAttention):
             if not getattr(module, "_sparsefuse_rotary", False):
                 module.register_forward_pre_hook(_enter_fused_attention, with_kwargs=True)
-                # always_call: the counter comes down even when the forward raises
+                # always_call: the count comes down when the forward raises an Exception too
                 module.register_forward_hook(_leave_fused_attention, with_kwargs=True, always_call=True)
                 module._sparsefuse_rotary = True
             fused += 1
+        elif isinstance(module, (modeling_llama.LlamaModel, modeling_llama.LlamaDecoderLayer)):
+            if not getattr(module, "_sparsefuse_rotary_reset", False):
+                module.register_forward_pre_hook(_reset_fused_attention, with_kwargs=True)
+                module._sparsefuse_rotary_reset = True
     return fused
 
 

@@ -25,6 +25,11 @@ class RMSNorm(nn.Module):
         ``torch.nn.RMSNorm`` with ``eps``) holding *the same* weight Parameter (no copy: optimizers, FSDP and tied
         references keep pointing at it)."""
         weight = module.weight
+        if type(weight) not in (torch.Tensor, nn.Parameter) or hasattr(module, "_hf_hook"):
+            raise ValueError(
+                f"RMSNorm.from_module: {type(module).__name__} is already wrapped (its weight is a "
+                f"{type(weight).__name__}, or accelerate hooks it): patch the model before FSDP / device maps"
+            )
         eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
         if weight is None or weight.dim() != 1 or eps is None:
             raise ValueError(

@@ -258,7 +258,7 @@ def test_fused_rotary_runs_only_inside_fused_models(device):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
     with pytest.raises(RuntimeError):  # hidden states of the wrong width
         fused.model.layers[0].self_attn(torch.ones(1, 2, 3, device=device), position_embeddings=None)
-    assert _llama._FUSED_ATTENTION_DEPTH == 0
+    assert _llama._FUSED_ATTENTION.depth == 0
 
 
 def test_fused_model_compiles_without_graph_breaks(device):
@@ -272,3 +272,37 @@ def test_fused_model_compiles_without_graph_breaks(device):
     with track_launches() as launched:
         compiled(ids, labels=ids).loss.backward()
     assert launched["rms_norm_fwd_kernel"] == 5 and launched["rotary_fwd_kernel"] == 2, launched
+
+
+def test_fused_rotary_state_is_per_thread_and_survives_a_reload(device):
+    """The count of running fused attentions is per thread (an unfused model in another thread keeps transformers'
+    function), and re-importing sparsefuse (IPython's autoreload) keeps transformers' own function as the fallback
+    rather than taking the installed dispatcher for it (which would recurse)."""
+    import subprocess
+    import sys
+    import threading
+
+    from sparsefuse.integrations import _llama
+
+    _llama._FUSED_ATTENTION.depth = 1  # as inside a fused model's attention on this thread
+    try:
+        seen = []
+        worker = threading.Thread(target=lambda: seen.append(_llama._FUSED_ATTENTION.depth))
+        worker.start()
+        worker.join()
+        assert seen == [0]
+    finally:
+        _llama._FUSED_ATTENTION.depth = 0
+    script = (
+        "import importlib, torch, transformers\n"
+        "from sparsefuse.integrations import _llama\n"
+        "cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,"
+        " num_attention_heads=2, num_key_value_heads=2, hidden_act='relu')\n"
+        "_llama.fuse_rotary(transformers.LlamaForCausalLM(cfg))\n"
+        "importlib.reload(_llama)\n"
+        "_llama.fuse_rotary(transformers.LlamaForCausalLM(cfg))\n"
+        "with torch.no_grad():\n"
+        "    transformers.LlamaForCausalLM(cfg)(torch.randint(0, 97, (1, 4)))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

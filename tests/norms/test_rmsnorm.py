@@ -195,3 +195,18 @@ def test_torch_compile_fullgraph_has_no_graph_break(device):
         compiled(x).sum().backward()
     assert launched["rms_norm_fwd_kernel"] >= 1 and launched["rms_norm_bwd_kernel"] >= 1
     assert model[1].weight.grad is not None
+
+
+def test_zero_size_normalized_dimension(device):
+    """An empty row (D = 0) is valid, as in torch.nn.functional.rms_norm: an empty result of input's shape."""
+    x = torch.randn(3, 0, device=device, requires_grad=True)
+    y = sparsefuse.rms_norm(x, 0)
+    assert y.shape == (3, 0)
+    assert torch.autograd.grad(y.sum(), x)[0].shape == (3, 0)
+
+
+def test_from_module_refuses_a_wrapped_norm():
+    theirs = LlamaRMSNorm(8)
+    theirs._hf_hook = object()  # what accelerate's device maps attach
+    with pytest.raises(ValueError, match="patch the model before"):
+        sparsefuse.nn.RMSNorm.from_module(theirs)

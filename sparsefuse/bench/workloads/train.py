@@ -16,7 +16,8 @@ Rows (shape label ``"<layers>L <sparsity> B=.. S=.."``; speed-up = unpatched eag
 * ``patched``            after ``patch_llama(model, train_method="hybrid")``, eager: the sparse FFN, and the norms and
                          the rotary embedding fused (``fuse=True``, the default)
 * ``fused only``         the unpatched model with only the norms and the rotary embedding fused (``fuse_norms``,
-                         ``fuse_rotary``; dense FFN): how much of ``patched``'s gain is not the FFN's
+                         ``fuse_rotary``; dense FFN): how much of ``patched``'s gain is not the FFN's (at full
+                         depth on GPUs of >= 100 GiB only: a fourth resident model and its AdamW state)
 * ``patched compile``    its forward under ``torch.compile`` after one eager step (8 layers only)
 * ``no FFN``             the unpatched model with every MLP's forward replaced by zeros (its weights still in
                          AdamW): the FFN's share of the step is ``1 - no FFN / unpatched``, by subtraction
@@ -45,6 +46,7 @@ import torch
 from ..harness import Case, Options, Result, register
 from . import train_setup as setup
 
+FUSED_ONLY_MIN_GIB = 100  # GPU memory the full-depth "fused only" row needs beside the other three models
 LARGEST_BATCH_CAP = 128  # micro-batches tried at most (sequences)
 FIT_STEPS = 3  # training steps a micro-batch must run to count as fitting (the first steps at a size differ)
 
@@ -89,6 +91,10 @@ class _Models:
         if "base" not in self.trainers:
             self.trainers["base"] = self.build(*self.key[:2])
         return self.trainers["base"]
+
+
+def _gpu_gib() -> float:
+    return torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 0.0
 
 
 def _without_ffn(model: torch.nn.Module) -> torch.nn.Module:
@@ -223,7 +229,9 @@ class _LargestBatch:
 def _case(models: _Models, key: tuple[int, float | None], batch: int, seq: int, dtype: torch.dtype) -> Case:
     layers, mean_nnz = key
     compiled = ["unpatched compile", "patched compile"] if layers <= 8 else []
-    impls = ["unpatched", "patched", "fused only", *compiled, "no FFN"]
+    # each row's model lives with its AdamW state (16 bytes a parameter): a fourth 24-layer model fits 141 GB, not 80
+    fused = ["fused only"] if layers <= 8 or _gpu_gib() >= FUSED_ONLY_MIN_GIB else []
+    impls = ["unpatched", "patched", *fused, *compiled, "no FFN"]
 
     def make_inputs() -> tuple[torch.Tensor]:
         model = models.get(key, "unpatched").model

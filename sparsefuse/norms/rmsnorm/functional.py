@@ -64,7 +64,8 @@ def rms_norm(
     if not eps >= 0.0:
         raise ValueError(f"{op}: eps must be >= 0; got eps={eps}")
     D = math.prod(shape)
-    x2 = unit_last_stride(input.reshape(-1, D))
+    M = math.prod(input.shape[: input.dim() - len(shape)])  # explicit: reshape(-1, 0) cannot infer the rows
+    x2 = unit_last_stride(input.reshape(M, D))
     w = unit_last_stride(weight.reshape(D)) if weight is not None else None
     tensors = (x2,) if w is None else (x2, w)
     if _backend.bypass_dispatcher(*tensors):
