@@ -18,6 +18,8 @@ import sparsefuse
 from sparsefuse.activations.celu.reference import torch_celu
 from sparsefuse.activations.snake.reference import torch_snake
 from sparsefuse.ffn.hybrid import hybrid_mlp, hybrid_relu_mlp
+from sparsefuse.norms.rmsnorm.reference import torch_rms_norm
+from sparsefuse.rotary import apply_rotary_pos_emb, torch_apply_rotary_pos_emb
 from sparsefuse.sae.encode.reference import torch_jumprelu_encode
 from sparsefuse.splade.head.reference import torch_splade_pool
 from sparsefuse.testing import accumulation_allowance, assert_close_to_reference
@@ -92,6 +94,42 @@ def _celu(d):
     assert out.dtype == dtype and out.shape == x.shape
     ref = torch_celu(x.double(), alpha, scale, input_scale)
     assert_close_to_reference(out, ref, torch_celu(x, alpha, scale, input_scale))
+
+
+def _rms_norm(d):
+    dtype = d.choice([torch.float32, torch.float16, torch.bfloat16])
+    rows = [d.size(0, 5) for _ in range(d.choice([1, 2]))]
+    D = d.size(1, 70)
+    x = d.tensor(*rows, D, dtype=dtype, scale=d.choice([1.0, 30.0]), special=0.1)
+    weight = d.choice([None, d.tensor(D, dtype=d.choice([dtype, torch.float32]), strided=False)])
+    eps = d.choice([None, 1e-6, 1e-5])
+    out = sparsefuse.rms_norm(x, D, weight, eps)
+    expected = dtype if weight is None else torch.promote_types(dtype, weight.dtype)
+    assert out.dtype == expected and out.shape == x.shape
+    eps = torch.finfo(dtype).eps if eps is None else eps
+    ref = torch_rms_norm(x.double(), weight.double() if weight is not None else None, eps)
+    assert_close_to_reference(out, ref, torch_rms_norm(x, weight, eps))
+
+
+def _rotary(d):
+    dtype = d.choice([torch.float32, torch.float16, torch.bfloat16])
+    B, S, H, H_kv, hd = d.size(0, 3), d.size(0, 9), d.size(1, 4), d.size(1, 3), 2 * d.size(1, 20)
+    unsqueeze_dim = d.choice([1, 2])
+
+    def heads(n):  # [B, S, n, hd] storage: a transposed view for unsqueeze_dim=1 (Llama's layout) or a copy of it
+        t = d.tensor(B, S, n, hd, dtype=dtype, scale=d.choice([1.0, 20.0]), special=0.05)
+        return t if unsqueeze_dim == 2 else d.choice([t.transpose(1, 2), t.transpose(1, 2).contiguous()])
+
+    q, k = heads(H), heads(H_kv)
+    angle_dtype = d.choice([dtype, torch.float32])
+    cos = d.tensor(d.choice([1, B]), S, hd, dtype=angle_dtype, strided=False)
+    sin = d.tensor(cos.shape[0], S, hd, dtype=angle_dtype, strided=False)
+    outs = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    refs = torch_apply_rotary_pos_emb(q.double(), k.double(), cos.double(), sin.double(), unsqueeze_dim)
+    lowps = torch_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
+    for out, t, ref, lowp in zip(outs, (q, k), refs, lowps):
+        assert out.dtype == torch.promote_types(dtype, angle_dtype) and out.shape == t.shape
+        assert_close_to_reference(out, ref, lowp)
 
 
 def _sparse_decode(d):
@@ -220,6 +258,8 @@ def _hybrid_mlp(d):
 CHECKS = {
     "snake": _snake,
     "celu": _celu,
+    "rms_norm": _rms_norm,
+    "apply_rotary_pos_emb": _rotary,
     "sparse_decode": _sparse_decode,
     "topk_decode": _topk_decode,
     "jumprelu_encode": _jumprelu_encode,
