@@ -40,6 +40,8 @@ from sparsefuse.sae import (
 from sparsefuse.splade import splade_pool, torch_splade_pool
 from sparsefuse.testing import Comparison, accumulation_allowance, compare_to_reference
 
+from .check_llama import rms_norm_fwd_bwd, rotary_fwd_bwd
+
 __all__ = [
     "compare",
     "reduction_allowance",
@@ -480,6 +482,9 @@ OPS: dict[str, OpCheck] = {
     "ffn twell_mlp": OpCheck("ffn", _twell_mlp, [(13, 80, 100, 6)], [(256, 2048, 5632, 32)], True),
     "ffn twell_relu_mlp": OpCheck("ffn", _twell_relu_mlp, [(13, 80, 100, 6)], [(256, 2048, 5632, 32)], True),
     "ffn hybrid_mlp fwd+bwd": OpCheck("ffn_train", _hybrid_mlp, [(13, 80, 100, 6)], [(1024, 2048, 5632, 32)], True),
+    # (M, D); (B, S, H, H_kv, hd): what patch_llama fuses besides the FFN
+    "rms_norm fwd+bwd": OpCheck("llama", rms_norm_fwd_bwd, [(7, 100)], [(8192, 2048), (16, 12000)]),
+    "rotary fwd+bwd": OpCheck("llama", rotary_fwd_bwd, [(2, 9, 4, 2, 16)], [(4, 2048, 32, 8, 128)]),
 }
 
 # What `check WORKLOAD` runs: the op families each benchmark workload times ("sae" is both SAE families).
@@ -495,9 +500,9 @@ WORKLOAD_FAMILIES: dict[str, tuple[str, ...]] = {
     "splade": ("splade",),
     "splade_sum": ("splade",),
     "ffn": ("ffn",),
-    "model": ("ffn",),  # a whole patched Llama: its only sparsefuse kernels are the FFN's
+    "model": ("ffn", "llama"),  # a whole patched Llama: the FFN's kernels, the fused norms and rotary embedding
     "ffn_train": ("ffn_train",),
-    "train": ("ffn_train",),  # a whole patched Llama training: its sparsefuse kernels are the training step's
+    "train": ("ffn_train", "llama"),  # a whole patched Llama training: the training step's kernels and the fusions
 }
 
 
