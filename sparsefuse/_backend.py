@@ -37,6 +37,9 @@ __all__ = [
     "block_configs",
     "new_output",
     "new_output_like",
+    "is_dense",
+    "empty_layout_like",
+    "new_output_layout_like",
     "poison_outputs",
     "sm_count",
     "dram_bandwidth",
@@ -246,6 +249,34 @@ def new_output(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: 
 def new_output_like(t: torch.Tensor) -> torch.Tensor:
     """torch.empty_like (dense inputs keep their strides), poisoned like new_output."""
     return _poison(torch.empty_like(t))
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """True if t's elements exactly fill their memory span (a permutation of a contiguous tensor). An elementwise
+    kernel then runs over the storage as a flat array, and ``empty_like`` gives the output the same strides."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    dims = [(n, s) for n, s in zip(t.shape, t.stride()) if n != 1]
+    for size, stride in sorted(dims, key=lambda d: d[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def empty_layout_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An uninitialised output for input t (an op and its fake share it): t's strides when t is dense, else
+    contiguous; t's dtype unless given."""
+    dtype = t.dtype if dtype is None else dtype
+    if is_dense(t):
+        return torch.empty_like(t, dtype=dtype)
+    return torch.empty(t.shape, dtype=dtype, device=t.device)
+
+
+def new_output_layout_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """:func:`empty_layout_like`, poisoned like new_output."""
+    return _poison(empty_layout_like(t, dtype))
 
 
 @contextlib.contextmanager

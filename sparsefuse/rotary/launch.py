@@ -25,8 +25,7 @@ import torch
 import triton
 
 from .. import _backend
-from .._backend import Backend, backend_for, compute_dtype, new_output_like, record_launch
-from ..activations.celu.launch import is_dense
+from .._backend import Backend, backend_for, compute_dtype, new_output_layout_like, record_launch
 from .kernels import rotary_bwd_kernel, rotary_fwd_kernel
 from .reference import torch_apply_rotary_pos_emb, torch_rotary_backward
 
@@ -39,21 +38,6 @@ from .reference import torch_apply_rotary_pos_emb, torch_rotary_backward
 TILE = 2048
 ELEMENTS_PER_THREAD = 16
 WARPS: int | None = None  # a fixed count (benchmarks), else from the tile
-
-
-def empty_output(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised output for input t (shared by the op and its fake): t's strides when t is dense, else
-    contiguous."""
-    if is_dense(t):
-        return torch.empty_like(t, dtype=dtype)
-    return torch.empty(t.shape, dtype=dtype, device=t.device)
-
-
-def _new_output(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """:func:`empty_output`, NaN-poisoned under test (new_output_like keeps the strides of its template)."""
-    if dtype == t.dtype and is_dense(t):
-        return new_output_like(t)
-    return new_output_like(empty_output(t, dtype))
 
 
 def _heads_strides(t: torch.Tensor, unsqueeze_dim: int) -> tuple[int, ...]:
@@ -148,7 +132,7 @@ def rotary_forward(
     q [B, H, S, hd] and k [B, H_kv, S, hd] for ``unsqueeze_dim=1`` ([B, S, H, hd] and [B, S, H_kv, hd] for 2);
     cos, sin broadcastable to [B, S, hd] by their leading dims (in practice [B, S, hd] or [1, S, hd])."""
     dtype = torch.promote_types(q.dtype, cos.dtype)
-    q_out, k_out = _new_output(q, dtype), _new_output(k, dtype)
+    q_out, k_out = new_output_layout_like(q, dtype), new_output_layout_like(k, dtype)
     _rotate_into(False, q, k, q_out, k_out, cos, sin, unsqueeze_dim)
     return q_out, k_out
 
@@ -163,6 +147,6 @@ def rotary_backward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad of q, grad of k) in grad_dtype (q's dtype) from the outputs' gradients (shapes as in
     :func:`rotary_forward`); each laid out like its incoming gradient when that is dense, else contiguous."""
-    dq, dk = _new_output(grad_q, grad_dtype), _new_output(grad_k, grad_dtype)
+    dq, dk = new_output_layout_like(grad_q, grad_dtype), new_output_layout_like(grad_k, grad_dtype)
     _rotate_into(True, grad_q, grad_k, dq, dk, cos, sin, unsqueeze_dim)
     return dq, dk

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .._backend import on_tensor_device, plain_eager_call
-from .launch import empty_output, rotary_backward, rotary_forward
+from .._backend import empty_layout_like, on_tensor_device, plain_eager_call
+from .launch import rotary_backward, rotary_forward
 
 # The launchers with the tensors' GPU made current (as the ops are): the eager twins call these.
 _forward_on_device = on_tensor_device(rotary_forward)
@@ -29,7 +29,7 @@ def rotary_fwd_op(
 @rotary_fwd_op.register_fake
 def _(q, k, cos, sin, unsqueeze_dim):
     dtype = torch.promote_types(q.dtype, cos.dtype)
-    return empty_output(q, dtype), empty_output(k, dtype)
+    return empty_layout_like(q, dtype), empty_layout_like(k, dtype)
 
 
 @torch.library.custom_op("sparsefuse::rotary_bwd", mutates_args=())
@@ -47,7 +47,7 @@ def rotary_bwd_op(
 
 @rotary_bwd_op.register_fake
 def _(grad_q, grad_k, cos, sin, unsqueeze_dim, grad_dtype):
-    return empty_output(grad_q, grad_dtype), empty_output(grad_k, grad_dtype)
+    return empty_layout_like(grad_q, grad_dtype), empty_layout_like(grad_k, grad_dtype)
 
 
 # --- autograd: cos and sin are constants (transformers computes them under no_grad); the functional API takes the

@@ -22,7 +22,15 @@ import torch
 import triton
 
 from ... import _backend
-from ..._backend import STREAMING_WARPS, Backend, backend_for, new_output_like, record_launch, streaming_block
+from ..._backend import (
+    STREAMING_WARPS,
+    Backend,
+    backend_for,
+    is_dense,
+    new_output_layout_like,
+    record_launch,
+    streaming_block,
+)
 from .kernels import celu_bwd_kernel, celu_fwd_kernel
 from .reference import torch_celu, torch_celu_backward_from_output
 
@@ -34,25 +42,6 @@ def _launch(kernel, n: int, *args, **constexprs) -> None:
     element = args[0]
     block = streaming_block(n, element.element_size(), element.device, _INTERPRET_BLOCK)
     kernel[(triton.cdiv(n, block),)](*args, BLOCK=block, num_warps=STREAMING_WARPS, **constexprs)
-
-
-def is_dense(t: torch.Tensor) -> bool:
-    """True if t's elements exactly fill their memory span (a permutation of a contiguous tensor). An elementwise
-    kernel then runs over the storage as a flat array, and ``empty_like`` gives the output the same strides."""
-    if t.is_contiguous():
-        return True
-    expected = 1
-    dims = [(n, s) for n, s in zip(t.shape, t.stride()) if n != 1]
-    for size, stride in sorted(dims, key=lambda d: d[1]):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _output_like(t: torch.Tensor) -> torch.Tensor:
-    """Output layout shared by the op and its fake: t's strides when dense, else contiguous."""
-    return new_output_like(t) if is_dense(t) else new_output_like(t.contiguous())
 
 
 def _match_strides(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -83,7 +72,7 @@ def celu_forward(x: torch.Tensor, alpha: float, scale: float, input_scale: float
     """y = celu(x) (any shape; x's strides when x is dense, else contiguous)."""
     if not is_dense(x):
         x = x.contiguous()  # sliced/overlapping layouts: one copy, then the flat kernel
-    y = _output_like(x)
+    y = new_output_layout_like(x)
     _celu_into(x, y, alpha, scale, input_scale)
     return y
 
@@ -103,7 +92,7 @@ def celu_backward(
     if not is_dense(y):
         y = y.contiguous()
     grad_y = _match_strides(grad_y, y)
-    grad_x = _output_like(y)
+    grad_x = new_output_layout_like(y)
     n = y.numel()
     if n == 0:
         return grad_x

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ..._backend import on_tensor_device
-from .launch import celu_backward, celu_forward, celu_inplace, is_dense
+from ..._backend import empty_layout_like, on_tensor_device
+from .launch import celu_backward, celu_forward, celu_inplace
 
 
 @torch.library.custom_op("sparsefuse::celu", mutates_args=())
@@ -17,7 +17,7 @@ def celu_op(x: torch.Tensor, alpha: float, scale: float, input_scale: float) -> 
 
 @celu_op.register_fake
 def _(x, alpha, scale, input_scale):
-    return torch.empty_like(x) if is_dense(x) else torch.empty_like(x, memory_format=torch.contiguous_format)
+    return empty_layout_like(x)
 
 
 @torch.library.custom_op("sparsefuse::celu_", mutates_args=("x",))
@@ -41,7 +41,7 @@ def celu_backward_op(
 
 @celu_backward_op.register_fake
 def _(grad_y, y, alpha, scale, input_scale):
-    return torch.empty_like(y) if is_dense(y) else torch.empty_like(y, memory_format=torch.contiguous_format)
+    return empty_layout_like(y)
 
 
 def _celu_setup_context(ctx, inputs, output) -> None:
