@@ -38,9 +38,10 @@ from sparsefuse.sae import (
     torch_topk_encode,
 )
 from sparsefuse.splade import splade_pool, torch_splade_pool
-from sparsefuse.testing import Comparison, accumulation_allowance, compare_to_reference
+from sparsefuse.testing import Comparison, accumulation_allowance
 
 from .check_llama import rms_norm_fwd_bwd, rotary_fwd_bwd
+from .check_rules import OpFn, Outputs, compare
 
 __all__ = [
     "compare",
@@ -61,28 +62,6 @@ __all__ = [
 FAST_SIN_REL_ERROR = 2e-5
 
 DEFAULT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def compare(
-    name: str,
-    out: torch.Tensor,
-    ref: torch.Tensor,
-    torch_in_dtype: torch.Tensor,
-    dtype: torch.dtype,
-    extra_rel: float = 0.0,
-    extra_abs: float | torch.Tensor = 0.0,
-) -> tuple[str, Comparison]:
-    """(name, compare_to_reference result) for one output. Any later op's check can reuse this unchanged.
-
-    Args:
-        extra_rel: extra allowance relative to max|ref|, for documented approximations such as fast_sin.
-        extra_abs: extra absolute allowance (a number, or one per element), e.g. :func:`reduction_allowance` for
-            outputs that are sums.
-    """
-    ref = ref.detach()
-    extra = extra_abs + (extra_rel * float(ref.abs().max()) if ref.numel() else 0.0)
-    result = compare_to_reference(out.detach(), ref, torch_in_dtype.detach(), dtype=dtype, extra_abs=extra, name=name)
-    return name, result
 
 
 def reduction_allowance(abs_terms_sum: torch.Tensor, accumulate: torch.dtype = torch.float32) -> float:
@@ -150,9 +129,6 @@ def _celu_inputs(shape: Sequence[int], dtype: torch.dtype, device: str, gen: tor
 # Op checks: each returns (the tensor whose backend is reported, comparisons); the kernels run inside
 # poison_outputs() + track_launches() set up by the caller.
 # ----------------------------------------------------------------------------------------------------------------
-
-Outputs = list[tuple[str, Comparison]]
-OpFn = Callable[[Sequence[int], torch.dtype, str, torch.Generator], tuple[torch.Tensor, Callable[[], Outputs]]]
 
 
 def _snake_fwd(fast_sin: bool) -> OpFn:

@@ -10,13 +10,8 @@ import torch
 import sparsefuse
 from sparsefuse.norms.rmsnorm import torch_rms_norm
 from sparsefuse.rotary import apply_rotary_pos_emb, torch_apply_rotary_pos_emb
-from sparsefuse.testing import Comparison, compare_to_reference
 
-Outputs = list[tuple[str, Comparison]]
-
-
-def _compare(name: str, out: torch.Tensor, ref: torch.Tensor, low: torch.Tensor, dtype: torch.dtype):
-    return name, compare_to_reference(out.detach(), ref.detach(), low.detach(), dtype=dtype, name=name)
+from .check_rules import Outputs, compare
 
 
 def _leaf(shape: Sequence[int], gen: torch.Generator, dtype: torch.dtype, device: str, scale: float = 1.0):
@@ -49,9 +44,9 @@ def rms_norm_fwd_bwd(shape: Sequence[int], dtype: torch.dtype, device: str, gen:
         (y,), grads = _grads(ours, (x, w), (g,))
         (y64,), grads64 = _grads(reference, (x.double(), w.double()), (g.double(),))
         (y_low,), grads_low = _grads(reference, (x, w), (g,))
-        outs = [_compare("y", y, y64, y_low, dtype)]
+        outs = [compare("y", y, y64, y_low, dtype)]
         for name, o, r, lo in zip(("grad_x", "grad_weight"), grads, grads64, grads_low):
-            outs.append(_compare(name, o, r, lo, dtype))
+            outs.append(compare(name, o, r, lo, dtype))
         return outs
 
     return x, run
@@ -80,7 +75,7 @@ def rotary_fwd_bwd(shape: Sequence[int], dtype: torch.dtype, device: str, gen: t
         outs_low, grads_low = _grads(call(torch_apply_rotary_pos_emb, cos, sin), (q, k), (gq, gk))
         names = ("q_embed", "k_embed", "grad_q", "grad_k")
         return [
-            _compare(n, o, r, lo, dtype)
+            compare(n, o, r, lo, dtype)
             for n, o, r, lo in zip(names, (*outs, *grads), (*outs64, *grads64), (*outs_low, *grads_low))
         ]
 
