@@ -120,5 +120,8 @@ def rms_norm_backward(
     )
     record_launch("rms_norm_bwd_kernel")
     if partial is not None:
-        torch.sum(partial, 0, out=grad_w) if partial.dtype == grad_w.dtype else grad_w.copy_(partial.sum(0))
+        if partial.dtype == grad_w.dtype:
+            torch.sum(partial, 0, out=grad_w)
+        else:  # a float16/bfloat16 weight: its gradient summed in float32, then rounded
+            grad_w.copy_(partial.sum(0))
     return grad_x, grad_w

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..._backend import compute_dtype, on_tensor_device
+from ..._validation import unit_last_stride
 from .launch import out_dtype, rms_norm_backward, rms_norm_forward
 
 
@@ -44,7 +45,7 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward_with(backward, ctx, grad_y, _grad_rstd):
     x2, weight, rstd = ctx.saved_tensors
-    grad_y = grad_y if grad_y.stride(-1) == 1 else grad_y.contiguous()
+    grad_y = unit_last_stride(grad_y)
     grad_x, grad_w = backward(grad_y, x2, weight, rstd)
     return grad_x, grad_w if weight is not None and ctx.needs_input_grad[1] else None, None
 
