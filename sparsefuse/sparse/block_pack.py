@@ -1,17 +1,19 @@
 """Kept storage for the factors of a row-block sparse layer between its forward and backward passes.
 
 A :class:`~sparsefuse.sparse.BlockELL` lays each block of rows out at the full width (the largest union it could
-have): ``M * width`` values, of which a trained sparse layer fills ~13%. Keeping two such arrays per layer until the
-backward would cost half of what a dense layer keeps. :func:`pack_block_factors` copies the filled slots of the
-gate and up factors into flat arrays of a fixed ``capacity`` (block b at ``offsets[b]``, its ``block_rows x
-counts[b]`` values row after row); :func:`unpack_block_factors` lays them out again for the backward.
+have): ``M * width`` values, of which a trained sparse layer's unions fill ~13% and its gate's non-zeros ~0.5%.
+:func:`pack_block_factors` keeps only the fired (row, slot) pairs: for each pair the gate and up values and where it
+sits within its block's chunk of slots (2 bytes), in flat arrays of a fixed ``capacity`` of pairs, ordered by (row
+block, chunk of union slots, row, slot). Every product of the backward reads the factors where the gate fired and
+nowhere else (the up factor's gradient is the gate there, the gate's is zero where it did not fire), so nothing
+else is needed; :func:`unpack_block_factors` lays the pairs out again on the unions' slots, zeros between them.
 
-The capacity is chosen on the host before the union sizes are known (no host sync), so a batch can need more. A block
-that does not fit is **not dropped**: it is marked (``offsets[b] + block_rows * counts[b] > capacity``, known on the
-device to both passes) and the unpack pass recomputes its factors from the layer's input and weights --
-``relu(x W_g^T + b_g)`` and ``x W_u^T + b_u`` on the block's union, on tensor cores -- together with its firing counts
-per column, which the backward's transpose needs to match the recomputed values. A counter of such blocks is
-kept on the device (:func:`spilled_blocks`), read only when the user asks.
+The capacity is chosen on the host before the non-zeros are counted (no host sync), so a batch can need more. A block
+that does not fit is **not dropped**: it is marked (its last chunk's end past ``capacity``, known on the device to
+both passes) and the unpack pass recomputes its factors from the layer's input and weights --
+``relu(x W_g^T + b_g)`` and ``x W_u^T + b_u`` on the block's union, on tensor cores. Either way the unpack pass
+counts the gate's non-zeros per (block, column) again, from what it wrote, for the backward's transpose. A counter
+of recomputed blocks is kept on the device (:func:`spilled_blocks`), read only when the user asks.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from .._backend import Backend, backend_for, new_output, record_launch
 from .._triton.dot import gathered_rows_dot, ieee_fp32
 from .._triton.slots import block_slots
 from .._validation import unit_last_stride
-from .block_grad import column_count_table
+from .sddmm import BlockFactors
 
 _SPILLED: dict[torch.device, torch.Tensor] = {}
 
@@ -45,19 +47,25 @@ def spilled_blocks(device: torch.device | str) -> torch.Tensor:
 
 
 class PackedFactors(NamedTuple):
-    """What :func:`pack_block_factors` returns: ``gate`` and ``up`` [capacity] (x's dtype) and ``offsets``
-    [n_blocks + 1] int64 (block b's values start at ``offsets[b]``; it fits iff ``offsets[b + 1] <= capacity``)."""
+    """What :func:`pack_block_factors` returns: ``gate`` and ``up`` [capacity] (the factors' dtype; ``up`` empty
+    without an up factor), ``slots`` [capacity] int16 (each pair's ``row * chunk + slot`` within its block's chunk of
+    union slots) and ``offsets`` [n_blocks * n_chunks + 1] int64: the pairs of block b's chunk c start at
+    ``offsets[b * n_chunks + c]``; block b fits iff ``offsets[(b + 1) * n_chunks] <= capacity``."""
 
     gate: torch.Tensor
     up: torch.Tensor
+    slots: torch.Tensor
     offsets: torch.Tensor
 
 
-def block_offsets(counts: torch.Tensor, block_rows: int) -> torch.Tensor:
-    """[n_blocks + 1] int64: where each block's ``block_rows x counts[b]`` values start in the packed arrays."""
-    offsets = torch.zeros(counts.shape[0] + 1, dtype=torch.int64, device=counts.device)
-    torch.cumsum(counts.to(torch.int64) * block_rows, 0, out=offsets[1:])
-    return offsets
+@triton.jit
+def _sum_before(values_ptr, end, SCAN: tl.constexpr):
+    # sum of the int32 values [0, end), as int64
+    total = tl.zeros([], dtype=tl.int64)
+    for j0 in range(0, end, SCAN):
+        j = j0 + tl.arange(0, SCAN)
+        total += tl.sum(tl.load(values_ptr + j, mask=j < end, other=0).to(tl.int64), axis=0)
+    return total
 
 
 @triton.jit
@@ -65,67 +73,102 @@ def block_pack_kernel(
     gate_ptr,
     up_ptr,
     counts_ptr,
-    offsets_ptr,
+    chunk_nnz_ptr,
+    block_nnz_ptr,
+    block_offsets_ptr,
     packed_gate_ptr,
     packed_up_ptr,
+    packed_slots_ptr,
+    offsets_ptr,
     spilled_ptr,
     M,
     width,
     capacity,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    SCAN: tl.constexpr,
+    HAS_BLOCK_OFFSETS: tl.constexpr,
     HAS_UP: tl.constexpr,
 ):
-    # gate, up [M, width] (BlockELL slots), counts [n_blocks], offsets [n_blocks + 1] int64 -> packed [capacity]:
-    # block blk's slot (r, p) at offsets[blk] + r * counts[blk] + p. Program (c, blk): slots [c * BLOCK_C, ...).
+    # gate, up [M, width] (BlockELL slots), counts [n_blocks] (union sizes), chunk_nnz [n_blocks, n_chunks] and
+    # block_nnz [n_blocks] (the gate's non-zeros, as block_sddmm counted them with chunks of BLOCK_C slots),
+    # block_offsets [n_blocks + 1] (their running sum; without it each program sums block_nnz itself) -> the
+    # fired pairs of chunk c of block blk at offsets[blk * n_chunks + c] onwards, row by row. Program (c, blk);
+    # every program writes its chunk's end offset, so the offsets need no launch of their own.
     chunk = tl.program_id(0)
     block = tl.program_id(1)
-    count = tl.load(counts_ptr + block)
-    end = tl.load(offsets_ptr + block + 1)
-    fits = end <= capacity
-    if (chunk == 0) & (end > capacity) & (count > 0):
+    n_chunks = tl.num_programs(0)
+    if HAS_BLOCK_OFFSETS:
+        block_start = tl.load(block_offsets_ptr + block)
+        block_end = tl.load(block_offsets_ptr + block + 1)
+    else:
+        block_start = _sum_before(block_nnz_ptr, block, SCAN)
+        block_end = block_start + tl.load(block_nnz_ptr + block)
+    own = chunk_nnz_ptr + block * n_chunks
+    start = block_start + _sum_before(own, chunk, SCAN)
+    nnz = tl.load(own + chunk)
+    flat = block * n_chunks + chunk
+    tl.store(offsets_ptr + flat + 1, start + nnz)
+    if flat == 0:
+        tl.store(offsets_ptr, tl.zeros([], dtype=tl.int64))
+    if (chunk == 0) & (block_end > capacity) & (block_end > block_start):
         tl.atomic_add(spilled_ptr, 1)  # integer: the same total in any order
-    if fits & (chunk * BLOCK_C < count):
-        start = tl.load(offsets_ptr + block)
+    if (block_end <= capacity) & (nnz > 0):
+        count = tl.load(counts_ptr + block)
         p, _, _, local, _, _, mask, src = block_slots(
             counts_ptr, counts_ptr, block, chunk, count, M, width, BLOCK_ROWS, BLOCK_C, False, False
         )  # no columns or rows: a copy
-        dst = start + local[:, None] * count + p[None, :]
-        tl.store(packed_gate_ptr + dst, tl.load(gate_ptr + src, mask=mask), mask=mask)
+        gate = tl.load(gate_ptr + src, mask=mask, other=0.0)
+        fired = ((gate != 0) & mask).to(tl.int32)  # NaN counts, as block_sddmm counted it
+        row_total = tl.sum(fired, axis=1)
+        position = (tl.cumsum(row_total, axis=0) - row_total)[:, None] + (tl.cumsum(fired, axis=1) - fired)
+        dst = start + position
+        keep = fired != 0
+        tl.store(packed_gate_ptr + dst, gate, mask=keep)
         if HAS_UP:
-            tl.store(packed_up_ptr + dst, tl.load(up_ptr + src, mask=mask), mask=mask)
+            tl.store(packed_up_ptr + dst, tl.load(up_ptr + src, mask=keep), mask=keep)
+        code = local[:, None] * BLOCK_C + (p - chunk * BLOCK_C)[None, :]
+        tl.store(packed_slots_ptr + dst, code.to(tl.int16), mask=keep)
 
 
-def _chunk() -> int:
-    return 16 if _backend.INTERPRET else 128
+def _scan() -> int:
+    return 16 if _backend.INTERPRET else 1024
 
 
 def pack_block_factors(
-    gate: torch.Tensor,
-    up: torch.Tensor | None,
-    counts: torch.Tensor,
+    factors: BlockFactors,
     block_rows: int,
     capacity: int,
-    offsets: torch.Tensor | None = None,
+    block_offsets: torch.Tensor | None = None,
 ) -> PackedFactors:
-    """Copy the filled slots of ``gate`` and ``up`` ([M, width], one :class:`~sparsefuse.sparse.BlockELL` layout with
-    union sizes ``counts`` [n_blocks] int32) into arrays of ``capacity`` values each; blocks past the capacity are
-    counted in :func:`spilled_blocks` and left for :func:`unpack_block_factors` to recompute. No host sync.
-    ``up=None`` (a non-gated layer): only the gate is kept; the returned ``up`` is empty. ``offsets``: the
-    :func:`block_offsets` of these counts when already computed (e.g. by
-    :func:`~sparsefuse.sparse.block_spmm.heavy_first_schedule_and_offsets`)."""
+    """Keep the fired pairs of ``factors``' gate and up ([M, width] on one :class:`~sparsefuse.sparse.BlockELL`
+    layout, as :func:`~sparsefuse.sparse.block_sddmm` returns them with ``factors``) in arrays of ``capacity`` pairs;
+    blocks past the capacity are counted in :func:`spilled_blocks` and left for :func:`unpack_block_factors` to
+    recompute. One launch, no host sync. Without an up factor (a non-gated layer) only the gate is kept; the
+    returned ``up`` is empty. ``block_offsets`` [n_blocks + 1] int64: the running sum of ``factors.block_nnz``
+    when already computed (e.g. by :func:`~sparsefuse.sparse.block_spmm.heavy_first_schedule_and_offsets`)."""
+    gate, up, counts = factors.gate.values, factors.up, factors.gate.counts
     M, width = gate.shape
-    offsets = block_offsets(counts, block_rows) if offsets is None else offsets
-    up_packed = new_output((capacity if up is not None else 0,), gate.dtype, gate.device)
-    packed = PackedFactors(new_output((capacity,), gate.dtype, gate.device), up_packed, offsets)
-    if M == 0 or counts.shape[0] == 0:
+    n_blocks, n_chunks = factors.chunk_nnz.shape
+    if block_rows * factors.chunk > 1 << 15:
+        raise ValueError(f"pack_block_factors: {block_rows} rows x {factors.chunk} slots do not fit int16 codes")
+    packed = PackedFactors(
+        new_output((capacity,), gate.dtype, gate.device),
+        new_output((capacity if up is not None else 0,), gate.dtype, gate.device),
+        new_output((capacity,), torch.int16, gate.device),
+        new_output((n_blocks * n_chunks + 1,), torch.int64, gate.device),
+    )
+    if n_blocks * n_chunks == 0:
+        packed.offsets.zero_()
         return packed
     if backend_for(gate) is Backend.TORCH:
         raise NotImplementedError("pack_block_factors runs on the GPU or the Triton interpreter")
-    block_c = _chunk()
-    block_pack_kernel[(triton.cdiv(width, block_c), counts.shape[0])](
-        gate, up if up is not None else gate, counts, offsets, packed.gate, packed.up, spilled_blocks(gate.device),
-        M, width, capacity, BLOCK_ROWS=block_rows, BLOCK_C=block_c, HAS_UP=up is not None, num_warps=4,
+    block_pack_kernel[(n_chunks, n_blocks)](
+        gate, up.values if up is not None else gate, counts, factors.chunk_nnz, factors.block_nnz,
+        block_offsets if block_offsets is not None else counts, packed.gate, packed.up, packed.slots,
+        packed.offsets, spilled_blocks(gate.device), M, width, capacity, BLOCK_ROWS=block_rows,
+        BLOCK_C=factors.chunk, SCAN=_scan(), HAS_BLOCK_OFFSETS=block_offsets is not None, HAS_UP=up is not None,
+        num_warps=4,
     )  # fmt: skip
     record_launch("block_pack_kernel")
     return packed
@@ -135,6 +178,7 @@ def pack_block_factors(
 def block_unpack_kernel(
     packed_gate_ptr,
     packed_up_ptr,
+    packed_slots_ptr,
     offsets_ptr,
     indices_ptr,
     counts_ptr,
@@ -158,35 +202,45 @@ def block_unpack_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SCATTER: tl.constexpr,
     HAS_ORDER: tl.constexpr,
     HAS_B_GATE: tl.constexpr,
     HAS_B_UP: tl.constexpr,
     HAS_UP: tl.constexpr,
     IEEE_FP32: tl.constexpr,
 ):
-    # The inverse of block_pack_kernel into gate, up [M, width]; a block past the capacity is recomputed instead:
-    # gate = relu(round(x[rows] @ w_gate[cols]^T + b_gate)), up = x[rows] @ w_up[cols]^T + b_up (x [M, K], weights
-    # [N, K]), and its fired counts per column (gate != 0, as the transpose counts them) to column_counts[blk, cols]
-    # ([n_blocks, N], any integer dtype).
+    # The inverse of block_pack_kernel into gate, up [M, width]: the chunk's slots zeroed, then its pairs written.
+    # A block past the capacity is recomputed instead: gate = relu(round(x[rows] @ w_gate[cols]^T + b_gate)),
+    # up = x[rows] @ w_up[cols]^T + b_up (x [M, K], weights [N, K]). Either way the gate's non-zeros per column of
+    # the chunk (NaN counts, as the transpose counts them) go to column_counts[blk, cols] ([n_blocks, N], any
+    # integer dtype; left untouched elsewhere).
     chunk = tl.program_id(0)
     block = tl.program_id(1)
+    n_chunks = tl.num_programs(0)
     count = tl.load(counts_ptr + block)
     if chunk * BLOCK_C < count:
-        start = tl.load(offsets_ptr + block)
-        end = tl.load(offsets_ptr + block + 1)
-        if end <= capacity:  # a copy: the block's columns and rows are not read
-            # (names unused here differ from the other branch's: the compiler types a name across both branches)
-            p, _copy_p_mask, _copy_cols, local, _copy_rows, _copy_row_mask, mask, dst = block_slots(
-                indices_ptr, order_ptr, block, chunk, count, M, width, BLOCK_ROWS, BLOCK_C, False, False
-            )
-            src = start + local[:, None] * count + p[None, :]
-            tl.store(gate_ptr + dst, tl.load(packed_gate_ptr + src, mask=mask), mask=mask)
+        p, p_mask, cols, _, rows, row_mask, mask, dst = block_slots(
+            indices_ptr, order_ptr, block, chunk, count, M, width, BLOCK_ROWS, BLOCK_C, True, HAS_ORDER
+        )
+        if tl.load(offsets_ptr + (block + 1) * n_chunks) <= capacity:
+            tl.store(gate_ptr + dst, tl.zeros([BLOCK_ROWS, BLOCK_C], dtype=gate_ptr.dtype.element_ty), mask=mask)
             if HAS_UP:
-                tl.store(up_ptr + dst, tl.load(packed_up_ptr + src, mask=mask), mask=mask)
+                tl.store(up_ptr + dst, tl.zeros([BLOCK_ROWS, BLOCK_C], dtype=up_ptr.dtype.element_ty), mask=mask)
+            tl.debug_barrier()  # the zeros land before the pairs that overwrite some of them
+            base = block.to(tl.int64) * BLOCK_ROWS * width + chunk * BLOCK_C
+            lo = tl.load(offsets_ptr + block * n_chunks + chunk)
+            hi = tl.load(offsets_ptr + block * n_chunks + chunk + 1)
+            for e0 in range(lo, hi, SCATTER):
+                e = e0 + tl.arange(0, SCATTER)
+                e_mask = e < hi
+                code = tl.load(packed_slots_ptr + e, mask=e_mask, other=0).to(tl.int32)
+                to = base + (code // BLOCK_C) * width + code % BLOCK_C
+                tl.store(gate_ptr + to, tl.load(packed_gate_ptr + e, mask=e_mask), mask=e_mask)
+                if HAS_UP:
+                    tl.store(up_ptr + to, tl.load(packed_up_ptr + e, mask=e_mask), mask=e_mask)
+            tl.debug_barrier()  # the counts below read the chunk as written
+            gate = tl.load(gate_ptr + dst, mask=mask, other=0.0)
         else:
-            _recompute_p, p_mask, cols, _recompute_local, rows, row_mask, mask, dst = block_slots(
-                indices_ptr, order_ptr, block, chunk, count, M, width, BLOCK_ROWS, BLOCK_C, True, HAS_ORDER
-            )
             x_rows_ptr = x_ptr + rows[:, None].to(tl.int64) * stride_x
             wg_rows_ptr = w_gate_ptr + cols[None, :].to(tl.int64) * stride_wg
             acc_g = tl.zeros([BLOCK_ROWS, BLOCK_C], dtype=tl.float32)
@@ -204,8 +258,8 @@ def block_unpack_kernel(
             tl.store(gate_ptr + dst, gate, mask=mask)
             if HAS_UP:
                 tl.store(up_ptr + dst, acc_u.to(up_ptr.dtype.element_ty), mask=mask)
-            fired = ((gate != 0) & mask).to(tl.int32)
-            tl.store(column_counts_ptr + block.to(tl.int64) * N + cols, tl.sum(fired, axis=0), mask=p_mask)
+        fired = ((gate != 0) & mask).to(tl.int32)
+        tl.store(column_counts_ptr + block.to(tl.int64) * N + cols, tl.sum(fired, axis=0), mask=p_mask)
 
 
 def unpack_block_factors(
@@ -213,45 +267,45 @@ def unpack_block_factors(
     indices: torch.Tensor,
     counts: torch.Tensor,
     order: torch.Tensor | None,
-    column_counts: torch.Tensor,
     block_rows: int,
+    chunk: int,
     x: torch.Tensor,
     w_gate: torch.Tensor,
     b_gate: torch.Tensor | None,
     w_up: torch.Tensor | None,
     b_up: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """(gate, up [M, width] on the BlockELL slots of ``indices`` [n_blocks, width] / ``counts`` / ``order``, column
-    counts) from :func:`pack_block_factors`' arrays, in their dtype. Blocks past the capacity are recomputed from
-    x [M, K] and the weights [N, K] (biases [N] or None) and recounted from the recomputed gate. No host sync.
-    ``w_up=None`` (a non-gated layer, packed without an up factor): up is None.
+    """(gate, up [M, width] on the BlockELL slots of ``indices`` [n_blocks, width] / ``counts`` / ``order``, count
+    table) from :func:`pack_block_factors`' arrays (packed with chunks of ``chunk`` slots), in their dtype: zeros on
+    the unions' slots where the gate did not fire. Blocks past the capacity are recomputed from x [M, K] and the
+    weights [N, K] (biases [N] or None). One launch and a fill, no host sync. ``w_up=None`` (a non-gated layer,
+    packed without an up factor): up is None.
 
-    The column counts come back as :func:`~sparsefuse.sparse.block_grad.column_count_table` lays out the forward's
-    ``column_counts`` [n_blocks, N] (left unchanged), the recounted blocks' rows corrected: what
-    :func:`~sparsefuse.sparse.block_ell_transpose` takes as ``count_table``. Whether a block was recomputed is known
-    only on the device, so the recounts need a table of their own on every call: this is the int64 table that the
-    transpose's prefix sums then run in, in place, rather than a copy of the counts beside it."""
+    The table is what :func:`~sparsefuse.sparse.block_ell_transpose` takes as ``count_table``: [n_blocks + 1, N]
+    int64, the gate's non-zeros of block b per column in row b + 1 and zeros in row 0, counted from the values laid
+    out (recomputed blocks included), in the int64 table that the transpose's prefix sums then run in, in place."""
     x, w_gate, b_gate, w_up, b_up = (
         unit_last_stride(t) for t in (x, w_gate, b_gate, w_up, b_up)
     )  # read at unit stride
     M, width = x.shape[0], indices.shape[1]
     N, K = w_gate.shape
+    n_blocks = counts.shape[0]
     dtype, device = packed.gate.dtype, packed.gate.device
     has_up = w_up is not None
     gate = new_output((M, width), dtype, device)
     up = new_output((M, width), dtype, device) if has_up else None
-    table = column_count_table(column_counts)
-    if M == 0 or counts.shape[0] == 0:
+    table = torch.zeros(n_blocks + 1, N, dtype=torch.int64, device=device)
+    if M == 0 or n_blocks == 0 or width == 0:
         return gate, up, table
     if backend_for(x) is Backend.TORCH:
         raise NotImplementedError("unpack_block_factors runs on the GPU or the Triton interpreter")
-    block_c, block_k, warps, stages = (16, 32, 4, 1) if _backend.INTERPRET else (64, 64, 4, 2)
-    block_unpack_kernel[(triton.cdiv(width, block_c), counts.shape[0])](
-        packed.gate, packed.up, packed.offsets, indices, counts, order if order is not None else counts,
-        x, w_gate, b_gate if b_gate is not None else w_gate, w_up if has_up else w_gate,
-        b_up if b_up is not None else w_gate, gate, up if has_up else gate, table[1:], M, N, K, width,
-        packed.gate.shape[0], x.stride(0), w_gate.stride(0), w_up.stride(0) if has_up else 0,
-        BLOCK_ROWS=block_rows, BLOCK_C=block_c, BLOCK_K=block_k, HAS_ORDER=order is not None,
+    block_k, scatter, warps, stages = (32, 16, 4, 1) if _backend.INTERPRET else (64, 256, 8, 2)
+    block_unpack_kernel[(triton.cdiv(width, chunk), n_blocks)](
+        packed.gate, packed.up if has_up else packed.gate, packed.slots, packed.offsets, indices, counts,
+        order if order is not None else counts, x, w_gate, b_gate if b_gate is not None else w_gate,
+        w_up if has_up else w_gate, b_up if b_up is not None else w_gate, gate, up if has_up else gate, table[1:],
+        M, N, K, width, packed.gate.shape[0], x.stride(0), w_gate.stride(0), w_up.stride(0) if has_up else 0,
+        BLOCK_ROWS=block_rows, BLOCK_C=chunk, BLOCK_K=block_k, SCATTER=scatter, HAS_ORDER=order is not None,
         HAS_B_GATE=b_gate is not None, HAS_B_UP=b_up is not None, HAS_UP=has_up, IEEE_FP32=ieee_fp32(x.dtype),
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
@@ -259,4 +313,4 @@ def unpack_block_factors(
     return gate, up, table
 
 
-__all__ = ["PackedFactors", "block_offsets", "pack_block_factors", "unpack_block_factors", "spilled_blocks"]
+__all__ = ["PackedFactors", "pack_block_factors", "unpack_block_factors", "spilled_blocks"]

@@ -31,11 +31,11 @@ def _group_count(counts_ptr, i, mask, n_cols, STEP: tl.constexpr, FROM_OFFSETS: 
 @triton.jit
 def heavy_first_schedule_kernel(
     counts_ptr,
+    sizes_ptr,
     schedule_ptr,
     prefix_ptr,
     n,
     n_cols,
-    scale,
     STEP: tl.constexpr,
     FROM_OFFSETS: tl.constexpr,
     PREFIX: tl.constexpr,
@@ -43,8 +43,8 @@ def heavy_first_schedule_kernel(
 ):
     # counts [n] int32 (>= 0; or offsets [n_cols + 1], see _group_count) -> schedule [n] int32: the indices by
     # decreasing count, ties in index order. Each index's rank is counted by comparing it with every other count
-    # (n is a number of row blocks, M / 64, or of column groups, N / 16). PREFIX: the same comparisons also sum the
-    # counts up to each index, prefix [n + 1] int64 = scale * (exclusive running sum), its last entry the total.
+    # (n is a number of row blocks, M / 64, or of column groups, N / 16). PREFIX: the same loop also sums sizes [n]
+    # (int32) up to each index, prefix [n + 1] int64 = the exclusive running sum, its last entry the total.
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     i_mask = i < n
     count_i = _group_count(counts_ptr, i, i_mask, n_cols, STEP, FROM_OFFSETS)
@@ -57,11 +57,12 @@ def heavy_first_schedule_kernel(
         ahead = (count_j[None, :] > count_i[:, None]) | tie
         rank += tl.sum(ahead.to(tl.int32), axis=1)
         if PREFIX:
+            size_j = tl.load(sizes_ptr + j, mask=j < n, other=0)
             up_to = (j[None, :] <= i[:, None]) & (j[None, :] < n)
-            through += tl.sum(tl.where(up_to, count_j[None, :], 0).to(tl.int64), axis=1)
+            through += tl.sum(tl.where(up_to, size_j[None, :], 0).to(tl.int64), axis=1)
     tl.store(schedule_ptr + rank, i, mask=i_mask)
     if PREFIX:
-        tl.store(prefix_ptr + i + 1, through * scale, mask=i_mask)
+        tl.store(prefix_ptr + i + 1, through, mask=i_mask)
         if tl.program_id(0) == 0:
             tl.store(prefix_ptr, tl.zeros([], dtype=tl.int64))
 
@@ -76,20 +77,20 @@ def heavy_first_schedule(counts: torch.Tensor, group: int | None = None) -> torc
     n_cols = counts.numel() - 1 if group is not None else counts.numel()
     n = triton.cdiv(n_cols, group) if group is not None else n_cols
     schedule = new_output((n,), torch.int32, counts.device)  # poisoned (-1) under test: every position is written
-    _launch_schedule(counts, schedule, None, n, n_cols, group, 1)
+    _launch_schedule(counts, schedule, None, n, n_cols, group, None)
     return schedule
 
 
-def heavy_first_schedule_and_offsets(counts: torch.Tensor, scale: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(:func:`heavy_first_schedule` of ``counts`` [n] int32, offsets [n + 1] int64 = ``scale`` times the running
-    sum of the counts before each index, then the total) in the one launch: where blocks are both scheduled and
-    packed end to end (the training step), the offsets cost no launch of their own."""
+def heavy_first_schedule_and_offsets(counts: torch.Tensor, sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(:func:`heavy_first_schedule` of ``counts`` [n] int32, offsets [n + 1] int64 = the running sum of ``sizes``
+    [n] int32 before each index, then the total) in the one launch: where blocks are both scheduled and packed end to
+    end (the training step), the offsets cost no launch of their own."""
     n = counts.numel()
     schedule = new_output((n,), torch.int32, counts.device)
     offsets = new_output((n + 1,), torch.int64, counts.device)
     if n == 0:
         return schedule, offsets.zero_()
-    _launch_schedule(counts, schedule, offsets, n, n, None, scale)
+    _launch_schedule(counts, schedule, offsets, n, n, None, sizes)
     return schedule, offsets
 
 
@@ -100,12 +101,13 @@ def _launch_schedule(
     n: int,
     n_cols: int,
     group: int | None,
-    scale: int,
+    sizes: torch.Tensor | None,
 ) -> None:
     if n:
         block = 16 if _backend.INTERPRET else 128
         heavy_first_schedule_kernel[(triton.cdiv(n, block),)](
-            counts, schedule, prefix if prefix is not None else schedule, n, n_cols, scale,
+            counts, sizes if sizes is not None else counts, schedule, prefix if prefix is not None else schedule,
+            n, n_cols,
             STEP=group or 1, FROM_OFFSETS=group is not None, PREFIX=prefix is not None, BLOCK=block,
         )  # fmt: skip
         record_launch("heavy_first_schedule_kernel")

@@ -134,6 +134,8 @@ def block_sddmm_kernel(
     pair_ptr,
     row_part_ptr,
     sum_part_ptr,
+    chunk_nnz_ptr,
+    block_nnz_ptr,
     M,
     N,
     D,
@@ -163,7 +165,9 @@ def block_sddmm_kernel(
     # up_out (what a backward through the product needs), with the statistics of the gate factor's non-zeros --
     # every one lies in its block's union, so they cost no extra pass: per (block, column) counts to pair[blk, col],
     # per row counts to row_part[c, row], the factor's sum to sum_part[blk, c] (partial sums, reduced by the host
-    # code in a fixed order: no atomics).
+    # code in a fixed order: no float atomics), and the non-zeros per (block, chunk) to chunk_nnz[blk, c] (every
+    # program writes its entry, 0 past the union) and per block to block_nnz[blk] (integer atomics: the same total
+    # in any order) -- where each chunk's non-zeros go when the factors are packed pair by pair.
     chunk = tl.program_id(0)
     block = tl.program_id(1)
     width = n_tiles * TILE
@@ -206,7 +210,12 @@ def block_sddmm_kernel(
             tl.store(pair_ptr + block.to(tl.int64) * N + cols, tl.sum(fired, axis=0), mask=p_mask)
             tl.store(row_part_ptr + chunk.to(tl.int64) * M + rows, tl.sum(fired, axis=1), mask=row_mask)
             tl.store(sum_part_ptr + block * tl.num_programs(0) + chunk, tl.sum(tl.sum(scale, axis=1), axis=0))
+            n_fired = tl.sum(tl.sum(fired, axis=1), axis=0)
+            tl.store(chunk_nnz_ptr + block * tl.num_programs(0) + chunk, n_fired)
+            tl.atomic_add(block_nnz_ptr + block, n_fired)
         tl.store(out_indices_ptr + block.to(tl.int64) * width + p, cols, mask=p_mask)
+    elif FACTORS:
+        tl.store(chunk_nnz_ptr + block * tl.num_programs(0) + chunk, 0)
 
 
 def torch_block_sddmm(
@@ -228,6 +237,12 @@ def torch_block_sddmm(
     return pattern.to_mask() * s * prod
 
 
+def factor_chunk(D: int) -> int:
+    """Union slots per program of :func:`block_sddmm` with ``factors`` at reduction length D: its ``chunk_nnz``
+    count non-zeros per chunk of this many slots, and the packing of the factors walks the same chunks."""
+    return _block_sddmm_blocks(D, 0, factors=True)[0]
+
+
 def _block_sddmm_blocks(D: int, block_rows: int, factors: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_C, BLOCK_D, num_warps, num_stages): measured on an H200. The training step's call (``factors``: three
     outputs and the statistics) at D <= 2048 runs 4 warps: inside a 1.5B-shape model 0.19 against 0.21 ms per layer
@@ -240,7 +255,9 @@ def _block_sddmm_blocks(D: int, block_rows: int, factors: bool = False) -> tuple
 class BlockFactors(NamedTuple):
     """What :func:`block_sddmm` returns with ``factors``: three BlockELLs on the same slots (one indices/counts)
     and the statistics of the gate factor's non-zeros: ``column_counts`` [n_blocks, N] int32 (per row block and
-    column), ``row_counts`` [M] int32 (per matrix row), ``gate_sum`` 0-dim fp32 (its sum)."""
+    column), ``row_counts`` [M] int32 (per matrix row), ``gate_sum`` 0-dim fp32 (its sum); ``chunk_nnz``
+    [n_blocks, n_chunks] int32 (per row block and chunk of ``chunk`` union slots) and ``block_nnz`` [n_blocks]
+    int32 (per row block): what :func:`~sparsefuse.sparse.block_pack.pack_block_factors` places pairs by."""
 
     product: BlockELL
     gate: BlockELL
@@ -248,6 +265,9 @@ class BlockFactors(NamedTuple):
     column_counts: torch.Tensor
     row_counts: torch.Tensor
     gate_sum: torch.Tensor
+    chunk_nnz: torch.Tensor
+    block_nnz: torch.Tensor
+    chunk: int
 
 
 def block_sddmm(
@@ -298,22 +318,24 @@ def block_sddmm(
     separate = factors and b is not None  # without a product the values are the gate factor
     gate = on_slots(new_output((M, width), out_dtype, a.device)) if separate else out
     up = on_slots(new_output((M, width), out_dtype, a.device)) if separate else (out if b is not None else None)
-    stats = (
-        (
-            torch.zeros(n_blocks, N, dtype=torch.int32, device=a.device),
-            torch.zeros(n_chunks, M, dtype=torch.int32, device=a.device),
-            torch.zeros(n_blocks, n_chunks, dtype=torch.float32, device=a.device),
-        )
-        if factors
-        else (counts, counts, counts)  # not read
-    )
     if factors:
-        column_counts, row_part, sum_part = stats
+        # the statistics every program adds to start at zero: one fill for all of them (the float partial sums as
+        # int32 zeros, the same bits)
+        sizes = (n_blocks * N, n_chunks * M, n_blocks * n_chunks, n_blocks)
+        zeros = torch.zeros(sum(sizes), dtype=torch.int32, device=a.device).split(sizes)
+        column_counts, row_part = zeros[0].view(n_blocks, N), zeros[1].view(n_chunks, M)
+        sum_part, block_nnz = zeros[2].view(torch.float32).view(n_blocks, n_chunks), zeros[3]
+        chunk_nnz = torch.empty(n_blocks, n_chunks, dtype=torch.int32, device=a.device)  # every entry written
+        stats = (column_counts, row_part, sum_part, chunk_nnz, block_nnz)
 
         def result():
-            return BlockFactors(out, gate, up, column_counts, row_part.sum(0, dtype=torch.int32), sum_part.sum())
+            row_counts = row_part.sum(0, dtype=torch.int32)
+            return BlockFactors(
+                out, gate, up, column_counts, row_counts, sum_part.sum(), chunk_nnz, block_nnz, block_c
+            )  # fmt: skip
 
     else:
+        stats = (counts,) * 5  # not read
 
         def result():
             return out

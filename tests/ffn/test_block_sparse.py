@@ -20,7 +20,6 @@ from sparsefuse.sparse import (
     dense_to_row_block_pattern,
     torch_block_sddmm,
 )
-from sparsefuse.sparse.block_pack import block_offsets
 from sparsefuse.sparse.block_spmm import heavy_first_schedule, heavy_first_schedule_and_offsets
 from sparsefuse.sparse.compact import count_order, torch_count_order
 from sparsefuse.testing import accumulation_allowance, assert_close_to_reference
@@ -134,13 +133,17 @@ def test_heavy_first_schedule_orders_by_decreasing_count(n, device):
 
 @pytest.mark.parametrize("n", [0, 1, 5, 17, 300])
 def test_heavy_first_schedule_and_offsets_in_one_launch(n, device):
-    # the training step's blocks: their launch order and where each starts when packed end to end (64 rows each)
-    counts = torch.randint(0, 6, (n,), generator=torch.Generator().manual_seed(n), dtype=torch.int32)
+    # the training step's blocks: their launch order (by union size) and where each block's kept pairs start when
+    # packed end to end (by its non-zero count)
+    generator = torch.Generator().manual_seed(n)
+    counts = torch.randint(0, 6, (n,), generator=generator, dtype=torch.int32)
+    sizes = torch.randint(0, 1000, (n,), generator=generator, dtype=torch.int32)
     with track_launches() as launched:
-        schedule, offsets = heavy_first_schedule_and_offsets(counts.to(device), 64)
+        schedule, offsets = heavy_first_schedule_and_offsets(counts.to(device), sizes.to(device))
     assert launched["heavy_first_schedule_kernel"] == (1 if n else 0)
     assert torch.equal(schedule.cpu(), torch.sort(counts, descending=True, stable=True).indices.to(torch.int32))
-    assert torch.equal(offsets.cpu(), block_offsets(counts, 64))
+    expected = torch.cat([torch.zeros(1, dtype=torch.int64), sizes.to(torch.int64).cumsum(0)])
+    assert torch.equal(offsets.cpu(), expected)
 
 
 @pytest.mark.parametrize("n_cols, group", [(1, 16), (16, 16), (37, 16), (300, 16), (300, 32)])

@@ -1,6 +1,7 @@
-"""Packed storage of a row-block layer's factors (:mod:`sparsefuse.sparse.block_pack`): the round trip is exact for
-every block that fits, blocks past the capacity are recomputed from the input and weights (float64 reference) with
-their per-column firing counts, and the spill counter counts them. Interpreter: fp32/fp16."""
+"""Packed storage of a row-block layer's factors (:mod:`sparsefuse.sparse.block_pack`): only the fired pairs are
+kept, in (block, chunk, row, slot) order; the round trip is exact for every block that fits (zeros where the gate did
+not fire), blocks past the capacity are recomputed from the input and weights (float64 reference), the per-column
+firing counts come back for every block, and the spill counter counts the recomputed ones. Interpreter: fp32/fp16."""
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from conftest import assert_backend
 
 from sparsefuse import track_launches
 from sparsefuse.sparse import block_sddmm, dense_to_row_block_pattern
-from sparsefuse.sparse.block_pack import block_offsets, pack_block_factors, spilled_blocks, unpack_block_factors
+from sparsefuse.sparse.block_pack import pack_block_factors, spilled_blocks, unpack_block_factors
 from sparsefuse.testing import assert_close_to_reference
 
 
@@ -35,34 +36,56 @@ def _filled(values, f, M):
     return torch.where(slot < f.gate.counts[block].long()[:, None], values, 0)
 
 
+def _expected_offsets(f):
+    """[n_blocks * n_chunks + 1]: the running sum of the non-zeros per (block, chunk)."""
+    flat = f.chunk_nnz.cpu().reshape(-1).to(torch.int64)
+    return torch.cat([torch.zeros(1, dtype=torch.int64), flat.cumsum(0)])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("given_offsets", [False, True])
 @pytest.mark.parametrize(
     "M, fit_blocks, bias", [(40, None, True), (40, 1, True), (40, 0, False), (70, 2, True), (1, 0, True)]
 )
-def test_round_trip_and_recompute(M, fit_blocks, bias, dtype, device):
+def test_round_trip_and_recompute(M, fit_blocks, bias, given_offsets, dtype, device):
     x, wg, bg, wu, bu, f = _layer(M, 24, 96, dtype, device, bias=bias, seed=M)
     assert_backend(x)
     counts, rows = f.gate.counts, f.gate.block_rows
-    offsets = block_offsets(counts, rows)
-    n_blocks = counts.shape[0]
-    capacity = int(offsets[-1]) if fit_blocks is None else int(offsets[fit_blocks])
+    n_blocks, n_chunks = f.chunk_nnz.shape
+    offsets = _expected_offsets(f)
+    block_ends = offsets[n_chunks::n_chunks]  # [n_blocks]
+    assert torch.equal(f.block_nnz.cpu().to(torch.int64), block_ends - offsets[:-1:n_chunks])
+    capacity = int(offsets[-1]) if fit_blocks is None else int(block_ends[fit_blocks - 1]) if fit_blocks else 0
+    block_offsets = None
+    if given_offsets:  # as the training step hands them over from its schedule launch
+        block_offsets = offsets[::n_chunks].contiguous().to(device)
     spilled_before = int(spilled_blocks(device))
     with track_launches() as launched:
-        packed = pack_block_factors(f.gate.values, f.up.values, counts, rows, capacity)
-        forward_counts = f.column_counts.clone()
+        packed = pack_block_factors(f, rows, capacity, block_offsets)
         gate, up, table = unpack_block_factors(
-            packed, f.gate.indices, counts, f.gate.row_order, f.column_counts, rows, x, wg, bg, wu, bu
+            packed, f.gate.indices, counts, f.gate.row_order, rows, f.chunk, x, wg, bg, wu, bu
         )
     assert launched == {"block_pack_kernel": 1, "block_unpack_kernel": 1}, launched
-    assert packed.gate.shape == (capacity,) and packed.offsets.dtype == torch.int64
-    fits = (offsets[1:] <= capacity).cpu()
-    expected_spills = int((~fits & (counts.cpu() > 0)).sum())
+    assert packed.gate.shape == (capacity,) and packed.slots.dtype == torch.int16
+    assert torch.equal(packed.offsets.cpu(), offsets)
+    fits = (block_ends <= capacity).cpu()
+    expected_spills = int((~fits & (f.block_nnz.cpu() > 0)).sum())
     assert int(spilled_blocks(device)) - spilled_before == expected_spills
     block_of_row = torch.arange(M) // rows
     copied = fits[block_of_row]
     g_ref, u_ref = _filled(f.gate.values, f, M).cpu(), _filled(f.up.values, f, M).cpu()
+    u_ref = torch.where(g_ref != 0, u_ref, 0)  # up is kept where the gate fired: the backward reads no other
     g_out, u_out = _filled(gate, f, M).cpu(), _filled(up, f, M).cpu()
     assert torch.equal(g_out[copied], g_ref[copied]) and torch.equal(u_out[copied], u_ref[copied])
+    # what is kept: the fitting blocks' non-zeros, chunk by chunk, row by row
+    width, chunk = g_ref.shape[1], f.chunk
+    for b in range(n_blocks):
+        if not fits[b]:
+            continue
+        for c in range(n_chunks):
+            lo, hi = int(offsets[b * n_chunks + c]), int(offsets[b * n_chunks + c + 1])
+            tile = g_ref[b * rows : (b + 1) * rows, c * chunk : min((c + 1) * chunk, width)]
+            assert torch.equal(packed.gate[lo:hi].cpu(), tile[tile != 0])
     if (~copied).any():  # recomputed: the float64 products on the same slots
         order = f.gate.row_order.long().cpu() if f.gate.row_order is not None else torch.arange(M)
         x64 = x.double().cpu()[order]
@@ -77,9 +100,9 @@ def test_round_trip_and_recompute(M, fit_blocks, bias, dtype, device):
         assert_close_to_reference(u_out[live], up64[live], dtype=dtype, name="recomputed up")
         assert not torch.isnan(g_out[live]).any()
     # the column counts (block b in row b + 1, the transpose's table) agree with the gate the backward reads,
-    # recomputed blocks included; the forward's counts are left as they were
+    # recomputed blocks included, and with the forward's counts where the block was copied
     assert table.shape == (n_blocks + 1, 96) and table.dtype == torch.int64 and not table[0].any()
-    assert torch.equal(f.column_counts, forward_counts)
+    assert torch.equal(table[1:][fits.to(table.device)].cpu(), f.column_counts[fits.to(table.device)].cpu().long())
     for b in range(n_blocks):
         c = int(counts[b])
         fired = (gate[b * rows : (b + 1) * rows, :c] != 0).sum(0).cpu()
@@ -92,8 +115,6 @@ def test_round_trip_and_recompute(M, fit_blocks, bias, dtype, device):
 
 def test_empty_batch(device):
     x, wg, bg, wu, bu, f = _layer(0, 8, 32, torch.float32, device, bias=True)
-    packed = pack_block_factors(f.gate.values, f.up.values, f.gate.counts, 16, 0)
-    gate, up, table = unpack_block_factors(
-        packed, f.gate.indices, f.gate.counts, None, f.column_counts, 16, x, wg, bg, wu, bu
-    )
+    packed = pack_block_factors(f, 16, 0)
+    gate, up, table = unpack_block_factors(packed, f.gate.indices, f.gate.counts, None, 16, f.chunk, x, wg, bg, wu, bu)
     assert gate.shape == (0, f.gate.values.shape[1]) and up.shape == gate.shape and table.shape == (1, 32)

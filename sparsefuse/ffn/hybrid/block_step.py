@@ -17,10 +17,10 @@ down ``h W_d^T``       sparse rows                                      ``block_
                                                                         ``transposed_matmul``
 =====================  ===============================================  =========================================
 
-Kept for the backward: x, the gate and up values on the unions packed into ``capacity`` values each
-(:func:`~sparsefuse.sparse.block_pack.pack_block_factors`: ~the unions' share of [M, N], not the [M, width] layout the
-products walk), the unions' column lists, the token order and the firing counts per (block, neuron) -- no
-pre-activation, no product h. A block past the capacity is recomputed in the backward, never dropped.
+Kept for the backward: x, the gate and up values where the gate fired, packed pair by pair into ``capacity`` pairs
+with a 2-byte slot code each (:func:`~sparsefuse.sparse.block_pack.pack_block_factors`: ~6 bytes per non-zero, not
+the [M, width] layout the products walk), the unions' column lists and the token order -- no pre-activation, no
+product h. A block past the capacity is recomputed in the backward, never dropped.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from ...sparse.block_grad import block_ell_sddmm, block_ell_transpose, transpose
 from ...sparse.block_pack import PackedFactors, pack_block_factors, unpack_block_factors
 from ...sparse.block_spmm import block_sparse_matmul, heavy_first_schedule_and_offsets
 from ...sparse.compact import dense_to_row_block_pattern
-from ...sparse.sddmm import block_sddmm
+from ...sparse.sddmm import block_sddmm, factor_chunk
 
 
 def _on_slots(values, indices, counts, order, N, block_rows) -> BlockELL:
@@ -71,25 +71,24 @@ def _train_forward(
 ]:
     """x2 [M, K]; w_gate, w_up, w_down_t [N, K] (w_up None, b_up None: the non-gated block ``relu(x W_g^T + b_g)
     W_d^T + b_d``). Returns y [M, K], l1 (0-dim fp32), token counts [M] and neuron counts [N] (int32), and what the
-    backward keeps: gate and up values packed [capacity] each (up empty without w_up) with their block offsets
-    [n_blocks + 1] (int64), union columns [n_blocks, width] and sizes [n_blocks] (int32), token order [M] (int32),
-    the gate's firing counts per (row block, neuron) [n_blocks, N] (int32) and the blocks' heavy-first launch order
-    [n_blocks] (int32; unused with one block)."""
+    backward keeps: the fired pairs' gate and up values [capacity] each (up empty without w_up) and slot codes
+    [capacity] (int16) with their chunk offsets [n_blocks * n_chunks + 1] (int64), union columns [n_blocks, width]
+    and sizes [n_blocks] (int32), token order [M] (int32) and the blocks' heavy-first launch order [n_blocks]
+    (int32; unused with one block)."""
     M, N = x2.shape[0], w_gate.shape[0]
     pre = F.linear(x2, w_gate, b_gate)
     pattern = dense_to_row_block_pattern(pre, tile, block_rows, relu=True, sort_rows=sort_rows)
     f = block_sddmm(pattern, pre, x2, w_up, b_up, relu=True, out_dtype=x2.dtype, factors=True)
     # The down product here and the backward's dx products walk the same unions: their heavy-first launch order is
     # found once and kept (4 bytes a block). One block has nothing to order: zeros stand in, and no product reads them.
-    # The same launch sums the blocks' sizes into where each starts in the packed arrays.
+    # The same launch sums the blocks' non-zeros into where each block's pairs start in the packed arrays.
     many = f.product.counts.shape[0] > 1
     if many:
-        schedule, offsets = heavy_first_schedule_and_offsets(f.product.counts, block_rows)
+        schedule, offsets = heavy_first_schedule_and_offsets(f.product.counts, f.block_nnz)
     else:
         schedule, offsets = torch.zeros_like(f.product.counts), None
     y = block_sparse_matmul(f.product, w_down_t, bias=b_down, out_dtype=x2.dtype, schedule=schedule if many else None)
-    up_values = f.up.values if f.up is not None else None
-    packed = pack_block_factors(f.gate.values, up_values, f.product.counts, block_rows, capacity, offsets)
+    packed = pack_block_factors(f, block_rows, capacity, offsets)
     order = pattern.row_order
     if order is None:
         order = torch.arange(M, dtype=torch.int32, device=x2.device)
@@ -102,7 +101,6 @@ def _train_forward(
         f.product.indices,
         f.product.counts,
         order,
-        f.column_counts,
         schedule,
     )
 
@@ -114,6 +112,7 @@ block_mlp_train_fwd_op = torch.library.custom_op("sparsefuse::block_mlp_train_fw
 def _(x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, block_rows, tile, sort_rows, capacity):
     M, N = x2.shape[0], w_gate.shape[0]
     width, n_blocks = triton.cdiv(N, tile) * tile, triton.cdiv(M, block_rows)
+    n_chunks = triton.cdiv(width, factor_chunk(x2.shape[1]))
     index = lambda *shape: torch.empty(*shape, dtype=torch.int32, device=x2.device)  # noqa: E731
     return (
         x2.new_empty(M, w_down_t.shape[1]),
@@ -122,11 +121,11 @@ def _(x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, block_rows, tile, sort_r
         index(N),
         x2.new_empty(capacity),
         x2.new_empty(capacity if w_up is not None else 0),
-        torch.empty(n_blocks + 1, dtype=torch.int64, device=x2.device),
+        torch.empty(capacity, dtype=torch.int16, device=x2.device),
+        torch.empty(n_blocks * n_chunks + 1, dtype=torch.int64, device=x2.device),
         index(n_blocks, width),
         index(n_blocks),
         index(M),
-        index(n_blocks, N),
         index(n_blocks),
     )
 
@@ -143,11 +142,11 @@ def _train_backward(
     b_up: torch.Tensor | None,
     packed_gate: torch.Tensor,
     packed_up: torch.Tensor,
+    packed_slots: torch.Tensor,
     offsets: torch.Tensor,
     indices: torch.Tensor,
     counts: torch.Tensor,
     order: torch.Tensor,
-    column_counts: torch.Tensor,
     schedule: torch.Tensor,
     block_rows: int,
     bias_grads: bool,
@@ -158,9 +157,10 @@ def _train_backward(
     are read only to recompute blocks that did not fit the packed capacity."""
     M, N = x2.shape[0], w_gate.shape[0]
     dy = dy.to(x2.dtype).contiguous()
-    packed = PackedFactors(packed_gate, packed_up, offsets)
+    packed = PackedFactors(packed_gate, packed_up, packed_slots, offsets)
+    chunk = factor_chunk(x2.shape[1])  # as the forward's block_sddmm chunked the unions
     gate_values, up_values, count_table = unpack_block_factors(
-        packed, indices, counts, order, column_counts, block_rows, x2, w_gate, b_gate, w_up, b_up
+        packed, indices, counts, order, block_rows, chunk, x2, w_gate, b_gate, w_up, b_up
     )
     gate = _on_slots(gate_values, indices, counts, order, N, block_rows)
     gate_grad = (dl1.to(torch.float32) / max(M * N, 1)).reshape(1)
@@ -202,11 +202,11 @@ def _(
     b_up,
     packed_gate,
     packed_up,
+    packed_slots,
     offsets,
     indices,
     counts,
     order,
-    column_counts,
     schedule,
     block_rows,
     bias_grads,
@@ -225,8 +225,8 @@ def _(
 
 def _setup_context(ctx, inputs, output) -> None:
     x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, block_rows, *_ = inputs
-    *_, packed_gate, packed_up, offsets, indices, counts, order, column_counts, schedule = output
-    saved = (packed_gate, packed_up, offsets, indices, counts, order, column_counts, schedule)
+    *_, packed_gate, packed_up, packed_slots, offsets, indices, counts, order, schedule = output
+    saved = (packed_gate, packed_up, packed_slots, offsets, indices, counts, order, schedule)
     ctx.save_for_backward(x2, w_gate, w_up, w_down_t, b_gate, b_up, *saved)
     ctx.has_bias = (b_gate is not None, b_up is not None, b_down is not None)
     ctx.block_rows = block_rows

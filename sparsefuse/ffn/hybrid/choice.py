@@ -7,7 +7,7 @@ last count that has arrived. The first call of a weight has no estimate and take
 torch.compile takes the most recent eager choice.
 
 The same per-weight record sizes what the block step keeps for its backward (:meth:`TrainChoice.capacity`): the
-union sizes seen on the weight's last observed call, with a margin."""
+non-zeros seen on the weight's last observed call, with a margin."""
 
 from __future__ import annotations
 
@@ -29,11 +29,11 @@ class TrainChoice:
 
     dense_above: float = 0.006
     observe_every: int = 16  # calls between observations once an estimate exists (each costs a few launches)
-    capacity_margin: float = 1.25  # kept slots per union slot last seen: batches vary by a few percent
-    capacity_quantum: int = 1 << 16  # capacities rounded up to this many values, so the allocator reuses blocks
+    capacity_margin: float = 1.25  # kept pairs per non-zero last seen: batches vary by a few percent
+    capacity_quantum: int = 1 << 16  # capacities rounded up to this many pairs, so the allocator reuses blocks
 
     def __post_init__(self) -> None:
-        # gate weight -> [firing monitor, calls, union-size monitor]
+        # gate weight -> [firing monitor, calls]
         self._monitors: WeakIdKeyDictionary = WeakIdKeyDictionary()
         # gate weight -> {"layout": ..., "capacity": ...}: what its latest forward outside a backward took, which a
         # forward re-run inside a backward (activation checkpointing's recompute) takes again, so the recomputed
@@ -72,12 +72,10 @@ class TrainChoice:
         if not _in_backward() and type(w_gate) in (torch.Tensor, torch.nn.Parameter):
             self._frozen.setdefault(w_gate, {})[key] = value
 
-    def observe(
-        self, w_gate: torch.Tensor, token_counts: torch.Tensor, union_sizes: torch.Tensor | None = None
-    ) -> None:
-        """Hand this step's per-token firing counts (and the block step's union sizes per row block) to the
-        weight's monitors (no sync; skipped while compiling, inside a backward -- a checkpointed forward's recompute
-        saw the same batch -- or while an earlier count is still in flight)."""
+    def observe(self, w_gate: torch.Tensor, token_counts: torch.Tensor) -> None:
+        """Hand this step's per-token firing counts to the weight's monitor (no sync; skipped while compiling,
+        inside a backward -- a checkpointed forward's recompute saw the same batch -- or while an earlier count is
+        still in flight)."""
         if torch.compiler.is_compiling() or type(w_gate) not in (torch.Tensor, torch.nn.Parameter) or _in_backward():
             return
         entry = self._entry(w_gate)
@@ -86,36 +84,32 @@ class TrainChoice:
         if monitor.accepts and (monitor.mean_nnz is None or due):
             total = token_counts.sum(dtype=torch.int64).reshape(1)
             monitor.observe(torch.cat([total, total.new_full((1,), token_counts.shape[0])]))
-        unions = entry[2]
-        if union_sizes is not None and unions.accepts and (unions.mean_nnz is None or due):
-            total = union_sizes.sum(dtype=torch.int64).reshape(1)
-            unions.observe(torch.cat([total, total.new_full((1,), union_sizes.shape[0])]))
 
     def _entry(self, w_gate: torch.Tensor) -> list:
         entry = self._monitors.get(w_gate)
         if entry is None:
-            entry = self._monitors[w_gate] = [SparsityMonitor(momentum=0.0), 0, SparsityMonitor(momentum=0.0)]
+            entry = self._monitors[w_gate] = [SparsityMonitor(momentum=0.0), 0]
         return entry
 
-    def capacity(self, w_gate: torch.Tensor, n_blocks: int, block_rows: int, width: int) -> int:
-        """Values of each factor the block step keeps for its backward: ``capacity_margin`` times the union sizes
-        last observed for this gate weight (``n_blocks`` blocks of ``block_rows`` rows), rounded up; the full
-        ``n_blocks * block_rows * width`` (every block fits) before the first observation and while torch.compile
-        traces (a traced read of the estimate would break the graph). Blocks past it are recomputed in the
-        backward, exactly; :func:`sparsefuse.sparse.block_pack.spilled_blocks` counts them."""
-        full = n_blocks * block_rows * width
+    def capacity(self, w_gate: torch.Tensor, M: int) -> int:
+        """Fired (token, neuron) pairs the block step keeps for its backward at M tokens: ``capacity_margin`` times
+        the non-zeros per token last observed for this gate weight, rounded up; every pair (``M * N``) before the
+        first observation and while torch.compile traces (a traced read of the estimate would break the graph).
+        Blocks past it are recomputed in the backward, exactly; :func:`sparsefuse.sparse.block_pack.spilled_blocks`
+        counts them."""
+        full = M * w_gate.shape[0]
         if torch.compiler.is_compiling() or type(w_gate) not in (torch.Tensor, torch.nn.Parameter):
             return full
         frozen = self._frozen_value(w_gate, "capacity")
-        if frozen is not None and frozen[0] == (n_blocks, block_rows, width):
+        if frozen is not None and frozen[0] == M:
             return frozen[1]
         entry = self._monitors.get(w_gate)
-        per_block = entry[2].estimate() if entry is not None else None
+        per_token = entry[0].estimate() if entry is not None else None
         capacity = full
-        if per_block is not None:
-            wanted = self.capacity_margin * per_block * n_blocks * block_rows
+        if per_token is not None:
+            wanted = self.capacity_margin * per_token * M
             capacity = min(full, self.capacity_quantum * max(1, math.ceil(wanted / self.capacity_quantum)))
-        self._freeze(w_gate, "capacity", ((n_blocks, block_rows, width), capacity))
+        self._freeze(w_gate, "capacity", (M, capacity))
         return capacity
 
 

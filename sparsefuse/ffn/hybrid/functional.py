@@ -7,7 +7,6 @@ import math
 from typing import NamedTuple
 
 import torch
-import triton
 
 from ..._backend import Backend, backend_for
 from ..._validation import (
@@ -76,10 +75,11 @@ def hybrid_mlp(
             kept whole in the backup.
         backup_rows: (``"hybrid"``) whole rows kept for such tokens (default ``ceil(M / 8)``); when more overflow,
             the step grows its backup to hold them all (exact; counted in :data:`sparsefuse.ffn.hybrid.op.REBUILDS`).
-        block_capacity: (``"block"``) values of the gate and of the up factor kept for the backward, each. Default:
-            1.25x the union sizes last seen on this gate weight (all of them before the first observation and under
-            torch.compile). Row blocks past it are recomputed in the backward from x and the weights, never
-            dropped; :func:`sparsefuse.sparse.block_pack.spilled_blocks` counts them.
+        block_capacity: (``"block"``) fired (token, neuron) pairs kept for the backward (6 bytes each at bf16:
+            gate and up values and a slot code). Default: 1.25x the non-zeros last seen on this gate weight (all
+            ``M * N`` pairs before the first observation and under torch.compile). Row blocks past it are
+            recomputed in the backward from x and the weights, never dropped;
+            :func:`sparsefuse.sparse.block_pack.spilled_blocks` counts them.
     Returns: :class:`HybridMLPOutput` (y, l1, per-token and per-neuron firing counts, all on the device). Under
     ``torch.autocast`` the step runs in the autocast dtype, as ``nn.Linear`` would.
     For the L1 penalty add ``coefficient * out.l1`` to the loss: its gradient reaches the gate only where it fired.
@@ -151,13 +151,11 @@ def _train_step(
         TRAIN_CHOICE.observe(gate, counts)
         return HybridMLPOutput(y.reshape(out_shape), l1, counts, neuron_counts)
     if layout == "block" and kernels:
-        N = w_gate.shape[0]
-        plan = block_plan(N)
-        n_blocks, width = triton.cdiv(M, plan.block_rows), triton.cdiv(N, plan.tile) * plan.tile
+        plan = block_plan(w_gate.shape[0])
         if block_capacity is None:
-            block_capacity = TRAIN_CHOICE.capacity(gate, n_blocks, plan.block_rows, width)
+            block_capacity = TRAIN_CHOICE.capacity(gate, M)
         # the kernels read weight rows and bias vectors at unit stride (a strided one is copied, differentiably)
-        y, l1, counts, neuron_counts, *_, union_sizes, _, _, _ = block_mlp_train_fwd(
+        y, l1, counts, neuron_counts, *_ = block_mlp_train_fwd(
             x2,
             unit_last_stride(w_gate),
             unit_last_stride(b_gate),
@@ -170,7 +168,7 @@ def _train_step(
             plan.sorts(M),
             block_capacity,
         )
-        TRAIN_CHOICE.observe(gate, counts, union_sizes)
+        TRAIN_CHOICE.observe(gate, counts)
         return HybridMLPOutput(y.reshape(out_shape), l1, counts, neuron_counts)
     y, l1, *_, counts, _, _, _, neuron_counts = hybrid_mlp_fwd_op(
         x2, w_gate, b_gate, unit_last_stride(w_up), b_up, w_down.t(), b_down, width, backup_rows
