@@ -40,6 +40,11 @@ class TrainChoice:
         # saved tensors have the shapes of the first forward's
         self._frozen: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.last = "block"  # the most recent eager choice: what a compiled call takes
+        # gate weight -> its kept pairs per token, rounded up to a power of two; their largest is what a compiled
+        # call keeps per token (a coarse value, so that the guard on it recompiles a few times as L1 bites, not on
+        # every observation)
+        self._per_token_buckets: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.compiled_per_token = 0  # 0: none seen yet, a compiled call keeps every pair
 
     def firing(self, w_gate: torch.Tensor) -> float | None:
         """The last observed fraction of firing (token, neuron) pairs for this gate weight (None: none yet)."""
@@ -94,11 +99,14 @@ class TrainChoice:
     def capacity(self, w_gate: torch.Tensor, M: int) -> int:
         """Fired (token, neuron) pairs the block step keeps for its backward at M tokens: ``capacity_margin`` times
         the non-zeros per token last observed for this gate weight, rounded up; every pair (``M * N``) before the
-        first observation and while torch.compile traces (a traced read of the estimate would break the graph).
+        first observation. While torch.compile traces (a traced read of the per-weight estimate would break the
+        graph), :attr:`compiled_per_token` pairs per token: the eager calls' largest, rounded up to a power of two.
         Blocks past it are recomputed in the backward, exactly; :func:`sparsefuse.sparse.block_pack.spilled_blocks`
         counts them."""
         full = M * w_gate.shape[0]
-        if torch.compiler.is_compiling() or type(w_gate) not in (torch.Tensor, torch.nn.Parameter):
+        if torch.compiler.is_compiling():
+            return min(full, self.compiled_per_token * M) if self.compiled_per_token else full
+        if type(w_gate) not in (torch.Tensor, torch.nn.Parameter):
             return full
         frozen = self._frozen_value(w_gate, "capacity")
         if frozen is not None and frozen[0] == M:
@@ -109,6 +117,10 @@ class TrainChoice:
         if per_token is not None:
             wanted = self.capacity_margin * per_token * M
             capacity = min(full, self.capacity_quantum * max(1, math.ceil(wanted / self.capacity_quantum)))
+            bucket = 1 << max(0, math.ceil(math.log2(max(self.capacity_margin * per_token, 1.0))))
+            if self._per_token_buckets.get(w_gate) != bucket:
+                self._per_token_buckets[w_gate] = bucket
+                self.compiled_per_token = max(self._per_token_buckets.values())
         self._freeze(w_gate, "capacity", (M, capacity))
         return capacity
 
