@@ -223,6 +223,15 @@ def _exercise_ops(dtype: torch.dtype, ffn: bool) -> None:
     cos, sin = r(1, 5, 64), r(1, 5, 64)
     qe, ke = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
     (qe.float().sum() + ke.float().sum()).backward()
+    # the dense training step's elementwise kernels (cheap) in every dtype, bf16 (the training dtype) included, with
+    # and without the L1 term's gradient
+    from sparsefuse.ffn.hybrid.dense import relu_l1, relu_mul_l1
+
+    pre, up = r(20, 300, grad=True), r(20, 300, grad=True)
+    for fused in (lambda: relu_mul_l1(pre, up)[1:3], lambda: relu_l1(pre)[:2]):
+        h, l1 = fused()
+        (h.float().sum() + l1).backward()
+        fused()[0].float().sum().backward()
     if not ffn:  # the MLPs dominate the interpreter's time: fp32 and fp16 only
         return
     K, N = 64, 256  # 64 tokens: several row blocks (heavy-first schedule) and row sorting (block plan)
