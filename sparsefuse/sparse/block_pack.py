@@ -75,7 +75,6 @@ def block_pack_kernel(
     counts_ptr,
     chunk_nnz_ptr,
     block_nnz_ptr,
-    block_offsets_ptr,
     packed_gate_ptr,
     packed_up_ptr,
     packed_slots_ptr,
@@ -86,67 +85,82 @@ def block_pack_kernel(
     capacity,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    SUB: tl.constexpr,
     SCAN: tl.constexpr,
-    HAS_BLOCK_OFFSETS: tl.constexpr,
+    GIVEN_OFFSETS: tl.constexpr,
     HAS_UP: tl.constexpr,
 ):
     # gate, up [M, width] (BlockELL slots), counts [n_blocks] (union sizes), chunk_nnz [n_blocks, n_chunks] and
-    # block_nnz [n_blocks] (the gate's non-zeros, as block_sddmm counted them with chunks of BLOCK_C slots),
-    # block_offsets [n_blocks + 1] (their running sum; without it each program sums block_nnz itself) -> the
-    # fired pairs of chunk c of block blk at offsets[blk * n_chunks + c] onwards, row by row. Program (c, blk);
-    # every program writes its chunk's end offset, so the offsets need no launch of their own.
+    # block_nnz [n_blocks] (the gate's non-zeros, as block_sddmm counted them with chunks of BLOCK_C slots) -> the
+    # fired pairs of chunk c of block blk at offsets[blk * n_chunks + c] onwards (SUB slots at a time, row by row
+    # within them). Program (c, blk).
+    # GIVEN_OFFSETS: offsets [n_blocks * n_chunks + 1] already hold the running sum of chunk_nnz (the step's
+    # schedule launch wrote them); else every program sums what comes before its chunk and writes its chunk's end.
     chunk = tl.program_id(0)
     block = tl.program_id(1)
     n_chunks = tl.num_programs(0)
-    if HAS_BLOCK_OFFSETS:
-        block_start = tl.load(block_offsets_ptr + block)
-        block_end = tl.load(block_offsets_ptr + block + 1)
+    flat = block * n_chunks + chunk
+    if GIVEN_OFFSETS:
+        start = tl.load(offsets_ptr + flat)
+        nnz = tl.load(offsets_ptr + flat + 1) - start
+        block_start = tl.load(offsets_ptr + block * n_chunks)
+        block_end = tl.load(offsets_ptr + (block + 1) * n_chunks)
     else:
         block_start = _sum_before(block_nnz_ptr, block, SCAN)
         block_end = block_start + tl.load(block_nnz_ptr + block)
-    own = chunk_nnz_ptr + block * n_chunks
-    start = block_start + _sum_before(own, chunk, SCAN)
-    nnz = tl.load(own + chunk)
-    flat = block * n_chunks + chunk
-    tl.store(offsets_ptr + flat + 1, start + nnz)
-    if flat == 0:
-        tl.store(offsets_ptr, tl.zeros([], dtype=tl.int64))
+        own = chunk_nnz_ptr + block * n_chunks
+        start = block_start + _sum_before(own, chunk, SCAN)
+        nnz = tl.load(own + chunk).to(tl.int64)
+        tl.store(offsets_ptr + flat + 1, start + nnz)
+        if flat == 0:
+            tl.store(offsets_ptr, tl.zeros([], dtype=tl.int64))
     if (chunk == 0) & (block_end > capacity) & (block_end > block_start):
         tl.atomic_add(spilled_ptr, 1)  # integer: the same total in any order
     if (block_end <= capacity) & (nnz > 0):
         count = tl.load(counts_ptr + block)
-        p, _, _, local, _, _, mask, src = block_slots(
-            counts_ptr, counts_ptr, block, chunk, count, M, width, BLOCK_ROWS, BLOCK_C, False, False
-        )  # no columns or rows: a copy
-        gate = tl.load(gate_ptr + src, mask=mask, other=0.0)
-        fired = ((gate != 0) & mask).to(tl.int32)  # NaN counts, as block_sddmm counted it
-        row_total = tl.sum(fired, axis=1)
-        position = (tl.cumsum(row_total, axis=0) - row_total)[:, None] + (tl.cumsum(fired, axis=1) - fired)
-        dst = start + position
-        keep = fired != 0
-        tl.store(packed_gate_ptr + dst, gate, mask=keep)
-        if HAS_UP:
-            tl.store(packed_up_ptr + dst, tl.load(up_ptr + src, mask=keep), mask=keep)
-        code = local[:, None] * BLOCK_C + (p - chunk * BLOCK_C)[None, :]
-        tl.store(packed_slots_ptr + dst, code.to(tl.int16), mask=keep)
+        local = tl.arange(0, BLOCK_ROWS)
+        row_mask = block * BLOCK_ROWS + local < M
+        rows_ptr = block.to(tl.int64) * BLOCK_ROWS * width + local[:, None] * width  # [BLOCK_ROWS, 1]
+        # SUB slots at a time (the order within a chunk is free: the unpack reads only each pair's code), which
+        # keeps the [BLOCK_ROWS, SUB] tiles of addresses in registers
+        for sub in tl.static_range(BLOCK_C // SUB):
+            q = sub * SUB + tl.arange(0, SUB)  # [SUB] slots within the chunk
+            p = chunk * BLOCK_C + q
+            mask = row_mask[:, None] & (p < count)[None, :]
+            src = rows_ptr + p[None, :]
+            gate = tl.load(gate_ptr + src, mask=mask, other=0.0)
+            fired = ((gate != 0) & mask).to(tl.int32)  # NaN counts, as block_sddmm counted it
+            row_total = tl.sum(fired, axis=1)
+            position = (tl.cumsum(row_total, axis=0) - row_total)[:, None] + (tl.cumsum(fired, axis=1) - fired)
+            keep = fired != 0
+            tl.store(packed_gate_ptr + start + position, gate, mask=keep)
+            if HAS_UP:
+                tl.store(packed_up_ptr + start + position, tl.load(up_ptr + src, mask=keep), mask=keep)
+            code = local[:, None] * BLOCK_C + q[None, :]
+            tl.store(packed_slots_ptr + start + position, code.to(tl.int16), mask=keep)
+            start += tl.sum(row_total, axis=0)
 
 
 def _scan() -> int:
     return 16 if _backend.INTERPRET else 1024
 
 
+# launch shapes on a GPU, measured on an H200 at the 1.5B and 8B layer shapes: (pack warps, slots per step), (unpack
+# BLOCK_K, pairs written per step, warps, stages)
+PACK_CONFIG = (4, 32)
+UNPACK_CONFIG = (64, 256, 4, 2)
+
+
 def pack_block_factors(
-    factors: BlockFactors,
-    block_rows: int,
-    capacity: int,
-    block_offsets: torch.Tensor | None = None,
+    factors: BlockFactors, block_rows: int, capacity: int, offsets: torch.Tensor | None = None
 ) -> PackedFactors:
     """Keep the fired pairs of ``factors``' gate and up ([M, width] on one :class:`~sparsefuse.sparse.BlockELL`
     layout, as :func:`~sparsefuse.sparse.block_sddmm` returns them with ``factors``) in arrays of ``capacity`` pairs;
     blocks past the capacity are counted in :func:`spilled_blocks` and left for :func:`unpack_block_factors` to
     recompute. One launch, no host sync. Without an up factor (a non-gated layer) only the gate is kept; the
-    returned ``up`` is empty. ``block_offsets`` [n_blocks + 1] int64: the running sum of ``factors.block_nnz``
-    when already computed (e.g. by :func:`~sparsefuse.sparse.block_spmm.heavy_first_schedule_and_offsets`)."""
+    returned ``up`` is empty. ``offsets`` [n_blocks * n_chunks + 1] int64: the running sum of ``factors.chunk_nnz``
+    when already computed (e.g. by :func:`~sparsefuse.sparse.block_spmm.heavy_first_schedule_and_offsets` with
+    ``parts``); the returned offsets are then that tensor."""
     gate, up, counts = factors.gate.values, factors.up, factors.gate.counts
     M, width = gate.shape
     n_blocks, n_chunks = factors.chunk_nnz.shape
@@ -156,19 +170,20 @@ def pack_block_factors(
         new_output((capacity,), gate.dtype, gate.device),
         new_output((capacity if up is not None else 0,), gate.dtype, gate.device),
         new_output((capacity,), torch.int16, gate.device),
-        new_output((n_blocks * n_chunks + 1,), torch.int64, gate.device),
+        offsets if offsets is not None else new_output((n_blocks * n_chunks + 1,), torch.int64, gate.device),
     )
     if n_blocks * n_chunks == 0:
-        packed.offsets.zero_()
+        if offsets is None:
+            packed.offsets.zero_()
         return packed
     if backend_for(gate) is Backend.TORCH:
         raise NotImplementedError("pack_block_factors runs on the GPU or the Triton interpreter")
+    warps, sub = (4, factors.chunk // 2) if _backend.INTERPRET else PACK_CONFIG  # interpreted: the loop runs twice
     block_pack_kernel[(n_chunks, n_blocks)](
-        gate, up.values if up is not None else gate, counts, factors.chunk_nnz, factors.block_nnz,
-        block_offsets if block_offsets is not None else counts, packed.gate, packed.up, packed.slots,
-        packed.offsets, spilled_blocks(gate.device), M, width, capacity, BLOCK_ROWS=block_rows,
-        BLOCK_C=factors.chunk, SCAN=_scan(), HAS_BLOCK_OFFSETS=block_offsets is not None, HAS_UP=up is not None,
-        num_warps=4,
+        gate, up.values if up is not None else gate, counts, factors.chunk_nnz, factors.block_nnz, packed.gate,
+        packed.up, packed.slots, packed.offsets, spilled_blocks(gate.device), M, width, capacity,
+        BLOCK_ROWS=block_rows, BLOCK_C=factors.chunk, SUB=min(sub, factors.chunk), SCAN=_scan(),
+        GIVEN_OFFSETS=offsets is not None, HAS_UP=up is not None, num_warps=warps,
     )  # fmt: skip
     record_launch("block_pack_kernel")
     return packed
@@ -299,7 +314,7 @@ def unpack_block_factors(
         return gate, up, table
     if backend_for(x) is Backend.TORCH:
         raise NotImplementedError("unpack_block_factors runs on the GPU or the Triton interpreter")
-    block_k, scatter, warps, stages = (32, 16, 4, 1) if _backend.INTERPRET else (64, 256, 8, 2)
+    block_k, scatter, warps, stages = (32, 16, 4, 1) if _backend.INTERPRET else UNPACK_CONFIG
     block_unpack_kernel[(triton.cdiv(width, chunk), n_blocks)](
         packed.gate, packed.up if has_up else packed.gate, packed.slots, packed.offsets, indices, counts,
         order if order is not None else counts, x, w_gate, b_gate if b_gate is not None else w_gate,

@@ -32,19 +32,24 @@ def _group_count(counts_ptr, i, mask, n_cols, STEP: tl.constexpr, FROM_OFFSETS: 
 def heavy_first_schedule_kernel(
     counts_ptr,
     sizes_ptr,
+    parts_ptr,
     schedule_ptr,
     prefix_ptr,
     n,
     n_cols,
+    n_parts,
     STEP: tl.constexpr,
     FROM_OFFSETS: tl.constexpr,
     PREFIX: tl.constexpr,
     BLOCK: tl.constexpr,
+    PARTS: tl.constexpr,
 ):
     # counts [n] int32 (>= 0; or offsets [n_cols + 1], see _group_count) -> schedule [n] int32: the indices by
     # decreasing count, ties in index order. Each index's rank is counted by comparing it with every other count
     # (n is a number of row blocks, M / 64, or of column groups, N / 16). PREFIX: the same loop also sums sizes [n]
-    # (int32) up to each index, prefix [n + 1] int64 = the exclusive running sum, its last entry the total.
+    # (int32) up to each index; each index's size is split in n_parts parts [n, n_parts] (int32, each row summing
+    # to its size), and prefix [n * n_parts + 1] int64 = the exclusive running sum over (index, part), its last
+    # entry the total.
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     i_mask = i < n
     count_i = _group_count(counts_ptr, i, i_mask, n_cols, STEP, FROM_OFFSETS)
@@ -58,11 +63,17 @@ def heavy_first_schedule_kernel(
         rank += tl.sum(ahead.to(tl.int32), axis=1)
         if PREFIX:
             size_j = tl.load(sizes_ptr + j, mask=j < n, other=0)
-            up_to = (j[None, :] <= i[:, None]) & (j[None, :] < n)
-            through += tl.sum(tl.where(up_to, size_j[None, :], 0).to(tl.int64), axis=1)
+            before = (j[None, :] < i[:, None]) & (j[None, :] < n)
+            through += tl.sum(tl.where(before, size_j[None, :], 0).to(tl.int64), axis=1)
     tl.store(schedule_ptr + rank, i, mask=i_mask)
     if PREFIX:
-        tl.store(prefix_ptr + i + 1, through, mask=i_mask)
+        for c0 in range(0, n_parts, PARTS):
+            c = c0 + tl.arange(0, PARTS)
+            flat = i[:, None].to(tl.int64) * n_parts + c[None, :]
+            mask = i_mask[:, None] & (c[None, :] < n_parts)
+            part = tl.load(parts_ptr + flat, mask=mask, other=0).to(tl.int64)
+            tl.store(prefix_ptr + flat + 1, through[:, None] + tl.cumsum(part, axis=1), mask=mask)
+            through += tl.sum(part, axis=1)
         if tl.program_id(0) == 0:
             tl.store(prefix_ptr, tl.zeros([], dtype=tl.int64))
 
@@ -77,20 +88,25 @@ def heavy_first_schedule(counts: torch.Tensor, group: int | None = None) -> torc
     n_cols = counts.numel() - 1 if group is not None else counts.numel()
     n = triton.cdiv(n_cols, group) if group is not None else n_cols
     schedule = new_output((n,), torch.int32, counts.device)  # poisoned (-1) under test: every position is written
-    _launch_schedule(counts, schedule, None, n, n_cols, group, None)
+    _launch_schedule(counts, schedule, None, n, n_cols, group, None, None)
     return schedule
 
 
-def heavy_first_schedule_and_offsets(counts: torch.Tensor, sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(:func:`heavy_first_schedule` of ``counts`` [n] int32, offsets [n + 1] int64 = the running sum of ``sizes``
-    [n] int32 before each index, then the total) in the one launch: where blocks are both scheduled and packed end to
-    end (the training step), the offsets cost no launch of their own."""
+def heavy_first_schedule_and_offsets(
+    counts: torch.Tensor, sizes: torch.Tensor, parts: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(:func:`heavy_first_schedule` of ``counts`` [n] int32, offsets) in the one launch: where blocks are both
+    scheduled and packed end to end (the training step), the offsets cost no launch of their own. ``offsets``:
+    [n + 1] int64, the running sum of ``sizes`` [n] int32 before each index, then the total; or with ``parts``
+    [n, n_parts] int32 (each index's size split in parts, each row summing to its size) [n * n_parts + 1], the
+    running sum over (index, part)."""
     n = counts.numel()
+    parts = sizes.reshape(n, 1) if parts is None else parts
     schedule = new_output((n,), torch.int32, counts.device)
-    offsets = new_output((n + 1,), torch.int64, counts.device)
+    offsets = new_output((n * parts.shape[1] + 1,), torch.int64, counts.device)
     if n == 0:
         return schedule, offsets.zero_()
-    _launch_schedule(counts, schedule, offsets, n, n, None, sizes)
+    _launch_schedule(counts, schedule, offsets, n, n, None, sizes, parts)
     return schedule, offsets
 
 
@@ -102,13 +118,14 @@ def _launch_schedule(
     n_cols: int,
     group: int | None,
     sizes: torch.Tensor | None,
+    parts: torch.Tensor | None,
 ) -> None:
     if n:
-        block = 16 if _backend.INTERPRET else 128
+        block, part_tile = (16, 4) if _backend.INTERPRET else (128, 32)
         heavy_first_schedule_kernel[(triton.cdiv(n, block),)](
-            counts, sizes if sizes is not None else counts, schedule, prefix if prefix is not None else schedule,
-            n, n_cols,
-            STEP=group or 1, FROM_OFFSETS=group is not None, PREFIX=prefix is not None, BLOCK=block,
+            counts, sizes if sizes is not None else counts, parts if parts is not None else counts, schedule,
+            prefix if prefix is not None else schedule, n, n_cols, parts.shape[1] if parts is not None else 0,
+            STEP=group or 1, FROM_OFFSETS=group is not None, PREFIX=prefix is not None, BLOCK=block, PARTS=part_tile,
         )  # fmt: skip
         record_launch("heavy_first_schedule_kernel")
 

@@ -132,17 +132,21 @@ def test_heavy_first_schedule_orders_by_decreasing_count(n, device):
 
 
 @pytest.mark.parametrize("n", [0, 1, 5, 17, 300])
-def test_heavy_first_schedule_and_offsets_in_one_launch(n, device):
-    # the training step's blocks: their launch order (by union size) and where each block's kept pairs start when
-    # packed end to end (by its non-zero count)
+@pytest.mark.parametrize("n_parts", [None, 1, 3, 44])
+def test_heavy_first_schedule_and_offsets_in_one_launch(n, n_parts, device):
+    # the training step's blocks: their launch order (by union size) and where each block's (each chunk's, with
+    # parts) kept pairs start when packed end to end
     generator = torch.Generator().manual_seed(n)
     counts = torch.randint(0, 6, (n,), generator=generator, dtype=torch.int32)
-    sizes = torch.randint(0, 1000, (n,), generator=generator, dtype=torch.int32)
+    parts = torch.randint(0, 300, (n, n_parts or 1), generator=generator, dtype=torch.int32)
+    sizes = parts.sum(1, dtype=torch.int32)
     with track_launches() as launched:
-        schedule, offsets = heavy_first_schedule_and_offsets(counts.to(device), sizes.to(device))
+        schedule, offsets = heavy_first_schedule_and_offsets(
+            counts.to(device), sizes.to(device), parts.to(device) if n_parts else None
+        )
     assert launched["heavy_first_schedule_kernel"] == (1 if n else 0)
     assert torch.equal(schedule.cpu(), torch.sort(counts, descending=True, stable=True).indices.to(torch.int32))
-    expected = torch.cat([torch.zeros(1, dtype=torch.int64), sizes.to(torch.int64).cumsum(0)])
+    expected = torch.cat([torch.zeros(1, dtype=torch.int64), parts.reshape(-1).to(torch.int64).cumsum(0)])
     assert torch.equal(offsets.cpu(), expected)
 
 

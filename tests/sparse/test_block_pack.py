@@ -56,18 +56,16 @@ def test_round_trip_and_recompute(M, fit_blocks, bias, given_offsets, dtype, dev
     block_ends = offsets[n_chunks::n_chunks]  # [n_blocks]
     assert torch.equal(f.block_nnz.cpu().to(torch.int64), block_ends - offsets[:-1:n_chunks])
     capacity = int(offsets[-1]) if fit_blocks is None else int(block_ends[fit_blocks - 1]) if fit_blocks else 0
-    block_offsets = None
-    if given_offsets:  # as the training step hands them over from its schedule launch
-        block_offsets = offsets[::n_chunks].contiguous().to(device)
+    given = offsets.to(device) if given_offsets else None  # as the training step's schedule launch writes them
     spilled_before = int(spilled_blocks(device))
     with track_launches() as launched:
-        packed = pack_block_factors(f, rows, capacity, block_offsets)
+        packed = pack_block_factors(f, rows, capacity, given)
         gate, up, table = unpack_block_factors(
             packed, f.gate.indices, counts, f.gate.row_order, rows, f.chunk, x, wg, bg, wu, bu
         )
     assert launched == {"block_pack_kernel": 1, "block_unpack_kernel": 1}, launched
     assert packed.gate.shape == (capacity,) and packed.slots.dtype == torch.int16
-    assert torch.equal(packed.offsets.cpu(), offsets)
+    assert torch.equal(packed.offsets.cpu(), offsets) and (given is None or packed.offsets is given)
     fits = (block_ends <= capacity).cpu()
     expected_spills = int((~fits & (f.block_nnz.cpu() > 0)).sum())
     assert int(spilled_blocks(device)) - spilled_before == expected_spills
@@ -77,7 +75,7 @@ def test_round_trip_and_recompute(M, fit_blocks, bias, given_offsets, dtype, dev
     u_ref = torch.where(g_ref != 0, u_ref, 0)  # up is kept where the gate fired: the backward reads no other
     g_out, u_out = _filled(gate, f, M).cpu(), _filled(up, f, M).cpu()
     assert torch.equal(g_out[copied], g_ref[copied]) and torch.equal(u_out[copied], u_ref[copied])
-    # what is kept: the fitting blocks' non-zeros, chunk by chunk, row by row
+    # what is kept: the fitting blocks' non-zeros, chunk by chunk (in any order within a chunk)
     width, chunk = g_ref.shape[1], f.chunk
     for b in range(n_blocks):
         if not fits[b]:
@@ -85,7 +83,8 @@ def test_round_trip_and_recompute(M, fit_blocks, bias, given_offsets, dtype, dev
         for c in range(n_chunks):
             lo, hi = int(offsets[b * n_chunks + c]), int(offsets[b * n_chunks + c + 1])
             tile = g_ref[b * rows : (b + 1) * rows, c * chunk : min((c + 1) * chunk, width)]
-            assert torch.equal(packed.gate[lo:hi].cpu(), tile[tile != 0])
+            kept = packed.gate[lo:hi].cpu().nan_to_num(7.0).sort().values
+            assert torch.equal(kept, tile[tile != 0].nan_to_num(7.0).sort().values)
     if (~copied).any():  # recomputed: the float64 products on the same slots
         order = f.gate.row_order.long().cpu() if f.gate.row_order is not None else torch.arange(M)
         x64 = x.double().cpu()[order]

@@ -16,7 +16,8 @@ and the gradients of x and the three weights with ``torch.autograd.grad``. Rows 
 
 ``flops`` is the dense step's ``18 M K N`` for every row (TFLOP/s of a sparse row is dense-equivalent); the
 ``peak MB`` column is each call's allocator high-water mark above what was allocated before it: with no activation
-kept past the call, it includes what the forward keeps for the backward.
+kept past the call, it includes what the forward keeps for the backward. Each row's note gives what the forward
+keeps for the backward (memory allocated after a forward, less its output), and its share of dense eager's.
 """
 
 from __future__ import annotations
@@ -58,9 +59,25 @@ def _case(K: int, N: int, M: int, dtype: torch.dtype, device: str) -> Case:
         # firing, as in training, where a weight sees about the same sparsity from one step to the next
         half_weights = [w.detach().clone().requires_grad_() for w in weights]
         dy = torch.randn(M, K, device=device, dtype=dtype)
-        return x30, x_half, *weights, dy, torch.tensor(L1_COEFFICIENT, device=device), *half_weights
+        inputs = (x30, x_half, *weights, dy, torch.tensor(L1_COEFFICIENT, device=device), *half_weights)
+        last["inputs"] = inputs
+        return inputs
 
     compiled = torch.compile(eager_ffn)
+    last: dict[str, Any] = {}  # the latest inputs, and what each implementation's forward keeps (bytes)
+    forwards = {
+        "dense eager": lambda x30, xh, wg, wu, wd, *rest: eager_ffn(x30, wg, wu, wd),
+        "torch.compile": lambda x30, xh, wg, wu, wd, *rest: compiled(x30, wg, wu, wd),
+        "sparse nnz=30": lambda x30, xh, wg, wu, wd, *rest: hybrid_mlp(x30, wg, wu, wd, layout="auto").y,
+        "ELL nnz=30": lambda x30, xh, wg, wu, wd, *rest: hybrid_mlp(x30, wg, wu, wd, layout="hybrid").y,
+        "sparse nnz=half": lambda x30, xh, wg, wu, wd, dy, c, *h: hybrid_mlp(xh, *h, layout="auto").y,
+    }
+
+    def kept_note(impl: str) -> str:
+        kept = {name: _kept_bytes(forwards[name], last["inputs"]) for name in {impl, "dense eager"}}
+        share = kept[impl] / max(kept["dense eager"], 1)
+        return f"kept for backward {kept[impl] / 2**20:.1f} MB ({share:.1%} of dense eager's)"
+
     impls = {
         "dense eager": lambda x30, xh, wg, wu, wd, dy, c, *h: _dense_step(eager_ffn, x30, wg, wu, wd, dy),
         "torch.compile": lambda x30, xh, wg, wu, wd, dy, c, *h: _dense_step(compiled, x30, wg, wu, wd, dy),
@@ -82,7 +99,19 @@ def _case(K: int, N: int, M: int, dtype: torch.dtype, device: str) -> Case:
         rotate=False,
         eager_impl="dense eager",
         compile_impl="torch.compile",
+        impl_note=kept_note if device != "cpu" else None,
     )
+
+
+def _kept_bytes(forward, inputs: tuple[Any, ...]) -> int:
+    """Bytes a forward leaves allocated past its output: what autograd keeps for the backward."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    y = forward(*inputs)
+    torch.cuda.synchronize()
+    kept = torch.cuda.memory_allocated() - before - y.numel() * y.element_size()
+    del y
+    return kept
 
 
 @register(

@@ -81,10 +81,10 @@ def _train_forward(
     f = block_sddmm(pattern, pre, x2, w_up, b_up, relu=True, out_dtype=x2.dtype, factors=True)
     # The down product here and the backward's dx products walk the same unions: their heavy-first launch order is
     # found once and kept (4 bytes a block). One block has nothing to order: zeros stand in, and no product reads them.
-    # The same launch sums the blocks' non-zeros into where each block's pairs start in the packed arrays.
+    # The same launch sums the blocks' non-zeros into where each block's chunks' pairs start in the packed arrays.
     many = f.product.counts.shape[0] > 1
     if many:
-        schedule, offsets = heavy_first_schedule_and_offsets(f.product.counts, f.block_nnz)
+        schedule, offsets = heavy_first_schedule_and_offsets(f.product.counts, f.block_nnz, f.chunk_nnz)
     else:
         schedule, offsets = torch.zeros_like(f.product.counts), None
     y = block_sparse_matmul(f.product, w_down_t, bias=b_down, out_dtype=x2.dtype, schedule=schedule if many else None)
