@@ -248,6 +248,10 @@ def _exercise_ops(dtype: torch.dtype, ffn: bool) -> None:
         leaves = [t.detach().clone().requires_grad_() for t in (xf, w_up, w_down)]
         out = hybrid_relu_mlp(*leaves, b_up=r(N, grad=True), layout=layout)
         (out.y.float().sum() + out.l1).backward()
+    # one row block: no schedule launch, so the pack sums its own offsets
+    leaves = [t.detach().clone().requires_grad_() for t in (xf[:8], w_gate, w_up, w_down)]
+    out = hybrid_mlp(*leaves, layout="block")
+    (out.y.float().sum() + out.l1).backward()
 
 
 def _compile(specs: list[dict[str, Any]], tmp_path: Path) -> list[dict[str, Any]]:

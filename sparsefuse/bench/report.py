@@ -526,12 +526,20 @@ def write_set(
     return [csv_path, md] + ([png] if plotted else [])
 
 
-def merge_rows(old: Sequence[Result], new: Sequence[Result]) -> list[Result]:
+def merge_rows(old: Sequence[Result], new: Sequence[Result], old_commit: str | None = None) -> list[Result]:
     """``old`` with every row that ``new`` re-measured (same shape, dtype, direction and implementation) replaced
-    in place, then ``new``'s other rows appended."""
+    in place, then ``new``'s other rows appended. ``old_commit``: the commit the old rows were measured at, noted on
+    each old row kept (the set's header then names the new run's commit)."""
     key = lambda r: (r.workload, r.shape, r.dtype, r.direction, r.impl)  # noqa: E731
     fresh = {key(r): r for r in new}
-    merged = [fresh.pop(key(r), r) for r in old]
+    merged = []
+    for r in old:
+        if key(r) in fresh:
+            merged.append(fresh.pop(key(r)))
+            continue
+        if old_commit and "measured at commit" not in r.note:
+            r = dataclasses.replace(r, note=f"{r.note}; measured at commit {old_commit}".lstrip("; "))
+        merged.append(r)
     return merged + [r for r in new if key(r) in fresh]
 
 
@@ -544,8 +552,8 @@ def write_results(
     merge: bool = False,
 ) -> list[Path]:
     """One set per workload in the rows, named :func:`result_stem` (``<workload>-<gpu>[-quick]``). ``merge``: rows
-    of a set already in ``out_dir`` that these rows do not re-measure are kept (:func:`merge_rows`); the metadata
-    (commit, date) is this run's."""
+    of a set already in ``out_dir`` that these rows do not re-measure are kept (:func:`merge_rows`), each noting
+    the commit it was measured at; the metadata (commit, date) is this run's."""
     by_workload: dict[str, list[Result]] = {}
     for r in rows:
         by_workload.setdefault(r.workload, []).append(r)
@@ -555,7 +563,10 @@ def write_results(
         stem = result_stem(gpu, workload, quick)
         existing = Path(out_dir) / f"{stem}.csv"
         if merge and existing.exists():
-            group = merge_rows(read_csv(existing), group)
+            md = existing.with_suffix(".md")
+            old_commit = read_meta(md).get("commit") if md.exists() else None
+            keep_commit = old_commit if old_commit and old_commit != meta.get("commit") else None
+            group = merge_rows(read_csv(existing), group, keep_commit)
         paths += write_set(group, meta, out_dir, stem, plot)
     return paths
 

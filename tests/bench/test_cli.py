@@ -531,6 +531,13 @@ def test_merge_keeps_rows_not_remeasured_and_replaces_the_others(tmp_path, monke
     assert [r.median_us for r in merged[1 : len(rows)]] == [r.median_us for r in rows[1:]] or any(
         math.isnan(r.median_us) for r in merged
     )
+    assert all("measured at commit" not in r.note for r in merged)  # the same commit: nothing to tell apart
+    # a later commit's run: the rows it did not re-measure say which commit they come from
+    later = {**meta, "commit": "def5678"}
+    report.write_results([dataclasses.replace(rows[0], median_us=2.0)], later, tmp_path, plot=False, merge=True)
+    merged = report.read_csv(tmp_path / "snake-NVIDIA-H100-80GB-HBM3.csv")
+    assert "measured at commit" not in merged[0].note
+    assert all(r.note.endswith("measured at commit abc1234") for r in merged[1:])
     report.write_results([remeasured], meta, tmp_path, plot=False)  # without merge the set is replaced
     assert len(report.read_csv(tmp_path / "snake-NVIDIA-H100-80GB-HBM3.csv")) == 1
 
