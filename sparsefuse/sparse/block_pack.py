@@ -3,10 +3,11 @@
 A :class:`~sparsefuse.sparse.BlockELL` lays each block of rows out at the full width (the largest union it could
 have): ``M * width`` values, of which a trained sparse layer's unions fill ~13% and its gate's non-zeros ~0.5%.
 :func:`pack_block_factors` keeps only the fired (row, slot) pairs: for each pair the gate and up values and where it
-sits within its block's chunk of slots (2 bytes), in flat arrays of a fixed ``capacity`` of pairs, ordered by (row
-block, chunk of union slots, row, slot). Every product of the backward reads the factors where the gate fired and
-nowhere else (the up factor's gradient is the gate there, the gate's is zero where it did not fire), so nothing
-else is needed; :func:`unpack_block_factors` lays the pairs out again on the unions' slots, zeros between them.
+sits within its block's chunk of slots (2 bytes), in flat arrays of a fixed ``capacity`` of pairs, grouped by row
+block and chunk of union slots (any order within a chunk). Every product of the backward reads the factors where
+the gate fired and nowhere else (the up factor's gradient is the gate there, the gate's is zero where it did not
+fire), so nothing else is needed; :func:`unpack_block_factors` lays the pairs out again on the unions' slots, zeros
+between them.
 
 The capacity is chosen on the host before the non-zeros are counted (no host sync), so a batch can need more. A block
 that does not fit is **not dropped**: it is marked (its last chunk's end past ``capacity``, known on the device to
@@ -141,6 +142,11 @@ def block_pack_kernel(
             start += tl.sum(row_total, axis=0)
 
 
+def _check_codes(op: str, block_rows: int, chunk: int) -> None:
+    if block_rows * chunk > 1 << 15:
+        raise ValueError(f"{op}: {block_rows} rows x {chunk} slots a chunk do not fit the pairs' int16 codes")
+
+
 def _scan() -> int:
     return 16 if _backend.INTERPRET else 1024
 
@@ -151,9 +157,7 @@ PACK_CONFIG = (4, 32)
 UNPACK_CONFIG = (64, 256, 4, 2)
 
 
-def pack_block_factors(
-    factors: BlockFactors, block_rows: int, capacity: int, offsets: torch.Tensor | None = None
-) -> PackedFactors:
+def pack_block_factors(factors: BlockFactors, capacity: int, offsets: torch.Tensor | None = None) -> PackedFactors:
     """Keep the fired pairs of ``factors``' gate and up ([M, width] on one :class:`~sparsefuse.sparse.BlockELL`
     layout, as :func:`~sparsefuse.sparse.block_sddmm` returns them with ``factors``) in arrays of ``capacity`` pairs;
     blocks past the capacity are counted in :func:`spilled_blocks` and left for :func:`unpack_block_factors` to
@@ -161,11 +165,15 @@ def pack_block_factors(
     returned ``up`` is empty. ``offsets`` [n_blocks * n_chunks + 1] int64: the running sum of ``factors.chunk_nnz``
     when already computed (e.g. by :func:`~sparsefuse.sparse.block_spmm.heavy_first_schedule_and_offsets` with
     ``parts``); the returned offsets are then that tensor."""
-    gate, up, counts = factors.gate.values, factors.up, factors.gate.counts
+    gate, up, counts, block_rows = factors.gate.values, factors.up, factors.gate.counts, factors.gate.block_rows
     M, width = gate.shape
     n_blocks, n_chunks = factors.chunk_nnz.shape
-    if block_rows * factors.chunk > 1 << 15:
-        raise ValueError(f"pack_block_factors: {block_rows} rows x {factors.chunk} slots do not fit int16 codes")
+    _check_codes("pack_block_factors", block_rows, factors.chunk)
+    if offsets is not None and (offsets.dtype != torch.int64 or offsets.shape != (n_blocks * n_chunks + 1,)):
+        raise ValueError(
+            f"pack_block_factors: offsets must be [{n_blocks * n_chunks + 1}] int64 (one per chunk, and the total); "
+            f"got {tuple(offsets.shape)} {offsets.dtype}"
+        )
     packed = PackedFactors(
         new_output((capacity,), gate.dtype, gate.device),
         new_output((capacity if up is not None else 0,), gate.dtype, gate.device),
@@ -249,6 +257,7 @@ def block_unpack_kernel(
                 e = e0 + tl.arange(0, SCATTER)
                 e_mask = e < hi
                 code = tl.load(packed_slots_ptr + e, mask=e_mask, other=0).to(tl.int32)
+                e_mask &= (code >= 0) & (code < BLOCK_ROWS * BLOCK_C)  # never outside the chunk's own slots
                 to = base + (code // BLOCK_C) * width + code % BLOCK_C
                 tl.store(gate_ptr + to, tl.load(packed_gate_ptr + e, mask=e_mask), mask=e_mask)
                 if HAS_UP:
@@ -305,6 +314,12 @@ def unpack_block_factors(
     M, width = x.shape[0], indices.shape[1]
     N, K = w_gate.shape
     n_blocks = counts.shape[0]
+    _check_codes("unpack_block_factors", block_rows, chunk)
+    if chunk <= 0 or packed.offsets.numel() != n_blocks * triton.cdiv(width, chunk) + 1:
+        raise ValueError(
+            f"unpack_block_factors: offsets of {packed.offsets.numel()} entries do not match {n_blocks} blocks of "
+            f"{width} slots in chunks of {chunk}"
+        )
     dtype, device = packed.gate.dtype, packed.gate.device
     has_up = w_up is not None
     gate = new_output((M, width), dtype, device)

@@ -206,7 +206,9 @@ def block_sddmm_kernel(
             if HAS_B:  # without a product the values already are the gate factor
                 tl.store(gate_out_ptr + out_offsets, scale.to(gate_out_ptr.dtype.element_ty), mask=mask)
                 tl.store(up_out_ptr + out_offsets, acc.to(up_out_ptr.dtype.element_ty), mask=mask)
-            fired = ((scale != 0) & mask).to(tl.int32)
+            # counted on the gate as stored (an out_dtype narrower than the scale's can round a tiny one to 0), so
+            # that the counts agree with the values the pack keeps and the backward masks by
+            fired = ((scale.to(gate_out_ptr.dtype.element_ty) != 0) & mask).to(tl.int32)
             tl.store(pair_ptr + block.to(tl.int64) * N + cols, tl.sum(fired, axis=0), mask=p_mask)
             tl.store(row_part_ptr + chunk.to(tl.int64) * M + rows, tl.sum(fired, axis=1), mask=row_mask)
             tl.store(sum_part_ptr + block * tl.num_programs(0) + chunk, tl.sum(tl.sum(scale, axis=1), axis=0))
@@ -237,10 +239,11 @@ def torch_block_sddmm(
     return pattern.to_mask() * s * prod
 
 
-def factor_chunk(D: int) -> int:
-    """Union slots per program of :func:`block_sddmm` with ``factors`` at reduction length D: its ``chunk_nnz``
-    count non-zeros per chunk of this many slots, and the packing of the factors walks the same chunks."""
-    return _block_sddmm_blocks(D, 0, factors=True)[0]
+def factor_chunk(D: int, block_rows: int) -> int:
+    """Union slots per program of :func:`block_sddmm` with ``factors`` at reduction length D and ``block_rows``-row
+    blocks: its ``chunk_nnz`` count non-zeros per chunk of this many slots, and the packing of the factors walks the
+    same chunks."""
+    return _block_sddmm_blocks(D, block_rows, factors=True)[0]
 
 
 def _block_sddmm_blocks(D: int, block_rows: int, factors: bool = False) -> tuple[int, int, int, int]:

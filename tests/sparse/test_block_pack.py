@@ -1,5 +1,5 @@
 """Packed storage of a row-block layer's factors (:mod:`sparsefuse.sparse.block_pack`): only the fired pairs are
-kept, in (block, chunk, row, slot) order; the round trip is exact for every block that fits (zeros where the gate did
+kept, grouped by (block, chunk); the round trip is exact for every block that fits (zeros where the gate did
 not fire), blocks past the capacity are recomputed from the input and weights (float64 reference), the per-column
 firing counts come back for every block, and the spill counter counts the recomputed ones. Interpreter: fp32/fp16."""
 
@@ -59,7 +59,7 @@ def test_round_trip_and_recompute(M, fit_blocks, bias, given_offsets, dtype, dev
     given = offsets.to(device) if given_offsets else None  # as the training step's schedule launch writes them
     spilled_before = int(spilled_blocks(device))
     with track_launches() as launched:
-        packed = pack_block_factors(f, rows, capacity, given)
+        packed = pack_block_factors(f, capacity, given)
         gate, up, table = unpack_block_factors(
             packed, f.gate.indices, counts, f.gate.row_order, rows, f.chunk, x, wg, bg, wu, bu
         )
@@ -114,6 +114,54 @@ def test_round_trip_and_recompute(M, fit_blocks, bias, given_offsets, dtype, dev
 
 def test_empty_batch(device):
     x, wg, bg, wu, bu, f = _layer(0, 8, 32, torch.float32, device, bias=True)
-    packed = pack_block_factors(f, 16, 0)
+    packed = pack_block_factors(f, 0)
     gate, up, table = unpack_block_factors(packed, f.gate.indices, f.gate.counts, None, 16, f.chunk, x, wg, bg, wu, bu)
     assert gate.shape == (0, f.gate.values.shape[1]) and up.shape == gate.shape and table.shape == (1, 32)
+
+
+def test_counts_follow_the_stored_gate_when_out_dtype_is_narrower(device):
+    """fp32 pre-activations kept as fp16: a tiny positive gate rounds to 0 when stored, so it must not be counted --
+    the pack places exactly the stored non-zeros (else the unpack would read codes it never wrote)."""
+    x, wg, bg, wu, bu, _ = _layer(40, 24, 96, torch.float32, device, bias=True, seed=9)
+    pre = F.linear(x, wg, bg)
+    pre = torch.where(pre > 0.3, torch.full_like(pre, 1e-9), pre)  # below fp16's smallest subnormal
+    pattern = dense_to_row_block_pattern(pre, 64, 16, relu=True)
+    f = block_sddmm(pattern, pre, x, wu, bu, relu=True, out_dtype=torch.float16, factors=True)
+    stored = int((_filled(f.gate.values, f, 40) != 0).sum())
+    assert int(f.chunk_nnz.sum()) == int(f.block_nnz.sum()) == int(f.row_counts.sum()) == stored
+    packed = pack_block_factors(f, stored)
+    gate, up, table = unpack_block_factors(
+        packed, f.gate.indices, f.gate.counts, f.gate.row_order, 16, f.chunk, x, wg, bg, wu, bu
+    )
+    assert torch.equal(_filled(gate, f, 40), _filled(f.gate.values, f, 40))
+    assert int(table.sum()) == stored
+
+
+def test_bad_layouts_are_refused(device):
+    x, wg, bg, wu, bu, f = _layer(40, 24, 96, torch.float32, device, bias=True, seed=3)
+    n_blocks, n_chunks = f.chunk_nnz.shape
+    with pytest.raises(ValueError, match=r"offsets must be \[\d+\] int64"):
+        pack_block_factors(f, 100, torch.zeros(n_blocks * n_chunks, dtype=torch.int64, device=device))
+    packed = pack_block_factors(f, 100)
+    with pytest.raises(ValueError, match="do not match"):  # unpacked with another chunk size than packed
+        unpack_block_factors(packed, f.gate.indices, f.gate.counts, None, 16, 2 * f.chunk, x, wg, bg, wu, bu)
+    with pytest.raises(ValueError, match="int16 codes"):
+        unpack_block_factors(packed, f.gate.indices, f.gate.counts, None, 512, 128, x, wg, bg, wu, bu)
+
+
+def test_capacity_inside_a_block_spills_that_block(device):
+    """A capacity that ends inside a block's pairs: that block and the ones after it are recomputed, the ones
+    before it copied."""
+    x, wg, bg, wu, bu, f = _layer(70, 24, 96, torch.float32, device, bias=True, seed=11)
+    n_blocks, n_chunks = f.chunk_nnz.shape
+    ends = _expected_offsets(f)[n_chunks::n_chunks]
+    capacity = int(ends[0]) + max(1, int(ends[1] - ends[0]) // 2)  # half of block 1
+    before = int(spilled_blocks(device))
+    packed = pack_block_factors(f, capacity)
+    gate, _, _ = unpack_block_factors(
+        packed, f.gate.indices, f.gate.counts, f.gate.row_order, 16, f.chunk, x, wg, bg, wu, bu
+    )
+    live = f.block_nnz.cpu() > 0
+    assert int(spilled_blocks(device)) - before == int(live[1:].sum())
+    rows = f.gate.block_rows
+    assert torch.equal(_filled(gate, f, 70)[:rows].cpu(), _filled(f.gate.values, f, 70)[:rows].cpu())

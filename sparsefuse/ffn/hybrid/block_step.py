@@ -18,9 +18,9 @@ down ``h W_d^T``       sparse rows                                      ``block_
 =====================  ===============================================  =========================================
 
 Kept for the backward: x, the gate and up values where the gate fired, packed pair by pair into ``capacity`` pairs
-with a 2-byte slot code each (:func:`~sparsefuse.sparse.block_pack.pack_block_factors`: ~6 bytes per non-zero, not
-the [M, width] layout the products walk), the unions' column lists and the token order -- no pre-activation, no
-product h. A block past the capacity is recomputed in the backward, never dropped.
+with a 2-byte slot code each (:func:`~sparsefuse.sparse.block_pack.pack_block_factors`: 6 bytes per non-zero at
+bf16, not the [M, width] layout the products walk), the unions' column lists and the token order -- no
+pre-activation, no product h. A block past the capacity is recomputed in the backward, never dropped.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def _train_forward(
     else:
         schedule, offsets = torch.zeros_like(f.product.counts), None
     y = block_sparse_matmul(f.product, w_down_t, bias=b_down, out_dtype=x2.dtype, schedule=schedule if many else None)
-    packed = pack_block_factors(f, block_rows, capacity, offsets)
+    packed = pack_block_factors(f, capacity, offsets)
     order = pattern.row_order
     if order is None:
         order = torch.arange(M, dtype=torch.int32, device=x2.device)
@@ -112,7 +112,7 @@ block_mlp_train_fwd_op = torch.library.custom_op("sparsefuse::block_mlp_train_fw
 def _(x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, block_rows, tile, sort_rows, capacity):
     M, N = x2.shape[0], w_gate.shape[0]
     width, n_blocks = triton.cdiv(N, tile) * tile, triton.cdiv(M, block_rows)
-    n_chunks = triton.cdiv(width, factor_chunk(x2.shape[1]))
+    n_chunks = triton.cdiv(width, factor_chunk(x2.shape[1], block_rows))
     index = lambda *shape: torch.empty(*shape, dtype=torch.int32, device=x2.device)  # noqa: E731
     return (
         x2.new_empty(M, w_down_t.shape[1]),
@@ -158,7 +158,7 @@ def _train_backward(
     M, N = x2.shape[0], w_gate.shape[0]
     dy = dy.to(x2.dtype).contiguous()
     packed = PackedFactors(packed_gate, packed_up, packed_slots, offsets)
-    chunk = factor_chunk(x2.shape[1])  # as the forward's block_sddmm chunked the unions
+    chunk = factor_chunk(x2.shape[1], block_rows)  # as the forward's block_sddmm chunked the unions
     gate_values, up_values, count_table = unpack_block_factors(
         packed, indices, counts, order, block_rows, chunk, x2, w_gate, b_gate, w_up, b_up
     )

@@ -101,8 +101,8 @@ class TrainChoice:
         the non-zeros per token last observed for this gate weight, rounded up; every pair (``M * N``) before the
         first observation. While torch.compile traces (a traced read of the per-weight estimate would break the
         graph), :attr:`compiled_per_token` pairs per token: the eager calls' largest, rounded up to a power of two.
-        Blocks past it are recomputed in the backward, exactly; :func:`sparsefuse.sparse.block_pack.spilled_blocks`
-        counts them."""
+        Blocks past it are recomputed in the backward from x and the weights (to the forward's rounding, on tensor
+        cores), never dropped; :func:`sparsefuse.sparse.block_pack.spilled_blocks` counts them."""
         full = M * w_gate.shape[0]
         if torch.compiler.is_compiling():
             return min(full, self.compiled_per_token * M) if self.compiled_per_token else full
@@ -117,10 +117,10 @@ class TrainChoice:
         if per_token is not None:
             wanted = self.capacity_margin * per_token * M
             capacity = min(full, self.capacity_quantum * max(1, math.ceil(wanted / self.capacity_quantum)))
-            bucket = 1 << max(0, math.ceil(math.log2(max(self.capacity_margin * per_token, 1.0))))
-            if self._per_token_buckets.get(w_gate) != bucket:
-                self._per_token_buckets[w_gate] = bucket
-                self.compiled_per_token = max(self._per_token_buckets.values())
+            need = max(self.capacity_margin * per_token, 1.0)
+            self._per_token_buckets[w_gate] = 1 << math.ceil(math.log2(need))
+            # over the weights alive now (a freed layer's need drops out with it)
+            self.compiled_per_token = max(self._per_token_buckets.values())
         self._freeze(w_gate, "capacity", (M, capacity))
         return capacity
 

@@ -64,9 +64,10 @@ def hybrid_mlp(
             more than :data:`~sparsefuse.ffn.hybrid.choice.TRAIN_CHOICE` ``.dense_above`` of it fires, from the
             firing seen on this weight's earlier calls (no host sync). ``"block"``: tokens in blocks of 64
             (sorted by firing count from 8192 tokens), each block's union of fired neurons; tensor cores
-            throughout, never overflows, no host sync (CUDA-graph capturable). ``"dense"``: plain torch ops (the
-            dense block's speed and memory). ``"hybrid"``: the TwELL paper's format, an ELL of ``width`` slots per
-            token plus whole backup rows for tokens over it (one host sync per call). float64, and CPU tensors
+            throughout, never overflows, no host sync (CUDA-graph capturable). ``"dense"``: cuBLAS products and one
+            fused elementwise pass each way (the dense block's speed and memory). ``"hybrid"``: the TwELL paper's
+            format, an ELL of ``width`` slots per token plus whole backup rows for tokens over it (one host sync per
+            call). float64, and CPU tensors
             without the Triton interpreter, take ``"hybrid"``'s torch path for ``"auto"`` and ``"block"``.
         x: [..., K] float32/float16/bfloat16 (float64 for gradient checks); w_gate, w_up: [N, K]; w_down: [K, N]
             (``nn.Linear`` weights, x's dtype; w_down column-major, as :class:`sparsefuse.nn.SparseGatedMLP` stores
@@ -77,8 +78,9 @@ def hybrid_mlp(
             the step grows its backup to hold them all (exact; counted in :data:`sparsefuse.ffn.hybrid.op.REBUILDS`).
         block_capacity: (``"block"``) fired (token, neuron) pairs kept for the backward (6 bytes each at bf16:
             gate and up values and a slot code). Default: 1.25x the non-zeros last seen on this gate weight (all
-            ``M * N`` pairs before the first observation and under torch.compile). Row blocks past it are
-            recomputed in the backward from x and the weights, never dropped;
+            ``M * N`` pairs before the first observation; under torch.compile the eager calls' largest need per
+            token, rounded up to a power of two). Row blocks past it are recomputed in the backward from x and the
+            weights, never dropped;
             :func:`sparsefuse.sparse.block_pack.spilled_blocks` counts them.
     Returns: :class:`HybridMLPOutput` (y, l1, per-token and per-neuron firing counts, all on the device). Under
     ``torch.autocast`` the step runs in the autocast dtype, as ``nn.Linear`` would.
