@@ -1,17 +1,14 @@
 """The dense step of :func:`sparsefuse.ffn.hybrid.hybrid_mlp` (``layout="dense"``, what ``"auto"`` takes once the
 gate fires widely): its fused elementwise ops (ReLU, the product with up, the L1 term and the firing counts in one
 pass; both products' chain rule with the L1 gradient in one pass back) against float64, opcheck, gradcheck, compile,
-the eager fast path and the GPU."""
-
-import contextlib
+the eager fast path (the GPU test, block and dense, is in test_hybrid_train.py)."""
 
 import pytest
 import torch
-from test_hybrid_train import NAMES, _check, _dense_lowp, _leaves, _run
+from test_hybrid_train import _check, _leaves, _run
 
 from sparsefuse import track_launches
-from sparsefuse.ffn.hybrid import hybrid_mlp, hybrid_relu_mlp, hybrid_step_reference
-from sparsefuse.ffn.synthetic import synthetic_ffn
+from sparsefuse.ffn.hybrid import hybrid_mlp, hybrid_relu_mlp
 
 
 def _assert_rounded_once(ours, ref64, dtype, fp32_terms=None, name="output"):
@@ -254,58 +251,9 @@ def test_eager_dense_step_skips_the_dispatcher_with_the_same_results(gated, bias
         assert torch.equal(a, b)
 
 
-def test_compiled_autograd_over_an_eager_dense_forward(device):
-    # the eager dense step's backward, traced by compiled autograd, runs the opaque backward op: the same gradients
-    from torch._dynamo import compiled_autograd
-
-    enable = getattr(compiled_autograd, "_enable", None) or compiled_autograd.enable
-    leaves = _leaves(48, 16, 96, torch.float32, device, False, seed=16)
-    dy = torch.randn(48, 16, device=device)
-    grads = []
-    for compiled in (False, True):
-        params = [t.detach().clone().requires_grad_() for t in leaves if t is not None]
-        out = hybrid_mlp(*params, layout="dense")
-        loss = (out.y * dy).sum() + 0.1 * out.l1
-        with enable(torch.compile(backend="aot_eager")) if compiled else contextlib.nullcontext():
-            loss.backward()
-        grads.append([p.grad for p in params])
-    for a, b in zip(*grads):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-
-
 def test_dense_step_is_deterministic(device):
     leaves = _leaves(48, 16, 96, torch.float16, device, True, seed=17)
     dy = torch.randn(48, 16, device=device, dtype=torch.float16)
     first, second = (_run(leaves, dy, coef=0.1, layout="dense") for _ in range(2))
     for a, b in zip((*first[0], *first[1]), (*second[0], *second[1])):
         assert torch.equal(a, b)
-
-
-@pytest.mark.gpu
-def test_dense_step_on_the_gpu_is_sync_free_and_close_to_float64():
-    """bf16 at the 1.5B layer's shape: the dense step's output and gradients within twice torch's own bf16 error of
-    the float64 step (whole-tensor norms), and no host sync in forward or backward."""
-    from sparsefuse.testing import assert_norm_close_to_reference
-
-    ffn = synthetic_ffn(2048, 5632, dtype=torch.bfloat16, device="cuda", seed=9)
-    x = ffn.make_input(2048, 30.0).requires_grad_()
-    leaves = [x] + [w.clone().requires_grad_() for w in (ffn.w_gate, ffn.w_up, ffn.w_down)] + [None] * 3
-    dy = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
-    coef = torch.tensor(0.5, device="cuda")
-
-    def step():
-        out = hybrid_mlp(*leaves[:4], layout="dense")
-        return (out.y.detach(), *torch.autograd.grad((out.y, out.l1), leaves[:4], (dy, coef)))
-
-    eager = step()  # compiles the kernels
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    y64, _, g64 = hybrid_step_reference(*leaves[:4], dy, 0.5)
-    y_lp, _, grads_lp = _dense_lowp(leaves, dy, 0.5)
-    assert_norm_close_to_reference(eager[0], y64, y_lp, name="y")
-    for name, ours, lp in zip(NAMES, eager[1:], grads_lp):
-        assert_norm_close_to_reference(ours, getattr(g64, name), lp, name=f"d{name}")

@@ -389,18 +389,20 @@ def test_eager_step_skips_the_dispatcher_with_the_same_results(bias, device, mon
         assert torch.equal(a, b)
 
 
-def test_compiled_autograd_over_an_eager_forward(device):
-    # the eager step's backward, traced by compiled autograd, runs the opaque backward op (Dynamo does not step
-    # into the kernels' launchers): the same gradients as a plain backward
+@pytest.mark.parametrize("layout", ["block", "dense"])
+def test_compiled_autograd_over_an_eager_forward(layout, device):
+    # the eager step's backward (block or dense), traced by compiled autograd, runs the opaque backward op (Dynamo
+    # does not step into the kernels' launchers): the same gradients as a plain backward
     from torch._dynamo import compiled_autograd
 
     enable = getattr(compiled_autograd, "_enable", None) or compiled_autograd.enable
     leaves = _leaves(48, 16, 96, torch.float32, device, False, seed=10)
     dy = torch.randn(48, 16, device=device)
     grads = []
+    capacity = {"block_capacity": 10**6} if layout == "block" else {}
     for compiled in (False, True):
         params = [t.detach().clone().requires_grad_() for t in leaves if t is not None]
-        out = hybrid_mlp(*params, layout="block", block_capacity=10**6)
+        out = hybrid_mlp(*params, layout=layout, **capacity)
         loss = (out.y * dy).sum() + 0.1 * out.l1
         with enable(torch.compile(backend="aot_eager")) if compiled else contextlib.nullcontext():
             loss.backward()
@@ -567,10 +569,11 @@ def test_module_trains_with_either_method_and_reports(train_method, device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("K, N", [(2048, 5632), (1024, 3000)])
-def test_block_step_on_the_gpu_is_sync_free_capturable_and_close_to_float64(K, N):
-    """bf16 at a real layer shape: gradients within twice torch's own bf16 error of the float64 step (whole-tensor
-    norms), no host sync in forward or backward, and a CUDA-graph replay equal to the eager step."""
+@pytest.mark.parametrize("layout, K, N", [("block", 2048, 5632), ("block", 1024, 3000), ("dense", 2048, 5632)])
+def test_step_on_the_gpu_is_sync_free_capturable_and_close_to_float64(layout, K, N):
+    """bf16 at a real layer shape, the block and the dense step: gradients within twice torch's own bf16 error of
+    the float64 step (whole-tensor norms), no host sync in forward or backward, and a CUDA-graph replay equal to the
+    eager step."""
     from sparsefuse.testing import assert_norm_close_to_reference
 
     ffn = synthetic_ffn(K, N, dtype=torch.bfloat16, device="cuda", seed=9)
@@ -580,7 +583,7 @@ def test_block_step_on_the_gpu_is_sync_free_capturable_and_close_to_float64(K, N
     coef = torch.tensor(0.5, device="cuda")
 
     def step():
-        out = hybrid_mlp(*leaves[:4], layout="block")
+        out = hybrid_mlp(*leaves[:4], layout=layout)
         grads = torch.autograd.grad((out.y, out.l1), leaves[:4], (dy, coef))
         # y detached: a graph kept alive from an eager step keeps the leaves' gradient accumulators, bound to the
         # stream of that step (the legacy default stream), and the captured backward would sync with it
