@@ -259,7 +259,8 @@ block_mlp_train_fwd_op.register_autograd(_backward, setup_context=_setup_context
 class _EagerTrainStep(torch.autograd.Function):
     """The same two implementations and autograd rule as the ops, for plain eager calls: a torch.library op with
     autograd costs ~0.2-0.3 ms of host time per call on its own (the dispatcher, the autograd wrapper, output alias
-    checks), which a training step from Python pays twice per layer."""
+    checks), which a training step from Python pays twice per layer. What the backward keeps is saved on the context
+    directly rather than returned (an op can hand it over only as outputs): 4 outputs for autograd to track, not 12."""
 
     @staticmethod
     def forward(ctx, *inputs):
@@ -269,8 +270,8 @@ class _EagerTrainStep(torch.autograd.Function):
         else:
             output = _train_forward(*inputs)
         _setup_context(ctx, inputs, output)
-        ctx.mark_non_differentiable(*output[2:])
-        return output
+        ctx.mark_non_differentiable(output[2], output[3])
+        return output[:4]
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -281,9 +282,10 @@ class _EagerTrainStep(torch.autograd.Function):
 
 
 def block_mlp_train_fwd(*inputs):
-    """:data:`block_mlp_train_fwd_op` with its autograd (arguments and outputs as there): through the torch.library
-    op where the dispatcher is needed (torch.compile, tensor subclasses, dispatch modes, functorch), as an
-    ``autograd.Function`` around the same code in a plain eager call."""
+    """:data:`block_mlp_train_fwd_op` with its autograd (arguments as there; its first four outputs: y, l1, token
+    and neuron counts): through the torch.library op where the dispatcher is needed (torch.compile, tensor
+    subclasses, dispatch modes, functorch), as an ``autograd.Function`` around the same code in a plain eager
+    call."""
     if plain_eager_call(*(t for t in inputs if isinstance(t, torch.Tensor))):
         return _EagerTrainStep.apply(*inputs)
-    return block_mlp_train_fwd_op(*inputs)
+    return block_mlp_train_fwd_op(*inputs)[:4]

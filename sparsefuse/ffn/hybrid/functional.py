@@ -157,7 +157,7 @@ def _train_step(
         if block_capacity is None:
             block_capacity = TRAIN_CHOICE.capacity(gate, M)
         # the kernels read weight rows and bias vectors at unit stride (a strided one is copied, differentiably)
-        y, l1, counts, neuron_counts, *_ = block_mlp_train_fwd(
+        y, l1, counts, neuron_counts = block_mlp_train_fwd(
             x2,
             unit_last_stride(w_gate),
             unit_last_stride(b_gate),
