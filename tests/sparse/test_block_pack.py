@@ -165,3 +165,21 @@ def test_capacity_inside_a_block_spills_that_block(device):
     assert int(spilled_blocks(device)) - before == int(live[1:].sum())
     rows = f.gate.block_rows
     assert torch.equal(_filled(gate, f, 70)[:rows].cpu(), _filled(f.gate.values, f, 70)[:rows].cpu())
+
+
+def test_nan_gates_are_kept_as_fired(device):
+    """A NaN pre-activation fires (as torch.relu keeps NaN): it is counted, packed and laid out again as NaN."""
+    x, wg, bg, wu, bu, _ = _layer(40, 24, 96, torch.float32, device, bias=True, seed=12)
+    pre = F.linear(x, wg, bg)
+    pre[3, 5] = pre[17, 40] = pre[39, 95] = float("nan")
+    pattern = dense_to_row_block_pattern(pre, 64, 16, relu=True)
+    f = block_sddmm(pattern, pre, x, wu, bu, relu=True, out_dtype=torch.float32, factors=True)
+    stored = int((_filled(f.gate.values, f, 40) != 0).sum())  # NaN != 0
+    assert int(f.chunk_nnz.sum()) == stored
+    packed = pack_block_factors(f, stored)
+    gate, _, table = unpack_block_factors(
+        packed, f.gate.indices, f.gate.counts, f.gate.row_order, 16, f.chunk, x, wg, bg, wu, bu
+    )
+    ours, ref = _filled(gate, f, 40).cpu(), _filled(f.gate.values, f, 40).cpu()
+    assert int(ours.isnan().sum()) == 3 and torch.equal(ours.nan_to_num(7.0), ref.nan_to_num(7.0))
+    assert int(table.sum()) == stored
