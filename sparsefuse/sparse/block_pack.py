@@ -51,12 +51,14 @@ class PackedFactors(NamedTuple):
     """What :func:`pack_block_factors` returns: ``gate`` and ``up`` [capacity] (the factors' dtype; ``up`` empty
     without an up factor), ``slots`` [capacity] int16 (each pair's ``row * chunk + slot`` within its block's chunk of
     union slots) and ``offsets`` [n_blocks * n_chunks + 1] int64: the pairs of block b's chunk c start at
-    ``offsets[b * n_chunks + c]``; block b fits iff ``offsets[(b + 1) * n_chunks] <= capacity``."""
+    ``offsets[b * n_chunks + c]``; block b fits iff ``offsets[(b + 1) * n_chunks] <= capacity``. ``chunk``: the
+    union slots per chunk the codes were written for (unpacking with any other would misread every code)."""
 
     gate: torch.Tensor
     up: torch.Tensor
     slots: torch.Tensor
     offsets: torch.Tensor
+    chunk: int
 
 
 @triton.jit
@@ -179,6 +181,7 @@ def pack_block_factors(factors: BlockFactors, capacity: int, offsets: torch.Tens
         new_output((capacity if up is not None else 0,), gate.dtype, gate.device),
         new_output((capacity,), torch.int16, gate.device),
         offsets if offsets is not None else new_output((n_blocks * n_chunks + 1,), torch.int64, gate.device),
+        factors.chunk,
     )
     if n_blocks * n_chunks == 0:
         if offsets is None:
@@ -315,6 +318,11 @@ def unpack_block_factors(
     N, K = w_gate.shape
     n_blocks = counts.shape[0]
     _check_codes("unpack_block_factors", block_rows, chunk)
+    if chunk != packed.chunk:
+        raise ValueError(
+            f"unpack_block_factors: chunk={chunk} and the {packed.chunk}-slot chunks the pairs were packed in do not "
+            "match"
+        )
     if chunk <= 0 or packed.offsets.numel() != n_blocks * triton.cdiv(width, chunk) + 1:
         raise ValueError(
             f"unpack_block_factors: offsets of {packed.offsets.numel()} entries do not match {n_blocks} blocks of "

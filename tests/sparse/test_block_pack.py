@@ -143,8 +143,22 @@ def test_bad_layouts_are_refused(device):
     with pytest.raises(ValueError, match=r"offsets must be \[\d+\] int64"):
         pack_block_factors(f, 100, torch.zeros(n_blocks * n_chunks, dtype=torch.int64, device=device))
     packed = pack_block_factors(f, 100)
-    with pytest.raises(ValueError, match="do not match"):  # unpacked with another chunk size than packed
+    with pytest.raises(ValueError, match="chunks the pairs were packed in do not match"):  # another chunk size
         unpack_block_factors(packed, f.gate.indices, f.gate.counts, None, 16, 2 * f.chunk, x, wg, bg, wu, bu)
+    with pytest.raises(ValueError, match="entries do not match"):  # offsets of another layout
+        unpack_block_factors(
+            packed._replace(offsets=packed.offsets[1:]),
+            f.gate.indices,
+            f.gate.counts,
+            None,
+            16,
+            f.chunk,
+            x,
+            wg,
+            bg,
+            wu,
+            bu,
+        )
     with pytest.raises(ValueError, match="int16 codes"):
         unpack_block_factors(packed, f.gate.indices, f.gate.counts, None, 512, 128, x, wg, bg, wu, bu)
 

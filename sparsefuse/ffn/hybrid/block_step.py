@@ -97,7 +97,10 @@ def _train_forward(
         f.gate_sum / max(M * N, 1),
         f.row_counts,
         f.column_counts.sum(0, dtype=torch.int32),
-        *packed,
+        packed.gate,
+        packed.up,
+        packed.slots,
+        packed.offsets,
         f.product.indices,
         f.product.counts,
         order,
@@ -157,8 +160,8 @@ def _train_backward(
     are read only to recompute blocks that did not fit the packed capacity."""
     M, N = x2.shape[0], w_gate.shape[0]
     dy = dy.to(x2.dtype).contiguous()
-    packed = PackedFactors(packed_gate, packed_up, packed_slots, offsets)
     chunk = factor_chunk(x2.shape[1], block_rows)  # as the forward's block_sddmm chunked the unions
+    packed = PackedFactors(packed_gate, packed_up, packed_slots, offsets, chunk)
     gate_values, up_values, count_table = unpack_block_factors(
         packed, indices, counts, order, block_rows, chunk, x2, w_gate, b_gate, w_up, b_up
     )
