@@ -92,7 +92,14 @@ def _shard(model: torch.nn.Module, engine: str, device: torch.device) -> torch.n
     if engine == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        # 100 MB buckets and gradients kept as views of them: fewer all-reduces and no copies into the buckets, host
+        # work the sparse step's backward cannot hide (docs/training.md, "Several GPUs")
+        return DistributedDataParallel(
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            bucket_cap_mb=100,
+            gradient_as_bucket_view=True,
+        )
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 

@@ -41,6 +41,11 @@ from ..harness import Case, Options, Result
 from . import train_setup as setup
 
 ENGINES = ("ddp", "fsdp2")
+# DDP as docs/training.md advises for a patched model, given to the unpatched one too: fewer, larger buckets (100 MB,
+# ~27 all-reduces a step at the 1.5B shape, not ~110) and gradients that are views of them (no copy into the bucket).
+# Each all-reduce and each copy costs host time in the backward; the patched step runs close to its host's pace, so
+# on 2 H200s it took 162 ms with torch's defaults and 146 ms with these, against 143 ms without DDP.
+DDP_OPTIONS = {"bucket_cap_mb": 100, "gradient_as_bucket_view": True}
 ENGINES_ENV = "SPARSEFUSE_TRAIN_ENGINES"
 GRAD_CHECK_BATCH = 1  # sequences per process in the gradient check (its one-process reference takes N of them)
 # The L1 coefficient of the gradient check of the patched model: large enough that the L1 term's gradient (a
@@ -120,7 +125,8 @@ def wrap(model: nn.Module, engine: str, world: World) -> nn.Module:
     if engine == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(model, device_ids=[world.device.index] if world.device.type == "cuda" else None)
+        device_ids = [world.device.index] if world.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids, **DDP_OPTIONS)
     if engine == "fsdp2":
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
