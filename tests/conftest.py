@@ -59,6 +59,16 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _fixed_decode_runs_its_format(monkeypatch):
+    """sparse_decode(method="fixed") runs the scan kernel up to FIXED_SCAN_ROWS tokens, and the interpreter's
+    batches are all that small: the tests of the fixed-capacity path keep it at every batch. The routing itself is
+    tested with the threshold restored (tests/sae/test_sae_decode.py)."""
+    import sparsefuse.sae.decode.functional as decode
+
+    monkeypatch.setattr(decode, "FIXED_SCAN_ROWS", 0)
+
+
 def assert_backend(*tensors: torch.Tensor) -> None:
     """The kernels under test must be the Triton ones (compiled or interpreted), never the torch reference."""
     assert sparsefuse.backend_for(*tensors) is EXPECTED_BACKEND

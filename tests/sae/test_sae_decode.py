@@ -335,6 +335,35 @@ def scan_below_10(monkeypatch):
     return seen
 
 
+def test_fixed_runs_the_scan_on_small_batches(device, monkeypatch):
+    """Up to FIXED_SCAN_ROWS tokens method="fixed" runs the one-pass scan (same sums, no capacity); with validate
+    it compacts (the count it checks comes from the format), and auto's own pick of "fixed" is kept."""
+    import sparsefuse.sae.decode.auto as auto
+    import sparsefuse.sae.decode.functional as decode
+
+    monkeypatch.setattr(decode, "FIXED_SCAN_ROWS", 5)
+    acts = sparse_rows(5, 600, [3, 300, 0, 40, 7], device=device)
+    w = torch.randn(600, 24, device=device)
+    two_pass = {"row_bits_kernel": 1, "bits_to_sparse_kernel": 1, "gather_accumulate_kernel": 2}
+    with track_launches() as launched:
+        out = sparse_decode(acts, w, method="fixed", max_l0=256)
+    assert "row_bits_kernel" not in launched and launched["gather_accumulate_kernel"] >= 1, dict(launched)
+    assert_close_to_reference(out, *reference(acts, w), **allowance(acts, w))
+    with track_launches() as launched:
+        out = sparse_decode(acts, w, method="fixed", max_l0=300, validate=True)
+    assert dict(launched) == two_pass  # (the 300-feature token is spread by the second gather)
+    assert_close_to_reference(out, *reference(acts, w), **allowance(acts, w))
+    more = sparse_rows(6, 600, [3, 300, 0, 40, 7, 1], device=device)  # one token past the threshold
+    with track_launches() as launched:
+        sparse_decode(more, w, method="fixed", max_l0=256)
+    assert dict(launched) == two_pass
+    monkeypatch.setattr(auto, "AUTO_DENSE_BELOW_D_SAE", 256)
+    monkeypatch.setattr(auto, "_fastest_method", lambda *_, **__: "fixed")
+    with track_launches() as launched:
+        sparse_decode(acts, w, expected_l0=10)
+    assert dict(launched) == two_pass
+
+
 def test_auto_runs_the_two_pass_method_when_the_model_picks_it(device, monkeypatch):
     """When the model picks "fixed", auto compacts at 4x the mean L0, at least 256 slots (here 256: the token
     firing 300 features overflows and is decoded from its dense row) and gathers."""
