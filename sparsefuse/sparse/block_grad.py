@@ -43,6 +43,7 @@ def block_ell_sddmm_kernel(
     width,
     stride_a,
     stride_b,
+    gate_grad_scale,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -53,7 +54,8 @@ def block_ell_sddmm_kernel(
 ):
     # BlockELL slots: indices [n_blocks, width], counts [n_blocks], order [M] (slot row -> matrix row); a [M, D],
     # b [N, D]. Program (c, blk): slots [c * BLOCK_C, (c + 1) * BLOCK_C) of block blk, acc = a[rows] @ b[cols]^T.
-    # Plain: out = acc. GATED (gate, up [M, width] on the same slots; gate_grad a 1-element fp32 tensor):
+    # Plain: out = acc. GATED (gate, up [M, width] on the same slots; gate_grad a 1-element tensor, read times
+    # gate_grad_scale):
     #   out = acc * gate                                   (gradient w.r.t. up)
     #   out2 = (acc * up + gate_grad) where gate != 0     (gradient w.r.t. the gate's pre-activation)
     # Without HAS_UP (a non-gated layer: h = gate) only out2, with up = 1.
@@ -70,7 +72,7 @@ def block_ell_sddmm_kernel(
         acc = gathered_rows_dot(acc, a_rows_ptr, row_mask, b_cols_ptr, p_mask, D, BLOCK_D, IEEE_FP32)
         if GATED:
             gate = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-            gate_grad = tl.load(gate_grad_ptr)
+            gate_grad = tl.load(gate_grad_ptr).to(tl.float32) * gate_grad_scale
             if HAS_UP:
                 up = tl.load(up_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
                 tl.store(out_ptr + offsets, (acc * gate).to(out_ptr.dtype.element_ty), mask=mask)
@@ -95,14 +97,16 @@ def block_ell_sddmm(
     gate: torch.Tensor | None = None,
     up: torch.Tensor | None = None,
     gate_grad: torch.Tensor | None = None,
+    gate_grad_scale: float = 1.0,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor | None, torch.Tensor]:
     """``(a @ b^T)`` on ``like``'s slots: a [M, D], b [N, D] -> values [M, width] (``like``'s slots, fp32
     accumulation on tensor cores, no host sync; ``2 * block_rows * D`` flops per listed column).
 
     With ``gate``/``up`` ([M, width], the forward's factors of ``h = gate * up`` on the same slots, gate already
-    relu'd) and ``gate_grad`` (1-element fp32: the gradient added to every fired gate pre-activation, e.g. an L1
-    term's), returns the two gradients of ``h`` given ``dh = a @ b^T``: ``(dh * gate, (dh * up + gate_grad) *
+    relu'd) and ``gate_grad`` (1-element float tensor; times ``gate_grad_scale``, the gradient added to every fired
+    gate pre-activation, e.g. an L1 term's: the loss's gradient w.r.t. a mean, scaled by one over its count, with no
+    launch of its own), returns the two gradients of ``h`` given ``dh = a @ b^T``: ``(dh * gate, (dh * up + gate_grad) *
     [gate != 0])``. With ``gate`` but no ``up`` (a non-gated layer, ``h = gate``): ``(None, (dh + gate_grad) *
     [gate != 0])``."""
     a, b = unit_last_stride(a), unit_last_stride(b)
@@ -137,6 +141,7 @@ def block_ell_sddmm(
         width,
         a.stride(0),
         b.stride(0),
+        float(gate_grad_scale),
         BLOCK_ROWS=like.block_rows,
         BLOCK_C=block_c,
         BLOCK_D=block_d,
@@ -157,6 +162,7 @@ def block_csc_kernel(
     indices_ptr,
     counts_ptr,
     start_ptr,
+    offsets_ptr,
     pair_ptr,
     src_ptr,
     M,
@@ -169,7 +175,8 @@ def block_csc_kernel(
     # BlockELL values [M, width], indices [n_blocks, width], counts [n_blocks]. Program (c, blk) takes slots
     # [c * BLOCK_C, (c + 1) * BLOCK_C) of block blk and finds the rows of the block holding a non-zero there.
     # Count pass (not FILL): pair[blk, col] = how many. Fill pass: each such (row, slot) gets the position
-    # start[blk, col] + (its rank among the block's non-zeros of that column, by row) and its flat slot index
+    # offsets[col] + start[blk, col] + (its rank among the block's non-zeros of that column, by row), start being
+    # the column's entries in the blocks before, and its flat slot index
     # row * width + slot is written there -- every position once: no atomics, the same layout every run.
     chunk = tl.program_id(0)
     block = tl.program_id(1)
@@ -182,6 +189,7 @@ def block_csc_kernel(
         nz = ((v != 0) & mask).to(tl.int32)
         if FILL:
             start = tl.load(start_ptr + block.to(tl.int64) * N + cols, mask=p_mask, other=0)  # [BLOCK_C] int64
+            start += tl.load(offsets_ptr + cols, mask=p_mask, other=0)
             position = start[None, :] + (tl.cumsum(nz, axis=0) - nz)
             tl.store(src_ptr + position, flat.to(src_ptr.dtype.element_ty), mask=nz > 0)
         else:
@@ -238,12 +246,12 @@ def block_ell_transpose(
         torch.cumsum(column_counts, 0, dtype=torch.int64, out=table[1:])
     else:
         table = torch.zeros(n_blocks + 1, N, dtype=torch.int64, device=values.device)
-        block_csc_kernel[grid](values, *args, table[1:], table[1:], src, M, N, width, FILL=False, **common)
+        block_csc_kernel[grid](values, *args, table[1:], offsets, table[1:], src, M, N, width, FILL=False, **common)
         record_launch("block_csc_kernel")
         table.cumsum_(0)
     torch.cumsum(table[-1], 0, out=offsets[1:])
-    start = table[:-1].add_(offsets[:-1])  # [n_blocks, N]
-    block_csc_kernel[grid](values, *args, start, start, src, M, N, width, FILL=True, **common)
+    start = table[:-1]  # [n_blocks, N]: the column's entries in the blocks before; the kernel adds its offset
+    block_csc_kernel[grid](values, *args, start, offsets, start, src, M, N, width, FILL=True, **common)
     record_launch("block_csc_kernel")
     return csc
 

@@ -132,7 +132,8 @@ def block_sddmm_kernel(
     gate_out_ptr,
     up_out_ptr,
     pair_ptr,
-    row_part_ptr,
+    row_counts_ptr,
+    neuron_counts_ptr,
     sum_part_ptr,
     chunk_nnz_ptr,
     block_nnz_ptr,
@@ -143,6 +144,7 @@ def block_sddmm_kernel(
     stride_scale,
     stride_a,
     stride_b,
+    sum_scale,
     TILE: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -164,10 +166,11 @@ def block_sddmm_kernel(
     # the two factors are stored as well, in the same slots: relu?(scale) to gate_out, the product (+ bias) to
     # up_out (what a backward through the product needs), with the statistics of the gate factor's non-zeros --
     # every one lies in its block's union, so they cost no extra pass: per (block, column) counts to pair[blk, col],
-    # per row counts to row_part[c, row], the factor's sum to sum_part[blk, c] (partial sums, reduced by the host
-    # code in a fixed order: no float atomics), and the non-zeros per (block, chunk) to chunk_nnz[blk, c] (every
-    # program writes its entry, 0 past the union) and per block to block_nnz[blk] (integer atomics: the same total
-    # in any order) -- where each chunk's non-zeros go when the factors are packed pair by pair.
+    # per row and per column (neuron) counts added to row_counts[row] and neuron_counts[col], the factor's sum
+    # times sum_scale to sum_part[blk, c] (partial sums, reduced by the host code in a fixed order: no float
+    # atomics), and the non-zeros per (block, chunk) to chunk_nnz[blk, c] (every program writes its entry, 0 past
+    # the union) and per block to block_nnz[blk] -- where each chunk's non-zeros go when the factors are packed
+    # pair by pair. The counts' atomics are integer ones: the same totals in any order.
     chunk = tl.program_id(0)
     block = tl.program_id(1)
     width = n_tiles * TILE
@@ -210,11 +213,13 @@ def block_sddmm_kernel(
             # that the counts agree with the values the pack keeps and the backward masks by
             fired = ((scale.to(gate_out_ptr.dtype.element_ty) != 0) & mask).to(tl.int32)
             tl.store(pair_ptr + block.to(tl.int64) * N + cols, tl.sum(fired, axis=0), mask=p_mask)
-            tl.store(row_part_ptr + chunk.to(tl.int64) * M + rows, tl.sum(fired, axis=1), mask=row_mask)
-            tl.store(sum_part_ptr + block * tl.num_programs(0) + chunk, tl.sum(tl.sum(scale, axis=1), axis=0))
+            tl.atomic_add(row_counts_ptr + rows, tl.sum(fired, axis=1), mask=row_mask, sem="relaxed")
+            tl.atomic_add(neuron_counts_ptr + cols, tl.sum(fired, axis=0), mask=p_mask, sem="relaxed")
+            part = tl.sum(tl.sum(scale, axis=1), axis=0) * sum_scale
+            tl.store(sum_part_ptr + block * tl.num_programs(0) + chunk, part)
             n_fired = tl.sum(tl.sum(fired, axis=1), axis=0)
             tl.store(chunk_nnz_ptr + block * tl.num_programs(0) + chunk, n_fired)
-            tl.atomic_add(block_nnz_ptr + block, n_fired)
+            tl.atomic_add(block_nnz_ptr + block, n_fired, sem="relaxed")
         tl.store(out_indices_ptr + block.to(tl.int64) * width + p, cols, mask=p_mask)
     elif FACTORS:
         tl.store(chunk_nnz_ptr + block * tl.num_programs(0) + chunk, 0)
@@ -258,7 +263,9 @@ def _block_sddmm_blocks(D: int, block_rows: int, factors: bool = False) -> tuple
 class BlockFactors(NamedTuple):
     """What :func:`block_sddmm` returns with ``factors``: three BlockELLs on the same slots (one indices/counts)
     and the statistics of the gate factor's non-zeros: ``column_counts`` [n_blocks, N] int32 (per row block and
-    column), ``row_counts`` [M] int32 (per matrix row), ``gate_sum`` 0-dim fp32 (its sum); ``chunk_nnz``
+    column), ``row_counts`` [M] int32 (per matrix row) and ``neuron_counts`` [N] int32 (per column), the two views
+    of ``counts`` [M + N] (one tensor for a caller to return whole), ``gate_sum``
+    0-dim fp32 (its sum, times :func:`block_sddmm`'s ``sum_scale``); ``chunk_nnz``
     [n_blocks, n_chunks] int32 (per row block and chunk of ``chunk`` union slots) and ``block_nnz`` [n_blocks]
     int32 (per row block): what :func:`~sparsefuse.sparse.block_pack.pack_block_factors` places pairs by."""
 
@@ -267,6 +274,8 @@ class BlockFactors(NamedTuple):
     up: BlockELL | None
     column_counts: torch.Tensor
     row_counts: torch.Tensor
+    neuron_counts: torch.Tensor
+    counts: torch.Tensor
     gate_sum: torch.Tensor
     chunk_nnz: torch.Tensor
     block_nnz: torch.Tensor
@@ -283,6 +292,7 @@ def block_sddmm(
     relu: bool = False,
     out_dtype: torch.dtype | None = None,
     factors: bool = False,
+    sum_scale: float = 1.0,
 ) -> BlockELL | BlockFactors:
     """``relu?(scale) * (a @ b^T + bias)`` on the pattern's row-block unions, compacted: pattern [M, N]
     (:class:`RowBlockPattern`), scale [M, N] dense (e.g. gate pre-activations, relu'd when ``relu``), a [M, D],
@@ -292,7 +302,8 @@ def block_sddmm(
 
     With ``factors`` it returns :class:`BlockFactors`: ``gate = relu?(scale)`` and ``up = a @ b^T + bias`` as well
     as their product, and the gate's non-zero statistics -- what the training step keeps for its backward and
-    reports.
+    reports. Its ``gate_sum`` is the gate's sum times ``sum_scale`` (the training step's 1 / (M N): the L1 term as a
+    mean, with no launch of its own), each program's partial sum scaled before the fixed-order reduction.
 
     ``b=None`` (and no bias): no product, just ``relu?(scale)`` on the unions -- a non-gated layer's activation;
     with ``factors`` the gate is then the product itself and ``up`` is None."""
@@ -324,21 +335,23 @@ def block_sddmm(
     if factors:
         # the statistics every program adds to start at zero: one fill for all of them (the float partial sums as
         # int32 zeros, the same bits)
-        sizes = (n_blocks * N, n_chunks * M, n_blocks * n_chunks, n_blocks)
+        sizes = (n_blocks * N, M + N, n_blocks * n_chunks, n_blocks)
         zeros = torch.zeros(sum(sizes), dtype=torch.int32, device=a.device).split(sizes)
-        column_counts, row_part = zeros[0].view(n_blocks, N), zeros[1].view(n_chunks, M)
+        column_counts, row_neuron = zeros[0].view(n_blocks, N), zeros[1]
+        row_counts, neuron_counts = row_neuron[:M], row_neuron[M:]
         sum_part, block_nnz = zeros[2].view(torch.float32).view(n_blocks, n_chunks), zeros[3]
         chunk_nnz = torch.empty(n_blocks, n_chunks, dtype=torch.int32, device=a.device)  # every entry written
-        stats = (column_counts, row_part, sum_part, chunk_nnz, block_nnz)
+        stats = (column_counts, row_counts, neuron_counts, sum_part, chunk_nnz, block_nnz)
 
         def result():
-            row_counts = row_part.sum(0, dtype=torch.int32)
+            gate_sum = sum_part.sum()
             return BlockFactors(
-                out, gate, up, column_counts, row_counts, sum_part.sum(), chunk_nnz, block_nnz, block_c
+                out, gate, up, column_counts, row_counts, neuron_counts, row_neuron, gate_sum, chunk_nnz, block_nnz,
+                block_c,
             )  # fmt: skip
 
     else:
-        stats = (counts,) * 5  # not read
+        stats = (counts,) * 6  # not read
 
         def result():
             return out
@@ -381,6 +394,7 @@ def block_sddmm(
         scale.stride(0),
         a.stride(0),
         b.stride(0) if b is not None else 0,
+        float(sum_scale),
         TILE=pattern.tile,
         BLOCK_ROWS=pattern.block_rows,
         BLOCK_C=block_c,

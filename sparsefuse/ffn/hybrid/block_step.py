@@ -67,10 +67,9 @@ def _train_forward(
     torch.Tensor,
     torch.Tensor,
     torch.Tensor,
-    torch.Tensor,
 ]:
     """x2 [M, K]; w_gate, w_up, w_down_t [N, K] (w_up None, b_up None: the non-gated block ``relu(x W_g^T + b_g)
-    W_d^T + b_d``). Returns y [M, K], l1 (0-dim fp32), token counts [M] and neuron counts [N] (int32), and what the
+    W_d^T + b_d``). Returns y [M, K], l1 (0-dim fp32), token counts then neuron counts [M + N] (int32), and what the
     backward keeps: the fired pairs' gate and up values [capacity] each (up empty without w_up) and slot codes
     [capacity] (int16) with their chunk offsets [n_blocks * n_chunks + 1] (int64), union columns [n_blocks, width]
     and sizes [n_blocks] (int32), token order [M] (int32) and the blocks' heavy-first launch order [n_blocks]
@@ -78,7 +77,9 @@ def _train_forward(
     M, N = x2.shape[0], w_gate.shape[0]
     pre = F.linear(x2, w_gate, b_gate)
     pattern = dense_to_row_block_pattern(pre, tile, block_rows, relu=True, sort_rows=sort_rows)
-    f = block_sddmm(pattern, pre, x2, w_up, b_up, relu=True, out_dtype=x2.dtype, factors=True)
+    f = block_sddmm(
+        pattern, pre, x2, w_up, b_up, relu=True, out_dtype=x2.dtype, factors=True, sum_scale=1.0 / max(M * N, 1)
+    )
     # The down product here and the backward's dx products walk the same unions: their heavy-first launch order is
     # found once and kept (4 bytes a block). One block has nothing to order: zeros stand in, and no product reads them.
     # The same launch sums the blocks' non-zeros into where each block's chunks' pairs start in the packed arrays.
@@ -94,9 +95,8 @@ def _train_forward(
         order = torch.arange(M, dtype=torch.int32, device=x2.device)
     return (
         y,
-        f.gate_sum / max(M * N, 1),
-        f.row_counts,
-        f.column_counts.sum(0, dtype=torch.int32),
+        f.gate_sum,  # the L1 term: the gate's mean over the M x N pairs
+        f.counts,  # token then neuron counts, one tensor: a custom op's outputs may not alias one another
         packed.gate,
         packed.up,
         packed.slots,
@@ -120,8 +120,7 @@ def _(x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, block_rows, tile, sort_r
     return (
         x2.new_empty(M, w_down_t.shape[1]),
         torch.empty((), dtype=torch.float32, device=x2.device),
-        index(M),
-        index(N),
+        index(M + N),
         x2.new_empty(capacity),
         x2.new_empty(capacity if w_up is not None else 0),
         torch.empty(capacity, dtype=torch.int16, device=x2.device),
@@ -166,8 +165,15 @@ def _train_backward(
         packed, indices, counts, order, block_rows, chunk, x2, w_gate, b_gate, w_up, b_up
     )
     gate = _on_slots(gate_values, indices, counts, order, N, block_rows)
-    gate_grad = (dl1.to(torch.float32) / max(M * N, 1)).reshape(1)
-    d_up, d_pre = block_ell_sddmm(gate, dy, w_down_t, gate=gate_values, up=up_values, gate_grad=gate_grad)
+    d_up, d_pre = block_ell_sddmm(
+        gate,
+        dy,
+        w_down_t,
+        gate=gate_values,
+        up=up_values,
+        gate_grad=dl1.reshape(1),
+        gate_grad_scale=1.0 / max(M * N, 1),
+    )
     d_pre_slots = _on_slots(d_pre, indices, counts, order, N, block_rows)
     csc = block_ell_transpose(gate, count_table=count_table)
     schedule = schedule if counts.shape[0] > 1 else None
@@ -273,8 +279,8 @@ class _EagerTrainStep(torch.autograd.Function):
         else:
             output = _train_forward(*inputs)
         _setup_context(ctx, inputs, output)
-        ctx.mark_non_differentiable(output[2], output[3])
-        return output[:4]
+        ctx.mark_non_differentiable(output[2])
+        return output[:3]
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -290,5 +296,8 @@ def block_mlp_train_fwd(*inputs):
     subclasses, dispatch modes, functorch), as an ``autograd.Function`` around the same code in a plain eager
     call."""
     if plain_eager_call(*(t for t in inputs if isinstance(t, torch.Tensor))):
-        return _EagerTrainStep.apply(*inputs)
-    return block_mlp_train_fwd_op(*inputs)[:4]
+        y, l1, counts = _EagerTrainStep.apply(*inputs)
+    else:
+        y, l1, counts = block_mlp_train_fwd_op(*inputs)[:3]
+    M = inputs[0].shape[0]
+    return y, l1, counts[:M], counts[M:]
