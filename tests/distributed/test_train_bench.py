@@ -81,6 +81,32 @@ def test_train_bench_distributed_mode_two_processes(tmp_path, device):
         assert ddp[impl]["losses"] == pytest.approx(fsdp[impl]["losses"], rel=1e-4), impl
 
 
+def test_train_bench_fsdp2_units_of_several_layers(tmp_path):
+    """SPARSEFUSE_FSDP_LAYERS_PER_UNIT=2: both decoder layers in one FSDP2 unit; the note says so, and each model's
+    gradients after one step still equal one process's."""
+    out, log = tmp_path / "rows.json", tmp_path / "torchrun.log"
+    env = {train_dist.ENGINES_ENV: "fsdp2", train_dist.FSDP_UNIT_ENV: "2"}
+    returncode = _torchrun([str(WORKER), str(out), "cpu"], log, **env)
+    assert returncode == 0, f"torchrun returned {returncode}:\n" + log.read_text()[-6000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows) == {"2L nnz=6 B=2 S=16 fsdp2 x2"}
+    for impl, row in rows["2L nnz=6 B=2 S=16 fsdp2 x2"].items():
+        assert row["note"].startswith("fsdp2 (2 layers per unit) on 2x CPU"), row["note"]
+        assert row["note"].endswith(": ok") and all(math.isfinite(v) for v in row["losses"]), (impl, row)
+        assert float(row["note"].split("grads vs 1 process ")[1].split()[0]) < 1e-5, (impl, row["note"])
+
+
+def test_fsdp_layers_per_unit_from_env(monkeypatch):
+    monkeypatch.delenv(train_dist.FSDP_UNIT_ENV, raising=False)
+    assert train_dist.fsdp_layers_per_unit() == 1
+    monkeypatch.setenv(train_dist.FSDP_UNIT_ENV, "3")
+    assert train_dist.fsdp_layers_per_unit() == 3
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv(train_dist.FSDP_UNIT_ENV, bad)
+        with pytest.raises(ValueError, match=train_dist.FSDP_UNIT_ENV):
+            train_dist.fsdp_layers_per_unit()
+
+
 def test_engines_from_env(monkeypatch):
     monkeypatch.delenv(train_dist.ENGINES_ENV, raising=False)
     assert train_dist.engines_from_env() == ("ddp", "fsdp2")
