@@ -444,7 +444,10 @@ OPS: dict[str, OpCheck] = {
     "celu fwd+bwd": OpCheck("celu", _celu_fwd_bwd, [(3, 1001)], [((1 << 20) + 7,)]),
     # (B, F, D, L0)
     "sae decode scan": OpCheck("sae_decode", _sae_decode("scan"), _DECODE_SMALL, _DECODE_FULL),
-    "sae decode fixed": OpCheck("sae_decode", _sae_decode("fixed"), _DECODE_SMALL, _DECODE_FULL),
+    # past 256 tokens: below, "fixed" runs the scan (sparse_decode's FIXED_SCAN_ROWS)
+    "sae decode fixed": OpCheck(
+        "sae_decode", _sae_decode("fixed"), _DECODE_SMALL, [*_DECODE_FULL, (320, 65536, 768, 64)]
+    ),
     "sae decode exact": OpCheck("sae_decode", _sae_decode("exact"), _DECODE_SMALL, _DECODE_FULL),
     "sae topk_decode": OpCheck("sae_decode", _topk_decode, [(5, 700, 40, 9)], [(64, 65536, 768, 64)]),
     # (M, d_in, d_sae[, k])

@@ -154,6 +154,7 @@ def block_sddmm_kernel(
     HAS_BIAS: tl.constexpr,
     RELU: tl.constexpr,
     FACTORS: tl.constexpr,
+    PAIR_COUNTS: tl.constexpr,
     HAS_B: tl.constexpr,
     IEEE_FP32: tl.constexpr,
 ):
@@ -165,7 +166,8 @@ def block_sddmm_kernel(
     # every tensor-core tile is full but the block's last -- and stores them in that compacted order. With FACTORS
     # the two factors are stored as well, in the same slots: relu?(scale) to gate_out, the product (+ bias) to
     # up_out (what a backward through the product needs), with the statistics of the gate factor's non-zeros --
-    # every one lies in its block's union, so they cost no extra pass: per (block, column) counts to pair[blk, col],
+    # every one lies in its block's union, so they cost no extra pass: per (block, column) counts to pair[blk, col]
+    # (PAIR_COUNTS),
     # per row and per column (neuron) counts added to row_counts[row] and neuron_counts[col], the factor's sum
     # times sum_scale to sum_part[blk, c] (partial sums, reduced by the host code in a fixed order: no float
     # atomics), and the non-zeros per (block, chunk) to chunk_nnz[blk, c] (every program writes its entry, 0 past
@@ -212,7 +214,8 @@ def block_sddmm_kernel(
             # counted on the gate as stored (an out_dtype narrower than the scale's can round a tiny one to 0), so
             # that the counts agree with the values the pack keeps and the backward masks by
             fired = ((scale.to(gate_out_ptr.dtype.element_ty) != 0) & mask).to(tl.int32)
-            tl.store(pair_ptr + block.to(tl.int64) * N + cols, tl.sum(fired, axis=0), mask=p_mask)
+            if PAIR_COUNTS:
+                tl.store(pair_ptr + block.to(tl.int64) * N + cols, tl.sum(fired, axis=0), mask=p_mask)
             tl.atomic_add(row_counts_ptr + rows, tl.sum(fired, axis=1), mask=row_mask, sem="relaxed")
             tl.atomic_add(neuron_counts_ptr + cols, tl.sum(fired, axis=0), mask=p_mask, sem="relaxed")
             part = tl.sum(tl.sum(scale, axis=1), axis=0) * sum_scale
@@ -263,16 +266,16 @@ def _block_sddmm_blocks(D: int, block_rows: int, factors: bool = False) -> tuple
 class BlockFactors(NamedTuple):
     """What :func:`block_sddmm` returns with ``factors``: three BlockELLs on the same slots (one indices/counts)
     and the statistics of the gate factor's non-zeros: ``column_counts`` [n_blocks, N] int32 (per row block and
-    column), ``row_counts`` [M] int32 (per matrix row) and ``neuron_counts`` [N] int32 (per column), the two views
-    of ``counts`` [M + N] (one tensor for a caller to return whole), ``gate_sum``
-    0-dim fp32 (its sum, times :func:`block_sddmm`'s ``sum_scale``); ``chunk_nnz``
-    [n_blocks, n_chunks] int32 (per row block and chunk of ``chunk`` union slots) and ``block_nnz`` [n_blocks]
-    int32 (per row block): what :func:`~sparsefuse.sparse.block_pack.pack_block_factors` places pairs by."""
+    column; None unless asked for), ``row_counts`` [M] int32 (per matrix row) and ``neuron_counts`` [N] int32 (per
+    column), the two views of ``counts`` [M + N] (one tensor for a caller to return whole), ``gate_sum`` 0-dim fp32
+    (its sum, times :func:`block_sddmm`'s ``sum_scale``); ``chunk_nnz`` [n_blocks, n_chunks] int32 (per row block
+    and chunk of ``chunk`` union slots) and ``block_nnz`` [n_blocks] int32 (per row block): what
+    :func:`~sparsefuse.sparse.block_pack.pack_block_factors` places pairs by."""
 
     product: BlockELL
     gate: BlockELL
     up: BlockELL | None
-    column_counts: torch.Tensor
+    column_counts: torch.Tensor | None
     row_counts: torch.Tensor
     neuron_counts: torch.Tensor
     counts: torch.Tensor
@@ -293,6 +296,7 @@ def block_sddmm(
     out_dtype: torch.dtype | None = None,
     factors: bool = False,
     sum_scale: float = 1.0,
+    column_counts: bool = True,
 ) -> BlockELL | BlockFactors:
     """``relu?(scale) * (a @ b^T + bias)`` on the pattern's row-block unions, compacted: pattern [M, N]
     (:class:`RowBlockPattern`), scale [M, N] dense (e.g. gate pre-activations, relu'd when ``relu``), a [M, D],
@@ -304,6 +308,8 @@ def block_sddmm(
     as their product, and the gate's non-zero statistics -- what the training step keeps for its backward and
     reports. Its ``gate_sum`` is the gate's sum times ``sum_scale`` (the training step's 1 / (M N): the L1 term as a
     mean, with no launch of its own), each program's partial sum scaled before the fixed-order reduction.
+    ``column_counts=False`` leaves out the [n_blocks, N] per (block, column) counts (``None`` in the result): a
+    caller that needs only the token and neuron counts saves their fill.
 
     ``b=None`` (and no bias): no product, just ``relu?(scale)`` on the unions -- a non-gated layer's activation;
     with ``factors`` the gate is then the product itself and ``up`` is None."""
@@ -334,19 +340,22 @@ def block_sddmm(
     up = on_slots(new_output((M, width), out_dtype, a.device)) if separate else (out if b is not None else None)
     if factors:
         # the statistics every program adds to start at zero: one fill for all of them (the float partial sums as
-        # int32 zeros, the same bits)
-        sizes = (n_blocks * N, M + N, n_blocks * n_chunks, n_blocks)
+        # int32 zeros, the same bits). The token and neuron counts come first, so that a caller keeping them (the
+        # counts outlive the step) holds no more of the buffer than they and the small partials.
+        pair = n_blocks * N if column_counts else 0
+        sizes = (M + N, n_blocks * n_chunks, n_blocks, pair)
         zeros = torch.zeros(sum(sizes), dtype=torch.int32, device=a.device).split(sizes)
-        column_counts, row_neuron = zeros[0].view(n_blocks, N), zeros[1]
+        row_neuron, block_nnz = zeros[0], zeros[2]
         row_counts, neuron_counts = row_neuron[:M], row_neuron[M:]
-        sum_part, block_nnz = zeros[2].view(torch.float32).view(n_blocks, n_chunks), zeros[3]
+        sum_part = zeros[1].view(torch.float32).view(n_blocks, n_chunks)
+        pair_counts = zeros[3].view(n_blocks, N) if column_counts else None
         chunk_nnz = torch.empty(n_blocks, n_chunks, dtype=torch.int32, device=a.device)  # every entry written
-        stats = (column_counts, row_counts, neuron_counts, sum_part, chunk_nnz, block_nnz)
+        stats = (pair_counts if column_counts else block_nnz, row_counts, neuron_counts, sum_part, chunk_nnz, block_nnz)
 
         def result():
             gate_sum = sum_part.sum()
             return BlockFactors(
-                out, gate, up, column_counts, row_counts, neuron_counts, row_neuron, gate_sum, chunk_nnz, block_nnz,
+                out, gate, up, pair_counts, row_counts, neuron_counts, row_neuron, gate_sum, chunk_nnz, block_nnz,
                 block_c,
             )  # fmt: skip
 
@@ -404,6 +413,7 @@ def block_sddmm(
         HAS_BIAS=bias is not None,
         RELU=relu,
         FACTORS=factors,
+        PAIR_COUNTS=factors and column_counts,
         HAS_B=b is not None,
         IEEE_FP32=ieee_fp32(a.dtype),
         num_warps=warps,

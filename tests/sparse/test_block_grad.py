@@ -51,6 +51,8 @@ def _check(M, K, N, dtype, device, sort_rows, **kw):
     assert_close_to_reference(_dense(f.up, f.up.values).cpu() * fired, U * fired, name="up")
     assert torch.equal(f.row_counts.cpu(), fired.sum(1, dtype=torch.int32))
     assert torch.equal(f.column_counts.sum(0).cpu(), fired.sum(0))
+    assert torch.equal(f.neuron_counts.cpu(), fired.sum(0, dtype=torch.int32))
+    assert torch.equal(f.counts.cpu(), torch.cat([f.row_counts, f.neuron_counts]).cpu())
     assert_close_to_reference(f.gate_sum.reshape(1), G.sum().reshape(1), dtype=torch.float32, name="gate sum")
     # backward: dh on the slots with the chain rule, dx from two accumulated products
     dy = torch.randn(M, K, dtype=dtype, device=device)

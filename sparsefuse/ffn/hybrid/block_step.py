@@ -78,7 +78,16 @@ def _train_forward(
     pre = F.linear(x2, w_gate, b_gate)
     pattern = dense_to_row_block_pattern(pre, tile, block_rows, relu=True, sort_rows=sort_rows)
     f = block_sddmm(
-        pattern, pre, x2, w_up, b_up, relu=True, out_dtype=x2.dtype, factors=True, sum_scale=1.0 / max(M * N, 1)
+        pattern,
+        pre,
+        x2,
+        w_up,
+        b_up,
+        relu=True,
+        out_dtype=x2.dtype,
+        factors=True,
+        sum_scale=1.0 / max(M * N, 1),
+        column_counts=False,
     )
     # The down product here and the backward's dx products walk the same unions: their heavy-first launch order is
     # found once and kept (4 bytes a block). One block has nothing to order: zeros stand in, and no product reads them.
@@ -269,7 +278,7 @@ class _EagerTrainStep(torch.autograd.Function):
     """The same two implementations and autograd rule as the ops, for plain eager calls: a torch.library op with
     autograd costs ~0.2-0.3 ms of host time per call on its own (the dispatcher, the autograd wrapper, output alias
     checks), which a training step from Python pays twice per layer. What the backward keeps is saved on the context
-    directly rather than returned (an op can hand it over only as outputs): 4 outputs for autograd to track, not 12."""
+    directly rather than returned (an op can hand it over only as outputs): 3 outputs for autograd to track, not 11."""
 
     @staticmethod
     def forward(ctx, *inputs):
@@ -291,8 +300,9 @@ class _EagerTrainStep(torch.autograd.Function):
 
 
 def block_mlp_train_fwd(*inputs):
-    """:data:`block_mlp_train_fwd_op` with its autograd (arguments as there; its first four outputs: y, l1, token
-    and neuron counts): through the torch.library op where the dispatcher is needed (torch.compile, tensor
+    """:data:`block_mlp_train_fwd_op` with its autograd (arguments as there). Returns y, l1, token counts [M] and
+    neuron counts [N] (the op's first three outputs, its counts split here: a custom op's outputs may not alias one
+    another): through the torch.library op where the dispatcher is needed (torch.compile, tensor
     subclasses, dispatch modes, functorch), as an ``autograd.Function`` around the same code in a plain eager
     call."""
     if plain_eager_call(*(t for t in inputs if isinstance(t, torch.Tensor))):

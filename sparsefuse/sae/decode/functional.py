@@ -11,8 +11,9 @@ Methods (all built on the shared core in :mod:`sparsefuse.sparse`):
   the bits are placed), gather-accumulate; a token that fired more than ``max_l0`` features is recomputed from its
   dense row on the device, so the result is always complete.
   ``validate=True`` instead raises ``ValueError`` naming the largest count (one sync). Up to
-  ``FIXED_SCAN_ROWS`` tokens (without ``validate``) it runs the scan kernel instead: the same sums, without a
-  capacity, and where the two passes cannot pay off (on an H200 at 32 tokens ``fixed`` took 1.4x the scan's time,
+  ``FIXED_SCAN_ROWS`` tokens (without ``validate``) it runs the scan kernel instead: the same sums (in another
+  rounding order, and split rows added by fp32 atomics unless ``torch.use_deterministic_algorithms(True)``),
+  without a capacity, where the two passes cannot pay off (on an H200 at 32 tokens ``fixed`` took 1.4x the scan's time,
   2.5x with a few tokens over ``max_l0``; at 256 tokens 1.2-1.6x with any spread of L0, 0.88x at a constant one).
 * ``"exact"`` -- compact into exact-size CSR (one sync to size it), gather-accumulate.
 * ``"dense"`` -- ``torch.matmul`` (cuBLAS).

@@ -1,0 +1,37 @@
+"""The block training step's custom ops under torch.library.opcheck: schema, fake implementations against the real
+outputs (shapes, dtypes, strides and storage offsets) and autograd registration. (Not the AOT-dispatch comparison of
+values: the packed arrays' slots past the fired pairs are left unwritten, so two runs differ there by design; the
+compiled step's values are checked against eager in tests/ffn/test_hybrid_train.py.)"""
+
+import pytest
+import torch
+from conftest import assert_backend
+
+from sparsefuse.ffn.hybrid.block_step import block_mlp_train_bwd_op, block_mlp_train_fwd_op
+from sparsefuse.ffn.hybrid.functional import block_plan
+
+UTILS = ("test_schema", "test_faketensor", "test_autograd_registration")
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("capacity", [10**6, 40])  # every pair kept; pairs past 40 recomputed in the backward
+def test_block_step_ops_pass_opcheck(gated, capacity, device):
+    M, K, N = 40, 16, 48
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(M, K, generator=g)
+    wg, wu, wd = (torch.randn(*s, generator=g) / K**0.5 for s in ((N, K), (N, K), (N, K)))
+    bg, bu, bd = torch.full((N,), -0.3), torch.randn(N, generator=g), torch.randn(K, generator=g)
+    x, wg, wu, wd, bg, bu, bd = (t.to(device).requires_grad_() for t in (x, wg, wu, wd, bg, bu, bd))
+    assert_backend(x)
+    if not gated:
+        wu = bu = None
+    plan = block_plan(N)
+    fwd_args = (x, wg, bg, wu, bu, wd, bd, plan.block_rows, plan.tile, plan.sorts(M), min(capacity, M * N))
+    torch.library.opcheck(block_mlp_train_fwd_op, fwd_args, test_utils=UTILS)
+    out = block_mlp_train_fwd_op(*(a.detach() if isinstance(a, torch.Tensor) else a for a in fwd_args))
+    assert out[2].shape == (M + N,) and out[2].storage_offset() == 0  # token then neuron counts, one tensor
+    saved = out[3:]
+    dy, dl1 = torch.randn(M, K, device=device), torch.tensor(0.5, device=device)
+    detached = [t.detach() if t is not None else None for t in (x, wg, wu, wd, bg, bu)]
+    bwd_args = (dy, dl1, *detached, *saved, plan.block_rows, True)
+    torch.library.opcheck(block_mlp_train_bwd_op, bwd_args, test_utils=("test_schema", "test_faketensor"))
