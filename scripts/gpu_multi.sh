@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sparse training on several GPUs, one call on a machine with N >= 2 GPUs (~6-8 minutes on 2 H100s):
+# Sparse training on several GPUs, one call on a machine with N >= 2 GPUs (~6-8 minutes on 2 H100s or H200s):
 #   1. the GPU tests of tests/distributed: the bench's distributed mode on a tiny model over NCCL, and the sparse
 #      step on a GPU that is not the current one;
 #   2. `sparsefuse bench train` under torchrun on 1 GPU and on all N, DDP and FSDP2, patched vs unpatched, bf16,
@@ -74,7 +74,7 @@ if [ "$ngpu" -lt 2 ]; then
 fi
 
 if [ "${TESTS:-1}" != 0 ]; then
-  part "tests" 100 "$log" $PY -m pytest tests/distributed -q -rfs -p no:cacheprovider
+  part "tests" 180 "$log" $PY -m pytest tests/distributed -q -rfs -p no:cacheprovider
 fi
 
 if [ "${BENCH:-1}" != 0 ]; then
