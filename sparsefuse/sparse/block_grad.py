@@ -43,7 +43,7 @@ def block_ell_sddmm_kernel(
     width,
     stride_a,
     stride_b,
-    gate_grad_scale,
+    gate_grad_divisor,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -54,8 +54,8 @@ def block_ell_sddmm_kernel(
 ):
     # BlockELL slots: indices [n_blocks, width], counts [n_blocks], order [M] (slot row -> matrix row); a [M, D],
     # b [N, D]. Program (c, blk): slots [c * BLOCK_C, (c + 1) * BLOCK_C) of block blk, acc = a[rows] @ b[cols]^T.
-    # Plain: out = acc. GATED (gate, up [M, width] on the same slots; gate_grad a 1-element tensor, read times
-    # gate_grad_scale):
+    # Plain: out = acc. GATED (gate, up [M, width] on the same slots; gate_grad a 1-element tensor, read over
+    # gate_grad_divisor, correctly rounded as torch divides):
     #   out = acc * gate                                   (gradient w.r.t. up)
     #   out2 = (acc * up + gate_grad) where gate != 0     (gradient w.r.t. the gate's pre-activation)
     # Without HAS_UP (a non-gated layer: h = gate) only out2, with up = 1.
@@ -72,7 +72,7 @@ def block_ell_sddmm_kernel(
         acc = gathered_rows_dot(acc, a_rows_ptr, row_mask, b_cols_ptr, p_mask, D, BLOCK_D, IEEE_FP32)
         if GATED:
             gate = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-            gate_grad = tl.load(gate_grad_ptr).to(tl.float32) * gate_grad_scale
+            gate_grad = tl.math.div_rn(tl.load(gate_grad_ptr).to(tl.float32), gate_grad_divisor)
             if HAS_UP:
                 up = tl.load(up_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
                 tl.store(out_ptr + offsets, (acc * gate).to(out_ptr.dtype.element_ty), mask=mask)
@@ -97,18 +97,18 @@ def block_ell_sddmm(
     gate: torch.Tensor | None = None,
     up: torch.Tensor | None = None,
     gate_grad: torch.Tensor | None = None,
-    gate_grad_scale: float = 1.0,
+    gate_grad_divisor: float = 1.0,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor | None, torch.Tensor]:
     """``(a @ b^T)`` on ``like``'s slots: a [M, D], b [N, D] -> values [M, width] (``like``'s slots, fp32
     accumulation on tensor cores, no host sync; ``2 * block_rows * D`` flops per listed column).
 
     With ``gate``/``up`` ([M, width], the forward's factors of ``h = gate * up`` on the same slots, gate already
-    relu'd) and ``gate_grad`` (1-element float tensor; times ``gate_grad_scale``, the gradient added to every fired
-    gate pre-activation, e.g. an L1 term's: the loss's gradient w.r.t. a mean, scaled by one over its count, with no
-    launch of its own), returns the two gradients of ``h`` given ``dh = a @ b^T``: ``(dh * gate, (dh * up + gate_grad) *
-    [gate != 0])``. With ``gate`` but no ``up`` (a non-gated layer, ``h = gate``): ``(None, (dh + gate_grad) *
-    [gate != 0])``."""
+    relu'd) and ``gate_grad`` (1-element float tensor; over ``gate_grad_divisor``, the gradient added to every fired
+    gate pre-activation, e.g. an L1 term's: the loss's gradient w.r.t. a mean, divided by its count with no launch
+    of its own, correctly rounded as the dense layout's kernel and torch divide it), returns the two gradients of
+    ``h`` given ``dh = a @ b^T``: ``(dh * gate, (dh * up + gate_grad) * [gate != 0])``. With ``gate`` but no
+    ``up`` (a non-gated layer, ``h = gate``): ``(None, (dh + gate_grad) * [gate != 0])``."""
     a, b = unit_last_stride(a), unit_last_stride(b)
     M, width = like.values.shape
     gated, has_up = gate is not None, up is not None
@@ -141,7 +141,7 @@ def block_ell_sddmm(
         width,
         a.stride(0),
         b.stride(0),
-        float(gate_grad_scale),
+        float(gate_grad_divisor),
         BLOCK_ROWS=like.block_rows,
         BLOCK_C=block_c,
         BLOCK_D=block_d,

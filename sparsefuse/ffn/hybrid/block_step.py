@@ -181,7 +181,7 @@ def _train_backward(
         gate=gate_values,
         up=up_values,
         gate_grad=dl1.reshape(1),
-        gate_grad_scale=1.0 / max(M * N, 1),
+        gate_grad_divisor=max(M * N, 1),
     )
     d_pre_slots = _on_slots(d_pre, indices, counts, order, N, block_rows)
     csc = block_ell_transpose(gate, count_table=count_table)
