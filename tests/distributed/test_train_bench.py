@@ -82,16 +82,17 @@ def test_train_bench_distributed_mode_two_processes(tmp_path, device):
 
 
 def test_train_bench_fsdp2_units_of_several_layers(tmp_path):
-    """SPARSEFUSE_FSDP_LAYERS_PER_UNIT=2: both decoder layers in one FSDP2 unit; the note says so, and each model's
-    gradients after one step still equal one process's."""
+    """SPARSEFUSE_FSDP_LAYERS_PER_UNIT=2 and SPARSEFUSE_FSDP_RESHARD_AFTER_FORWARD=0: both decoder layers in one
+    FSDP2 unit, kept gathered from forward to backward; the note says so, and each model's gradients after one step
+    still equal one process's."""
     out, log = tmp_path / "rows.json", tmp_path / "torchrun.log"
-    env = {train_dist.ENGINES_ENV: "fsdp2", train_dist.FSDP_UNIT_ENV: "2"}
+    env = {train_dist.ENGINES_ENV: "fsdp2", train_dist.FSDP_UNIT_ENV: "2", train_dist.FSDP_RESHARD_ENV: "0"}
     returncode = _torchrun([str(WORKER), str(out), "cpu"], log, **env)
     assert returncode == 0, f"torchrun returned {returncode}:\n" + log.read_text()[-6000:]
     rows = json.loads(out.read_text())["rows"]
     assert set(rows) == {"2L nnz=6 B=2 S=16 fsdp2 x2"}
     for impl, row in rows["2L nnz=6 B=2 S=16 fsdp2 x2"].items():
-        assert row["note"].startswith("fsdp2 (2 layers per unit) on 2x CPU"), row["note"]
+        assert row["note"].startswith("fsdp2 (2 layers per unit, no reshard after forward) on 2x CPU"), row["note"]
         assert row["note"].endswith(": ok") and all(math.isfinite(v) for v in row["losses"]), (impl, row)
         assert float(row["note"].split("grads vs 1 process ")[1].split()[0]) < 1e-5, (impl, row["note"])
 
@@ -105,6 +106,19 @@ def test_fsdp_layers_per_unit_from_env(monkeypatch):
         monkeypatch.setenv(train_dist.FSDP_UNIT_ENV, bad)
         with pytest.raises(ValueError, match=train_dist.FSDP_UNIT_ENV):
             train_dist.fsdp_layers_per_unit()
+
+
+def test_fsdp_reshard_from_env(monkeypatch):
+    monkeypatch.delenv(train_dist.FSDP_RESHARD_ENV, raising=False)
+    monkeypatch.delenv(train_dist.FSDP_UNIT_ENV, raising=False)
+    assert train_dist.fsdp_reshard_after_forward() and train_dist.fsdp_label() == ""
+    monkeypatch.setenv(train_dist.FSDP_RESHARD_ENV, "0")
+    assert not train_dist.fsdp_reshard_after_forward()
+    assert train_dist.fsdp_label() == " (no reshard after forward)"
+    for bad in ("", "no", "2"):
+        monkeypatch.setenv(train_dist.FSDP_RESHARD_ENV, bad)
+        with pytest.raises(ValueError, match=train_dist.FSDP_RESHARD_ENV):
+            train_dist.fsdp_reshard_after_forward()
 
 
 def test_engines_from_env(monkeypatch):

@@ -51,6 +51,10 @@ ENGINES_ENV = "SPARSEFUSE_TRAIN_ENGINES"
 # all-gathers, copies and hooks, forward and backward) that a host-bound patched step pays in full; on a CPU probe
 # (gloo, 6 small layers, kernels stubbed out) units of 2 and 3 layers cut the patched step's host time 12% and 28%.
 FSDP_UNIT_ENV = "SPARSEFUSE_FSDP_LAYERS_PER_UNIT"
+# "0": FSDP2 keeps each unit's gathered parameters from its forward to its backward (reshard_after_forward=False),
+# so the backward needs no all-gathers of its own (half the unit's collectives and their host work) for one unit's
+# unsharded parameters more per GPU; "1" (default) is torch's own setting.
+FSDP_RESHARD_ENV = "SPARSEFUSE_FSDP_RESHARD_AFTER_FORWARD"
 GRAD_CHECK_BATCH = 1  # sequences per process in the gradient check (its one-process reference takes N of them)
 # The L1 coefficient of the gradient check of the patched model: large enough that the L1 term's gradient (a
 # per-rank mean, like the LM loss) is a visible part of the gate's gradient; the timed steps use train's.
@@ -129,6 +133,22 @@ def fsdp_layers_per_unit() -> int:
     return int(value)
 
 
+def fsdp_reshard_after_forward() -> bool:
+    """FSDP2's ``reshard_after_forward`` for the decoder layers' units, from ``SPARSEFUSE_FSDP_RESHARD_AFTER_FORWARD``
+    ("1", the default, or "0")."""
+    value = os.environ.get(FSDP_RESHARD_ENV, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{FSDP_RESHARD_ENV} must be 0 or 1; got {value!r}")
+    return value == "1"
+
+
+def fsdp_label() -> str:
+    """The FSDP2 setup in words for a row's note: empty for torch's defaults (one layer per unit, resharded)."""
+    parts = [f"{fsdp_layers_per_unit()} layers per unit"] if fsdp_layers_per_unit() > 1 else []
+    parts += [] if fsdp_reshard_after_forward() else ["no reshard after forward"]
+    return f" ({', '.join(parts)})" if parts else ""
+
+
 def wrap(model: nn.Module, engine: str, world: World) -> nn.Module:
     """``model`` (a transformers causal LM on ``world.device``) under ``engine``: ``"ddp"`` returns a
     ``DistributedDataParallel`` around it; ``"fsdp2"`` applies ``fully_shard`` to each run of
@@ -146,9 +166,10 @@ def wrap(model: nn.Module, engine: str, world: World) -> nn.Module:
         # a mesh of this process group's device type: left to itself, fully_shard would take a visible GPU
         mesh = DeviceMesh.from_group(dist.group.WORLD, world.device.type)
         layers, per_unit = list(model.model.layers), fsdp_layers_per_unit()
+        reshard = fsdp_reshard_after_forward()
         for first in range(0, len(layers), per_unit):
             unit = layers[first : first + per_unit]
-            fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh)
+            fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, reshard_after_forward=reshard)
         return fully_shard(model, mesh=mesh)
     raise ValueError(f"engine must be one of {', '.join(ENGINES)}; got {engine!r}")
 
@@ -300,8 +321,8 @@ class _Engine:
         peak = self.peak_mb(impl)
         memory = f"peak/GPU {peak:.0f} MB (max over ranks)" if math.isfinite(peak) else "peak n/a"
         engine = self.engine
-        if engine == "fsdp2" and fsdp_layers_per_unit() > 1:
-            engine += f" ({fsdp_layers_per_unit()} layers per unit)"
+        if engine == "fsdp2":
+            engine += fsdp_label()
         return f"{engine} on {self.world.size}x {where}; {memory}; {self.agreement[impl]}"
 
 
