@@ -7,11 +7,11 @@ the Python standard library's own source files, as bytes (vocabulary 256, no tok
     torchrun --nproc_per_node 2 examples/train_sparse_llama.py --distributed --engine fsdp2 --size small --out runs/fsdp
 
 With ``--distributed`` (launched by ``torchrun``) the model is wrapped in ``DistributedDataParallel`` (NCCL on GPUs,
-gloo on CPUs), or with ``--engine fsdp2`` sharded by FSDP2 (``fully_shard`` per decoder layer, then the root; the
-MLPs keep ``down_proj.weight`` row-major, as FSDP2 shards contiguous parameters only), and each process trains on
-its share of the same global batch, so a run on P processes follows the single-process run (same initialisation,
-batches and updates up to rounding); the logged loss and sparsity are averaged over the processes, and process 0
-writes the files.
+gloo on CPUs), or with ``--engine fsdp2`` sharded by FSDP2 (``fully_shard`` per run of 3 decoder layers kept
+gathered from forward to backward, then the root; the MLPs keep ``down_proj.weight`` row-major, as FSDP2 shards
+contiguous parameters only), and each process trains on its share of the same global batch, so a run on P processes
+follows the single-process run (same initialisation, batches and updates up to rounding); the logged loss and
+sparsity are averaged over the processes, and process 0 writes the files.
 
 Each run trains the same model from the same initialisation and batches once with no L1 and once per coefficient of
 ``--l1`` (comma-separated; each ramped in linearly over the first half of the steps), and writes to ``--out`` (after
@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+FSDP_LAYERS_PER_UNIT = 3  # decoder layers per FSDP2 unit (see _shard)
 SIZES = {
     # hidden, intermediate, layers, heads, context, batch, steps, learning rate, corpus bytes (the small run reads
     # the whole standard library: 10-30 MB of .py files, by Python version; 2000 steps of 32 x 512 bytes see 33 MB)
@@ -104,8 +105,12 @@ def _shard(model: torch.nn.Module, engine: str, device: torch.device) -> torch.n
     from torch.distributed.fsdp import fully_shard
 
     mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)  # on CPUs: left to itself it would take a GPU
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
+    # Units of 3 decoder layers kept gathered from forward to backward: a third of the units and no all-gathers in
+    # the backward, host work the sparse step cannot hide (docs/training.md, "Several GPUs")
+    layers = list(model.model.layers)
+    for first in range(0, len(layers), FSDP_LAYERS_PER_UNIT):
+        unit = layers[first : first + FSDP_LAYERS_PER_UNIT]
+        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, reshard_after_forward=False)
     return fully_shard(model, mesh=mesh)
 
 

@@ -66,7 +66,8 @@ def test_train_bench_distributed_mode_two_processes(tmp_path, device):
         for impl, row in impls.items():
             assert row["method"] == "wall" and row["tokens"] == 2 * 16
             assert all(math.isfinite(v) for v in row["losses"]), (shape, impl, row)
-            assert row["note"].startswith(f"{engine} on 2x {where}"), row["note"]
+            label = " (3 layers per unit, no reshard after forward)" if engine == "fsdp2" else ""  # the defaults
+            assert row["note"].startswith(f"{engine}{label} on 2x {where}"), row["note"]
             assert row["note"].endswith(": ok"), (shape, impl, row["note"])
             error = float(row["note"].split("grads vs 1 process ")[1].split()[0])
             assert error < 1e-5, (shape, impl, row["note"])
@@ -99,9 +100,9 @@ def test_train_bench_fsdp2_units_of_several_layers(tmp_path):
 
 def test_fsdp_layers_per_unit_from_env(monkeypatch):
     monkeypatch.delenv(train_dist.FSDP_UNIT_ENV, raising=False)
+    assert train_dist.fsdp_layers_per_unit() == train_dist.FSDP_LAYERS_PER_UNIT == 3
+    monkeypatch.setenv(train_dist.FSDP_UNIT_ENV, "1")
     assert train_dist.fsdp_layers_per_unit() == 1
-    monkeypatch.setenv(train_dist.FSDP_UNIT_ENV, "3")
-    assert train_dist.fsdp_layers_per_unit() == 3
     for bad in ("0", "two", "-1"):
         monkeypatch.setenv(train_dist.FSDP_UNIT_ENV, bad)
         with pytest.raises(ValueError, match=train_dist.FSDP_UNIT_ENV):
@@ -111,10 +112,11 @@ def test_fsdp_layers_per_unit_from_env(monkeypatch):
 def test_fsdp_reshard_from_env(monkeypatch):
     monkeypatch.delenv(train_dist.FSDP_RESHARD_ENV, raising=False)
     monkeypatch.delenv(train_dist.FSDP_UNIT_ENV, raising=False)
-    assert train_dist.fsdp_reshard_after_forward() and train_dist.fsdp_label() == ""
-    monkeypatch.setenv(train_dist.FSDP_RESHARD_ENV, "0")
     assert not train_dist.fsdp_reshard_after_forward()
-    assert train_dist.fsdp_label() == " (no reshard after forward)"
+    assert train_dist.fsdp_label() == " (3 layers per unit, no reshard after forward)"
+    monkeypatch.setenv(train_dist.FSDP_UNIT_ENV, "1")
+    monkeypatch.setenv(train_dist.FSDP_RESHARD_ENV, "1")
+    assert train_dist.fsdp_reshard_after_forward() and train_dist.fsdp_label() == ""
     for bad in ("", "no", "2"):
         monkeypatch.setenv(train_dist.FSDP_RESHARD_ENV, bad)
         with pytest.raises(ValueError, match=train_dist.FSDP_RESHARD_ENV):

@@ -7,11 +7,12 @@ these cases instead of the single-GPU ones::
     SPARSEFUSE_TRAIN_ENGINES=fsdp2 torchrun --nproc_per_node 2 -m sparsefuse bench train ...
 
 Every process builds the same synthetic 1.5B-shape Llama (``nnz=30``, full depth; 8 layers with ``--quick``),
-takes rank 0's weights, and wraps it in ``DistributedDataParallel`` or FSDP2 (``fully_shard`` per decoder layer,
-then the root); ``SPARSEFUSE_TRAIN_ENGINES`` picks the engines (default ``ddp,fsdp2``). Each process trains on its
-own micro-batch of ``B x S`` tokens (B and S as one GPU's rows: the global batch grows with the processes), patched
-(``patch_llama(train_method="hybrid")``; ``down_layout="row"`` under FSDP2, which shards contiguous parameters
-only) vs unpatched, same step as on one GPU (AdamW at ``lr=0``). No compiled, ``no FFN`` or largest-batch rows.
+takes rank 0's weights, and wraps it in ``DistributedDataParallel`` or FSDP2 (``fully_shard`` per run of 3
+decoder layers kept gathered from forward to backward, then the root); ``SPARSEFUSE_TRAIN_ENGINES`` picks the
+engines (default ``ddp,fsdp2``). Each process trains on its own micro-batch of ``B x S`` tokens (B and S as one
+GPU's rows: the global batch grows with the processes), patched (``patch_llama(train_method="hybrid")``;
+``down_layout="row"`` under FSDP2, which shards contiguous parameters only) vs unpatched, same step as on one GPU
+(AdamW at ``lr=0``). No compiled, ``no FFN`` or largest-batch rows.
 
 Rows (shape label ``"<layers>L nnz=30 B=<per GPU> S=.. <engine> x<GPUs>"``, method ``wall``, rank 0's clock):
 tokens/s is per GPU (one process's tokens over the step time); the note names the GPU kind and count, the peak
@@ -47,14 +48,15 @@ ENGINES = ("ddp", "fsdp2")
 # on 2 H200s it took 162 ms with torch's defaults and 146 ms with these, against 143 ms without DDP.
 DDP_OPTIONS = {"bucket_cap_mb": 100, "gradient_as_bucket_view": True}
 ENGINES_ENV = "SPARSEFUSE_TRAIN_ENGINES"
-# Decoder layers per FSDP2 unit (default 1: fully_shard per layer). Each unit costs host work per step (its
-# all-gathers, copies and hooks, forward and backward) that a host-bound patched step pays in full; on a CPU probe
-# (gloo, 6 small layers, kernels stubbed out) units of 2 and 3 layers cut the patched step's host time 12% and 28%.
-FSDP_UNIT_ENV = "SPARSEFUSE_FSDP_LAYERS_PER_UNIT"
-# "0": FSDP2 keeps each unit's gathered parameters from its forward to its backward (reshard_after_forward=False),
-# so the backward needs no all-gathers of its own (half the unit's collectives and their host work) for one unit's
-# unsharded parameters more per GPU; "1" (default) is torch's own setting.
-FSDP_RESHARD_ENV = "SPARSEFUSE_FSDP_RESHARD_AFTER_FORWARD"
+# FSDP2 as docs/training.md advises for a patched model, given to the unpatched one too: units of 3 decoder layers
+# (not one each), kept gathered from forward to backward (reshard_after_forward=False: the backward all-gathers
+# nothing). Each unit costs host work per step (its collectives, copies and hooks) that a host-bound patched step
+# pays in full: on 2 H100s its step took 226 ms with torch's per-layer, resharded setup (1.04x unpatched), 191 ms
+# with units of 3, 203 ms unresharded and 165 ms with both (1.34x), for ~2.4 GB more peak memory per GPU.
+FSDP_LAYERS_PER_UNIT = 3
+FSDP_UNIT_ENV = "SPARSEFUSE_FSDP_LAYERS_PER_UNIT"  # overrides FSDP_LAYERS_PER_UNIT
+FSDP_RESHARD_AFTER_FORWARD = False
+FSDP_RESHARD_ENV = "SPARSEFUSE_FSDP_RESHARD_AFTER_FORWARD"  # "1" or "0": overrides FSDP_RESHARD_AFTER_FORWARD
 GRAD_CHECK_BATCH = 1  # sequences per process in the gradient check (its one-process reference takes N of them)
 # The L1 coefficient of the gradient check of the patched model: large enough that the L1 term's gradient (a
 # per-rank mean, like the LM loss) is a visible part of the gate's gradient; the timed steps use train's.
@@ -126,24 +128,24 @@ def broadcast_(model: nn.Module) -> nn.Module:
 
 
 def fsdp_layers_per_unit() -> int:
-    """Decoder layers per FSDP2 unit, from ``SPARSEFUSE_FSDP_LAYERS_PER_UNIT`` (default 1)."""
-    value = os.environ.get(FSDP_UNIT_ENV, "1")
+    """Decoder layers per FSDP2 unit: ``SPARSEFUSE_FSDP_LAYERS_PER_UNIT``, else :data:`FSDP_LAYERS_PER_UNIT`."""
+    value = os.environ.get(FSDP_UNIT_ENV, str(FSDP_LAYERS_PER_UNIT))
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"{FSDP_UNIT_ENV} must be a positive integer; got {value!r}")
     return int(value)
 
 
 def fsdp_reshard_after_forward() -> bool:
-    """FSDP2's ``reshard_after_forward`` for the decoder layers' units, from ``SPARSEFUSE_FSDP_RESHARD_AFTER_FORWARD``
-    ("1", the default, or "0")."""
-    value = os.environ.get(FSDP_RESHARD_ENV, "1")
+    """FSDP2's ``reshard_after_forward`` for the decoder layers' units: ``SPARSEFUSE_FSDP_RESHARD_AFTER_FORWARD``
+    ("1" or "0"), else :data:`FSDP_RESHARD_AFTER_FORWARD`."""
+    value = os.environ.get(FSDP_RESHARD_ENV, str(int(FSDP_RESHARD_AFTER_FORWARD)))
     if value not in ("0", "1"):
         raise ValueError(f"{FSDP_RESHARD_ENV} must be 0 or 1; got {value!r}")
     return value == "1"
 
 
 def fsdp_label() -> str:
-    """The FSDP2 setup in words for a row's note: empty for torch's defaults (one layer per unit, resharded)."""
+    """The FSDP2 setup in words for a row's note (empty for torch's own: one layer per unit, resharded)."""
     parts = [f"{fsdp_layers_per_unit()} layers per unit"] if fsdp_layers_per_unit() > 1 else []
     parts += [] if fsdp_reshard_after_forward() else ["no reshard after forward"]
     return f" ({', '.join(parts)})" if parts else ""
@@ -152,8 +154,9 @@ def fsdp_label() -> str:
 def wrap(model: nn.Module, engine: str, world: World) -> nn.Module:
     """``model`` (a transformers causal LM on ``world.device``) under ``engine``: ``"ddp"`` returns a
     ``DistributedDataParallel`` around it; ``"fsdp2"`` applies ``fully_shard`` to each run of
-    :func:`fsdp_layers_per_unit` decoder layers and then to the root (in place: the model itself is returned, its
-    parameters now sharded DTensors). FSDP2 needs contiguous parameters: patch with ``down_layout="row"``."""
+    :func:`fsdp_layers_per_unit` decoder layers (with :func:`fsdp_reshard_after_forward`) and then to the root (in
+    place: the model itself is returned, its parameters now sharded DTensors). FSDP2 needs contiguous parameters:
+    patch with ``down_layout="row"``."""
     if engine == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
