@@ -367,14 +367,14 @@ def transposed_matmul_kernel(
                 tl.store(sum2_ptr + cols, sum2, mask=n_mask)
 
 
-# (BLOCK_N, BLOCK_E, BLOCK_D, num_warps, num_stages), measured on an H100 at the 1.5B and 8B FFN shapes (8192
-# tokens, ~30 non-zeros each). Two outputs share each gathered x tile best with wide feature blocks; one output,
-# with more entries per step. Three (the training step's dW_g, dW_u, dW_d), re-measured on an H200 on the entries of
-# a 1.5B model's layer (heavy-tailed, 30% dead neurons) and of the 8B layer: 32 entries a step where D <= 2048
-# (0.94 ms against 1.02 at 64), 64 above (1.65 ms against 1.9-2.1 at 32 or 16).
-TRANSPOSED_CONFIG = {1: (16, 128, 128, 4, 3), 2: (16, 64, 256, 8, 2), 3: (16, 64, 128, 4, 2)}
-TRANSPOSED_NARROW_CONFIG = (16, 32, 128, 4, 2)  # three outputs, D <= TRANSPOSED_NARROW_D
-TRANSPOSED_NARROW_D = 2048
+# (BLOCK_N, BLOCK_E, BLOCK_D, num_warps, num_stages, maxnreg), measured on an H100 at the 1.5B and 8B FFN shapes
+# (8192 tokens, ~30 non-zeros each). Two outputs share each gathered x tile best with wide feature blocks; one
+# output, with more entries per step. Three (the training step's dW_g, dW_u, dW_d), on the entries of the 1.5B and
+# 8B layers: the gathers wait on L2 (ncu: 56% of the issue stalls on L1TEX), and left to itself the compiler gives
+# a program 136 registers, so 3 programs (12 warps) fit an SM -- too few gathers in flight. Capped at 96 registers
+# (no spills at these tiles), 5 programs fit: 1.08 -> 0.74 ms at 1.5B and 2.45 -> 1.69 ms at 8B; 88 was within 3%,
+# 64-80 spilled, and 8 warps a program (the other way to more warps) reached 0.90 / 1.96 ms.
+TRANSPOSED_CONFIG = {1: (16, 128, 128, 4, 3, None), 2: (16, 64, 256, 8, 2, None), 3: (16, 32, 128, 4, 2, 96)}
 TRANSPOSED_SCHEDULED_GROUPS = 8192  # column groups up to which they are launched heaviest first
 
 
@@ -420,11 +420,9 @@ def transposed_matmul(
     if backend_for(x) is Backend.TORCH:
         raise NotImplementedError("transposed_matmul runs on the GPU or the Triton interpreter")
     if _backend.INTERPRET:
-        block_n, block_e, block_d, warps, stages = 16, 16, 32, 4, 1
-    elif n_out == 3 and D <= TRANSPOSED_NARROW_D:
-        block_n, block_e, block_d, warps, stages = TRANSPOSED_NARROW_CONFIG
+        block_n, block_e, block_d, warps, stages, max_registers = 16, 16, 32, 4, 1, None
     else:
-        block_n, block_e, block_d, warps, stages = TRANSPOSED_CONFIG[n_out]
+        block_n, block_e, block_d, warps, stages, max_registers = TRANSPOSED_CONFIG[n_out]
     order = csc.row_order
     # Column groups are launched by decreasing entry count (longest first: hot neurons' groups hold 4-5x the mean
     # entries), and a group's feature blocks side by side, so that the rows they gather are read whole while
@@ -467,6 +465,7 @@ def transposed_matmul(
         IEEE_FP32=ieee_fp32(x.dtype),
         num_warps=warps,
         num_stages=stages,
+        **({"maxnreg": max_registers} if max_registers else {}),
     )
     record_launch("transposed_matmul_kernel")
     return out, sums
