@@ -254,13 +254,15 @@ def factor_chunk(D: int, block_rows: int) -> int:
     return _block_sddmm_blocks(D, block_rows, factors=True)[0]
 
 
-def _block_sddmm_blocks(D: int, block_rows: int, factors: bool = False) -> tuple[int, int, int, int]:
-    """(BLOCK_C, BLOCK_D, num_warps, num_stages): measured on an H200. The training step's call (``factors``: three
-    outputs and the statistics) at D <= 2048 runs 4 warps: inside a 1.5B-shape model 0.19 against 0.21 ms per layer
-    with 8 (0.21 against 0.34 ms on one layer's arguments with a cold L2)."""
+def _block_sddmm_blocks(D: int, block_rows: int, factors: bool = False) -> tuple[int, int, int, int, int | None]:
+    """(BLOCK_C, BLOCK_D, num_warps, num_stages, maxnreg): measured on an H200. The training step's call
+    (``factors``: three outputs and the statistics) at D <= 2048 runs 4 warps: inside a 1.5B-shape model 0.19
+    against 0.21 ms per layer with 8 (0.21 against 0.34 ms on one layer's arguments with a cold L2). With 8 warps
+    the compiler takes 255 registers a thread (one program an SM); capped at 128, two fit: 454 -> 396 us at the 8B
+    layer shape (with 4 warps the cap spills: 203 -> 306 us at 1.5B)."""
     if _backend.INTERPRET:
-        return 16, 32, 4, 1
-    return (128, 64, 4, 4) if factors and D <= 2048 else (128, 64, 8, 4)
+        return 16, 32, 4, 1, None
+    return (128, 64, 4, 4, None) if factors and D <= 2048 else (128, 64, 8, 4, 128)
 
 
 class BlockFactors(NamedTuple):
@@ -330,7 +332,7 @@ def block_sddmm(
     def on_slots(v: torch.Tensor) -> BlockELL:
         return BlockELL(v, indices, counts, N, pattern.block_rows, pattern.row_order)
 
-    block_c, block_d, warps, stages = _block_sddmm_blocks(D, pattern.block_rows, factors)
+    block_c, block_d, warps, stages, max_registers = _block_sddmm_blocks(D, pattern.block_rows, factors)
     n_chunks = triton.cdiv(width, block_c)
     if n_chunks == 0:  # no column (N = 0): no program writes the unions' sizes, which are all 0
         counts.zero_()
@@ -418,6 +420,7 @@ def block_sddmm(
         IEEE_FP32=ieee_fp32(a.dtype),
         num_warps=warps,
         num_stages=stages,
+        **({"maxnreg": max_registers} if max_registers else {}),
     )
     record_launch("block_sddmm_kernel")
     return result()
