@@ -53,7 +53,8 @@ def test_train_bench_distributed_mode_two_processes(tmp_path, device):
         pytest.skip("needs 2 GPUs")
     out = tmp_path / "rows.json"
     log = tmp_path / "torchrun.log"
-    returncode = _torchrun([str(WORKER), str(out), device], log)
+    defaults = {train_dist.FSDP_UNIT_ENV: "3", train_dist.FSDP_RESHARD_ENV: "0"}  # whatever the caller's env says
+    returncode = _torchrun([str(WORKER), str(out), device], log, **defaults)
     assert returncode == 0, f"torchrun returned {returncode}:\n" + log.read_text()[-6000:]
     result = json.loads(out.read_text())
     assert result["world"] == 2
@@ -66,7 +67,8 @@ def test_train_bench_distributed_mode_two_processes(tmp_path, device):
         for impl, row in impls.items():
             assert row["method"] == "wall" and row["tokens"] == 2 * 16
             assert all(math.isfinite(v) for v in row["losses"]), (shape, impl, row)
-            label = " (3 layers per unit, no reshard after forward)" if engine == "fsdp2" else ""  # the defaults
+            # the defaults, on a model of 2 layers: one unit of both
+            label = " (2 layers per unit, no reshard after forward)" if engine == "fsdp2" else ""
             assert row["note"].startswith(f"{engine}{label} on 2x {where}"), row["note"]
             assert row["note"].endswith(": ok"), (shape, impl, row["note"])
             error = float(row["note"].split("grads vs 1 process ")[1].split()[0])
@@ -82,18 +84,18 @@ def test_train_bench_distributed_mode_two_processes(tmp_path, device):
         assert ddp[impl]["losses"] == pytest.approx(fsdp[impl]["losses"], rel=1e-4), impl
 
 
-def test_train_bench_fsdp2_units_of_several_layers(tmp_path):
-    """SPARSEFUSE_FSDP_LAYERS_PER_UNIT=2 and SPARSEFUSE_FSDP_RESHARD_AFTER_FORWARD=0: both decoder layers in one
-    FSDP2 unit, kept gathered from forward to backward; the note says so, and each model's gradients after one step
-    still equal one process's."""
+def test_train_bench_fsdp2_torch_default_setup(tmp_path):
+    """SPARSEFUSE_FSDP_LAYERS_PER_UNIT=1 and SPARSEFUSE_FSDP_RESHARD_AFTER_FORWARD=1 (torch's own setup: a unit per
+    decoder layer, resharded after its forward) override the bench's defaults; the note names no setup, and each
+    model's gradients after one step still equal one process's."""
     out, log = tmp_path / "rows.json", tmp_path / "torchrun.log"
-    env = {train_dist.ENGINES_ENV: "fsdp2", train_dist.FSDP_UNIT_ENV: "2", train_dist.FSDP_RESHARD_ENV: "0"}
+    env = {train_dist.ENGINES_ENV: "fsdp2", train_dist.FSDP_UNIT_ENV: "1", train_dist.FSDP_RESHARD_ENV: "1"}
     returncode = _torchrun([str(WORKER), str(out), "cpu"], log, **env)
     assert returncode == 0, f"torchrun returned {returncode}:\n" + log.read_text()[-6000:]
     rows = json.loads(out.read_text())["rows"]
     assert set(rows) == {"2L nnz=6 B=2 S=16 fsdp2 x2"}
     for impl, row in rows["2L nnz=6 B=2 S=16 fsdp2 x2"].items():
-        assert row["note"].startswith("fsdp2 (2 layers per unit, no reshard after forward) on 2x CPU"), row["note"]
+        assert row["note"].startswith("fsdp2 on 2x CPU"), row["note"]
         assert row["note"].endswith(": ok") and all(math.isfinite(v) for v in row["losses"]), (impl, row)
         assert float(row["note"].split("grads vs 1 process ")[1].split()[0]) < 1e-5, (impl, row["note"])
 
@@ -114,6 +116,7 @@ def test_fsdp_reshard_from_env(monkeypatch):
     monkeypatch.delenv(train_dist.FSDP_UNIT_ENV, raising=False)
     assert not train_dist.fsdp_reshard_after_forward()
     assert train_dist.fsdp_label() == " (3 layers per unit, no reshard after forward)"
+    assert train_dist.fsdp_label(n_layers=2) == " (2 layers per unit, no reshard after forward)"
     monkeypatch.setenv(train_dist.FSDP_UNIT_ENV, "1")
     monkeypatch.setenv(train_dist.FSDP_RESHARD_ENV, "1")
     assert train_dist.fsdp_reshard_after_forward() and train_dist.fsdp_label() == ""

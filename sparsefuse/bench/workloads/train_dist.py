@@ -144,9 +144,11 @@ def fsdp_reshard_after_forward() -> bool:
     return value == "1"
 
 
-def fsdp_label() -> str:
-    """The FSDP2 setup in words for a row's note (empty for torch's own: one layer per unit, resharded)."""
-    parts = [f"{fsdp_layers_per_unit()} layers per unit"] if fsdp_layers_per_unit() > 1 else []
+def fsdp_label(n_layers: int | None = None) -> str:
+    """The FSDP2 setup in words for a row's note (empty for torch's own: one layer per unit, resharded), for a model
+    of ``n_layers`` decoder layers (a unit holds at most all of them)."""
+    per_unit = min(fsdp_layers_per_unit(), n_layers or fsdp_layers_per_unit())
+    parts = [f"{per_unit} layers per unit"] if per_unit > 1 else []
     parts += [] if fsdp_reshard_after_forward() else ["no reshard after forward"]
     return f" ({', '.join(parts)})" if parts else ""
 
@@ -280,8 +282,8 @@ class _Engine:
     """One case's models on this process: per implementation (``unpatched``, ``patched``) the model built, given
     rank 0's weights, patched, checked against one process (:func:`grad_agreement`) and wrapped, on first use."""
 
-    def __init__(self, build: Callable[[], nn.Module], engine: str, world: World, seq: int) -> None:
-        self.build, self.engine, self.world, self.seq = build, engine, world, seq
+    def __init__(self, build: Callable[[], nn.Module], engine: str, world: World, seq: int, layers: int) -> None:
+        self.build, self.engine, self.world, self.seq, self.layers = build, engine, world, seq, layers
         self.trainers: dict[str, setup.Trainer] = {}
         self.agreement: dict[str, GradAgreement] = {}
         self.before: dict[str, int] = {}  # bytes allocated when the implementation's last step began
@@ -325,7 +327,7 @@ class _Engine:
         memory = f"peak/GPU {peak:.0f} MB (max over ranks)" if math.isfinite(peak) else "peak n/a"
         engine = self.engine
         if engine == "fsdp2":
-            engine += fsdp_label()
+            engine += fsdp_label(self.layers)
         return f"{engine} on {self.world.size}x {where}; {memory}; {self.agreement[impl]}"
 
 
@@ -379,7 +381,7 @@ def distributed_cases(options: Options, dtype: torch.dtype) -> list[Case]:
     cases = []
     for engine in engines_from_env():
         key = (engine, layers, nnz, batch, seq)
-        models = lambda key=key, engine=engine: resident.get(key, lambda: _Engine(build, engine, world, seq))  # noqa: E731
+        models = lambda key=key, engine=engine: resident.get(key, lambda: _Engine(build, engine, world, seq, layers))  # noqa: E731
 
         def make_inputs(models=models) -> tuple[torch.Tensor]:
             # both models built and checked here, on the default stream, before the harness's side-stream warm-up
