@@ -102,7 +102,10 @@ def _shard(model: torch.nn.Module, engine: str, device: torch.device) -> torch.n
             gradient_as_bucket_view=True,
         )
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch 2.5 has FSDP2 under its earlier, private name
+        from torch.distributed._composable.fsdp import fully_shard
 
     mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)  # on CPUs: left to itself it would take a GPU
     # Units of 3 decoder layers kept gathered from forward to backward: a third of the units and no all-gathers in

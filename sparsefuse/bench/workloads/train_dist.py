@@ -166,7 +166,10 @@ def wrap(model: nn.Module, engine: str, world: World) -> nn.Module:
         return DistributedDataParallel(model, device_ids=device_ids, **DDP_OPTIONS)
     if engine == "fsdp2":
         from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import fully_shard
+        try:
+            from torch.distributed.fsdp import fully_shard
+        except ImportError:  # torch 2.5 has FSDP2 under its earlier, private name
+            from torch.distributed._composable.fsdp import fully_shard
 
         # a mesh of this process group's device type: left to itself, fully_shard would take a visible GPU
         mesh = DeviceMesh.from_group(dist.group.WORLD, world.device.type)
