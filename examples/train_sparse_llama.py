@@ -102,6 +102,7 @@ def _shard(model: torch.nn.Module, engine: str, device: torch.device) -> torch.n
             gradient_as_bucket_view=True,
         )
     from torch.distributed.device_mesh import DeviceMesh
+
     try:
         from torch.distributed.fsdp import fully_shard
     except ImportError:  # torch 2.5 has FSDP2 under its earlier, private name

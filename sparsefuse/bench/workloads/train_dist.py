@@ -166,6 +166,7 @@ def wrap(model: nn.Module, engine: str, world: World) -> nn.Module:
         return DistributedDataParallel(model, device_ids=device_ids, **DDP_OPTIONS)
     if engine == "fsdp2":
         from torch.distributed.device_mesh import DeviceMesh
+
         try:
             from torch.distributed.fsdp import fully_shard
         except ImportError:  # torch 2.5 has FSDP2 under its earlier, private name
