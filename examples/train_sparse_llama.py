@@ -38,7 +38,6 @@ from pathlib import Path
 
 import torch
 
-FSDP_LAYERS_PER_UNIT = 3  # decoder layers per FSDP2 unit (see _shard)
 SIZES = {
     # hidden, intermediate, layers, heads, context, batch, steps, learning rate, corpus bytes (the small run reads
     # the whole standard library: 10-30 MB of .py files, by Python version; 2000 steps of 32 x 512 bytes see 33 MB)
@@ -103,19 +102,11 @@ def _shard(model: torch.nn.Module, engine: str, device: torch.device) -> torch.n
         )
     from torch.distributed.device_mesh import DeviceMesh
 
-    try:
-        from torch.distributed.fsdp import fully_shard
-    except ImportError:  # torch 2.5 has FSDP2 under its earlier, private name
-        from torch.distributed._composable.fsdp import fully_shard
+    from sparsefuse.integrations.transformers import shard_llama_fsdp2
 
     mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)  # on CPUs: left to itself it would take a GPU
-    # Units of 3 decoder layers kept gathered from forward to backward: a third of the units and no all-gathers in
-    # the backward, host work the sparse step cannot hide (docs/training.md, "Several GPUs")
-    layers = list(model.model.layers)
-    for first in range(0, len(layers), FSDP_LAYERS_PER_UNIT):
-        unit = layers[first : first + FSDP_LAYERS_PER_UNIT]
-        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, reshard_after_forward=False)
-    return fully_shard(model, mesh=mesh)
+    # units of 3 decoder layers kept gathered from forward to backward (docs/training.md, "Several GPUs")
+    return shard_llama_fsdp2(model, mesh=mesh)
 
 
 def _full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

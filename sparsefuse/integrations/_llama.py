@@ -42,7 +42,11 @@ __all__ = [
     "sparsity_report",
     "patched_mlps",
     "release_step",
+    "shard_llama_fsdp2",
 ]
+
+# FSDP2 units for a patched model: runs of this many decoder layers, kept gathered from forward to backward
+FSDP2_LAYERS_PER_UNIT = 3
 
 
 def is_relu_llama_mlp(module: nn.Module) -> bool:
@@ -249,3 +253,35 @@ def sparsity_report(
     and max non-zeros per token, dead-neuron fraction). Reading them is one sync: do it when logging. ``group``
     (e.g. ``dist.group.WORLD``, every rank calling): over all its ranks' tokens; default: this process's batch."""
     return {name: m.sparsity_report(group) for name, m in patched_mlps(model) if m._last_counts is not None}
+
+
+def shard_llama_fsdp2(
+    model: nn.Module,
+    *,
+    layers_per_unit: int = FSDP2_LAYERS_PER_UNIT,
+    reshard_after_forward: bool = False,
+    mesh: object | None = None,
+) -> nn.Module:
+    """Shard a (patched) transformers causal LM with FSDP2, as a patched model runs it best: ``fully_shard`` over
+    each run of ``layers_per_unit`` decoder layers (``model.model.layers``), then over the root, in place; returns
+    the model, its parameters now sharded DTensors. ``mesh``: FSDP2's device mesh (default: its own, over the
+    default process group and the current accelerator).
+
+    Why not torch's per-layer, resharded setup: the sparse step leaves a patched model's step close to its host's
+    pace, and each FSDP2 unit's collectives, copies and hooks are host work on top. Units of 3 layers kept gathered
+    from forward to backward (``reshard_after_forward=False``: no all-gathers in the backward) took a patched 1.5B
+    step on 2 H100s from 226 to 165 ms (1.04x -> 1.34x unpatched), for ~2.4 GB more peak memory per GPU
+    (docs/training.md, "Several GPUs"). FSDP2 shards contiguous parameters only: patch with
+    ``down_layout="row"``."""
+    if layers_per_unit < 1:
+        raise ValueError(f"shard_llama_fsdp2: layers_per_unit must be >= 1; got {layers_per_unit}")
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch 2.5 has FSDP2 under its earlier, private name
+        from torch.distributed._composable.fsdp import fully_shard
+
+    layers = list(model.model.layers)
+    for first in range(0, len(layers), layers_per_unit):
+        unit = layers[first : first + layers_per_unit]
+        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return fully_shard(model, mesh=mesh)

@@ -1,5 +1,5 @@
 """transformers integrations: ``patch_llama`` (activation-sparse TwELL FFN for ReLU ``LlamaMLP`` layers; for training
-``l1_loss`` and ``sparsity_report`` over the patched layers) and a SPLADE
+``l1_loss`` and ``sparsity_report`` over the patched layers, ``shard_llama_fsdp2`` for FSDP2) and a SPLADE
 encoder over any ``AutoModelForMaskedLM`` (the fused head replaces the vocabulary projection + pooling); imports
 transformers lazily."""
 
@@ -11,6 +11,7 @@ from ._llama import (
     patch_llama,
     patched_mlps,
     release_step,
+    shard_llama_fsdp2,
     sparsity_report,
 )
 from .transformers_mlm import SpladeEncoderForMaskedLM, projection_bypassed, splade_encode, vocabulary_projection
@@ -24,6 +25,7 @@ __all__ = [
     "l1_loss",
     "release_step",
     "sparsity_report",
+    "shard_llama_fsdp2",
     "SpladeEncoderForMaskedLM",
     "projection_bypassed",
     "splade_encode",

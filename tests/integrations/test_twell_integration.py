@@ -306,3 +306,11 @@ def test_fused_rotary_state_is_per_thread_and_survives_a_reload(device):
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_shard_llama_fsdp2_refuses_an_empty_unit():
+    """The sharding itself runs in tests/distributed (the bench's FSDP2 rows and the example, two gloo processes)."""
+    from sparsefuse.integrations.transformers import shard_llama_fsdp2
+
+    with pytest.raises(ValueError, match="layers_per_unit must be >= 1; got 0"):
+        shard_llama_fsdp2(torch.nn.Module(), layers_per_unit=0)

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...integrations._llama import FSDP2_LAYERS_PER_UNIT
 from ..harness import Case, Options, Result
 from . import train_setup as setup
 
@@ -48,14 +49,11 @@ ENGINES = ("ddp", "fsdp2")
 # on 2 H200s it took 162 ms with torch's defaults and 146 ms with these, against 143 ms without DDP.
 DDP_OPTIONS = {"bucket_cap_mb": 100, "gradient_as_bucket_view": True}
 ENGINES_ENV = "SPARSEFUSE_TRAIN_ENGINES"
-# FSDP2 as docs/training.md advises for a patched model, given to the unpatched one too: units of 3 decoder layers
-# (not one each), kept gathered from forward to backward (reshard_after_forward=False: the backward all-gathers
-# nothing). Each unit costs host work per step (its collectives, copies and hooks) that a host-bound patched step
-# pays in full: on 2 H100s its step took 226 ms with torch's per-layer, resharded setup (1.04x unpatched), 191 ms
-# with units of 3, 203 ms unresharded and 165 ms with both (1.34x), for ~2.4 GB more peak memory per GPU.
-FSDP_LAYERS_PER_UNIT = 3
+# FSDP2 as shard_llama_fsdp2 runs it for a patched model (units of 3 decoder layers, kept gathered from forward to
+# backward; its docstring says why), given to the unpatched one too.
+FSDP_LAYERS_PER_UNIT = FSDP2_LAYERS_PER_UNIT
 FSDP_UNIT_ENV = "SPARSEFUSE_FSDP_LAYERS_PER_UNIT"  # overrides FSDP_LAYERS_PER_UNIT
-FSDP_RESHARD_AFTER_FORWARD = False
+FSDP_RESHARD_AFTER_FORWARD = False  # shard_llama_fsdp2's default
 FSDP_RESHARD_ENV = "SPARSEFUSE_FSDP_RESHARD_AFTER_FORWARD"  # "1" or "0": overrides FSDP_RESHARD_AFTER_FORWARD
 GRAD_CHECK_BATCH = 1  # sequences per process in the gradient check (its one-process reference takes N of them)
 # The L1 coefficient of the gradient check of the patched model: large enough that the L1 term's gradient (a
@@ -167,19 +165,16 @@ def wrap(model: nn.Module, engine: str, world: World) -> nn.Module:
     if engine == "fsdp2":
         from torch.distributed.device_mesh import DeviceMesh
 
-        try:
-            from torch.distributed.fsdp import fully_shard
-        except ImportError:  # torch 2.5 has FSDP2 under its earlier, private name
-            from torch.distributed._composable.fsdp import fully_shard
+        from ...integrations.transformers import shard_llama_fsdp2
 
         # a mesh of this process group's device type: left to itself, fully_shard would take a visible GPU
         mesh = DeviceMesh.from_group(dist.group.WORLD, world.device.type)
-        layers, per_unit = list(model.model.layers), fsdp_layers_per_unit()
-        reshard = fsdp_reshard_after_forward()
-        for first in range(0, len(layers), per_unit):
-            unit = layers[first : first + per_unit]
-            fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, reshard_after_forward=reshard)
-        return fully_shard(model, mesh=mesh)
+        return shard_llama_fsdp2(
+            model,
+            layers_per_unit=fsdp_layers_per_unit(),
+            reshard_after_forward=fsdp_reshard_after_forward(),
+            mesh=mesh,
+        )
     raise ValueError(f"engine must be one of {', '.join(ENGINES)}; got {engine!r}")
 
 
