@@ -257,12 +257,15 @@ def factor_chunk(D: int, block_rows: int) -> int:
 def _block_sddmm_blocks(D: int, block_rows: int, factors: bool = False) -> tuple[int, int, int, int, int | None]:
     """(BLOCK_C, BLOCK_D, num_warps, num_stages, maxnreg): measured on an H200. The training step's call
     (``factors``: three outputs and the statistics) at D <= 2048 runs 4 warps: inside a 1.5B-shape model 0.19
-    against 0.21 ms per layer with 8 (0.21 against 0.34 ms on one layer's arguments with a cold L2). With 8 warps
-    the compiler takes 255 registers a thread (one program an SM); capped at 128, two fit: 454 -> 396 us at the 8B
-    layer shape (with 4 warps the cap spills: 203 -> 306 us at 1.5B)."""
+    against 0.21 ms per layer with 8 (0.21 against 0.34 ms on one layer's arguments with a cold L2). Above, with 8
+    warps, the compiler takes 255 registers a thread (one program an SM); capped at 128, two fit: 454 -> 396 us at
+    the 8B layer shape (with 4 warps the cap spills: 203 -> 306 us at 1.5B). The inference call (no factors) keeps
+    the compiler's registers: the cap was measured on the training call only."""
     if _backend.INTERPRET:
         return 16, 32, 4, 1, None
-    return (128, 64, 4, 4, None) if factors and D <= 2048 else (128, 64, 8, 4, 128)
+    if factors:
+        return (128, 64, 4, 4, None) if D <= 2048 else (128, 64, 8, 4, 128)
+    return 128, 64, 8, 4, None
 
 
 class BlockFactors(NamedTuple):
