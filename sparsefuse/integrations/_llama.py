@@ -45,8 +45,10 @@ __all__ = [
     "shard_llama_fsdp2",
 ]
 
-# FSDP2 units for a patched model: runs of this many decoder layers, kept gathered from forward to backward
+# FSDP2 units for a patched model (shard_llama_fsdp2 says why): runs of this many decoder layers, kept gathered
+# from forward to backward
 FSDP2_LAYERS_PER_UNIT = 3
+FSDP2_RESHARD_AFTER_FORWARD = False
 
 
 def is_relu_llama_mlp(module: nn.Module) -> bool:
@@ -259,7 +261,7 @@ def shard_llama_fsdp2(
     model: nn.Module,
     *,
     layers_per_unit: int = FSDP2_LAYERS_PER_UNIT,
-    reshard_after_forward: bool = False,
+    reshard_after_forward: bool = FSDP2_RESHARD_AFTER_FORWARD,
     mesh: object | None = None,
 ) -> nn.Module:
     """Shard a (patched) transformers causal LM with FSDP2, as a patched model runs it best: ``fully_shard`` over

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...integrations._llama import FSDP2_LAYERS_PER_UNIT
+from ...integrations._llama import FSDP2_LAYERS_PER_UNIT, FSDP2_RESHARD_AFTER_FORWARD
 from ..harness import Case, Options, Result
 from . import train_setup as setup
 
@@ -53,7 +53,7 @@ ENGINES_ENV = "SPARSEFUSE_TRAIN_ENGINES"
 # backward; its docstring says why), given to the unpatched one too.
 FSDP_LAYERS_PER_UNIT = FSDP2_LAYERS_PER_UNIT
 FSDP_UNIT_ENV = "SPARSEFUSE_FSDP_LAYERS_PER_UNIT"  # overrides FSDP_LAYERS_PER_UNIT
-FSDP_RESHARD_AFTER_FORWARD = False  # shard_llama_fsdp2's default
+FSDP_RESHARD_AFTER_FORWARD = FSDP2_RESHARD_AFTER_FORWARD
 FSDP_RESHARD_ENV = "SPARSEFUSE_FSDP_RESHARD_AFTER_FORWARD"  # "1" or "0": overrides FSDP_RESHARD_AFTER_FORWARD
 GRAD_CHECK_BATCH = 1  # sequences per process in the gradient check (its one-process reference takes N of them)
 # The L1 coefficient of the gradient check of the patched model: large enough that the L1 term's gradient (a
