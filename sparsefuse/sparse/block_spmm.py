@@ -42,6 +42,7 @@ def heavy_first_schedule_kernel(
     FROM_OFFSETS: tl.constexpr,
     PREFIX: tl.constexpr,
     BLOCK: tl.constexpr,
+    BLOCK_J: tl.constexpr,
     PARTS: tl.constexpr,
 ):
     # counts [n] int32 (>= 0; or offsets [n_cols + 1], see _group_count) -> schedule [n] int32: the indices by
@@ -49,14 +50,14 @@ def heavy_first_schedule_kernel(
     # (n is a number of row blocks, M / 64, or of column groups, N / 16). PREFIX: the same loop also sums sizes [n]
     # (int32) up to each index; each index's size is split in n_parts parts [n, n_parts] (int32, each row summing
     # to its size), and prefix [n * n_parts + 1] int64 = the exclusive running sum over (index, part), its last
-    # entry the total.
+    # entry the total. Program p ranks indices [p * BLOCK, (p + 1) * BLOCK) against all n, BLOCK_J at a time.
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     i_mask = i < n
     count_i = _group_count(counts_ptr, i, i_mask, n_cols, STEP, FROM_OFFSETS)
     rank = tl.zeros([BLOCK], dtype=tl.int32)
     through = tl.zeros([BLOCK], dtype=tl.int64)
-    for j0 in range(0, n, BLOCK):
-        j = j0 + tl.arange(0, BLOCK)
+    for j0 in range(0, n, BLOCK_J):
+        j = j0 + tl.arange(0, BLOCK_J)
         count_j = _group_count(counts_ptr, j, j < n, n_cols, STEP, FROM_OFFSETS)
         tie = (count_j[None, :] == count_i[:, None]) & (j[None, :] < i[:, None])
         ahead = (count_j[None, :] > count_i[:, None]) | tie
@@ -121,11 +122,16 @@ def _launch_schedule(
     parts: torch.Tensor | None,
 ) -> None:
     if n:
-        block, part_tile = (16, 4) if _backend.INTERPRET else (128, 32)
+        # 16 indices a program: with 128 (one program per 128 indices, 7 at the 8B layer's 896 column groups) each
+        # program's 4 warps ran their compare-and-reduce steps one dependent instruction at a time, ~19 cycles
+        # each (ncu on an H200: 135 us, 7 SMs busy, SM-active cycles equal to the elapsed ones). A program of 16
+        # indices does an eighth of that work a step, and 8 times as many programs run side by side.
+        block, block_j, part_tile = (16, 32, 4) if _backend.INTERPRET else (16, 128, 32)
         heavy_first_schedule_kernel[(triton.cdiv(n, block),)](
             counts, sizes if sizes is not None else counts, parts if parts is not None else counts, schedule,
             prefix if prefix is not None else schedule, n, n_cols, parts.shape[1] if parts is not None else 0,
-            STEP=group or 1, FROM_OFFSETS=group is not None, PREFIX=prefix is not None, BLOCK=block, PARTS=part_tile,
+            STEP=group or 1, FROM_OFFSETS=group is not None, PREFIX=prefix is not None, BLOCK=block, BLOCK_J=block_j,
+            PARTS=part_tile,
         )  # fmt: skip
         record_launch("heavy_first_schedule_kernel")
 
