@@ -374,12 +374,14 @@ def transposed_matmul_kernel(
 # (8192 tokens, ~30 non-zeros each). Two outputs share each gathered x tile best with wide feature blocks; one
 # output, with more entries per step. Three (the training step's dW_g, dW_u, dW_d), on the entries of the 1.5B and
 # 8B layers: the gathers wait on L2 (ncu: 56% of the issue stalls on L1TEX), and left to itself the compiler gives
-# a program 136 registers, so 3 programs (12 warps) fit an SM -- too few gathers in flight. Capped at 96 registers
-# (no spills at these tiles), 5 programs fit: 1.08 -> 0.74 ms at 1.5B and 2.45 -> 1.69 ms at 8B; 88 was within 3%,
-# 64-80 spilled, and 8 warps a program (the other way to more warps) reached 0.90 / 1.96 ms. Two (the non-gated
-# step's dW and dW_d), on an H200: 32 entries, 256 features, 8 warps at 64 registers, 0.65 -> 0.50 ms at 1.5B and
-# 1.44 -> 1.09 ms at 8B.
-TRANSPOSED_CONFIG = {1: (16, 128, 128, 4, 3, None), 2: (16, 32, 256, 8, 2, 64), 3: (16, 32, 128, 4, 2, 96)}
+# a program of 4 warps and 32 entries a step 136 registers, so 3 programs (12 warps) fit an SM -- too few gathers in
+# flight. Capped at 96 registers (no spills), 5 programs fit: 1.08 -> 0.74 ms at 1.5B and 2.45 -> 1.69 ms at 8B
+# (88 within 3%, 64-80 spilled). 8 warps at 64 registers and 64 entries a step (4 programs, 32 warps an SM)
+# measured 2-6% faster again in two runs (0.70-0.79 against 0.74-0.81 ms, 1.68-1.75 against 1.70-1.78 ms);
+# narrower feature blocks, 16 or 128 entries, 32 columns a group or another pipeline depth were slower. Two (the
+# non-gated step's dW and dW_d), on an H200: 32 entries, 256 features, 8 warps at 64 registers, 0.65 -> 0.50 ms
+# at 1.5B and 1.44 -> 1.09 ms at 8B.
+TRANSPOSED_CONFIG = {1: (16, 128, 128, 4, 3, None), 2: (16, 32, 256, 8, 2, 64), 3: (16, 64, 128, 8, 2, 64)}
 TRANSPOSED_SCHEDULED_GROUPS = 8192  # column groups up to which they are launched heaviest first
 
 
