@@ -69,6 +69,7 @@ def _replacement(
     method: str,
     train_method: str = "dense",
     down_layout: str = "column",
+    train_cuda_graph: bool = False,
 ) -> SparseGatedMLP:
     gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
     fused = SparseGatedMLP(
@@ -80,6 +81,7 @@ def _replacement(
         method=method,
         train_method=train_method,
         down_layout=down_layout,
+        train_cuda_graph=train_cuda_graph,
         device="meta",
     )
     fused.gate_proj, fused.up_proj, fused.down_proj = gate, up, down  # the modules themselves, not copies
@@ -97,10 +99,12 @@ def patch_llama(
     train_method: str = "dense",
     down_layout: str = "column",
     fuse: bool = True,
+    train_cuda_graph: bool = False,
 ) -> nn.Module:
     """Replace every ReLU ``LlamaMLP`` inside ``model`` (in place) with :class:`sparsefuse.nn.SparseGatedMLP`
     (inference by ``method``; forwards that need gradients by ``train_method``: "dense" or "hybrid", the sparse
-    training step; ``down_layout="row"`` keeps ``down_proj.weight`` contiguous, for FSDP2), and with ``fuse`` every
+    training step, replayed from CUDA graphs with ``train_cuda_graph``: see :func:`sparsefuse.ffn.hybrid.hybrid_mlp`;
+    ``down_layout="row"`` keeps ``down_proj.weight`` contiguous, for FSDP2), and with ``fuse`` every
     ``LlamaRMSNorm`` with :class:`sparsefuse.nn.RMSNorm` and the attention's rotary embedding with
     :func:`sparsefuse.rotary.apply_rotary_pos_emb` (the same computations in one kernel each way; :func:`fuse_norms`,
     :func:`fuse_rotary`).
@@ -108,12 +112,15 @@ def patch_llama(
     Returns the model (or, if ``model`` itself is a ReLU LlamaMLP, its replacement). Raises ``ValueError`` if no
     ReLU LlamaMLP was found (e.g. a model with ``hidden_act="silu"``: TwELL needs the ReLU's exact zeros)."""
     if is_relu_llama_mlp(model):
-        return _replacement(model, compression, tile, method, train_method, down_layout)
+        return _replacement(model, compression, tile, method, train_method, down_layout, train_cuda_graph)
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if is_relu_llama_mlp(child):
-                setattr(parent, name, _replacement(child, compression, tile, method, train_method, down_layout))
+                replacement = _replacement(
+                    child, compression, tile, method, train_method, down_layout, train_cuda_graph
+                )
+                setattr(parent, name, replacement)
                 replaced += 1
     if replaced and fuse:
         fuse_norms(model)

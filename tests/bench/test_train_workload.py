@@ -28,6 +28,7 @@ def test_train_workload_steps_patched_and_unpatched(monkeypatch, device):
     assert case.shape == "2L nnz=6 B=2 S=16" and set(case.impls) == {
         "unpatched",
         "patched",
+        "patched graphs",
         "fused only",
         "unpatched compile",
         "patched compile",
@@ -45,6 +46,19 @@ def test_train_workload_steps_patched_and_unpatched(monkeypatch, device):
             assert not launched, launched
     # same weights, same tokens: the LM losses agree (the patched loss adds 2e-5 * L1, about 1e-5 here)
     assert losses["patched"] == pytest.approx(losses["unpatched"], rel=1e-3)
+
+    # the patched model again, its FFN steps replayed from captured graphs (under the interpreter: re-run), with
+    # the flag set only for that row's steps
+    from sparsefuse.ffn.hybrid import graphed
+    from sparsefuse.ffn.hybrid.choice import TRAIN_CHOICE
+
+    monkeypatch.setattr(TRAIN_CHOICE, "dense_above", 1.0)  # the tiny model fires ~6%: keep the block step
+    replays = graphed.GRAPH_EVENTS["replay"]
+    for _ in range(2):
+        graphed_loss = float(case.impls["patched graphs"](ids))
+    assert graphed.GRAPH_EVENTS["replay"] == replays + 4  # two layers, two steps
+    assert graphed_loss == pytest.approx(losses["patched"], rel=1e-5)
+    graphed.release_graphs()
 
     # the fused-only model: the norms and the rotary embedding fused, the FFN dense (no sparse kernel)
     with track_launches() as launched:

@@ -15,6 +15,8 @@ Rows (shape label ``"<layers>L <sparsity> B=.. S=.."``; speed-up = unpatched eag
 * ``unpatched compile``  its forward under ``torch.compile`` (8 layers only: compiling 24 costs minutes)
 * ``patched``            after ``patch_llama(model, train_method="hybrid")``, eager: the sparse FFN, and the norms and
                          the rotary embedding fused (``fuse=True``, the default)
+* ``patched graphs``     the same model and optimizer, its sparse FFN steps replayed from CUDA graphs
+                         (``train_cuda_graph=True``: the FFN's ~15 launches a layer each way out of the host's way)
 * ``fused only``         the unpatched model with only the norms and the rotary embedding fused (``fuse_norms``,
                          ``fuse_rotary``; dense FFN): how much of ``patched``'s gain is not the FFN's (at full
                          depth on GPUs of >= 100 GiB only: a fourth resident model and its AdamW state)
@@ -66,6 +68,8 @@ class _Models:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             self.key = key
+        if impl == "patched graphs":  # the patched model and optimizer, its FFN steps replayed from CUDA graphs
+            return _Graphed(self.get(key, "patched", alone))
         if impl not in self.trainers:
             from ...integrations.transformers import patch_llama
 
@@ -91,6 +95,26 @@ class _Models:
         if "base" not in self.trainers:
             self.trainers["base"] = self.build(*self.key[:2])
         return self.trainers["base"]
+
+
+class _Graphed:
+    """A patched trainer stepped with its sparse FFN layers' ``train_cuda_graph`` on (one model and optimizer for both
+    rows: a fourth resident 24-layer model would not fit an 80 GB GPU)."""
+
+    def __init__(self, trainer: setup.Trainer) -> None:
+        self.trainer = trainer
+
+    def step(self, ids: torch.Tensor) -> torch.Tensor:
+        from ...nn import SparseGatedMLP
+
+        layers = [m for m in self.trainer.model.modules() if isinstance(m, SparseGatedMLP)]
+        for m in layers:
+            m.train_cuda_graph = True
+        try:
+            return self.trainer.step(ids)
+        finally:
+            for m in layers:
+                m.train_cuda_graph = False
 
 
 def _gpu_gib() -> float:
@@ -231,7 +255,7 @@ def _case(models: _Models, key: tuple[int, float | None], batch: int, seq: int, 
     compiled = ["unpatched compile", "patched compile"] if layers <= 8 else []
     # each row's model lives with its AdamW state (16 bytes a parameter): a fourth 24-layer model fits 141 GB, not 80
     fused = ["fused only"] if layers <= 8 or _gpu_gib() >= FUSED_ONLY_MIN_GIB else []
-    impls = ["unpatched", "patched", *fused, *compiled, "no FFN"]
+    impls = ["unpatched", "patched", "patched graphs", *fused, *compiled, "no FFN"]
 
     def make_inputs() -> tuple[torch.Tensor]:
         model = models.get(key, "unpatched").model

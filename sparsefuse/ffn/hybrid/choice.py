@@ -124,6 +124,22 @@ class TrainChoice:
         self._freeze(w_gate, "capacity", (M, capacity))
         return capacity
 
+    def bucketed_capacity(self, w_gate: torch.Tensor, M: int) -> int | None:
+        """The capacity of a captured step (:mod:`.graphed`): M times this weight's need per token rounded up to a
+        power of two, so that it changes a few times while L1 bites rather than at every observation (each change
+        is a new capture); None before the weight's first observation (the eager step runs until then)."""
+        frozen = self._frozen_value(w_gate, "bucketed_capacity")
+        if frozen is not None and frozen[0] == M:  # a checkpointed recompute: the forward's, so it replays the same
+            return frozen[1]
+        entry = self._monitors.get(w_gate)
+        per_token = entry[0].estimate() if entry is not None else None
+        if per_token is None:
+            return None
+        need = max(self.capacity_margin * per_token, 1.0)
+        capacity = min(M * w_gate.shape[0], (1 << math.ceil(math.log2(need))) * M)
+        self._freeze(w_gate, "bucketed_capacity", (M, capacity))
+        return capacity
+
 
 def _in_backward() -> bool:
     """Whether an autograd backward is running on this thread (where activation checkpointing re-runs forwards)."""

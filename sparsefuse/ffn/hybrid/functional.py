@@ -22,6 +22,7 @@ from ..twell.block import block_plan
 from .block_step import block_mlp_train_fwd
 from .choice import TRAIN_CHOICE
 from .dense import dense_step
+from .graphed import graphed_step
 from .op import hybrid_mlp_fwd_op
 
 LAYOUTS = ("auto", "block", "dense", "hybrid")
@@ -54,6 +55,7 @@ def hybrid_mlp(
     width: int = DEFAULT_HYBRID_WIDTH,
     backup_rows: int | None = None,
     block_capacity: int | None = None,
+    cuda_graph: bool = False,
 ) -> HybridMLPOutput:
     """Gated ReLU block ``(relu(x W_g^T + b_g) * (x W_u^T + b_u)) W_d^T + b_d`` for training: differentiable in
     every tensor argument, and what it keeps for the backward is sparse (the gate and up activations where the gate
@@ -82,13 +84,21 @@ def hybrid_mlp(
             token, rounded up to a power of two). Row blocks past it are recomputed in the backward from x and the
             weights, never dropped;
             :func:`sparsefuse.sparse.block_pack.spilled_blocks` counts them.
+        cuda_graph: (``"block"``, CUDA) replay the step from two CUDA graphs captured per layer and input shape
+            (:mod:`sparsefuse.ffn.hybrid.graphed`): the host's cost of a layer's step drops from ~15 kernel
+            launches and their Python to two replays and a few copies. Same kernels, same results. For a
+            training loop of fixed shapes whose host cannot keep up with its GPU; the eager step runs until the
+            gate weight's sparsity has been observed once, inside activation checkpointing's recompute, and
+            wherever the call is not a plain eager one (torch.compile, tensor subclasses). Ignores
+            ``block_capacity`` (the capacity is bucketed, see there).
     Returns: :class:`HybridMLPOutput` (y, l1, per-token and per-neuron firing counts, all on the device). Under
     ``torch.autocast`` the step runs in the autocast dtype, as ``nn.Linear`` would.
     For the L1 penalty add ``coefficient * out.l1`` to the loss: its gradient reaches the gate only where it fired.
     """
     return _train_step(
-        "hybrid_mlp", x, w_gate, b_gate, w_up, b_up, w_down, b_down, layout, width, backup_rows, block_capacity
-    )
+        "hybrid_mlp", x, w_gate, b_gate, w_up, b_up, w_down, b_down, layout, width, backup_rows, block_capacity,
+        cuda_graph=cuda_graph,
+    )  # fmt: skip
 
 
 def hybrid_relu_mlp(
@@ -100,6 +110,7 @@ def hybrid_relu_mlp(
     b_down: torch.Tensor | None = None,
     layout: str = "auto",
     block_capacity: int | None = None,
+    cuda_graph: bool = False,
 ) -> HybridMLPOutput:
     """Non-gated ReLU block ``relu(x W_up^T + b_up) W_down^T + b_down`` for training, as :func:`hybrid_mlp` trains
     the gated one (same outputs: ``l1`` and the counts are those of ``relu(x W_up^T + b_up)``; names as in
@@ -109,7 +120,7 @@ def hybrid_relu_mlp(
         raise ValueError("hybrid_relu_mlp: layout must be 'auto', 'block' or 'dense'; got 'hybrid'")
     return _train_step(
         "hybrid_relu_mlp", x, w_up, b_up, None, None, w_down, b_down, layout, DEFAULT_HYBRID_WIDTH, None,
-        block_capacity, gate_names=("w_up", "b_up"),
+        block_capacity, gate_names=("w_up", "b_up"), cuda_graph=cuda_graph,
     )  # fmt: skip
 
 
@@ -127,10 +138,12 @@ def _train_step(
     backup_rows: int | None,
     block_capacity: int | None,
     gate_names: tuple[str, str] = ("w_gate", "b_gate"),
+    cuda_graph: bool = False,
 ) -> HybridMLPOutput:
     """Both blocks' step (``w_up=None``: non-gated): arguments checked, the layout resolved and run."""
     # the layout choice and the capacity are kept per gate weight: the caller's, not autocast's per-call copy
     gate = w_gate
+    caller_weights = (w_gate, b_gate, w_up, b_up, w_down, b_down)  # a captured step casts inside its graphs
     # as F.linear under autocast: the products in the autocast dtype
     x, w_gate, w_up, w_down, b_gate, b_up, b_down = autocast_operands(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
     check_ffn_mlp(op, x, w_gate, b_gate, w_up, b_up, w_down, b_down, gate_names=gate_names, dtypes=TRAIN_DTYPES)
@@ -154,6 +167,14 @@ def _train_step(
         return HybridMLPOutput(y.reshape(out_shape), l1, counts, neuron_counts)
     if layout == "block" and kernels:
         plan = block_plan(w_gate.shape[0])
+        if cuda_graph:
+            graphed = graphed_step(
+                gate, x2, caller_weights, x2.dtype, plan.block_rows, plan.tile, plan.sorts(M),
+            )  # fmt: skip
+            if graphed is not None:
+                y, l1, counts, neuron_counts = graphed
+                TRAIN_CHOICE.observe(gate, counts)
+                return HybridMLPOutput(y.reshape(out_shape), l1, counts, neuron_counts)
         if block_capacity is None:
             block_capacity = TRAIN_CHOICE.capacity(gate, M)
         # the kernels read weight rows and bias vectors at unit stride (a strided one is copied, differentiably)

@@ -1,0 +1,322 @@
+"""The block training step replayed from CUDA graphs (``hybrid_mlp(..., cuda_graph=True)``).
+
+A plain eager block step enqueues ~15 Triton launches, ~10 torch ops and their Python: 2-3.5 ms of host time per
+layer forward + backward on the lent H100/H200 hosts, more than the GPU's ~1.8 ms at the 1.5B layer shape, so an
+eager model waits on its host. Here each layer's forward and backward are captured once as two CUDA graphs and a
+step costs the host two replays and a few copies.
+
+How it stays correct:
+
+* **Inputs and outputs go through buffers outside the graphs.** Every layer of one shape shares one set of static
+  buffers (x, dy, y, dx, the weight gradients); a replay is *copy in, replay, copy out*, so no graph's output is
+  read after another replay, and all graphs share one memory pool for their temporaries (the products' [M, N]
+  intermediates exist once, not once per layer).
+* **What the backward keeps is copied out per call** (the packed pairs, ~6 bytes per fired pair, and the unions'
+  lists, in one flat buffer), so forwards and backwards may interleave in any order (micro-batches, pipelines).
+* **Weights are read in place**: a graph is keyed by the addresses of the caller's weights and biases (an
+  optimizer's in-place update is seen; a moved or replaced parameter is a new key and a new capture). Casts for
+  ``torch.autocast`` happen inside the graphs.
+* **The capacity is bucketed**: pairs kept per token are rounded up to a power of two of the weight's observed need
+  (as under torch.compile), so a layer is re-captured a few times while L1 bites, not every observation. Until a
+  weight has an observation the eager step runs.
+  Blocks past the capacity are recomputed in the backward, as in the eager step. Activation checkpointing's
+  recompute replays the forward's capture (same capacity, same kept arrays); it never captures.
+
+Under the Triton interpreter (CPU tests) a "graph" re-runs the captured function on replay, so the copy-in / copy-out
+logic is tested without a GPU; the CUDA path is covered by the GPU suite.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ..._backend import Backend, backend_for, plain_eager_call
+from ..._validation import unit_last_stride
+from .block_step import _train_backward, _train_forward
+from .choice import TRAIN_CHOICE, _in_backward
+
+# Captures kept per gate weight (input shapes, capacities); the least recently used is dropped past this.
+GRAPHS_PER_WEIGHT = 2
+# How many times the graphs have been captured and replayed (forward replays), for tests and logs.
+GRAPH_EVENTS: collections.Counter[str] = collections.Counter()
+
+_RUNNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # gate weight -> OrderedDict(key -> GraphedBlockStep)
+_BUFFERS: dict[tuple, _SharedBuffers] = {}
+_POOLS: dict[torch.device, object] = {}
+_ALIGN = 16  # bytes: each kept array starts aligned in the flat buffer (the kernels' vector loads)
+
+
+def release_graphs() -> None:
+    """Drop every captured step, the shared buffers and the memory pools (the next graphed call captures anew)."""
+    _RUNNERS.clear()
+    _BUFFERS.clear()
+    _POOLS.clear()
+
+
+@dataclass
+class _SharedBuffers:
+    """The static inputs and outputs of every captured step of one shape: x and dx in x's dtype, y and dy in the
+    step's (autocast's, as ``nn.Linear``), the weight gradients in the weights' dtypes (w_down's as its transpose,
+    [N, K])."""
+
+    x: torch.Tensor
+    dy: torch.Tensor
+    dl1: torch.Tensor
+    y: torch.Tensor
+    l1: torch.Tensor
+    counts: torch.Tensor
+    dx: torch.Tensor
+    dw: list[torch.Tensor]
+    db: list[torch.Tensor | None]
+
+
+def _shared_buffers(x2: torch.Tensor, weights: tuple, compute_dtype: torch.dtype) -> _SharedBuffers:
+    w_gate, b_gate, w_up, b_up, w_down, b_down = weights
+    weight_key = tuple((t.dtype, t.shape) if t is not None else None for t in weights)
+    key = (x2.device, x2.shape, x2.dtype, compute_dtype, weight_key)
+    buffers = _BUFFERS.get(key)
+    if buffers is None:
+        M, N, K_out, dev = x2.shape[0], w_gate.shape[0], w_down.shape[0], x2.device
+        empty = lambda *shape, dtype: torch.zeros(*shape, dtype=dtype, device=dev)  # noqa: E731
+        buffers = _BUFFERS[key] = _SharedBuffers(
+            x=torch.zeros_like(x2),
+            dy=empty(M, K_out, dtype=compute_dtype),
+            dl1=empty((), dtype=torch.float32),
+            y=empty(M, K_out, dtype=compute_dtype),
+            l1=empty((), dtype=torch.float32),
+            counts=empty(M + N, dtype=torch.int32),
+            dx=torch.zeros_like(x2),
+            dw=[torch.zeros_like(w) if w is not None else None for w in (w_gate, w_up)]
+            + [empty(w_down.shape[1], w_down.shape[0], dtype=w_down.dtype)],
+            db=[torch.zeros_like(b) if b is not None else None for b in (b_gate, b_up, b_down)],
+        )
+    return buffers
+
+
+class _Replay:
+    """``body()`` captured in a CUDA graph (replay re-runs its kernels), or on the Triton interpreter kept as is
+    (replay calls it)."""
+
+    def __init__(self, body: Callable[[], None], device: torch.device) -> None:
+        self.graph, self.body = None, None
+        if device.type != "cuda":
+            body()
+            self.body = body
+            return
+        pool = _POOLS.get(device)
+        if pool is None:
+            pool = _POOLS[device] = torch.cuda.graph_pool_handle()
+        self.graph = torch.cuda.CUDAGraph()
+        # thread-local: work that other threads enqueue meanwhile (a loader's pinned copies) does not void it
+        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
+            body()
+
+    def replay(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.body()
+
+
+class GraphedBlockStep:
+    """One layer's block step (forward and backward) at one input shape, weight addresses and capacity, captured.
+
+    ``forward(x2)`` -> (y [M, K], l1, counts [M + N], kept): ``kept`` is what :meth:`backward` needs (one flat
+    uint8 tensor). ``backward(x2, kept, dy, dl1)`` -> gradients of (x2, w_gate, b_gate, w_up, b_up, w_down,
+    b_down), None for an absent tensor."""
+
+    def __init__(
+        self,
+        x2: torch.Tensor,
+        weights: tuple,
+        compute_dtype: torch.dtype,
+        block_rows: int,
+        tile: int,
+        sort_rows: bool,
+        capacity: int,
+    ) -> None:
+        w_gate, b_gate, w_up, b_up, w_down, b_down = weights
+        self.has = tuple(t is not None for t in weights)
+        self.buffers = buffers = _shared_buffers(x2, weights, compute_dtype)
+        buffers.x.copy_(x2)  # the warm-up and the layout probe run on this call's tokens
+        bias_grads = any(t is not None for t in (b_gate, b_up, b_down))
+        dev = x2.device
+
+        def operands():  # the step's operands, cast (autocast) and laid out inside the graph
+            cast = lambda t: unit_last_stride(t.to(compute_dtype)) if t is not None else None  # noqa: E731
+            return (
+                buffers.x.to(compute_dtype),
+                cast(w_gate),
+                cast(b_gate),
+                cast(w_up),
+                cast(b_up),
+                unit_last_stride(w_down.to(compute_dtype).t()),
+                cast(b_down),
+            )
+
+        # what the forward keeps, in one flat buffer: its shapes and dtypes from a run of the step
+        x_c, wg, bg, wu, bu, wdt, bd = operands()
+        probe = _train_forward(x_c, wg, bg, wu, bu, wdt, bd, block_rows, tile, sort_rows, capacity)[3:]
+        layout, offset = [], 0
+        for t in probe:
+            offset = -(-offset // _ALIGN) * _ALIGN
+            layout.append((offset, t.dtype, t.shape))
+            offset += t.numel() * t.element_size()
+        self.kept = torch.zeros(offset, dtype=torch.uint8, device=dev)
+        self.kept_views = [
+            self.kept[o : o + _numel(s) * torch.empty((), dtype=d).element_size()].view(d).view(s) for o, d, s in layout
+        ]
+        del probe, x_c, wg, bg, wu, bu, wdt, bd
+
+        def forward_body() -> None:
+            x_c, wg, bg, wu, bu, wdt, bd = operands()
+            y, l1, counts, *kept = _train_forward(x_c, wg, bg, wu, bu, wdt, bd, block_rows, tile, sort_rows, capacity)
+            buffers.y.copy_(y)
+            buffers.l1.copy_(l1)
+            buffers.counts.copy_(counts)
+            for view, t in zip(self.kept_views, kept):
+                view.copy_(t)
+
+        def backward_body() -> None:
+            x_c, wg, bg, wu, bu, wdt, _ = operands()
+            dx, dwg, dwu, dwd, *db = _train_backward(
+                buffers.dy, buffers.dl1, x_c, wg, wu, wdt, bg, bu, *self.kept_views, block_rows, bias_grads
+            )
+            buffers.dx.copy_(dx)
+            for out, g in zip(buffers.dw, (dwg, dwu, dwd)):
+                if out is not None:
+                    out.copy_(g)
+            for out, g in zip(buffers.db, db):
+                if out is not None:
+                    out.copy_(g)
+
+        if dev.type == "cuda":  # compile and warm up (cuBLAS workspaces, Triton) off the capture, as CUDA graphs ask
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    forward_body()
+                    backward_body()
+            torch.cuda.current_stream(dev).wait_stream(side)
+        self.forward_graph = _Replay(forward_body, dev)
+        self.backward_graph = _Replay(backward_body, dev)
+        GRAPH_EVENTS["capture"] += 1
+
+    def forward(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        buffers = self.buffers
+        buffers.x.copy_(x2)
+        self.forward_graph.replay()
+        GRAPH_EVENTS["replay"] += 1
+        return buffers.y.clone(), buffers.l1.clone(), buffers.counts.clone(), self.kept.clone()
+
+    def backward(
+        self, x2: torch.Tensor, kept: torch.Tensor, dy: torch.Tensor | None, dl1: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
+        buffers = self.buffers
+        buffers.x.copy_(x2)
+        if dy is None:
+            buffers.dy.zero_()
+        else:
+            buffers.dy.copy_(dy)
+        if dl1 is None:
+            buffers.dl1.zero_()
+        else:
+            buffers.dl1.copy_(dl1)
+        self.kept.copy_(kept)
+        self.backward_graph.replay()
+        dw = [g.clone() if g is not None else None for g in buffers.dw]
+        db = [b.clone() if b is not None else None for b in buffers.db]
+        has_g, has_u, has_d = self.has[1], self.has[3], self.has[5]
+        return (
+            buffers.dx.clone(),
+            dw[0],
+            db[0] if has_g else None,
+            dw[1],
+            db[1] if has_u else None,
+            dw[2].t(),  # w_down's gradient: the transpose of the [N, K] product (w_down column-major: its layout)
+            db[2] if has_d else None,
+        )
+
+
+def _numel(shape: torch.Size) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+class _GraphedTrainStep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, step: GraphedBlockStep, x2, w_gate, b_gate, w_up, b_up, w_down, b_down):
+        y, l1, counts, kept = step.forward(x2)
+        ctx.step = step
+        ctx.save_for_backward(x2, kept)
+        ctx.mark_non_differentiable(counts)
+        return y, l1, counts
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy, dl1, _counts):
+        x2, kept = ctx.saved_tensors
+        return (None, *ctx.step.backward(x2, kept, dy, dl1))
+
+
+def graphed_step(
+    gate: torch.Tensor,
+    x2: torch.Tensor,
+    weights: tuple,
+    compute_dtype: torch.dtype,
+    block_rows: int,
+    tile: int,
+    sort_rows: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The block step of one layer from its captured graphs: (y [M, K], l1, token counts [M], neuron counts [N]);
+    None where the eager step must run instead (see the module docstring). ``gate``: the caller's gate weight (the
+    graphs and the capacity are kept per gate weight); ``weights``: (w_gate, b_gate, w_up, b_up, w_down, b_down) as
+    the caller passed them (before autocast), w_down [K, N]."""
+    tensors = [x2, *(t for t in weights if t is not None)]
+    if (
+        not torch.is_grad_enabled()
+        or not plain_eager_call(*tensors)
+        or type(gate) not in (torch.Tensor, torch.nn.Parameter)
+        or (x2.device.type != "cuda" and backend_for(x2) is not Backend.INTERPRETER)
+    ):
+        return None
+    capacity = TRAIN_CHOICE.bucketed_capacity(gate, x2.shape[0])
+    if capacity is None:
+        return None
+    key = (
+        x2.shape,
+        x2.dtype,
+        compute_dtype,
+        tuple((t.data_ptr(), t.dtype, t.shape, t.stride()) if t is not None else None for t in weights),
+        block_rows,
+        tile,
+        sort_rows,
+        capacity,
+    )
+    runners = _RUNNERS.get(gate)
+    if runners is None:
+        runners = _RUNNERS[gate] = collections.OrderedDict()
+    step = runners.get(key)
+    # captures and replays on the tensors' GPU (a layer on cuda:1 while cuda:0 is current)
+    on_device = torch.cuda.device(x2.device) if x2.is_cuda else contextlib.nullcontext()
+    if step is None:
+        if _in_backward():  # a checkpointed recompute replays its forward's capture, and never captures
+            return None
+        with torch.no_grad(), on_device:
+            step = GraphedBlockStep(x2.detach(), weights, compute_dtype, block_rows, tile, sort_rows, capacity)
+        runners[key] = step
+        while len(runners) > GRAPHS_PER_WEIGHT:
+            runners.popitem(last=False)
+    runners.move_to_end(key)
+    with on_device:
+        y, l1, counts = _GraphedTrainStep.apply(step, x2, *weights)
+    M = x2.shape[0]
+    return y, l1, counts[:M], counts[M:]

@@ -1,0 +1,185 @@
+"""The block step replayed from captured graphs (``hybrid_mlp(..., cuda_graph=True)``,
+:mod:`sparsefuse.ffn.hybrid.graphed`). Under the interpreter a "graph" re-runs its captured function, so these
+tests cover the copy-in / copy-out logic, the keys and the autograd rule; the CUDA capture is in the GPU test."""
+
+import pytest
+import torch
+import torch.utils.checkpoint
+from conftest import assert_backend
+from test_hybrid_train import _check, _leaves, _relu_leaves
+
+from sparsefuse.ffn.hybrid import graphed, hybrid_mlp, hybrid_relu_mlp
+from sparsefuse.ffn.hybrid.choice import TRAIN_CHOICE
+
+M, K, N = 40, 32, 80
+
+
+@pytest.fixture(autouse=True)
+def _fresh_graphs():
+    graphed.release_graphs()
+    yield
+    graphed.release_graphs()
+
+
+def _grads(leaves, dy, coef, **kw):
+    x, wg, wu, wd, bg, bu, bd = leaves
+    out = hybrid_mlp(x, wg, wu, wd, b_gate=bg, b_up=bu, b_down=bd, layout="block", **kw)
+    grads = torch.autograd.grad((out.y * dy).sum() + coef * out.l1, [t for t in leaves if t is not None])
+    return out, grads
+
+
+def _events():
+    return dict(graphed.GRAPH_EVENTS)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_replayed_step_matches_the_float64_reference_and_the_eager_step(bias, dtype, device):
+    leaves = _leaves(M, K, N, dtype, device, bias, seed=3)
+    assert_backend(leaves[0])
+    dy = torch.randn(M, K, dtype=dtype, device=device)
+    before = _events()
+    _grads(leaves, dy, 0.3, cuda_graph=True)  # no observation of the gate yet: the eager step
+    assert _events() == before
+    eager_out, eager_grads = _grads(leaves, dy, 0.3)
+    out, grads = _grads(leaves, dy, 0.3, cuda_graph=True)
+    assert graphed.GRAPH_EVENTS["capture"] == before.get("capture", 0) + 1
+    assert graphed.GRAPH_EVENTS["replay"] == before.get("replay", 0) + 1
+    _check(leaves, dy, 0.3, out, grads)
+    # the same kernels on the same operands: equal to the eager step's results (its capacity may differ, and a
+    # block past it is recomputed to the forward's rounding: the same values)
+    assert torch.equal(out.y, eager_out.y) and torch.equal(out.l1, eager_out.l1)
+    assert torch.equal(out.token_counts, eager_out.token_counts)
+    assert torch.equal(out.neuron_counts, eager_out.neuron_counts)
+    for ours, theirs in zip(grads, eager_grads):
+        assert torch.equal(ours, theirs)
+
+
+def test_interleaved_forwards_and_accumulated_gradients(device):
+    """Two micro-batches' forwards before either backward (what a pipeline or a kept graph does), then the
+    gradients accumulated into .grad over both: each backward uses its own forward's kept pairs, and a replay
+    never overwrites a gradient handed out earlier."""
+    leaves = _leaves(M, K, N, torch.float32, device, True, seed=4)
+    params = [t for t in leaves[1:] if t is not None]
+    xs = [torch.randn(M, K, device=device).requires_grad_() for _ in range(2)]
+    dys = [torch.randn(M, K, device=device) for _ in range(2)]
+    _grads([xs[0], *leaves[1:]], dys[0], 0.2)  # an observation for the bucketed capacity
+
+    def forward(x, **kw):
+        wg, wu, wd, bg, bu, bd = leaves[1:]
+        return hybrid_mlp(x, wg, wu, wd, b_gate=bg, b_up=bu, b_down=bd, layout="block", **kw)
+
+    expected = []
+    for x, dy in zip(xs, dys):
+        out = forward(x)
+        expected.append(torch.autograd.grad((out.y * dy).sum() + 0.2 * out.l1, [x, *params]))
+    outs = [forward(x, cuda_graph=True) for x in xs]
+    assert graphed.GRAPH_EVENTS["replay"] >= 2
+    for out, dy in zip(reversed(outs), reversed(dys)):  # backwards in the other order
+        ((out.y * dy).sum() + 0.2 * out.l1).backward()
+    for x, want in zip(xs, expected):
+        torch.testing.assert_close(x.grad, want[0], rtol=1e-5, atol=1e-6)
+    for i, p in enumerate(params):
+        torch.testing.assert_close(p.grad, expected[0][i + 1] + expected[1][i + 1], rtol=1e-5, atol=1e-6)
+
+
+def test_new_shapes_and_moved_weights_capture_anew_and_old_captures_are_dropped(device):
+    leaves = _leaves(M, K, N, torch.float32, device, False, seed=5)
+    dy = torch.randn(M, K, device=device)
+    _grads(leaves, dy, 0.0)
+    captures = lambda: graphed.GRAPH_EVENTS["capture"]  # noqa: E731
+    start = captures()
+    _grads(leaves, dy, 0.0, cuda_graph=True)
+    _grads(leaves, dy, 0.0, cuda_graph=True)
+    assert captures() == start + 1  # replayed the second time
+    with torch.no_grad():  # an optimizer's in-place update: the same capture sees the new values
+        leaves[2].mul_(0.5)
+    out, grads = _grads(leaves, dy, 0.0, cuda_graph=True)
+    assert captures() == start + 1
+    _check(leaves, dy, 0.0, out, grads)
+    moved = [leaves[0], leaves[1], leaves[2].detach().clone().requires_grad_(), *leaves[3:]]
+    _grads(moved, dy, 0.0, cuda_graph=True)
+    assert captures() == start + 2
+    short = [leaves[0][: M // 2].detach().requires_grad_(), *leaves[1:]]
+    out, grads = _grads(short, dy[: M // 2], 0.0, cuda_graph=True)
+    assert captures() == start + 3
+    _check(short, dy[: M // 2], 0.0, out, grads)
+    assert len(graphed._RUNNERS[leaves[1]]) == graphed.GRAPHS_PER_WEIGHT
+
+
+def test_no_grad_and_checkpointing(device):
+    """Without grad the eager step runs; under activation checkpointing the recompute replays the forward's capture
+    (the same kept arrays, as the checkpoint requires) with the eager step's gradients."""
+    leaves = _leaves(M, K, N, torch.float32, device, False, seed=6)
+    x, wg, wu, wd = leaves[:4]
+    with torch.no_grad():
+        hybrid_mlp(x, wg, wu, wd, layout="block", cuda_graph=True)
+    assert not graphed.GRAPH_EVENTS or graphed._RUNNERS.get(wg) is None
+    _grads(leaves, torch.randn(M, K, device=device), 0.0)  # observed from here on
+
+    def block(x):
+        return hybrid_mlp(x, wg, wu, wd, layout="block", cuda_graph=True).y
+
+    want = torch.autograd.grad(hybrid_mlp(x, wg, wu, wd, layout="block").y.sum(), [x, wg, wu, wd])
+    for reentrant in (False, True):
+        replays = graphed.GRAPH_EVENTS["replay"]
+        for t in (x, wg, wu, wd):
+            t.grad = None
+        torch.utils.checkpoint.checkpoint(block, x, use_reentrant=reentrant).sum().backward()
+        got = [t.grad for t in (x, wg, wu, wd)]
+        # the forward and its recompute; the reentrant checkpoint runs its first forward without grad (eager)
+        assert graphed.GRAPH_EVENTS["replay"] == replays + (1 if reentrant else 2)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+    assert TRAIN_CHOICE.bucketed_capacity(wg, M) % M == 0
+
+
+def test_non_gated_block_and_an_l1_only_loss(device):
+    leaves = _relu_leaves(M, K, N, torch.float32, device, True, seed=7)
+    x, wu, wd, bu, bd = leaves
+    hybrid_relu_mlp(x, wu, wd, b_up=bu, b_down=bd, layout="block")  # observed
+    eager = hybrid_relu_mlp(x, wu, wd, b_up=bu, b_down=bd, layout="block")
+    want = torch.autograd.grad(eager.y.sum() + eager.l1, leaves)
+    out = hybrid_relu_mlp(x, wu, wd, b_up=bu, b_down=bd, layout="block", cuda_graph=True)
+    assert graphed.GRAPH_EVENTS["replay"] >= 1
+    got = torch.autograd.grad(out.y.sum() + out.l1, leaves)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    only_l1 = torch.autograd.grad(
+        hybrid_relu_mlp(x, wu, wd, b_up=bu, b_down=bd, layout="block", cuda_graph=True).l1, [x, wu]
+    )
+    want_l1 = torch.autograd.grad(hybrid_relu_mlp(x, wu, wd, b_up=bu, b_down=bd, layout="block").l1, [x, wu])
+    for a, b in zip(only_l1, want_l1):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("autocast", [False, True])
+def test_cuda_graph_step_on_the_gpu_equals_the_eager_step(autocast):
+    """bf16 at a real layer shape, and fp32 weights under bf16 autocast: the replayed step gives the eager step's
+    results, and replays launch nothing from Python."""
+    from sparsefuse import track_launches
+    from sparsefuse.ffn.synthetic import synthetic_ffn
+
+    dtype = torch.float32 if autocast else torch.bfloat16
+    ffn = synthetic_ffn(1024, 3000, dtype=dtype, device="cuda", seed=2)
+    leaves = [ffn.make_input(2048, 30.0).requires_grad_()]
+    leaves += [w.clone().requires_grad_() for w in (ffn.w_gate, ffn.w_up, ffn.w_down)]
+    dy = torch.randn(2048, 1024, device="cuda")
+
+    def step(**kw):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            out = hybrid_mlp(*leaves, layout="block", **kw)
+        grads = torch.autograd.grad((out.y.float() * dy).sum() + 0.5 * out.l1, leaves)
+        return (out.y.detach(), out.l1.detach(), *grads)
+
+    step()  # observed
+    want = step()
+    step(cuda_graph=True)  # captured
+    with track_launches() as launched:
+        got = step(cuda_graph=True)
+    assert graphed.GRAPH_EVENTS["replay"] >= 2
+    assert not any(k.endswith("_kernel") for k in launched), launched
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a, b)
