@@ -53,7 +53,11 @@ def test_train_bench_distributed_mode_two_processes(tmp_path, device):
         pytest.skip("needs 2 GPUs")
     out = tmp_path / "rows.json"
     log = tmp_path / "torchrun.log"
-    defaults = {train_dist.FSDP_UNIT_ENV: "3", train_dist.FSDP_RESHARD_ENV: "0"}  # whatever the caller's env says
+    defaults = {
+        train_dist.FSDP_UNIT_ENV: "3",
+        train_dist.FSDP_RESHARD_ENV: "0",
+        train_dist.CUDA_GRAPH_ENV: "0",
+    }  # whatever the caller's env says
     returncode = _torchrun([str(WORKER), str(out), device], log, **defaults)
     assert returncode == 0, f"torchrun returned {returncode}:\n" + log.read_text()[-6000:]
     result = json.loads(out.read_text())
@@ -124,6 +128,16 @@ def test_fsdp_reshard_from_env(monkeypatch):
         monkeypatch.setenv(train_dist.FSDP_RESHARD_ENV, bad)
         with pytest.raises(ValueError, match=train_dist.FSDP_RESHARD_ENV):
             train_dist.fsdp_reshard_after_forward()
+
+
+def test_train_cuda_graph_from_env(monkeypatch):
+    monkeypatch.delenv(train_dist.CUDA_GRAPH_ENV, raising=False)
+    assert not train_dist.train_cuda_graph()
+    monkeypatch.setenv(train_dist.CUDA_GRAPH_ENV, "1")
+    assert train_dist.train_cuda_graph()
+    monkeypatch.setenv(train_dist.CUDA_GRAPH_ENV, "yes")
+    with pytest.raises(ValueError, match=train_dist.CUDA_GRAPH_ENV):
+        train_dist.train_cuda_graph()
 
 
 def test_engines_from_env(monkeypatch):

@@ -107,6 +107,24 @@ def test_new_shapes_and_moved_weights_capture_anew_and_old_captures_are_dropped(
     assert len(graphed._RUNNERS[leaves[1]]) == graphed.GRAPHS_PER_WEIGHT
 
 
+def test_a_layer_captured_too_often_runs_eagerly(device, monkeypatch):
+    """Weights at a new address every step (as parameters regathered each step would be): after the capture limit
+    the eager step runs, with one warning, and its results stay right."""
+    monkeypatch.setattr(graphed, "CAPTURE_LIMIT", 2)
+    leaves = _leaves(M, K, N, torch.float32, device, False, seed=8)
+    dy = torch.randn(M, K, device=device)
+    _grads(leaves, dy, 0.0)
+    for i in range(4):
+        moved = [leaves[0], leaves[1], leaves[2].detach().clone().requires_grad_(), *leaves[3:]]
+        if i == 2:
+            with pytest.warns(UserWarning, match="captured 2 times"):
+                out, grads = _grads(moved, dy, 0.0, cuda_graph=True)
+        else:
+            out, grads = _grads(moved, dy, 0.0, cuda_graph=True)
+        _check(moved, dy, 0.0, out, grads)
+    assert graphed.GRAPH_EVENTS["capture"] >= 2 and graphed._CAPTURES[leaves[1]] == 3
+
+
 def test_no_grad_and_checkpointing(device):
     """Without grad the eager step runs; under activation checkpointing the recompute replays the forward's capture
     (the same kept arrays, as the checkpoint requires) with the eager step's gradients."""

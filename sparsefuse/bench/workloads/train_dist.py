@@ -55,6 +55,7 @@ FSDP_LAYERS_PER_UNIT = FSDP2_LAYERS_PER_UNIT
 FSDP_UNIT_ENV = "SPARSEFUSE_FSDP_LAYERS_PER_UNIT"  # overrides FSDP_LAYERS_PER_UNIT
 FSDP_RESHARD_AFTER_FORWARD = FSDP2_RESHARD_AFTER_FORWARD
 FSDP_RESHARD_ENV = "SPARSEFUSE_FSDP_RESHARD_AFTER_FORWARD"  # "1" or "0": overrides FSDP_RESHARD_AFTER_FORWARD
+CUDA_GRAPH_ENV = "SPARSEFUSE_TRAIN_CUDA_GRAPH"  # "1": patched models replay their FFN steps from CUDA graphs
 GRAD_CHECK_BATCH = 1  # sequences per process in the gradient check (its one-process reference takes N of them)
 # The L1 coefficient of the gradient check of the patched model: large enough that the L1 term's gradient (a
 # per-rank mean, like the LM loss) is a visible part of the gate's gradient; the timed steps use train's.
@@ -139,6 +140,15 @@ def fsdp_reshard_after_forward() -> bool:
     value = os.environ.get(FSDP_RESHARD_ENV, str(int(FSDP_RESHARD_AFTER_FORWARD)))
     if value not in ("0", "1"):
         raise ValueError(f"{FSDP_RESHARD_ENV} must be 0 or 1; got {value!r}")
+    return value == "1"
+
+
+def train_cuda_graph() -> bool:
+    """Whether the patched models replay their sparse FFN steps from CUDA graphs (``patch_llama``'s
+    ``train_cuda_graph``): ``SPARSEFUSE_TRAIN_CUDA_GRAPH`` ("1" or "0", default "0")."""
+    value = os.environ.get(CUDA_GRAPH_ENV, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{CUDA_GRAPH_ENV} must be 0 or 1; got {value!r}")
     return value == "1"
 
 
@@ -295,7 +305,9 @@ class _Engine:
             patched = impl == "patched"
             if patched:
                 layout = "row" if self.engine == "fsdp2" else "column"
-                model = patch_llama(model, train_method="hybrid", down_layout=layout)
+                model = patch_llama(
+                    model, train_method="hybrid", down_layout=layout, train_cuda_graph=train_cuda_graph()
+                )
             ids = global_batch(model.config.vocab_size, GRAD_CHECK_BATCH * self.world.size, self.seq, seed=1)
             wrapped, self.agreement[impl] = grad_agreement(
                 model, self.engine, self.world, ids.to(self.world.device), GRAD_CHECK_L1 if patched else 0.0
@@ -327,6 +339,8 @@ class _Engine:
         engine = self.engine
         if engine == "fsdp2":
             engine += fsdp_label(self.layers)
+        if impl == "patched" and train_cuda_graph():
+            engine += ", FFN steps as CUDA graphs"
         return f"{engine} on {self.world.size}x {where}; {memory}; {self.agreement[impl]}"
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -43,10 +44,14 @@ from .choice import TRAIN_CHOICE, _in_backward
 
 # Captures kept per gate weight (input shapes, capacities); the least recently used is dropped past this.
 GRAPHS_PER_WEIGHT = 2
+# Captures a gate weight may take in its life: past this its shapes or weight addresses keep changing (ragged
+# batches, parameters regathered at new addresses each step as FSDP2 may), and its steps run eagerly (warned once).
+CAPTURE_LIMIT = 8
 # How many times the graphs have been captured and replayed (forward replays), for tests and logs.
 GRAPH_EVENTS: collections.Counter[str] = collections.Counter()
 
 _RUNNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # gate weight -> OrderedDict(key -> GraphedBlockStep)
+_CAPTURES: WeakIdKeyDictionary = WeakIdKeyDictionary()  # gate weight -> captures taken
 _BUFFERS: dict[tuple, _SharedBuffers] = {}
 _POOLS: dict[torch.device, object] = {}
 _ALIGN = 16  # bytes: each kept array starts aligned in the flat buffer (the kernels' vector loads)
@@ -55,6 +60,7 @@ _ALIGN = 16  # bytes: each kept array starts aligned in the flat buffer (the ker
 def release_graphs() -> None:
     """Drop every captured step, the shared buffers and the memory pools (the next graphed call captures anew)."""
     _RUNNERS.clear()
+    _CAPTURES.clear()
     _BUFFERS.clear()
     _POOLS.clear()
 
@@ -310,6 +316,17 @@ def graphed_step(
     if step is None:
         if _in_backward():  # a checkpointed recompute replays its forward's capture, and never captures
             return None
+        taken = _CAPTURES.get(gate, 0)
+        if taken >= CAPTURE_LIMIT:
+            if taken == CAPTURE_LIMIT:
+                warnings.warn(
+                    f"sparsefuse hybrid_mlp(cuda_graph=True): a layer's step was captured {taken} times (its input "
+                    "shape or its weights' addresses keep changing); it runs eagerly from now on",
+                    stacklevel=3,
+                )
+                _CAPTURES[gate] = taken + 1
+            return None
+        _CAPTURES[gate] = taken + 1
         with torch.no_grad(), on_device:
             step = GraphedBlockStep(x2.detach(), weights, compute_dtype, block_rows, tile, sort_rows, capacity)
         runners[key] = step
