@@ -201,3 +201,19 @@ def test_cuda_graph_step_on_the_gpu_equals_the_eager_step(autocast):
     for a, b in zip(got, want):
         assert a.dtype == b.dtype and a.shape == b.shape
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_captures_after_every_earlier_graph_is_gone():
+    """A layer freed (its graphs with it) and another captured after: a new pool, not the emptied one."""
+    import gc
+
+    dy = torch.randn(256, 64, device="cuda")
+    for seed in range(3):
+        leaves = _leaves(256, 64, 512, torch.float16, "cuda", False, seed=seed)
+        for kw in ({}, {"cuda_graph": True}, {"cuda_graph": True}):
+            out, grads = _grads(leaves, dy.half(), 0.1, **kw)
+        _check(leaves, dy.half(), 0.1, out, grads)
+        del leaves, out, grads
+        gc.collect()
+    assert graphed.GRAPH_EVENTS["capture"] >= 3

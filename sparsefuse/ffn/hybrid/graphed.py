@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -54,6 +55,9 @@ _RUNNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # gate weight -> OrderedD
 _CAPTURES: WeakIdKeyDictionary = WeakIdKeyDictionary()  # gate weight -> captures taken
 _BUFFERS: dict[tuple, _SharedBuffers] = {}
 _POOLS: dict[torch.device, object] = {}
+# The graphs alive in each device's pool. A pool whose graphs are all gone is left to the allocator to free, never
+# captured into again (the caching allocator asserts on that): the next capture takes a new pool.
+_POOL_GRAPHS: dict[torch.device, weakref.WeakSet] = {}
 _ALIGN = 16  # bytes: each kept array starts aligned in the flat buffer (the kernels' vector loads)
 
 
@@ -63,6 +67,7 @@ def release_graphs() -> None:
     _CAPTURES.clear()
     _BUFFERS.clear()
     _POOLS.clear()
+    _POOL_GRAPHS.clear()
 
 
 @dataclass
@@ -115,9 +120,11 @@ class _Replay:
             body()
             self.body = body
             return
-        pool = _POOLS.get(device)
-        if pool is None:
-            pool = _POOLS[device] = torch.cuda.graph_pool_handle()
+        users = _POOL_GRAPHS.setdefault(device, weakref.WeakSet())
+        if device not in _POOLS or not users:
+            _POOLS[device] = torch.cuda.graph_pool_handle()
+        pool = _POOLS[device]
+        users.add(self)
         self.graph = torch.cuda.CUDAGraph()
         # thread-local: work that other threads enqueue meanwhile (a loader's pinned copies) does not void it
         with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
