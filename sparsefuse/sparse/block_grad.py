@@ -21,7 +21,7 @@ from .. import _backend
 from .._backend import Backend, backend_for, new_output, record_launch
 from .._triton.dot import dot_accumulate, gathered_rows_dot, ieee_fp32
 from .._triton.slots import block_slots
-from .._validation import unit_last_stride
+from .._validation import describe, unit_last_stride
 from .block_spmm import heavy_first_schedule
 from .formats import BlockCSC, BlockELL
 
@@ -395,6 +395,7 @@ def transposed_matmul(
     third: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
     bias: bool = False,
     out_dtype: torch.dtype | None = None,
+    out: list[torch.Tensor] | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     """``A^T x`` for each sparse A on ``csc``'s non-zero slots: x [M, D]; values (and second) [M, width].
 
@@ -404,7 +405,8 @@ def transposed_matmul(
     in the same pass over the entries. Returns (a list of [N, D] products in ``out_dtype`` (default x's), one per
     A, the third last; the column sums [N] fp32 of the A's on x when ``bias``, else None). Deterministic: each
     column's terms are summed in one fixed order. The cost is one gathered row of x (and y) per entry: ``nnz * D``
-    elements, against the dense product's ``M * N * D`` multiply-adds."""
+    elements, against the dense product's ``M * N * D`` multiply-adds. ``out``: the products written into these
+    contiguous [N, D] tensors (any float dtype each, one per product) instead of new ones."""
     if mode not in ("one", "two", "product"):
         raise ValueError(f"transposed_matmul: mode must be 'one', 'two' or 'product'; got {mode!r}")
     x = unit_last_stride(x)
@@ -416,7 +418,13 @@ def transposed_matmul(
         y = unit_last_stride(y)
         if y.shape != x.shape:
             raise ValueError(f"transposed_matmul: third's y must have x's shape {list(x.shape)}; got {list(y.shape)}")
-    out = [new_output((N, D), out_dtype or x.dtype, x.device) for _ in range(n_out)]
+    if out is None:
+        out = [new_output((N, D), out_dtype or x.dtype, x.device) for _ in range(n_out)]
+    elif len(out) != n_out or any(o.shape != (N, D) or not o.is_contiguous() or o.device != x.device for o in out):
+        raise ValueError(
+            f"transposed_matmul: out must be {n_out} contiguous [{N}, {D}] tensors on {x.device}; got "
+            f"{[describe(o) for o in out]}"
+        )
     sums = [torch.zeros(N, dtype=torch.float32, device=x.device) for _ in range(n_x)] if bias else None
     if N == 0 or D == 0:
         return out, sums

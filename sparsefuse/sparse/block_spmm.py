@@ -220,6 +220,7 @@ def block_sparse_matmul(
     heavy_first: bool = True,
     accumulate: torch.Tensor | None = None,
     schedule: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``sparse @ weight + bias`` -> [M, n_out] for a :class:`BlockELL` [M, n_in] (rows in blocks sharing their
     column lists; slot rows written to their ``row_order`` rows) and weight [n_in, n_out] (columns contiguous or
@@ -232,7 +233,8 @@ def block_sparse_matmul(
     launch) so that no long block starts last and runs alone at the end of the grid.
 
     ``accumulate`` [M, n_out] (unit column stride): the product is added to it in place and it is returned (in its
-    dtype; no bias then) -- a sum of products ``A1 W1 + A2 W2`` without a second output. ``schedule``: the
+    dtype; no bias then) -- a sum of products ``A1 W1 + A2 W2`` without a second output. ``out`` [M, n_out] (unit
+    column stride): written with the product (in its dtype) and returned, instead of a new tensor. ``schedule``: the
     :func:`heavy_first_schedule` of ``sparse.counts`` when the caller already has it (several products on the same
     pattern)."""
     op = "block_sparse_matmul"
@@ -248,6 +250,13 @@ def block_sparse_matmul(
             )
         weight = product_operands(sparse.values.dtype, 0, weight, None)[0]
         out = accumulate
+    elif out is not None:
+        if out.shape != (sparse.shape[0], n_out) or out.stride(-1) != 1 or out.device != weight.device:
+            raise ValueError(
+                f"{op}: out must be [{sparse.shape[0]}, {n_out}] with unit column stride on {weight.device}; got "
+                f"{describe(out)}"
+            )
+        weight = product_operands(sparse.values.dtype, 0, weight, None)[0]
     else:
         weight, out = product_operands(sparse.values.dtype, sparse.shape[0], weight, out_dtype)
     M, out_dtype = out.shape[0], out.dtype
@@ -257,7 +266,9 @@ def block_sparse_matmul(
         _backend.warn_reference_once(op)
         ref = sparse.to_dense().double() @ weight.double()
         ref = ref + bias.double() if bias is not None else ref
-        return out.add_(ref.to(out_dtype)) if accumulate is not None else ref.to(out_dtype)
+        if accumulate is not None:
+            return out.add_(ref.to(out_dtype))
+        return out.copy_(ref)
     block_j, block_d, warps, stages = _block_matmul_blocks(n_out)
     n_blocks = sparse.counts.shape[0]
     if schedule is None and heavy_first and n_blocks > 1:

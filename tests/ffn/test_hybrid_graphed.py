@@ -114,8 +114,10 @@ def test_a_layer_captured_too_often_runs_eagerly(device, monkeypatch):
     leaves = _leaves(M, K, N, torch.float32, device, False, seed=8)
     dy = torch.randn(M, K, device=device)
     _grads(leaves, dy, 0.0)
+    kept = []  # alive, so that no copy takes a freed one's address (which would replay, rightly, not capture)
     for i in range(4):
         moved = [leaves[0], leaves[1], leaves[2].detach().clone().requires_grad_(), *leaves[3:]]
+        kept.append(moved[2])
         if i == 2:
             with pytest.warns(UserWarning, match="captured 2 times"):
                 out, grads = _grads(moved, dy, 0.0, cuda_graph=True)

@@ -130,6 +130,28 @@ def test_weight_gradients_do_not_depend_on_the_launch_order(device, monkeypatch)
         assert torch.equal(a, b)
 
 
+def test_products_write_into_given_outputs(device):
+    """``out=``: block_sparse_matmul and transposed_matmul write the same products into the caller's tensors (the
+    weight gradients in float32 from fp16 operands: each output's own dtype), and refuse a wrong shape."""
+    x, wu, wd, bias, pre, f = _factors(40, 24, 100, torch.float16, device, True)
+    csc = block_ell_transpose(f.gate, f.column_counts)
+    args = (csc, x, f.gate.values, f.up.values)
+    want, _ = transposed_matmul(*args, mode="two", out_dtype=torch.float32)
+    given = [torch.full((100, 24), float("nan"), device=device) for _ in range(2)]
+    got, _ = transposed_matmul(*args, mode="two", out=given)
+    assert all(g is o for g, o in zip(got, given))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="out must be 2 contiguous"):
+        transposed_matmul(*args, mode="two", out=given[:1])
+    product = BlockELL(f.up.values, f.gate.indices, f.gate.counts, 100, f.gate.block_rows, f.gate.row_order)
+    want = block_sparse_matmul(product, wu)
+    into = torch.full((40, 24), float("nan"), dtype=torch.float16, device=device)
+    assert block_sparse_matmul(product, wu, out=into) is into and torch.equal(into, want)
+    with pytest.raises(ValueError, match="out must be"):
+        block_sparse_matmul(product, wu, out=into[:, :12])
+
+
 def test_backward_products_on_an_empty_batch(device):
     x, wu, wd, bias, pre, f = _factors(0, 8, 20, torch.float32, device, False)
     csc = block_ell_transpose(f.gate, f.column_counts)

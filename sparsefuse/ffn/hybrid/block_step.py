@@ -74,6 +74,15 @@ def _train_forward(
     [capacity] (int16) with their chunk offsets [n_blocks * n_chunks + 1] (int64), union columns [n_blocks, width]
     and sizes [n_blocks] (int32), token order [M] (int32) and the blocks' heavy-first launch order [n_blocks]
     (int32; unused with one block)."""
+    return _train_forward_into(
+        x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, block_rows, tile, sort_rows, capacity, None
+    )
+
+
+def _train_forward_into(
+    x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, block_rows, tile, sort_rows, capacity, y_out
+) -> tuple[torch.Tensor, ...]:
+    """:func:`_train_forward`, y written into ``y_out`` [M, K] when given (a captured step's static output)."""
     M, N = x2.shape[0], w_gate.shape[0]
     pre = F.linear(x2, w_gate, b_gate)
     pattern = dense_to_row_block_pattern(pre, tile, block_rows, relu=True, sort_rows=sort_rows)
@@ -97,7 +106,9 @@ def _train_forward(
         schedule, offsets = heavy_first_schedule_and_offsets(f.product.counts, f.block_nnz, f.chunk_nnz)
     else:
         schedule, offsets = torch.zeros_like(f.product.counts), None
-    y = block_sparse_matmul(f.product, w_down_t, bias=b_down, out_dtype=x2.dtype, schedule=schedule if many else None)
+    y = block_sparse_matmul(
+        f.product, w_down_t, bias=b_down, out_dtype=x2.dtype, schedule=schedule if many else None, out=y_out
+    )
     packed = pack_block_factors(f, capacity, offsets)
     order = pattern.row_order
     if order is None:
@@ -166,6 +177,18 @@ def _train_backward(
     (0-dim: the loss's gradient w.r.t. the L1 term). Without ``bias_grads`` the three bias gradients are empty
     tensors (nothing computed for them); without w_up (the non-gated block) dw_up and db_up are empty. The biases
     are read only to recompute blocks that did not fit the packed capacity."""
+    kept = (packed_gate, packed_up, packed_slots, offsets, indices, counts, order, schedule)
+    return _train_backward_into(
+        dy, dl1, x2, w_gate, w_up, w_down_t, b_gate, b_up, *kept, block_rows, bias_grads, None, None
+    )
+
+
+def _train_backward_into(
+    dy, dl1, x2, w_gate, w_up, w_down_t, b_gate, b_up, packed_gate, packed_up, packed_slots, offsets, indices,
+    counts, order, schedule, block_rows, bias_grads, dx_out, dw_out,
+) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """:func:`_train_backward`, dx and the weight gradients written into ``dx_out`` [M, K] and ``dw_out`` (dw_gate,
+    dw_up or None, dw_down_t: contiguous, any float dtype) when given (a captured step's static outputs)."""
     M, N = x2.shape[0], w_gate.shape[0]
     dy = dy.to(x2.dtype).contiguous()
     chunk = factor_chunk(x2.shape[1], block_rows)  # as the forward's block_sddmm chunked the unions
@@ -188,14 +211,17 @@ def _train_backward(
     schedule = schedule if counts.shape[0] > 1 else None
     if w_up is not None:
         d_up_slots = _on_slots(d_up, indices, counts, order, N, block_rows)
-        dx = block_sparse_matmul(d_up_slots, w_up, out_dtype=x2.dtype, schedule=schedule)
+        dx = block_sparse_matmul(d_up_slots, w_up, out_dtype=x2.dtype, schedule=schedule, out=dx_out)
         dx = block_sparse_matmul(d_pre_slots, w_gate, accumulate=dx, schedule=schedule)
         third = (dy, gate_values, up_values)
-        (dwg, dwu, dwd), sums = transposed_matmul(csc, x2, d_pre, d_up, mode="two", third=third, bias=bias_grads)
+        (dwg, dwu, dwd), sums = transposed_matmul(
+            csc, x2, d_pre, d_up, mode="two", third=third, bias=bias_grads, out=dw_out
+        )
     else:  # h = relu(pre): one product into dx, the down gradient from the gate's own values
-        dx = block_sparse_matmul(d_pre_slots, w_gate, out_dtype=x2.dtype, schedule=schedule)
+        dx = block_sparse_matmul(d_pre_slots, w_gate, out_dtype=x2.dtype, schedule=schedule, out=dx_out)
         third = (dy, gate_values, None)
-        (dwg, dwd), sums = transposed_matmul(csc, x2, d_pre, mode="one", third=third, bias=bias_grads)
+        out = [dw_out[0], dw_out[2]] if dw_out is not None else None
+        (dwg, dwd), sums = transposed_matmul(csc, x2, d_pre, mode="one", third=third, bias=bias_grads, out=out)
         dwu = x2.new_empty(0)
     if bias_grads:
         db_up = sums[1].to(x2.dtype) if w_up is not None else x2.new_empty(0)

@@ -8,9 +8,10 @@ step costs the host two replays and a few copies.
 How it stays correct:
 
 * **Inputs and outputs go through buffers outside the graphs.** Every layer of one shape shares one set of static
-  buffers (x, dy, y, dx, the weight gradients); a replay is *copy in, replay, copy out*, so no graph's output is
-  read after another replay, and all graphs share one memory pool for their temporaries (the products' [M, N]
-  intermediates exist once, not once per layer).
+  buffers (x, dy, y, dx, the weight gradients; the kernels write y, dx and the weight gradients into theirs
+  directly); a replay is *copy in, replay, copy out*, so no graph's output is read after another replay, and all
+  graphs share one memory pool for their temporaries (the products' [M, N] intermediates exist once, not once per
+  layer).
 * **What the backward keeps is copied out per call** (the packed pairs, ~6 bytes per fired pair, and the unions'
   lists, in one flat buffer), so forwards and backwards may interleave in any order (micro-batches, pipelines).
 * **Weights are read in place**: a graph is keyed by the addresses of the caller's weights and biases (an
@@ -40,7 +41,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..._backend import Backend, backend_for, plain_eager_call
 from ..._validation import unit_last_stride
-from .block_step import _train_backward, _train_forward
+from .block_step import _train_backward_into, _train_forward_into
 from .choice import TRAIN_CHOICE, _in_backward
 
 # Captures kept per gate weight (input shapes, capacities); the least recently used is dropped past this.
@@ -103,7 +104,7 @@ def _shared_buffers(x2: torch.Tensor, weights: tuple, compute_dtype: torch.dtype
             l1=empty((), dtype=torch.float32),
             counts=empty(M + N, dtype=torch.int32),
             dx=torch.zeros_like(x2),
-            dw=[torch.zeros_like(w) if w is not None else None for w in (w_gate, w_up)]
+            dw=[empty(*w.shape, dtype=w.dtype) if w is not None else None for w in (w_gate, w_up)]
             + [empty(w_down.shape[1], w_down.shape[0], dtype=w_down.dtype)],
             db=[torch.zeros_like(b) if b is not None else None for b in (b_gate, b_up, b_down)],
         )
@@ -175,7 +176,7 @@ class GraphedBlockStep:
 
         # what the forward keeps, in one flat buffer: its shapes and dtypes from a run of the step
         x_c, wg, bg, wu, bu, wdt, bd = operands()
-        probe = _train_forward(x_c, wg, bg, wu, bu, wdt, bd, block_rows, tile, sort_rows, capacity)[3:]
+        probe = _train_forward_into(x_c, wg, bg, wu, bu, wdt, bd, block_rows, tile, sort_rows, capacity, None)[3:]
         layout, offset = [], 0
         for t in probe:
             offset = -(-offset // _ALIGN) * _ALIGN
@@ -189,8 +190,9 @@ class GraphedBlockStep:
 
         def forward_body() -> None:
             x_c, wg, bg, wu, bu, wdt, bd = operands()
-            y, l1, counts, *kept = _train_forward(x_c, wg, bg, wu, bu, wdt, bd, block_rows, tile, sort_rows, capacity)
-            buffers.y.copy_(y)
+            _, l1, counts, *kept = _train_forward_into(
+                x_c, wg, bg, wu, bu, wdt, bd, block_rows, tile, sort_rows, capacity, buffers.y
+            )
             buffers.l1.copy_(l1)
             buffers.counts.copy_(counts)
             for view, t in zip(self.kept_views, kept):
@@ -198,14 +200,12 @@ class GraphedBlockStep:
 
         def backward_body() -> None:
             x_c, wg, bg, wu, bu, wdt, _ = operands()
-            dx, dwg, dwu, dwd, *db = _train_backward(
-                buffers.dy, buffers.dl1, x_c, wg, wu, wdt, bg, bu, *self.kept_views, block_rows, bias_grads
-            )
-            buffers.dx.copy_(dx)
-            for out, g in zip(buffers.dw, (dwg, dwu, dwd)):
-                if out is not None:
-                    out.copy_(g)
-            for out, g in zip(buffers.db, db):
+            # dx and the weight gradients are written where the replay's caller reads them (no copy)
+            *_, dbg, dbu, dbd = _train_backward_into(
+                buffers.dy, buffers.dl1, x_c, wg, wu, wdt, bg, bu, *self.kept_views, block_rows, bias_grads,
+                buffers.dx, buffers.dw,
+            )  # fmt: skip
+            for out, g in zip(buffers.db, (dbg, dbu, dbd)):
                 if out is not None:
                     out.copy_(g)
 
