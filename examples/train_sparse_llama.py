@@ -23,8 +23,8 @@ each training, so a run cut short keeps what it finished):
   inference benchmarks).
 
 The MLPs are patched with :func:`sparsefuse.integrations.transformers.patch_llama` (``--train-method`` dense or
-hybrid); the L1 term is :func:`sparsefuse.integrations.transformers.l1_loss` (each layer's per-element mean, summed
-over layers).
+hybrid, ``--cuda-graph`` to replay the hybrid step from CUDA graphs); the L1 term is
+:func:`sparsefuse.integrations.transformers.l1_loss` (each layer's per-element mean, summed over layers).
 """
 
 from __future__ import annotations
@@ -64,7 +64,12 @@ def stdlib_bytes(limit: int) -> torch.Tensor:
 
 
 def build_model(
-    cfg: dict, device: torch.device, train_method: str, seed: int, down_layout: str = "column"
+    cfg: dict,
+    device: torch.device,
+    train_method: str,
+    seed: int,
+    down_layout: str = "column",
+    cuda_graph: bool = False,
 ) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -82,7 +87,8 @@ def build_model(
         hidden_act="relu",
         tie_word_embeddings=True,
     )
-    return patch_llama(LlamaForCausalLM(config).to(device), train_method=train_method, down_layout=down_layout)
+    model = LlamaForCausalLM(config).to(device)
+    return patch_llama(model, train_method=train_method, down_layout=down_layout, train_cuda_graph=cuda_graph)
 
 
 def _shard(model: torch.nn.Module, engine: str, device: torch.device) -> torch.nn.Module:
@@ -148,7 +154,7 @@ def train(cfg: dict, data: torch.Tensor, l1: float, args: argparse.Namespace, de
     if cfg["batch"] % world:
         raise ValueError(f"--distributed: the batch ({cfg['batch']}) must divide among {world} processes")
     layout = "row" if args.distributed and args.engine == "fsdp2" else "column"
-    model = build_model(cfg, device, args.train_method, args.seed, down_layout=layout)
+    model = build_model(cfg, device, args.train_method, args.seed, down_layout=layout, cuda_graph=args.cuda_graph)
     inner = model
     if args.distributed:
         model = _shard(model, args.engine, device)
@@ -237,6 +243,11 @@ def main(argv: list[str] | None = None) -> int:
         help="L1 coefficients of the per-element term, comma-separated: one run each (default 0.3)",
     )
     parser.add_argument("--train-method", choices=("dense", "hybrid"), default="dense")
+    parser.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="with --train-method hybrid: replay each layer's step from CUDA graphs (patch_llama's train_cuda_graph)",
+    )
     parser.add_argument("--steps", type=int, default=None, help="override the size's step count")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=10)

@@ -172,6 +172,37 @@ def test_patched_bf16_llama_gpu(device):
     assert_norm_close_to_reference(patched, ref64, unpatched, name="logits")
 
 
+def test_patched_llama_replays_its_hybrid_steps_from_graphs(device, monkeypatch):
+    """patch_llama(train_cuda_graph=True): after a first (observing) step every layer's FFN step replays its
+    capture, with the gradients of the same model stepped eagerly (under the interpreter a capture re-runs)."""
+    from sparsefuse.ffn.hybrid import graphed
+    from sparsefuse.ffn.hybrid.choice import TRAIN_CHOICE
+    from sparsefuse.integrations.transformers import l1_loss, patched_mlps
+
+    monkeypatch.setattr(TRAIN_CHOICE, "dense_above", 1.0)  # the tiny model fires widely: keep the block step
+    torch.manual_seed(3)
+    model = transformers.LlamaForCausalLM(tiny_config(mlp_bias=True)).to(device)
+    sparsify_gates(model, -1.0)
+    eager = transformers.LlamaForCausalLM(model.config).to(device)
+    eager.load_state_dict(model.state_dict())
+    patch_llama(model, train_method="hybrid", train_cuda_graph=True)
+    patch_llama(eager, train_method="hybrid")
+    assert all(m.train_cuda_graph for _, m in patched_mlps(model))
+    ids = torch.randint(0, 97, (2, 6), device=device)
+    graphed.release_graphs()
+    try:
+        for step in range(2):
+            replays = graphed.GRAPH_EVENTS["replay"]
+            for m in (model, eager):
+                m.zero_grad(set_to_none=True)
+                (m(ids, labels=ids).loss + 0.1 * l1_loss(m)).backward()
+            assert graphed.GRAPH_EVENTS["replay"] == replays + (model.config.num_hidden_layers if step else 0)
+            for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    finally:
+        graphed.release_graphs()
+
+
 @pytest.mark.parametrize("train_method", ["dense", "hybrid"])
 def test_patched_llama_trains_with_l1_and_reports(train_method, device):
     """A patched model under a training step: the loss's gradients equal the unpatched model's (plus the L1 term's
