@@ -420,9 +420,11 @@ def transposed_matmul(
             raise ValueError(f"transposed_matmul: third's y must have x's shape {list(x.shape)}; got {list(y.shape)}")
     if out is None:
         out = [new_output((N, D), out_dtype or x.dtype, x.device) for _ in range(n_out)]
-    elif len(out) != n_out or any(o.shape != (N, D) or not o.is_contiguous() or o.device != x.device for o in out):
+    elif len(out) != n_out or any(
+        o.shape != (N, D) or not o.is_contiguous() or o.device != x.device or not o.is_floating_point() for o in out
+    ):
         raise ValueError(
-            f"transposed_matmul: out must be {n_out} contiguous [{N}, {D}] tensors on {x.device}; got "
+            f"transposed_matmul: out must be {n_out} contiguous float [{N}, {D}] tensors on {x.device}; got "
             f"{[describe(o) for o in out]}"
         )
     sums = [torch.zeros(N, dtype=torch.float32, device=x.device) for _ in range(n_x)] if bias else None

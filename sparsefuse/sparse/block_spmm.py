@@ -251,10 +251,16 @@ def block_sparse_matmul(
         weight = product_operands(sparse.values.dtype, 0, weight, None)[0]
         out = accumulate
     elif out is not None:
-        if out.shape != (sparse.shape[0], n_out) or out.stride(-1) != 1 or out.device != weight.device:
+        if (
+            out.shape != (sparse.shape[0], n_out)
+            or out.stride(-1) != 1
+            or out.device != weight.device
+            or not out.is_floating_point()
+            or out_dtype not in (None, out.dtype)
+        ):
             raise ValueError(
-                f"{op}: out must be [{sparse.shape[0]}, {n_out}] with unit column stride on {weight.device}; got "
-                f"{describe(out)}"
+                f"{op}: out must be a float [{sparse.shape[0]}, {n_out}] tensor with unit column stride on "
+                f"{weight.device} (in out_dtype if given: {out_dtype}); got {describe(out)}"
             )
         weight = product_operands(sparse.values.dtype, 0, weight, None)[0]
     else:

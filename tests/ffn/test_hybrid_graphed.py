@@ -9,7 +9,6 @@ from conftest import assert_backend
 from test_hybrid_train import _check, _leaves, _relu_leaves
 
 from sparsefuse.ffn.hybrid import graphed, hybrid_mlp, hybrid_relu_mlp
-from sparsefuse.ffn.hybrid.choice import TRAIN_CHOICE
 
 M, K, N = 40, 32, 80
 
@@ -83,7 +82,8 @@ def test_interleaved_forwards_and_accumulated_gradients(device):
         torch.testing.assert_close(p.grad, expected[0][i + 1] + expected[1][i + 1], rtol=1e-5, atol=1e-6)
 
 
-def test_new_shapes_and_moved_weights_capture_anew_and_old_captures_are_dropped(device):
+def test_new_shapes_and_moved_weights_capture_anew_and_old_captures_are_dropped(device, monkeypatch):
+    monkeypatch.setattr(graphed, "GRAPHS_PER_WEIGHT", 2)
     leaves = _leaves(M, K, N, torch.float32, device, False, seed=5)
     dy = torch.randn(M, K, device=device)
     _grads(leaves, dy, 0.0)
@@ -128,13 +128,13 @@ def test_a_layer_captured_too_often_runs_eagerly(device, monkeypatch):
 
 
 def test_no_grad_and_checkpointing(device):
-    """Without grad the eager step runs; under activation checkpointing the recompute replays the forward's capture
-    (the same kept arrays, as the checkpoint requires) with the eager step's gradients."""
+    """Without grad, and under activation checkpointing (whose recompute must save what its forward saved), the
+    eager step runs: no replay, the eager step's gradients."""
     leaves = _leaves(M, K, N, torch.float32, device, False, seed=6)
     x, wg, wu, wd = leaves[:4]
     with torch.no_grad():
         hybrid_mlp(x, wg, wu, wd, layout="block", cuda_graph=True)
-    assert not graphed.GRAPH_EVENTS or graphed._RUNNERS.get(wg) is None
+    assert graphed._RUNNERS.get(wg) is None
     _grads(leaves, torch.randn(M, K, device=device), 0.0)  # observed from here on
 
     def block(x):
@@ -146,12 +146,34 @@ def test_no_grad_and_checkpointing(device):
         for t in (x, wg, wu, wd):
             t.grad = None
         torch.utils.checkpoint.checkpoint(block, x, use_reentrant=reentrant).sum().backward()
-        got = [t.grad for t in (x, wg, wu, wd)]
-        # the forward and its recompute; the reentrant checkpoint runs its first forward without grad (eager)
-        assert graphed.GRAPH_EVENTS["replay"] == replays + (1 if reentrant else 2)
-        for a, b in zip(got, want):
+        assert graphed.GRAPH_EVENTS["replay"] == replays
+        for a, b in zip([t.grad for t in (x, wg, wu, wd)], want):
             assert torch.equal(a, b)
-    assert TRAIN_CHOICE.bucketed_capacity(wg, M) % M == 0
+
+
+def test_weights_moved_or_changed_between_forward_and_backward(device):
+    """A weight regathered at another address before the backward (as sharded parameters can be): the backward runs
+    eagerly on the kept arrays, with the same gradients. A weight changed in place in between: the error the eager
+    step raises."""
+    leaves = _leaves(M, K, N, torch.float32, device, True, seed=9)
+    dy = torch.randn(M, K, device=device)
+    _grads(leaves, dy, 0.2)
+    want = _grads(leaves, dy, 0.2)[1]
+    x, wg, wu, wd, bg, bu, bd = leaves
+    out = hybrid_mlp(x, wg, wu, wd, b_gate=bg, b_up=bu, b_down=bd, layout="block", cuda_graph=True)
+    assert graphed.GRAPH_EVENTS["replay"] >= 1
+    eager_backwards = graphed.GRAPH_EVENTS["eager backward"]
+    moved = wu.data.clone()
+    wu.data = moved  # same values, another address
+    got = torch.autograd.grad((out.y * dy).sum() + 0.2 * out.l1, leaves)
+    assert graphed.GRAPH_EVENTS["eager backward"] == eager_backwards + 1
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    out = hybrid_mlp(x, wg, wu, wd, b_gate=bg, b_up=bu, b_down=bd, layout="block", cuda_graph=True)
+    with torch.no_grad():
+        wd.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(out.y.sum(), leaves)
 
 
 def test_non_gated_block_and_an_l1_only_loss(device):
@@ -222,3 +244,24 @@ def test_captures_after_every_earlier_graph_is_gone():
         del leaves, out, grads
         gc.collect()
     assert graphed.GRAPH_EVENTS["capture"] >= 3
+
+
+def test_the_captured_capacity_grows_at_once_and_shrinks_only_by_a_factor_of_four(monkeypatch):
+    from sparsefuse.ffn.hybrid.choice import TRAIN_CHOICE
+
+    class Estimate:
+        value = 10.0
+
+        def estimate(self):
+            return self.value
+
+    w = torch.zeros(1000, 4)
+    est = Estimate()
+    monkeypatch.setitem(TRAIN_CHOICE._monitors, w, [est, 0])
+    seen = []
+    for need in (10.0, 11.0, 14.0, 30.0, 12.0, 5.0, 3.0, 1000.0):
+        est.value = need / TRAIN_CHOICE.capacity_margin
+        seen.append(TRAIN_CHOICE.bucketed_capacity(w, 8) // 8)
+    # 10 -> 16, held through 11 and 14; 30 -> 32, held at 12; 5 is under a quarter of 32: 8, held at 3; then capped
+    # at every pair (M N)
+    assert seen == [16, 16, 16, 32, 32, 8, 8, 1000]

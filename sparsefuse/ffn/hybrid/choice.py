@@ -35,6 +35,7 @@ class TrainChoice:
     def __post_init__(self) -> None:
         # gate weight -> [firing monitor, calls]
         self._monitors: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._graph_buckets: WeakIdKeyDictionary = WeakIdKeyDictionary()  # gate weight -> pairs per token captured
         # gate weight -> {"layout": ..., "capacity": ...}: what its latest forward outside a backward took, which a
         # forward re-run inside a backward (activation checkpointing's recompute) takes again, so the recomputed
         # saved tensors have the shapes of the first forward's
@@ -126,8 +127,9 @@ class TrainChoice:
 
     def bucketed_capacity(self, w_gate: torch.Tensor, M: int) -> int | None:
         """The capacity of a captured step (:mod:`.graphed`): M times this weight's need per token rounded up to a
-        power of two, so that it changes a few times while L1 bites rather than at every observation (each change
-        is a new capture); None before the weight's first observation (the eager step runs until then)."""
+        power of two, kept until the need outgrows it or falls below a quarter of it, so that it changes a few times
+        while L1 bites rather than at every observation (each change is a new capture); None before the weight's
+        first observation (the eager step runs until then)."""
         frozen = self._frozen_value(w_gate, "bucketed_capacity")
         if frozen is not None and frozen[0] == M:  # a checkpointed recompute: the forward's, so it replays the same
             return frozen[1]
@@ -136,7 +138,12 @@ class TrainChoice:
         if per_token is None:
             return None
         need = max(self.capacity_margin * per_token, 1.0)
-        capacity = min(M * w_gate.shape[0], (1 << math.ceil(math.log2(need))) * M)
+        bucket = 1 << math.ceil(math.log2(need))
+        held = self._graph_buckets.get(w_gate)
+        if held is not None and held / 4 < need <= held:  # grows at once, shrinks only past a factor of 4
+            bucket = held
+        self._graph_buckets[w_gate] = bucket
+        capacity = min(M * w_gate.shape[0], bucket * M)
         self._freeze(w_gate, "bucketed_capacity", (M, capacity))
         return capacity
 

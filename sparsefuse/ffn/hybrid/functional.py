@@ -169,7 +169,7 @@ def _train_step(
         plan = block_plan(w_gate.shape[0])
         if cuda_graph:
             graphed = graphed_step(
-                gate, x2, caller_weights, x2.dtype, plan.block_rows, plan.tile, plan.sorts(M),
+                gate, x2, caller_weights, plan.block_rows, plan.tile, plan.sorts(M),
             )  # fmt: skip
             if graphed is not None:
                 y, l1, counts, neuron_counts = graphed

@@ -18,10 +18,14 @@ How it stays correct:
   optimizer's in-place update is seen; a moved or replaced parameter is a new key and a new capture). Casts for
   ``torch.autocast`` happen inside the graphs.
 * **The capacity is bucketed**: pairs kept per token are rounded up to a power of two of the weight's observed need
-  (as under torch.compile), so a layer is re-captured a few times while L1 bites, not every observation. Until a
-  weight has an observation the eager step runs.
-  Blocks past the capacity are recomputed in the backward, as in the eager step. Activation checkpointing's
-  recompute replays the forward's capture (same capacity, same kept arrays); it never captures.
+  (as under torch.compile) and held until the need outgrows it or falls below a quarter of it, so a layer is
+  re-captured a few times while L1 bites, not at every observation. Until a weight has an observation the eager
+  step runs. Blocks past the capacity are recomputed in the backward, as in the eager step.
+* **Where a replay cannot be right, the eager step runs**: under saved-tensor hooks (activation checkpointing,
+  whose recompute must save what its forward saved; offloading), inside a backward, without grad, under
+  torch.compile or with tensor subclasses. A weight that moved between forward and backward (a parameter regathered
+  at another address) gets its backward run eagerly on the kept arrays; an in-place change to a weight in between
+  raises, as in the eager step.
 
 Under the Triton interpreter (CPU tests) a "graph" re-runs the captured function on replay, so the copy-in / copy-out
 logic is tested without a GPU; the CUDA path is covered by the GPU suite.
@@ -45,20 +49,23 @@ from .block_step import _train_backward_into, _train_forward_into
 from .choice import TRAIN_CHOICE, _in_backward
 
 # Captures kept per gate weight (input shapes, capacities); the least recently used is dropped past this.
-GRAPHS_PER_WEIGHT = 2
+GRAPHS_PER_WEIGHT = 4
 # Captures a gate weight may take in its life: past this its shapes or weight addresses keep changing (ragged
-# batches, parameters regathered at new addresses each step as FSDP2 may), and its steps run eagerly (warned once).
+# batches, parameters regathered at new addresses each step), and its steps run eagerly (warned once).
 CAPTURE_LIMIT = 8
-# How many times the graphs have been captured and replayed (forward replays), for tests and logs.
+# How many times the graphs have been captured and replayed (forward replays), and backwards that ran eagerly
+# because a weight had moved since its forward; for tests and logs.
 GRAPH_EVENTS: collections.Counter[str] = collections.Counter()
 
 _RUNNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # gate weight -> OrderedDict(key -> GraphedBlockStep)
 _CAPTURES: WeakIdKeyDictionary = WeakIdKeyDictionary()  # gate weight -> captures taken
-_BUFFERS: dict[tuple, _SharedBuffers] = {}
+# Static buffers shared by the steps alive (each step holds its sets; a set no step holds is freed).
+_BUFFERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _POOLS: dict[torch.device, object] = {}
 # The graphs alive in each device's pool. A pool whose graphs are all gone is left to the allocator to free, never
 # captured into again (the caching allocator asserts on that): the next capture takes a new pool.
 _POOL_GRAPHS: dict[torch.device, weakref.WeakSet] = {}
+_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}  # one side stream per device for captures
 _ALIGN = 16  # bytes: each kept array starts aligned in the flat buffer (the kernels' vector loads)
 
 
@@ -71,44 +78,62 @@ def release_graphs() -> None:
     _POOL_GRAPHS.clear()
 
 
-@dataclass
-class _SharedBuffers:
-    """The static inputs and outputs of every captured step of one shape: x and dx in x's dtype, y and dy in the
-    step's (autocast's, as ``nn.Linear``), the weight gradients in the weights' dtypes (w_down's as its transpose,
-    [N, K])."""
+@dataclass(eq=False)
+class _TokenBuffers:
+    """A shape's per-token static tensors: x and dx in x's dtype (the step's), y and dy in the step's, the counts."""
 
     x: torch.Tensor
     dy: torch.Tensor
-    dl1: torch.Tensor
     y: torch.Tensor
-    l1: torch.Tensor
-    counts: torch.Tensor
     dx: torch.Tensor
-    dw: list[torch.Tensor]
+    counts: torch.Tensor
+
+
+@dataclass(eq=False)
+class _WeightBuffers:
+    """The weights' static gradients (in the weights' dtypes; w_down's as its transpose [N, K]), l1 and its
+    gradient: one set per weight shapes, whatever the token count."""
+
+    dl1: torch.Tensor
+    l1: torch.Tensor
+    dw: list[torch.Tensor | None]
     db: list[torch.Tensor | None]
 
 
-def _shared_buffers(x2: torch.Tensor, weights: tuple, compute_dtype: torch.dtype) -> _SharedBuffers:
+def _buffers(x2: torch.Tensor, weights: tuple) -> tuple[_TokenBuffers, _WeightBuffers]:
     w_gate, b_gate, w_up, b_up, w_down, b_down = weights
-    weight_key = tuple((t.dtype, t.shape) if t is not None else None for t in weights)
-    key = (x2.device, x2.shape, x2.dtype, compute_dtype, weight_key)
-    buffers = _BUFFERS.get(key)
-    if buffers is None:
-        M, N, K_out, dev = x2.shape[0], w_gate.shape[0], w_down.shape[0], x2.device
-        empty = lambda *shape, dtype: torch.zeros(*shape, dtype=dtype, device=dev)  # noqa: E731
-        buffers = _BUFFERS[key] = _SharedBuffers(
-            x=torch.zeros_like(x2),
-            dy=empty(M, K_out, dtype=compute_dtype),
-            dl1=empty((), dtype=torch.float32),
-            y=empty(M, K_out, dtype=compute_dtype),
-            l1=empty((), dtype=torch.float32),
+    M, N, K_out, dev = x2.shape[0], w_gate.shape[0], w_down.shape[0], x2.device
+    empty = lambda *shape, dtype: torch.zeros(*shape, dtype=dtype, device=dev)  # noqa: E731
+    weight_key = ("weights", dev, tuple((t.dtype, t.shape) if t is not None else None for t in weights))
+    token_key = ("tokens", dev, x2.shape, x2.dtype, K_out, N)
+    tokens = _BUFFERS.get(token_key)
+    if tokens is None:
+        tokens = _BUFFERS[token_key] = _TokenBuffers(
+            x=empty(*x2.shape, dtype=x2.dtype),
+            dy=empty(M, K_out, dtype=x2.dtype),
+            y=empty(M, K_out, dtype=x2.dtype),
+            dx=empty(*x2.shape, dtype=x2.dtype),
             counts=empty(M + N, dtype=torch.int32),
-            dx=torch.zeros_like(x2),
+        )
+    grads = _BUFFERS.get(weight_key)
+    if grads is None:
+        grads = _BUFFERS[weight_key] = _WeightBuffers(
+            dl1=empty((), dtype=torch.float32),
+            l1=empty((), dtype=torch.float32),
             dw=[empty(*w.shape, dtype=w.dtype) if w is not None else None for w in (w_gate, w_up)]
             + [empty(w_down.shape[1], w_down.shape[0], dtype=w_down.dtype)],
-            db=[torch.zeros_like(b) if b is not None else None for b in (b_gate, b_up, b_down)],
+            db=[empty(*b.shape, dtype=b.dtype) if b is not None else None for b in (b_gate, b_up, b_down)],
         )
-    return buffers
+    return tokens, grads
+
+
+def _operands(x: torch.Tensor, weights: tuple, dtype: torch.dtype) -> tuple:
+    """(x, w_gate, b_gate, w_up, b_up, w_down_t, b_down) as the step takes them: in the step's dtype (autocast's
+    casts), rows at unit stride, w_down transposed."""
+    w_gate, b_gate, w_up, b_up, w_down, b_down = weights
+    cast = lambda t: unit_last_stride(t.to(dtype)) if t is not None else None  # noqa: E731
+    w_down_t = unit_last_stride(w_down.to(dtype).t())
+    return x.to(dtype), cast(w_gate), cast(b_gate), cast(w_up), cast(b_up), w_down_t, cast(b_down)
 
 
 class _Replay:
@@ -126,9 +151,12 @@ class _Replay:
             _POOLS[device] = torch.cuda.graph_pool_handle()
         pool = _POOLS[device]
         users.add(self)
+        stream = _CAPTURE_STREAMS.get(device)
+        if stream is None:
+            stream = _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
         self.graph = torch.cuda.CUDAGraph()
         # thread-local: work that other threads enqueue meanwhile (a loader's pinned copies) does not void it
-        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(self.graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
             body()
 
     def replay(self) -> None:
@@ -142,14 +170,14 @@ class GraphedBlockStep:
     """One layer's block step (forward and backward) at one input shape, weight addresses and capacity, captured.
 
     ``forward(x2)`` -> (y [M, K], l1, counts [M + N], kept): ``kept`` is what :meth:`backward` needs (one flat
-    uint8 tensor). ``backward(x2, kept, dy, dl1)`` -> gradients of (x2, w_gate, b_gate, w_up, b_up, w_down,
-    b_down), None for an absent tensor."""
+    uint8 tensor). ``backward(x2, kept, dy, dl1, weights)`` -> gradients of (x2, w_gate, b_gate, w_up, b_up,
+    w_down, b_down), None for an absent tensor; if a weight has moved since the capture (a parameter regathered at
+    another address), the backward runs eagerly on the kept arrays instead of replaying."""
 
     def __init__(
         self,
         x2: torch.Tensor,
         weights: tuple,
-        compute_dtype: torch.dtype,
         block_rows: int,
         tile: int,
         sort_rows: bool,
@@ -157,55 +185,42 @@ class GraphedBlockStep:
     ) -> None:
         w_gate, b_gate, w_up, b_up, w_down, b_down = weights
         self.has = tuple(t is not None for t in weights)
-        self.buffers = buffers = _shared_buffers(x2, weights, compute_dtype)
-        buffers.x.copy_(x2)  # the warm-up and the layout probe run on this call's tokens
-        bias_grads = any(t is not None for t in (b_gate, b_up, b_down))
-        dev = x2.device
-
-        def operands():  # the step's operands, cast (autocast) and laid out inside the graph
-            cast = lambda t: unit_last_stride(t.to(compute_dtype)) if t is not None else None  # noqa: E731
-            return (
-                buffers.x.to(compute_dtype),
-                cast(w_gate),
-                cast(b_gate),
-                cast(w_up),
-                cast(b_up),
-                unit_last_stride(w_down.to(compute_dtype).t()),
-                cast(b_down),
-            )
+        self.addresses = tuple(t.data_ptr() if t is not None else None for t in weights)
+        self.block_rows = block_rows
+        self.bias_grads = any(t is not None for t in (b_gate, b_up, b_down))
+        self.tokens, self.grads = tokens, grads = _buffers(x2, weights)
+        tokens.x.copy_(x2)  # the warm-up and the layout probe run on this call's tokens
+        dev, dtype = x2.device, x2.dtype
 
         # what the forward keeps, in one flat buffer: its shapes and dtypes from a run of the step
-        x_c, wg, bg, wu, bu, wdt, bd = operands()
-        probe = _train_forward_into(x_c, wg, bg, wu, bu, wdt, bd, block_rows, tile, sort_rows, capacity, None)[3:]
-        layout, offset = [], 0
-        for t in probe:
+        probe = _train_forward_into(*_operands(tokens.x, weights, dtype), block_rows, tile, sort_rows, capacity, None)
+        self.layout, offset = [], 0
+        for t in probe[3:]:
             offset = -(-offset // _ALIGN) * _ALIGN
-            layout.append((offset, t.dtype, t.shape))
+            self.layout.append((offset, t.dtype, t.shape))
             offset += t.numel() * t.element_size()
         self.kept = torch.zeros(offset, dtype=torch.uint8, device=dev)
-        self.kept_views = [
-            self.kept[o : o + _numel(s) * torch.empty((), dtype=d).element_size()].view(d).view(s) for o, d, s in layout
-        ]
-        del probe, x_c, wg, bg, wu, bu, wdt, bd
+        self.kept_views = self._views(self.kept)
+        del probe
 
         def forward_body() -> None:
-            x_c, wg, bg, wu, bu, wdt, bd = operands()
+            x_c, *ops = _operands(tokens.x, weights, dtype)
             _, l1, counts, *kept = _train_forward_into(
-                x_c, wg, bg, wu, bu, wdt, bd, block_rows, tile, sort_rows, capacity, buffers.y
-            )
-            buffers.l1.copy_(l1)
-            buffers.counts.copy_(counts)
+                x_c, *ops, block_rows, tile, sort_rows, capacity, tokens.y
+            )  # fmt: skip
+            grads.l1.copy_(l1)
+            tokens.counts.copy_(counts)
             for view, t in zip(self.kept_views, kept):
                 view.copy_(t)
 
         def backward_body() -> None:
-            x_c, wg, bg, wu, bu, wdt, _ = operands()
+            x_c, wg, bg, wu, bu, wdt, _ = _operands(tokens.x, weights, dtype)
             # dx and the weight gradients are written where the replay's caller reads them (no copy)
             *_, dbg, dbu, dbd = _train_backward_into(
-                buffers.dy, buffers.dl1, x_c, wg, wu, wdt, bg, bu, *self.kept_views, block_rows, bias_grads,
-                buffers.dx, buffers.dw,
+                tokens.dy, grads.dl1, x_c, wg, wu, wdt, bg, bu, *self.kept_views, block_rows, self.bias_grads,
+                tokens.dx, grads.dw,
             )  # fmt: skip
-            for out, g in zip(buffers.db, (dbg, dbu, dbd)):
+            for out, g in zip(grads.db, (dbg, dbu, dbd)):
                 if out is not None:
                     out.copy_(g)
 
@@ -221,33 +236,52 @@ class GraphedBlockStep:
         self.backward_graph = _Replay(backward_body, dev)
         GRAPH_EVENTS["capture"] += 1
 
+    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """The kept arrays (typed views) inside a flat uint8 buffer of this step's layout."""
+        size = lambda d: torch.empty((), dtype=d).element_size()  # noqa: E731
+        return [flat[o : o + _numel(s) * size(d)].view(d).view(s) for o, d, s in self.layout]
+
     def forward(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        buffers = self.buffers
-        buffers.x.copy_(x2)
+        tokens = self.tokens
+        tokens.x.copy_(x2)
         self.forward_graph.replay()
         GRAPH_EVENTS["replay"] += 1
-        return buffers.y.clone(), buffers.l1.clone(), buffers.counts.clone(), self.kept.clone()
+        return tokens.y.clone(), self.grads.l1.clone(), tokens.counts.clone(), self.kept.clone()
 
     def backward(
-        self, x2: torch.Tensor, kept: torch.Tensor, dy: torch.Tensor | None, dl1: torch.Tensor | None
+        self, x2: torch.Tensor, kept: torch.Tensor, dy: torch.Tensor | None, dl1: torch.Tensor | None, weights: tuple
     ) -> tuple[torch.Tensor | None, ...]:
-        buffers = self.buffers
-        buffers.x.copy_(x2)
-        if dy is None:
-            buffers.dy.zero_()
-        else:
-            buffers.dy.copy_(dy)
-        if dl1 is None:
-            buffers.dl1.zero_()
-        else:
-            buffers.dl1.copy_(dl1)
+        dy = dy if dy is not None else torch.zeros_like(self.tokens.dy)
+        dl1 = dl1 if dl1 is not None else torch.zeros_like(self.grads.dl1)
+        if tuple(t.data_ptr() if t is not None else None for t in weights) != self.addresses:
+            return self._eager_backward(x2, kept, dy, dl1, weights)
+        tokens, grads = self.tokens, self.grads
+        tokens.x.copy_(x2)
+        tokens.dy.copy_(dy)
+        grads.dl1.copy_(dl1)
         self.kept.copy_(kept)
         self.backward_graph.replay()
-        dw = [g.clone() if g is not None else None for g in buffers.dw]
-        db = [b.clone() if b is not None else None for b in buffers.db]
+        dw = [g.clone() if g is not None else None for g in grads.dw]
+        db = [b.clone() if b is not None else None for b in grads.db]
+        return self._grads(tokens.dx.clone(), dw, db)
+
+    def _eager_backward(self, x2, kept, dy, dl1, weights) -> tuple[torch.Tensor | None, ...]:
+        """The backward's kernels launched one by one on the kept arrays and the weights where they are now."""
+        GRAPH_EVENTS["eager backward"] += 1
+        x_c, wg, bg, wu, bu, wdt, _ = _operands(x2, weights, x2.dtype)
+        dx, dwg, dwu, dwd, *db = _train_backward_into(
+            dy.to(x2.dtype), dl1, x_c, wg, wu, wdt, bg, bu, *self._views(kept), self.block_rows, self.bias_grads,
+            None, None,
+        )  # fmt: skip
+        w_gate, b_gate, w_up, b_up, w_down, b_down = weights
+        dw = [g.to(w.dtype) if w is not None else None for g, w in ((dwg, w_gate), (dwu, w_up), (dwd, w_down))]
+        db = [g.to(b.dtype) if b is not None else None for g, b in zip(db, (b_gate, b_up, b_down))]
+        return self._grads(dx, dw, db)
+
+    def _grads(self, dx, dw, db) -> tuple[torch.Tensor | None, ...]:
         has_g, has_u, has_d = self.has[1], self.has[3], self.has[5]
         return (
-            buffers.dx.clone(),
+            dx,
             dw[0],
             db[0] if has_g else None,
             dw[1],
@@ -269,33 +303,54 @@ class _GraphedTrainStep(torch.autograd.Function):
     def forward(ctx, step: GraphedBlockStep, x2, w_gate, b_gate, w_up, b_up, w_down, b_down):
         y, l1, counts, kept = step.forward(x2)
         ctx.step = step
-        ctx.save_for_backward(x2, kept)
+        # the weights too: kept alive for the backward's reads, and an in-place change to one is caught
+        ctx.save_for_backward(x2, kept, w_gate, b_gate, w_up, b_up, w_down, b_down)
         ctx.mark_non_differentiable(counts)
         return y, l1, counts
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy, dl1, _counts):
-        x2, kept = ctx.saved_tensors
-        return (None, *ctx.step.backward(x2, kept, dy, dl1))
+        x2, kept, *weights = ctx.saved_tensors
+        with _no_autocast(x2):
+            return (None, *ctx.step.backward(x2, kept, dy, dl1, tuple(weights)))
+
+
+def _no_autocast(t: torch.Tensor):
+    """The step runs in its operands' dtype, as the eager step does inside its op (autocast already applied)."""
+    return (
+        torch.autocast(t.device.type, enabled=False) if t.device.type in ("cuda", "cpu") else contextlib.nullcontext()
+    )
+
+
+def _saved_tensor_hooks() -> bool:
+    """Whether saved-tensor hooks are active (activation checkpointing, offloading): they act on what autograd saves,
+    and a checkpoint's recompute must save what its forward saved, so such forwards take the eager step."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks
+    try:
+        return top(False) is not None
+    except TypeError:  # torch < 2.1: no argument
+        return top() is not None
 
 
 def graphed_step(
     gate: torch.Tensor,
     x2: torch.Tensor,
     weights: tuple,
-    compute_dtype: torch.dtype,
     block_rows: int,
     tile: int,
     sort_rows: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """The block step of one layer from its captured graphs: (y [M, K], l1, token counts [M], neuron counts [N]);
     None where the eager step must run instead (see the module docstring). ``gate``: the caller's gate weight (the
-    graphs and the capacity are kept per gate weight); ``weights``: (w_gate, b_gate, w_up, b_up, w_down, b_down) as
-    the caller passed them (before autocast), w_down [K, N]."""
+    graphs and the capacity are kept per gate weight); x2 [M, K] in the step's dtype (autocast's cast done);
+    ``weights``: (w_gate, b_gate, w_up, b_up, w_down, b_down) as the caller passed them (before autocast), w_down
+    [K, N]."""
     tensors = [x2, *(t for t in weights if t is not None)]
     if (
         not torch.is_grad_enabled()
+        or _in_backward()
+        or _saved_tensor_hooks()
         or not plain_eager_call(*tensors)
         or type(gate) not in (torch.Tensor, torch.nn.Parameter)
         or (x2.device.type != "cuda" and backend_for(x2) is not Backend.INTERPRETER)
@@ -307,7 +362,6 @@ def graphed_step(
     key = (
         x2.shape,
         x2.dtype,
-        compute_dtype,
         tuple((t.data_ptr(), t.dtype, t.shape, t.stride()) if t is not None else None for t in weights),
         block_rows,
         tile,
@@ -321,8 +375,6 @@ def graphed_step(
     # captures and replays on the tensors' GPU (a layer on cuda:1 while cuda:0 is current)
     on_device = torch.cuda.device(x2.device) if x2.is_cuda else contextlib.nullcontext()
     if step is None:
-        if _in_backward():  # a checkpointed recompute replays its forward's capture, and never captures
-            return None
         taken = _CAPTURES.get(gate, 0)
         if taken >= CAPTURE_LIMIT:
             if taken == CAPTURE_LIMIT:
@@ -334,8 +386,8 @@ def graphed_step(
                 _CAPTURES[gate] = taken + 1
             return None
         _CAPTURES[gate] = taken + 1
-        with torch.no_grad(), on_device:
-            step = GraphedBlockStep(x2.detach(), weights, compute_dtype, block_rows, tile, sort_rows, capacity)
+        with torch.no_grad(), on_device, _no_autocast(x2):
+            step = GraphedBlockStep(x2.detach(), weights, block_rows, tile, sort_rows, capacity)
         runners[key] = step
         while len(runners) > GRAPHS_PER_WEIGHT:
             runners.popitem(last=False)
