@@ -115,7 +115,8 @@ def hybrid_relu_mlp(
     """Non-gated ReLU block ``relu(x W_up^T + b_up) W_down^T + b_down`` for training, as :func:`hybrid_mlp` trains
     the gated one (same outputs: ``l1`` and the counts are those of ``relu(x W_up^T + b_up)``; names as in
     :func:`sparsefuse.twell_relu_mlp`). ``layout``: ``"auto"``, ``"block"`` or ``"dense"`` (the paper's
-    ``"hybrid"`` format exists for the gated block only). x [..., K]; w_up [N, K]; w_down [K, N]."""
+    ``"hybrid"`` format exists for the gated block only; ``cuda_graph`` as there). x [..., K]; w_up [N, K]; w_down
+    [K, N]."""
     if layout == "hybrid":
         raise ValueError("hybrid_relu_mlp: layout must be 'auto', 'block' or 'dense'; got 'hybrid'")
     return _train_step(
