@@ -4,6 +4,7 @@ gate's forward runs on the gate's sparsity pattern, and the backward keeps only 
 
 from ...sparse.block_pack import spilled_blocks
 from .functional import HybridMLPOutput, hybrid_mlp, hybrid_relu_mlp, sparsity_stats
+from .graphed import release_graphs
 from .op import REBUILDS
 from .reference import StepGrads, hybrid_step_reference
 
@@ -16,4 +17,5 @@ __all__ = [
     "StepGrads",
     "REBUILDS",
     "spilled_blocks",
+    "release_graphs",
 ]
