@@ -134,22 +134,24 @@ def fsdp_layers_per_unit() -> int:
     return int(value)
 
 
+def _flag_from_env(name: str, default: bool) -> bool:
+    """The environment variable ``name`` as a flag ("1" or "0"), ``default`` when unset; ValueError otherwise."""
+    value = os.environ.get(name, str(int(default)))
+    if value not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1; got {value!r}")
+    return value == "1"
+
+
 def fsdp_reshard_after_forward() -> bool:
     """FSDP2's ``reshard_after_forward`` for the decoder layers' units: ``SPARSEFUSE_FSDP_RESHARD_AFTER_FORWARD``
     ("1" or "0"), else :data:`FSDP_RESHARD_AFTER_FORWARD`."""
-    value = os.environ.get(FSDP_RESHARD_ENV, str(int(FSDP_RESHARD_AFTER_FORWARD)))
-    if value not in ("0", "1"):
-        raise ValueError(f"{FSDP_RESHARD_ENV} must be 0 or 1; got {value!r}")
-    return value == "1"
+    return _flag_from_env(FSDP_RESHARD_ENV, FSDP_RESHARD_AFTER_FORWARD)
 
 
 def train_cuda_graph() -> bool:
     """Whether the patched models replay their sparse FFN steps from CUDA graphs (``patch_llama``'s
     ``train_cuda_graph``): ``SPARSEFUSE_TRAIN_CUDA_GRAPH`` ("1" or "0", default "0")."""
-    value = os.environ.get(CUDA_GRAPH_ENV, "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"{CUDA_GRAPH_ENV} must be 0 or 1; got {value!r}")
-    return value == "1"
+    return _flag_from_env(CUDA_GRAPH_ENV, False)
 
 
 def fsdp_label(n_layers: int | None = None) -> str:
