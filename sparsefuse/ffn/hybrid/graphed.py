@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import math
 import warnings
 import weakref
 from collections.abc import Callable
@@ -43,7 +44,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..._backend import Backend, backend_for, plain_eager_call
+from ..._backend import Backend, backend_for, new_output, plain_eager_call
 from ..._validation import unit_last_stride
 from .block_step import _train_backward_into, _train_forward_into
 from .choice import TRAIN_CHOICE, _in_backward
@@ -103,7 +104,8 @@ class _WeightBuffers:
 def _buffers(x2: torch.Tensor, weights: tuple) -> tuple[_TokenBuffers, _WeightBuffers]:
     w_gate, b_gate, w_up, b_up, w_down, b_down = weights
     M, N, K_out, dev = x2.shape[0], w_gate.shape[0], w_down.shape[0], x2.device
-    empty = lambda *shape, dtype: torch.zeros(*shape, dtype=dtype, device=dev)  # noqa: E731
+    # poisoned under test (NaN, -1) like every kernel output: a value a replay fails to write shows
+    empty = lambda *shape, dtype: new_output(shape, dtype, dev)  # noqa: E731
     weight_key = ("weights", dev, tuple((t.dtype, t.shape) if t is not None else None for t in weights))
     token_key = ("tokens", dev, x2.shape, x2.dtype, K_out, N)
     tokens = _BUFFERS.get(token_key)
@@ -118,8 +120,8 @@ def _buffers(x2: torch.Tensor, weights: tuple) -> tuple[_TokenBuffers, _WeightBu
     grads = _BUFFERS.get(weight_key)
     if grads is None:
         grads = _BUFFERS[weight_key] = _WeightBuffers(
-            dl1=empty((), dtype=torch.float32),
-            l1=empty((), dtype=torch.float32),
+            dl1=empty(dtype=torch.float32),
+            l1=empty(dtype=torch.float32),
             dw=[empty(*w.shape, dtype=w.dtype) if w is not None else None for w in (w_gate, w_up)]
             + [empty(w_down.shape[1], w_down.shape[0], dtype=w_down.dtype)],
             db=[empty(*b.shape, dtype=b.dtype) if b is not None else None for b in (b_gate, b_up, b_down)],
@@ -238,8 +240,7 @@ class GraphedBlockStep:
 
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """The kept arrays (typed views) inside a flat uint8 buffer of this step's layout."""
-        size = lambda d: torch.empty((), dtype=d).element_size()  # noqa: E731
-        return [flat[o : o + _numel(s) * size(d)].view(d).view(s) for o, d, s in self.layout]
+        return [flat[o : o + math.prod(s) * d.itemsize].view(d).view(s) for o, d, s in self.layout]
 
     def forward(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         tokens = self.tokens
@@ -289,13 +290,6 @@ class GraphedBlockStep:
             dw[2].t(),  # w_down's gradient: the transpose of the [N, K] product (w_down column-major: its layout)
             db[2] if has_d else None,
         )
-
-
-def _numel(shape: torch.Size) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 class _GraphedTrainStep(torch.autograd.Function):
