@@ -112,14 +112,12 @@ class TrainChoice:
         frozen = self._frozen_value(w_gate, "capacity")
         if frozen is not None and frozen[0] == M:
             return frozen[1]
-        entry = self._monitors.get(w_gate)
-        per_token = entry[0].estimate() if entry is not None else None
+        need = self._need_per_token(w_gate)
         capacity = full
-        if per_token is not None:
-            wanted = self.capacity_margin * per_token * M
+        if need is not None:
+            wanted = need * M
             capacity = min(full, self.capacity_quantum * max(1, math.ceil(wanted / self.capacity_quantum)))
-            need = max(self.capacity_margin * per_token, 1.0)
-            self._per_token_buckets[w_gate] = 1 << math.ceil(math.log2(need))
+            self._per_token_buckets[w_gate] = _power_of_two_above(need)
             # over the weights alive now (a freed layer's need drops out with it)
             self.compiled_per_token = max(self._per_token_buckets.values())
         self._freeze(w_gate, "capacity", (M, capacity))
@@ -130,22 +128,27 @@ class TrainChoice:
         power of two, kept until the need outgrows it or falls below a quarter of it, so that it changes a few times
         while L1 bites rather than at every observation (each change is a new capture); None before the weight's
         first observation (the eager step runs until then)."""
-        frozen = self._frozen_value(w_gate, "bucketed_capacity")
-        if frozen is not None and frozen[0] == M:  # a checkpointed recompute: the forward's, so it replays the same
-            return frozen[1]
-        entry = self._monitors.get(w_gate)
-        per_token = entry[0].estimate() if entry is not None else None
-        if per_token is None:
+        need = self._need_per_token(w_gate)
+        if need is None:
             return None
-        need = max(self.capacity_margin * per_token, 1.0)
-        bucket = 1 << math.ceil(math.log2(need))
+        bucket = _power_of_two_above(need)
         held = self._graph_buckets.get(w_gate)
         if held is not None and held / 4 < need <= held:  # grows at once, shrinks only past a factor of 4
             bucket = held
         self._graph_buckets[w_gate] = bucket
-        capacity = min(M * w_gate.shape[0], bucket * M)
-        self._freeze(w_gate, "bucketed_capacity", (M, capacity))
-        return capacity
+        return min(M * w_gate.shape[0], bucket * M)
+
+    def _need_per_token(self, w_gate: torch.Tensor) -> float | None:
+        """``capacity_margin`` times the non-zeros per token last observed for this gate weight (None before the
+        first observation)."""
+        entry = self._monitors.get(w_gate)
+        per_token = entry[0].estimate() if entry is not None else None
+        return None if per_token is None else self.capacity_margin * per_token
+
+
+def _power_of_two_above(need: float) -> int:
+    """The smallest power of two >= need (>= 1)."""
+    return 1 << math.ceil(math.log2(max(need, 1.0)))
 
 
 def _in_backward() -> bool:
