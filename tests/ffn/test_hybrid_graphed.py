@@ -100,7 +100,7 @@ def test_new_shapes_and_moved_weights_capture_anew_and_old_captures_are_dropped(
     moved = [leaves[0], leaves[1], leaves[2].detach().clone().requires_grad_(), *leaves[3:]]
     _grads(moved, dy, 0.0, cuda_graph=True)
     assert captures() == start + 2
-    short = [leaves[0][: M // 2].detach().requires_grad_(), *leaves[1:]]
+    short = [leaves[0][: M // 2].detach().requires_grad_(), *moved[1:]]
     out, grads = _grads(short, dy[: M // 2], 0.0, cuda_graph=True)
     assert captures() == start + 3
     _check(short, dy[: M // 2], 0.0, out, grads)
@@ -108,23 +108,45 @@ def test_new_shapes_and_moved_weights_capture_anew_and_old_captures_are_dropped(
 
 
 def test_a_layer_captured_too_often_runs_eagerly(device, monkeypatch):
-    """Weights at a new address every step (as parameters regathered each step would be): after the capture limit
-    the eager step runs, with one warning, and its results stay right."""
+    """A new token count every step (ragged batches): after the capture limit the eager step runs, with one
+    warning, and its results stay right."""
     monkeypatch.setattr(graphed, "CAPTURE_LIMIT", 2)
     leaves = _leaves(M, K, N, torch.float32, device, False, seed=8)
     dy = torch.randn(M, K, device=device)
     _grads(leaves, dy, 0.0)
-    kept = []  # alive, so that no copy takes a freed one's address (which would replay, rightly, not capture)
     for i in range(4):
-        moved = [leaves[0], leaves[1], leaves[2].detach().clone().requires_grad_(), *leaves[3:]]
-        kept.append(moved[2])
+        rows = M - 2 * (i + 1)
+        ragged = [leaves[0][:rows].detach().requires_grad_(), *leaves[1:]]
         if i == 2:
             with pytest.warns(UserWarning, match="captured 2 times"):
+                out, grads = _grads(ragged, dy[:rows], 0.0, cuda_graph=True)
+        else:
+            out, grads = _grads(ragged, dy[:rows], 0.0, cuda_graph=True)
+        _check(ragged, dy[:rows], 0.0, out, grads)
+    assert graphed.GRAPH_EVENTS["capture"] >= 2 and graphed._CAPTURES[leaves[1]] == 3
+
+
+def test_weights_regathered_every_step_run_eagerly(device):
+    """Weights at a new address every step, as FSDP2 gathers them into fresh storage: one move is captured anew (a
+    model moved once), the next one warns and the layer's steps run eagerly from then on, with right results."""
+    leaves = _leaves(M, K, N, torch.float32, device, False, seed=9)
+    dy = torch.randn(M, K, device=device)
+    _grads(leaves, dy, 0.0)  # the first observation of the gate's firing: eager
+    captures = lambda: graphed.GRAPH_EVENTS["capture"]  # noqa: E731
+    start = captures()
+    kept = []  # alive, so that no copy takes a freed one's address
+    for i in range(4):
+        moved = [leaves[0], leaves[1], leaves[2].detach().clone().requires_grad_(), *leaves[3:]]
+        kept.append(moved)
+        if i == 2:
+            with pytest.warns(UserWarning, match="new address 2 times"):
                 out, grads = _grads(moved, dy, 0.0, cuda_graph=True)
         else:
             out, grads = _grads(moved, dy, 0.0, cuda_graph=True)
         _check(moved, dy, 0.0, out, grads)
-    assert graphed.GRAPH_EVENTS["capture"] >= 2 and graphed._CAPTURES[leaves[1]] == 3
+        assert captures() == start + min(i + 1, 2)  # the first weights' capture and the one move's
+    _grads(kept[-1], dy, 0.0, cuda_graph=True)
+    assert captures() == start + 2  # eager even where the weights now stay put: the layer is marked for good
 
 
 def test_no_grad_and_checkpointing(device):

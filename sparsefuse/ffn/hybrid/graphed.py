@@ -26,6 +26,9 @@ How it stays correct:
   torch.compile or with tensor subclasses. A weight that moved between forward and backward (a parameter regathered
   at another address) gets its backward run eagerly on the kept arrays; an in-place change to a weight in between
   raises, as in the eager step.
+* **Where a replay cannot pay, the eager step runs**: a layer whose weights keep turning up at new addresses
+  (FSDP2 gathers each unit's parameters into fresh storage every step) would be captured anew every step; past
+  ``MOVE_LIMIT`` moves it runs eagerly for good, as does a layer past ``CAPTURE_LIMIT`` captures.
 
 Under the Triton interpreter (CPU tests) a "graph" re-runs the captured function on replay, so the copy-in / copy-out
 logic is tested without a GPU; the CUDA path is covered by the GPU suite.
@@ -51,15 +54,20 @@ from .choice import TRAIN_CHOICE, _in_backward
 
 # Captures kept per gate weight (input shapes, capacities); the least recently used is dropped past this.
 GRAPHS_PER_WEIGHT = 4
-# Captures a gate weight may take in its life: past this its shapes or weight addresses keep changing (ragged
-# batches, parameters regathered at new addresses each step), and its steps run eagerly (warned once).
+# Captures a gate weight may take in its life: past this its input shapes keep changing (ragged batches), and its
+# steps run eagerly (warned once).
 CAPTURE_LIMIT = 8
+# Times a layer's weights may be found at new addresses (a model moved to another device or dtype once) before its
+# steps run eagerly for good (warned once): an engine that regathers parameters every step (FSDP2's all-gather into
+# fresh storage) would otherwise take a capture per step, each costing more than the step it replaces.
+MOVE_LIMIT = 1
 # How many times the graphs have been captured and replayed (forward replays), and backwards that ran eagerly
 # because a weight had moved since its forward; for tests and logs.
 GRAPH_EVENTS: collections.Counter[str] = collections.Counter()
 
 _RUNNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # gate weight -> OrderedDict(key -> GraphedBlockStep)
 _CAPTURES: WeakIdKeyDictionary = WeakIdKeyDictionary()  # gate weight -> captures taken
+_ADDRESSES: WeakIdKeyDictionary = WeakIdKeyDictionary()  # gate weight -> [its weights' last addresses, moves seen]
 # Static buffers shared by the steps alive (each step holds its sets; a set no step holds is freed).
 _BUFFERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _POOLS: dict[torch.device, object] = {}
@@ -74,6 +82,7 @@ def release_graphs() -> None:
     """Drop every captured step, the shared buffers and the memory pools (the next graphed call captures anew)."""
     _RUNNERS.clear()
     _CAPTURES.clear()
+    _ADDRESSES.clear()
     _BUFFERS.clear()
     _POOLS.clear()
     _POOL_GRAPHS.clear()
@@ -327,6 +336,26 @@ def _saved_tensor_hooks() -> bool:
         return top() is not None
 
 
+def _weights_keep_moving(gate: torch.Tensor, weights: tuple) -> bool:
+    """Whether this layer's weights have been found at new addresses more than :data:`MOVE_LIMIT` times (each move
+    is a new capture): then its steps run eagerly from now on (warned once)."""
+    addresses = tuple(t.data_ptr() if t is not None else None for t in weights)
+    seen = _ADDRESSES.get(gate)
+    if seen is None:
+        _ADDRESSES[gate] = [addresses, 0]
+        return False
+    if seen[0] != addresses:
+        seen[0], seen[1] = addresses, seen[1] + 1
+        if seen[1] == MOVE_LIMIT + 1:
+            warnings.warn(
+                "sparsefuse hybrid_mlp(cuda_graph=True): a layer's weights were found at a new address "
+                f"{seen[1]} times (parameters gathered anew each step, as FSDP2 does); its steps run eagerly from "
+                "now on. A replay needs weights that stay where they are between steps.",
+                stacklevel=4,
+            )
+    return seen[1] > MOVE_LIMIT
+
+
 def graphed_step(
     gate: torch.Tensor,
     x2: torch.Tensor,
@@ -349,6 +378,8 @@ def graphed_step(
         or type(gate) not in (torch.Tensor, torch.nn.Parameter)
         or (x2.device.type != "cuda" and backend_for(x2) is not Backend.INTERPRETER)
     ):
+        return None
+    if _weights_keep_moving(gate, weights):
         return None
     capacity = TRAIN_CHOICE.bucketed_capacity(gate, x2.shape[0])
     if capacity is None:
