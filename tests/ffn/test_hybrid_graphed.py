@@ -147,6 +147,7 @@ def test_weights_regathered_every_step_run_eagerly(device):
         assert captures() == start + min(i + 1, 2)  # the first weights' capture and the one move's
     _grads(kept[-1], dy, 0.0, cuda_graph=True)
     assert captures() == start + 2  # eager even where the weights now stay put: the layer is marked for good
+    assert leaves[1] not in graphed._RUNNERS  # and its captures are freed
 
 
 def test_no_grad_and_checkpointing(device):

@@ -347,6 +347,7 @@ def _weights_keep_moving(gate: torch.Tensor, weights: tuple) -> bool:
     if seen[0] != addresses:
         seen[0], seen[1] = addresses, seen[1] + 1
         if seen[1] == MOVE_LIMIT + 1:
+            _RUNNERS.pop(gate, None)  # its captures, buffers and pool memory are not replayed again
             warnings.warn(
                 "sparsefuse hybrid_mlp(cuda_graph=True): a layer's weights were found at a new address "
                 f"{seen[1]} times (parameters gathered anew each step, as FSDP2 does); its steps run eagerly from "
