@@ -17,10 +17,10 @@ from sparsefuse.nn import SparseGatedMLP
 K, N, M = 16, 48, 12
 
 
-def _module(seed: int = 0) -> SparseGatedMLP:
+def _module(seed: int = 0, **options) -> SparseGatedMLP:
     torch.manual_seed(seed)
     # row-major down_proj: FSDP2 shards contiguous parameters only
-    mlp = SparseGatedMLP(K, N, bias=True, train_method="hybrid", train_width=4, down_layout="row")
+    mlp = SparseGatedMLP(K, N, bias=True, train_method="hybrid", train_width=4, down_layout="row", **options)
     with torch.no_grad():
         mlp.gate_proj.bias.fill_(-0.4)
     return mlp
@@ -105,6 +105,55 @@ def test_two_processes_match_one(engine, tmp_path, monkeypatch):
     assert distributed.keys() == single.keys()
     for name, g in single.items():
         torch.testing.assert_close(distributed[name], g, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _graph_steps_worker(rank: int, world: int, init: str, out_path: str) -> None:
+    """Four FSDP2 steps of a module asked to replay its step from CUDA graphs (the interpreter's stand-in for them
+    on the CPU); rank 0 saves the last step's gradients and how many captures were taken."""
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        from sparsefuse.ffn.hybrid import graphed
+        from sparsefuse.ffn.hybrid.choice import TRAIN_CHOICE
+
+        TRAIN_CHOICE.dense_above = 1.0  # the block step (the one that replays) at this small layer's firing
+        mlp = _module(train_cuda_graph=True)
+        model = fully_shard(mlp, mesh=DeviceMesh.from_group(dist.group.WORLD, "cpu"), reshard_after_forward=False)
+        x, target = _batch()
+        part = slice(rank * M // world, (rank + 1) * M // world)
+        for _ in range(4):
+            for p in mlp.parameters():
+                p.grad = None
+            _loss(model(x[part]), target[part], mlp.last_l1).backward()
+        grads = {name: p.grad.full_tensor().detach().clone() for name, p in mlp.named_parameters()}
+        if rank == 0:
+            torch.save({"grads": grads, "captures": graphed.GRAPH_EVENTS["capture"]}, out_path)
+        gc.collect()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_regathered_weights_leave_the_replay_for_the_eager_step(tmp_path, monkeypatch):
+    """FSDP2 gathers a unit's weights into fresh storage every step: a module asked for CUDA graphs captures once or
+    twice, then runs its steps eagerly, and the gradients equal one process's."""
+    pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 needs torch >= 2.6")
+    from torch.distributed import fsdp
+
+    if not hasattr(fsdp, "fully_shard"):
+        pytest.skip("this torch has no torch.distributed.fsdp.fully_shard")
+    mlp = _module()
+    x, target = _batch()
+    _loss(mlp(x), target, mlp.last_l1).backward()
+    for name, value in loopback_env().items():
+        monkeypatch.setenv(name, value)
+    out_path = str(tmp_path / "grads.pt")
+    _run_processes(_graph_steps_worker, (2, f"file://{tmp_path / 'rendezvous'}", out_path), nprocs=2, seconds=300)
+    saved = torch.load(out_path)
+    assert 1 <= saved["captures"] <= 2
+    for name, p in mlp.named_parameters():
+        torch.testing.assert_close(saved["grads"][name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def _report_worker(rank: int, world: int, init: str, out_path: str) -> None:
