@@ -2,6 +2,8 @@
 :mod:`sparsefuse.ffn.hybrid.graphed`). Under the interpreter a "graph" re-runs its captured function, so these
 tests cover the copy-in / copy-out logic, the keys and the autograd rule; the CUDA capture is in the GPU test."""
 
+import warnings
+
 import pytest
 import torch
 import torch.utils.checkpoint
@@ -135,16 +137,16 @@ def test_weights_regathered_every_step_run_eagerly(device):
     captures = lambda: graphed.GRAPH_EVENTS["capture"]  # noqa: E731
     start = captures()
     kept = []  # alive, so that no copy takes a freed one's address
-    for i in range(4):
-        moved = [leaves[0], leaves[1], leaves[2].detach().clone().requires_grad_(), *leaves[3:]]
-        kept.append(moved)
-        if i == 2:
-            with pytest.warns(UserWarning, match="new address 2 times"):
-                out, grads = _grads(moved, dy, 0.0, cuda_graph=True)
-        else:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(4):
+            moved = [leaves[0], leaves[1], leaves[2].detach().clone().requires_grad_(), *leaves[3:]]
+            kept.append(moved)
             out, grads = _grads(moved, dy, 0.0, cuda_graph=True)
-        _check(moved, dy, 0.0, out, grads)
-        assert captures() == start + min(i + 1, 2)  # the first weights' capture and the one move's
+            _check(moved, dy, 0.0, out, grads)
+            assert captures() == start + min(i + 1, 2)  # the first weights' capture and the one move's
+    moves = [w for w in caught if "new address 2 times" in str(w.message)]
+    assert len(moves) == 1 and moves[0].filename == __file__  # once, pointing at the caller's line
     _grads(kept[-1], dy, 0.0, cuda_graph=True)
     assert captures() == start + 2  # eager even where the weights now stay put: the layer is marked for good
     assert leaves[1] not in graphed._RUNNERS  # and its captures are freed

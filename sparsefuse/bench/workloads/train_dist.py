@@ -342,7 +342,7 @@ class _Engine:
         if engine == "fsdp2":
             engine += fsdp_label(self.layers)
         if impl == "patched" and train_cuda_graph():
-            # FSDP2 gathers the weights anew each step: the replay declines them after one move (eager steps)
+            # FSDP2 gathers the weights anew each step: past one move the replay leaves them to the eager step
             engine += ", FFN steps as CUDA graphs" if self.engine == "ddp" else ", FFN graphs asked (regathered: eager)"
         return f"{engine} on {self.world.size}x {where}; {memory}; {self.agreement[impl]}"
 

@@ -15,7 +15,7 @@ How it stays correct:
 * **What the backward keeps is copied out per call** (the packed pairs, ~6 bytes per fired pair, and the unions'
   lists, in one flat buffer), so forwards and backwards may interleave in any order (micro-batches, pipelines).
 * **Weights are read in place**: a graph is keyed by the addresses of the caller's weights and biases (an
-  optimizer's in-place update is seen; a moved or replaced parameter is a new key and a new capture). Casts for
+  optimizer's in-place update is seen; a parameter moved or replaced once is a new key and a new capture). Casts for
   ``torch.autocast`` happen inside the graphs.
 * **The capacity is bucketed**: pairs kept per token are rounded up to a power of two of the weight's observed need
   (as under torch.compile) and held until the need outgrows it or falls below a quarter of it, so a layer is
@@ -79,7 +79,8 @@ _ALIGN = 16  # bytes: each kept array starts aligned in the flat buffer (the ker
 
 
 def release_graphs() -> None:
-    """Drop every captured step, the shared buffers and the memory pools (the next graphed call captures anew)."""
+    """Drop every captured step, the shared buffers and the memory pools, and forget which layers were left to the
+    eager step (the next graphed call captures anew)."""
     _RUNNERS.clear()
     _CAPTURES.clear()
     _ADDRESSES.clear()
@@ -352,7 +353,7 @@ def _weights_keep_moving(gate: torch.Tensor, weights: tuple) -> bool:
                 "sparsefuse hybrid_mlp(cuda_graph=True): a layer's weights were found at a new address "
                 f"{seen[1]} times (parameters gathered anew each step, as FSDP2 does); its steps run eagerly from "
                 "now on. A replay needs weights that stay where they are between steps.",
-                stacklevel=4,
+                stacklevel=5,
             )
     return seen[1] > MOVE_LIMIT
 
@@ -406,8 +407,8 @@ def graphed_step(
             if taken == CAPTURE_LIMIT:
                 warnings.warn(
                     f"sparsefuse hybrid_mlp(cuda_graph=True): a layer's step was captured {taken} times (its input "
-                    "shape or its weights' addresses keep changing); it runs eagerly from now on",
-                    stacklevel=3,
+                    "shape keeps changing); it runs eagerly from now on",
+                    stacklevel=4,
                 )
                 _CAPTURES[gate] = taken + 1
             return None
