@@ -57,6 +57,7 @@ def test_train_bench_distributed_mode_two_processes(tmp_path, device):
         train_dist.FSDP_UNIT_ENV: "3",
         train_dist.FSDP_RESHARD_ENV: "0",
         train_dist.CUDA_GRAPH_ENV: "0",
+        train_dist.STEPS_ENV: "1",
     }  # whatever the caller's env says
     returncode = _torchrun([str(WORKER), str(out), device], log, **defaults)
     assert returncode == 0, f"torchrun returned {returncode}:\n" + log.read_text()[-6000:]
@@ -128,6 +129,17 @@ def test_fsdp_reshard_from_env(monkeypatch):
         monkeypatch.setenv(train_dist.FSDP_RESHARD_ENV, bad)
         with pytest.raises(ValueError, match=train_dist.FSDP_RESHARD_ENV):
             train_dist.fsdp_reshard_after_forward()
+
+
+def test_steps_per_sync_from_env(monkeypatch):
+    monkeypatch.delenv(train_dist.STEPS_ENV, raising=False)
+    assert train_dist.steps_per_sync() == 1
+    monkeypatch.setenv(train_dist.STEPS_ENV, "4")
+    assert train_dist.steps_per_sync() == 4
+    for bad in ("0", "four", "-2"):
+        monkeypatch.setenv(train_dist.STEPS_ENV, bad)
+        with pytest.raises(ValueError, match=train_dist.STEPS_ENV):
+            train_dist.steps_per_sync()
 
 
 def test_train_cuda_graph_from_env(monkeypatch):

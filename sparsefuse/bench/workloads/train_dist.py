@@ -56,6 +56,10 @@ FSDP_UNIT_ENV = "SPARSEFUSE_FSDP_LAYERS_PER_UNIT"  # overrides FSDP_LAYERS_PER_U
 FSDP_RESHARD_AFTER_FORWARD = FSDP2_RESHARD_AFTER_FORWARD
 FSDP_RESHARD_ENV = "SPARSEFUSE_FSDP_RESHARD_AFTER_FORWARD"  # "1" or "0": overrides FSDP_RESHARD_AFTER_FORWARD
 CUDA_GRAPH_ENV = "SPARSEFUSE_TRAIN_CUDA_GRAPH"  # "1": patched models replay their FFN steps from CUDA graphs
+# Training steps per timed call (default 1): the harness synchronizes around each call, so 1 times every step from an
+# idle GPU (a loop that reads its loss each step) and more lets the host run ahead into the next step (a loop that
+# does not): on 2 H100s the two gave DDP's patched scaling 0.92 and 0.98.
+STEPS_ENV = "SPARSEFUSE_TRAIN_STEPS_PER_SYNC"
 GRAD_CHECK_BATCH = 1  # sequences per process in the gradient check (its one-process reference takes N of them)
 # The L1 coefficient of the gradient check of the patched model: large enough that the L1 term's gradient (a
 # per-rank mean, like the LM loss) is a visible part of the gate's gradient; the timed steps use train's.
@@ -128,9 +132,19 @@ def broadcast_(model: nn.Module) -> nn.Module:
 
 def fsdp_layers_per_unit() -> int:
     """Decoder layers per FSDP2 unit: ``SPARSEFUSE_FSDP_LAYERS_PER_UNIT``, else :data:`FSDP_LAYERS_PER_UNIT`."""
-    value = os.environ.get(FSDP_UNIT_ENV, str(FSDP_LAYERS_PER_UNIT))
+    return _count_from_env(FSDP_UNIT_ENV, FSDP_LAYERS_PER_UNIT)
+
+
+def steps_per_sync() -> int:
+    """Training steps per timed call: ``SPARSEFUSE_TRAIN_STEPS_PER_SYNC``, else 1 (see :data:`STEPS_ENV`)."""
+    return _count_from_env(STEPS_ENV, 1)
+
+
+def _count_from_env(name: str, default: int) -> int:
+    """The environment variable ``name`` as a positive integer, ``default`` when unset; ValueError otherwise."""
+    value = os.environ.get(name, str(default))
     if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"{FSDP_UNIT_ENV} must be a positive integer; got {value!r}")
+        raise ValueError(f"{name} must be a positive integer; got {value!r}")
     return int(value)
 
 
@@ -323,6 +337,12 @@ class _Engine:
             self.before[impl] = torch.cuda.memory_allocated()
         return trainer.step(ids)
 
+    def steps(self, impl: str, ids: torch.Tensor, n: int) -> torch.Tensor:
+        """``n`` steps on the same tokens, with no synchronization between them; the last loss."""
+        for _ in range(n):
+            loss = self.step(impl, ids)
+        return loss
+
     def peak_mb(self, impl: str) -> float:
         """The allocator high-water mark since the harness last reset it, above what the implementation's last step
         began with, in MB: the maximum over the ranks (a collective: every rank calls it at the same point)."""
@@ -385,6 +405,8 @@ def distributed_cases(options: Options, dtype: torch.dtype) -> list[Case]:
     world = init_world("cuda" if str(options.device).startswith("cuda") else "cpu")
     layer_set, sparsities, batches = setup.QUICK if options.quick else (setup.LAYERS, setup.SPARSITIES, setup.BATCHES)
     layers, (batch, seq) = layer_set[0], batches[0]
+    steps = steps_per_sync()
+    per_sync = f" {steps} steps/sync" if steps > 1 else ""
     nnz = next(s for s in sparsities if s is not None)
     resident = _Resident()
     _RESIDENTS.append(resident)
@@ -409,7 +431,7 @@ def distributed_cases(options: Options, dtype: torch.dtype) -> list[Case]:
         cases.append(
             Case(
                 workload="train",
-                shape=f"{layers}L nnz={nnz:g} B={batch} S={seq} {engine} x{world.size}",
+                shape=f"{layers}L nnz={nnz:g} B={batch} S={seq}{per_sync} {engine} x{world.size}",
                 dtype=dtype,
                 direction="fwd+bwd",
                 bytes_moved=0,
@@ -417,13 +439,14 @@ def distributed_cases(options: Options, dtype: torch.dtype) -> list[Case]:
                 ceiling="none",
                 make_inputs=make_inputs,
                 impls={
-                    impl: (lambda ids, impl=impl, m=models: m().step(impl, ids)) for impl in ("unpatched", "patched")
+                    impl: (lambda ids, impl=impl, m=models: m().steps(impl, ids, steps))
+                    for impl in ("unpatched", "patched")
                 },
                 method="wall",  # a fixed number of steps in every process: the collectives need it
                 rotate=False,
                 eager_impl="unpatched",
                 compile_impl=None,
-                tokens=batch * seq,  # per process: tokens/s per GPU
+                tokens=batch * seq * steps,  # per process: tokens/s per GPU
                 impl_note=lambda impl, m=models: m().note(impl),
             )
         )
