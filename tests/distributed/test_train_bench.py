@@ -58,6 +58,7 @@ def test_train_bench_distributed_mode_two_processes(tmp_path, device):
         train_dist.FSDP_RESHARD_ENV: "0",
         train_dist.CUDA_GRAPH_ENV: "0",
         train_dist.STEPS_ENV: "1",
+        train_dist.PROFILE_ENV: "0",
     }  # whatever the caller's env says
     returncode = _torchrun([str(WORKER), str(out), device], log, **defaults)
     assert returncode == 0, f"torchrun returned {returncode}:\n" + log.read_text()[-6000:]
@@ -94,13 +95,19 @@ def test_train_bench_fsdp2_torch_default_setup(tmp_path):
     decoder layer, resharded after its forward) override the bench's defaults; the note names no setup, and each
     model's gradients after one step still equal one process's."""
     out, log = tmp_path / "rows.json", tmp_path / "torchrun.log"
-    env = {train_dist.ENGINES_ENV: "fsdp2", train_dist.FSDP_UNIT_ENV: "1", train_dist.FSDP_RESHARD_ENV: "1"}
+    env = {
+        train_dist.ENGINES_ENV: "fsdp2",
+        train_dist.FSDP_UNIT_ENV: "1",
+        train_dist.FSDP_RESHARD_ENV: "1",
+        train_dist.PROFILE_ENV: "1",  # the anatomy's collective on the CPU: no GPU kernels to tell
+    }
     returncode = _torchrun([str(WORKER), str(out), "cpu"], log, **env)
     assert returncode == 0, f"torchrun returned {returncode}:\n" + log.read_text()[-6000:]
     rows = json.loads(out.read_text())["rows"]
     assert set(rows) == {"2L nnz=6 B=2 S=16 fsdp2 x2"}
     for impl, row in rows["2L nnz=6 B=2 S=16 fsdp2 x2"].items():
         assert row["note"].startswith("fsdp2 on 2x CPU"), row["note"]
+        assert "; anatomy n/a (no GPU kernels recorded); " in row["note"], row["note"]
         assert row["note"].endswith(": ok") and all(math.isfinite(v) for v in row["losses"]), (impl, row)
         assert float(row["note"].split("grads vs 1 process ")[1].split()[0]) < 1e-5, (impl, row["note"])
 
@@ -140,6 +147,16 @@ def test_steps_per_sync_from_env(monkeypatch):
         monkeypatch.setenv(train_dist.STEPS_ENV, bad)
         with pytest.raises(ValueError, match=train_dist.STEPS_ENV):
             train_dist.steps_per_sync()
+
+
+def test_train_profile_from_env(monkeypatch):
+    monkeypatch.delenv(train_dist.PROFILE_ENV, raising=False)
+    assert not train_dist.train_profile()
+    monkeypatch.setenv(train_dist.PROFILE_ENV, "1")
+    assert train_dist.train_profile()
+    monkeypatch.setenv(train_dist.PROFILE_ENV, "on")
+    with pytest.raises(ValueError, match=train_dist.PROFILE_ENV):
+        train_dist.train_profile()
 
 
 def test_train_cuda_graph_from_env(monkeypatch):

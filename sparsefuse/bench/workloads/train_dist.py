@@ -41,6 +41,7 @@ from torch import nn
 from ...integrations._llama import FSDP2_LAYERS_PER_UNIT, FSDP2_RESHARD_AFTER_FORWARD
 from ..harness import Case, Options, Result
 from . import train_setup as setup
+from .step_anatomy import profile_steps
 
 ENGINES = ("ddp", "fsdp2")
 # DDP as docs/training.md advises for a patched model, given to the unpatched one too: fewer, larger buckets (100 MB,
@@ -60,6 +61,8 @@ CUDA_GRAPH_ENV = "SPARSEFUSE_TRAIN_CUDA_GRAPH"  # "1": patched models replay the
 # idle GPU (a loop that reads its loss each step) and more lets the host run ahead into the next step (a loop that
 # does not): on 2 H100s the two gave DDP's patched scaling 0.92 and 0.98.
 STEPS_ENV = "SPARSEFUSE_TRAIN_STEPS_PER_SYNC"
+PROFILE_ENV = "SPARSEFUSE_TRAIN_PROFILE"  # "1": each row's note adds its step's anatomy by rank (step_anatomy)
+PROFILE_STEPS = 3
 GRAD_CHECK_BATCH = 1  # sequences per process in the gradient check (its one-process reference takes N of them)
 # The L1 coefficient of the gradient check of the patched model: large enough that the L1 term's gradient (a
 # per-rank mean, like the LM loss) is a visible part of the gate's gradient; the timed steps use train's.
@@ -160,6 +163,12 @@ def fsdp_reshard_after_forward() -> bool:
     """FSDP2's ``reshard_after_forward`` for the decoder layers' units: ``SPARSEFUSE_FSDP_RESHARD_AFTER_FORWARD``
     ("1" or "0"), else :data:`FSDP_RESHARD_AFTER_FORWARD`."""
     return _flag_from_env(FSDP_RESHARD_ENV, FSDP_RESHARD_AFTER_FORWARD)
+
+
+def train_profile() -> bool:
+    """Whether each row's note adds the anatomy of its step by rank: ``SPARSEFUSE_TRAIN_PROFILE`` ("1" or "0",
+    default "0"; three more steps per row, under torch.profiler)."""
+    return _flag_from_env(PROFILE_ENV, False)
 
 
 def train_cuda_graph() -> bool:
@@ -312,6 +321,7 @@ class _Engine:
         self.trainers: dict[str, setup.Trainer] = {}
         self.agreement: dict[str, GradAgreement] = {}
         self.before: dict[str, int] = {}  # bytes allocated when the implementation's last step began
+        self.last_ids: dict[str, torch.Tensor] = {}  # the tokens of its last step (what the anatomy re-runs)
 
     def trainer(self, impl: str) -> setup.Trainer:
         if impl not in self.trainers:
@@ -335,6 +345,7 @@ class _Engine:
         trainer = self.trainer(impl)
         if self.world.device.type == "cuda":
             self.before[impl] = torch.cuda.memory_allocated()
+        self.last_ids[impl] = ids
         return trainer.step(ids)
 
     def steps(self, impl: str, ids: torch.Tensor, n: int) -> torch.Tensor:
@@ -361,10 +372,25 @@ class _Engine:
         engine = self.engine
         if engine == "fsdp2":
             engine += fsdp_label(self.layers)
+        anatomy = f"; {self.anatomy(impl)}" if train_profile() and impl in self.last_ids else ""
         if impl == "patched" and train_cuda_graph():
             # FSDP2 gathers the weights anew each step: past one move the replay leaves them to the eager step
             engine += ", FFN steps as CUDA graphs" if self.engine == "ddp" else ", FFN graphs asked (regathered: eager)"
-        return f"{engine} on {self.world.size}x {where}; {memory}; {self.agreement[impl]}"
+        return f"{engine} on {self.world.size}x {where}; {memory}{anatomy}; {self.agreement[impl]}"
+
+    def anatomy(self, impl: str) -> str:
+        """:data:`PROFILE_STEPS` more steps of ``impl`` on its last tokens under torch.profiler, each rank's per-step
+        compute, collective and idle time (a collective: every rank calls it at the same point)."""
+        ids = self.last_ids[impl]
+        found = profile_steps(lambda: self.step(impl, ids), PROFILE_STEPS).as_tensor(self.world.device)
+        ranks = [found]
+        if self.world.size > 1:
+            ranks = [torch.empty_like(found) for _ in range(self.world.size)]
+            dist.all_gather(ranks, found)
+        by_rank = lambda i: "/".join(f"{float(r[i]):.1f}" for r in ranks)  # noqa: E731
+        if not all(math.isfinite(float(r[0])) for r in ranks):
+            return "anatomy n/a (no GPU kernels recorded)"
+        return f"ms a step by rank: compute {by_rank(1)}, NCCL {by_rank(2)} (exposed {by_rank(3)}), idle {by_rank(4)}"
 
 
 def global_batch(vocab: int, batch: int, seq: int, seed: int) -> torch.Tensor:

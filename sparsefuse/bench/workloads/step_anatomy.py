@@ -1,0 +1,92 @@
+"""Where a distributed training step's GPU time goes: compute kernels, collectives, and the part of the collectives
+that no compute kernel overlaps (what the step waits on), from the kernel intervals torch.profiler records.
+
+``bench train`` in its distributed mode adds this to each row's note when ``SPARSEFUSE_TRAIN_PROFILE=1``: a row's
+time alone cannot tell exposed communication from a slower rank (each rank's batch fires its own neurons, and every
+all-reduce waits for the slowest rank) or from a host that cannot keep up (GPU idle).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+Interval = tuple[int, int]  # [start, end) in ns
+
+
+def union_length(intervals: list[Interval]) -> int:
+    """Total length covered by the intervals (overlaps counted once)."""
+    total, end = 0, None
+    start = None
+    for s, e in sorted(intervals):
+        if end is None or s > end:
+            if end is not None:
+                total += end - start
+            start, end = s, e
+        else:
+            end = max(end, e)
+    if end is not None:
+        total += end - start
+    return total
+
+
+@dataclass(frozen=True)
+class StepAnatomy:
+    """Per step, in ms: the span from the first kernel's start to the last one's end, the time some compute kernel
+    runs, the collectives' summed time, the time a collective runs with no compute kernel beside it, and the time
+    no kernel runs. NaN where no GPU kernel was recorded (a CPU run)."""
+
+    span: float
+    compute: float
+    collectives: float
+    exposed: float
+    idle: float
+
+    def as_tensor(self, device: torch.device) -> torch.Tensor:
+        return torch.tensor([self.span, self.compute, self.collectives, self.exposed, self.idle], device=device)
+
+
+def anatomy(kernels: list[tuple[int, int, str]], steps: int) -> StepAnatomy:
+    """The anatomy of ``steps`` steps from their GPU kernels' (start ns, end ns, name); collectives are the kernels
+    whose name holds "nccl"."""
+    if not kernels:
+        return StepAnatomy(*[math.nan] * 5)
+    comm = [(s, e) for s, e, name in kernels if "nccl" in name.lower()]
+    compute = [(s, e) for s, e, name in kernels if "nccl" not in name.lower()]
+    span = max(e for _, e, _ in kernels) - min(s for s, _, _ in kernels)
+    busy = union_length(comm + compute)
+    per_step = lambda ns: ns / steps / 1e6  # noqa: E731
+    return StepAnatomy(
+        span=per_step(span),
+        compute=per_step(union_length(compute)),
+        collectives=per_step(sum(e - s for s, e in comm)),
+        exposed=per_step(busy - union_length(compute)),
+        idle=per_step(span - busy),
+    )
+
+
+def profile_steps(step: Callable[[], object], steps: int = 3) -> StepAnatomy:
+    """Run ``step`` ``steps`` times under torch.profiler (CUDA kernels) and return their anatomy; NaNs without CUDA."""
+    if not torch.cuda.is_available():
+        for _ in range(steps):
+            step()
+        return anatomy([], steps)
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kernels = [
+        (e.start_ns(), e.start_ns() + e.duration_ns(), e.name())
+        for e in prof.profiler.kineto_results.events()
+        if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0
+    ]
+    return anatomy(kernels, steps)
+
+
+__all__ = ["StepAnatomy", "anatomy", "profile_steps", "union_length"]
