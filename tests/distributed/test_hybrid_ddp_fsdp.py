@@ -84,17 +84,27 @@ def _run_processes(fn, args: tuple, nprocs: int, seconds: float) -> None:
             pytest.fail(f"{nprocs} gloo processes still running after {seconds} s")
 
 
-@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
-def test_two_processes_match_one(engine, tmp_path, monkeypatch):
-    if engine == "fsdp2":
-        pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 needs torch >= 2.6")
-        from torch.distributed import fsdp
+def _skip_without_fsdp2() -> None:
+    pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 needs torch >= 2.6")
+    from torch.distributed import fsdp
 
-        if not hasattr(fsdp, "fully_shard"):
-            pytest.skip("this torch has no torch.distributed.fsdp.fully_shard")
+    if not hasattr(fsdp, "fully_shard"):
+        pytest.skip("this torch has no torch.distributed.fsdp.fully_shard")
+
+
+def _one_process_step() -> tuple[SparseGatedMLP, torch.Tensor, torch.Tensor]:
+    """The module after one step on the whole batch in this process (its gradients are the reference), the batch."""
     mlp = _module()
     x, target = _batch()
     _loss(mlp(x), target, mlp.last_l1).backward()
+    return mlp, x, target
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+def test_two_processes_match_one(engine, tmp_path, monkeypatch):
+    if engine == "fsdp2":
+        _skip_without_fsdp2()
+    mlp, x, target = _one_process_step()
     single = {name: p.grad for name, p in mlp.named_parameters()}
     out_path = str(tmp_path / "grads.pt")
     init = f"file://{tmp_path / 'rendezvous'}"
@@ -140,14 +150,8 @@ def _graph_steps_worker(rank: int, world: int, init: str, out_path: str) -> None
 def test_fsdp2_regathered_weights_leave_the_replay_for_the_eager_step(tmp_path, monkeypatch):
     """FSDP2 gathers a unit's weights into fresh storage every step: a module asked for CUDA graphs captures once or
     twice, then runs its steps eagerly, and the gradients equal one process's."""
-    pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 needs torch >= 2.6")
-    from torch.distributed import fsdp
-
-    if not hasattr(fsdp, "fully_shard"):
-        pytest.skip("this torch has no torch.distributed.fsdp.fully_shard")
-    mlp = _module()
-    x, target = _batch()
-    _loss(mlp(x), target, mlp.last_l1).backward()
+    _skip_without_fsdp2()
+    mlp, _, _ = _one_process_step()
     for name, value in loopback_env().items():
         monkeypatch.setenv(name, value)
     out_path = str(tmp_path / "grads.pt")

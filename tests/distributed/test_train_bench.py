@@ -112,15 +112,22 @@ def test_train_bench_fsdp2_torch_default_setup(tmp_path):
         assert float(row["note"].split("grads vs 1 process ")[1].split()[0]) < 1e-5, (impl, row["note"])
 
 
-def test_fsdp_layers_per_unit_from_env(monkeypatch):
-    monkeypatch.delenv(train_dist.FSDP_UNIT_ENV, raising=False)
-    assert train_dist.fsdp_layers_per_unit() == train_dist.FSDP_LAYERS_PER_UNIT == 3
-    monkeypatch.setenv(train_dist.FSDP_UNIT_ENV, "1")
-    assert train_dist.fsdp_layers_per_unit() == 1
-    for bad in ("0", "two", "-1"):
-        monkeypatch.setenv(train_dist.FSDP_UNIT_ENV, bad)
-        with pytest.raises(ValueError, match=train_dist.FSDP_UNIT_ENV):
-            train_dist.fsdp_layers_per_unit()
+@pytest.mark.parametrize(
+    "name, read, default",
+    [
+        (train_dist.FSDP_UNIT_ENV, train_dist.fsdp_layers_per_unit, train_dist.FSDP_LAYERS_PER_UNIT),
+        (train_dist.STEPS_ENV, train_dist.steps_per_sync, 1),
+    ],
+)
+def test_counts_from_env(name, read, default, monkeypatch):
+    monkeypatch.delenv(name, raising=False)
+    assert read() == default
+    monkeypatch.setenv(name, "4")
+    assert read() == 4
+    for bad in ("0", "four", "-1"):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=name):
+            read()
 
 
 def test_fsdp_reshard_from_env(monkeypatch):
@@ -138,35 +145,18 @@ def test_fsdp_reshard_from_env(monkeypatch):
             train_dist.fsdp_reshard_after_forward()
 
 
-def test_steps_per_sync_from_env(monkeypatch):
-    monkeypatch.delenv(train_dist.STEPS_ENV, raising=False)
-    assert train_dist.steps_per_sync() == 1
-    monkeypatch.setenv(train_dist.STEPS_ENV, "4")
-    assert train_dist.steps_per_sync() == 4
-    for bad in ("0", "four", "-2"):
-        monkeypatch.setenv(train_dist.STEPS_ENV, bad)
-        with pytest.raises(ValueError, match=train_dist.STEPS_ENV):
-            train_dist.steps_per_sync()
-
-
-def test_train_profile_from_env(monkeypatch):
-    monkeypatch.delenv(train_dist.PROFILE_ENV, raising=False)
-    assert not train_dist.train_profile()
-    monkeypatch.setenv(train_dist.PROFILE_ENV, "1")
-    assert train_dist.train_profile()
-    monkeypatch.setenv(train_dist.PROFILE_ENV, "on")
-    with pytest.raises(ValueError, match=train_dist.PROFILE_ENV):
-        train_dist.train_profile()
-
-
-def test_train_cuda_graph_from_env(monkeypatch):
-    monkeypatch.delenv(train_dist.CUDA_GRAPH_ENV, raising=False)
-    assert not train_dist.train_cuda_graph()
-    monkeypatch.setenv(train_dist.CUDA_GRAPH_ENV, "1")
-    assert train_dist.train_cuda_graph()
-    monkeypatch.setenv(train_dist.CUDA_GRAPH_ENV, "yes")
-    with pytest.raises(ValueError, match=train_dist.CUDA_GRAPH_ENV):
-        train_dist.train_cuda_graph()
+@pytest.mark.parametrize(
+    "name, read",
+    [(train_dist.PROFILE_ENV, train_dist.train_profile), (train_dist.CUDA_GRAPH_ENV, train_dist.train_cuda_graph)],
+)
+def test_flags_from_env(name, read, monkeypatch):
+    monkeypatch.delenv(name, raising=False)
+    assert not read()
+    monkeypatch.setenv(name, "1")
+    assert read()
+    monkeypatch.setenv(name, "on")
+    with pytest.raises(ValueError, match=name):
+        read()
 
 
 def test_engines_from_env(monkeypatch):
