@@ -59,7 +59,8 @@ FSDP_RESHARD_ENV = "SPARSEFUSE_FSDP_RESHARD_AFTER_FORWARD"  # "1" or "0": overri
 CUDA_GRAPH_ENV = "SPARSEFUSE_TRAIN_CUDA_GRAPH"  # "1": patched models replay their FFN steps from CUDA graphs
 # Training steps per timed call (default 1): the harness synchronizes around each call, so 1 times every step from an
 # idle GPU (a loop that reads its loss each step) and more lets the host run ahead into the next step (a loop that
-# does not): on 2 H100s the two gave DDP's patched scaling 0.92 and 0.98.
+# does not). On 2 H100s DDP's patched scaling measured 0.92 and 1.06 in two runs of the first, 0.98 in one of the
+# second: the host's pace moves it more than the regime does.
 STEPS_ENV = "SPARSEFUSE_TRAIN_STEPS_PER_SYNC"
 PROFILE_ENV = "SPARSEFUSE_TRAIN_PROFILE"  # "1": each row's note adds its step's anatomy by rank (step_anatomy)
 PROFILE_STEPS = 3
