@@ -152,6 +152,20 @@ def test_weights_regathered_every_step_run_eagerly(device):
     assert leaves[1] not in graphed._RUNNERS  # and its captures are freed
 
 
+def test_a_layers_captures_go_with_its_weights(device):
+    """The captures are kept per gate weight, weakly: a layer whose weights are gone leaves nothing behind."""
+    import gc
+
+    leaves = _leaves(M, K, N, torch.float32, device, False, seed=10)
+    dy = torch.randn(M, K, device=device)
+    for kw in ({}, {"cuda_graph": True}, {"cuda_graph": True}):
+        out, grads = _grads(leaves, dy, 0.0, **kw)
+    assert graphed.GRAPH_EVENTS["capture"] >= 1 and len(graphed._RUNNERS) == 1
+    del leaves, out, grads
+    gc.collect()
+    assert len(graphed._RUNNERS) == 0 and len(graphed._ADDRESSES) == 0
+
+
 def test_no_grad_and_checkpointing(device):
     """Without grad, and under activation checkpointing (whose recompute must save what its forward saved), the
     eager step runs: no replay, the eager step's gradients."""

@@ -214,9 +214,13 @@ class GraphedBlockStep:
         self.kept = torch.zeros(offset, dtype=torch.uint8, device=dev)
         self.kept_views = self._views(self.kept)
         del probe
+        # The bodies reach the weights through weak references: a CUDA graph holds only their addresses, and the
+        # interpreter's stand-in (which re-runs a body) must not keep a layer's weights, and so its captures, alive.
+        refs = tuple(weakref.ref(t) if t is not None else None for t in weights)
+        live = lambda: tuple(r() if r is not None else None for r in refs)  # noqa: E731
 
         def forward_body() -> None:
-            x_c, *ops = _operands(tokens.x, weights, dtype)
+            x_c, *ops = _operands(tokens.x, live(), dtype)
             _, l1, counts, *kept = _train_forward_into(
                 x_c, *ops, block_rows, tile, sort_rows, capacity, tokens.y
             )  # fmt: skip
@@ -226,7 +230,7 @@ class GraphedBlockStep:
                 view.copy_(t)
 
         def backward_body() -> None:
-            x_c, wg, bg, wu, bu, wdt, _ = _operands(tokens.x, weights, dtype)
+            x_c, wg, bg, wu, bu, wdt, _ = _operands(tokens.x, live(), dtype)
             # dx and the weight gradients are written where the replay's caller reads them (no copy)
             *_, dbg, dbu, dbd = _train_backward_into(
                 tokens.dy, grads.dl1, x_c, wg, wu, wdt, bg, bu, *self.kept_views, block_rows, self.bias_grads,
