@@ -339,6 +339,34 @@ def test_fused_rotary_state_is_per_thread_and_survives_a_reload(device):
     assert done.returncode == 0, done.stderr[-2000:]
 
 
+def test_shard_llama_fsdp2_turns_the_replay_off(tmp_path, monkeypatch):
+    """FSDP2 gathers the weights into fresh storage every step: the layers patched for CUDA-graph replays take the
+    eager step once sharded, with one warning (a one-process gloo group: the sharding itself, not a step)."""
+    import torch.distributed as dist
+
+    fsdp = pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 needs torch >= 2.6")
+    if not hasattr(fsdp, "fully_shard"):
+        pytest.skip("this torch has no torch.distributed.fsdp.fully_shard")
+    from conftest import loopback_env
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from sparsefuse.integrations.transformers import patch_llama, shard_llama_fsdp2
+
+    for name, value in loopback_env().items():
+        monkeypatch.setenv(name, value)
+    model = patch_llama(
+        transformers.LlamaForCausalLM(tiny_config()), train_method="hybrid", down_layout="row", train_cuda_graph=True
+    )
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        with pytest.warns(UserWarning, match="train_cuda_graph turned off on 2 layers"):
+            shard_llama_fsdp2(model, mesh=DeviceMesh.from_group(dist.group.WORLD, "cpu"))
+    finally:
+        dist.destroy_process_group()
+    layers = [m for m in model.modules() if isinstance(m, SparseGatedMLP)]
+    assert len(layers) == 2 and not any(m.train_cuda_graph for m in layers)
+
+
 def test_shard_llama_fsdp2_refuses_an_empty_unit():
     """The sharding itself runs in tests/distributed (the bench's FSDP2 rows and the example, two gloo processes)."""
     from sparsefuse.integrations.transformers import shard_llama_fsdp2

@@ -375,8 +375,8 @@ class _Engine:
             engine += fsdp_label(self.layers)
         anatomy = f"; {self.anatomy(impl)}" if train_profile() and impl in self.last_ids else ""
         if impl == "patched" and train_cuda_graph():
-            # FSDP2 gathers the weights anew each step: past one move the replay leaves them to the eager step
-            engine += ", FFN steps as CUDA graphs" if self.engine == "ddp" else ", FFN graphs asked (regathered: eager)"
+            # shard_llama_fsdp2 turns the replay off (FSDP2 gathers the weights into fresh storage every step)
+            engine += ", FFN steps as CUDA graphs" if self.engine == "ddp" else ", FFN graphs asked (off under FSDP2)"
         return f"{engine} on {self.world.size}x {where}; {memory}{anatomy}; {self.agreement[impl]}"
 
     def anatomy(self, impl: str) -> str:
