@@ -20,16 +20,10 @@ Interval = tuple[int, int]  # [start, end) in ns
 def union_length(intervals: list[Interval]) -> int:
     """Total length covered by the intervals (overlaps counted once)."""
     total, end = 0, None
-    start = None
     for s, e in sorted(intervals):
-        if end is None or s > end:
-            if end is not None:
-                total += end - start
-            start, end = s, e
-        else:
-            end = max(end, e)
-    if end is not None:
-        total += end - start
+        covered_to = s if end is None else max(s, end)
+        total += max(0, e - covered_to)
+        end = e if end is None else max(end, e)
     return total
 
 
@@ -54,16 +48,18 @@ def anatomy(kernels: list[tuple[int, int, str]], steps: int) -> StepAnatomy:
     whose name holds "nccl"."""
     if not kernels:
         return StepAnatomy(*[math.nan] * 5)
-    comm = [(s, e) for s, e, name in kernels if "nccl" in name.lower()]
-    compute = [(s, e) for s, e, name in kernels if "nccl" not in name.lower()]
+    comm: list[Interval] = []
+    compute: list[Interval] = []
+    for s, e, name in kernels:
+        (comm if "nccl" in name.lower() else compute).append((s, e))
     span = max(e for _, e, _ in kernels) - min(s for s, _, _ in kernels)
-    busy = union_length(comm + compute)
+    busy, computing = union_length(comm + compute), union_length(compute)
     per_step = lambda ns: ns / steps / 1e6  # noqa: E731
     return StepAnatomy(
         span=per_step(span),
-        compute=per_step(union_length(compute)),
+        compute=per_step(computing),
         collectives=per_step(sum(e - s for s, e in comm)),
-        exposed=per_step(busy - union_length(compute)),
+        exposed=per_step(busy - computing),
         idle=per_step(span - busy),
     )
 

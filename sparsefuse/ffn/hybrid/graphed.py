@@ -49,7 +49,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..._backend import Backend, backend_for, new_output, plain_eager_call
 from ..._validation import unit_last_stride
-from .block_step import _train_backward_into, _train_forward_into
+from .block_step import _train_backward, _train_backward_into, _train_forward, _train_forward_into
 from .choice import TRAIN_CHOICE, _in_backward
 
 # Captures kept per gate weight (input shapes, capacities); the least recently used is dropped past this.
@@ -196,8 +196,8 @@ class GraphedBlockStep:
         capacity: int,
     ) -> None:
         w_gate, b_gate, w_up, b_up, w_down, b_down = weights
-        self.has = tuple(t is not None for t in weights)
-        self.addresses = tuple(t.data_ptr() if t is not None else None for t in weights)
+        self.addresses = _addresses(weights)
+        self.has = tuple(a is not None for a in self.addresses)
         self.block_rows = block_rows
         self.bias_grads = any(t is not None for t in (b_gate, b_up, b_down))
         self.tokens, self.grads = tokens, grads = _buffers(x2, weights)
@@ -205,7 +205,7 @@ class GraphedBlockStep:
         dev, dtype = x2.device, x2.dtype
 
         # what the forward keeps, in one flat buffer: its shapes and dtypes from a run of the step
-        probe = _train_forward_into(*_operands(tokens.x, weights, dtype), block_rows, tile, sort_rows, capacity, None)
+        probe = _train_forward(*_operands(tokens.x, weights, dtype), block_rows, tile, sort_rows, capacity)
         self.layout, offset = [], 0
         for t in probe[3:]:
             offset = -(-offset // _ALIGN) * _ALIGN
@@ -266,14 +266,17 @@ class GraphedBlockStep:
     def backward(
         self, x2: torch.Tensor, kept: torch.Tensor, dy: torch.Tensor | None, dl1: torch.Tensor | None, weights: tuple
     ) -> tuple[torch.Tensor | None, ...]:
-        dy = dy if dy is not None else torch.zeros_like(self.tokens.dy)
-        dl1 = dl1 if dl1 is not None else torch.zeros_like(self.grads.dl1)
-        if tuple(t.data_ptr() if t is not None else None for t in weights) != self.addresses:
-            return self._eager_backward(x2, kept, dy, dl1, weights)
         tokens, grads = self.tokens, self.grads
+        if _addresses(weights) != self.addresses:
+            dy = dy if dy is not None else torch.zeros_like(tokens.dy)
+            dl1 = dl1 if dl1 is not None else torch.zeros_like(grads.dl1)
+            return self._eager_backward(x2, kept, dy, dl1, weights)
         tokens.x.copy_(x2)
-        tokens.dy.copy_(dy)
-        grads.dl1.copy_(dl1)
+        for buffer, given in ((tokens.dy, dy), (grads.dl1, dl1)):  # None: only the other output reached the loss
+            if given is None:
+                buffer.zero_()
+            else:
+                buffer.copy_(given)
         self.kept.copy_(kept)
         self.backward_graph.replay()
         dw = [g.clone() if g is not None else None for g in grads.dw]
@@ -284,10 +287,9 @@ class GraphedBlockStep:
         """The backward's kernels launched one by one on the kept arrays and the weights where they are now."""
         GRAPH_EVENTS["eager backward"] += 1
         x_c, wg, bg, wu, bu, wdt, _ = _operands(x2, weights, x2.dtype)
-        dx, dwg, dwu, dwd, *db = _train_backward_into(
-            dy.to(x2.dtype), dl1, x_c, wg, wu, wdt, bg, bu, *self._views(kept), self.block_rows, self.bias_grads,
-            None, None,
-        )  # fmt: skip
+        dx, dwg, dwu, dwd, *db = _train_backward(
+            dy, dl1, x_c, wg, wu, wdt, bg, bu, *self._views(kept), self.block_rows, self.bias_grads
+        )
         w_gate, b_gate, w_up, b_up, w_down, b_down = weights
         dw = [g.to(w.dtype) if w is not None else None for g, w in ((dwg, w_gate), (dwu, w_up), (dwd, w_down))]
         db = [g.to(b.dtype) if b is not None else None for g, b in zip(db, (b_gate, b_up, b_down))]
@@ -341,10 +343,14 @@ def _saved_tensor_hooks() -> bool:
         return top() is not None
 
 
-def _weights_keep_moving(gate: torch.Tensor, weights: tuple) -> bool:
-    """Whether this layer's weights have been found at new addresses more than :data:`MOVE_LIMIT` times (each move
-    is a new capture): then its steps run eagerly from now on (warned once)."""
-    addresses = tuple(t.data_ptr() if t is not None else None for t in weights)
+def _addresses(weights: tuple) -> tuple[int | None, ...]:
+    """Where each weight (or bias, None when absent) lives: what a capture reads them at."""
+    return tuple(t.data_ptr() if t is not None else None for t in weights)
+
+
+def _weights_keep_moving(gate: torch.Tensor, addresses: tuple[int | None, ...]) -> bool:
+    """Whether this layer's weights (at ``addresses`` now) have been found at new addresses more than
+    :data:`MOVE_LIMIT` times (each move is a new capture): then its steps run eagerly from now on (warned once)."""
     seen = _ADDRESSES.get(gate)
     if seen is None:
         _ADDRESSES[gate] = [addresses, 0]
@@ -385,7 +391,8 @@ def graphed_step(
         or (x2.device.type != "cuda" and backend_for(x2) is not Backend.INTERPRETER)
     ):
         return None
-    if _weights_keep_moving(gate, weights):
+    addresses = _addresses(weights)
+    if _weights_keep_moving(gate, addresses):
         return None
     capacity = TRAIN_CHOICE.bucketed_capacity(gate, x2.shape[0])
     if capacity is None:
@@ -393,7 +400,8 @@ def graphed_step(
     key = (
         x2.shape,
         x2.dtype,
-        tuple((t.data_ptr(), t.dtype, t.shape, t.stride()) if t is not None else None for t in weights),
+        addresses,
+        tuple((t.dtype, t.shape, t.stride()) if t is not None else None for t in weights),
         block_rows,
         tile,
         sort_rows,
