@@ -6,6 +6,7 @@ twell_mlp reject" finds it here and nowhere else."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -280,6 +281,15 @@ def check_matmul_dtypes(op: str, names: tuple[str, str], a: torch.Tensor, b: tor
             f"{op}: {names[0]} and {names[1]} must have the same dtype, as for {names[0]} @ {names[1]} in torch "
             f"(or run under torch.autocast); got {names[0]} {describe(a)}, {names[1]} {describe(b)}"
         )
+
+
+def autocast_off(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Autocast switched off on ``t``'s device for the block's duration (where it is on): for a step whose operands
+    :func:`autocast_operands` already cast, which must run in their dtype as it would inside an op."""
+    device_type = t.device.type
+    if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def autocast_operands(*tensors: object) -> tuple:

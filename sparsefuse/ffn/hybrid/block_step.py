@@ -30,6 +30,7 @@ import torch.nn.functional as F
 import triton
 
 from ..._backend import on_tensor_device, plain_eager_call
+from ..._validation import autocast_off
 from ...sparse import BlockELL
 from ...sparse.block_grad import block_ell_sddmm, block_ell_transpose, transposed_matmul
 from ...sparse.block_pack import PackedFactors, pack_block_factors, unpack_block_factors
@@ -308,10 +309,7 @@ class _EagerTrainStep(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs):
-        if torch.is_autocast_enabled():  # the operands are already in the step's dtype (as inside an op)
-            with torch.autocast(inputs[0].device.type, enabled=False):
-                output = _train_forward(*inputs)
-        else:
+        with autocast_off(inputs[0]):  # the operands are already in the step's dtype (as inside an op)
             output = _train_forward(*inputs)
         _setup_context(ctx, inputs, output)
         ctx.mark_non_differentiable(output[2])

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..._backend import on_tensor_device, plain_eager_call
+from ..._validation import autocast_off
 from .dense_kernels import l1_dtype, relu_mul_backward, relu_mul_stats
 
 
@@ -162,11 +163,8 @@ relu_l1_op.register_autograd(_relu_op_backward, setup_context=_relu_setup)
 
 def _without_autocast(fn, *inputs):
     """fn(*inputs) with autocast off: the operands are already in the step's dtype (as inside an op)."""
-    device_type = inputs[0].device.type
-    if torch.is_autocast_enabled(device_type):
-        with torch.autocast(device_type, enabled=False):
-            return fn(*inputs)
-    return fn(*inputs)
+    with autocast_off(inputs[0]):
+        return fn(*inputs)
 
 
 class _EagerReluMulL1(torch.autograd.Function):

@@ -48,7 +48,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..._backend import Backend, backend_for, new_output, plain_eager_call
-from ..._validation import unit_last_stride
+from ..._validation import autocast_off, unit_last_stride
 from .block_step import _train_backward, _train_backward_into, _train_forward, _train_forward_into
 from .choice import TRAIN_CHOICE, _in_backward
 
@@ -322,15 +322,8 @@ class _GraphedTrainStep(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy, dl1, _counts):
         x2, kept, *weights = ctx.saved_tensors
-        with _no_autocast(x2):
+        with autocast_off(x2):
             return (None, *ctx.step.backward(x2, kept, dy, dl1, tuple(weights)))
-
-
-def _no_autocast(t: torch.Tensor):
-    """The step runs in its operands' dtype, as the eager step does inside its op (autocast already applied)."""
-    return (
-        torch.autocast(t.device.type, enabled=False) if t.device.type in ("cuda", "cpu") else contextlib.nullcontext()
-    )
 
 
 def _saved_tensor_hooks() -> bool:
@@ -425,7 +418,7 @@ def graphed_step(
                 _CAPTURES[gate] = taken + 1
             return None
         _CAPTURES[gate] = taken + 1
-        with torch.no_grad(), on_device, _no_autocast(x2):
+        with torch.no_grad(), on_device, autocast_off(x2):
             step = GraphedBlockStep(x2.detach(), weights, block_rows, tile, sort_rows, capacity)
         runners[key] = step
         while len(runners) > GRAPHS_PER_WEIGHT:
