@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import inspect
 import threading
-import warnings
 
 import torch
 from torch import nn
@@ -282,8 +281,9 @@ def shard_llama_fsdp2(
     from forward to backward (``reshard_after_forward=False``: no all-gathers in the backward) took a patched 1.5B
     step on 2 H100s from 226 to 165 ms (1.04x -> 1.34x unpatched), for ~2.4 GB more peak memory per GPU
     (docs/training.md, "Several GPUs"). FSDP2 shards contiguous parameters only: patch with
-    ``down_layout="row"``. Layers patched with ``train_cuda_graph=True`` have it turned off, with a warning: FSDP2
-    gathers their weights into fresh storage every step, which a captured replay cannot follow."""
+    ``down_layout="row"``. Layers patched with ``train_cuda_graph=True`` keep it: FSDP2 gathers their weights into
+    fresh storage every step, so after two steps their replays read copies of the weights, filled each call
+    (:mod:`sparsefuse.ffn.hybrid.graphed`)."""
     if layers_per_unit < 1:
         raise ValueError(f"shard_llama_fsdp2: layers_per_unit must be >= 1; got {layers_per_unit}")
     try:
@@ -291,17 +291,6 @@ def shard_llama_fsdp2(
     except ImportError:  # torch 2.5 has FSDP2 under its earlier, private name
         from torch.distributed._composable.fsdp import fully_shard
 
-    # FSDP2 gathers each unit's weights into fresh storage every step, which a captured replay cannot follow (each
-    # step would be a new capture): the patched layers take the eager step under it
-    replayed = [m for m in model.modules() if isinstance(m, SparseGatedMLP) and m.train_cuda_graph]
-    for mlp in replayed:
-        mlp.train_cuda_graph = False
-    if replayed:
-        warnings.warn(
-            f"shard_llama_fsdp2: train_cuda_graph turned off on {len(replayed)} layers: FSDP2 gathers their weights "
-            "into fresh storage every step, which a CUDA-graph replay cannot follow",
-            stacklevel=2,
-        )
     layers = list(model.model.layers)
     for first in range(0, len(layers), layers_per_unit):
         unit = layers[first : first + layers_per_unit]

@@ -141,15 +141,17 @@ def _graph_steps_worker(rank: int, world: int, init: str, out_path: str) -> None
         if rank == 0:
             # keyed by the gathered gate weight (a Parameter FSDP2 keeps, its storage moved), not the sharded one
             moves = max(seen[1] for seen in graphed._ADDRESSES.values())
-            torch.save({"grads": grads, "captures": graphed.GRAPH_EVENTS["capture"], "moves": moves}, out_path)
+            events = {k: graphed.GRAPH_EVENTS[k] for k in ("capture", "copied replay")}
+            torch.save({"grads": grads, "events": events, "moves": moves}, out_path)
         gc.collect()
     finally:
         dist.destroy_process_group()
 
 
-def test_fsdp2_regathered_weights_leave_the_replay_for_the_eager_step(tmp_path, monkeypatch):
-    """FSDP2 gathers a unit's weights into fresh storage every step: a module asked for CUDA graphs captures once or
-    twice, then runs its steps eagerly, and the gradients equal one process's."""
+def test_fsdp2_regathered_weights_replay_copies(tmp_path, monkeypatch):
+    """FSDP2 gathers a unit's weights into fresh storage every step: a module asked for CUDA graphs captures in place
+    once or twice, then once more reading copies of its weights, which its later steps replay; the gradients equal
+    one process's."""
     _skip_without_fsdp2()
     mlp, _, _ = _one_process_step()
     for name, value in loopback_env().items():
@@ -159,7 +161,9 @@ def test_fsdp2_regathered_weights_leave_the_replay_for_the_eager_step(tmp_path, 
     saved = torch.load(out_path)
     from sparsefuse.ffn.hybrid import graphed
 
-    assert 1 <= saved["captures"] <= 2 and saved["moves"] > graphed.MOVE_LIMIT  # the eager step took over
+    events = saved["events"]
+    assert saved["moves"] > graphed.MOVE_LIMIT and 2 <= events["capture"] <= 3  # in place, then the copied weights'
+    assert events["copied replay"] >= 1  # the last step replayed the copied capture
     for name, p in mlp.named_parameters():
         torch.testing.assert_close(saved["grads"][name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
 

@@ -128,14 +128,15 @@ def test_a_layer_captured_too_often_runs_eagerly(device, monkeypatch):
     assert graphed.GRAPH_EVENTS["capture"] >= 2 and graphed._CAPTURES[leaves[1]] == 3
 
 
-def test_weights_regathered_every_step_run_eagerly(device):
+def test_weights_regathered_every_step_replay_copies(device):
     """Weights at a new address every step, as FSDP2 gathers them into fresh storage: one move is captured anew (a
-    model moved once), the next one warns and the layer's steps run eagerly from then on, with right results."""
+    model moved once), the next one warns and the layer is captured once more reading copies of its weights, which
+    every later step replays (filled from wherever the weights are), with right results."""
     leaves = _leaves(M, K, N, torch.float32, device, False, seed=9)
     dy = torch.randn(M, K, device=device)
     _grads(leaves, dy, 0.0)  # the first observation of the gate's firing: eager
     captures = lambda: graphed.GRAPH_EVENTS["capture"]  # noqa: E731
-    start = captures()
+    start, copied = captures(), graphed.GRAPH_EVENTS["copied replay"]
     kept = []  # alive, so that no copy takes a freed one's address
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -144,12 +145,16 @@ def test_weights_regathered_every_step_run_eagerly(device):
             kept.append(moved)
             out, grads = _grads(moved, dy, 0.0, cuda_graph=True)
             _check(moved, dy, 0.0, out, grads)
-            assert captures() == start + min(i + 1, 2)  # the first weights' capture and the one move's
+            # the first weights' capture, the one move's, then the copied weights' for good
+            assert captures() == start + min(i + 1, 3)
+            assert graphed.GRAPH_EVENTS["copied replay"] == copied + max(0, i - 1)
     moves = [w for w in caught if "new address 2 times" in str(w.message)]
     assert len(moves) == 1 and moves[0].filename == __file__  # once, pointing at the caller's line
-    _grads(kept[-1], dy, 0.0, cuda_graph=True)
-    assert captures() == start + 2  # eager even where the weights now stay put: the layer is marked for good
-    assert leaves[1] not in graphed._RUNNERS  # and its captures are freed
+    # the in-place captures are freed; one capture, of the copied weights, is kept
+    assert [key[2] for key in graphed._RUNNERS[leaves[1]]] == [graphed._COPIED]
+    out, grads = _grads(kept[0], dy, 0.0, cuda_graph=True)  # weights seen before: still copied, same capture
+    _check(kept[0], dy, 0.0, out, grads)
+    assert captures() == start + 3 and graphed.GRAPH_EVENTS["copied replay"] == copied + 3
 
 
 def test_a_layers_captures_go_with_its_weights(device):

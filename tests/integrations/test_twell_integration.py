@@ -1,6 +1,8 @@
 """SparseGatedMLP (transformers LlamaMLP parameter names) and patch_llama on a real, randomly initialised
 transformers LlamaForCausalLM(hidden_act="relu") built from a LlamaConfig (no downloads)."""
 
+import warnings
+
 import pytest
 import torch
 from conftest import assert_backend
@@ -339,9 +341,9 @@ def test_fused_rotary_state_is_per_thread_and_survives_a_reload(device):
     assert done.returncode == 0, done.stderr[-2000:]
 
 
-def test_shard_llama_fsdp2_turns_the_replay_off(tmp_path, monkeypatch):
-    """FSDP2 gathers the weights into fresh storage every step: the layers patched for CUDA-graph replays take the
-    eager step once sharded, with one warning (a one-process gloo group: the sharding itself, not a step)."""
+def test_shard_llama_fsdp2_keeps_the_replay(tmp_path, monkeypatch):
+    """The layers patched for CUDA-graph replays keep them once sharded, without a warning (their replays copy the
+    weights FSDP2 gathers anew each step: tests/distributed); a one-process gloo group: the sharding, not a step."""
     import torch.distributed as dist
 
     fsdp = pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 needs torch >= 2.6")
@@ -359,12 +361,13 @@ def test_shard_llama_fsdp2_turns_the_replay_off(tmp_path, monkeypatch):
     )
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
     try:
-        with pytest.warns(UserWarning, match="train_cuda_graph turned off on 2 layers"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
             shard_llama_fsdp2(model, mesh=DeviceMesh.from_group(dist.group.WORLD, "cpu"))
     finally:
         dist.destroy_process_group()
     layers = [m for m in model.modules() if isinstance(m, SparseGatedMLP)]
-    assert len(layers) == 2 and not any(m.train_cuda_graph for m in layers)
+    assert len(layers) == 2 and all(m.train_cuda_graph for m in layers)
 
 
 def test_shard_llama_fsdp2_refuses_an_empty_unit():

@@ -376,7 +376,11 @@ class _Engine:
         anatomy = f"; {self.anatomy(impl)}" if train_profile() and impl in self.last_ids else ""
         if impl == "patched" and train_cuda_graph():
             # shard_llama_fsdp2 turns the replay off (FSDP2 gathers the weights into fresh storage every step)
-            engine += ", FFN steps as CUDA graphs" if self.engine == "ddp" else ", FFN graphs asked (off under FSDP2)"
+            engine += (
+                ", FFN steps as CUDA graphs"
+                if self.engine == "ddp"
+                else ", FFN steps as CUDA graphs (weights copied in)"
+            )
         return f"{engine} on {self.world.size}x {where}; {memory}{anatomy}; {self.agreement[impl]}"
 
     def anatomy(self, impl: str) -> str:

@@ -17,6 +17,11 @@ How it stays correct:
 * **Weights are read in place**: a graph is keyed by the addresses of the caller's weights and biases (an
   optimizer's in-place update is seen; a parameter moved or replaced once is a new key and a new capture). Casts for
   ``torch.autocast`` happen inside the graphs.
+* **Weights that keep moving are copied in**: a layer whose weights turn up at new addresses more than
+  ``MOVE_LIMIT`` times (FSDP2 gathers each unit's parameters into fresh storage every step) is captured once more
+  reading its weights from static copies, shared by every layer of those shapes, which each forward and backward
+  replay fills first: two weight copies per layer and step (~0.1 ms at the 1.5B layer shape on an H100), where an
+  eager step costs its host 2-3.5 ms.
 * **The capacity is bucketed**: pairs kept per token are rounded up to a power of two of the weight's observed need
   (as under torch.compile) and held until the need outgrows it or falls below a quarter of it, so a layer is
   re-captured a few times while L1 bites, not at every observation. Until a weight has an observation the eager
@@ -26,9 +31,8 @@ How it stays correct:
   torch.compile or with tensor subclasses. A weight that moved between forward and backward (a parameter regathered
   at another address) gets its backward run eagerly on the kept arrays; an in-place change to a weight in between
   raises, as in the eager step.
-* **Where a replay cannot pay, the eager step runs**: a layer whose weights keep turning up at new addresses
-  (FSDP2 gathers each unit's parameters into fresh storage every step) would be captured anew every step; past
-  ``MOVE_LIMIT`` moves it runs eagerly for good, as does a layer past ``CAPTURE_LIMIT`` captures.
+* **Where a replay cannot pay, the eager step runs**: a layer past ``CAPTURE_LIMIT`` captures (input shapes that
+  keep changing) runs eagerly for good.
 
 Under the Triton interpreter (CPU tests) a "graph" re-runs the captured function on replay, so the copy-in / copy-out
 logic is tested without a GPU; the CUDA path is covered by the GPU suite.
@@ -58,16 +62,18 @@ GRAPHS_PER_WEIGHT = 4
 # steps run eagerly (warned once).
 CAPTURE_LIMIT = 8
 # Times a layer's weights may be found at new addresses (a model moved to another device or dtype once) before its
-# steps run eagerly for good (warned once): an engine that regathers parameters every step (FSDP2's all-gather into
-# fresh storage) would otherwise take a capture per step, each costing more than the step it replaces.
+# replays read copies of them instead (warned once): an engine that regathers parameters every step (FSDP2's
+# all-gather into fresh storage) would otherwise take a capture per step, each costing more than the step it replaces.
 MOVE_LIMIT = 1
-# How many times the graphs have been captured and replayed (forward replays), and backwards that ran eagerly
-# because a weight had moved since its forward; for tests and logs.
+# How many times the graphs have been captured and replayed (forward replays; "copied replay": those of a step
+# reading copied weights), and backwards that ran eagerly because a weight had moved since its forward; for tests
+# and logs.
 GRAPH_EVENTS: collections.Counter[str] = collections.Counter()
 
 _RUNNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # gate weight -> OrderedDict(key -> GraphedBlockStep)
 _CAPTURES: WeakIdKeyDictionary = WeakIdKeyDictionary()  # gate weight -> captures taken
 _ADDRESSES: WeakIdKeyDictionary = WeakIdKeyDictionary()  # gate weight -> [its weights' last addresses, moves seen]
+_COPIED = "copied"  # a key's addresses for a step reading copied weights
 # Static buffers shared by the steps alive (each step holds its sets; a set no step holds is freed).
 _BUFFERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _POOLS: dict[torch.device, object] = {}
@@ -79,8 +85,8 @@ _ALIGN = 16  # bytes: each kept array starts aligned in the flat buffer (the ker
 
 
 def release_graphs() -> None:
-    """Drop every captured step, the shared buffers and the memory pools, and forget which layers were left to the
-    eager step (the next graphed call captures anew)."""
+    """Drop every captured step, the shared buffers and the memory pools, and forget which layers' weights moved
+    (the next graphed call captures anew, reading the weights in place)."""
     _RUNNERS.clear()
     _CAPTURES.clear()
     _ADDRESSES.clear()
@@ -109,6 +115,34 @@ class _WeightBuffers:
     l1: torch.Tensor
     dw: list[torch.Tensor | None]
     db: list[torch.Tensor | None]
+
+
+@dataclass(eq=False)
+class _WeightCopies:
+    """Static copies of a layer's weights and biases (None where absent), for steps whose callers' weights move:
+    one set per weight shapes, dtypes and strides, shared by every such layer."""
+
+    tensors: tuple[torch.Tensor | None, ...]
+
+    def fill(self, weights: tuple) -> None:
+        for copy, w in zip(self.tensors, weights):
+            if copy is not None:
+                copy.copy_(w)
+
+
+def _weight_copies(weights: tuple) -> _WeightCopies:
+    """The shared static copies for weights of these shapes, dtypes and strides (allocated on first use)."""
+    dev = next(t for t in weights if t is not None).device
+    key = ("weight copies", dev, tuple((t.dtype, t.shape, t.stride()) if t is not None else None for t in weights))
+    copies = _BUFFERS.get(key)
+    if copies is None:
+        copies = _BUFFERS[key] = _WeightCopies(
+            tuple(
+                torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=dev) if t is not None else None
+                for t in weights
+            )
+        )
+    return copies
 
 
 def _buffers(x2: torch.Tensor, weights: tuple) -> tuple[_TokenBuffers, _WeightBuffers]:
@@ -181,10 +215,12 @@ class _Replay:
 class GraphedBlockStep:
     """One layer's block step (forward and backward) at one input shape, weight addresses and capacity, captured.
 
-    ``forward(x2)`` -> (y [M, K], l1, counts [M + N], kept): ``kept`` is what :meth:`backward` needs (one flat
-    uint8 tensor). ``backward(x2, kept, dy, dl1, weights)`` -> gradients of (x2, w_gate, b_gate, w_up, b_up,
+    ``forward(x2, weights)`` -> (y [M, K], l1, counts [M + N], kept): ``kept`` is what :meth:`backward` needs (one
+    flat uint8 tensor). ``backward(x2, kept, dy, dl1, weights)`` -> gradients of (x2, w_gate, b_gate, w_up, b_up,
     w_down, b_down), None for an absent tensor; if a weight has moved since the capture (a parameter regathered at
-    another address), the backward runs eagerly on the kept arrays instead of replaying."""
+    another address), the backward runs eagerly on the kept arrays instead of replaying. ``copied``: the graphs
+    read the weights from shared static copies (:class:`_WeightCopies`), which each replay fills from ``weights``
+    first, wherever those live."""
 
     def __init__(
         self,
@@ -194,14 +230,18 @@ class GraphedBlockStep:
         tile: int,
         sort_rows: bool,
         capacity: int,
+        copied: bool = False,
     ) -> None:
         w_gate, b_gate, w_up, b_up, w_down, b_down = weights
         self.addresses = _addresses(weights)
+        self.copies = _weight_copies(weights) if copied else None
         self.has = tuple(a is not None for a in self.addresses)
         self.block_rows = block_rows
         self.bias_grads = any(t is not None for t in (b_gate, b_up, b_down))
         self.tokens, self.grads = tokens, grads = _buffers(x2, weights)
         tokens.x.copy_(x2)  # the warm-up and the layout probe run on this call's tokens
+        if self.copies is not None:
+            self.copies.fill(weights)
         dev, dtype = x2.device, x2.dtype
 
         # what the forward keeps, in one flat buffer: its shapes and dtypes from a run of the step
@@ -216,7 +256,9 @@ class GraphedBlockStep:
         del probe
         # The bodies reach the weights through weak references: a CUDA graph holds only their addresses, and the
         # interpreter's stand-in (which re-runs a body) must not keep a layer's weights, and so its captures, alive.
-        refs = tuple(weakref.ref(t) if t is not None else None for t in weights)
+        # (Copied weights are the shared static copies, which the step holds.)
+        read = self.copies.tensors if self.copies is not None else weights
+        refs = tuple(weakref.ref(t) if t is not None else None for t in read)
         live = lambda: tuple(r() if r is not None else None for r in refs)  # noqa: E731
 
         def forward_body() -> None:
@@ -256,9 +298,14 @@ class GraphedBlockStep:
         """The kept arrays (typed views) inside a flat uint8 buffer of this step's layout."""
         return [flat[o : o + math.prod(s) * d.itemsize].view(d).view(s) for o, d, s in self.layout]
 
-    def forward(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x2: torch.Tensor, weights: tuple
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         tokens = self.tokens
         tokens.x.copy_(x2)
+        if self.copies is not None:
+            self.copies.fill(weights)
+            GRAPH_EVENTS["copied replay"] += 1
         self.forward_graph.replay()
         GRAPH_EVENTS["replay"] += 1
         return tokens.y.clone(), self.grads.l1.clone(), tokens.counts.clone(), self.kept.clone()
@@ -267,7 +314,9 @@ class GraphedBlockStep:
         self, x2: torch.Tensor, kept: torch.Tensor, dy: torch.Tensor | None, dl1: torch.Tensor | None, weights: tuple
     ) -> tuple[torch.Tensor | None, ...]:
         tokens, grads = self.tokens, self.grads
-        if _addresses(weights) != self.addresses:
+        if self.copies is not None:
+            self.copies.fill(weights)
+        elif _addresses(weights) != self.addresses:
             dy = dy if dy is not None else torch.zeros_like(tokens.dy)
             dl1 = dl1 if dl1 is not None else torch.zeros_like(grads.dl1)
             return self._eager_backward(x2, kept, dy, dl1, weights)
@@ -311,7 +360,7 @@ class GraphedBlockStep:
 class _GraphedTrainStep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, step: GraphedBlockStep, x2, w_gate, b_gate, w_up, b_up, w_down, b_down):
-        y, l1, counts, kept = step.forward(x2)
+        y, l1, counts, kept = step.forward(x2, (w_gate, b_gate, w_up, b_up, w_down, b_down))
         ctx.step = step
         # the weights too: kept alive for the backward's reads, and an in-place change to one is caught
         ctx.save_for_backward(x2, kept, w_gate, b_gate, w_up, b_up, w_down, b_down)
@@ -343,7 +392,8 @@ def _addresses(weights: tuple) -> tuple[int | None, ...]:
 
 def _weights_keep_moving(gate: torch.Tensor, addresses: tuple[int | None, ...]) -> bool:
     """Whether this layer's weights (at ``addresses`` now) have been found at new addresses more than
-    :data:`MOVE_LIMIT` times (each move is a new capture): then its steps run eagerly from now on (warned once)."""
+    :data:`MOVE_LIMIT` times (each move would be a new capture): then its steps replay a capture that reads copies
+    of the weights (warned once)."""
     seen = _ADDRESSES.get(gate)
     if seen is None:
         _ADDRESSES[gate] = [addresses, 0]
@@ -351,11 +401,11 @@ def _weights_keep_moving(gate: torch.Tensor, addresses: tuple[int | None, ...]) 
     if seen[0] != addresses:
         seen[0], seen[1] = addresses, seen[1] + 1
         if seen[1] == MOVE_LIMIT + 1:
-            _RUNNERS.pop(gate, None)  # its captures, buffers and pool memory are not replayed again
+            _RUNNERS.pop(gate, None)  # its in-place captures, buffers and pool memory are not replayed again
             warnings.warn(
                 "sparsefuse hybrid_mlp(cuda_graph=True): a layer's weights were found at a new address "
-                f"{seen[1]} times (parameters gathered anew each step, as FSDP2 does); its steps run eagerly from "
-                "now on. A replay needs weights that stay where they are between steps.",
+                f"{seen[1]} times (parameters gathered anew each step, as FSDP2 does); from now on its replays copy "
+                "the weights into static buffers first (two weight copies per step)",
                 stacklevel=5,
             )
     return seen[1] > MOVE_LIMIT
@@ -385,15 +435,14 @@ def graphed_step(
     ):
         return None
     addresses = _addresses(weights)
-    if _weights_keep_moving(gate, addresses):
-        return None
+    copied = _weights_keep_moving(gate, addresses)
     capacity = TRAIN_CHOICE.bucketed_capacity(gate, x2.shape[0])
     if capacity is None:
         return None
     key = (
         x2.shape,
         x2.dtype,
-        addresses,
+        _COPIED if copied else addresses,
         tuple((t.dtype, t.shape, t.stride()) if t is not None else None for t in weights),
         block_rows,
         tile,
@@ -419,7 +468,7 @@ def graphed_step(
             return None
         _CAPTURES[gate] = taken + 1
         with torch.no_grad(), on_device, autocast_off(x2):
-            step = GraphedBlockStep(x2.detach(), weights, block_rows, tile, sort_rows, capacity)
+            step = GraphedBlockStep(x2.detach(), weights, block_rows, tile, sort_rows, capacity, copied)
         runners[key] = step
         while len(runners) > GRAPHS_PER_WEIGHT:
             runners.popitem(last=False)
