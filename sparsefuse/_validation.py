@@ -283,6 +283,32 @@ def check_matmul_dtypes(op: str, names: tuple[str, str], a: torch.Tensor, b: tor
         )
 
 
+def check_out(
+    op: str,
+    out: torch.Tensor,
+    shape: tuple[int, ...],
+    device: torch.device,
+    out_dtype: torch.dtype | None,
+    *,
+    contiguous: bool,
+) -> None:
+    """A product's ``out=`` tensor: float, of ``shape``, on ``device``, in ``out_dtype`` when one is given, and
+    contiguous (``contiguous``) or at unit last stride; ``ValueError`` naming what it is otherwise."""
+    layout_ok = out.is_contiguous() if contiguous else out.stride(-1) == 1
+    if (
+        tuple(out.shape) != tuple(shape)
+        or not layout_ok
+        or out.device != device
+        or not out.is_floating_point()
+        or out_dtype not in (None, out.dtype)
+    ):
+        layout = "contiguous" if contiguous else "with unit last stride"
+        dtype = f" in {str(out_dtype).removeprefix('torch.')} (out_dtype)" if out_dtype is not None else ""
+        raise ValueError(
+            f"{op}: out must be a float {list(shape)} tensor {layout} on {device}{dtype}; got {describe(out)}"
+        )
+
+
 def autocast_off(t: torch.Tensor) -> contextlib.AbstractContextManager:
     """Autocast switched off on ``t``'s device for the block's duration (where it is on): for a step whose operands
     :func:`autocast_operands` already cast, which must run in their dtype as it would inside an op."""

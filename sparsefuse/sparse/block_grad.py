@@ -21,7 +21,7 @@ from .. import _backend
 from .._backend import Backend, backend_for, new_output, record_launch
 from .._triton.dot import dot_accumulate, gathered_rows_dot, ieee_fp32
 from .._triton.slots import block_slots
-from .._validation import describe, unit_last_stride
+from .._validation import check_out, unit_last_stride
 from .block_spmm import heavy_first_schedule
 from .formats import BlockCSC, BlockELL
 
@@ -406,7 +406,8 @@ def transposed_matmul(
     A, the third last; the column sums [N] fp32 of the A's on x when ``bias``, else None). Deterministic: each
     column's terms are summed in one fixed order. The cost is one gathered row of x (and y) per entry: ``nnz * D``
     elements, against the dense product's ``M * N * D`` multiply-adds. ``out``: the products written into these
-    contiguous [N, D] tensors (any float dtype each, one per product) instead of new ones."""
+    contiguous [N, D] tensors (any float dtype each, or ``out_dtype`` if given; one per product) instead of new
+    ones."""
     if mode not in ("one", "two", "product"):
         raise ValueError(f"transposed_matmul: mode must be 'one', 'two' or 'product'; got {mode!r}")
     x = unit_last_stride(x)
@@ -420,13 +421,11 @@ def transposed_matmul(
             raise ValueError(f"transposed_matmul: third's y must have x's shape {list(x.shape)}; got {list(y.shape)}")
     if out is None:
         out = [new_output((N, D), out_dtype or x.dtype, x.device) for _ in range(n_out)]
-    elif len(out) != n_out or any(
-        o.shape != (N, D) or not o.is_contiguous() or o.device != x.device or not o.is_floating_point() for o in out
-    ):
-        raise ValueError(
-            f"transposed_matmul: out must be {n_out} contiguous float [{N}, {D}] tensors on {x.device}; got "
-            f"{[describe(o) for o in out]}"
-        )
+    elif len(out) != n_out:
+        raise ValueError(f"transposed_matmul: out must hold {n_out} tensors, one per product; got {len(out)}")
+    else:
+        for o in out:
+            check_out("transposed_matmul", o, (N, D), x.device, out_dtype, contiguous=True)
     sums = [torch.zeros(N, dtype=torch.float32, device=x.device) for _ in range(n_x)] if bias else None
     if N == 0 or D == 0:
         return out, sums

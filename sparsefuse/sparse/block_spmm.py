@@ -11,7 +11,7 @@ import triton.language as tl
 from .. import _backend
 from .._backend import Backend, backend_for, new_output, record_launch
 from .._triton.dot import dot_accumulate, ieee_fp32
-from .._validation import check_sparse_weight, describe
+from .._validation import check_out, check_sparse_weight, describe
 from .formats import BlockELL
 from .spmm import product_operands
 
@@ -251,17 +251,7 @@ def block_sparse_matmul(
         weight = product_operands(sparse.values.dtype, 0, weight, None)[0]
         out = accumulate
     elif out is not None:
-        if (
-            out.shape != (sparse.shape[0], n_out)
-            or out.stride(-1) != 1
-            or out.device != weight.device
-            or not out.is_floating_point()
-            or out_dtype not in (None, out.dtype)
-        ):
-            raise ValueError(
-                f"{op}: out must be a float [{sparse.shape[0]}, {n_out}] tensor with unit column stride on "
-                f"{weight.device} (in out_dtype if given: {out_dtype}); got {describe(out)}"
-            )
+        check_out(op, out, (sparse.shape[0], n_out), weight.device, out_dtype, contiguous=False)
         weight = product_operands(sparse.values.dtype, 0, weight, None)[0]
     else:
         weight, out = product_operands(sparse.values.dtype, sparse.shape[0], weight, out_dtype)

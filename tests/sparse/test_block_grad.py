@@ -142,8 +142,13 @@ def test_products_write_into_given_outputs(device):
     assert all(g is o for g, o in zip(got, given))
     for a, b in zip(got, want):
         assert torch.equal(a, b)
-    with pytest.raises(ValueError, match="out must be 2 contiguous"):
+    with pytest.raises(ValueError, match="out must hold 2 tensors"):
         transposed_matmul(*args, mode="two", out=given[:1])
+    with pytest.raises(ValueError, match=r"out must be a float \[100, 24\] tensor contiguous .* in float16"):
+        transposed_matmul(*args, mode="two", out=given, out_dtype=torch.float16)
+    strided = torch.full((24, 100), float("nan"), device=device).t()  # [100, 24], not contiguous
+    with pytest.raises(ValueError, match="out must be a float .* contiguous"):
+        transposed_matmul(*args, mode="two", out=[given[0], strided])
     product = BlockELL(f.up.values, f.gate.indices, f.gate.counts, 100, f.gate.block_rows, f.gate.row_order)
     want = block_sparse_matmul(product, wu)
     into = torch.full((40, 24), float("nan"), dtype=torch.float16, device=device)
