@@ -249,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
         help="with --train-method hybrid: replay each layer's step from CUDA graphs (patch_llama's train_cuda_graph)",
     )
     parser.add_argument("--steps", type=int, default=None, help="override the size's step count")
+    parser.add_argument(
+        "--batch", type=int, default=None, help="override the size's sequences per step (the global batch)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--out", type=Path, default=Path("runs/train_sparse_llama"))
@@ -268,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = dict(SIZES[args.size])
     if args.steps is not None:
         cfg["steps"] = args.steps
+    if args.batch is not None:
+        cfg["batch"] = args.batch
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.distributed:

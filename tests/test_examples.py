@@ -22,9 +22,10 @@ def _load(name: str):
 
 def test_train_sparse_llama_tiny(tmp_path):
     # dense MLPs: the interpreter runs the hybrid step's kernels too slowly for a whole-model loop in CI (a patched
-    # model's hybrid training step is covered in tests/integrations)
+    # model's hybrid training step is covered in tests/integrations); 2 sequences a step, as the interpreter runs
+    # the fused rotary embedding one program per token
     example = _load("train_sparse_llama")
-    args = ["--size", "tiny", "--steps", "6", "--log-every", "2", "--out", str(tmp_path)]
+    args = ["--size", "tiny", "--steps", "6", "--batch", "2", "--log-every", "2", "--out", str(tmp_path)]
     assert example.main(args) == 0
     with (tmp_path / "log.csv").open() as f:
         rows = list(csv.DictReader(f))
@@ -46,7 +47,8 @@ def test_train_sparse_llama_distributed_follows_one_process(tmp_path, engine):
 
     from conftest import loopback_env
 
-    common = ["--size", "tiny", "--steps", "3", "--log-every", "1", "--device", "cpu"]  # gloo, also on a GPU host
+    # gloo, also on a GPU host; one sequence per process a step (the interpreter's rotary embedding: above)
+    common = ["--size", "tiny", "--steps", "3", "--batch", "2", "--log-every", "1", "--device", "cpu"]
     log = tmp_path / "torchrun.log"
     # A gloo process may abort in its teardown when a peer closes its connections first ("terminate called without
     # an active exception", after the run has finished and written its files): that alone earns one more try.
