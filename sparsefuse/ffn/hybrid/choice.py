@@ -49,9 +49,13 @@ class TrainChoice:
 
     def firing(self, w_gate: torch.Tensor) -> float | None:
         """The last observed fraction of firing (token, neuron) pairs for this gate weight (None: none yet)."""
+        per_token = self._per_token(w_gate)
+        return None if per_token is None else per_token / max(w_gate.shape[0], 1)
+
+    def _per_token(self, w_gate: torch.Tensor) -> float | None:
+        """The last observed firing neurons per token for this gate weight (None before its first observation)."""
         entry = self._monitors.get(w_gate)
-        estimate = entry[0].estimate() if entry is not None else None
-        return None if estimate is None else estimate / max(w_gate.shape[0], 1)
+        return entry[0].estimate() if entry is not None else None
 
     def choose(self, w_gate: torch.Tensor) -> str:
         """``"block"`` or ``"dense"`` for the next step with this gate weight. While torch.compile traces, the
@@ -141,8 +145,7 @@ class TrainChoice:
     def _need_per_token(self, w_gate: torch.Tensor) -> float | None:
         """``capacity_margin`` times the non-zeros per token last observed for this gate weight (None before the
         first observation)."""
-        entry = self._monitors.get(w_gate)
-        per_token = entry[0].estimate() if entry is not None else None
+        per_token = self._per_token(w_gate)
         return None if per_token is None else self.capacity_margin * per_token
 
 
