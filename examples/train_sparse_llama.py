@@ -46,6 +46,14 @@ SIZES = {
 }
 
 
+def _positive(text: str) -> int:
+    """An argument that must be a positive integer (argparse names the option when this raises)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer; got {value}")
+    return value
+
+
 def stdlib_bytes(limit: int) -> torch.Tensor:
     """Up to ``limit`` bytes of the standard library's ``.py`` files, in a fixed (sorted) order, as uint8."""
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -248,9 +256,9 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="with --train-method hybrid: replay each layer's step from CUDA graphs (patch_llama's train_cuda_graph)",
     )
-    parser.add_argument("--steps", type=int, default=None, help="override the size's step count")
+    parser.add_argument("--steps", type=_positive, default=None, help="override the size's step count")
     parser.add_argument(
-        "--batch", type=int, default=None, help="override the size's sequences per step (the global batch)"
+        "--batch", type=_positive, default=None, help="override the size's sequences per step (the global batch)"
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=10)

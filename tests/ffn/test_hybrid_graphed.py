@@ -141,7 +141,8 @@ def test_weights_regathered_every_step_replay_copies(device):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for i in range(4):
-            moved = [leaves[0], leaves[1], leaves[2].detach().clone().requires_grad_(), *leaves[3:]]
+            # w_up at a new address, and of other values each step: a replay must read this step's copy
+            moved = [leaves[0], leaves[1], (leaves[2].detach() * (1 + i / 4)).requires_grad_(), *leaves[3:]]
             kept.append(moved)
             out, grads = _grads(moved, dy, 0.0, cuda_graph=True)
             _check(moved, dy, 0.0, out, grads)
@@ -155,6 +156,45 @@ def test_weights_regathered_every_step_replay_copies(device):
     out, grads = _grads(kept[0], dy, 0.0, cuda_graph=True)  # weights seen before: still copied, same capture
     _check(kept[0], dy, 0.0, out, grads)
     assert captures() == start + 3 and graphed.GRAPH_EVENTS["copied replay"] == copied + 3
+
+
+def _moved_until_copied(leaves, dy, kept):
+    """Steps of a layer with its w_up moved each time (other values too) until its replays read copied weights."""
+    _grads(leaves, dy, 0.0)  # the gate's first observation
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(3):
+            kept.append([leaves[0], leaves[1], (leaves[2].detach() * (2 - i / 4)).requires_grad_(), *leaves[3:]])
+            _grads(kept[-1], dy, 0.0, cuda_graph=True)
+    assert [key[2] for key in graphed._RUNNERS[leaves[1]]] == [graphed._COPIED]
+
+
+def test_two_layers_share_the_weight_copies_and_each_replay_fills_them(device):
+    """Two layers of one shape replaying copied weights share the static copies: forwards of both, then one
+    backward through both (the second layer's backward first): each forward and each backward fills the copies with
+    its own layer's weights, so the gradients are the eager steps'."""
+    dy = torch.randn(M, K, device=device)
+    kept, layers = [], []
+    for seed in (11, 12):
+        leaves = _leaves(M, K, N, torch.float32, device, True, seed=seed)
+        _moved_until_copied(leaves, dy, kept)
+        layers.append(kept[-1])
+    assert len(graphed._weight_copies(tuple(layers[0][1:])).tensors) == 6  # one shared set for both layers
+
+    def chain(**kw):
+        h = layers[0][0]
+        outs = []
+        for _x, wg, wu, wd, bg, bu, bd in layers:
+            outs.append(hybrid_mlp(h, wg, wu, wd, b_gate=bg, b_up=bu, b_down=bd, layout="block", **kw))
+            h = outs[-1].y
+        leaves = [layers[0][0], *(t for layer in layers for t in layer[1:] if t is not None)]
+        return torch.autograd.grad((h * dy).sum() + 0.2 * sum(o.l1 for o in outs), leaves)
+
+    copied = graphed.GRAPH_EVENTS["copied replay"]
+    got = chain(cuda_graph=True)
+    assert graphed.GRAPH_EVENTS["copied replay"] == copied + 2
+    for ours, theirs in zip(got, chain()):
+        assert torch.equal(ours, theirs)
 
 
 def test_a_layers_captures_go_with_its_weights(device):

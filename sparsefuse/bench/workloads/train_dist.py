@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...ffn.hybrid.graphed import GRAPH_EVENTS
 from ...integrations._llama import FSDP2_LAYERS_PER_UNIT, FSDP2_RESHARD_AFTER_FORWARD
 from ..harness import Case, Options, Result
 from . import train_setup as setup
@@ -375,12 +376,9 @@ class _Engine:
             engine += fsdp_label(self.layers)
         anatomy = f"; {self.anatomy(impl)}" if train_profile() and impl in self.last_ids else ""
         if impl == "patched" and train_cuda_graph():
-            # shard_llama_fsdp2 turns the replay off (FSDP2 gathers the weights into fresh storage every step)
-            engine += (
-                ", FFN steps as CUDA graphs"
-                if self.engine == "ddp"
-                else ", FFN steps as CUDA graphs (weights copied in)"
-            )
+            # FSDP2 gathers the weights into fresh storage every step: its replays read copies of them
+            copied = GRAPH_EVENTS["copied replay"] > 0
+            engine += ", FFN steps as CUDA graphs" + (" (weights copied in)" if copied else "")
         return f"{engine} on {self.world.size}x {where}; {memory}{anatomy}; {self.agreement[impl]}"
 
     def anatomy(self, impl: str) -> str:
