@@ -140,7 +140,7 @@ def _graph_steps_worker(rank: int, world: int, init: str, out_path: str) -> None
         grads = {name: p.grad.full_tensor().detach().clone() for name, p in mlp.named_parameters()}
         if rank == 0:
             # keyed by the gathered gate weight (a Parameter FSDP2 keeps, its storage moved), not the sharded one
-            moves = max(seen[1] for seen in graphed._ADDRESSES.values())
+            moves = max(layer.moves for layer in graphed._LAYERS.values())
             events = {k: graphed.GRAPH_EVENTS[k] for k in ("capture", "copied replay")}
             torch.save({"grads": grads, "events": events, "moves": moves}, out_path)
         gc.collect()

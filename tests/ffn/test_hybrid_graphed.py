@@ -106,7 +106,7 @@ def test_new_shapes_and_moved_weights_capture_anew_and_old_captures_are_dropped(
     out, grads = _grads(short, dy[: M // 2], 0.0, cuda_graph=True)
     assert captures() == start + 3
     _check(short, dy[: M // 2], 0.0, out, grads)
-    assert len(graphed._RUNNERS[leaves[1]]) == graphed.GRAPHS_PER_WEIGHT
+    assert len(graphed._LAYERS[leaves[1]].steps) == graphed.GRAPHS_PER_WEIGHT
 
 
 def test_a_layer_captured_too_often_runs_eagerly(device, monkeypatch):
@@ -125,7 +125,7 @@ def test_a_layer_captured_too_often_runs_eagerly(device, monkeypatch):
         else:
             out, grads = _grads(ragged, dy[:rows], 0.0, cuda_graph=True)
         _check(ragged, dy[:rows], 0.0, out, grads)
-    assert graphed.GRAPH_EVENTS["capture"] >= 2 and graphed._CAPTURES[leaves[1]] == 3
+    assert graphed.GRAPH_EVENTS["capture"] >= 2 and graphed._LAYERS[leaves[1]].captures == 3
 
 
 def test_weights_regathered_every_step_replay_copies(device):
@@ -152,7 +152,7 @@ def test_weights_regathered_every_step_replay_copies(device):
     moves = [w for w in caught if "new address 2 times" in str(w.message)]
     assert len(moves) == 1 and moves[0].filename == __file__  # once, pointing at the caller's line
     # the in-place captures are freed; one capture, of the copied weights, is kept
-    assert [key[2] for key in graphed._RUNNERS[leaves[1]]] == [graphed._COPIED]
+    assert [key[2] for key in graphed._LAYERS[leaves[1]].steps] == [graphed._COPIED]
     out, grads = _grads(kept[0], dy, 0.0, cuda_graph=True)  # weights seen before: still copied, same capture
     _check(kept[0], dy, 0.0, out, grads)
     assert captures() == start + 3 and graphed.GRAPH_EVENTS["copied replay"] == copied + 3
@@ -166,7 +166,7 @@ def _moved_until_copied(leaves, dy, kept):
         for i in range(3):
             kept.append([leaves[0], leaves[1], (leaves[2].detach() * (2 - i / 4)).requires_grad_(), *leaves[3:]])
             _grads(kept[-1], dy, 0.0, cuda_graph=True)
-    assert [key[2] for key in graphed._RUNNERS[leaves[1]]] == [graphed._COPIED]
+    assert [key[2] for key in graphed._LAYERS[leaves[1]].steps] == [graphed._COPIED]
 
 
 def test_two_layers_share_the_weight_copies_and_each_replay_fills_them(device):
@@ -205,10 +205,10 @@ def test_a_layers_captures_go_with_its_weights(device):
     dy = torch.randn(M, K, device=device)
     for kw in ({}, {"cuda_graph": True}, {"cuda_graph": True}):
         out, grads = _grads(leaves, dy, 0.0, **kw)
-    assert graphed.GRAPH_EVENTS["capture"] >= 1 and len(graphed._RUNNERS) == 1
+    assert graphed.GRAPH_EVENTS["capture"] >= 1 and len(graphed._LAYERS) == 1
     del leaves, out, grads
     gc.collect()
-    assert len(graphed._RUNNERS) == 0 and len(graphed._ADDRESSES) == 0
+    assert len(graphed._LAYERS) == 0
 
 
 def test_no_grad_and_checkpointing(device):
@@ -218,7 +218,7 @@ def test_no_grad_and_checkpointing(device):
     x, wg, wu, wd = leaves[:4]
     with torch.no_grad():
         hybrid_mlp(x, wg, wu, wd, layout="block", cuda_graph=True)
-    assert graphed._RUNNERS.get(wg) is None
+    assert graphed._LAYERS.get(wg) is None
     _grads(leaves, torch.randn(M, K, device=device), 0.0)  # observed from here on
 
     def block(x):

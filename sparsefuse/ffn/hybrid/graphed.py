@@ -47,7 +47,7 @@ import math
 import warnings
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -71,9 +71,7 @@ MOVE_LIMIT = 1
 # and logs.
 GRAPH_EVENTS: collections.Counter[str] = collections.Counter()
 
-_RUNNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # gate weight -> OrderedDict(key -> GraphedBlockStep)
-_CAPTURES: WeakIdKeyDictionary = WeakIdKeyDictionary()  # gate weight -> captures taken
-_ADDRESSES: WeakIdKeyDictionary = WeakIdKeyDictionary()  # gate weight -> [its weights' last addresses, moves seen]
+_LAYERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # gate weight -> _LayerGraphs (dies with the layer)
 _COPIED = "copied"  # a key's addresses for a step reading copied weights
 # Static buffers shared by the steps alive (each step holds its sets; a set no step holds is freed).
 _BUFFERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -88,12 +86,21 @@ _ALIGN = 16  # bytes: each kept array starts aligned in the flat buffer (the ker
 def release_graphs() -> None:
     """Drop every captured step, the shared buffers and the memory pools, and forget which layers' weights moved
     (the next graphed call captures anew, reading the weights in place)."""
-    _RUNNERS.clear()
-    _CAPTURES.clear()
-    _ADDRESSES.clear()
+    _LAYERS.clear()
     _BUFFERS.clear()
     _POOLS.clear()
     _POOL_GRAPHS.clear()
+
+
+@dataclass(eq=False)
+class _LayerGraphs:
+    """One layer's replay state, kept per gate weight: its captured steps (most recently used last), the captures it
+    has taken, where its weights were last found and how many times they had moved."""
+
+    steps: collections.OrderedDict = field(default_factory=collections.OrderedDict)  # key -> GraphedBlockStep
+    captures: int = 0
+    addresses: tuple[int | None, ...] | None = None
+    moves: int = 0
 
 
 @dataclass(eq=False)
@@ -391,25 +398,22 @@ def _addresses(weights: tuple) -> tuple[int | None, ...]:
     return tuple(t.data_ptr() if t is not None else None for t in weights)
 
 
-def _weights_keep_moving(gate: torch.Tensor, addresses: tuple[int | None, ...]) -> bool:
+def _weights_keep_moving(layer: _LayerGraphs, addresses: tuple[int | None, ...]) -> bool:
     """Whether this layer's weights (at ``addresses`` now) have been found at new addresses more than
     :data:`MOVE_LIMIT` times (each move would be a new capture): then its steps replay a capture that reads copies
     of the weights (warned once)."""
-    seen = _ADDRESSES.get(gate)
-    if seen is None:
-        _ADDRESSES[gate] = [addresses, 0]
-        return False
-    if seen[0] != addresses:
-        seen[0], seen[1] = addresses, seen[1] + 1
-        if seen[1] == MOVE_LIMIT + 1:
-            _RUNNERS.pop(gate, None)  # its in-place captures, buffers and pool memory are not replayed again
+    if layer.addresses is not None and layer.addresses != addresses:
+        layer.moves += 1
+        if layer.moves == MOVE_LIMIT + 1:
+            layer.steps.clear()  # its in-place captures, buffers and pool memory are not replayed again
             warnings.warn(
                 "sparsefuse hybrid_mlp(cuda_graph=True): a layer's weights were found at a new address "
-                f"{seen[1]} times (parameters gathered anew each step, as FSDP2 does); from now on its replays copy "
-                "the weights into static buffers first (two weight copies per step)",
+                f"{layer.moves} times (parameters gathered anew each step, as FSDP2 does); from now on its replays "
+                "copy the weights into static buffers first (two weight copies per step)",
                 stacklevel=5,
             )
-    return seen[1] > MOVE_LIMIT
+    layer.addresses = addresses
+    return layer.moves > MOVE_LIMIT
 
 
 def graphed_step(
@@ -435,8 +439,11 @@ def graphed_step(
         or (x2.device.type != "cuda" and backend_for(x2) is not Backend.INTERPRETER)
     ):
         return None
+    layer = _LAYERS.get(gate)
+    if layer is None:
+        layer = _LAYERS[gate] = _LayerGraphs()
     addresses = _addresses(weights)
-    copied = _weights_keep_moving(gate, addresses)
+    copied = _weights_keep_moving(layer, addresses)
     capacity = TRAIN_CHOICE.bucketed_capacity(gate, x2.shape[0])
     if capacity is None:
         return None
@@ -450,30 +457,26 @@ def graphed_step(
         sort_rows,
         capacity,
     )
-    runners = _RUNNERS.get(gate)
-    if runners is None:
-        runners = _RUNNERS[gate] = collections.OrderedDict()
-    step = runners.get(key)
+    step = layer.steps.get(key)
     # captures and replays on the tensors' GPU (a layer on cuda:1 while cuda:0 is current)
     on_device = torch.cuda.device(x2.device) if x2.is_cuda else contextlib.nullcontext()
     if step is None:
-        taken = _CAPTURES.get(gate, 0)
-        if taken >= CAPTURE_LIMIT:
-            if taken == CAPTURE_LIMIT:
+        if layer.captures >= CAPTURE_LIMIT:
+            if layer.captures == CAPTURE_LIMIT:
                 warnings.warn(
-                    f"sparsefuse hybrid_mlp(cuda_graph=True): a layer's step was captured {taken} times (its input "
-                    "shape keeps changing); it runs eagerly from now on",
+                    f"sparsefuse hybrid_mlp(cuda_graph=True): a layer's step was captured {layer.captures} times "
+                    "(its input shape keeps changing); it runs eagerly from now on",
                     stacklevel=4,
                 )
-                _CAPTURES[gate] = taken + 1
+                layer.captures += 1
             return None
-        _CAPTURES[gate] = taken + 1
+        layer.captures += 1
         with torch.no_grad(), on_device, autocast_off(x2):
             step = GraphedBlockStep(x2.detach(), weights, block_rows, tile, sort_rows, capacity, copied)
-        runners[key] = step
-        while len(runners) > GRAPHS_PER_WEIGHT:
-            runners.popitem(last=False)
-    runners.move_to_end(key)
+        layer.steps[key] = step
+        while len(layer.steps) > GRAPHS_PER_WEIGHT:
+            layer.steps.popitem(last=False)
+    layer.steps.move_to_end(key)
     with on_device:
         y, l1, counts = _GraphedTrainStep.apply(step, x2, *weights)
     M = x2.shape[0]
