@@ -197,8 +197,10 @@ def _exercise_ops(dtype: torch.dtype, ffn: bool) -> None:
     acts = _sparse_rows(5, 700, [3, 700, 0, 12, 1], dtype)  # row 1 fires every feature: the long-row pass runs
     for method in ("scan", "fixed", "exact"):
         sparsefuse.sparse_decode(acts, r(700, 40, scale=0.1), method=method, max_l0=16)
-    grad_acts = acts.clone().requires_grad_()  # backward: the sampled dense-pattern product
-    sparsefuse.sparse_decode(grad_acts, r(700, 40, scale=0.1, grad=True), method="scan").float().sum().backward()
+    # backward: the sampled dense-pattern product (its kernels' specialisations do not need the full row, which the
+    # interpreter walks slowly)
+    grad_acts = _sparse_rows(3, 200, [3, 40, 0], dtype).requires_grad_()
+    sparsefuse.sparse_decode(grad_acts, r(200, 40, scale=0.1, grad=True), method="scan").float().sum().backward()
     sparsefuse.topk_decode(torch.randint(0, 256, (4, 8)), r(4, 8), r(256, 40))
     xe, w_enc, b_enc = r(4, 64), r(64, 256, scale=0.1), r(256, scale=0.1)
     sparsefuse.jumprelu_encode(xe, w_enc, b_enc, torch.full((256,), 0.1, dtype=dtype), b_dec=r(64))
@@ -236,9 +238,10 @@ def _exercise_ops(dtype: torch.dtype, ffn: bool) -> None:
         return
     K, N = 64, 256  # 64 tokens: several row blocks (heavy-first schedule) and row sorting (block plan)
     xf, w_gate, w_up, w_down = r(64, K), r(N, K, scale=0.2), r(N, K, scale=0.2), r(K, N, scale=0.1)
-    for method in ("twell", "block"):
-        sparsefuse.twell_mlp(xf, w_gate, w_up, w_down, b_gate=r(N), method=method)
-    sparsefuse.twell_relu_mlp(xf, w_up, w_down, method="twell")  # "twell" or "dense" only
+    # the TwELL tiles' kernels take 16 tokens (the interpreter walks each token's tile); the block method the 64
+    sparsefuse.twell_mlp(xf[:16], w_gate, w_up, w_down, b_gate=r(N), method="twell")
+    sparsefuse.twell_mlp(xf, w_gate, w_up, w_down, b_gate=r(N), method="block")
+    sparsefuse.twell_relu_mlp(xf[:16], w_up, w_down, method="twell")  # "twell" or "dense" only
     for layout in ("block", "hybrid", "dense"):
         leaves = [t.detach().clone().requires_grad_() for t in (xf, w_gate, w_up, w_down)]
         out = hybrid_mlp(*leaves, b_gate=r(N, grad=True), layout=layout)
