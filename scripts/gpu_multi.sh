@@ -15,8 +15,9 @@
 # copied without its .git. Knobs: NGPU (default: every visible GPU), ENGINES (ddp,fsdp2),
 # SPARSEFUSE_FSDP_LAYERS_PER_UNIT (decoder layers per FSDP2 unit in the bench, default 3),
 # SPARSEFUSE_FSDP_RESHARD_AFTER_FORWARD (0 or 1, default 0: units kept gathered to the backward),
-# SPARSEFUSE_TRAIN_CUDA_GRAPH (0 or 1, default 0: the patched rows' FFN steps replayed from CUDA graphs under DDP;
-# shard_llama_fsdp2 turns it off for the FSDP2 rows: FSDP2 gathers the weights anew each step),
+# SPARSEFUSE_TRAIN_CUDA_GRAPH (0 or 1, default 0: the patched rows' FFN steps replayed from CUDA graphs; under FSDP2,
+# which gathers the weights anew each step, from copies of them),
+# SPARSEFUSE_TRAIN_PIN_CPUS (0 or 1, default 0: each process on its own share of the CPUs, split by local rank),
 # SPARSEFUSE_TRAIN_STEPS_PER_SYNC (training steps per timed call, default 1: each step timed from an idle GPU),
 # SPARSEFUSE_TRAIN_PROFILE (0 or 1, default 0: each row's note adds its step's compute, NCCL, exposed NCCL and idle
 # time by rank, from 3 more steps under torch.profiler),

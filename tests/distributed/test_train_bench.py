@@ -59,6 +59,7 @@ def test_train_bench_distributed_mode_two_processes(tmp_path, device):
         train_dist.CUDA_GRAPH_ENV: "0",
         train_dist.STEPS_ENV: "1",
         train_dist.PROFILE_ENV: "0",
+        train_dist.PIN_CPUS_ENV: "0",
     }  # whatever the caller's env says
     returncode = _torchrun([str(WORKER), str(out), device], log, **defaults)
     assert returncode == 0, f"torchrun returned {returncode}:\n" + log.read_text()[-6000:]
@@ -100,13 +101,15 @@ def test_train_bench_fsdp2_torch_default_setup(tmp_path):
         train_dist.FSDP_UNIT_ENV: "1",
         train_dist.FSDP_RESHARD_ENV: "1",
         train_dist.PROFILE_ENV: "1",  # the anatomy's collective on the CPU: no GPU kernels to tell
+        train_dist.PIN_CPUS_ENV: "1",
     }
     returncode = _torchrun([str(WORKER), str(out), "cpu"], log, **env)
     assert returncode == 0, f"torchrun returned {returncode}:\n" + log.read_text()[-6000:]
     rows = json.loads(out.read_text())["rows"]
     assert set(rows) == {"2L nnz=6 B=2 S=16 fsdp2 x2"}
     for impl, row in rows["2L nnz=6 B=2 S=16 fsdp2 x2"].items():
-        assert row["note"].startswith("fsdp2 on 2x CPU"), row["note"]
+        assert row["note"].startswith("fsdp2, CPUs pinned: "), row["note"]  # torch's setup: no unit label
+        assert " per process on 2x CPU" in row["note"], row["note"]
         assert "; anatomy n/a (no GPU kernels recorded); " in row["note"], row["note"]
         assert row["note"].endswith(": ok") and all(math.isfinite(v) for v in row["losses"]), (impl, row)
         assert float(row["note"].split("grads vs 1 process ")[1].split()[0]) < 1e-5, (impl, row["note"])
@@ -147,7 +150,11 @@ def test_fsdp_reshard_from_env(monkeypatch):
 
 @pytest.mark.parametrize(
     "name, read",
-    [(train_dist.PROFILE_ENV, train_dist.train_profile), (train_dist.CUDA_GRAPH_ENV, train_dist.train_cuda_graph)],
+    [
+        (train_dist.PROFILE_ENV, train_dist.train_profile),
+        (train_dist.CUDA_GRAPH_ENV, train_dist.train_cuda_graph),
+        (train_dist.PIN_CPUS_ENV, train_dist.pin_cpus),
+    ],
 )
 def test_flags_from_env(name, read, monkeypatch):
     monkeypatch.delenv(name, raising=False)
@@ -157,6 +164,13 @@ def test_flags_from_env(name, read, monkeypatch):
     monkeypatch.setenv(name, "on")
     with pytest.raises(ValueError, match=name):
         read()
+
+
+def test_cpu_share_splits_the_cpus_by_local_rank():
+    cpus = [0, 1, 2, 3, 4, 5, 6]
+    shares = [train_dist.cpu_share(cpus, r, 3) for r in range(3)]
+    assert shares == [[0, 1, 2], [3, 4], [5, 6]]
+    assert [train_dist.cpu_share([4, 9], r, 3) for r in range(3)] == [[4], [9], [4]]  # fewer CPUs than processes
 
 
 def test_engines_from_env(monkeypatch):

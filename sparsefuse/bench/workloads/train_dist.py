@@ -65,6 +65,10 @@ CUDA_GRAPH_ENV = "SPARSEFUSE_TRAIN_CUDA_GRAPH"  # "1": patched models replay the
 STEPS_ENV = "SPARSEFUSE_TRAIN_STEPS_PER_SYNC"
 PROFILE_ENV = "SPARSEFUSE_TRAIN_PROFILE"  # "1": each row's note adds its step's anatomy by rank (step_anatomy)
 PROFILE_STEPS = 3
+# "1": each process keeps to its own share of the CPUs it may use (split evenly by local rank, in order), set before
+# the process group starts its threads: with the FFN replayed, a patched FSDP2 step is bound by its hosts, and one
+# rank's host lagging the other's by ~90 ms a step has been seen, the lagging rank changing between runs.
+PIN_CPUS_ENV = "SPARSEFUSE_TRAIN_PIN_CPUS"
 GRAD_CHECK_BATCH = 1  # sequences per process in the gradient check (its one-process reference takes N of them)
 # The L1 coefficient of the gradient check of the patched model: large enough that the L1 term's gradient (a
 # per-rank mean, like the LM loss) is a visible part of the gate's gradient; the timed steps use train's.
@@ -97,6 +101,9 @@ def init_world(device_type: str) -> World:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    if pin_cpus() and not dist.is_initialized():
+        local_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+        os.sched_setaffinity(0, cpu_share(sorted(os.sched_getaffinity(0)), int(os.environ["LOCAL_RANK"]), local_size))
     if not dist.is_initialized():
         if device.type == "cuda":
             dist.init_process_group("nccl", timeout=TIMEOUT, device_id=device)
@@ -171,6 +178,25 @@ def train_profile() -> bool:
     """Whether each row's note adds the anatomy of its step by rank: ``SPARSEFUSE_TRAIN_PROFILE`` ("1" or "0",
     default "0"; three more steps per row, under torch.profiler)."""
     return _flag_from_env(PROFILE_ENV, False)
+
+
+def pin_cpus() -> bool:
+    """Whether each process keeps to its own share of the CPUs: ``SPARSEFUSE_TRAIN_PIN_CPUS`` ("1" or "0", default
+    "0"; Linux only)."""
+    pinned = _flag_from_env(PIN_CPUS_ENV, False)
+    if pinned and not hasattr(os, "sched_setaffinity"):
+        raise ValueError(f"{PIN_CPUS_ENV}=1 needs os.sched_setaffinity (Linux)")
+    return pinned
+
+
+def cpu_share(cpus: list[int], local_rank: int, local_size: int) -> list[int]:
+    """Local rank ``local_rank``'s share of ``cpus`` split among ``local_size`` processes: consecutive runs of
+    near-equal length (the first ones one longer), at least one CPU each (shared round-robin past one per process)."""
+    if len(cpus) < local_size:
+        return [cpus[local_rank % len(cpus)]]
+    per, extra = divmod(len(cpus), local_size)
+    start = local_rank * per + min(local_rank, extra)
+    return cpus[start : start + per + (local_rank < extra)]
 
 
 def train_cuda_graph() -> bool:
@@ -379,6 +405,8 @@ class _Engine:
             # FSDP2 gathers the weights into fresh storage every step: its replays read copies of them
             copied = GRAPH_EVENTS["copied replay"] > 0
             engine += ", FFN steps as CUDA graphs" + (" (weights copied in)" if copied else "")
+        if pin_cpus():
+            engine += f", CPUs pinned: {len(os.sched_getaffinity(0))} per process"
         return f"{engine} on {self.world.size}x {where}; {memory}{anatomy}; {self.agreement[impl]}"
 
     def anatomy(self, impl: str) -> str:
