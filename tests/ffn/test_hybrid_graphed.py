@@ -163,16 +163,17 @@ def _moved_until_copied(leaves, dy, kept):
     _grads(leaves, dy, 0.0)  # the gate's first observation
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for i in range(3):
+        for i in range(graphed.MOVE_LIMIT + 2):  # the first addresses, MOVE_LIMIT moves captured in place, one more
             kept.append([leaves[0], leaves[1], (leaves[2].detach() * (2 - i / 4)).requires_grad_(), *leaves[3:]])
             _grads(kept[-1], dy, 0.0, cuda_graph=True)
     assert [key[2] for key in graphed._LAYERS[leaves[1]].steps] == [graphed._COPIED]
 
 
-def test_two_layers_share_the_weight_copies_and_each_replay_fills_them(device):
+def test_two_layers_share_the_weight_copies_and_each_replay_fills_them(device, monkeypatch):
     """Two layers of one shape replaying copied weights share the static copies: forwards of both, then one
     backward through both (the second layer's backward first): each forward and each backward fills the copies with
     its own layer's weights, so the gradients are the eager steps'."""
+    monkeypatch.setattr(graphed, "MOVE_LIMIT", 0)  # copied from the first move on: one capture fewer per layer
     dy = torch.randn(M, K, device=device)
     kept, layers = [], []
     for seed in (11, 12):
