@@ -138,19 +138,20 @@ class _WeightCopies:
                 copy.copy_(w)
 
 
+def _shared(key: tuple, make: Callable[[], object]):
+    """The static buffer set under ``key`` that the steps alive share, made on first use (freed with its last step)."""
+    found = _BUFFERS.get(key)
+    if found is None:
+        found = _BUFFERS[key] = make()
+    return found
+
+
 def _weight_copies(weights: tuple) -> _WeightCopies:
     """The shared static copies for weights of these shapes, dtypes and strides (allocated on first use)."""
     dev = next(t for t in weights if t is not None).device
     key = ("weight copies", dev, tuple((t.dtype, t.shape, t.stride()) if t is not None else None for t in weights))
-    copies = _BUFFERS.get(key)
-    if copies is None:
-        copies = _BUFFERS[key] = _WeightCopies(
-            tuple(
-                torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=dev) if t is not None else None
-                for t in weights
-            )
-        )
-    return copies
+    empty = lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=dev)  # noqa: E731
+    return _shared(key, lambda: _WeightCopies(tuple(empty(t) if t is not None else None for t in weights)))
 
 
 def _buffers(x2: torch.Tensor, weights: tuple) -> tuple[_TokenBuffers, _WeightBuffers]:
@@ -160,24 +161,26 @@ def _buffers(x2: torch.Tensor, weights: tuple) -> tuple[_TokenBuffers, _WeightBu
     empty = lambda *shape, dtype: new_output(shape, dtype, dev)  # noqa: E731
     weight_key = ("weights", dev, tuple((t.dtype, t.shape) if t is not None else None for t in weights))
     token_key = ("tokens", dev, x2.shape, x2.dtype, K_out, N)
-    tokens = _BUFFERS.get(token_key)
-    if tokens is None:
-        tokens = _BUFFERS[token_key] = _TokenBuffers(
+    tokens = _shared(
+        token_key,
+        lambda: _TokenBuffers(
             x=empty(*x2.shape, dtype=x2.dtype),
             dy=empty(M, K_out, dtype=x2.dtype),
             y=empty(M, K_out, dtype=x2.dtype),
             dx=empty(*x2.shape, dtype=x2.dtype),
             counts=empty(M + N, dtype=torch.int32),
-        )
-    grads = _BUFFERS.get(weight_key)
-    if grads is None:
-        grads = _BUFFERS[weight_key] = _WeightBuffers(
+        ),
+    )
+    grads = _shared(
+        weight_key,
+        lambda: _WeightBuffers(
             dl1=empty(dtype=torch.float32),
             l1=empty(dtype=torch.float32),
             dw=[empty(*w.shape, dtype=w.dtype) if w is not None else None for w in (w_gate, w_up)]
             + [empty(w_down.shape[1], w_down.shape[0], dtype=w_down.dtype)],
             db=[empty(*b.shape, dtype=b.dtype) if b is not None else None for b in (b_gate, b_up, b_down)],
-        )
+        ),
+    )
     return tokens, grads
 
 
