@@ -110,6 +110,13 @@ def list_long_unit(units_ptr, count_ptr, arrivals_ptr, unit, arrival_rows, ARRIV
 
 
 @triton.jit
+def _load_w_rows(w_ptr, stride_w, rows, row_mask, d, d_mask):
+    """W[rows, d] [GROUP, BLOCK_D] in W's dtype; rows outside ``row_mask`` are not loaded."""
+    ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_w + d[None, :]
+    return tl.load(ptrs, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+
+
+@triton.jit
 def _sum_columns(
     row_ptr,
     stride_col,
@@ -130,7 +137,8 @@ def _sum_columns(
     A chunk at least half non-zero (a token that fires everything) is summed in order, GROUP consecutive W rows at
     a time: no ranking and picking of its non-zeros, and the rows' addresses are known ahead, so their loads can be
     pipelined; its zeros' rows are masked off, as the picks would skip them."""
-    per = tl.cdiv(tl.cdiv(f_end - f_begin, subsplits), BLOCK_S) * BLOCK_S
+    # sub-splits are whole GROUPs of columns, not whole scanned chunks: one full row is spread over many programs
+    per = tl.cdiv(tl.cdiv(f_end - f_begin, subsplits), GROUP) * GROUP
     s_begin = f_begin + sub * per
     s_end = tl.minimum(f_end, s_begin + per)
     acc = tl.zeros(d.shape, dtype=tl.float32)
@@ -145,11 +153,20 @@ def _sum_columns(
         a_next = tl.load(row_ptr + f_next.to(tl.int64) * stride_col, mask=f_next < s_end, other=0.0)
         chunk_nnz = tl.sum((a != 0).to(tl.int32), axis=0)
         nnz += chunk_nnz
-        if 2 * chunk_nnz >= BLOCK_S:
-            for g in range(0, BLOCK_S, GROUP):
-                rows = f0 + g + tl.arange(0, GROUP)  # [GROUP]
-                coef = tl.load(row_ptr + rows.to(tl.int64) * stride_col, mask=rows < s_end, other=0.0).to(tl.float32)
-                acc = accumulate_rows(acc, coef, rows, coef != 0, w_ptr, stride_w, d, d_mask)
+        chunk_len = tl.minimum(s_end - f0, BLOCK_S)
+        if 2 * chunk_nnz >= chunk_len:
+            # the next group's weight rows are loaded before this group's are summed: two tiles in flight
+            rows = f0 + tl.arange(0, GROUP)  # [GROUP]
+            coef = tl.load(row_ptr + rows.to(tl.int64) * stride_col, mask=rows < s_end, other=0.0).to(tl.float32)
+            w = _load_w_rows(w_ptr, stride_w, rows, coef != 0, d, d_mask)
+            for g in range(GROUP, chunk_len + GROUP, GROUP):
+                rows = f0 + g + tl.arange(0, GROUP)
+                in_chunk = rows < f0 + chunk_len  # the last step loads nothing
+                coef_next = tl.load(row_ptr + rows.to(tl.int64) * stride_col, mask=in_chunk, other=0.0)
+                coef_next = coef_next.to(tl.float32)
+                w_next = _load_w_rows(w_ptr, stride_w, rows, coef_next != 0, d, d_mask)
+                acc += tl.sum(coef[:, None] * w.to(tl.float32), axis=0)
+                coef, w = coef_next, w_next
         else:
             acc = accumulate_nonzeros(acc, a, f, w_ptr, stride_w, d, d_mask, GROUP)
         f = f_next
@@ -399,7 +416,7 @@ class LongRows:
         cfg = spread_config(n_out, weight, block_d)
         device = weight.device
         d_blocks = triton.cdiv(n_out, cfg.block_d)
-        steps = max(triton.cdiv(unit_cols, cfg.block_s), triton.cdiv(unit_entries, cfg.block_k))  # of one unit
+        steps = max(triton.cdiv(unit_cols, cfg.group), triton.cdiv(unit_entries, cfg.block_k))  # of one unit
         max_subsplits = max(1, min(MAX_SUBSPLITS, steps, SUBSPLIT_SUM_BYTES // (4 * cfg.block_d)))
         arrivals_per_unit, arrival_rows, partial_rows = 0, 0, 0
         if deliver != DELIVER_ATOMIC.value:
