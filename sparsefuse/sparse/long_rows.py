@@ -62,8 +62,11 @@ NEVER_LONG = 2**31 - 1  # threshold of a launch that lists no stored row as long
 # blocks of up to 1024 columns, 1024 dense columns scanned per step, 8 programs per SM (the grid never depends on
 # the data), each looping over about SPREAD_ITEMS_PER_PROGRAM items so that uneven units still balance. Against 256
 # / 256 / 4: geometric mean 462 against 637 us; an overflowed row's dense scan is repeated once per output block,
-# so fewer, wider blocks cut it 2-3.5x (B=4096, sigma 1.0, D=2304 bf16: 953 against 3371 us); the one loss is two
-# full rows at B=32, D=768 fp32 (778 against 222 us), which auto decodes with cuBLAS.
+# so fewer, wider blocks cut it 2-3.5x (B=4096, sigma 1.0, D=2304 bf16: 953 against 3371 us). Two full rows at
+# B=32 (H200): D=768 fp32 105 us against cuBLAS's 153, D=2304 bf16 181 against 87 -- each full row reads all of W
+# (the items of two rows do not share it through L2). Summing two overflowed rows per item to read W once was
+# tried: the pair code's registers (255 a thread, 2 programs an SM) cost the inputs with hundreds of sparse
+# overflowed rows 30% and bought two full rows little; auto decodes full rows with cuBLAS instead.
 SPREAD_PROGRAMS_PER_SM = 8
 SPREAD_ITEMS_PER_PROGRAM = 4
 SPREAD_MAX_BLOCK_D = 1024  # output columns per item, at most
