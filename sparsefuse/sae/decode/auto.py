@@ -81,13 +81,16 @@ _FIXED_GATHER_RATE = {4: 4.8e12, 2: 3.8e12}
 _FIXED_GATHER_STEP_S = 0.7e-6
 _FIXED_WORDS_CHUNK_S = 2e-6
 _DENSE_WEIGHT_RATE = 3.3e12
+# fp32 (no tensor cores): with few rows cuBLAS reads W_dec at ~1.3 TB/s on an H100 and an H200 alike (B=32,
+# F=65536, D=768: 152 us on both), bound by its kernel, not by DRAM
+_DENSE_FP32_WEIGHT_RATE = 1.35e12
 _DENSE_FLOP_RATE = {torch.float32: 50e12, torch.float16: 800e12, torch.bfloat16: 800e12}
 _LAUNCH_S = 5e-6
 # Long tokens (e.g. two firing all 65536 features, sae_decode_grid): their W_dec bytes over the spread launch's
-# rate, which is bound by its sub-splits per output block (64 of them), not by DRAM: so per activation element
-# size, as fp32 rows (D=768) have a third of the output blocks of the bf16 ones (D=2304)
-_SCAN_LONG_RATE = {4: 1.34e12, 2: 3.4e12}
-_FIXED_LONG_RATE = {4: 0.92e12, 2: 4.0e12}
+# rate, near DRAM's (each long token reads its rows of W_dec on its own; H200: two full rows 107 us at D=768 fp32,
+# 182 at D=2304 bf16), so scaled with the device's bandwidth
+_SCAN_LONG_RATE = {4: 3.8e12, 2: 3.3e12}
+_FIXED_LONG_RATE = {4: 3.8e12, 2: 3.3e12}
 # A one-wave gather launch with rows past ONE_WAVE_LONG_ENTRIES: the spread launch's cost once, then W_dec bytes
 # of one output row per such row over this rate
 _ONE_WAVE_SPREAD_S = 15e-6
@@ -168,24 +171,25 @@ def _predicted_seconds(
         _LAUNCH_S
         + M * d_sae * e_a / _SCAN_ROW_RATE.get(e_a, 1.4e12)
         + gathered / scan_gather
-        + long_bytes / min(scan_gather, _SCAN_LONG_RATE.get(e_a, 1.3e12))
+        + long_bytes / min(scan_gather, _SCAN_LONG_RATE.get(e_a, 3.3e12) * scale)
     )
     fixed = 4 * _LAUNCH_S + max(  # bitmask, bits -> ELL, gather, and the long rows' spread
         M * (d_sae * e_a / (_FIXED_BITS_RATE * scale) + d_sae / 8 / _FIXED_WORDS_RATE) + gathered / fixed_gather,
         mean_l0 / 16 * _FIXED_GATHER_STEP_S + math.ceil(d_sae / 32768) * _FIXED_WORDS_CHUNK_S,
     )
-    fixed += long_bytes / min(fixed_gather, _FIXED_LONG_RATE.get(e_a, 0.9e12))
+    fixed += long_bytes / min(fixed_gather, _FIXED_LONG_RATE.get(e_a, 3.3e12) * scale)
     if M * triton.cdiv(d_model, gather_block_d(M, d_model, sms)) <= ONE_WAVE_PROGRAMS_PER_SM * sms:
         # one wave: the gather lasts as long as its longest row, and rows past ONE_WAVE_LONG_ENTRIES entries are
         # spread by a second launch -- a cost paid once any row gets there, then a little more per row
         over = ordinary * _share_above(ONE_WAVE_LONG_ENTRIES, mean_l0, cv)
         fixed += min(1.0, over + n_long) * _ONE_WAVE_SPREAD_S + over * d_model * e_w / _ONE_WAVE_ROW_RATE
     compute = torch.promote_types(acts_dtype, w_dtype)
+    weight_rate = _DENSE_FP32_WEIGHT_RATE if compute == torch.float32 else _DENSE_WEIGHT_RATE * scale
     # cuBLAS reaches neither bound where both are close (B=256, d_model=768: 45 us against 32 and 31): their sum
     # in quadrature
     dense = math.hypot(
         2 * M * d_sae * d_model / _DENSE_FLOP_RATE.get(compute, 50e12),
-        d_sae * d_model * compute.itemsize / (_DENSE_WEIGHT_RATE * scale),
+        d_sae * d_model * compute.itemsize / weight_rate,
     )
     return {"scan": scan, "fixed": fixed, "dense": dense}
 
