@@ -87,8 +87,8 @@ _DENSE_FP32_WEIGHT_RATE = 1.35e12
 _DENSE_FLOP_RATE = {torch.float32: 50e12, torch.float16: 800e12, torch.bfloat16: 800e12}
 _LAUNCH_S = 5e-6
 # Long tokens (e.g. two firing all 65536 features, sae_decode_grid): their W_dec bytes over the spread launch's
-# rate, near DRAM's (each long token reads its rows of W_dec on its own; H200: two full rows 107 us at D=768 fp32,
-# 182 at D=2304 bf16), so scaled with the device's bandwidth
+# rate, bound by the spread's programs rather than by DRAM: two full rows among 32 take 107 / 112 us at D=768 fp32
+# and 182 / 192 us at D=2304 bf16 on an H200 / H100, whose bandwidths differ by 1.43x
 _SCAN_LONG_RATE = {4: 3.8e12, 2: 3.3e12}
 _FIXED_LONG_RATE = {4: 3.8e12, 2: 3.3e12}
 # A one-wave gather launch with rows past ONE_WAVE_LONG_ENTRIES: the spread launch's cost once, then W_dec bytes
@@ -171,13 +171,13 @@ def _predicted_seconds(
         _LAUNCH_S
         + M * d_sae * e_a / _SCAN_ROW_RATE.get(e_a, 1.4e12)
         + gathered / scan_gather
-        + long_bytes / min(scan_gather, _SCAN_LONG_RATE.get(e_a, 3.3e12) * scale)
+        + long_bytes / min(scan_gather, _SCAN_LONG_RATE.get(e_a, 3.3e12))
     )
     fixed = 4 * _LAUNCH_S + max(  # bitmask, bits -> ELL, gather, and the long rows' spread
         M * (d_sae * e_a / (_FIXED_BITS_RATE * scale) + d_sae / 8 / _FIXED_WORDS_RATE) + gathered / fixed_gather,
         mean_l0 / 16 * _FIXED_GATHER_STEP_S + math.ceil(d_sae / 32768) * _FIXED_WORDS_CHUNK_S,
     )
-    fixed += long_bytes / min(fixed_gather, _FIXED_LONG_RATE.get(e_a, 3.3e12) * scale)
+    fixed += long_bytes / min(fixed_gather, _FIXED_LONG_RATE.get(e_a, 3.3e12))
     if M * triton.cdiv(d_model, gather_block_d(M, d_model, sms)) <= ONE_WAVE_PROGRAMS_PER_SM * sms:
         # one wave: the gather lasts as long as its longest row, and rows past ONE_WAVE_LONG_ENTRIES entries are
         # spread by a second launch -- a cost paid once any row gets there, then a little more per row
