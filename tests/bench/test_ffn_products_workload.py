@@ -50,16 +50,17 @@ def test_replayed_products_launch_the_step_kernels(cases):
         case.impls["dense"](*inputs)  # the dense counterpart runs on the same inputs
 
 
-def test_replays_give_the_steps_gradients():
+def test_replays_give_the_steps_gradients(device):
     """The recorded calls, replayed, give exactly the gradients autograd returned for the same step: the
-    recording holds the step's own arguments."""
-    ffn = synthetic_ffn(K, N, dtype=torch.float32, device="cpu", seed=3)
+    recording holds the step's own arguments (on the test device: CPU tensors record nothing unless the kernels
+    run in the interpreter)."""
+    ffn = synthetic_ffn(K, N, dtype=torch.float32, device=device, seed=3)
     x = ffn.make_input(M, 30.0)
-    dy = torch.randn(M, K)
+    dy = torch.randn(M, K, device=device)
     calls = ffn_products.record_step(x, ffn.w_gate, ffn.w_up, ffn.w_down, dy)
     leaves = [t.detach().clone().requires_grad_() for t in (x, ffn.w_gate, ffn.w_up, ffn.w_down)]
     out = hybrid_mlp(*leaves, layout="block")
-    dx, dwg, dwu, dwd = torch.autograd.grad((out.y, out.l1), leaves, (dy, torch.tensor(2e-5)))
+    dx, dwg, dwu, dwd = torch.autograd.grad((out.y, out.l1), leaves, (dy, torch.tensor(2e-5, device=device)))
     (got_g, got_u, got_d), _ = ffn_products._replay("transposed_matmul", calls["transposed_matmul"][0])
     got_x = ffn_products._dx(calls["block_sparse_matmul"][1], calls["block_sparse_matmul"][2])
     for got, want in ((got_x, dx), (got_g, dwg), (got_u, dwu), (got_d, dwd.t())):
