@@ -29,13 +29,17 @@ gpu=$($PY -c 'import torch; from sparsefuse.bench.report import sanitize; print(
 # With several GPUs visible and TESTS unset, the test files are shared out over the GPUs (balanced by size, one
 # pytest per GPU side by side, PYTEST_WORKERS each), then tests/distributed runs with every GPU visible; GPUS=1
 # keeps one pytest on GPU 0.
+# TESTS_DEADLINE_S: each pytest of the suite is interrupted (SIGINT) after that many seconds, so a run cut by the
+# machine's time limit still ends with pytest's summary, naming the failures seen so far.
 ngpu=${GPUS:-$($PY -c 'import torch; print(torch.cuda.device_count())')}
+deadline=()
+[ -n "${TESTS_DEADLINE_S:-}" ] && deadline=(timeout -s INT -k 30 "$TESTS_DEADLINE_S")
 log="$out/gpu-tests-$gpu.log"
 tests_status=0
 if [ "${TESTS:-}" = 0 ]; then
   echo "gpu_check: TESTS=0: the test suite skipped"
 elif [ -n "${TESTS:-}" ] || [ "$ngpu" -le 1 ]; then
-  $PY -m pytest ${TESTS:-tests} -q -rf -n ${PYTEST_WORKERS:-8} -p no:cacheprovider 2>&1 | tee "$log"
+  ${deadline[@]+"${deadline[@]}"} $PY -m pytest ${TESTS:-tests} -q -rf -n ${PYTEST_WORKERS:-8} -p no:cacheprovider 2>&1 | tee "$log"
   tests_status=${PIPESTATUS[0]}
 else
   mapfile -t shards < <($PY - "$ngpu" <<'PYTHON'
@@ -57,7 +61,7 @@ PYTHON
   )
   pids=()
   for i in "${!shards[@]}"; do
-    CUDA_VISIBLE_DEVICES=$i $PY -m pytest ${shards[$i]} -q -rf -n ${PYTEST_WORKERS:-8} -p no:cacheprovider \
+    CUDA_VISIBLE_DEVICES=$i ${deadline[@]+"${deadline[@]}"} $PY -m pytest ${shards[$i]} -q -rf -n ${PYTEST_WORKERS:-8} -p no:cacheprovider \
       >"$out/.tests-$i.log" 2>&1 &
     pids+=($!)
   done
