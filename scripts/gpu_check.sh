@@ -71,7 +71,8 @@ PYTHON
     { echo "===== GPU $i: ${shards[$i]}"; cat "$out/.tests-$i.log"; } >>"$log"
     rm -f "$out/.tests-$i.log"
   done
-  { echo "===== every GPU: tests/distributed"; $PY -m pytest tests/distributed -q -rf -p no:cacheprovider 2>&1; } \
+  { echo "===== every GPU: tests/distributed"
+    ${deadline[@]+"${deadline[@]}"} $PY -m pytest tests/distributed -q -rf -p no:cacheprovider 2>&1; } \
     | tee -a "$log"
   [ "${PIPESTATUS[0]}" = 0 ] || tests_status=1
   grep -E "^=====|passed|failed|^FAILED|^ERROR" "$log"

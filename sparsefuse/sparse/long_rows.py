@@ -63,10 +63,10 @@ NEVER_LONG = 2**31 - 1  # threshold of a launch that lists no stored row as long
 # the data), each looping over about SPREAD_ITEMS_PER_PROGRAM items so that uneven units still balance. Against 256
 # / 256 / 4: geometric mean 462 against 637 us; an overflowed row's dense scan is repeated once per output block,
 # so fewer, wider blocks cut it 2-3.5x (B=4096, sigma 1.0, D=2304 bf16: 953 against 3371 us). Two full rows at
-# B=32 (H200): D=768 fp32 105 us against cuBLAS's 153, D=2304 bf16 181 against 87 -- each full row reads all of W
-# (the items of two rows do not share it through L2). Summing two overflowed rows per item to read W once was
+# B=32 (H200): D=768 fp32 107 us against cuBLAS's 152, D=2304 bf16 182 against 78 -- each full row reads all of W
+# (the items of two rows share it through L2 only in part). Summing two overflowed rows per item to read W once was
 # tried: the pair code's registers (255 a thread, 2 programs an SM) cost the inputs with hundreds of sparse
-# overflowed rows 30% and bought two full rows little; auto decodes full rows with cuBLAS instead.
+# overflowed rows 30% and bought two full rows little; auto decodes full bf16 rows with cuBLAS instead.
 SPREAD_PROGRAMS_PER_SM = 8
 SPREAD_ITEMS_PER_PROGRAM = 4
 SPREAD_MAX_BLOCK_D = 1024  # output columns per item, at most
@@ -160,7 +160,8 @@ def _sum_columns(
         if 2 * chunk_nnz >= chunk_len:
             # the next group's weight rows are loaded before this group's are summed: two tiles in flight
             rows = f0 + tl.arange(0, GROUP)  # [GROUP]
-            coef = tl.load(row_ptr + rows.to(tl.int64) * stride_col, mask=rows < s_end, other=0.0).to(tl.float32)
+            in_chunk = rows < f0 + chunk_len
+            coef = tl.load(row_ptr + rows.to(tl.int64) * stride_col, mask=in_chunk, other=0.0).to(tl.float32)
             w = _load_w_rows(w_ptr, stride_w, rows, coef != 0, d, d_mask)
             for g in range(GROUP, chunk_len + GROUP, GROUP):
                 rows = f0 + g + tl.arange(0, GROUP)
@@ -248,8 +249,8 @@ def spread_long_units(
     if DELIVER != DELIVER_ATOMIC:
         subsplits = tl.minimum(subsplits, partial_rows // tl.maximum(n_units, 1))  # within the partial buffer
     subsplits = tl.maximum(subsplits, 1)
-    # The unit varies fastest: programs running side by side walk the same weight rows for different long rows,
-    # so several full rows read W from DRAM about once.
+    # The unit varies fastest: programs running side by side walk the same weight rows for different long rows
+    # (L2 shares them only in part: two full bf16 rows take about two reads' time of W).
     for item in range(tl.program_id(0), per_sub * subsplits, tl.num_programs(0)):
         slot = item % n_units
         d_block = (item // n_units) % n_d_blocks

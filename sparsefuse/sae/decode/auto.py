@@ -14,7 +14,8 @@ would make every token look like 1100 and send a batch that is sparse but for it
   d_model bytes / gather rate + the long rows, or one program's serial walk over a row when that is longer (few
   rows, large L0) -- the scan wins small batches, the two-pass "fixed" large ones (from ~64-1024 rows, later on GPUs
   of less bandwidth);
-* dense ~ the hypotenuse of flops / matmul rate and W_dec bytes / DRAM rate;
+* dense ~ the hypotenuse of flops / matmul rate and W_dec bytes / DRAM rate (fp32: a fixed ~1.35 TB/s, the rate
+  cuBLAS's fp32 product of few rows reads W_dec at on an H100 and an H200 alike);
 * the long rows ~ their W_dec bytes over the spread launch's rate (bound by its sub-splits, not by DRAM).
 
 Where the gather launch of "fixed" fits in one wave (rows x output blocks <= 16 programs per SM: ~256 tokens), it
@@ -28,10 +29,10 @@ lengths even out, and the mean decides.
 
 The number of long tokens in a batch of more rows than were sampled: the first one the sample holds is taken for a
 lone token (the first of a batch, which the evenly spaced sample always includes, is the typical one: two full
-tokens of 4096 are decoded best by "fixed", 639 us against cuBLAS's 1572), any further ones as a share of
+tokens of 4096 are decoded best by "fixed", 657 us against cuBLAS's 1619 on an H200), any further ones as a share of
 the batch (a batch dense throughout goes to cuBLAS).
 
-The byte-bound terms of "fixed" and cuBLAS scale with the device's DRAM bandwidth
+The byte-bound terms of "fixed" and of cuBLAS in 16 bits scale with the device's DRAM bandwidth
 (:func:`~sparsefuse._backend.dram_bandwidth`); the scan's do not: at B=4096, D=2304 bf16 the scan took 811 us on an
 H100 and 783 on an H200, the two-pass "fixed" 723 and 529, in the ratio of the two memories (3.35 vs 4.8 TB/s), so
 "fixed" takes over from the scan at ~512 (bf16) to ~2048 (fp32) rows on an H100, at ~256 on an H200.
@@ -171,13 +172,13 @@ def _predicted_seconds(
         _LAUNCH_S
         + M * d_sae * e_a / _SCAN_ROW_RATE.get(e_a, 1.4e12)
         + gathered / scan_gather
-        + long_bytes / min(scan_gather, _SCAN_LONG_RATE.get(e_a, 3.3e12))
+        + long_bytes / _SCAN_LONG_RATE.get(e_a, 3.3e12)
     )
     fixed = 4 * _LAUNCH_S + max(  # bitmask, bits -> ELL, gather, and the long rows' spread
         M * (d_sae * e_a / (_FIXED_BITS_RATE * scale) + d_sae / 8 / _FIXED_WORDS_RATE) + gathered / fixed_gather,
         mean_l0 / 16 * _FIXED_GATHER_STEP_S + math.ceil(d_sae / 32768) * _FIXED_WORDS_CHUNK_S,
     )
-    fixed += long_bytes / min(fixed_gather, _FIXED_LONG_RATE.get(e_a, 3.3e12))
+    fixed += long_bytes / _FIXED_LONG_RATE.get(e_a, 3.3e12)
     if M * triton.cdiv(d_model, gather_block_d(M, d_model, sms)) <= ONE_WAVE_PROGRAMS_PER_SM * sms:
         # one wave: the gather lasts as long as its longest row, and rows past ONE_WAVE_LONG_ENTRIES entries are
         # spread by a second launch -- a cost paid once any row gets there, then a little more per row
