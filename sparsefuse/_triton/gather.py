@@ -24,12 +24,17 @@ def pick_nonzeros(a, f, rank, j):
 
 
 @triton.jit
+def load_rows(w_ptr, stride_w, rows, row_mask, d, d_mask):
+    """W[rows, d] [BLOCK_R, BLOCK_D] in W's dtype; rows outside ``row_mask`` are not loaded (0)."""
+    ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_w + d[None, :]
+    return tl.load(ptrs, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+
+
+@triton.jit
 def accumulate_rows(acc, coef, rows, row_mask, w_ptr, stride_w, d, d_mask):
     """acc [BLOCK_D] += sum_r coef[r] * W[rows[r], d] (fp32); rows outside ``row_mask`` are not loaded. The inner
     step of every gather-accumulate (stored entries, picked non-zeros, the TwELL up/down kernel)."""
-    w = tl.load(
-        w_ptr + rows[:, None].to(tl.int64) * stride_w + d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0
-    )  # [BLOCK_R, BLOCK_D]
+    w = load_rows(w_ptr, stride_w, rows, row_mask, d, d_mask)  # [BLOCK_R, BLOCK_D]
     return acc + tl.sum(coef[:, None] * w.to(tl.float32), axis=0)
 
 

@@ -36,7 +36,7 @@ import triton.language as tl
 
 from .. import _backend
 from .._backend import sm_count
-from .._triton.gather import accumulate_nonzeros, accumulate_rows, sum_split_partials
+from .._triton.gather import accumulate_nonzeros, accumulate_rows, load_rows, sum_split_partials
 
 # The row formats the gather kernel reads (a constexpr of its launches).
 FORMAT_ELL = tl.constexpr(0)
@@ -113,13 +113,6 @@ def list_long_unit(units_ptr, count_ptr, arrivals_ptr, unit, arrival_rows, ARRIV
 
 
 @triton.jit
-def _load_w_rows(w_ptr, stride_w, rows, row_mask, d, d_mask):
-    """W[rows, d] [GROUP, BLOCK_D] in W's dtype; rows outside ``row_mask`` are not loaded."""
-    ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_w + d[None, :]
-    return tl.load(ptrs, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
-
-
-@triton.jit
 def _sum_columns(
     row_ptr,
     stride_col,
@@ -162,13 +155,13 @@ def _sum_columns(
             rows = f0 + tl.arange(0, GROUP)  # [GROUP]
             in_chunk = rows < f0 + chunk_len
             coef = tl.load(row_ptr + rows.to(tl.int64) * stride_col, mask=in_chunk, other=0.0).to(tl.float32)
-            w = _load_w_rows(w_ptr, stride_w, rows, coef != 0, d, d_mask)
+            w = load_rows(w_ptr, stride_w, rows, coef != 0, d, d_mask)
             for g in range(GROUP, chunk_len + GROUP, GROUP):
                 rows = f0 + g + tl.arange(0, GROUP)
                 in_chunk = rows < f0 + chunk_len  # the last step loads nothing
                 coef_next = tl.load(row_ptr + rows.to(tl.int64) * stride_col, mask=in_chunk, other=0.0)
                 coef_next = coef_next.to(tl.float32)
-                w_next = _load_w_rows(w_ptr, stride_w, rows, coef_next != 0, d, d_mask)
+                w_next = load_rows(w_ptr, stride_w, rows, coef_next != 0, d, d_mask)
                 acc += tl.sum(coef[:, None] * w.to(tl.float32), axis=0)
                 coef, w = coef_next, w_next
         else:

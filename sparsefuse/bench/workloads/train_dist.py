@@ -67,7 +67,7 @@ PROFILE_ENV = "SPARSEFUSE_TRAIN_PROFILE"  # "1": each row's note adds its step's
 PROFILE_STEPS = 3
 # "1": each process keeps to its own share of the CPUs it may use (split evenly by local rank, in order), set before
 # the process group starts its threads: with the FFN replayed, a patched FSDP2 step is bound by its hosts, and one
-# rank's host lagging the other's by ~90 ms a step has been seen, the lagging rank changing between runs.
+# rank's host lags the other's. A diagnostic: on 2 H200s pinning did not move the lag (docs/training.md).
 PIN_CPUS_ENV = "SPARSEFUSE_TRAIN_PIN_CPUS"
 GRAD_CHECK_BATCH = 1  # sequences per process in the gradient check (its one-process reference takes N of them)
 # The L1 coefficient of the gradient check of the patched model: large enough that the L1 term's gradient (a
