@@ -161,7 +161,8 @@ def train(cfg: dict, data: torch.Tensor, l1: float, args: argparse.Namespace, de
     rank, world = _world()
     if cfg["batch"] % world:
         raise ValueError(f"--distributed: the batch ({cfg['batch']}) must divide among {world} processes")
-    layout = "row" if args.distributed and args.engine == "fsdp2" else "column"
+    fsdp2 = args.distributed and args.engine == "fsdp2"
+    layout = "row" if fsdp2 else "column"
     model = build_model(cfg, device, args.train_method, args.seed, down_layout=layout, cuda_graph=args.cuda_graph)
     inner = model
     if args.distributed:
@@ -183,7 +184,10 @@ def train(cfg: dict, data: torch.Tensor, l1: float, args: argparse.Namespace, de
             out = model(ids, labels=ids)
             loss = out.loss + coef * l1_loss(inner)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        # under FSDP2 the backward runs its hooks' Python faster on this thread than on autograd's GPU worker
+        # thread (docs/training.md, "Several GPUs")
+        with torch.autograd.set_multithreading_enabled(not fsdp2):
+            loss.backward()
         opt.step()
         if device.type == "cuda":
             torch.cuda.synchronize()

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -75,7 +76,8 @@ def test_train_bench_distributed_mode_two_processes(tmp_path, device):
             assert row["method"] == "wall" and row["tokens"] == 2 * 16
             assert all(math.isfinite(v) for v in row["losses"]), (shape, impl, row)
             # the defaults, on a model of 2 layers: one unit of both
-            label = " (2 layers per unit, no reshard after forward)" if engine == "fsdp2" else ""
+            label = " (2 layers per unit, no reshard after forward), backward on the calling thread"
+            label = label if engine == "fsdp2" else ""
             assert row["note"].startswith(f"{engine}{label} on 2x {where}"), row["note"]
             assert row["note"].endswith(": ok"), (shape, impl, row["note"])
             error = float(row["note"].split("grads vs 1 process ")[1].split()[0])
@@ -109,7 +111,7 @@ def test_train_bench_fsdp2_torch_default_setup(tmp_path):
     assert set(rows) == {"2L nnz=6 B=2 S=16 fsdp2 x2"}
     for impl, row in rows["2L nnz=6 B=2 S=16 fsdp2 x2"].items():
         assert row["note"].startswith("fsdp2, CPUs pinned: "), row["note"]  # torch's setup: no unit label
-        assert " per process on 2x CPU" in row["note"], row["note"]
+        assert " per process, backward on the calling thread on 2x CPU" in row["note"], row["note"]
         assert "; anatomy n/a (no GPU kernels recorded); " in row["note"], row["note"]
         assert row["note"].endswith(": ok") and all(math.isfinite(v) for v in row["losses"]), (impl, row)
         assert float(row["note"].split("grads vs 1 process ")[1].split()[0]) < 1e-5, (impl, row["note"])
@@ -164,6 +166,49 @@ def test_flags_from_env(name, read, monkeypatch):
     monkeypatch.setenv(name, "on")
     with pytest.raises(ValueError, match=name):
         read()
+
+
+def test_single_thread_backward_under_fsdp2_unless_told(monkeypatch):
+    monkeypatch.delenv(train_dist.SINGLE_THREAD_BACKWARD_ENV, raising=False)
+    assert train_dist.single_thread_backward("fsdp2") and not train_dist.single_thread_backward("ddp")
+    monkeypatch.setenv(train_dist.SINGLE_THREAD_BACKWARD_ENV, "0")
+    assert not train_dist.single_thread_backward("fsdp2")
+    monkeypatch.setenv(train_dist.SINGLE_THREAD_BACKWARD_ENV, "1")
+    assert train_dist.single_thread_backward("ddp")
+    monkeypatch.setenv(train_dist.SINGLE_THREAD_BACKWARD_ENV, "yes")
+    with pytest.raises(ValueError, match=train_dist.SINGLE_THREAD_BACKWARD_ENV):
+        train_dist.single_thread_backward("fsdp2")
+
+
+def test_trainer_runs_the_backward_on_the_calling_thread_when_asked():
+    """Autograd's multithreading is off while the step's backward runs, and restored after."""
+    from sparsefuse.bench.workloads.train_setup import Trainer
+
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a):
+            return a.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(torch._C._is_multithreading_enabled())
+            return grad
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(3))
+
+        def forward(self, input_ids, labels):
+            return types.SimpleNamespace(loss=Probe.apply(self.w * input_ids).sum())
+
+    ids = torch.arange(3.0)
+    for single, expected in ((True, False), (False, True)):
+        Trainer(Tiny(), compiled=False, l1=False, single_thread_backward=single).step(ids)
+        assert seen.pop() is expected
+        assert torch._C._is_multithreading_enabled()
 
 
 def test_cpu_share_splits_the_cpus_by_local_rank():

@@ -16,10 +16,16 @@ QUICK = ((8,), (30.0,), [(4, 2048)])
 class Trainer:
     """A model, its AdamW and (optionally) its compiled forward: one training step per call. ``forward``: the
     module the step calls, when it is not ``model`` itself (a ``DistributedDataParallel`` around it); the L1 term is
-    read from ``model``'s layers either way."""
+    read from ``model``'s layers either way. ``single_thread_backward``: the backward runs on the calling thread
+    (``torch.autograd.set_multithreading_enabled(False)``) instead of autograd's per-GPU worker thread."""
 
     def __init__(
-        self, model: torch.nn.Module, compiled: bool, l1: bool, forward: torch.nn.Module | None = None
+        self,
+        model: torch.nn.Module,
+        compiled: bool,
+        l1: bool,
+        forward: torch.nn.Module | None = None,
+        single_thread_backward: bool = False,
     ) -> None:
         self.model = model.train()
         self.forward, self.compile_on_first_step = forward if forward is not None else model, compiled
@@ -32,6 +38,7 @@ class Trainer:
         )
         self.optimizer = torch.optim.AdamW(params, lr=0.0, fused=fused)
         self.l1 = l1
+        self.single_thread_backward = single_thread_backward
 
     def step(self, ids: torch.Tensor) -> torch.Tensor:
         from ...integrations.transformers import l1_loss
@@ -41,7 +48,8 @@ class Trainer:
             self.forward, self.compile_on_first_step = torch.compile(self.model), False
         if self.l1:
             loss = loss + L1_COEFFICIENT * l1_loss(self.model)
-        loss.backward()
+        with torch.autograd.set_multithreading_enabled(not self.single_thread_backward):
+            loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=False)
         return loss.detach()
