@@ -184,9 +184,9 @@ def train(cfg: dict, data: torch.Tensor, l1: float, args: argparse.Namespace, de
             out = model(ids, labels=ids)
             loss = out.loss + coef * l1_loss(inner)
         opt.zero_grad(set_to_none=True)
-        # under FSDP2 the backward runs its hooks' Python faster on this thread than on autograd's GPU worker
-        # thread (docs/training.md, "Several GPUs")
-        with torch.autograd.set_multithreading_enabled(not fsdp2):
+        # DDP's and FSDP2's hooks run their Python in the backward faster on this thread than on autograd's GPU
+        # worker thread (docs/training.md, "Several GPUs")
+        with torch.autograd.set_multithreading_enabled(not args.distributed):
             loss.backward()
         opt.step()
         if device.type == "cuda":

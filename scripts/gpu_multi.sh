@@ -18,8 +18,8 @@
 # SPARSEFUSE_TRAIN_CUDA_GRAPH (0 or 1, default 0: the patched rows' FFN steps replayed from CUDA graphs; under FSDP2,
 # which gathers the weights anew each step, from copies of them),
 # SPARSEFUSE_TRAIN_PIN_CPUS (0 or 1, default 0: each process on its own share of the CPUs, split by local rank),
-# SPARSEFUSE_TRAIN_SINGLE_THREAD_BACKWARD (0 or 1, default: 1 under FSDP2, 0 under DDP: the backward on the calling
-# thread rather than autograd's GPU worker thread),
+# SPARSEFUSE_TRAIN_SINGLE_THREAD_BACKWARD (0 or 1, default 1: the backward on the calling thread rather than
+# autograd's GPU worker thread),
 # SPARSEFUSE_TRAIN_STEPS_PER_SYNC (training steps per timed call, default 1: each step timed from an idle GPU),
 # SPARSEFUSE_TRAIN_PROFILE (0 or 1, default 0: each row's note adds its step's compute, NCCL, exposed NCCL and idle
 # time by rank, from 3 more steps under torch.profiler),

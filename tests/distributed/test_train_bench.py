@@ -76,8 +76,8 @@ def test_train_bench_distributed_mode_two_processes(tmp_path, device):
             assert row["method"] == "wall" and row["tokens"] == 2 * 16
             assert all(math.isfinite(v) for v in row["losses"]), (shape, impl, row)
             # the defaults, on a model of 2 layers: one unit of both
-            label = " (2 layers per unit, no reshard after forward), backward on the calling thread"
-            label = label if engine == "fsdp2" else ""
+            label = " (2 layers per unit, no reshard after forward)" if engine == "fsdp2" else ""
+            label += ", backward on the calling thread"
             assert row["note"].startswith(f"{engine}{label} on 2x {where}"), row["note"]
             assert row["note"].endswith(": ok"), (shape, impl, row["note"])
             error = float(row["note"].split("grads vs 1 process ")[1].split()[0])
@@ -156,28 +156,17 @@ def test_fsdp_reshard_from_env(monkeypatch):
         (train_dist.PROFILE_ENV, train_dist.train_profile),
         (train_dist.CUDA_GRAPH_ENV, train_dist.train_cuda_graph),
         (train_dist.PIN_CPUS_ENV, train_dist.pin_cpus),
+        (train_dist.SINGLE_THREAD_BACKWARD_ENV, train_dist.single_thread_backward),
     ],
 )
 def test_flags_from_env(name, read, monkeypatch):
-    monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(name, "0")
     assert not read()
     monkeypatch.setenv(name, "1")
     assert read()
     monkeypatch.setenv(name, "on")
     with pytest.raises(ValueError, match=name):
         read()
-
-
-def test_single_thread_backward_under_fsdp2_unless_told(monkeypatch):
-    monkeypatch.delenv(train_dist.SINGLE_THREAD_BACKWARD_ENV, raising=False)
-    assert train_dist.single_thread_backward("fsdp2") and not train_dist.single_thread_backward("ddp")
-    monkeypatch.setenv(train_dist.SINGLE_THREAD_BACKWARD_ENV, "0")
-    assert not train_dist.single_thread_backward("fsdp2")
-    monkeypatch.setenv(train_dist.SINGLE_THREAD_BACKWARD_ENV, "1")
-    assert train_dist.single_thread_backward("ddp")
-    monkeypatch.setenv(train_dist.SINGLE_THREAD_BACKWARD_ENV, "yes")
-    with pytest.raises(ValueError, match=train_dist.SINGLE_THREAD_BACKWARD_ENV):
-        train_dist.single_thread_backward("fsdp2")
 
 
 def test_trainer_runs_the_backward_on_the_calling_thread_when_asked():

@@ -69,11 +69,12 @@ PROFILE_STEPS = 3
 # the process group starts its threads: with the FFN replayed, a patched FSDP2 step is bound by its hosts, and one
 # rank's host lags the other's. A diagnostic: on 2 H200s pinning did not move the lag (docs/training.md).
 PIN_CPUS_ENV = "SPARSEFUSE_TRAIN_PIN_CPUS"
-# "1" or "0": whether the backward runs on the calling thread (torch.autograd.set_multithreading_enabled(False))
-# rather than on autograd's per-GPU worker thread; default: under FSDP2 only, for both models. FSDP2's backward
-# runs Python hooks for every unit; on a lent H200 its patched step enqueued in 98-99 ms that way against 118-154 ms
-# on the worker thread (one process, FSDP2 over one GPU, 4 runs), unpatched 150 against 156 ms, and without FSDP2
-# the patched step's host time did not move (82 against 83 ms). DDP was not measured so.
+# "1" or "0" (default "1"): whether the backward runs on the calling thread (torch.autograd.
+# set_multithreading_enabled(False)) rather than on autograd's per-GPU worker thread, for both models. The engines'
+# hooks run Python in the backward, which costs less host time on the calling thread. On 2 H200s (1ac6e2b, FFN steps
+# replayed) the patched step took 146 / 156 ms (1 / 2 GPUs) under DDP that way against 152 / 161 ms on the worker
+# thread; under FSDP2 over 2 GPUs 162 against 171 ms (rank 0's host 128 against 149 ms a step); the unpatched steps,
+# bound by their GPU work, did not move (198-203 ms).
 SINGLE_THREAD_BACKWARD_ENV = "SPARSEFUSE_TRAIN_SINGLE_THREAD_BACKWARD"
 GRAD_CHECK_BATCH = 1  # sequences per process in the gradient check (its one-process reference takes N of them)
 # The L1 coefficient of the gradient check of the patched model: large enough that the L1 term's gradient (a
@@ -195,10 +196,10 @@ def pin_cpus() -> bool:
     return pinned
 
 
-def single_thread_backward(engine: str) -> bool:
-    """Whether the training steps under ``engine`` run their backward on the calling thread:
-    ``SPARSEFUSE_TRAIN_SINGLE_THREAD_BACKWARD`` ("1" or "0"), else only under FSDP2 (see its comment above)."""
-    return _flag_from_env(SINGLE_THREAD_BACKWARD_ENV, engine == "fsdp2")
+def single_thread_backward() -> bool:
+    """Whether the training steps run their backward on the calling thread: ``SPARSEFUSE_TRAIN_SINGLE_THREAD_BACKWARD``
+    ("1" or "0", default "1"; see its comment above)."""
+    return _flag_from_env(SINGLE_THREAD_BACKWARD_ENV, True)
 
 
 def cpu_share(cpus: list[int], local_rank: int, local_size: int) -> list[int]:
@@ -383,7 +384,7 @@ class _Engine:
                 compiled=False,
                 l1=patched,
                 forward=wrapped,
-                single_thread_backward=single_thread_backward(self.engine),
+                single_thread_backward=single_thread_backward(),
             )
         return self.trainers[impl]
 
@@ -425,7 +426,7 @@ class _Engine:
             engine += ", FFN steps as CUDA graphs" + (" (weights copied in)" if copied else "")
         if pin_cpus():
             engine += f", CPUs pinned: {len(os.sched_getaffinity(0))} per process"
-        if single_thread_backward(self.engine):
+        if single_thread_backward():
             engine += ", backward on the calling thread"
         return f"{engine} on {self.world.size}x {where}; {memory}{anatomy}; {self.agreement[impl]}"
 
