@@ -31,6 +31,8 @@ gpu=$($PY -c 'import torch; from sparsefuse.bench.report import sanitize; print(
 # keeps one pytest on GPU 0.
 # TESTS_DEADLINE_S: each pytest of the suite is interrupted (SIGINT) after that many seconds, so a run cut by the
 # machine's time limit still ends with pytest's summary, naming the failures seen so far.
+# PYTEST_ARGS: more pytest arguments for the suite (-v names each test as it finishes, so that a cut run's log
+# tells which tests never ran).
 ngpu=${GPUS:-$($PY -c 'import torch; print(torch.cuda.device_count())')}
 deadline=()
 [ -n "${TESTS_DEADLINE_S:-}" ] && deadline=(timeout -s INT -k 30 "$TESTS_DEADLINE_S")
@@ -39,7 +41,7 @@ tests_status=0
 if [ "${TESTS:-}" = 0 ]; then
   echo "gpu_check: TESTS=0: the test suite skipped"
 elif [ -n "${TESTS:-}" ] || [ "$ngpu" -le 1 ]; then
-  ${deadline[@]+"${deadline[@]}"} $PY -m pytest ${TESTS:-tests} -q -rf -n ${PYTEST_WORKERS:-8} -p no:cacheprovider 2>&1 | tee "$log"
+  ${deadline[@]+"${deadline[@]}"} $PY -m pytest ${TESTS:-tests} -q -rf -n ${PYTEST_WORKERS:-8} -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$log"
   tests_status=${PIPESTATUS[0]}
 else
   mapfile -t shards < <($PY - "$ngpu" <<'PYTHON'
@@ -61,7 +63,7 @@ PYTHON
   )
   pids=()
   for i in "${!shards[@]}"; do
-    CUDA_VISIBLE_DEVICES=$i ${deadline[@]+"${deadline[@]}"} $PY -m pytest ${shards[$i]} -q -rf -n ${PYTEST_WORKERS:-8} -p no:cacheprovider \
+    CUDA_VISIBLE_DEVICES=$i ${deadline[@]+"${deadline[@]}"} $PY -m pytest ${shards[$i]} -q -rf -n ${PYTEST_WORKERS:-8} -p no:cacheprovider ${PYTEST_ARGS:-} \
       >"$out/.tests-$i.log" 2>&1 &
     pids+=($!)
   done
