@@ -111,6 +111,27 @@ def test_eager_path_and_op_path_agree_bitwise(device, monkeypatch):
         assert torch.equal(a, b)
 
 
+def test_eager_backward_makes_no_gradient_for_rstd(device, monkeypatch):
+    """The eager twin's backward gets no materialised zero gradient for the per-row 1/rms it returns beside y (a
+    kernel and its host time per norm per step), and a y that took no part in the loss gives no gradient at all."""
+    import sparsefuse.norms.rmsnorm.op as rms_op
+
+    seen = []
+    backward_with = rms_op._backward_with
+
+    def spy(backward, ctx, grad_y, grad_rstd):
+        seen.append(grad_rstd)
+        return backward_with(backward, ctx, grad_y, grad_rstd)
+
+    monkeypatch.setattr(rms_op, "_backward_with", spy)
+    x = make((5, 32), torch.float32, device).requires_grad_()
+    w = make((32,), torch.float32, device).requires_grad_()
+    sparsefuse.rms_norm(x, 32, w).backward(make((5, 32), torch.float32, device))
+    assert seen == [None] and x.grad is not None and w.grad is not None
+    y, rstd = rms_op.EagerRMSNorm.apply(x, w, 1e-6)
+    assert torch.autograd.grad((rstd.sum() * 0 + x.sum()), w, allow_unused=True) == (None,)
+
+
 def test_strided_and_multi_dim_normalized_shape(device):
     base = make((6, 2, 40), torch.float32, device)
     x = base.transpose(0, 1)  # [2, 6, 40], rows not contiguous

@@ -9,6 +9,10 @@ from ..._backend import compute_dtype, on_tensor_device
 from ..._validation import unit_last_stride
 from .launch import out_dtype, rms_norm_backward, rms_norm_forward
 
+# The launchers with the tensors' GPU made current (as the ops are), wrapped once: the eager twin calls these.
+_forward_on_device = on_tensor_device(rms_norm_forward)
+_backward_on_device = on_tensor_device(rms_norm_backward)
+
 
 @torch.library.custom_op("sparsefuse::rms_norm_fwd", mutates_args=())
 @on_tensor_device
@@ -63,13 +67,16 @@ class EagerRMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x2, weight, eps):
-        y, rstd = on_tensor_device(rms_norm_forward)(x2, weight, eps)
+        y, rstd = _forward_on_device(x2, weight, eps)
         _setup_context(ctx, (x2, weight, eps), (y, rstd))
+        ctx.set_materialize_grads(False)  # rstd gets no gradient: no zeros kernel for it in every backward
         return y, rstd
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y, grad_rstd):
+        if grad_y is None:  # y itself took no part in the loss
+            return None, None, None
         # traced (compiled autograd over an eager forward): the opaque op
-        backward = rms_norm_bwd_op if torch.compiler.is_compiling() else on_tensor_device(rms_norm_backward)
+        backward = rms_norm_bwd_op if torch.compiler.is_compiling() else _backward_on_device
         return _backward_with(backward, ctx, grad_y, grad_rstd)
