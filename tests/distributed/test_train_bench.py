@@ -9,12 +9,13 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import types
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import loopback_env
+from conftest import DEVICE, loopback_env
 
 pytest.importorskip("transformers")
 
@@ -151,15 +152,17 @@ def test_fsdp_reshard_from_env(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "name, read",
+    "name, read, default",
     [
-        (train_dist.PROFILE_ENV, train_dist.train_profile),
-        (train_dist.CUDA_GRAPH_ENV, train_dist.train_cuda_graph),
-        (train_dist.PIN_CPUS_ENV, train_dist.pin_cpus),
-        (train_dist.SINGLE_THREAD_BACKWARD_ENV, train_dist.single_thread_backward),
+        (train_dist.PROFILE_ENV, train_dist.train_profile, False),
+        (train_dist.CUDA_GRAPH_ENV, train_dist.train_cuda_graph, False),
+        (train_dist.PIN_CPUS_ENV, train_dist.pin_cpus, False),
+        (train_dist.SINGLE_THREAD_BACKWARD_ENV, train_dist.single_thread_backward, True),
     ],
 )
-def test_flags_from_env(name, read, monkeypatch):
+def test_flags_from_env(name, read, default, monkeypatch):
+    monkeypatch.delenv(name, raising=False)
+    assert read() is default
     monkeypatch.setenv(name, "0")
     assert not read()
     monkeypatch.setenv(name, "1")
@@ -169,35 +172,49 @@ def test_flags_from_env(name, read, monkeypatch):
         read()
 
 
-def test_trainer_runs_the_backward_on_the_calling_thread_when_asked():
-    """Autograd's multithreading is off while the step's backward runs, and restored after."""
+def test_trainer_turns_autograd_multithreading_off_for_its_backward_when_asked():
+    """Autograd's multithreading is off while the step's backward runs (so a CUDA backward runs on the calling
+    thread), and back to what it was after, also when the backward raises."""
     from sparsefuse.bench.workloads.train_setup import Trainer
 
     seen = []
 
     class Probe(torch.autograd.Function):
+        fail = False
+
         @staticmethod
         def forward(ctx, a):
             return a.clone()
 
         @staticmethod
         def backward(ctx, grad):
-            seen.append(torch._C._is_multithreading_enabled())
+            seen.append((torch._C._is_multithreading_enabled(), threading.get_ident()))
+            if Probe.fail:
+                raise RuntimeError("probe")
             return grad
 
     class Tiny(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.w = torch.nn.Parameter(torch.ones(3))
+            self.w = torch.nn.Parameter(torch.ones(3, device=DEVICE))
 
         def forward(self, input_ids, labels):
             return types.SimpleNamespace(loss=Probe.apply(self.w * input_ids).sum())
 
-    ids = torch.arange(3.0)
-    for single, expected in ((True, False), (False, True)):
+    ids = torch.arange(3.0, device=DEVICE)
+    caller = threading.get_ident()
+    for single in (True, False):
         Trainer(Tiny(), compiled=False, l1=False, single_thread_backward=single).step(ids)
-        assert seen.pop() is expected
-        assert torch._C._is_multithreading_enabled()
+        multithreaded, thread = seen.pop()
+        assert multithreaded is not single and torch._C._is_multithreading_enabled()
+        if single or DEVICE == "cpu":  # a CUDA backward runs on autograd's worker thread unless told
+            assert thread == caller
+        else:
+            assert thread != caller
+    Probe.fail = True
+    with pytest.raises(RuntimeError, match="probe"):
+        Trainer(Tiny(), compiled=False, l1=False, single_thread_backward=True).step(ids)
+    assert torch._C._is_multithreading_enabled()
 
 
 def test_cpu_share_splits_the_cpus_by_local_rank():

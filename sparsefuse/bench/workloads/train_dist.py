@@ -74,7 +74,7 @@ PIN_CPUS_ENV = "SPARSEFUSE_TRAIN_PIN_CPUS"
 # hooks run Python in the backward, which costs less host time on the calling thread. On 2 H200s (1ac6e2b, FFN steps
 # replayed) the patched step took 146 / 156 ms (1 / 2 GPUs) under DDP that way against 152 / 161 ms on the worker
 # thread; under FSDP2 over 2 GPUs 162 against 171 ms (rank 0's host 128 against 149 ms a step); the unpatched steps,
-# bound by their GPU work, did not move (198-203 ms).
+# bound by their GPU work, did not move (DDP 198-203 ms either way, FSDP2 over one GPU 200-203 ms).
 SINGLE_THREAD_BACKWARD_ENV = "SPARSEFUSE_TRAIN_SINGLE_THREAD_BACKWARD"
 GRAD_CHECK_BATCH = 1  # sequences per process in the gradient check (its one-process reference takes N of them)
 # The L1 coefficient of the gradient check of the patched model: large enough that the L1 term's gradient (a
