@@ -19,7 +19,7 @@ from conftest import DEVICE, loopback_env
 
 pytest.importorskip("transformers")
 
-from sparsefuse.bench.workloads import train_dist  # noqa: E402
+from sparsefuse.bench.workloads import train_dist, train_knobs  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "train_bench_worker.py"
 
@@ -56,12 +56,12 @@ def test_train_bench_distributed_mode_two_processes(tmp_path, device):
     out = tmp_path / "rows.json"
     log = tmp_path / "torchrun.log"
     defaults = {
-        train_dist.FSDP_UNIT_ENV: "3",
-        train_dist.FSDP_RESHARD_ENV: "0",
-        train_dist.CUDA_GRAPH_ENV: "0",
-        train_dist.STEPS_ENV: "1",
-        train_dist.PROFILE_ENV: "0",
-        train_dist.PIN_CPUS_ENV: "0",
+        train_knobs.FSDP_UNIT_ENV: "3",
+        train_knobs.FSDP_RESHARD_ENV: "0",
+        train_knobs.CUDA_GRAPH_ENV: "0",
+        train_knobs.STEPS_ENV: "1",
+        train_knobs.PROFILE_ENV: "0",
+        train_knobs.PIN_CPUS_ENV: "0",
     }  # whatever the caller's env says
     returncode = _torchrun([str(WORKER), str(out), device], log, **defaults)
     assert returncode == 0, f"torchrun returned {returncode}:\n" + log.read_text()[-6000:]
@@ -100,11 +100,11 @@ def test_train_bench_fsdp2_torch_default_setup(tmp_path):
     model's gradients after one step still equal one process's."""
     out, log = tmp_path / "rows.json", tmp_path / "torchrun.log"
     env = {
-        train_dist.ENGINES_ENV: "fsdp2",
-        train_dist.FSDP_UNIT_ENV: "1",
-        train_dist.FSDP_RESHARD_ENV: "1",
-        train_dist.PROFILE_ENV: "1",  # the anatomy's collective on the CPU: no GPU kernels to tell
-        train_dist.PIN_CPUS_ENV: "1",
+        train_knobs.ENGINES_ENV: "fsdp2",
+        train_knobs.FSDP_UNIT_ENV: "1",
+        train_knobs.FSDP_RESHARD_ENV: "1",
+        train_knobs.PROFILE_ENV: "1",  # the anatomy's collective on the CPU: no GPU kernels to tell
+        train_knobs.PIN_CPUS_ENV: "1",
     }
     returncode = _torchrun([str(WORKER), str(out), "cpu"], log, **env)
     assert returncode == 0, f"torchrun returned {returncode}:\n" + log.read_text()[-6000:]
@@ -121,8 +121,8 @@ def test_train_bench_fsdp2_torch_default_setup(tmp_path):
 @pytest.mark.parametrize(
     "name, read, default",
     [
-        (train_dist.FSDP_UNIT_ENV, train_dist.fsdp_layers_per_unit, train_dist.FSDP_LAYERS_PER_UNIT),
-        (train_dist.STEPS_ENV, train_dist.steps_per_sync, 1),
+        (train_knobs.FSDP_UNIT_ENV, train_knobs.fsdp_layers_per_unit, train_knobs.FSDP_LAYERS_PER_UNIT),
+        (train_knobs.STEPS_ENV, train_knobs.steps_per_sync, 1),
     ],
 )
 def test_counts_from_env(name, read, default, monkeypatch):
@@ -137,27 +137,27 @@ def test_counts_from_env(name, read, default, monkeypatch):
 
 
 def test_fsdp_reshard_from_env(monkeypatch):
-    monkeypatch.delenv(train_dist.FSDP_RESHARD_ENV, raising=False)
-    monkeypatch.delenv(train_dist.FSDP_UNIT_ENV, raising=False)
-    assert not train_dist.fsdp_reshard_after_forward()
-    assert train_dist.fsdp_label() == " (3 layers per unit, no reshard after forward)"
-    assert train_dist.fsdp_label(n_layers=2) == " (2 layers per unit, no reshard after forward)"
-    monkeypatch.setenv(train_dist.FSDP_UNIT_ENV, "1")
-    monkeypatch.setenv(train_dist.FSDP_RESHARD_ENV, "1")
-    assert train_dist.fsdp_reshard_after_forward() and train_dist.fsdp_label() == ""
+    monkeypatch.delenv(train_knobs.FSDP_RESHARD_ENV, raising=False)
+    monkeypatch.delenv(train_knobs.FSDP_UNIT_ENV, raising=False)
+    assert not train_knobs.fsdp_reshard_after_forward()
+    assert train_knobs.fsdp_label() == " (3 layers per unit, no reshard after forward)"
+    assert train_knobs.fsdp_label(n_layers=2) == " (2 layers per unit, no reshard after forward)"
+    monkeypatch.setenv(train_knobs.FSDP_UNIT_ENV, "1")
+    monkeypatch.setenv(train_knobs.FSDP_RESHARD_ENV, "1")
+    assert train_knobs.fsdp_reshard_after_forward() and train_knobs.fsdp_label() == ""
     for bad in ("", "no", "2"):
-        monkeypatch.setenv(train_dist.FSDP_RESHARD_ENV, bad)
-        with pytest.raises(ValueError, match=train_dist.FSDP_RESHARD_ENV):
-            train_dist.fsdp_reshard_after_forward()
+        monkeypatch.setenv(train_knobs.FSDP_RESHARD_ENV, bad)
+        with pytest.raises(ValueError, match=train_knobs.FSDP_RESHARD_ENV):
+            train_knobs.fsdp_reshard_after_forward()
 
 
 @pytest.mark.parametrize(
     "name, read, default",
     [
-        (train_dist.PROFILE_ENV, train_dist.train_profile, False),
-        (train_dist.CUDA_GRAPH_ENV, train_dist.train_cuda_graph, False),
-        (train_dist.PIN_CPUS_ENV, train_dist.pin_cpus, False),
-        (train_dist.SINGLE_THREAD_BACKWARD_ENV, train_dist.single_thread_backward, True),
+        (train_knobs.PROFILE_ENV, train_knobs.train_profile, False),
+        (train_knobs.CUDA_GRAPH_ENV, train_knobs.train_cuda_graph, False),
+        (train_knobs.PIN_CPUS_ENV, train_knobs.pin_cpus, False),
+        (train_knobs.SINGLE_THREAD_BACKWARD_ENV, train_knobs.single_thread_backward, True),
     ],
 )
 def test_flags_from_env(name, read, default, monkeypatch):
@@ -219,19 +219,19 @@ def test_trainer_turns_autograd_multithreading_off_for_its_backward_when_asked()
 
 def test_cpu_share_splits_the_cpus_by_local_rank():
     cpus = [0, 1, 2, 3, 4, 5, 6]
-    shares = [train_dist.cpu_share(cpus, r, 3) for r in range(3)]
+    shares = [train_knobs.cpu_share(cpus, r, 3) for r in range(3)]
     assert shares == [[0, 1, 2], [3, 4], [5, 6]]
-    assert [train_dist.cpu_share([4, 9], r, 3) for r in range(3)] == [[4], [9], [4]]  # fewer CPUs than processes
+    assert [train_knobs.cpu_share([4, 9], r, 3) for r in range(3)] == [[4], [9], [4]]  # fewer CPUs than processes
 
 
 def test_engines_from_env(monkeypatch):
-    monkeypatch.delenv(train_dist.ENGINES_ENV, raising=False)
-    assert train_dist.engines_from_env() == ("ddp", "fsdp2")
-    monkeypatch.setenv(train_dist.ENGINES_ENV, " fsdp2 ")
-    assert train_dist.engines_from_env() == ("fsdp2",)
-    monkeypatch.setenv(train_dist.ENGINES_ENV, "ddp,zero3")
+    monkeypatch.delenv(train_knobs.ENGINES_ENV, raising=False)
+    assert train_knobs.engines_from_env() == ("ddp", "fsdp2")
+    monkeypatch.setenv(train_knobs.ENGINES_ENV, " fsdp2 ")
+    assert train_knobs.engines_from_env() == ("fsdp2",)
+    monkeypatch.setenv(train_knobs.ENGINES_ENV, "ddp,zero3")
     with pytest.raises(ValueError, match="zero3"):
-        train_dist.engines_from_env()
+        train_knobs.engines_from_env()
 
 
 def test_relative_error_and_verdict():
