@@ -449,8 +449,8 @@ def test_auto_scales_the_cost_model_by_the_device_dram_bandwidth(device):
 
 # sae_decode_grid on an H200 (F=65536; fp32 D=768 mean L0 64, bf16 D=2304 mean L0 72): medians (us) of scan, of
 # "fixed" at auto's width (4x the mean L0, at least 256; auto's own run where it took "fixed", else the grid's
-# "fixed" at 2x the mean) and of cuBLAS, per L0 distribution and batch. The "full rows" rows at 463382e (after the
-# long-row pass's finer sub-splits), the others at a65a945 (B=32, 256) and 8b9f724 (B=4096).
+# "fixed" at 2x the mean) and of cuBLAS, per L0 distribution and batch. The "full rows" rows are measured with the
+# long-row pass's group-granular sub-splits, which they depend on; the other rows do not touch that pass.
 _MEASURED_GRID = [
     ("constant", 32, fp32, 14.5, 19.8, 152.3),
     ("lognormal 0.3", 32, fp32, 14.2, 22.1, 152.1),

@@ -30,7 +30,7 @@ PROFILE_STEPS = 3
 PIN_CPUS_ENV = "SPARSEFUSE_TRAIN_PIN_CPUS"
 # "1" or "0" (default "1"): whether the backward runs on the calling thread (torch.autograd.
 # set_multithreading_enabled(False)) rather than on autograd's per-GPU worker thread, for both models. The engines'
-# hooks run Python in the backward, which costs less host time on the calling thread. On 2 H200s (1ac6e2b, FFN steps
+# hooks run Python in the backward, which costs less host time on the calling thread. On 2 H200s (FFN steps
 # replayed) the patched step took 146 / 156 ms (1 / 2 GPUs) under DDP that way against 152 / 161 ms on the worker
 # thread; under FSDP2 over 2 GPUs 162 against 171 ms (rank 0's host 128 against 149 ms a step); the unpatched steps,
 # bound by their GPU work, did not move (DDP 198-203 ms either way, FSDP2 over one GPU 200-203 ms).
