@@ -161,8 +161,7 @@ def train(cfg: dict, data: torch.Tensor, l1: float, args: argparse.Namespace, de
     rank, world = _world()
     if cfg["batch"] % world:
         raise ValueError(f"--distributed: the batch ({cfg['batch']}) must divide among {world} processes")
-    fsdp2 = args.distributed and args.engine == "fsdp2"
-    layout = "row" if fsdp2 else "column"
+    layout = "row" if args.distributed and args.engine == "fsdp2" else "column"
     model = build_model(cfg, device, args.train_method, args.seed, down_layout=layout, cuda_graph=args.cuda_graph)
     inner = model
     if args.distributed:

@@ -89,9 +89,9 @@ _DENSE_FLOP_RATE = {torch.float32: 50e12, torch.float16: 800e12, torch.bfloat16:
 _LAUNCH_S = 5e-6
 # Long tokens (e.g. two firing all 65536 features, sae_decode_grid): their W_dec bytes over the spread launch's
 # rate, bound by the spread's programs rather than by DRAM: two full rows among 32 take 107 / 112 us at D=768 fp32
-# and 182 / 192 us at D=2304 bf16 on an H200 / H100, whose bandwidths differ by 1.43x
-_SCAN_LONG_RATE = {4: 3.8e12, 2: 3.3e12}
-_FIXED_LONG_RATE = {4: 3.8e12, 2: 3.3e12}
+# and 182 / 192 us at D=2304 bf16 on an H200 / H100, whose bandwidths differ by 1.43x. The scan and "fixed" hand
+# their long rows to the same spread pass, so one rate serves both.
+_LONG_RATE = {4: 3.8e12, 2: 3.3e12}
 # A one-wave gather launch with rows past ONE_WAVE_LONG_ENTRIES: the spread launch's cost once, then W_dec bytes
 # of one output row per such row over this rate
 _ONE_WAVE_SPREAD_S = 15e-6
@@ -166,19 +166,14 @@ def _predicted_seconds(
     n_long = _long_rows_in_batch(M, long_share) if long_share > 0 else 0.0
     ordinary = M - n_long
     gathered = ordinary * mean_l0 * d_model * e_w  # W_dec bytes of the ordinary rows
-    long_bytes = n_long * long_l0 * d_model * e_w
+    long_s = n_long * long_l0 * d_model * e_w / _LONG_RATE.get(e_a, 3.3e12)  # the long rows' spread
     scan_gather, fixed_gather = _SCAN_GATHER_RATE.get(e_a, 2.4e12), _FIXED_GATHER_RATE.get(e_w, 3.8e12) * scale
-    scan = (
-        _LAUNCH_S
-        + M * d_sae * e_a / _SCAN_ROW_RATE.get(e_a, 1.4e12)
-        + gathered / scan_gather
-        + long_bytes / _SCAN_LONG_RATE.get(e_a, 3.3e12)
-    )
+    scan = _LAUNCH_S + M * d_sae * e_a / _SCAN_ROW_RATE.get(e_a, 1.4e12) + gathered / scan_gather + long_s
     fixed = 4 * _LAUNCH_S + max(  # bitmask, bits -> ELL, gather, and the long rows' spread
         M * (d_sae * e_a / (_FIXED_BITS_RATE * scale) + d_sae / 8 / _FIXED_WORDS_RATE) + gathered / fixed_gather,
         mean_l0 / 16 * _FIXED_GATHER_STEP_S + math.ceil(d_sae / 32768) * _FIXED_WORDS_CHUNK_S,
     )
-    fixed += long_bytes / _FIXED_LONG_RATE.get(e_a, 3.3e12)
+    fixed += long_s
     if M * triton.cdiv(d_model, gather_block_d(M, d_model, sms)) <= ONE_WAVE_PROGRAMS_PER_SM * sms:
         # one wave: the gather lasts as long as its longest row, and rows past ONE_WAVE_LONG_ENTRIES entries are
         # spread by a second launch -- a cost paid once any row gets there, then a little more per row
