@@ -1,8 +1,11 @@
-"""The step anatomy's interval arithmetic (sparsefuse.bench.workloads.step_anatomy) on hand-made kernel timelines."""
+"""The step anatomy (sparsefuse.bench.workloads.step_anatomy): its interval arithmetic on hand-made kernel timelines,
+and its words in a row's note read back."""
 
 import math
 
-from sparsefuse.bench.workloads.step_anatomy import anatomy, union_length
+import pytest
+
+from sparsefuse.bench.workloads.step_anatomy import StepAnatomy, anatomy, describe, gpu_bound_ms, union_length
 
 
 def test_union_length_counts_overlaps_once():
@@ -31,3 +34,15 @@ def test_anatomy_of_two_steps():
 def test_anatomy_without_kernels_is_nan():
     a = anatomy([], steps=3)
     assert all(math.isnan(v) for v in (a.span, a.compute, a.collectives, a.exposed, a.idle))
+
+
+def test_described_anatomy_reads_back_as_the_gpu_bound_step():
+    """A row's note carries each rank's anatomy in words; the GPU-bound step is the largest over the ranks of
+    compute plus exposed collectives (a rank waiting for a slower one waits inside a collective)."""
+    ranks = [StepAnatomy(150.0, 137.7, 15.7, 1.1, 7.8), StepAnatomy(150.0, 138.1, 14.3, 1.2, 7.2)]
+    words = describe(ranks)
+    assert words == "ms a step by rank: compute 137.7/138.1, NCCL 15.7/14.3 (exposed 1.1/1.2), idle 7.8/7.2"
+    assert gpu_bound_ms(f"ddp on 2x GPU; peak/GPU 11171 MB; {words}; grads ok") == pytest.approx(139.3)
+    assert gpu_bound_ms(describe([StepAnatomy(140.0, 131.5, 0.0, 0.0, 36.2)])) == pytest.approx(131.5)
+    assert gpu_bound_ms("ddp on 2x CPU; peak n/a; anatomy n/a (no GPU kernels recorded)") is None
+    assert describe([anatomy([], steps=1)]) == "anatomy n/a (no GPU kernels recorded)"

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import loopback_env
 
+import sparsefuse._backend
 from sparsefuse.nn import SparseGatedMLP
 
 K, N, M = 16, 48, 12
@@ -148,6 +149,12 @@ def _graph_steps_worker(rank: int, world: int, init: str, out_path: str) -> None
         dist.destroy_process_group()
 
 
+# The CPU stand-in for CUDA graphs replays interpreted Triton kernels; in the GPU suite (no TRITON_INTERPRET) CPU
+# tensors run the torch reference, which captures nothing. On GPUs the bench's FSDP2 rows with
+# SPARSEFUSE_TRAIN_CUDA_GRAPH=1 cover the same replay (their notes say "weights copied in").
+@pytest.mark.skipif(
+    not sparsefuse._backend.INTERPRET, reason="the CPU stand-in for CUDA graphs needs TRITON_INTERPRET=1"
+)
 def test_fsdp2_regathered_weights_replay_copies(tmp_path, monkeypatch):
     """FSDP2 gathers a unit's weights into fresh storage every step: a module asked for CUDA graphs captures in place
     once or twice, then once more reading copies of its weights, which its later steps replay; the gradients equal

@@ -253,3 +253,44 @@ def test_relative_error_and_verdict():
     assert not train_dist.GradAgreement(5e-2, 2e-3, 1e-2).ok
     assert not train_dist.GradAgreement(math.inf, 0.0, 1e-2).ok
     assert str(train_dist.GradAgreement(1e-7, 5e-8, 1e-5)) == "grads vs 1 process 1.0e-07 (re-batched 5.0e-08): ok"
+
+
+def _summary_rows(profiled: bool) -> list:
+    """Fake distributed rows of one case and engine at 1 and 2 GPUs; with ``profiled``, notes with an anatomy
+    whose GPU-bound steps are unpatched 190 / 200 ms and patched 130 / 139 ms (1 / 2 GPUs)."""
+    from sparsefuse.bench.harness import Result
+    from sparsefuse.bench.workloads.step_anatomy import StepAnatomy, describe
+
+    walls = {(1, "unpatched"): 198.0, (1, "patched"): 150.0, (2, "unpatched"): 204.0, (2, "patched"): 165.0}
+    bound = {(1, "unpatched"): [190.0], (1, "patched"): [130.0], (2, "unpatched"): [199.0, 198.0]}
+    bound[(2, "patched")] = [136.0, 137.5]
+    rows = []
+    for (gpus, impl), ms in walls.items():
+        anatomy = [StepAnatomy(ms, b - 1.5, 10.0, 1.5, 5.0) for b in bound.get((gpus, impl), [])]
+        note = f"ddp on {gpus}x GPU; " + (describe(anatomy) if profiled else "peak n/a") + "; grads: ok"
+        rows.append(
+            Result(
+                "train",
+                f"24L nnz=30 B=4 S=2048 ddp x{gpus}",
+                "bfloat16",
+                "fwd+bwd",
+                impl,
+                method="wall",
+                median_us=ms * 1e3,
+                tokens_per_s=8192 / (ms * 1e-3),
+                note=note,
+            )
+        )
+    return rows
+
+
+def test_summary_adds_the_gpu_bound_columns_when_the_rows_are_profiled():
+    """Wall-clock speed-up and scaling always; with an anatomy in the notes, the GPU-bound speed-up (unpatched over
+    patched GPU-bound step) and scaling (1-GPU over N-GPU GPU-bound step) too."""
+    plain = "\n".join(train_dist.summary_lines(_summary_rows(profiled=False)))
+    assert "| 24L nnz=30 B=4 S=2048 | ddp | 2 | 40157 / 49648 | 1.24x | 0.97 / 0.91 |\n" in plain, plain
+    assert "GPU-bound" not in plain
+    text = "\n".join(train_dist.summary_lines(_summary_rows(profiled=True)))
+    assert "| 24L nnz=30 B=4 S=2048 | ddp | 1 | 41374 / 54613 | 1.32x | 1.00 / 1.00 | 1.46x | 1.00 / 1.00 |" in text
+    # 2 GPUs: unpatched 199 ms (the slower rank), patched 137.5 ms
+    assert "| 24L nnz=30 B=4 S=2048 | ddp | 2 | 40157 / 49648 | 1.24x | 0.97 / 0.91 | 1.45x | 0.95 / 0.95 |" in text

@@ -9,7 +9,8 @@ all-reduce waits for the slowest rank) or from a host that cannot keep up (GPU i
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -85,4 +86,31 @@ def profile_steps(step: Callable[[], object], steps: int = 3) -> StepAnatomy:
     return anatomy(kernels, steps)
 
 
-__all__ = ["StepAnatomy", "anatomy", "profile_steps", "union_length"]
+def describe(ranks: Sequence[StepAnatomy]) -> str:
+    """Each rank's per-step compute, collective and idle time in words, for a row's note (:func:`gpu_bound_ms`
+    reads it back)."""
+    by_rank = lambda field: "/".join(f"{getattr(r, field):.1f}" for r in ranks)  # noqa: E731
+    if not all(math.isfinite(r.span) for r in ranks):
+        return "anatomy n/a (no GPU kernels recorded)"
+    return (
+        f"ms a step by rank: compute {by_rank('compute')}, NCCL {by_rank('collectives')} "
+        f"(exposed {by_rank('exposed')}), idle {by_rank('idle')}"
+    )
+
+
+_DESCRIBED = re.compile(r"compute (?P<compute>[\d./]+), NCCL [\d./]+ \(exposed (?P<exposed>[\d./]+)\), idle [\d./]+")
+
+
+def gpu_bound_ms(note: str) -> float | None:
+    """The step's GPU-bound time from a note holding :func:`describe`'s words: the largest over the ranks of compute
+    plus exposed collectives (the step's time had no host ever left its GPU idle; a rank waiting for a slower one
+    waits inside a collective, so imbalance stays in). None when the note has no anatomy."""
+    found = _DESCRIBED.search(note)
+    if found is None:
+        return None
+    compute = [float(v) for v in found["compute"].split("/")]
+    exposed = [float(v) for v in found["exposed"].split("/")]
+    return max(c + e for c, e in zip(compute, exposed, strict=True))
+
+
+__all__ = ["StepAnatomy", "anatomy", "describe", "gpu_bound_ms", "profile_steps", "union_length"]

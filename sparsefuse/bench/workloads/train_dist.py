@@ -41,7 +41,7 @@ from torch import nn
 from ...ffn.hybrid.graphed import GRAPH_EVENTS
 from ..harness import Case, Options, Result
 from . import train_setup as setup
-from .step_anatomy import profile_steps
+from .step_anatomy import StepAnatomy, describe, gpu_bound_ms, profile_steps
 from .train_knobs import (
     ENGINES,
     PROFILE_STEPS,
@@ -338,10 +338,7 @@ class _Engine:
         if self.world.size > 1:
             ranks = [torch.empty_like(found) for _ in range(self.world.size)]
             dist.all_gather(ranks, found)
-        by_rank = lambda i: "/".join(f"{float(r[i]):.1f}" for r in ranks)  # noqa: E731
-        if not all(math.isfinite(float(r[0])) for r in ranks):
-            return "anatomy n/a (no GPU kernels recorded)"
-        return f"ms a step by rank: compute {by_rank(1)}, NCCL {by_rank(2)} (exposed {by_rank(3)}), idle {by_rank(4)}"
+        return describe([StepAnatomy(*(float(v) for v in r.tolist())) for r in ranks])
 
 
 def global_batch(vocab: int, batch: int, seq: int, seed: int) -> torch.Tensor:
@@ -439,7 +436,10 @@ def is_distributed(shape: str) -> bool:
 def summary_lines(rows: list[Result]) -> list[str]:
     """Markdown for the distributed rows: per case, engine and GPU count, tokens/s per GPU of each implementation,
     the patched speed-up, and the scaling efficiency (tokens/s per GPU at N over that at 1 GPU, same case and
-    engine: needs the 1-GPU rows in the same set); then each patched row's note. Nothing without such rows."""
+    engine: needs the 1-GPU rows in the same set), and where the rows carry a step anatomy
+    (``SPARSEFUSE_TRAIN_PROFILE=1``) the speed-up and scaling of the GPU-bound step time as well (on a host that
+    falls behind its GPU the wall-clock ratios move with the host's pace); then each patched row's note. Nothing
+    without such rows."""
     runs: dict[tuple[str, str], dict[int, dict[str, Result]]] = {}
     for r in rows:
         match = SHAPE_PATTERN.match(r.shape)
@@ -447,13 +447,23 @@ def summary_lines(rows: list[Result]) -> list[str]:
             runs.setdefault((match["case"], match["engine"]), {}).setdefault(int(match["gpus"]), {})[r.impl] = r
     if not runs:
         return []
+    profiled = any(
+        gpu_bound_ms(r.note) is not None for by_gpus in runs.values() for g in by_gpus.values() for r in g.values()
+    )
     lines = [
         "Several GPUs: each GPU trains its own micro-batch (B per GPU). Scaling efficiency: tokens/s per GPU at N "
-        "GPUs over that at 1 GPU (same engine).",
+        "GPUs over that at 1 GPU (same engine)."
+        + (
+            " GPU-bound: the same from each step's GPU time alone (the largest over the ranks of compute plus "
+            "exposed NCCL, from the profiled steps): what the step would scale by were no host ever behind its GPU."
+            if profiled
+            else ""
+        ),
         "",
         "| case | engine | GPUs | tok/s per GPU (unpatched / patched) | patched speed-up | "
-        "scaling eff. (unpatched / patched) |",
-        "|---|---|---|---|---|---|",
+        "scaling eff. (unpatched / patched) |"
+        + (" GPU-bound speed-up | GPU-bound scaling eff. (unpatched / patched) |" if profiled else ""),
+        "|---|---|---|---|---|---|" + ("---|---|" if profiled else ""),
     ]
     notes = []
 
@@ -461,13 +471,21 @@ def summary_lines(rows: list[Result]) -> list[str]:
         r = by_gpus.get(gpus, {}).get(impl)
         return r.tokens_per_s if r is not None else math.nan
 
+    def gpu_bound(by_gpus: dict[int, dict[str, Result]], gpus: int, impl: str) -> float:
+        r = by_gpus.get(gpus, {}).get(impl)
+        ms = gpu_bound_ms(r.note) if r is not None else None
+        return ms if ms is not None else math.nan
+
     for (case, engine), by_gpus in runs.items():
         for gpus in sorted(by_gpus):
             u, p = rate(by_gpus, gpus, "unpatched"), rate(by_gpus, gpus, "patched")
             eff_u, eff_p = u / rate(by_gpus, 1, "unpatched"), p / rate(by_gpus, 1, "patched")
-            lines.append(
-                f"| {case} | {engine} | {gpus} | {u:.0f} / {p:.0f} | {p / u:.2f}x | {eff_u:.2f} / {eff_p:.2f} |"
-            )
+            row = f"| {case} | {engine} | {gpus} | {u:.0f} / {p:.0f} | {p / u:.2f}x | {eff_u:.2f} / {eff_p:.2f} |"
+            if profiled:
+                ms_u, ms_p = gpu_bound(by_gpus, gpus, "unpatched"), gpu_bound(by_gpus, gpus, "patched")
+                bound_u, bound_p = gpu_bound(by_gpus, 1, "unpatched") / ms_u, gpu_bound(by_gpus, 1, "patched") / ms_p
+                row += f" {ms_u / ms_p:.2f}x | {bound_u:.2f} / {bound_p:.2f} |"
+            lines.append(row)
             if "patched" in by_gpus[gpus]:
                 notes.append(f"- {case} {engine} x{gpus} patched: {by_gpus[gpus]['patched'].note}")
     return [*lines, "", *notes, ""]
