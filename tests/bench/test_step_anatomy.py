@@ -46,3 +46,4 @@ def test_described_anatomy_reads_back_as_the_gpu_bound_step():
     assert gpu_bound_ms(describe([StepAnatomy(140.0, 131.5, 0.0, 0.0, 36.2)])) == pytest.approx(131.5)
     assert gpu_bound_ms("ddp on 2x CPU; peak n/a; anatomy n/a (no GPU kernels recorded)") is None
     assert describe([anatomy([], steps=1)]) == "anatomy n/a (no GPU kernels recorded)"
+    assert describe([]) == "anatomy n/a (no GPU kernels recorded)"

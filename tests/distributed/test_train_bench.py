@@ -255,9 +255,10 @@ def test_relative_error_and_verdict():
     assert str(train_dist.GradAgreement(1e-7, 5e-8, 1e-5)) == "grads vs 1 process 1.0e-07 (re-batched 5.0e-08): ok"
 
 
-def _summary_rows(profiled: bool) -> list:
+def _summary_rows(profiled: bool, unprofiled: tuple = ()) -> list:
     """Fake distributed rows of one case and engine at 1 and 2 GPUs; with ``profiled``, notes with an anatomy
-    whose GPU-bound steps are unpatched 190 / 200 ms and patched 130 / 139 ms (1 / 2 GPUs)."""
+    whose GPU-bound steps are unpatched 190 / 199 ms and patched 130 / 137.5 ms (1 / 2 GPUs, the slower rank's).
+    ``unprofiled``: the (gpus, impl) rows whose note has no anatomy."""
     from sparsefuse.bench.harness import Result
     from sparsefuse.bench.workloads.step_anatomy import StepAnatomy, describe
 
@@ -267,7 +268,8 @@ def _summary_rows(profiled: bool) -> list:
     rows = []
     for (gpus, impl), ms in walls.items():
         anatomy = [StepAnatomy(ms, b - 1.5, 10.0, 1.5, 5.0) for b in bound.get((gpus, impl), [])]
-        note = f"ddp on {gpus}x GPU; " + (describe(anatomy) if profiled else "peak n/a") + "; grads: ok"
+        words = describe(anatomy) if profiled and (gpus, impl) not in unprofiled else "peak n/a"
+        note = f"ddp on {gpus}x GPU; {words}; grads: ok"
         rows.append(
             Result(
                 "train",
@@ -294,3 +296,16 @@ def test_summary_adds_the_gpu_bound_columns_when_the_rows_are_profiled():
     assert "| 24L nnz=30 B=4 S=2048 | ddp | 1 | 41374 / 54613 | 1.32x | 1.00 / 1.00 | 1.46x | 1.00 / 1.00 |" in text
     # 2 GPUs: unpatched 199 ms (the slower rank), patched 137.5 ms
     assert "| 24L nnz=30 B=4 S=2048 | ddp | 2 | 40157 / 49648 | 1.24x | 0.97 / 0.91 | 1.45x | 0.95 / 0.95 |" in text
+
+
+def test_summary_marks_the_gpu_bound_ratios_a_row_without_anatomy_cannot_give():
+    """A set where one row's note has no anatomy (its profile recorded no kernels) still gets the GPU-bound columns,
+    with '-' where that row is needed, never 'nan'; malformed anatomy words count as none."""
+    text = "\n".join(train_dist.summary_lines(_summary_rows(profiled=True, unprofiled=((1, "unpatched"),))))
+    assert "| 24L nnz=30 B=4 S=2048 | ddp | 1 | 41374 / 54613 | 1.32x | 1.00 / 1.00 | - | - / 1.00 |" in text
+    assert "| 24L nnz=30 B=4 S=2048 | ddp | 2 | 40157 / 49648 | 1.24x | 0.97 / 0.91 | 1.45x | - / 0.95 |" in text
+    assert "nan" not in text
+    from sparsefuse.bench.workloads.step_anatomy import gpu_bound_ms
+
+    assert gpu_bound_ms("compute 1.0/2.0, NCCL 3.0/3.0 (exposed 0.5), idle 1.0/1.0") is None  # a rank missing
+    assert gpu_bound_ms("compute 1..2, NCCL 3.0 (exposed 0.5), idle 1.0") is None

@@ -91,7 +91,7 @@ def describe(ranks: Sequence[StepAnatomy]) -> str:
     """Each rank's per-step compute, collective and idle time in words, for a row's note (:func:`gpu_bound_ms`
     reads it back)."""
     by_rank = lambda field: "/".join(f"{getattr(r, field):.1f}" for r in ranks)  # noqa: E731
-    if not all(math.isfinite(r.span) for r in ranks):
+    if not ranks or not all(math.isfinite(r.span) for r in ranks):
         return "anatomy n/a (no GPU kernels recorded)"
     return (
         f"ms a step by rank: compute {by_rank('compute')}, NCCL {by_rank('collectives')} "
@@ -99,19 +99,25 @@ def describe(ranks: Sequence[StepAnatomy]) -> str:
     )
 
 
-_DESCRIBED = re.compile(r"compute (?P<compute>[\d./]+), NCCL [\d./]+ \(exposed (?P<exposed>[\d./]+)\), idle [\d./]+")
+_PER_RANK = r"\d+(?:\.\d+)?(?:/\d+(?:\.\d+)?)*"  # one number per rank, "/" between them
+_DESCRIBED = re.compile(
+    rf"compute (?P<compute>{_PER_RANK}), NCCL {_PER_RANK} \(exposed (?P<exposed>{_PER_RANK})\), idle {_PER_RANK}"
+)
 
 
 def gpu_bound_ms(note: str) -> float | None:
     """The step's GPU-bound time from a note holding :func:`describe`'s words: the largest over the ranks of compute
-    plus exposed collectives (the step's time had no host ever left its GPU idle; a rank waiting for a slower one
-    waits inside a collective, so imbalance stays in). None when the note has no anatomy."""
+    plus exposed collectives, i.e. the step without the time its GPUs sat idle. A rank that waits for a slower one
+    waits inside a collective, so imbalance stays in, and so does what a lagging host costs the other ranks there.
+    None when the note has no anatomy (or a malformed one: ranks missing from a list)."""
     found = _DESCRIBED.search(note)
     if found is None:
         return None
     compute = [float(v) for v in found["compute"].split("/")]
     exposed = [float(v) for v in found["exposed"].split("/")]
-    return max(c + e for c, e in zip(compute, exposed, strict=True))
+    if len(compute) != len(exposed):
+        return None
+    return max(c + e for c, e in zip(compute, exposed))
 
 
 __all__ = ["StepAnatomy", "anatomy", "describe", "gpu_bound_ms", "profile_steps", "union_length"]

@@ -455,7 +455,8 @@ def summary_lines(rows: list[Result]) -> list[str]:
         "GPUs over that at 1 GPU (same engine)."
         + (
             " GPU-bound: the same from each step's GPU time alone (the largest over the ranks of compute plus "
-            "exposed NCCL, from the profiled steps): what the step would scale by were no host ever behind its GPU."
+            "exposed NCCL, from the profiled steps): the step without the time its GPUs sat idle waiting for their "
+            "hosts; '-' where a row has no anatomy."
             if profiled
             else ""
         ),
@@ -474,7 +475,11 @@ def summary_lines(rows: list[Result]) -> list[str]:
     def gpu_bound(by_gpus: dict[int, dict[str, Result]], gpus: int, impl: str) -> float:
         r = by_gpus.get(gpus, {}).get(impl)
         ms = gpu_bound_ms(r.note) if r is not None else None
-        return ms if ms is not None else math.nan
+        return ms if ms is not None and ms > 0 else math.nan
+
+    def ratio(a: float, b: float, fmt: str) -> str:
+        value = a / b if math.isfinite(a) and math.isfinite(b) else math.nan
+        return format(value, fmt) if math.isfinite(value) else "-"
 
     for (case, engine), by_gpus in runs.items():
         for gpus in sorted(by_gpus):
@@ -483,8 +488,11 @@ def summary_lines(rows: list[Result]) -> list[str]:
             row = f"| {case} | {engine} | {gpus} | {u:.0f} / {p:.0f} | {p / u:.2f}x | {eff_u:.2f} / {eff_p:.2f} |"
             if profiled:
                 ms_u, ms_p = gpu_bound(by_gpus, gpus, "unpatched"), gpu_bound(by_gpus, gpus, "patched")
-                bound_u, bound_p = gpu_bound(by_gpus, 1, "unpatched") / ms_u, gpu_bound(by_gpus, 1, "patched") / ms_p
-                row += f" {ms_u / ms_p:.2f}x | {bound_u:.2f} / {bound_p:.2f} |"
+                speed_up = ratio(ms_u, ms_p, ".2f")
+                speed_up += "x" if speed_up != "-" else ""
+                scaling_u = ratio(gpu_bound(by_gpus, 1, "unpatched"), ms_u, ".2f")
+                scaling_p = ratio(gpu_bound(by_gpus, 1, "patched"), ms_p, ".2f")
+                row += f" {speed_up} | {scaling_u} / {scaling_p} |"
             lines.append(row)
             if "patched" in by_gpus[gpus]:
                 notes.append(f"- {case} {engine} x{gpus} patched: {by_gpus[gpus]['patched'].note}")
