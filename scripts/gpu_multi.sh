@@ -22,7 +22,7 @@
 # autograd's GPU worker thread),
 # SPARSEFUSE_TRAIN_STEPS_PER_SYNC (training steps per timed call, default 1: each step timed from an idle GPU),
 # SPARSEFUSE_TRAIN_PROFILE (0 or 1, default 0: each row's note adds its step's compute, NCCL, exposed NCCL and idle
-# time by rank, from 3 more steps under torch.profiler),
+# time by rank, from 3 more steps under torch.profiler, and the summary the GPU-bound speed-up and scaling),
 # BENCH_ARGS (e.g. --quick: 8 layers, fewer timed steps), EXAMPLE_STEPS (150), TESTS=0 / BENCH=0 / EXAMPLE=0 to skip
 # a part, DEADLINE_S (560: the whole script stays inside a 10-minute call; a part that would pass it is cut short or
 # skipped, and says so).
