@@ -477,9 +477,9 @@ def summary_lines(rows: list[Result]) -> list[str]:
         ms = gpu_bound_ms(r.note) if r is not None else None
         return ms if ms is not None and ms > 0 else math.nan
 
-    def ratio(a: float, b: float, fmt: str) -> str:
-        value = a / b if math.isfinite(a) and math.isfinite(b) else math.nan
-        return format(value, fmt) if math.isfinite(value) else "-"
+    def ratio(a: float, b: float, suffix: str = "") -> str:
+        """a / b to 2 decimals, '-' where either is missing."""
+        return f"{a / b:.2f}{suffix}" if math.isfinite(a) and math.isfinite(b) else "-"
 
     for (case, engine), by_gpus in runs.items():
         for gpus in sorted(by_gpus):
@@ -488,11 +488,9 @@ def summary_lines(rows: list[Result]) -> list[str]:
             row = f"| {case} | {engine} | {gpus} | {u:.0f} / {p:.0f} | {p / u:.2f}x | {eff_u:.2f} / {eff_p:.2f} |"
             if profiled:
                 ms_u, ms_p = gpu_bound(by_gpus, gpus, "unpatched"), gpu_bound(by_gpus, gpus, "patched")
-                speed_up = ratio(ms_u, ms_p, ".2f")
-                speed_up += "x" if speed_up != "-" else ""
-                scaling_u = ratio(gpu_bound(by_gpus, 1, "unpatched"), ms_u, ".2f")
-                scaling_p = ratio(gpu_bound(by_gpus, 1, "patched"), ms_p, ".2f")
-                row += f" {speed_up} | {scaling_u} / {scaling_p} |"
+                scaling_u = ratio(gpu_bound(by_gpus, 1, "unpatched"), ms_u)
+                scaling_p = ratio(gpu_bound(by_gpus, 1, "patched"), ms_p)
+                row += f" {ratio(ms_u, ms_p, 'x')} | {scaling_u} / {scaling_p} |"
             lines.append(row)
             if "patched" in by_gpus[gpus]:
                 notes.append(f"- {case} {engine} x{gpus} patched: {by_gpus[gpus]['patched'].note}")
