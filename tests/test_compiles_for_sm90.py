@@ -197,6 +197,8 @@ def _exercise_ops(dtype: torch.dtype, ffn: bool) -> None:
     acts = _sparse_rows(5, 700, [3, 700, 0, 12, 1], dtype)  # row 1 fires every feature: the long-row pass runs
     for method in ("scan", "fixed", "exact"):
         sparsefuse.sparse_decode(acts, r(700, 40, scale=0.1), method=method, max_l0=16)
+    # the full row alone: split over programs summed by atomics, its 16-bit ranges are dense units (dense_units.py)
+    sparsefuse.sparse_decode(acts[1:2], r(700, 40, scale=0.1), method="scan")
     # backward: the sampled dense-pattern product (its kernels' specialisations do not need the full row, which the
     # interpreter walks slowly)
     grad_acts = _sparse_rows(3, 200, [3, 40, 0], dtype).requires_grad_()

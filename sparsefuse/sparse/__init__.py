@@ -16,8 +16,9 @@ from .block_pack import PackedFactors, pack_block_factors, spilled_blocks, unpac
 from .block_spmm import block_sparse_matmul
 from .compact import dense_to_csr, dense_to_ell, dense_to_hybrid, dense_to_row_block_pattern
 from .formats import CSR, ELL, BlockCSC, BlockELL, Hybrid, RowBlockPattern, TwELL
+from .scan import matmul_skip_zeros
 from .sddmm import block_sddmm, torch_block_sddmm
-from .spmm import ThresholdedLinear, matmul_skip_zeros, sparse_matmul, torch_sparse_matmul
+from .spmm import ThresholdedLinear, sparse_matmul, torch_sparse_matmul
 
 __all__ = [
     "CSR",

@@ -37,6 +37,7 @@ import triton.language as tl
 from .. import _backend
 from .._backend import sm_count
 from .._triton.gather import accumulate_nonzeros, accumulate_rows, load_rows, sum_split_partials
+from .dense_units import DENSE_UNIT_ROWS, dense_tiles
 
 # The row formats the gather kernel reads (a constexpr of its launches).
 FORMAT_ELL = tl.constexpr(0)
@@ -396,6 +397,12 @@ class LongRows:
     arrivals_per_unit: int  # a power of two, at least the output blocks; 0 with DELIVER_ATOMIC
     arrival_rows: int  # units with arrival counters: those the spread can split; 0 with DELIVER_ATOMIC
     partial_rows: int  # 0 with DELIVER_ATOMIC
+    # dense ranges' tables (dense_units.py), where the scan lists them: rows [n_splits, DENSE_UNIT_ROWS], counts
+    # [n_splits] (zeroed), splits [n_splits], used [1] (zeroed)
+    dense_rows: torch.Tensor | None = None
+    dense_counts: torch.Tensor | None = None
+    dense_splits: torch.Tensor | None = None
+    dense_used: torch.Tensor | None = None
 
     @staticmethod
     def allocate(
@@ -407,9 +414,11 @@ class LongRows:
         unit_cols: int,
         unit_entries: int,
         block_d: int | None = None,
+        dense_splits: int = 0,
     ) -> LongRows:
         """Buffers for ``capacity`` units of at most ``unit_cols`` dense columns or ``unit_entries`` stored entries
-        each, output width ``n_out``. Host-known sizes only: nothing is read back."""
+        each, output width ``n_out``; with ``dense_splits``, the tables of the scan's dense ranges for that many
+        splits (:mod:`.dense_units`). Host-known sizes only: nothing is read back."""
         cfg = spread_config(n_out, weight, block_d)
         device = weight.device
         d_blocks = triton.cdiv(n_out, cfg.block_d)
@@ -429,9 +438,19 @@ class LongRows:
                 2 * triton.cdiv(items, d_blocks) + max_subsplits,
                 max(1, SPREAD_PARTIAL_BYTES // (4 * n_out)),
             )
+        # the counters zeroed together: one fill
+        counters = torch.zeros(1 + (1 + dense_splits if dense_splits else 0), dtype=torch.int32, device=device)
+        dense = {}
+        if dense_splits:
+            dense = dict(
+                dense_rows=torch.empty(dense_splits * DENSE_UNIT_ROWS.value, dtype=torch.int32, device=device),
+                dense_counts=counters[2:],
+                dense_splits=torch.empty(dense_splits, dtype=torch.int32, device=device),
+                dense_used=counters[1:2],
+            )
         return LongRows(
             units=torch.empty(capacity, dtype=torch.int32, device=device),
-            count=torch.zeros(1, dtype=torch.int32, device=device),
+            count=counters[:1],
             arrivals=torch.empty(max(1, arrival_rows * arrivals_per_unit), dtype=torch.int32, device=device),
             sub_partial=torch.empty(max(1, partial_rows), n_out, dtype=torch.float32, device=device),
             sub_used=torch.empty(max(1, partial_rows), dtype=torch.int32, device=device),
@@ -442,6 +461,7 @@ class LongRows:
             arrivals_per_unit=arrivals_per_unit,
             arrival_rows=arrival_rows,
             partial_rows=partial_rows,
+            **dense,
         )
 
     def listing_args(self) -> dict:
@@ -454,6 +474,20 @@ class LongRows:
             long_arrival_rows=self.arrival_rows,
             LIST_LONG=True,
             ARRIVALS=self.arrivals_per_unit,
+            **self._dense_args(),
+        )
+
+    def _dense_args(self) -> dict:
+        """The dense ranges' tables and tiles (both launches), if the scan lists them."""
+        if self.dense_rows is None:
+            return {}
+        return dict(
+            dense_rows_ptr=self.dense_rows,
+            dense_counts_ptr=self.dense_counts,
+            dense_splits_ptr=self.dense_splits,
+            dense_used_ptr=self.dense_used,
+            LIST_DENSE=True,
+            **dense_tiles(self.sub_partial.shape[1]),  # n_out
         )
 
     def spread_args(self) -> dict:

@@ -25,11 +25,10 @@ import triton.language as tl
 from .. import _backend
 from .._backend import Backend, backend_for, new_output, record_launch, sm_count
 from .._triton.gather import accumulate_nonzeros, accumulate_rows, sum_split_partials
-from .._validation import check_matmul_skip_zeros, check_overflow_completion, check_sparse_weight
+from .._validation import check_overflow_completion, check_sparse_weight
+from .dense_units import DENSE_UNIT_MIN_COLS, DENSE_UNIT_ROWS, list_dense_unit, sum_dense_units
 from .formats import CSR, ELL
 from .long_rows import (
-    DELIVER_ATOMIC,
-    DELIVER_SPLITS,
     DELIVER_STORE,
     FORMAT_CSR,
     FORMAT_DENSE,
@@ -37,7 +36,6 @@ from .long_rows import (
     NEVER_LONG,
     LongRows,
     list_long_unit,
-    long_row_threshold,
     spread_long_units,
     stored_row_threshold,
 )
@@ -66,6 +64,10 @@ def gather_accumulate_kernel(
     long_arrivals_ptr,
     long_partial_ptr,
     long_used_ptr,
+    dense_rows_ptr,
+    dense_counts_ptr,
+    dense_splits_ptr,
+    dense_used_ptr,
     n_out,
     n_in,
     stride_w,
@@ -98,6 +100,9 @@ def gather_accumulate_kernel(
     DELIVER: tl.constexpr = 0,  # DELIVER_STORE
     ARRIVALS: tl.constexpr = 0,
     REDUCE_SUBSPLITS: tl.constexpr = 1,
+    LIST_DENSE: tl.constexpr = False,
+    DOT_D: tl.constexpr = 16,
+    DOT_F: tl.constexpr = 16,
 ):
     # Grid (rows * D blocks, splits): the D blocks of one row are neighbours, so a row's activations are read from
     # DRAM once and from L2 by the other blocks (rows live on axis 0: the other axes are capped at 65535).
@@ -112,9 +117,33 @@ def gather_accumulate_kernel(
     #   (FALLBACK 1), dense ranges whose count passes long_nnz while scanned -- are appended to the device list
     #   long_units / long_count (their arrival counters long_arrivals [capacity, ARRIVALS] zeroed) and left to
     #   the SPREAD_PASS launch, a 1-D grid over that list (long_rows.spread_long_units).
+    # LIST_DENSE (DENSE with ATOMIC_SPLITS): a long range at least half non-zero goes to its split's table of dense
+    #   rows instead (dense_rows [n_splits, 16], dense_counts [n_splits], dense_splits / dense_used: the splits
+    #   listed), summed on tensor cores by the SPREAD_PASS launch before its long units (dense_units.py).
     # Other overflowed ELL rows (count > width): FALLBACK 2 recomputes the activations of a ThresholdedLinear from
     # enc_x [M, d_enc], enc_w [d_enc, n_in], enc_bias/enc_threshold [n_in], enc_shift [d_enc]; 0 writes NaN.
     if SPREAD_PASS:
+        if LIST_DENSE:
+            sum_dense_units(
+                dense_rows_ptr,
+                dense_counts_ptr,
+                dense_splits_ptr,
+                dense_used_ptr,
+                dense_ptr,
+                stride_dense,
+                stride_dense_col,
+                w_ptr,
+                stride_w,
+                partial_ptr,
+                n_in,
+                n_out,
+                long_unit_cols,
+                long_target_items,
+                DENSE_UNIT_ROWS,
+                DOT_D,
+                DOT_F,
+                DENSE_UNIT_MIN_COLS,
+            )
         spread_long_units(
             long_units_ptr,
             long_count_ptr,
@@ -163,6 +192,7 @@ def gather_accumulate_kernel(
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     if FORMAT == FORMAT_DENSE:
         split_nnz = tl.zeros([], dtype=tl.int32)
+        range_nnz = tl.zeros([], dtype=tl.int32)  # all of the range's non-zeros, counted (LIST_DENSE) or not
         deferred = tl.zeros([], dtype=tl.int32)  # the range turned out long: left to the spread pass
         c_begin = split * chunks_per_split
         c_end = tl.minimum(c_begin + chunks_per_split, tl.cdiv(n_in, BLOCK_F))
@@ -175,9 +205,13 @@ def gather_accumulate_kernel(
             # per chunk.
             f, a = f_next, a_next.to(tl.float32)
             f_next = f + BLOCK_F
-            f_stop = tl.where(deferred == 0, f_end, 0)  # a deferred range loads nothing more
+            if LIST_DENSE:  # a deferred range is still counted: is it dense?
+                f_stop = f_end
+            else:  # a deferred range loads nothing more
+                f_stop = tl.where(deferred == 0, f_end, 0)
             a_next = tl.load(row_ptr + f_next.to(tl.int64) * stride_dense_col, mask=f_next < f_stop, other=0.0)
             chunk_nnz = tl.sum((a != 0).to(tl.int32), axis=0)
+            range_nnz += chunk_nnz
             if LIST_LONG:  # counted before it is gathered: a long range wastes at most long_nnz gathers
                 deferred = deferred | (split_nnz + chunk_nnz > long_nnz).to(tl.int32)
             if deferred == 0:
@@ -186,14 +220,27 @@ def gather_accumulate_kernel(
         if LIST_LONG:
             if deferred != 0:  # every D block of the range decides alike; the first lists it
                 if d_block == 0:
-                    list_long_unit(
-                        long_units_ptr,
-                        long_count_ptr,
-                        long_arrivals_ptr,
-                        row * n_splits + split,
-                        long_arrival_rows,
-                        ARRIVALS,
-                    )
+                    dense = tl.zeros([], dtype=tl.int32)
+                    if LIST_DENSE:
+                        if 2 * range_nnz >= f_end - c_begin * BLOCK_F:  # at least half non-zero
+                            dense = list_dense_unit(
+                                dense_rows_ptr,
+                                dense_counts_ptr,
+                                dense_splits_ptr,
+                                dense_used_ptr,
+                                row,
+                                split,
+                                DENSE_UNIT_ROWS,
+                            ).to(tl.int32)
+                    if dense == 0:
+                        list_long_unit(
+                            long_units_ptr,
+                            long_count_ptr,
+                            long_arrivals_ptr,
+                            row * n_splits + split,
+                            long_arrival_rows,
+                            ARRIVALS,
+                        )
                 return
         if ATOMIC_SPLITS:
             # fp32 atomics into partial [M, n_out] (zeroed; out itself when out is fp32): no per-split buffer to
@@ -276,11 +323,11 @@ def gather_accumulate_kernel(
 _POINTER_ARGS = (
     "values_ptr indices_ptr counts_ptr row_offsets_ptr dense_ptr partial_ptr split_nnz_ptr arrivals_ptr enc_x_ptr "
     "enc_w_ptr enc_bias_ptr enc_threshold_ptr enc_shift_ptr long_units_ptr long_count_ptr long_arrivals_ptr "
-    "long_partial_ptr long_used_ptr"
+    "long_partial_ptr long_used_ptr dense_rows_ptr dense_counts_ptr dense_splits_ptr dense_used_ptr"
 ).split()
 
 
-def _launch_gather(grid: tuple[int, int], weight: torch.Tensor, out: torch.Tensor, num_warps: int, **args) -> None:
+def launch_gather(grid: tuple[int, int], weight: torch.Tensor, out: torch.Tensor, num_warps: int, **args) -> None:
     """One gather_accumulate_kernel launch; pointers not given are ``out`` (never read), other arguments not given
     take the kernel's defaults (unused)."""
     shapes = dict(n_out=weight.shape[1], stride_w=weight.stride(0), stride_out=out.stride(0))
@@ -289,10 +336,10 @@ def _launch_gather(grid: tuple[int, int], weight: torch.Tensor, out: torch.Tenso
     record_launch("gather_accumulate_kernel")
 
 
-def _spread_long_rows(long_rows: LongRows, weight: torch.Tensor, out: torch.Tensor, **args) -> None:
+def launch_spread(long_rows: LongRows, weight: torch.Tensor, out: torch.Tensor, **args) -> None:
     """The spread launch over ``long_rows``' list (``args``: the main launch's operands, FORMAT, ...)."""
     cfg = long_rows.config
-    _launch_gather((cfg.programs, 1), weight, out, cfg.num_warps, **args | long_rows.spread_args())
+    launch_gather((cfg.programs, 1), weight, out, cfg.num_warps, **args | long_rows.spread_args())
 
 
 def torch_sparse_matmul(sparse: ELL | CSR, weight: torch.Tensor) -> torch.Tensor:
@@ -309,17 +356,10 @@ class _LaunchConfig:
     num_warps: int
 
 
-def _scan_warps(block_d: int, weight_itemsize: int) -> int:
-    """Warps of a scan program: as many as one row of its [GROUP, BLOCK_D] weight tile fills with 16-byte loads, at
-    most 4. More would split the tile's rows over warps, and every accumulate's sum over the group would cross warps
-    through shared memory: with 4 warps on 512 bf16 columns the scan took twice its fp32 time (H200)."""
-    return max(1, min(4, block_d * weight_itemsize // (32 * 16)))
-
-
 _INTERPRETER_CONFIG = _LaunchConfig(block_d=32, block_f=64, block_k=16, group=16, num_warps=4)  # few steps
 
 
-def _launch_config(n_out: int) -> _LaunchConfig:
+def scan_config(n_out: int) -> _LaunchConfig:
     """Blocks of the dense-row scan, measured on an H200: one program covers all of D (each D block re-scans and
     re-ranks the row). The gather of stored entries: :func:`_gather_config`."""
     if _backend.INTERPRET:
@@ -347,13 +387,6 @@ def gather_block_d(M: int, n_out: int, sms: int) -> int:
     while block_d > 128 and M * triton.cdiv(n_out, block_d) < 8 * sms:
         block_d //= 2
     return block_d
-
-
-def _device_programs(device: torch.device, atomic_splits: bool = False) -> int:
-    """How many programs keep every SM busy with loads in flight (a scan is latency-bound per program). When rows
-    alone do not fill the GPU, splits summed by atomics cost no partial buffer, so more of them pay: shorter serial
-    scans per program (measured on an H200). When rows do fill it, splitting them only adds atomics."""
-    return (32 if atomic_splits else 4) * sm_count(device, interpreted=2)
 
 
 def _weight_for_gather(weight: torch.Tensor) -> torch.Tensor:
@@ -442,7 +475,7 @@ def sparse_matmul(
             HAS_SHIFT=encoder.input_shift is not None,
         )
     listing = long_rows.listing_args() if long_rows is not None else {}
-    _launch_gather(
+    launch_gather(
         (programs, 1),
         weight,
         out,
@@ -457,112 +490,5 @@ def sparse_matmul(
         GROUP=cfg.group,
     )
     if long_rows is not None:
-        _spread_long_rows(long_rows, weight, out, **operands)
+        launch_spread(long_rows, weight, out, **operands)
     return out
-
-
-def matmul_skip_zeros(
-    a: torch.Tensor,
-    weight: torch.Tensor,
-    *,
-    out_dtype: torch.dtype | None = None,
-    splits: int | None = None,
-    deterministic: bool | None = None,
-) -> torch.Tensor:
-    """``a @ weight`` for a mostly-zero ``a`` [M, n_in], straight from its dense form: each row is scanned for
-    non-zeros and only their rows of ``weight`` [n_in, n_out] are loaded (fp32 accumulation). No sparse format, no
-    capacity, no host sync; any strides. Cost: one read of ``a`` plus nnz(a) * n_out weight elements -- against the
-    dense product's full read of ``weight``, a win while nnz per row is small.
-
-    ``splits``: how many programs share one row's columns (default: enough to fill the GPU when M is small); with
-    more than one, per-split fp32 partials are summed in a fixed order when ``deterministic`` (default:
-    ``torch.are_deterministic_algorithms_enabled()``), else added with fp32 atomics (faster; the last bits of the
-    sum vary from run to run). A program whose columns turn out denser than ``long_row_threshold`` (a token that
-    fires everything) hands them to a second launch that spreads them over many programs (:mod:`.long_rows`).
-    """
-    op = "matmul_skip_zeros"
-    check_matmul_skip_zeros(op, a, weight, splits)
-    weight, out = product_operands(a.dtype, a.shape[0], weight, out_dtype)
-    (M, n_in), n_out, out_dtype = a.shape, weight.shape[1], out.dtype
-    if M == 0 or n_out == 0:
-        return out
-    if n_in == 0:
-        return out.zero_()
-    if backend_for(a, weight) is Backend.TORCH:
-        _backend.warn_reference_once(op)
-        return (a.double() @ weight.double()).to(out_dtype)
-    if deterministic is None:
-        deterministic = torch.are_deterministic_algorithms_enabled()
-    return _scan_into(out, a, weight, splits, deterministic)
-
-
-def _scan_into(
-    out: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, splits: int | None, deterministic: bool
-) -> torch.Tensor:
-    """The DENSE-format launches of :func:`matmul_skip_zeros` into ``out`` [M, n_out]: the scan, then (when a
-    program's columns can be long) the spread pass over the ranges it listed."""
-    (M, n_in), n_out = a.shape, weight.shape[1]
-    cfg = _launch_config(n_out)
-    block_d, n_chunks = cfg.block_d, triton.cdiv(n_in, cfg.block_f)
-    programs = _device_programs(a.device)
-    if not deterministic and M * triton.cdiv(n_out, block_d) < programs:  # rows alone do not fill the GPU
-        programs = _device_programs(a.device, atomic_splits=True)
-
-    def n_splits_for(block_d: int) -> int:
-        wanted = splits if splits is not None else triton.cdiv(programs, M * triton.cdiv(n_out, block_d))
-        return triton.cdiv(n_chunks, triton.cdiv(n_chunks, max(1, min(wanted, n_chunks))))
-
-    # One program per (row, D block) sums that row's split partials: keep its read (n_splits * block_d fp32) within
-    # ~64 KiB by narrowing the D blocks when rows are few (at B=1, D=2304 a single 4096-wide block took 25 us).
-    while deterministic and splits is None and block_d > 128 and n_splits_for(block_d) * block_d * 4 > 65536:
-        block_d //= 2
-    d_blocks, n_splits = triton.cdiv(n_out, block_d), n_splits_for(block_d)
-    chunks_per_split = triton.cdiv(n_chunks, n_splits)
-    warps = cfg.num_warps if _backend.INTERPRET else _scan_warps(block_d, weight.element_size())
-    atomic = n_splits > 1 and not deterministic
-    partial = split_nnz = arrivals = out
-    if atomic:  # out itself when fp32; else an fp32 sum cast into out after the launch
-        partial = out.zero_() if out.dtype == torch.float32 else torch.zeros(M, n_out, device=a.device)
-    elif n_splits > 1:
-        partial = torch.empty(M, n_splits, n_out, dtype=torch.float32, device=a.device)  # read where written only
-        split_nnz = torch.empty(M, n_splits, dtype=torch.int32, device=a.device)
-        arrivals = torch.zeros(M, d_blocks, dtype=torch.int32, device=a.device)
-    unit_cols = min(n_in, chunks_per_split * cfg.block_f)  # the columns one program scans
-    threshold = long_row_threshold(unit_cols)
-    long_rows = None
-    if threshold < unit_cols:  # a program's columns can be long: list them, spread them
-        deliver = DELIVER_ATOMIC if atomic else (DELIVER_SPLITS if n_splits > 1 else DELIVER_STORE)
-        spread_block_d = block_d if deliver == DELIVER_SPLITS else None  # that sum is per main-launch D block
-        long_rows = LongRows.allocate(
-            M * n_splits, n_out, weight, threshold, deliver.value, unit_cols, 0, spread_block_d
-        )
-    operands = dict(
-        dense_ptr=a,
-        partial_ptr=partial,
-        split_nnz_ptr=split_nnz,
-        arrivals_ptr=arrivals,
-        n_in=n_in,
-        stride_dense=a.stride(0),
-        stride_dense_col=a.stride(1),
-        chunks_per_split=chunks_per_split,
-        n_splits=n_splits,
-        long_unit_cols=chunks_per_split * cfg.block_f,
-        REDUCE_SPLITS=max(1, min(triton.next_power_of_2(n_splits), 8192 // block_d)),
-        FORMAT=FORMAT_DENSE.value,
-    )
-    _launch_gather(
-        (d_blocks * M, n_splits),
-        weight,
-        out,
-        warps,
-        **operands,
-        **(long_rows.listing_args() if long_rows is not None else {}),
-        BLOCK_K=cfg.block_k,
-        BLOCK_D=block_d,
-        BLOCK_F=cfg.block_f,
-        GROUP=cfg.group,
-        ATOMIC_SPLITS=atomic,
-    )
-    if long_rows is not None:
-        _spread_long_rows(long_rows, weight, out, **operands)
-    return out.copy_(partial) if atomic and partial is not out else out
