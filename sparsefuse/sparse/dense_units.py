@@ -8,16 +8,17 @@ decode cost two reads of the whole of W_dec, where cuBLAS's dense product reads 
 rows at 32 tokens: 2.3x cuBLAS on an H200). A range at least half non-zero reads most of its weight rows anyway, so
 here it is summed as a small dense product instead:
 
-1. **Listing, in the scan.** A range found long keeps counting its remaining columns (activations only: no weight
-   rows are gathered for it). If at least half of them are non-zero, it is appended to its split's table of dense
-   rows (``rows`` [n_splits, DENSE_UNIT_ROWS], ``counts`` [n_splits], one integer atomic); the first row of a split
-   also appends the split to the list of splits that have dense rows (``splits`` [n_splits], ``n_splits_used``
-   [1]). A split whose table is full lists further ranges as ordinary long units: nothing is dropped.
+1. **Listing, in the scan.** The program that lists a range found long counts its non-zeros whole (activations
+   only: no weight rows are gathered for it). If at least half of its columns are non-zero, the range is appended to
+   its split's table of dense rows (``rows`` [n_splits, DENSE_UNIT_ROWS], ``counts`` [n_splits], one integer
+   atomic); the first row of a split also appends the split to the list of splits that have dense rows
+   (``splits`` [n_splits], ``n_splits_used`` [1]). A split whose table is full lists further ranges as ordinary
+   long units: nothing is dropped.
 2. **Summing, in the spread launch**, before its long units. The items are (listed split, output block of DOT_D
    columns, sub-range of the split's columns); each loads the [DENSE_UNIT_ROWS, DOT_F] activations of the split's
    listed rows (unlisted rows masked: never read) against one [DOT_F, DOT_D] tile of W, accumulating in fp32 with
    ``tl.dot``, and adds its [rows, DOT_D] sum into the rows' fp32 sums by atomics. The number of sub-ranges is
-   chosen on the device from how many splits were listed, so the items fill the GPU.
+   chosen on the device from how many splits were listed: about one item per program of the launch.
 
 Only where the scan's splits are already summed by fp32 atomics (its default when rows are too few to fill the GPU:
 the case where a full row is a cliff) and the activations and W are one 16-bit dtype (tensor-core products of 16-bit
@@ -43,11 +44,23 @@ def lists_dense_units(a: torch.Tensor, weight: torch.Tensor, atomic_splits: bool
 
 
 def dense_tiles(n_out: int) -> dict:
-    """The tl.dot tile of the dense ranges' sum: DOT_D output columns (at most 128: a [16, 128] fp32 accumulator is
-    16 registers a thread at 4 warps) by DOT_F activations (64: one 128-byte row of 16-bit values)."""
+    """The tl.dot tile of the dense ranges' sum: DOT_D output columns (at most 256: a [16, 256] fp32 accumulator is
+    32 registers a thread at 4 warps, under what the spread launch's long units take) by DOT_F activations (64: one
+    128-byte row of 16-bit values)."""
     if _backend.INTERPRET:
         return dict(DOT_D=16, DOT_F=16)
-    return dict(DOT_D=min(128, max(16, triton.next_power_of_2(n_out))), DOT_F=64)
+    return dict(DOT_D=min(256, max(16, triton.next_power_of_2(n_out))), DOT_F=64)
+
+
+@triton.jit
+def count_nonzeros(row_ptr, stride_col, f_begin, f_end, BLOCK_F: tl.constexpr):
+    """Non-zeros of the columns [f_begin, f_end) of one row (row_ptr, column stride stride_col)."""
+    n = tl.zeros([], dtype=tl.int32)
+    for f0 in range(f_begin, f_end, BLOCK_F):
+        f = f0 + tl.arange(0, BLOCK_F)
+        a = tl.load(row_ptr + f.to(tl.int64) * stride_col, mask=f < f_end, other=0.0)
+        n += tl.sum((a != 0).to(tl.int32), axis=0)
+    return n
 
 
 @triton.jit
@@ -78,7 +91,6 @@ def sum_dense_units(
     n_in,
     n_out,
     unit_cols,
-    target_items,
     ROWS: tl.constexpr,
     DOT_D: tl.constexpr,
     DOT_F: tl.constexpr,
@@ -89,7 +101,8 @@ def sum_dense_units(
     n_used = tl.load(n_splits_used_ptr)
     n_d_blocks = tl.cdiv(n_out, DOT_D)
     per_sub = n_used * n_d_blocks
-    subs = tl.minimum(tl.cdiv(target_items, tl.maximum(per_sub, 1)), tl.maximum(unit_cols // MIN_COLS, 1))
+    # about one item per program: longer items than the long units' (fewer fp32 atomics, longer pipelined loops)
+    subs = tl.minimum(tl.cdiv(tl.num_programs(0), tl.maximum(per_sub, 1)), tl.maximum(unit_cols // MIN_COLS, 1))
     r = tl.arange(0, ROWS)
     for item in range(tl.program_id(0), per_sub * subs, tl.num_programs(0)):
         split = tl.load(splits_ptr + item % n_used)

@@ -26,7 +26,7 @@ from .. import _backend
 from .._backend import Backend, backend_for, new_output, record_launch, sm_count
 from .._triton.gather import accumulate_nonzeros, accumulate_rows, sum_split_partials
 from .._validation import check_overflow_completion, check_sparse_weight
-from .dense_units import DENSE_UNIT_MIN_COLS, DENSE_UNIT_ROWS, list_dense_unit, sum_dense_units
+from .dense_units import DENSE_UNIT_MIN_COLS, DENSE_UNIT_ROWS, count_nonzeros, list_dense_unit, sum_dense_units
 from .formats import CSR, ELL
 from .long_rows import (
     DELIVER_STORE,
@@ -138,7 +138,6 @@ def gather_accumulate_kernel(
                 n_in,
                 n_out,
                 long_unit_cols,
-                long_target_items,
                 DENSE_UNIT_ROWS,
                 DOT_D,
                 DOT_F,
@@ -192,7 +191,6 @@ def gather_accumulate_kernel(
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     if FORMAT == FORMAT_DENSE:
         split_nnz = tl.zeros([], dtype=tl.int32)
-        range_nnz = tl.zeros([], dtype=tl.int32)  # all of the range's non-zeros, counted (LIST_DENSE) or not
         deferred = tl.zeros([], dtype=tl.int32)  # the range turned out long: left to the spread pass
         c_begin = split * chunks_per_split
         c_end = tl.minimum(c_begin + chunks_per_split, tl.cdiv(n_in, BLOCK_F))
@@ -205,13 +203,9 @@ def gather_accumulate_kernel(
             # per chunk.
             f, a = f_next, a_next.to(tl.float32)
             f_next = f + BLOCK_F
-            if LIST_DENSE:  # a deferred range is still counted: is it dense?
-                f_stop = f_end
-            else:  # a deferred range loads nothing more
-                f_stop = tl.where(deferred == 0, f_end, 0)
+            f_stop = tl.where(deferred == 0, f_end, 0)  # a deferred range loads nothing more
             a_next = tl.load(row_ptr + f_next.to(tl.int64) * stride_dense_col, mask=f_next < f_stop, other=0.0)
             chunk_nnz = tl.sum((a != 0).to(tl.int32), axis=0)
-            range_nnz += chunk_nnz
             if LIST_LONG:  # counted before it is gathered: a long range wastes at most long_nnz gathers
                 deferred = deferred | (split_nnz + chunk_nnz > long_nnz).to(tl.int32)
             if deferred == 0:
@@ -221,8 +215,9 @@ def gather_accumulate_kernel(
             if deferred != 0:  # every D block of the range decides alike; the first lists it
                 if d_block == 0:
                     dense = tl.zeros([], dtype=tl.int32)
-                    if LIST_DENSE:
-                        if 2 * range_nnz >= f_end - c_begin * BLOCK_F:  # at least half non-zero
+                    if LIST_DENSE:  # counted whole by this one program (not in the scan's loop: its registers)
+                        f_begin = c_begin * BLOCK_F
+                        if 2 * count_nonzeros(row_ptr, stride_dense_col, f_begin, f_end, BLOCK_F) >= f_end - f_begin:
                             dense = list_dense_unit(
                                 dense_rows_ptr,
                                 dense_counts_ptr,

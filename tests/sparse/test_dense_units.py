@@ -10,7 +10,7 @@ from conftest import assert_backend
 from helpers import sparse_rows
 
 from sparsefuse import track_launches
-from sparsefuse.sparse import long_rows, matmul_skip_zeros
+from sparsefuse.sparse import long_rows, matmul_skip_zeros, spmm
 from sparsefuse.sparse.dense_units import DENSE_UNIT_ROWS
 from sparsefuse.testing import accumulation_allowance, assert_close_to_reference
 
@@ -62,8 +62,9 @@ def test_full_rows_are_summed_as_dense_units_in_every_split(out_dtype, device, l
 def test_a_full_table_lists_further_ranges_as_long_units(device, listed):
     """20 full rows in 2 splits: each split's table takes 16, the other 4 ranges of each split are long units --
     every row still summed exactly once."""
-    a = sparse_rows(20, 300, [300], torch.float16, device)
-    w = weight(300, 24, torch.float16, device)
+    cols = max(300, 2 * spmm.scan_config(24).block_f)  # two scanned chunks on a GPU: two splits
+    a = sparse_rows(20, cols, [cols], torch.float16, device)
+    w = weight(cols, 24, torch.float16, device)
     out = matmul_skip_zeros(a, w, splits=2, deterministic=False)
     (plan,) = listed
     assert plan.dense_counts.tolist() == [20, 20]  # counted past the table
