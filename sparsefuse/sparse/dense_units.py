@@ -8,12 +8,12 @@ decode cost two reads of the whole of W_dec, where cuBLAS's dense product reads 
 rows at 32 tokens: 2.3x cuBLAS on an H200). A range at least half non-zero reads most of its weight rows anyway, so
 here it is summed as a small dense product instead:
 
-1. **Listing, in the scan.** The program that lists a range found long counts its non-zeros whole (activations
-   only: no weight rows are gathered for it). If at least half of its columns are non-zero, the range is appended to
-   its split's table of dense rows (``rows`` [n_splits, DENSE_UNIT_ROWS], ``counts`` [n_splits], one integer
-   atomic); the first row of a split also appends the split to the list of splits that have dense rows
-   (``splits`` [n_splits], ``n_splits_used`` [1]). A split whose table is full lists further ranges as ordinary
-   long units: nothing is dropped.
+1. **Listing, in the scan.** The program that lists a range found long counts its non-zeros whole, in a function
+   call of its own (activations only: no weight rows are gathered for it). If at least half of its columns are
+   non-zero, the range is appended to its split's table of dense rows (``rows`` [n_splits, DENSE_UNIT_ROWS],
+   ``counts`` [n_splits], one integer atomic); the first row of a split also appends the split to the list of
+   splits that have dense rows (``splits`` [n_splits], ``n_splits_used`` [1]). A split whose table is full lists
+   further ranges as ordinary long units: nothing is dropped.
 2. **Summing, in the spread launch**, before its long units. The items are (listed split, output block of DOT_D
    columns, sub-range of the split's columns); each loads the [DENSE_UNIT_ROWS, DOT_F] activations of the split's
    listed rows (unlisted rows masked: never read) against one [DOT_F, DOT_D] tile of W, accumulating in fp32 with
@@ -52,15 +52,16 @@ def dense_tiles(n_out: int) -> dict:
     return dict(DOT_D=min(256, max(16, triton.next_power_of_2(n_out))), DOT_F=64)
 
 
-@triton.jit
-def count_nonzeros(row_ptr, stride_col, f_begin, f_end, BLOCK_F: tl.constexpr):
-    """Non-zeros of the columns [f_begin, f_end) of one row (row_ptr, column stride stride_col)."""
+@triton.jit(noinline=True)
+def at_least_half_nonzero(row_ptr, stride_col, f_begin, f_end, BLOCK_F: tl.constexpr):
+    """Whether at least half of the columns [f_begin, f_end) of one row (row_ptr, column stride stride_col) are
+    non-zero (int32 1 / 0). Not inlined: see the scan's listing (spmm.py)."""
     n = tl.zeros([], dtype=tl.int32)
     for f0 in range(f_begin, f_end, BLOCK_F):
         f = f0 + tl.arange(0, BLOCK_F)
         a = tl.load(row_ptr + f.to(tl.int64) * stride_col, mask=f < f_end, other=0.0)
         n += tl.sum((a != 0).to(tl.int32), axis=0)
-    return n
+    return (2 * n >= f_end - f_begin).to(tl.int32)
 
 
 @triton.jit
