@@ -64,10 +64,10 @@ NEVER_LONG = 2**31 - 1  # threshold of a launch that lists no stored row as long
 # the data), each looping over about SPREAD_ITEMS_PER_PROGRAM items so that uneven units still balance. Against 256
 # / 256 / 4: geometric mean 462 against 637 us; an overflowed row's dense scan is repeated once per output block,
 # so fewer, wider blocks cut it 2-3.5x (B=4096, sigma 1.0, D=2304 bf16: 953 against 3371 us). Two full rows at
-# B=32 (H200): D=768 fp32 107 us against cuBLAS's 152, D=2304 bf16 182 against 78 -- each full row reads all of W
-# (the items of two rows share it through L2 only in part). Summing two overflowed rows per item to read W once was
-# tried: the pair code's registers (255 a thread, 2 programs an SM) cost the inputs with hundreds of sparse
-# overflowed rows 30% and bought two full rows little; auto decodes full bf16 rows with cuBLAS instead.
+# B=32 (H200): D=768 fp32 107 us against cuBLAS's 152 -- each full row reads all of W (the items of two rows share it
+# through L2 only in part). Summing two overflowed rows per item to read W once cost the inputs with hundreds of
+# sparse overflowed rows 30% (the pair code's registers: 255 a thread, 2 programs an SM); the scan's 16-bit ranges
+# at least half non-zero are summed apart on tensor cores instead (dense_units.py).
 SPREAD_PROGRAMS_PER_SM = 8
 SPREAD_ITEMS_PER_PROGRAM = 4
 SPREAD_MAX_BLOCK_D = 1024  # output columns per item, at most
