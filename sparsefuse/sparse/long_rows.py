@@ -82,7 +82,9 @@ SPREAD_PARTIAL_BYTES = 16 << 20  # the sub-splits' fp32 partial buffer, at most
 # about twice an SAE token's typical L0). So one token of 500 features among 256 (log-normal L0) is spread like
 # an overflowed one instead of holding the launch for 30 steps.
 ONE_WAVE_LONG_ENTRIES = 128
-ONE_WAVE_PROGRAMS_PER_SM = 16  # one-warp gather programs resident per SM, about
+# One-warp gather programs resident per SM, about: the ELL/CSR gather at 128-256 columns takes 64-70 registers a
+# thread (sm_90, Triton 3.6), so 28 fit an SM's registers (sm_90 allows 32 blocks); at 512 fp32 columns, 114: 17.
+ONE_WAVE_PROGRAMS_PER_SM = 28
 
 
 def long_row_threshold(columns: int) -> int:

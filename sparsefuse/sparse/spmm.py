@@ -371,21 +371,23 @@ def scan_config(n_out: int) -> _LaunchConfig:
     )
 
 
-def _gather_config(M: int, n_out: int, device: torch.device) -> _LaunchConfig:
+def _gather_config(M: int, n_out: int, weight: torch.Tensor) -> _LaunchConfig:
     """Blocks of the gather of stored entries (ELL/CSR), measured on an H200: one warp, 16 entries per step, 512
-    columns of W per program -- 1.2-1.7x faster than 4 warps on 1 KiB, whose sum over the entries crossed warps
-    through shared memory at every step -- narrowed to 128 columns while rows x D blocks would leave
-    fewer than 8 programs per SM (B=256, D=768: 10.8 us at 128 against 18.6 at 512)."""
+    fp32 or 256 16-bit columns of W per program -- 1.2-1.7x faster than 4 warps on 1 KiB, whose sum over the entries
+    crossed warps through shared memory at every step; 16-bit rows of 512 columns were 5-65% slower than of 256 (SAE
+    decode, constant L0 72, B=256-4096, D=2304 and 4096: 37.9 against 22.9 us at B=256, D=2304) -- narrowed to 128
+    columns while rows x D blocks would leave fewer than 8 programs per SM (B=256, D=768 fp32: 10.8 us at 128
+    against 18.6 at 512)."""
     if _backend.INTERPRET:
         return _INTERPRETER_CONFIG
-    block_d = gather_block_d(M, n_out, sm_count(device))
+    block_d = gather_block_d(M, n_out, sm_count(weight.device), weight.element_size())
     return _LaunchConfig(block_d=block_d, block_f=1024, block_k=16, group=2, num_warps=1)
 
 
-def gather_block_d(M: int, n_out: int, sms: int) -> int:
-    """Output columns per program of the gather of stored entries on a GPU of ``sms`` SMs (see
-    :func:`_gather_config`; also for cost models, which count its programs)."""
-    block_d = min(512, max(32, triton.next_power_of_2(n_out)))
+def gather_block_d(M: int, n_out: int, sms: int, itemsize: int) -> int:
+    """Output columns per program of the gather of stored entries, ``itemsize``-byte weights, on a GPU of ``sms``
+    SMs (see :func:`_gather_config`; also for cost models, which count its programs)."""
+    block_d = min(512 if itemsize >= 4 else 256, max(32, triton.next_power_of_2(n_out)))
     while block_d > 128 and M * triton.cdiv(n_out, block_d) < 8 * sms:
         block_d //= 2
     return block_d
@@ -445,7 +447,7 @@ def sparse_matmul(
         if is_ell and encoder is not None:
             return (encoder.reference_activations() @ weight.double()).to(out_dtype)
         return torch_sparse_matmul(sparse, weight).to(out_dtype)
-    cfg = _gather_config(M, n_out, weight.device)
+    cfg = _gather_config(M, n_out, weight)
     n_in, width = sparse.n_cols, sparse.width if is_ell else 0
     programs = triton.cdiv(n_out, cfg.block_d) * M
     threshold = stored_row_threshold(n_in, programs, weight.device) if spread_long_rows else NEVER_LONG

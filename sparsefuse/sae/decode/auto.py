@@ -93,9 +93,9 @@ _LAUNCH_S = 5e-6
 # their long rows to the same spread pass, so one rate serves both.
 _LONG_RATE = {4: 3.8e12, 2: 3.3e12}
 # A one-wave gather launch with rows past ONE_WAVE_LONG_ENTRIES: the spread launch's cost once, then W_dec bytes
-# of one output row per such row over this rate
-_ONE_WAVE_SPREAD_S = 15e-6
-_ONE_WAVE_ROW_RATE = 3e9
+# of one output row per such row over this rate (refit on the H200 grid with 16-bit gathers of 256 columns)
+_ONE_WAVE_SPREAD_S = 10e-6
+_ONE_WAVE_ROW_RATE = 1e10
 REFERENCE_SMS = 132  # H100 and H200
 
 _ESTIMATES = EstimateCache(observe_every=AUTO_OBSERVE_EVERY)  # per W_dec: dies with the decoder
@@ -174,7 +174,7 @@ def _predicted_seconds(
         mean_l0 / 16 * _FIXED_GATHER_STEP_S + math.ceil(d_sae / 32768) * _FIXED_WORDS_CHUNK_S,
     )
     fixed += long_s
-    if M * triton.cdiv(d_model, gather_block_d(M, d_model, sms)) <= ONE_WAVE_PROGRAMS_PER_SM * sms:
+    if M * triton.cdiv(d_model, gather_block_d(M, d_model, sms, e_w)) <= ONE_WAVE_PROGRAMS_PER_SM * sms:
         # one wave: the gather lasts as long as its longest row, and rows past ONE_WAVE_LONG_ENTRIES entries are
         # spread by a second launch -- a cost paid once any row gets there, then a little more per row
         over = ordinary * _share_above(ONE_WAVE_LONG_ENTRIES, mean_l0, cv)
