@@ -16,15 +16,17 @@ would make every token look like 1100 and send a batch that is sparse but for it
   of less bandwidth);
 * dense ~ the hypotenuse of flops / matmul rate and W_dec bytes / DRAM rate (fp32: a fixed ~1.35 TB/s, the rate
   cuBLAS's fp32 product of few rows reads W_dec at on an H100 and an H200 alike);
-* the long rows ~ their W_dec bytes over the spread launch's rate (bound by its sub-splits, not by DRAM).
+* the long rows ~ their W_dec bytes over the spread launch's rate (bound by its sub-splits, not by DRAM); in the
+  16-bit scan of few rows (its splits summed by atomics), tokens at least half full are its dense units instead:
+  one read of W_dec per 16 of them (:mod:`sparsefuse.sparse.dense_units`).
 
-Where the gather launch of "fixed" fits in one wave (rows x output blocks <= 16 programs per SM: ~256 tokens), it
+Where the gather launch of "fixed" fits in one wave (rows x output blocks <= 28 programs per SM: ~256 tokens), it
 lasts as long as its longest row, and rows past 128 stored entries are spread by a second launch
-(:func:`~sparsefuse.sparse.long_rows.stored_row_threshold`): a cost paid once any row gets there (~15 us), then a
+(:func:`~sparsefuse.sparse.long_rows.stored_row_threshold`): a cost paid once any row gets there (~10 us), then a
 little per row. The scan reads each row's d_sae activations whatever its L0, so it hardly feels the spread. The
 share of ordinary tokens past 128 comes from their mean and coefficient of variation, the L0 taken as log-normal
-(heavy-tailed, as sae_decode_grid models SAE tokens): at B=256, "fixed" wins by ~13% at a constant L0 but loses
-15-50% to the scan once the L0s spread (log-normal sigma >= 0.3). In launches of many waves rows of different
+(heavy-tailed, as sae_decode_grid models SAE tokens): at B=256, "fixed" wins by 12-36% at a constant L0 but loses
+up to 30% to the scan once the L0s spread (log-normal sigma >= 0.6). In launches of many waves rows of different
 lengths even out, and the mean decides.
 
 The number of long tokens in a batch of more rows than were sampled: the first one the sample holds is taken for a
@@ -92,6 +94,8 @@ _LAUNCH_S = 5e-6
 # and 182 / 192 us at D=2304 bf16 on an H200 / H100, whose bandwidths differ by 1.43x. The scan and "fixed" hand
 # their long rows to the same spread pass, so one rate serves both.
 _LONG_RATE = {4: 3.8e12, 2: 3.3e12}
+# The scan's dense units: two full bf16 rows' units read W_dec (302 MB) in 73-75 us on an H200
+_DENSE_UNIT_RATE = 4.1e12
 # A one-wave gather launch with rows past ONE_WAVE_LONG_ENTRIES: the spread launch's cost once, then W_dec bytes
 # of one output row per such row over this rate (refit on the H200 grid with 16-bit gathers of 256 columns)
 _ONE_WAVE_SPREAD_S = 10e-6
@@ -168,7 +172,11 @@ def _predicted_seconds(
     gathered = ordinary * mean_l0 * d_model * e_w  # W_dec bytes of the ordinary rows
     long_s = n_long * long_l0 * d_model * e_w / _LONG_RATE.get(e_a, 3.3e12)  # the long rows' spread
     scan_gather, fixed_gather = _SCAN_GATHER_RATE.get(e_a, 2.4e12), _FIXED_GATHER_RATE.get(e_w, 3.8e12) * scale
-    scan = _LAUNCH_S + M * d_sae * e_a / _SCAN_ROW_RATE.get(e_a, 1.4e12) + gathered / scan_gather + long_s
+    scan_long_s = long_s
+    if e_a == e_w == 2 and 2 * long_l0 >= d_sae and M * triton.cdiv(d_model, 4096) < 4 * sms:
+        # few 16-bit rows: the scan's splits are summed by atomics, and tokens at least half full are dense units
+        scan_long_s = math.ceil(n_long / 16) * d_sae * d_model * e_w / (_DENSE_UNIT_RATE * scale)
+    scan = _LAUNCH_S + M * d_sae * e_a / _SCAN_ROW_RATE.get(e_a, 1.4e12) + gathered / scan_gather + scan_long_s
     fixed = 4 * _LAUNCH_S + max(  # bitmask, bits -> ELL, gather, and the long rows' spread
         M * (d_sae * e_a / (_FIXED_BITS_RATE * scale) + d_sae / 8 / _FIXED_WORDS_RATE) + gathered / fixed_gather,
         mean_l0 / 16 * _FIXED_GATHER_STEP_S + math.ceil(d_sae / 32768) * _FIXED_WORDS_CHUNK_S,
@@ -204,6 +212,37 @@ def _fastest_method(
     ``spread``: the keywords of :func:`_predicted_seconds` past the mean (cv, long_share, long_l0, sms)."""
     predicted = _predicted_seconds(M, d_sae, d_model, mean_l0, acts_dtype, w_dtype, bandwidth, **spread)
     return pick_fastest(predicted, margin=AUTO_MARGIN)
+
+
+# "fixed" of few rows takes its two passes only where few tokens overflow its width: past it a token is read whole
+FIXED_OVERFLOW_SHARE = 0.05
+
+
+def few_rows_fixed_method(
+    acts: torch.Tensor,
+    W_dec: torch.Tensor,
+    width: int,
+    expected_l0: float | None,
+    decoder: torch.Tensor | None = None,
+) -> str:
+    """What ``method="fixed"`` (width ``width``, no ``validate``) runs for acts [M, d_sae] of few rows: its two
+    passes ("fixed") where the cost model predicts them faster than the one-pass scan and at most
+    FIXED_OVERFLOW_SHARE of the tokens overflow the width, else "scan" (the same sums without a capacity; also
+    whenever nothing is known of the L0, e.g. under torch.compile tracing without ``expected_l0``)."""
+    (M, d_sae), d_model = acts.shape, W_dec.shape[1]
+    if expected_l0 is not None:
+        l0 = L0Estimate(expected_l0)
+    else:
+        l0 = _estimated_l0(acts, W_dec if decoder is None else decoder)
+    if l0 is None or _share_above(width, l0.mean, l0.cv) > FIXED_OVERFLOW_SHARE:
+        return "scan"
+    bandwidth = dram_bandwidth(acts.device) or REFERENCE_BANDWIDTH
+    sms = sm_count(acts.device) if acts.is_cuda else REFERENCE_SMS
+    predicted = _predicted_seconds(
+        M, d_sae, d_model, l0.mean, acts.dtype, W_dec.dtype, bandwidth,
+        cv=l0.cv, long_share=l0.long_share, long_l0=l0.long_l0, sms=sms,
+    )  # fmt: skip
+    return "fixed" if predicted["fixed"] < predicted["scan"] else "scan"
 
 
 def _auto_width(mean_l0: float, d_sae: int) -> int:

@@ -11,10 +11,12 @@ Methods (all built on the shared core in :mod:`sparsefuse.sparse`):
   the bits are placed), gather-accumulate; a token that fired more than ``max_l0`` features is recomputed from its
   dense row on the device, so the result is always complete.
   ``validate=True`` instead raises ``ValueError`` naming the largest count (one sync). Up to
-  ``FIXED_SCAN_ROWS`` tokens (without ``validate``) it runs the scan kernel instead: the same sums (in another
+  ``FIXED_SCAN_ROWS`` tokens (without ``validate``) it runs the scan kernel instead -- the same sums (in another
   rounding order, and split rows added by fp32 atomics unless ``torch.use_deterministic_algorithms(True)``),
-  without a capacity, where the two passes cannot pay off (on an H200 at 32 tokens ``fixed`` took 1.4x the scan's time,
-  2.5x with a few tokens over ``max_l0``; at 256 tokens 1.2-1.6x with any spread of L0, 0.88x at a constant one).
+  without a capacity -- unless auto's cost model, from the same sync-free estimate of the L0, predicts the two
+  passes faster and at most 5% of the tokens over ``max_l0`` (on an H200 at 32 tokens the two passes took 1.0-2.7x
+  the scan's time; at 256 tokens 0.64x at a constant L0 in bf16, 0.88x in fp32, up to 1.7x with the L0s spread or
+  a full token).
 * ``"exact"`` -- compact into exact-size CSR (one sync to size it), gather-accumulate.
 * ``"dense"`` -- ``torch.matmul`` (cuBLAS).
 * ``"auto"`` -- ``"dense"`` for small dictionaries, else the fastest of the others by a cost model at the
@@ -73,7 +75,8 @@ def sparse_decode(
     out_dtype = out_dtype or torch.promote_types(feature_acts.dtype, W_dec.dtype)  # (result_type: not traceable)
     acts = flat_rows(feature_acts)
     if method == "fixed" and not validate and acts.shape[0] <= FIXED_SCAN_ROWS:
-        method = "scan"  # auto's own picks of "fixed" stay: its cost model weighed them at this batch
+        width = max_l0 if max_l0 is not None else min(auto.DEFAULT_MAX_L0, W_dec.shape[0])
+        method = auto.few_rows_fixed_method(acts, W_dec, width, expected_l0, decoder)
     method, max_l0 = auto.resolve_method(method, acts, W_dec, max_l0, expected_l0, decoder)
     out = sparse_decode_op(acts, W_dec, method, max_l0, bool(validate), out_dtype)
     return out.reshape(*feature_acts.shape[:-1], W_dec.shape[1])
