@@ -152,13 +152,15 @@ class EstimateCache:
         return self._read(weight, stats, can_observe, lambda monitor: monitor.mean_nnz)
 
     def estimate_per_row(
-        self, weight: torch.Tensor, stats: Callable[[], torch.Tensor], can_observe: bool
+        self, weight: torch.Tensor, stats: Callable[[], torch.Tensor], can_observe: bool, sync_free: bool = False
     ) -> tuple[float, ...] | None:
         """:meth:`estimate` for stats longer than [2]: every element's running average per row counted
-        (:attr:`SparsityMonitor.per_row`), as read before this call's own observation."""
-        return self._read(weight, stats, can_observe, lambda monitor: monitor.per_row)
+        (:attr:`SparsityMonitor.per_row`), as read before this call's own observation. ``sync_free``: a new
+        weight's first sample is observed like the later ones (None until it has arrived), not counted on the
+        host."""
+        return self._read(weight, stats, can_observe, lambda monitor: monitor.per_row, sync_free)
 
-    def _read(self, weight, stats, can_observe, value_of):
+    def _read(self, weight, stats, can_observe, value_of, sync_free=False):
         if torch.compiler.is_compiling() or type(weight) not in (torch.Tensor, torch.nn.Parameter):
             return None
         entry = self._entries.get(weight)
@@ -166,7 +168,10 @@ class EstimateCache:
             if not can_observe:
                 return None
             monitor = SparsityMonitor()
-            monitor.update(*(float(v) for v in stats().tolist()))  # the one sync
+            if sync_free:
+                monitor.observe(stats())
+            else:
+                monitor.update(*(float(v) for v in stats().tolist()))  # the one sync
             self._entries[weight] = [monitor, 0, self.observe_every]
             return value_of(monitor)
         monitor = entry[0]

@@ -531,3 +531,33 @@ def test_sampled_row_stats_sets_long_rows_apart(device):
     stats = sampled_row_stats(acts, 64, long_above=32)
     assert stats.tolist() == [8, 4, 34, 1, 40]
     assert sampled_row_stats(acts, 2, long_above=32).tolist() == [3, 2, 9, 0, 0]  # rows 0 and 3
+
+
+def test_fixed_of_few_rows_never_counts_a_new_decoders_sample_on_the_host(device):
+    """The estimate "fixed" of few rows consults is started without the host count auto's first call makes: the
+    first sample is observed like later ones (on a GPU it arrives a call or more later; on the CPU at once)."""
+    from sparsefuse._auto import EstimateCache
+
+    cache = EstimateCache()
+    w = torch.randn(300, 24, device=device)
+    stats = torch.tensor([64, 2, 2048, 0, 0], device=device)
+    first = cache.estimate_per_row(w, lambda: stats, can_observe=True, sync_free=True)
+    if device.type == "cpu":
+        assert first == (32.0, 1024.0, 0.0, 0.0)
+    else:
+        assert first is None  # not waited for
+        torch.cuda.synchronize()
+        assert cache.estimate_per_row(w, lambda: stats, can_observe=True) == (32.0, 1024.0, 0.0, 0.0)
+
+
+@pytest.mark.gpu
+def test_fixed_of_few_rows_does_not_synchronise_on_a_new_decoder():
+    a = sparse_rows(64, 4096, [40], torch.bfloat16, "cuda")
+    w = (torch.randn(4096, 256, device="cuda") / 16).to(torch.bfloat16)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            out = sparse_decode(a, w, method="fixed", max_l0=128)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert_close_to_reference(out, *reference(a, w), **allowance(a, w))

@@ -228,12 +228,13 @@ def few_rows_fixed_method(
     """What ``method="fixed"`` (width ``width``, no ``validate``) runs for acts [M, d_sae] of few rows: its two
     passes ("fixed") where the cost model predicts them faster than the one-pass scan and at most
     FIXED_OVERFLOW_SHARE of the tokens overflow the width, else "scan" (the same sums without a capacity; also
-    whenever nothing is known of the L0, e.g. under torch.compile tracing without ``expected_l0``)."""
+    whenever nothing is known of the L0: under torch.compile tracing without ``expected_l0``, or before a new
+    decoder's first sample has arrived -- "fixed" never waits for one: no host sync)."""
     (M, d_sae), d_model = acts.shape, W_dec.shape[1]
     if expected_l0 is not None:
         l0 = L0Estimate(expected_l0)
     else:
-        l0 = _estimated_l0(acts, W_dec if decoder is None else decoder)
+        l0 = _estimated_l0(acts, W_dec if decoder is None else decoder, sync_free=True)
     if l0 is None or _share_above(width, l0.mean, l0.cv) > FIXED_OVERFLOW_SHARE:
         return "scan"
     bandwidth = dram_bandwidth(acts.device) or REFERENCE_BANDWIDTH
@@ -249,14 +250,16 @@ def _auto_width(mean_l0: float, d_sae: int) -> int:
     return min(d_sae, max(DEFAULT_MAX_L0, triton.next_power_of_2(max(1, math.ceil(AUTO_WIDTH_PER_L0 * mean_l0)))))
 
 
-def _estimated_l0(acts: torch.Tensor, decoder: torch.Tensor) -> L0Estimate | None:
+def _estimated_l0(acts: torch.Tensor, decoder: torch.Tensor, sync_free: bool = False) -> L0Estimate | None:
     """The per-token L0 from the decoder's estimate, fed by this call when it is eager (see module docstring); None
-    when nothing is known (compile tracing, or a capture without a warm-up call)."""
+    when nothing is known (compile tracing, a capture without a warm-up call; with ``sync_free``, a new decoder's
+    first calls, until their sample has arrived)."""
     d_sae = acts.shape[1]
     per_row = _ESTIMATES.estimate_per_row(
         decoder,
         lambda: sampled_row_stats(acts, AUTO_SAMPLE_ROWS, long_row_threshold(d_sae)),
         observable(acts) and acts.shape[0] > 0,
+        sync_free,
     )
     return None if per_row is None else L0Estimate.from_per_row(per_row)
 
