@@ -18,7 +18,9 @@ here it is summed as a small dense product instead:
    columns, sub-range of the split's columns); each loads the [DENSE_UNIT_ROWS, DOT_F] activations of the split's
    listed rows (unlisted rows masked: never read) against one [DOT_F, DOT_D] tile of W, accumulating in fp32 with
    ``tl.dot``, and adds its [rows, DOT_D] sum into the rows' fp32 sums by atomics. The number of sub-ranges is
-   chosen on the device from how many splits were listed: about one item per program of the launch.
+   chosen on the device from how many splits were listed: about one item per program of the launch. Every weight row
+   of the range is read, the zero activations' too, so a NaN or inf in such a row reaches the listed rows' sums, as
+   in the dense product; the gather, which loads only the non-zeros' rows, leaves it out.
 
 Only where the scan's splits are already summed by fp32 atomics (its default when rows are too few to fill the GPU:
 the case where a full row is a cliff) and the activations and W are one 16-bit dtype (tensor-core products of 16-bit
@@ -39,17 +41,20 @@ DENSE_UNIT_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def lists_dense_units(a: torch.Tensor, weight: torch.Tensor, atomic_splits: bool) -> bool:
-    """Whether the scan of ``a`` @ ``weight`` lists its dense ranges apart (see module docstring)."""
+    """Whether the scan of ``a`` @ ``weight`` lists its dense ranges apart (see module docstring). Not for bf16
+    under Triton's interpreter, whose bf16 tl.dot is wrong (triton-lang/triton#11584): the gather sums them there."""
+    if _backend.INTERPRET and a.dtype == torch.bfloat16:
+        return False
     return atomic_splits and a.dtype == weight.dtype and a.dtype in DENSE_UNIT_DTYPES
 
 
-def dense_tiles(n_out: int) -> dict:
-    """The tl.dot tile of the dense ranges' sum: DOT_D output columns (at most 256: a [16, 256] fp32 accumulator is
-    32 registers a thread at 4 warps, under what the spread launch's long units take) by DOT_F activations (64: one
-    128-byte row of 16-bit values)."""
+def dense_tiles(n_out: int, num_warps: int) -> dict:
+    """The tl.dot tile of the dense ranges' sum in a launch of ``num_warps`` warps: DOT_D output columns (at most
+    64 a warp, 256 in all: a [16, DOT_D] fp32 accumulator is then at most 32 registers a thread, under what the
+    spread launch's long units take) by DOT_F activations (64: one 128-byte row of 16-bit values)."""
     if _backend.INTERPRET:
         return dict(DOT_D=16, DOT_F=16)
-    return dict(DOT_D=min(256, max(16, triton.next_power_of_2(n_out))), DOT_F=64)
+    return dict(DOT_D=min(256, 64 * num_warps, max(16, triton.next_power_of_2(n_out))), DOT_F=64)
 
 
 @triton.jit(noinline=True)

@@ -83,7 +83,9 @@ SPREAD_PARTIAL_BYTES = 16 << 20  # the sub-splits' fp32 partial buffer, at most
 # an overflowed one instead of holding the launch for 30 steps.
 ONE_WAVE_LONG_ENTRIES = 128
 # One-warp gather programs resident per SM, about: the ELL/CSR gather at 128-256 columns takes 64-70 registers a
-# thread (sm_90, Triton 3.6), so 28 fit an SM's registers (sm_90 allows 32 blocks); at 512 fp32 columns, 114: 17.
+# thread (sm_90, Triton 3.6), so 28 fit an SM's registers (sm_90 allows 32 blocks). At 512 fp32 columns it takes
+# 114 (17 fit), but those blocks are used only where rows x blocks pass 8 programs per SM, and launches of 17-28
+# programs per SM (fp32, D=768: ~1100-1800 rows) are taken for one wave though they run in two: left approximate.
 ONE_WAVE_PROGRAMS_PER_SM = 28
 
 
@@ -476,11 +478,11 @@ class LongRows:
             long_arrival_rows=self.arrival_rows,
             LIST_LONG=True,
             ARRIVALS=self.arrivals_per_unit,
-            **self._dense_args(),
+            **self._dense_tables(),
         )
 
-    def _dense_args(self) -> dict:
-        """The dense ranges' tables and tiles (both launches), if the scan lists them."""
+    def _dense_tables(self) -> dict:
+        """The dense ranges' tables (both launches), if the scan lists them."""
         if self.dense_rows is None:
             return {}
         return dict(
@@ -489,7 +491,6 @@ class LongRows:
             dense_splits_ptr=self.dense_splits,
             dense_used_ptr=self.dense_used,
             LIST_DENSE=True,
-            **dense_tiles(self.sub_partial.shape[1]),  # n_out
         )
 
     def spread_args(self) -> dict:
@@ -511,4 +512,5 @@ class LongRows:
             BLOCK_K=cfg.block_k,
             GROUP=cfg.group,
             REDUCE_SUBSPLITS=max(1, min(triton.next_power_of_2(self.max_subsplits), reduce_rows)),
+            **(dense_tiles(self.sub_partial.shape[1], cfg.num_warps) if self.dense_rows is not None else {}),
         )

@@ -337,8 +337,9 @@ def scan_below_10(monkeypatch):
 
 
 def test_fixed_runs_the_scan_on_small_batches(device, monkeypatch):
-    """Up to FIXED_SCAN_ROWS tokens method="fixed" runs the one-pass scan (same sums, no capacity); with validate
-    it compacts (the count it checks comes from the format), and auto's own pick of "fixed" is kept."""
+    """Up to FIXED_SCAN_ROWS tokens method="fixed" runs the one-pass scan (same sums, no capacity) unless the cost
+    model predicts its two passes faster with few tokens past its width; with validate it compacts (the count it
+    checks comes from the format), and auto's own pick of "fixed" is kept."""
     import sparsefuse.sae.decode.auto as auto
     import sparsefuse.sae.decode.functional as decode
 
@@ -358,6 +359,15 @@ def test_fixed_runs_the_scan_on_small_batches(device, monkeypatch):
     with track_launches() as launched:
         sparse_decode(more, w, method="fixed", max_l0=256)
     assert dict(launched) == two_pass
+    # "fixed" takes its two passes where the cost model predicts them faster, unless too many tokens overflow
+    monkeypatch.setattr(auto, "_predicted_seconds", lambda *_, **__: {"scan": 2.0, "fixed": 1.0, "dense": 3.0})
+    with track_launches() as launched:
+        out = sparse_decode(acts, w, method="fixed", max_l0=256)
+    assert dict(launched) == two_pass
+    assert_close_to_reference(out, *reference(acts, w), **allowance(acts, w))
+    with track_launches() as launched:
+        sparse_decode(acts, w, method="fixed", max_l0=2)  # most ordinary tokens (L0 3 and 7) overflow
+    assert "row_bits_kernel" not in launched
     monkeypatch.setattr(auto, "AUTO_DENSE_BELOW_D_SAE", 256)
     monkeypatch.setattr(auto, "_fastest_method", lambda *_, **__: "fixed")
     with track_launches() as launched:
@@ -551,7 +561,10 @@ def test_fixed_of_few_rows_never_counts_a_new_decoders_sample_on_the_host(device
 
 
 @pytest.mark.gpu
-def test_fixed_of_few_rows_does_not_synchronise_on_a_new_decoder():
+def test_fixed_of_few_rows_does_not_synchronise_on_a_new_decoder(monkeypatch):
+    import sparsefuse.sae.decode.functional as decode
+
+    monkeypatch.setattr(decode, "FIXED_SCAN_ROWS", 256)  # (tests/conftest.py sets it to 0)
     a = sparse_rows(64, 4096, [40], torch.bfloat16, "cuda")
     w = (torch.randn(4096, 256, device="cuda") / 16).to(torch.bfloat16)
     torch.cuda.set_sync_debug_mode("error")

@@ -17,17 +17,17 @@ would make every token look like 1100 and send a batch that is sparse but for it
 * dense ~ the hypotenuse of flops / matmul rate and W_dec bytes / DRAM rate (fp32: a fixed ~1.35 TB/s, the rate
   cuBLAS's fp32 product of few rows reads W_dec at on an H100 and an H200 alike);
 * the long rows ~ their W_dec bytes over the spread launch's rate (bound by its sub-splits, not by DRAM); in the
-  16-bit scan of few rows (its splits summed by atomics), tokens at least half full are its dense units instead:
-  one read of W_dec per 16 of them (:mod:`sparsefuse.sparse.dense_units`).
+  16-bit scan of few rows (its splits summed by atomics), up to 16 tokens at least half full are its dense units
+  instead: one read of W_dec for all of them (:mod:`sparsefuse.sparse.dense_units`).
 
 Where the gather launch of "fixed" fits in one wave (rows x output blocks <= 28 programs per SM: ~256 tokens), it
 lasts as long as its longest row, and rows past 128 stored entries are spread by a second launch
 (:func:`~sparsefuse.sparse.long_rows.stored_row_threshold`): a cost paid once any row gets there (~10 us), then a
 little per row. The scan reads each row's d_sae activations whatever its L0, so it hardly feels the spread. The
 share of ordinary tokens past 128 comes from their mean and coefficient of variation, the L0 taken as log-normal
-(heavy-tailed, as sae_decode_grid models SAE tokens): at B=256, "fixed" wins by 12-36% at a constant L0 but loses
-up to 30% to the scan once the L0s spread (log-normal sigma >= 0.6). In launches of many waves rows of different
-lengths even out, and the mean decides.
+(heavy-tailed, as sae_decode_grid models SAE tokens): at B=256 (H200), "fixed" at its 4x width takes 0.64x (bf16)
+and 0.89x (fp32) the scan's time at a constant L0, and 0.92-1.22x once the L0s spread (log-normal sigma 0.3-1.0).
+In launches of many waves rows of different lengths even out, and the mean decides.
 
 The number of long tokens in a batch of more rows than were sampled: the first one the sample holds is taken for a
 lone token (the first of a batch, which the evenly spaced sample always includes, is the typical one: two full
@@ -173,9 +173,12 @@ def _predicted_seconds(
     long_s = n_long * long_l0 * d_model * e_w / _LONG_RATE.get(e_a, 3.3e12)  # the long rows' spread
     scan_gather, fixed_gather = _SCAN_GATHER_RATE.get(e_a, 2.4e12), _FIXED_GATHER_RATE.get(e_w, 3.8e12) * scale
     scan_long_s = long_s
-    if e_a == e_w == 2 and 2 * long_l0 >= d_sae and M * triton.cdiv(d_model, 4096) < 4 * sms:
-        # few 16-bit rows: the scan's splits are summed by atomics, and tokens at least half full are dense units
-        scan_long_s = math.ceil(n_long / 16) * d_sae * d_model * e_w / (_DENSE_UNIT_RATE * scale)
+    atomic_splits = M * triton.cdiv(d_model, 4096) < 4 * sms and not torch.are_deterministic_algorithms_enabled()
+    if e_a == e_w == 2 and n_long > 0 and 2 * long_l0 >= d_sae and atomic_splits:
+        # few 16-bit rows (the scan's splits summed by atomics): up to 16 tokens at least half full are dense units,
+        # one read of W_dec for all of them; a full table sends further ones to the spread
+        scan_long_s = d_sae * d_model * e_w / (_DENSE_UNIT_RATE * scale)
+        scan_long_s += max(0.0, n_long - 16) * long_l0 * d_model * e_w / _LONG_RATE.get(e_a, 3.3e12)
     scan = _LAUNCH_S + M * d_sae * e_a / _SCAN_ROW_RATE.get(e_a, 1.4e12) + gathered / scan_gather + scan_long_s
     fixed = 4 * _LAUNCH_S + max(  # bitmask, bits -> ELL, gather, and the long rows' spread
         M * (d_sae * e_a / (_FIXED_BITS_RATE * scale) + d_sae / 8 / _FIXED_WORDS_RATE) + gathered / fixed_gather,
@@ -227,9 +230,10 @@ def few_rows_fixed_method(
 ) -> str:
     """What ``method="fixed"`` (width ``width``, no ``validate``) runs for acts [M, d_sae] of few rows: its two
     passes ("fixed") where the cost model predicts them faster than the one-pass scan and at most
-    FIXED_OVERFLOW_SHARE of the tokens overflow the width, else "scan" (the same sums without a capacity; also
-    whenever nothing is known of the L0: under torch.compile tracing without ``expected_l0``, or before a new
-    decoder's first sample has arrived -- "fixed" never waits for one: no host sync)."""
+    FIXED_OVERFLOW_SHARE of the ordinary tokens (their L0 taken as log-normal) overflow the width, else "scan" (the
+    same sums without a capacity; also whenever nothing is known of the L0: under torch.compile tracing without
+    ``expected_l0``, or before a new decoder's first sample has arrived -- "fixed" never waits for one: no host
+    sync)."""
     (M, d_sae), d_model = acts.shape, W_dec.shape[1]
     if expected_l0 is not None:
         l0 = L0Estimate(expected_l0)

@@ -39,7 +39,7 @@ from . import auto
 from .op import sparse_decode_op
 
 METHODS = ("auto", "scan", "fixed", "exact", "dense")
-FIXED_SCAN_ROWS = 256  # tokens up to which method="fixed" (no validate) runs the one-pass scan
+FIXED_SCAN_ROWS = 256  # tokens up to which method="fixed" (no validate) may run the scan: auto.few_rows_fixed_method
 
 
 def sparse_decode(
