@@ -69,6 +69,23 @@ def _fixed_decode_runs_its_format(monkeypatch):
     monkeypatch.setattr(decode, "FIXED_SCAN_ROWS", 0)
 
 
+@pytest.fixture
+def listed(monkeypatch):
+    """Every LongRows allocated in the test, in order; ``int(l.count)`` is how many units its launch listed (and
+    ``int(l.dense_used)`` how many splits have dense units, where the scan lists them)."""
+    from sparsefuse.sparse import long_rows
+
+    made = []
+    allocate = long_rows.LongRows.allocate
+
+    def recorded(*args, **kwargs):
+        made.append(allocate(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(long_rows.LongRows, "allocate", staticmethod(recorded))
+    return made
+
+
 def assert_backend(*tensors: torch.Tensor) -> None:
     """The kernels under test must be the Triton ones (compiled or interpreted), never the torch reference."""
     assert sparsefuse.backend_for(*tensors) is EXPECTED_BACKEND

@@ -47,3 +47,10 @@ def assert_valid_topk(indices, acts, pre, bound, k, activation="relu"):
     assert_close_to_reference(
         acts, ref.relu() if activation == "relu" else ref, dtype=acts.dtype, extra_abs=bound.gather(1, indices)
     )
+
+
+def check_product(out, a, w):
+    """``out`` is ``a @ w`` (fully written: outputs are NaN-poisoned) within the fp32-accumulation tolerance."""
+    assert not torch.isnan(out).any(), "an output element was left unwritten (NaN-poisoned)"
+    ref = a.double() @ w.double()
+    assert_close_to_reference(out, ref, (a.float() @ w.float()).to(out.dtype), extra_abs=accumulation_allowance(a, w))

@@ -7,32 +7,11 @@ GPU suite's test_long_rows)."""
 import pytest
 import torch
 from conftest import assert_backend
-from helpers import sparse_rows
+from helpers import check_product, sparse_rows
 
 from sparsefuse import track_launches
-from sparsefuse.sparse import long_rows, matmul_skip_zeros, spmm
+from sparsefuse.sparse import matmul_skip_zeros, spmm
 from sparsefuse.sparse.dense_units import DENSE_UNIT_ROWS
-from sparsefuse.testing import accumulation_allowance, assert_close_to_reference
-
-
-@pytest.fixture
-def listed(monkeypatch):
-    """Every LongRows allocated in the test, in order."""
-    made = []
-    allocate = long_rows.LongRows.allocate
-
-    def recorded(*args, **kwargs):
-        made.append(allocate(*args, **kwargs))
-        return made[-1]
-
-    monkeypatch.setattr(long_rows.LongRows, "allocate", staticmethod(recorded))
-    return made
-
-
-def check(out, a, w):
-    assert not torch.isnan(out).any(), "an output element was left unwritten (NaN-poisoned)"
-    ref = a.double() @ w.double()
-    assert_close_to_reference(out, ref, (a.float() @ w.float()).to(out.dtype), extra_abs=accumulation_allowance(a, w))
 
 
 def weight(n_in, n_out, dtype, device):
@@ -56,7 +35,7 @@ def test_full_rows_are_summed_as_dense_units_in_every_split(out_dtype, device, l
     rows = plan.dense_rows.view(n_splits, DENSE_UNIT_ROWS.value)[:, :2]
     assert rows.sort(1).values.tolist() == [[0, 2]] * n_splits  # in either order: the atomics decide
     assert sorted(plan.dense_splits.tolist()) == list(range(n_splits))
-    check(out, a, w)
+    check_product(out, a, w)
 
 
 def test_a_full_table_lists_further_ranges_as_long_units(device, listed):
@@ -69,7 +48,7 @@ def test_a_full_table_lists_further_ranges_as_long_units(device, listed):
     (plan,) = listed
     assert plan.dense_counts.tolist() == [20, 20]  # counted past the table
     assert int(plan.dense_used) == 2 and int(plan.count) == 2 * (20 - DENSE_UNIT_ROWS.value)
-    check(out, a, w)
+    check_product(out, a, w)
 
 
 def test_ranges_under_half_non_zero_stay_long_units(device, listed):
@@ -79,7 +58,7 @@ def test_ranges_under_half_non_zero_stay_long_units(device, listed):
     out = matmul_skip_zeros(a, w)
     (plan,) = listed
     assert int(plan.dense_used) == 0 and int(plan.count) >= 2
-    check(out, a, w)
+    check_product(out, a, w)
 
 
 @pytest.mark.parametrize(
@@ -95,7 +74,7 @@ def test_no_dense_tables_outside_16_bit_atomic_scans(a_dtype, w_dtype, determini
     out = matmul_skip_zeros(a, w, deterministic=deterministic)
     (plan,) = listed
     assert plan.dense_rows is None and int(plan.count) >= 1
-    check(out, a, w)
+    check_product(out, a, w)
 
 
 def test_dense_units_read_strided_activations(device, listed):
@@ -108,4 +87,4 @@ def test_dense_units_read_strided_activations(device, listed):
     out = matmul_skip_zeros(a, w, splits=4, deterministic=False)
     (plan,) = listed
     assert int(plan.dense_used) >= 1
-    check(out, a, w)
+    check_product(out, a, w)

@@ -7,7 +7,7 @@ import contextlib
 import pytest
 import torch
 from conftest import assert_backend
-from helpers import sparse_rows
+from helpers import check_product, sparse_rows
 
 from sparsefuse import track_launches
 from sparsefuse._backend import sm_count
@@ -24,26 +24,6 @@ from sparsefuse.sparse.long_rows import ONE_WAVE_PROGRAMS_PER_SM
 from sparsefuse.testing import accumulation_allowance, assert_close_to_reference
 
 DTYPES = [torch.float32, torch.float16]
-
-
-@pytest.fixture
-def listed(monkeypatch):
-    """Every LongRows allocated in the test, in order; ``int(l.count)`` is how many units its launch listed."""
-    made = []
-    allocate = long_rows.LongRows.allocate
-
-    def recorded(*args, **kwargs):
-        made.append(allocate(*args, **kwargs))
-        return made[-1]
-
-    monkeypatch.setattr(long_rows.LongRows, "allocate", staticmethod(recorded))
-    return made
-
-
-def check(out, a, w):
-    assert not torch.isnan(out).any(), "an output element was left unwritten (NaN-poisoned)"
-    ref = a.double() @ w.double()
-    assert_close_to_reference(out, ref, (a.float() @ w.float()).to(out.dtype), extra_abs=accumulation_allowance(a, w))
 
 
 @contextlib.contextmanager
@@ -91,7 +71,7 @@ def test_scan_spreads_full_rows_whichever_way_splits_are_summed(m, deterministic
     # fp16 ranges summed by atomics are dense units instead (test_dense_units.py)
     dense = int(plan.dense_used) if plan.dense_used is not None else 0
     assert plan.deliver == deliver.value and int(plan.count) + dense >= (3 if m == 6 else 1)
-    check(out, a, w)
+    check_product(out, a, w)
     if deterministic:  # the spread's sub-splits are summed in a fixed order too
         assert torch.equal(out, matmul_skip_zeros(a, w, deterministic=True))
 
@@ -105,7 +85,7 @@ def test_only_ranges_past_the_threshold_are_listed(device, listed):
     (plan,) = listed
     assert plan.threshold == 32 and int(plan.count) == 3  # the rows of 33, 640 and 200 non-zeros
     assert sorted(plan.units[:3].tolist()) == [1, 3, 6]
-    check(out, a, w)
+    check_product(out, a, w)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -120,8 +100,8 @@ def test_stored_rows_past_the_threshold_are_spread_over_their_entries(fmt, dtype
     with track_launches() as launched:
         out = sparse_matmul(sparse, w, spread_long_rows=True)
     assert launched["gather_accumulate_kernel"] == 2 and int(listed[0].count) == 2  # 640 and 90 entries
-    check(out, a, w)
-    check(one_launch, a, w)
+    check_product(out, a, w)
+    check_product(one_launch, a, w)
 
 
 @pytest.mark.parametrize("one_wave, threshold, n_long", [(True, 128, 2), (False, 200, 0)])
@@ -137,7 +117,7 @@ def test_stored_rows_past_128_entries_are_long_where_the_launch_is_one_wave(
     out = sparse_matmul(dense_to_ell(a, 256), w, dense=a, spread_long_rows=True)
     (plan,) = listed
     assert plan.threshold == threshold and int(plan.count) == n_long  # the rows of 180 and 150 entries
-    check(out, a, w)
+    check_product(out, a, w)
 
 
 def test_overflowed_rows_are_completed_by_the_spread_pass_and_encoder_rows_are_not_listed(device, listed):
@@ -158,7 +138,7 @@ def test_overflowed_rows_are_completed_by_the_spread_pass_and_encoder_rows_are_n
     w = torch.randn(640, 24, device=device)
     out = sparse_matmul(ell, w, dense=acts.float(), spread_long_rows=True)
     assert int(listed[0].count) == 4
-    check(out, acts.float(), w)
+    check_product(out, acts.float(), w)
     out = sparse_matmul(ell, w, encoder=layer, spread_long_rows=True)
     assert int(listed[1].count) == 2
     fired = (acts != 0).double()
@@ -213,7 +193,7 @@ def test_no_host_sync_but_exacts_own(method, syncs, device, listed):
         out = sparse_decode(a, w, method=method, max_l0=16)
     assert len(reads) == syncs, reads
     assert int(listed[0].count) >= 2
-    check(out, a, w)
+    check_product(out, a, w)
 
 
 @pytest.mark.gpu
@@ -240,10 +220,10 @@ def test_full_rows_in_a_cuda_graph_without_syncs(method, dtype):
         a.copy_(full)
         graph.replay()
         torch.cuda.synchronize()
-        check(out, full, w)
+        check_product(out, full, w)
         torch.cuda.set_sync_debug_mode("error")
         try:
             eager = sparse_decode(full, w, method=method, max_l0=64)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        check(eager, full, w)
+        check_product(eager, full, w)

@@ -234,20 +234,26 @@ def few_rows_fixed_method(
     same sums without a capacity; also whenever nothing is known of the L0: under torch.compile tracing without
     ``expected_l0``, or before a new decoder's first sample has arrived -- "fixed" never waits for one: no host
     sync)."""
-    (M, d_sae), d_model = acts.shape, W_dec.shape[1]
     if expected_l0 is not None:
         l0 = L0Estimate(expected_l0)
     else:
         l0 = _estimated_l0(acts, W_dec if decoder is None else decoder, sync_free=True)
     if l0 is None or _share_above(width, l0.mean, l0.cv) > FIXED_OVERFLOW_SHARE:
         return "scan"
+    args, keywords = _model_inputs(acts, W_dec, l0)
+    predicted = _predicted_seconds(*args, **keywords)
+    return "fixed" if predicted["fixed"] < predicted["scan"] else "scan"
+
+
+def _model_inputs(acts: torch.Tensor, W_dec: torch.Tensor, l0: L0Estimate) -> tuple[tuple, dict]:
+    """The cost model's arguments for acts [M, d_sae] @ W_dec [d_sae, d_model] on their device (positional,
+    keywords), as :func:`_predicted_seconds` and :func:`_fastest_method` take them."""
+    (M, d_sae), d_model = acts.shape, W_dec.shape[1]
     bandwidth = dram_bandwidth(acts.device) or REFERENCE_BANDWIDTH
     sms = sm_count(acts.device) if acts.is_cuda else REFERENCE_SMS
-    predicted = _predicted_seconds(
-        M, d_sae, d_model, l0.mean, acts.dtype, W_dec.dtype, bandwidth,
-        cv=l0.cv, long_share=l0.long_share, long_l0=l0.long_l0, sms=sms,
-    )  # fmt: skip
-    return "fixed" if predicted["fixed"] < predicted["scan"] else "scan"
+    return (M, d_sae, d_model, l0.mean, acts.dtype, W_dec.dtype, bandwidth), dict(
+        cv=l0.cv, long_share=l0.long_share, long_l0=l0.long_l0, sms=sms
+    )
 
 
 def _auto_width(mean_l0: float, d_sae: int) -> int:
@@ -278,7 +284,7 @@ def resolve_method(
 ) -> tuple[str, int]:
     """(method, ELL width) for acts [M, d_sae], W_dec [d_sae, d_model]: ``method`` itself unless it is "auto".
     ``decoder``: the tensor the estimate is kept for, the caller's W_dec where ``W_dec`` is its autocast copy."""
-    (M, d_sae), d_model = acts.shape, W_dec.shape[1]
+    d_sae = acts.shape[1]
     width = max_l0 if max_l0 is not None else min(DEFAULT_MAX_L0, d_sae)
     if method == "auto":
         if d_sae < AUTO_DENSE_BELOW_D_SAE:
@@ -290,12 +296,8 @@ def resolve_method(
                 l0 = _estimated_l0(acts, W_dec if decoder is None else decoder)
                 if l0 is None:
                     l0 = L0Estimate(d_sae / 1024)  # SAE-like sparsity, assumed where nothing was observed
-            bandwidth = dram_bandwidth(acts.device) or REFERENCE_BANDWIDTH
-            sms = sm_count(acts.device) if acts.is_cuda else REFERENCE_SMS
-            method = _fastest_method(
-                M, d_sae, d_model, l0.mean, acts.dtype, W_dec.dtype, bandwidth,
-                cv=l0.cv, long_share=l0.long_share, long_l0=l0.long_l0, sms=sms,
-            )  # fmt: skip
+            args, keywords = _model_inputs(acts, W_dec, l0)
+            method = _fastest_method(*args, **keywords)
             if max_l0 is None:
                 width = _auto_width(l0.mean, d_sae)
     return method, width
