@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from .. import _backend
+from .._triton.dot import dot_accumulate
 
 DENSE_UNIT_ROWS = tl.constexpr(16)  # rows of one split summed together (tl.dot's smallest M)
 DENSE_UNIT_MIN_COLS = tl.constexpr(256)  # columns of one item's sub-range, at least
@@ -137,7 +138,7 @@ def sum_dense_units(
                 mask=f_mask[:, None] & d_mask[None, :],
                 other=0.0,
             )
-            acc = tl.dot(a, w, acc)
+            acc = dot_accumulate(acc, a, w, False)  # 16-bit operands only: the native tensor-core path
         if s_end > s_begin:
             tl.atomic_add(
                 sums_ptr + rows[:, None] * n_out + d[None, :],

@@ -24,11 +24,23 @@ def _scan_warps(block_d: int, weight_itemsize: int) -> int:
     return max(1, min(4, block_d * weight_itemsize // (32 * 16)))
 
 
+SCAN_PROGRAMS_PER_SM = 4
+ATOMIC_SPLIT_PROGRAMS_PER_SM = 32
+
+
 def _device_programs(device: torch.device, atomic_splits: bool = False) -> int:
     """How many programs keep every SM busy with loads in flight (a scan is latency-bound per program). When rows
     alone do not fill the GPU, splits summed by atomics cost no partial buffer, so more of them pay: shorter serial
     scans per program (measured on an H200). When rows do fill it, splitting them only adds atomics."""
-    return (32 if atomic_splits else 4) * sm_count(device, interpreted=2)
+    per_sm = ATOMIC_SPLIT_PROGRAMS_PER_SM if atomic_splits else SCAN_PROGRAMS_PER_SM
+    return per_sm * sm_count(device, interpreted=2)
+
+
+def splits_by_atomics(M: int, n_out: int, block_d: int, sms: int, deterministic: bool) -> bool:
+    """Whether the scan of M rows, ``block_d`` output columns a program, on ``sms`` SMs splits its rows over
+    programs whose sums are added by fp32 atomics: rows alone do not fill the GPU, and the order may vary (also for
+    cost models: it is where the scan's 16-bit dense units run)."""
+    return not deterministic and M * triton.cdiv(n_out, block_d) < SCAN_PROGRAMS_PER_SM * sms
 
 
 def matmul_skip_zeros(
@@ -75,7 +87,7 @@ def _scan_into(
     cfg = scan_config(n_out)
     block_d, n_chunks = cfg.block_d, triton.cdiv(n_in, cfg.block_f)
     programs = _device_programs(a.device)
-    if not deterministic and M * triton.cdiv(n_out, block_d) < programs:  # rows alone do not fill the GPU
+    if splits_by_atomics(M, n_out, block_d, sm_count(a.device, interpreted=2), deterministic):
         programs = _device_programs(a.device, atomic_splits=True)
 
     def n_splits_for(block_d: int) -> int:

@@ -367,9 +367,12 @@ def scan_config(n_out: int) -> _LaunchConfig:
     re-ranks the row). The gather of stored entries: :func:`_gather_config`."""
     if _backend.INTERPRET:
         return _INTERPRETER_CONFIG
-    return _LaunchConfig(
-        block_d=min(4096, max(32, triton.next_power_of_2(n_out))), block_f=1024, block_k=32, group=2, num_warps=4
-    )
+    return _LaunchConfig(block_d=scan_block_d(n_out), block_f=1024, block_k=32, group=2, num_warps=4)
+
+
+def scan_block_d(n_out: int) -> int:
+    """Output columns of a scan program on a GPU (see :func:`scan_config`; also for cost models)."""
+    return min(4096, max(32, triton.next_power_of_2(n_out)))
 
 
 def _gather_config(M: int, n_out: int, weight: torch.Tensor) -> _LaunchConfig:

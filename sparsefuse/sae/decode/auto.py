@@ -60,7 +60,8 @@ import triton
 from ..._auto import EstimateCache, observable, pick_fastest, sampled_row_stats
 from ..._backend import dram_bandwidth, sm_count
 from ...sparse.long_rows import ONE_WAVE_LONG_ENTRIES, ONE_WAVE_PROGRAMS_PER_SM, long_row_threshold
-from ...sparse.spmm import gather_block_d
+from ...sparse.scan import splits_by_atomics
+from ...sparse.spmm import gather_block_d, scan_block_d
 
 DEFAULT_MAX_L0 = 256
 AUTO_DENSE_BELOW_D_SAE = 4096
@@ -173,7 +174,8 @@ def _predicted_seconds(
     long_s = n_long * long_l0 * d_model * e_w / _LONG_RATE.get(e_a, 3.3e12)  # the long rows' spread
     scan_gather, fixed_gather = _SCAN_GATHER_RATE.get(e_a, 2.4e12), _FIXED_GATHER_RATE.get(e_w, 3.8e12) * scale
     scan_long_s = long_s
-    atomic_splits = M * triton.cdiv(d_model, 4096) < 4 * sms and not torch.are_deterministic_algorithms_enabled()
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    atomic_splits = splits_by_atomics(M, d_model, scan_block_d(d_model), sms, deterministic)
     if e_a == e_w == 2 and n_long > 0 and 2 * long_l0 >= d_sae and atomic_splits:
         # few 16-bit rows (the scan's splits summed by atomics): up to 16 tokens at least half full are dense units,
         # one read of W_dec for all of them; a full table sends further ones to the spread
