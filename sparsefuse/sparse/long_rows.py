@@ -16,9 +16,11 @@ overflowed its width (its dense row), or one split's column range of a dense row
    unit -- with one integer atomic; every output block of the unit then exits without writing.
 2. **Spreading, in a second launch** of the same kernel (``SPREAD_PASS``). Its grid is fixed by the device (a few
    programs per SM, never a count read on the host: no sync, CUDA-graph capturable, torch.compile sees one opaque
-   op); each program loops over the items (unit, output block, sub-split). The number of sub-splits per unit is
-   chosen on the device from the list's length, so that the items fill the GPU: one long row gets the whole GPU,
-   thousands of them one program each. With no long unit every program reads the counter and exits.
+   op); each program loops over the items (unit, output block, sub-split). The number of sub-splits is chosen on
+   the device from the list's length, so that the items fill the GPU: one long row gets the whole GPU, thousands of
+   them one program each; and a unit takes no more than one per SPREAD_ENTRIES_PER_SUBSPLIT of its non-zeros, so
+   a row of a few hundred is not cut into slivers whose partials cost more to sum than to walk. With no long unit
+   every program reads the counter and exits.
 3. **Summing.** Sub-splits of a unit write fp32 partial sums; the last to arrive (an integer counter) adds them in
    sub-split order and delivers the unit's sum: stored into the output row; or, for a dense range whose row was
    split over programs, added to that row's fp32 sum by atomics (the product's non-deterministic mode) or handed to
@@ -73,6 +75,7 @@ SPREAD_ITEMS_PER_PROGRAM = 4
 SPREAD_MAX_BLOCK_D = 1024  # output columns per item, at most
 SPREAD_BLOCK_S = 1024  # dense columns scanned per step
 MAX_SUBSPLITS = 64  # at most this many programs share one unit's output block
+SPREAD_ENTRIES_PER_SUBSPLIT = 32  # a unit takes at most one sub-split per this many non-zeros (stored or read)
 SUBSPLIT_SUM_BYTES = 262144  # the last sub-split's read of the partials (sub-splits x BLOCK_D fp32), at most
 SPREAD_PARTIAL_BYTES = 16 << 20  # the sub-splits' fp32 partial buffer, at most
 
@@ -193,6 +196,82 @@ def _sum_entries(values_ptr, indices_ptr, n, sub, subsplits, w_ptr, stride_w, d,
 
 
 @triton.jit
+def _deliver(
+    acc,
+    has_work,
+    row,
+    split,
+    slot,
+    sub,
+    unit_subs,
+    subsplits,
+    d_block,
+    d,
+    d_mask,
+    out_ptr,
+    stride_out,
+    partial_ptr,
+    split_used_ptr,
+    split_arrivals_ptr,
+    sub_partial_ptr,
+    sub_used_ptr,
+    arrivals_ptr,
+    n_out,
+    n_splits,
+    n_d_blocks,
+    DELIVER: tl.constexpr,
+    ARRIVALS: tl.constexpr,
+    REDUCE_SUBSPLITS: tl.constexpr,
+    REDUCE_SPLITS: tl.constexpr,
+):
+    """Bring one item's fp32 sum ``acc`` [BLOCK_D] (sub-split ``sub`` of the unit's ``unit_subs``) to the output
+    (see :func:`spread_long_units`). The unit's sub-split partials are rows [slot * subsplits, + unit_subs) of
+    sub_partial: every unit keeps the list's stride, whatever its own count."""
+    if DELIVER == DELIVER_ATOMIC:
+        if has_work:
+            tl.atomic_add(partial_ptr + row * n_out + d, acc, mask=d_mask, sem="relaxed")
+    else:
+        last = unit_subs == 1
+        if unit_subs > 1:
+            last, acc = sum_split_partials(
+                acc,
+                has_work,
+                sub_partial_ptr + slot * subsplits * n_out,
+                sub_used_ptr + slot * subsplits,
+                arrivals_ptr + slot * ARRIVALS,
+                slot * 0,
+                sub,
+                unit_subs,
+                d_block,
+                ARRIVALS,
+                n_out,
+                d,
+                d_mask,
+                REDUCE_SUBSPLITS,
+            )
+        if last:
+            if DELIVER == DELIVER_SPLITS:
+                last, acc = sum_split_partials(
+                    acc,
+                    last,
+                    partial_ptr,
+                    split_used_ptr,
+                    split_arrivals_ptr,
+                    row,
+                    split,
+                    n_splits,
+                    d_block,
+                    n_d_blocks,
+                    n_out,
+                    d,
+                    d_mask,
+                    REDUCE_SPLITS,
+                )
+            if last:
+                tl.store(out_ptr + row * stride_out + d, acc.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+@triton.jit
 def spread_long_units(
     units_ptr,
     count_ptr,
@@ -221,6 +300,7 @@ def spread_long_units(
     partial_rows,
     max_subsplits,
     target_items,
+    entries_per_sub,
     FORMAT: tl.constexpr,
     DELIVER: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -254,103 +334,96 @@ def spread_long_units(
         d_block = (item // n_units) % n_d_blocks
         sub = item // per_sub
         unit = tl.load(units_ptr + slot).to(tl.int64)
-        d = d_block * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
-        d_mask = d < n_out
+        # Where the unit is: its row, its split of that row, and its non-zeros (a dense range: its columns)
         if FORMAT == FORMAT_CSR:
             row = unit
             split = 0
             start = tl.load(row_offsets_ptr + row)
-            n = (tl.load(row_offsets_ptr + row + 1) - start).to(tl.int32)
-            acc, has_work = _sum_entries(
-                values_ptr + start, indices_ptr + start, n, sub, subsplits, w_ptr, stride_w, d, d_mask, BLOCK_K
-            )
+            nnz = (tl.load(row_offsets_ptr + row + 1) - start).to(tl.int32)
+            read_dense = False
+        elif FORMAT == FORMAT_DENSE:
+            row = unit // n_splits
+            split = unit % n_splits
+            f_begin = split * unit_cols
+            f_end = tl.minimum(n_in, f_begin + unit_cols)
+            nnz = (f_end - f_begin).to(tl.int32)
+            read_dense = True
         else:
-            # A dense unit is a column range of its row; an ELL row that overflowed has incomplete stored entries,
-            # so its whole dense row is read instead. Both are column sums over the dense row.
-            if FORMAT == FORMAT_DENSE:
-                row = unit // n_splits
-                split = unit % n_splits
-                f_begin = split * unit_cols
-                f_end = tl.minimum(n_in, f_begin + unit_cols)
-                count = 0
-                read_dense = True
-            else:
-                row = unit
-                split = 0
-                count = tl.load(counts_ptr + row)
-                f_begin = 0
-                f_end = n_in
-                read_dense = count > width
-            if read_dense:
-                acc, has_work = _sum_columns(
-                    dense_ptr + row * stride_dense,
-                    stride_dense_col,
-                    f_begin,
-                    f_end,
-                    sub,
-                    subsplits,
-                    w_ptr,
-                    stride_w,
-                    d,
-                    d_mask,
-                    BLOCK_S,
-                    GROUP,
-                )
-            else:
+            row = unit
+            split = 0
+            nnz = tl.load(counts_ptr + row)  # the true count, also of a row that overflowed its width
+            f_begin = 0
+            f_end = n_in
+            read_dense = nnz > width
+        # A unit of few non-zeros takes fewer sub-splits than the list allows, one per entries_per_sub of them: split
+        # finer, its last arrival's sum of the partials costs more than the walk it spreads. The items of its other
+        # sub-split indices do nothing.
+        unit_subs = tl.maximum(tl.minimum(subsplits, tl.cdiv(nnz, entries_per_sub)), 1)
+        if sub < unit_subs:
+            d = d_block * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
+            d_mask = d < n_out
+            if FORMAT == FORMAT_CSR:
                 acc, has_work = _sum_entries(
-                    values_ptr + row * width,
-                    indices_ptr + row * width,
-                    count,
-                    sub,
-                    subsplits,
-                    w_ptr,
-                    stride_w,
-                    d,
-                    d_mask,
-                    BLOCK_K,
+                    values_ptr + start, indices_ptr + start, nnz, sub, unit_subs, w_ptr, stride_w, d, d_mask, BLOCK_K
                 )
-        if DELIVER == DELIVER_ATOMIC:
-            if has_work:
-                tl.atomic_add(partial_ptr + row * n_out + d, acc, mask=d_mask, sem="relaxed")
-        else:
-            last = subsplits == 1
-            if subsplits > 1:
-                last, acc = sum_split_partials(
-                    acc,
-                    has_work,
-                    sub_partial_ptr,
-                    sub_used_ptr,
-                    arrivals_ptr,
-                    slot.to(tl.int64),  # < arrival_rows: units are split only while the list is that short
-                    sub,
-                    subsplits,
-                    d_block,
-                    ARRIVALS,
-                    n_out,
-                    d,
-                    d_mask,
-                    REDUCE_SUBSPLITS,
-                )
-            if last:
-                if DELIVER == DELIVER_SPLITS:
-                    last, acc = sum_split_partials(
-                        acc,
-                        last,
-                        partial_ptr,
-                        split_used_ptr,
-                        split_arrivals_ptr,
-                        row,
-                        split,
-                        n_splits,
-                        d_block,
-                        n_d_blocks,
-                        n_out,
+            else:
+                # an ELL row that overflowed has incomplete stored entries: its whole dense row is read instead
+                if read_dense:
+                    acc, has_work = _sum_columns(
+                        dense_ptr + row * stride_dense,
+                        stride_dense_col,
+                        f_begin,
+                        f_end,
+                        sub,
+                        unit_subs,
+                        w_ptr,
+                        stride_w,
                         d,
                         d_mask,
-                        REDUCE_SPLITS,
+                        BLOCK_S,
+                        GROUP,
                     )
-                if last:
-                    tl.store(out_ptr + row * stride_out + d, acc.to(out_ptr.dtype.element_ty), mask=d_mask)
+                else:
+                    acc, has_work = _sum_entries(
+                        values_ptr + row * width,
+                        indices_ptr + row * width,
+                        nnz,
+                        sub,
+                        unit_subs,
+                        w_ptr,
+                        stride_w,
+                        d,
+                        d_mask,
+                        BLOCK_K,
+                    )
+            _deliver(
+                acc,
+                has_work,
+                row,
+                split,
+                slot.to(tl.int64),  # < arrival_rows: units are split only while the list is that short
+                sub,
+                unit_subs,
+                subsplits,
+                d_block,
+                d,
+                d_mask,
+                out_ptr,
+                stride_out,
+                partial_ptr,
+                split_used_ptr,
+                split_arrivals_ptr,
+                sub_partial_ptr,
+                sub_used_ptr,
+                arrivals_ptr,
+                n_out,
+                n_splits,
+                n_d_blocks,
+                DELIVER,
+                ARRIVALS,
+                REDUCE_SUBSPLITS,
+                REDUCE_SPLITS,
+            )
 
 
 @dataclass(frozen=True)
@@ -361,6 +434,7 @@ class SpreadConfig:
     group: int  # non-zeros picked per step from a scanned chunk
     num_warps: int
     programs: int  # the spread launch's grid
+    entries_per_sub: int  # a unit takes at most one sub-split per this many non-zeros
 
 
 def spread_config(n_out: int, weight: torch.Tensor, block_d: int | None = None) -> SpreadConfig:
@@ -371,13 +445,24 @@ def spread_config(n_out: int, weight: torch.Tensor, block_d: int | None = None) 
     per thread: more spilled registers when compiled for sm_90."""
     programs = SPREAD_PROGRAMS_PER_SM * sm_count(weight.device, interpreted=2)
     if _backend.INTERPRET:
-        return SpreadConfig(block_d or 32, block_s=16, block_k=8, group=8, num_warps=4, programs=programs)
+        # a sub-split per step of 8 entries: the tests' small rows still split, and units of one list unequally
+        return SpreadConfig(
+            block_d or 32, block_s=16, block_k=8, group=8, num_warps=4, programs=programs, entries_per_sub=8
+        )
     block_d = block_d or min(SPREAD_MAX_BLOCK_D, max(32, triton.next_power_of_2(n_out)))
     warps = max(1, min(4, block_d * weight.element_size() // (32 * 16)))
     # 8 scanned activations per thread, as swept at 4 warps: narrow outputs (fewer warps) scan shorter chunks
     block_s = min(SPREAD_BLOCK_S, 256 * warps)
     group = max(2, 64 * 32 * warps // max(block_d, block_s))
-    return SpreadConfig(block_d, block_s, block_k=group, group=group, num_warps=warps, programs=programs)
+    return SpreadConfig(
+        block_d,
+        block_s,
+        block_k=group,
+        group=group,
+        num_warps=warps,
+        programs=programs,
+        entries_per_sub=SPREAD_ENTRIES_PER_SUBSPLIT,
+    )
 
 
 @dataclass(frozen=True)
@@ -504,6 +589,7 @@ class LongRows:
             long_partial_rows=self.partial_rows,
             long_max_subsplits=self.max_subsplits,
             long_target_items=SPREAD_ITEMS_PER_PROGRAM * cfg.programs,
+            long_entries_per_sub=cfg.entries_per_sub,
             LIST_LONG=False,
             SPREAD_PASS=True,
             DELIVER=self.deliver,
