@@ -24,16 +24,25 @@ def _scan_warps(block_d: int, weight_itemsize: int) -> int:
     return max(1, min(4, block_d * weight_itemsize // (32 * 16)))
 
 
+# Programs per SM that keep every SM busy with loads in flight (a scan is latency-bound per program). When rows
+# alone do not fill the GPU, splits summed by atomics cost no partial buffer, so more of them pay: shorter serial
+# scans per program (measured on an H200). When rows do fill it, splitting them only adds atomics.
 SCAN_PROGRAMS_PER_SM = 4
 ATOMIC_SPLIT_PROGRAMS_PER_SM = 32
 
 
-def _device_programs(device: torch.device, atomic_splits: bool = False) -> int:
-    """How many programs keep every SM busy with loads in flight (a scan is latency-bound per program). When rows
-    alone do not fill the GPU, splits summed by atomics cost no partial buffer, so more of them pay: shorter serial
-    scans per program (measured on an H200). When rows do fill it, splitting them only adds atomics."""
-    per_sm = ATOMIC_SPLIT_PROGRAMS_PER_SM if atomic_splits else SCAN_PROGRAMS_PER_SM
-    return per_sm * sm_count(device, interpreted=2)
+def scan_splits(
+    M: int, n_in: int, n_out: int, block_d: int, block_f: int, sms: int, deterministic: bool, splits: int | None = None
+) -> int:
+    """Programs the scan splits each row's ``n_in`` columns over (whole chunks of ``block_f`` each, as even as
+    they go): ``splits`` if given, else enough (row, D block, split) programs to keep ``sms`` SMs busy. Also for
+    cost models: each split is walked serially by one program."""
+    n_chunks = triton.cdiv(n_in, block_f)
+    if splits is None:
+        atomic = splits_by_atomics(M, n_out, block_d, sms, deterministic)
+        per_sm = ATOMIC_SPLIT_PROGRAMS_PER_SM if atomic else SCAN_PROGRAMS_PER_SM
+        splits = triton.cdiv(per_sm * sms, M * triton.cdiv(n_out, block_d))
+    return triton.cdiv(n_chunks, triton.cdiv(n_chunks, max(1, min(splits, n_chunks))))
 
 
 def splits_by_atomics(M: int, n_out: int, block_d: int, sms: int, deterministic: bool) -> bool:
@@ -86,13 +95,10 @@ def _scan_into(
     (M, n_in), n_out = a.shape, weight.shape[1]
     cfg = scan_config(n_out)
     block_d, n_chunks = cfg.block_d, triton.cdiv(n_in, cfg.block_f)
-    programs = _device_programs(a.device)
-    if splits_by_atomics(M, n_out, block_d, sm_count(a.device, interpreted=2), deterministic):
-        programs = _device_programs(a.device, atomic_splits=True)
+    sms = sm_count(a.device, interpreted=2)
 
     def n_splits_for(block_d: int) -> int:
-        wanted = splits if splits is not None else triton.cdiv(programs, M * triton.cdiv(n_out, block_d))
-        return triton.cdiv(n_chunks, triton.cdiv(n_chunks, max(1, min(wanted, n_chunks))))
+        return scan_splits(M, n_in, n_out, block_d, cfg.block_f, sms, deterministic, splits)
 
     # One program per (row, D block) sums that row's split partials: keep its read (n_splits * block_d fp32) within
     # ~64 KiB by narrowing the D blocks when rows are few (at B=1, D=2304 a single 4096-wide block took 25 us).

@@ -364,12 +364,15 @@ class _LaunchConfig:
 _INTERPRETER_CONFIG = _LaunchConfig(block_d=32, block_f=64, block_k=16, group=16, num_warps=4)  # few steps
 
 
+SCAN_BLOCK_F = 1024  # dense columns a scan program reads per step on a GPU
+
+
 def scan_config(n_out: int) -> _LaunchConfig:
     """Blocks of the dense-row scan, measured on an H200: one program covers all of D (each D block re-scans and
     re-ranks the row). The gather of stored entries: :func:`_gather_config`."""
     if _backend.INTERPRET:
         return _INTERPRETER_CONFIG
-    return _LaunchConfig(block_d=scan_block_d(n_out), block_f=1024, block_k=32, group=2, num_warps=4)
+    return _LaunchConfig(block_d=scan_block_d(n_out), block_f=SCAN_BLOCK_F, block_k=32, group=2, num_warps=4)
 
 
 def scan_block_d(n_out: int) -> int:

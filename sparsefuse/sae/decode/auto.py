@@ -9,7 +9,8 @@ tokens are set apart because each is spread over the whole GPU by a second launc
 cost their own bytes at the spread's rate; folded into a mean, one token firing all 65536 features among 64 sampled
 would make every token look like 1100 and send a batch that is sparse but for it to cuBLAS.
 
-* scan ~ rows x d_sae bytes / row rate + ordinary rows x L0 x d_model bytes / gather rate + the long rows;
+* scan ~ rows x d_sae bytes / row rate + ordinary rows x L0 x d_model bytes / gather rate + the long rows + the
+  longest ordinary token's extra non-zeros over its split, at one program's pace (~0.6 us a non-zero);
 * fixed ~ 4 launches + rows x (d_sae bytes / bitmask rate + d_sae / 8 bytes / word rate) + ordinary rows x L0 x
   d_model bytes / gather rate + the long rows, or one program's serial walk over a row when that is longer (few
   rows, large L0) -- the scan wins small batches, the two-pass "fixed" large ones (from ~64-1024 rows, later on GPUs
@@ -22,11 +23,12 @@ would make every token look like 1100 and send a batch that is sparse but for it
 
 Where the gather launch of "fixed" fits in one wave (rows x output blocks <= 28 programs per SM: ~256 tokens), it
 lasts as long as its longest row, and rows past 128 stored entries are spread by a second launch
-(:func:`~sparsefuse.sparse.long_rows.stored_row_threshold`): a cost paid once any row gets there (~10 us), then a
-little per row. The scan reads each row's d_sae activations whatever its L0, so it hardly feels the spread. The
-share of ordinary tokens past 128 comes from their mean and coefficient of variation, the L0 taken as log-normal
-(heavy-tailed, as sae_decode_grid models SAE tokens): at B=256 (H200), "fixed" at its 4x width takes 0.64x (bf16)
-and 0.89x (fp32) the scan's time at a constant L0, and 0.92-1.22x once the L0s spread (log-normal sigma 0.3-1.0).
+(:func:`~sparsefuse.sparse.long_rows.stored_row_threshold`): a cost paid once any row gets there (~8 us), then a
+little per row. The scan's launch of few rows is one wave too: the split holding the longest token's columns sets
+its end. The share of ordinary tokens past 128 and the longest token's L0 come from their mean and coefficient of
+variation, the L0 taken as log-normal (heavy-tailed, as sae_decode_grid models SAE tokens): at B=256 (H200),
+"fixed" at its 4x width takes 0.64x (bf16) and 0.89x (fp32) the scan's time at a constant L0, and 0.83-0.87x
+(bf16) / 1.0-1.11x (fp32) once the L0s spread (log-normal sigma 0.3-1.0).
 In launches of many waves rows of different lengths even out, and the mean decides.
 
 The number of long tokens in a batch of more rows than were sampled: the first one the sample holds is taken for a
@@ -53,6 +55,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from statistics import NormalDist
 
 import torch
 import triton
@@ -60,8 +63,8 @@ import triton
 from ..._auto import EstimateCache, observable, pick_fastest, sampled_row_stats
 from ..._backend import dram_bandwidth, sm_count
 from ...sparse.long_rows import ONE_WAVE_LONG_ENTRIES, ONE_WAVE_PROGRAMS_PER_SM, long_row_threshold
-from ...sparse.scan import splits_by_atomics
-from ...sparse.spmm import gather_block_d, scan_block_d
+from ...sparse.scan import scan_splits, splits_by_atomics
+from ...sparse.spmm import SCAN_BLOCK_F, gather_block_d, scan_block_d
 
 DEFAULT_MAX_L0 = 256
 AUTO_DENSE_BELOW_D_SAE = 4096
@@ -90,6 +93,10 @@ _DENSE_WEIGHT_RATE = 3.3e12
 _DENSE_FP32_WEIGHT_RATE = 1.35e12
 _DENSE_FLOP_RATE = {torch.float32: 50e12, torch.float16: 800e12, torch.bfloat16: 800e12}
 _LAUNCH_S = 5e-6
+# One program of the scan gathers about a non-zero per this long (a dependent load's latency): the split holding the
+# longest token's columns walks its extra non-zeros at that pace (fit on the H200 grid at 256 tokens, whose scan is
+# one wave: log-normal L0s with sigma 1.0 cost it 22-25 us over a constant L0)
+_SCAN_NONZERO_S = 0.6e-6
 # Long tokens (e.g. two firing all 65536 features, sae_decode_grid): their W_dec bytes over the spread launch's
 # rate, bound by the spread's programs rather than by DRAM: two full rows among 32 take 107 / 112 us at D=768 fp32
 # and 182 / 192 us at D=2304 bf16 on an H200 / H100, whose bandwidths differ by 1.43x. The scan and "fixed" hand
@@ -98,8 +105,9 @@ _LONG_RATE = {4: 3.8e12, 2: 3.3e12}
 # The scan's dense units: two full bf16 rows' units read W_dec (302 MB) in 73-75 us on an H200
 _DENSE_UNIT_RATE = 4.1e12
 # A one-wave gather launch with rows past ONE_WAVE_LONG_ENTRIES: the spread launch's cost once, then W_dec bytes
-# of one output row per such row over this rate (refit on the H200 grid with 16-bit gathers of 256 columns)
-_ONE_WAVE_SPREAD_S = 10e-6
+# of one output row per such row over this rate (refit on the H200 grid: 16-bit gathers of 256 columns, a spread
+# sub-split per 32 non-zeros of a unit, the scan's longest-token term)
+_ONE_WAVE_SPREAD_S = 8e-6
 _ONE_WAVE_ROW_RATE = 1e10
 REFERENCE_SMS = 132  # H100 and H200
 
@@ -149,6 +157,16 @@ def _share_above(threshold: float, mean: float, cv: float) -> float:
     return 0.5 * math.erfc((math.log(threshold / mean) + sigma * sigma / 2) / (sigma * math.sqrt(2)))
 
 
+def _longest_l0(tokens: float, mean: float, cv: float) -> float:
+    """Expected L0 of the longest of ``tokens`` ordinary tokens, their L0 taken as log-normal of this mean and
+    coefficient of variation (as :func:`_share_above`)."""
+    if tokens < 1 or cv <= 0:
+        return mean
+    sigma = math.sqrt(math.log1p(cv * cv))
+    z = NormalDist().inv_cdf(1.0 - 1.0 / (tokens + 1.0))
+    return mean * math.exp(sigma * z - sigma * sigma / 2)
+
+
 def _predicted_seconds(
     M: int,
     d_sae: int,
@@ -182,6 +200,8 @@ def _predicted_seconds(
         scan_long_s = d_sae * d_model * e_w / (_DENSE_UNIT_RATE * scale)
         scan_long_s += max(0.0, n_long - 16) * long_l0 * d_model * e_w / _LONG_RATE.get(e_a, 3.3e12)
     scan = _LAUNCH_S + M * d_sae * e_a / _SCAN_ROW_RATE.get(e_a, 1.4e12) + gathered / scan_gather + scan_long_s
+    splits = scan_splits(M, d_sae, d_model, scan_block_d(d_model), SCAN_BLOCK_F, sms, deterministic)
+    scan += max(0.0, _longest_l0(ordinary, mean_l0, cv) - mean_l0) / splits * _SCAN_NONZERO_S
     fixed = 4 * _LAUNCH_S + max(  # bitmask, bits -> ELL, gather, and the long rows' spread
         M * (d_sae * e_a / (_FIXED_BITS_RATE * scale) + d_sae / 8 / _FIXED_WORDS_RATE) + gathered / fixed_gather,
         mean_l0 / 16 * _FIXED_GATHER_STEP_S + math.ceil(d_sae / 32768) * _FIXED_WORDS_CHUNK_S,
