@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import math
+import re
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -409,7 +410,24 @@ def _blank_row(case: Case, impl: str) -> Result:
     )
 
 
+# The figures of torch's CUDA out-of-memory message: what the row needed and where the memory was
+_OOM_FIGURES = {
+    "tried": r"Tried to allocate ([0-9.]+ [KMG]iB)",
+    "free": r"of which ([0-9.]+ [KMG]iB) is free",
+    "in use": r"this process has ([0-9.]+ [KMG]iB) memory in use",
+    "allocated": r"([0-9.]+ [KMG]iB) is allocated by PyTorch",
+    "cached": r"([0-9.]+ [KMG]iB) is reserved by PyTorch but unallocated",
+}
+
+
 def _short_error(exc: BaseException) -> str:
+    """One line for a failed row's status. Out of GPU memory: the request and the memory's whereabouts (in use by
+    the process, held by live tensors, cached), which say whether earlier cases left memory behind."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        found = {key: re.search(pattern, str(exc)) for key, pattern in _OOM_FIGURES.items()}
+        figures = ", ".join(f"{key} {match.group(1)}" for key, match in found.items() if match)
+        if figures:
+            return f"OutOfMemoryError: {figures}"[:200]
     text = f"{type(exc).__name__}: {exc}".splitlines()[0]
     return text[:160]
 

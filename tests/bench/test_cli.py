@@ -557,3 +557,19 @@ def test_bench_shapes_filter_runs_only_matching_cases(monkeypatch, tmp_path, cap
     assert {r.shape for r in report.read_csv(tmp_path / "fake-Fake-GPU-9000-quick.csv")} == {"other"}
     assert main(["bench", "fake", "--out", str(tmp_path), "--shapes", "("], allow_reexec=False) == 2
     assert "not a regular expression" in capsys.readouterr().out
+
+
+def test_a_row_out_of_gpu_memory_says_where_the_memory_was():
+    """A failed row's status keeps the figures of torch's out-of-memory message (the request, free memory, the
+    process's use, live tensors, the allocator's cache): they tell a leak across cases from one large case."""
+    from sparsefuse.bench.harness import _short_error
+
+    message = (
+        "CUDA out of memory. Tried to allocate 3.73 GiB. GPU 0 has a total capacity of 139.80 GiB of which 2.13 GiB "
+        "is free. Including non-PyTorch memory, this process has 137.65 GiB memory in use. Of the allocated memory "
+        "120.30 GiB is allocated by PyTorch, and 15.20 GiB is reserved by PyTorch but unallocated. If reserved ..."
+    )
+    assert _short_error(torch.OutOfMemoryError(message)) == (
+        "OutOfMemoryError: tried 3.73 GiB, free 2.13 GiB, in use 137.65 GiB, allocated 120.30 GiB, cached 15.20 GiB"
+    )
+    assert _short_error(ValueError("first line\nsecond")) == "ValueError: first line"
