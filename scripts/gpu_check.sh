@@ -121,10 +121,27 @@ print(sum(1 for i, m in enumerate(first[:-1]) if m and re.search(r"and Write acc
   fi
 fi
 
+# Each workload runs in its own process: what one leaves on the GPU (caches, pools) cannot starve the next one's
+# largest baselines (a combined run once ran out of memory late in the last workload's cases).
 bench_status=0
 if [ "${BENCH:-1}" != 0 ]; then
-  $PY -m sparsefuse bench --out "$out" "$@" 2>&1 | tee "$out/bench-$gpu.log"
-  bench_status=${PIPESTATUS[0]}
+  options=() workloads=()
+  while [ $# -gt 0 ]; do
+    case "$1" in
+      --dtype|--shapes|--checkpoint|--out) options+=("$1" "${2:-}"); shift 2 || shift ;;
+      -*) options+=("$1"); shift ;;
+      *) workloads+=("$1"); shift ;;
+    esac
+  done
+  if [ ${#workloads[@]} -eq 0 ]; then
+    read -r -a workloads <<< "$($PY -c 'from sparsefuse.bench.harness import resolve_workloads; print(" ".join(resolve_workloads([])))')"
+  fi
+  : > "$out/bench-$gpu.log"
+  for workload in "${workloads[@]}"; do
+    $PY -m sparsefuse bench --out "$out" "${options[@]}" "$workload" 2>&1 | tee -a "$out/bench-$gpu.log"
+    status=${PIPESTATUS[0]}
+    [ "$status" -ne 0 ] && bench_status=$status
+  done
 fi
 
 echo "gpu_check: tests exit $tests_status, sanitizer exit $sanitize_status, bench exit $bench_status"
