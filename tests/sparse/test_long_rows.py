@@ -21,7 +21,7 @@ from sparsefuse.sparse import (
     sparse_matmul,
     spmm,
 )
-from sparsefuse.sparse.long_rows import ONE_WAVE_PROGRAMS_PER_SM, SPREAD_ENTRIES_PER_SUBSPLIT
+from sparsefuse.sparse.long_rows import SPREAD_ENTRIES_PER_SUBSPLIT
 from sparsefuse.testing import accumulation_allowance, assert_close_to_reference
 
 DTYPES = [torch.float32, torch.float16]
@@ -123,12 +123,14 @@ def test_long_rows_of_one_list_take_sub_splits_by_their_entries(fmt, device, lis
 
 @pytest.mark.parametrize("one_wave, threshold, n_long", [(True, 128, 2), (False, 200, 0)])
 def test_stored_rows_past_128_entries_are_long_where_the_launch_is_one_wave(
-    one_wave, threshold, n_long, device, listed
+    one_wave, threshold, n_long, device, listed, monkeypatch
 ):
     """At 12800 columns a stored row is long from 200 entries (1 in 64); where the launch's programs all fit one
-    wave (4 rows; not one more row than 16 per SM) it is long past 128 entries too: a 180-entry token among short
-    ones is spread instead of holding the whole launch."""
-    m = 4 if one_wave else ONE_WAVE_PROGRAMS_PER_SM * sm_count(torch.device(device), interpreted=2) + 2
+    wave (4 rows) it is long past 128 entries too: a 180-entry token among short ones is spread instead of holding
+    the whole launch. One wave is taken as 4 programs per SM here (the GPU's 28 would make the other case ~60 rows,
+    a minute under the interpreter): two rows more than that are not one wave."""
+    monkeypatch.setattr(long_rows, "ONE_WAVE_PROGRAMS_PER_SM", 4)
+    m = 4 if one_wave else 4 * sm_count(torch.device(device), interpreted=2) + 2
     a = sparse_rows(m, 12800, [180, 3, 150, 40], device=device)
     w = torch.randn(12800, 24, device=device) / 8
     out = sparse_matmul(dense_to_ell(a, 256), w, dense=a, spread_long_rows=True)
