@@ -443,12 +443,12 @@ def spread_config(n_out: int, weight: torch.Tensor, block_d: int | None = None) 
     weight-tile row fills with 16-byte loads (the sum over the tile's rows then stays inside a warp); as many rows
     per weight tile (GROUP picked non-zeros, BLOCK_K entries) and picks per scanned chunk as keep each at 64 values
     per thread: more spilled registers when compiled for sm_90."""
-    programs = SPREAD_PROGRAMS_PER_SM * sm_count(weight.device, interpreted=2)
     if _backend.INTERPRET:
-        # a sub-split per step of 8 entries: the tests' small rows still split, and units of one list unequally
-        return SpreadConfig(
-            block_d or 32, block_s=16, block_k=8, group=8, num_warps=4, programs=programs, entries_per_sub=8
-        )
+        # 4 programs, each looping over several items: an interpreted program costs milliseconds, and most launches
+        # of the tests list nothing. A sub-split per 16 entries: the tests' small rows still split, and the units of
+        # one list unequally.
+        return SpreadConfig(block_d or 32, block_s=16, block_k=8, group=8, num_warps=4, programs=4, entries_per_sub=16)
+    programs = SPREAD_PROGRAMS_PER_SM * sm_count(weight.device)
     block_d = block_d or min(SPREAD_MAX_BLOCK_D, max(32, triton.next_power_of_2(n_out)))
     warps = max(1, min(4, block_d * weight.element_size() // (32 * 16)))
     # 8 scanned activations per thread, as swept at 4 warps: narrow outputs (fewer warps) scan shorter chunks

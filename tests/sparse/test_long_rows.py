@@ -107,17 +107,17 @@ def test_stored_rows_past_the_threshold_are_spread_over_their_entries(fmt, dtype
 
 @pytest.mark.parametrize("fmt", ["csr", "ell"])
 def test_long_rows_of_one_list_take_sub_splits_by_their_entries(fmt, device, listed):
-    """Long rows of 33 to 640 entries in one list: the spread gives each at most one sub-split per 8 entries under
-    the interpreter (SpreadConfig.entries_per_sub), so the rows of 33 and 40 take 5 sub-splits and the longer ones
-    the list's 8 (4 units x 2 output blocks fill its 64 items). Each unit's partials keep the list's stride: a unit
+    """Long rows of 33 to 640 entries in one list: the spread gives each at most one sub-split per 16 entries under
+    the interpreter (SpreadConfig.entries_per_sub), so the rows of 33 and 40 take 3 sub-splits and the longer ones
+    the list's 4 (4 units x 1 output block fill its 16 items). Each unit's partials keep the list's stride: a unit
     of fewer sub-splits neither reads nor overwrites its neighbour's."""
     a = sparse_rows(6, 640, [640, 40, 0, 90, 17, 33], torch.float32, device)
-    w = torch.randn(640, 40, device=device) / 8
+    w = torch.randn(640, 24, device=device) / 8
     sparse = dense_to_csr(a) if fmt == "csr" else dense_to_ell(a, 640)
     out = sparse_matmul(sparse, w, spread_long_rows=True)
     (plan,) = listed
     interpreted = sparsefuse._backend.INTERPRET
-    assert int(plan.count) == 4 and plan.config.entries_per_sub == (8 if interpreted else SPREAD_ENTRIES_PER_SUBSPLIT)
+    assert int(plan.count) == 4 and plan.config.entries_per_sub == (16 if interpreted else SPREAD_ENTRIES_PER_SUBSPLIT)
     check_product(out, a, w)
 
 
