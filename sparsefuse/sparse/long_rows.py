@@ -196,82 +196,6 @@ def _sum_entries(values_ptr, indices_ptr, n, sub, subsplits, w_ptr, stride_w, d,
 
 
 @triton.jit
-def _deliver(
-    acc,
-    has_work,
-    row,
-    split,
-    slot,
-    sub,
-    unit_subs,
-    subsplits,
-    d_block,
-    d,
-    d_mask,
-    out_ptr,
-    stride_out,
-    partial_ptr,
-    split_used_ptr,
-    split_arrivals_ptr,
-    sub_partial_ptr,
-    sub_used_ptr,
-    arrivals_ptr,
-    n_out,
-    n_splits,
-    n_d_blocks,
-    DELIVER: tl.constexpr,
-    ARRIVALS: tl.constexpr,
-    REDUCE_SUBSPLITS: tl.constexpr,
-    REDUCE_SPLITS: tl.constexpr,
-):
-    """Bring one item's fp32 sum ``acc`` [BLOCK_D] (sub-split ``sub`` of the unit's ``unit_subs``) to the output
-    (see :func:`spread_long_units`). The unit's sub-split partials are rows [slot * subsplits, + unit_subs) of
-    sub_partial: every unit keeps the list's stride, whatever its own count."""
-    if DELIVER == DELIVER_ATOMIC:
-        if has_work:
-            tl.atomic_add(partial_ptr + row * n_out + d, acc, mask=d_mask, sem="relaxed")
-    else:
-        last = unit_subs == 1
-        if unit_subs > 1:
-            last, acc = sum_split_partials(
-                acc,
-                has_work,
-                sub_partial_ptr + slot * subsplits * n_out,
-                sub_used_ptr + slot * subsplits,
-                arrivals_ptr + slot * ARRIVALS,
-                slot * 0,
-                sub,
-                unit_subs,
-                d_block,
-                ARRIVALS,
-                n_out,
-                d,
-                d_mask,
-                REDUCE_SUBSPLITS,
-            )
-        if last:
-            if DELIVER == DELIVER_SPLITS:
-                last, acc = sum_split_partials(
-                    acc,
-                    last,
-                    partial_ptr,
-                    split_used_ptr,
-                    split_arrivals_ptr,
-                    row,
-                    split,
-                    n_splits,
-                    d_block,
-                    n_d_blocks,
-                    n_out,
-                    d,
-                    d_mask,
-                    REDUCE_SPLITS,
-                )
-            if last:
-                tl.store(out_ptr + row * stride_out + d, acc.to(out_ptr.dtype.element_ty), mask=d_mask)
-
-
-@triton.jit
 def spread_long_units(
     units_ptr,
     count_ptr,
@@ -396,34 +320,51 @@ def spread_long_units(
                         d_mask,
                         BLOCK_K,
                     )
-            _deliver(
-                acc,
-                has_work,
-                row,
-                split,
-                slot.to(tl.int64),  # < arrival_rows: units are split only while the list is that short
-                sub,
-                unit_subs,
-                subsplits,
-                d_block,
-                d,
-                d_mask,
-                out_ptr,
-                stride_out,
-                partial_ptr,
-                split_used_ptr,
-                split_arrivals_ptr,
-                sub_partial_ptr,
-                sub_used_ptr,
-                arrivals_ptr,
-                n_out,
-                n_splits,
-                n_d_blocks,
-                DELIVER,
-                ARRIVALS,
-                REDUCE_SUBSPLITS,
-                REDUCE_SPLITS,
-            )
+            # to the output; a unit's sub-split partials are rows [slot * subsplits, + unit_subs) of sub_partial:
+            # every unit keeps the list's stride, whatever its own count
+            unit_slot = slot.to(tl.int64)  # < arrival_rows: units are split only while the list is that short
+            if DELIVER == DELIVER_ATOMIC:
+                if has_work:
+                    tl.atomic_add(partial_ptr + row * n_out + d, acc, mask=d_mask, sem="relaxed")
+            else:
+                last = unit_subs == 1
+                if unit_subs > 1:
+                    last, acc = sum_split_partials(
+                        acc,
+                        has_work,
+                        sub_partial_ptr + unit_slot * subsplits * n_out,
+                        sub_used_ptr + unit_slot * subsplits,
+                        arrivals_ptr + unit_slot * ARRIVALS,
+                        unit_slot * 0,
+                        sub,
+                        unit_subs,
+                        d_block,
+                        ARRIVALS,
+                        n_out,
+                        d,
+                        d_mask,
+                        REDUCE_SUBSPLITS,
+                    )
+                if last:
+                    if DELIVER == DELIVER_SPLITS:
+                        last, acc = sum_split_partials(
+                            acc,
+                            last,
+                            partial_ptr,
+                            split_used_ptr,
+                            split_arrivals_ptr,
+                            row,
+                            split,
+                            n_splits,
+                            d_block,
+                            n_d_blocks,
+                            n_out,
+                            d,
+                            d_mask,
+                            REDUCE_SPLITS,
+                        )
+                    if last:
+                        tl.store(out_ptr + row * stride_out + d, acc.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 @dataclass(frozen=True)
