@@ -308,16 +308,16 @@ def _peak_bytes(fn: Callable[..., Any], inputs: tuple[Any, ...]) -> int:
     return max(0, peak)
 
 
-def _time_graph(fn: Callable[..., Any], sets: list[tuple[Any, ...]], quick: bool) -> float | None:
-    """Median ms per call from replays of one graph holding one call per set; None if capture fails."""
+def _capture_graph(fn: Callable[..., Any], sets: list[tuple[Any, ...]]) -> tuple[Any, list[Any]] | None:
+    """One CUDA graph holding one call per set, and the outputs it writes (kept referenced so that every call
+    writes fresh memory: reusing one output buffer would let the writes of small cases live in L2); None if
+    capture fails."""
     graph = torch.cuda.CUDAGraph()
     outputs: list[Any] = []
     stream = torch.cuda.current_stream()
     try:
         with torch.cuda.graph(graph):
             for inputs in sets:
-                # Outputs stay referenced so that every call writes fresh memory: reusing one output buffer would
-                # let the writes of small cases live in L2.
                 outputs.append(fn(*inputs))
     except Exception:  # noqa: BLE001  (any capture failure means: time plain calls instead)
         # A failing capture can leave its capture stream current (the graph context exits early): restore ours.
@@ -329,14 +329,37 @@ def _time_graph(fn: Callable[..., Any], sets: list[tuple[Any, ...]], quick: bool
         except Exception:  # noqa: BLE001
             pass
         return None
-    try:
-        graph.replay()
-        torch.cuda.synchronize()
-        reps = _choose_reps(graph.replay, quick)
-        return statistics.median(_event_times_ms(graph.replay, reps)) / len(sets)
-    finally:
-        del graph
-        outputs.clear()
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph, outputs
+
+
+def _time_graphs_interleaved(graphs: dict[str, Any], n_sets: int, quick: bool) -> dict[str, float]:
+    """Median ms per call of each graph's replays, the graphs replayed in alternating rounds with every event
+    recorded before one final sync: a device whose clock or memory speed drifts during the measurement slows every
+    implementation alike, instead of whichever happened to be timed then (one kernel timed as three graphs one
+    after another spread 13% at 20 us, H200)."""
+    reps = max(_choose_reps(graph.replay, quick) for graph in graphs.values())
+    events = {name: [] for name in graphs}
+    for _ in range(reps):
+        for name, graph in graphs.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            events[name].append((start, end))
+    torch.cuda.synchronize()
+    return {
+        name: statistics.median(start.elapsed_time(end) for start, end in pairs) / n_sets
+        for name, pairs in events.items()
+    }
+
+
+def _interleave_budget() -> float:
+    """Bytes the graphs of one case may hold at once to be replayed in alternating rounds: a quarter of the free
+    device memory, so a big case's later implementations still find room for their own calls."""
+    free, _ = torch.cuda.mem_get_info()
+    return free / 4
 
 
 def _time_events(fn: Callable[..., Any], sets: list[tuple[Any, ...]], quick: bool) -> float:
@@ -451,6 +474,8 @@ def run_case(case: Case, options: Options, ceilings: Ceilings, advance: Callable
         return rows
 
     interleaved: dict[str, Callable[..., Any]] = {}  # eager cases: timed together after every warm-up
+    graphs: dict[str, tuple[Any, list[Any]]] = {}  # graph cases: captured, replayed together at the end
+    graph_bytes = 0.0  # what the kept graphs' outputs and workspaces hold (peak of a call x sets)
     for impl, fn in case.impls.items():
         row = _blank_row(case, impl)
         row.sets, row.rotation_mb = n_sets, per_set * n_sets / 1e6
@@ -462,16 +487,31 @@ def run_case(case: Case, options: Options, ceilings: Ceilings, advance: Callable
             elif case.method == "eager":
                 interleaved[impl], row.method = fn, "eager"
             else:
-                ms = _time_graph(fn, sets, options.quick)
+                captured = _capture_graph(fn, sets)
                 row.method = "graph"
-                if ms is None:
+                if captured is None:
                     ms, row.method = _time_events(fn, sets, options.quick), "events"
-            if impl not in interleaved:
+                elif graph_bytes + row.peak_mb * 1e6 * n_sets <= _interleave_budget():
+                    graphs[impl], graph_bytes = captured, graph_bytes + row.peak_mb * 1e6 * n_sets
+                else:  # too big to keep beside the others: timed alone, now
+                    ms = _time_graphs_interleaved({impl: captured[0]}, n_sets, options.quick)[impl]
+                del captured
+            if impl not in interleaved and impl not in graphs:
                 _fill_rates(row, case, ceilings, ms)
         except Exception as exc:  # noqa: BLE001
             _failed(row, exc)
         rows.append(row)
         advance(impl)
+    if graphs:
+        try:
+            timed = _time_graphs_interleaved({impl: g for impl, (g, _) in graphs.items()}, n_sets, options.quick)
+            for impl, ms in timed.items():
+                _fill_rates(next(r for r in rows if r.impl == impl), case, ceilings, ms)
+        except Exception as exc:  # noqa: BLE001
+            for row in rows:
+                if row.impl in graphs:
+                    _failed(row, exc)
+        graphs.clear()
     if interleaved:
         try:
             for impl, ms in _time_events_interleaved(interleaved, sets, options.quick).items():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import dataclasses
+import itertools
 import math
 import os
 import subprocess
@@ -319,6 +320,45 @@ def test_harness_run_case_with_fake_cuda(monkeypatch):
     assert eager.speedup_eager == pytest.approx(1.0)
     mine = by_impl["mine"]
     assert mine.speedup_compile == pytest.approx(by_impl["torch.compile"].median_us / mine.median_us)
+
+
+def _replay_log(monkeypatch) -> list[int]:
+    """The fake device's graphs, numbered in capture order, log each replay."""
+    fake, log = _FakeCuda(), []
+    fake.install(monkeypatch)
+    captured = itertools.count()
+
+    class LoggedGraph(_FakeCuda.CUDAGraph):
+        def __init__(self) -> None:
+            self.number = next(captured)
+
+        def replay(self) -> None:
+            log.append(self.number)
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", LoggedGraph)
+    return log
+
+
+def _graph_case() -> Case:
+    case = _fake_case()
+    case.impls = {name: case.impls[name] for name in ("eager", "torch.compile", "mine")}
+    return case
+
+
+def test_harness_replays_the_graphs_of_a_case_in_alternating_rounds(monkeypatch):
+    log = _replay_log(monkeypatch)
+    rows = harness.run_cases([_graph_case()], Options(quick=True, device="cpu"), Ceilings(1e12, 1e15))
+    assert [(r.method, r.status) for r in rows] == [("graph", "ok")] * 3
+    timed = log[3 + 3 * 3 :]  # after a check replay per capture and 3 probe replays per graph (_choose_reps)
+    assert len(timed) >= 15 and timed == [0, 1, 2] * (len(timed) // 3)
+
+
+def test_harness_times_a_graph_alone_when_keeping_it_would_not_fit(monkeypatch):
+    log = _replay_log(monkeypatch)
+    monkeypatch.setattr(harness, "_interleave_budget", lambda: 0.0)
+    rows = harness.run_cases([_graph_case()], Options(quick=True, device="cpu"), Ceilings(1e12, 1e15))
+    assert [(r.method, r.status) for r in rows] == [("graph", "ok")] * 3
+    assert log == sorted(log)  # each graph replayed to the end before the next was captured
 
 
 def test_bench_command_end_to_end_with_fake_cuda(monkeypatch, tmp_path, capsys):
