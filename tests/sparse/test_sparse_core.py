@@ -55,6 +55,21 @@ def test_compaction_of_wide_rows_placed_by_many_programs(device):
     assert torch.equal(ell.values.cpu(), ref_ell.values.cpu()) and torch.equal(csr.to_dense().cpu(), dense.cpu())
 
 
+@pytest.mark.parametrize("rows_per_sm", [0, 10**9], ids=["small-blocks", "wide-blocks"])
+def test_compaction_block_sizes_place_the_same_entries(rows_per_sm, device, monkeypatch):
+    """The compaction walks words in small blocks of one warp once rows fill many waves, else in wide blocks: both
+    place every entry (on a GPU; the interpreter runs one small block size)."""
+    from sparsefuse.sparse import compact
+
+    monkeypatch.setattr(compact, "MANY_ROWS_PER_SM", rows_per_sm)
+    dense = sparse_rows(4, 5000, [0, 40, 300, 5000], device=device)
+    ell, csr = dense_to_ell(dense, width=64), dense_to_csr(dense)
+    ref_ell = ELL.from_dense(dense, 64)
+    for got, ref in ((ell.values, ref_ell.values), (ell.indices, ref_ell.indices), (ell.counts, ref_ell.counts)):
+        assert torch.equal(got.cpu(), ref.cpu())
+    assert torch.equal(csr.to_dense().cpu(), dense.cpu())
+
+
 def test_ell_to_dense_refuses_overflowed_rows(device):
     ell = dense_to_ell(sparse_rows(3, 50, [2, 20, 1], device=device), width=4)
     with pytest.raises(ValueError, match=r"1 row\(s\) overflowed width 4 \(largest count 20\)"):
