@@ -96,7 +96,10 @@ def bits_to_sparse_kernel(
         if MODE != _MODE_COUNT:
             slot = filled + tl.cumsum(pc, axis=0) - pc  # each word's first slot in the row
             rest = word
-            for _ in range(tl.max(pc, axis=0)):  # round k places every word's k-th set bit
+            # round k places every word's k-th set bit; a full ELL row only counts the rest (a token firing every
+            # feature would otherwise walk 32 rounds per block for nothing)
+            rounds = tl.max(pc, axis=0) if MODE == _MODE_CSR else tl.where(filled < width, tl.max(pc, axis=0), 0)
+            for _ in range(rounds):
                 live = rest != 0
                 col = w * 32 + _lowest_bit(rest)
                 keep = live & (slot < width) if MODE == _MODE_ELL else live
@@ -130,10 +133,11 @@ def _bits_to_sparse(
     M, n_words = bits.shape
     if _backend.INTERPRET:
         block_w, warps = 8, 4
-    elif M >= MANY_ROWS_PER_SM * sm_count(bits.device):
+    elif mode != _MODE_CSR.value and M >= MANY_ROWS_PER_SM * sm_count(bits.device):
         # Many waves: the walk is bound by its instructions (each round of set bits runs over every word of the
         # block, and at SAE sparsity nearly all words are zero), so small blocks of one warp: at 4096 rows of 2048
-        # words, 39 us against 52 with 1024 words and 4 warps (H200).
+        # words, 39 us against 52 with 1024 words and 4 warps (H200). Not for CSR, which places every entry: one
+        # warp would walk a token firing every feature 4x longer than 4 warps do (ELL stops at its width).
         block_w, warps = 128, 1
     else:  # about a wave: bound by each row's latency, so few, wide blocks (5.8 us at 256 rows, H200)
         block_w, warps = min(1024, max(32, triton.next_power_of_2(n_words))), 4
