@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import math
+import random
 import re
 import statistics
 import time
@@ -340,13 +341,13 @@ def _time_graphs_interleaved(graphs: dict[str, Any], n_sets: int, quick: bool) -
     implementation alike, instead of whichever happened to be timed then (one kernel timed as three graphs one
     after another spread 13% at 20 us, H200)."""
     reps = max(_choose_reps(graph.replay, quick) for graph in graphs.values())
-    reps = len(graphs) * math.ceil(reps / len(graphs))  # whole turns of the order's rotation
-    names = list(graphs)
+    order = random.Random(0)
     events: dict[str, list[tuple[Any, Any]]] = {name: [] for name in graphs}
-    for round_ in range(reps):
-        # Each round starts one further along: every implementation follows every other equally often (a graph
-        # replayed right after a heavy one -- cuBLAS reading a whole W_dec -- ran ~2.5 us slower at 17 us, H200)
-        for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+    for _ in range(reps):
+        # Each round in a fresh order, so no implementation always comes right after the same one: a graph replayed
+        # after a heavy one (cuBLAS reading a whole W_dec) ran ~2 us slower at 15 us (H200). A rotation would not
+        # do: it keeps every implementation's predecessor.
+        for name in order.sample(list(graphs), len(graphs)):
             graph = graphs[name]
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()

@@ -248,7 +248,7 @@ def read_meta(path: str | Path) -> dict[str, str]:
 
 _METHOD_NOTE = (
     "Median time per call. `graph`: one CUDA graph replaying one call per rotated input set (inputs together "
-    "exceed 2x L2; the graphs of a case replayed in rotating rounds); `events`: plain calls (graph capture "
+    "exceed 2x L2; the graphs of a case replayed in rounds of varying order); `events`: plain calls (graph capture "
     "failed; Python launch overhead included); `eager`: plain back-to-back calls, on purpose (host overhead "
     "included); `wall`: whole calls between synchronizations. Rates use the minimal bytes moved (each input read "
     "once, each output written once); `% ceil` is relative to the ceiling measured in the same run (above). "

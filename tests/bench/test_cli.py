@@ -345,13 +345,15 @@ def _graph_case() -> Case:
     return case
 
 
-def test_harness_replays_the_graphs_of_a_case_in_rotating_rounds(monkeypatch):
+def test_harness_replays_the_graphs_of_a_case_in_rounds_of_varying_order(monkeypatch):
     log = _replay_log(monkeypatch)
     rows = harness.run_cases([_graph_case()], Options(quick=True, device="cpu"), Ceilings(1e12, 1e15))
     assert [(r.method, r.status) for r in rows] == [("graph", "ok")] * 3
     timed = log[3 + 3 * 3 :]  # after a check replay per capture and 3 probe replays per graph (_choose_reps)
-    assert len(timed) >= 15 and len(timed) % 9 == 0  # whole turns of the rotation: each graph leads a round
-    assert timed[:9] == [0, 1, 2, 1, 2, 0, 2, 0, 1] and timed == timed[:9] * (len(timed) // 9)
+    rounds = [timed[i : i + 3] for i in range(0, len(timed), 3)]
+    assert len(rounds) >= 5 and all(sorted(r) == [0, 1, 2] for r in rounds)  # each graph once a round
+    before_first = {a for a, b in zip(timed, timed[1:]) if b == 0 and a != 0}
+    assert before_first == {1, 2}  # graph 0 comes right after each of the others in some rounds: orders vary
 
 
 def test_harness_times_a_graph_alone_when_keeping_it_would_not_fit(monkeypatch):
