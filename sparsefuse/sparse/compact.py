@@ -3,9 +3,9 @@
 Two passes over a [M, N] dense tensor:
   1. ``row_bits_kernel`` streams ``dense`` once and writes a bitmask of its non-zeros (bit c % 32 of word c // 32;
      N / 8 bytes per row, a sixteenth of bf16 rows);
-  2. ``bits_to_sparse_kernel`` walks each row's words: a word's first slot is the row's running popcount, and its
-     set bits go to consecutive slots in column order, their values gathered from ``dense`` (one sector per
-     non-zero). At SAE sparsity a row is a few thousand words of which a few dozen are non-zero, so the ranking
+  2. ``bits_to_sparse_kernel`` walks each row's words: a word's first slot is the row's running popcount, and the
+     columns of its set bits go to consecutive slots in column order; then the row's values are gathered from
+     ``dense`` in one pass over its slots (one sector per non-zero). At SAE sparsity a row is a few thousand words of which a few dozen are non-zero, so the ranking
      runs over words, not over every column.
 
 :func:`dense_to_row_block_pattern` builds a :class:`RowBlockPattern` (row-block unions; optionally rows sorted by
@@ -96,19 +96,30 @@ def bits_to_sparse_kernel(
         if MODE != _MODE_COUNT:
             slot = filled + tl.cumsum(pc, axis=0) - pc  # each word's first slot in the row
             rest = word
-            # round k places every word's k-th set bit; a full ELL row only counts the rest (a token firing every
-            # feature would otherwise walk 32 rounds per block for nothing)
+            # round k places the column of every word's k-th set bit; a full ELL row only counts the rest (a token
+            # firing every feature would otherwise walk 32 rounds per block for nothing)
             rounds = tl.max(pc, axis=0) if MODE == _MODE_CSR else tl.where(filled < width, tl.max(pc, axis=0), 0)
             for _ in range(rounds):
                 live = rest != 0
                 col = w * 32 + _lowest_bit(rest)
                 keep = live & (slot < width) if MODE == _MODE_ELL else live
-                v = tl.load(dense_ptr + row * stride_dense + col, mask=keep, other=0.0)
-                tl.store(values_ptr + base + slot, v, mask=keep)
                 tl.store(indices_ptr + base + slot, col, mask=keep)
                 slot += live.to(tl.int32)
                 rest = rest & (rest - 1)
         filled += tl.sum(pc, axis=0)
+    if MODE != _MODE_COUNT:
+        # The values in one pass over the placed slots, not a load per round: a round then waits on no memory, and
+        # a row's gathers from dense are in flight together (a full row took 32 rounds of a DRAM latency each).
+        # The indices are read back from memory, written by other threads of this program: hence the barrier,
+        # and loads that bypass L1.
+        tl.debug_barrier()
+        placed = filled if MODE == _MODE_CSR else tl.minimum(filled, width)
+        for s0 in range(0, placed, BLOCK_W):
+            s = s0 + tl.arange(0, BLOCK_W)
+            in_row = s < placed
+            col = tl.load(indices_ptr + base + s, mask=in_row, other=0, cache_modifier=".cg")
+            v = tl.load(dense_ptr + row * stride_dense + col, mask=in_row, other=0.0)
+            tl.store(values_ptr + base + s, v, mask=in_row)
     if MODE == _MODE_ELL:  # the unused slots get index 0 and value 0 here: no fill launches before this one
         for s0 in range(tl.minimum(filled, width), width, BLOCK_W):
             s = s0 + tl.arange(0, BLOCK_W)

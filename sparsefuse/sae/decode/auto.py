@@ -93,6 +93,8 @@ _DENSE_WEIGHT_RATE = 3.3e12
 _DENSE_FP32_WEIGHT_RATE = 1.35e12
 _DENSE_FLOP_RATE = {torch.float32: 50e12, torch.float16: 800e12, torch.bfloat16: 800e12}
 _LAUNCH_S = 5e-6
+_FIXED_LAUNCHES_S = 20e-6
+_SCAN_16BIT_ATOMIC_S = 0.0
 # One program of the scan gathers about a non-zero per this long (a dependent load's latency): the split holding the
 # longest token's columns walks its extra non-zeros at that pace (fit on the H200 grid at 256 tokens, whose scan is
 # one wave: log-normal L0s with sigma 1.0 cost it 22-25 us over a constant L0)
@@ -202,7 +204,9 @@ def _predicted_seconds(
     scan = _LAUNCH_S + M * d_sae * e_a / _SCAN_ROW_RATE.get(e_a, 1.4e12) + gathered / scan_gather + scan_long_s
     splits = scan_splits(M, d_sae, d_model, scan_block_d(d_model), SCAN_BLOCK_F, sms, deterministic)
     scan += max(0.0, _longest_l0(ordinary, mean_l0, cv) - mean_l0) / splits * _SCAN_NONZERO_S
-    fixed = 4 * _LAUNCH_S + max(  # bitmask, bits -> ELL, gather, and the long rows' spread
+    if atomic_splits and e_a == e_w == 2:
+        scan += _SCAN_16BIT_ATOMIC_S
+    fixed = _FIXED_LAUNCHES_S + max(  # bitmask, bits -> ELL, gather, and the long rows' spread
         M * (d_sae * e_a / (_FIXED_BITS_RATE * scale) + d_sae / 8 / _FIXED_WORDS_RATE) + gathered / fixed_gather,
         mean_l0 / 16 * _FIXED_GATHER_STEP_S + math.ceil(d_sae / 32768) * _FIXED_WORDS_CHUNK_S,
     )
