@@ -463,49 +463,51 @@ def test_auto_scales_the_cost_model_by_the_device_dram_bandwidth(device):
 # cuBLAS, measured together (a CUDA graph of 20 calls over two input sets; 6 calls at B=4096), per L0 distribution
 # and batch.
 _MEASURED_GRID = [
-    ("constant", 32, fp32, 11.2, 16.8, 150.3),
-    ("lognormal 0.3", 32, fp32, 12.2, 22.1, 150.4),
-    ("lognormal 0.6", 32, fp32, 13.2, 27.6, 150.6),
-    ("lognormal 1.0", 32, fp32, 14.0, 31.7, 150.5),
-    ("full rows", 32, fp32, 103.8, 183.9, 150.0),
-    ("constant", 256, fp32, 52.1, 44.1, 504.3),
-    ("lognormal 0.3", 256, fp32, 53.6, 57.3, 504.1),
-    ("lognormal 0.6", 256, fp32, 58.4, 59.9, 502.1),
-    ("lognormal 1.0", 256, fp32, 74.1, 72.0, 503.3),
-    ("full rows", 256, fp32, 130.1, 205.1, 504.0),
-    ("constant", 4096, fp32, 657.0, 440.8, 7699.4),
-    ("lognormal 0.3", 4096, fp32, 682.3, 482.1, 7688.4),
-    ("lognormal 0.6", 4096, fp32, 777.0, 534.1, 7695.0),
-    ("lognormal 1.0", 4096, fp32, 1047.1, 591.0, 7704.6),
-    ("full rows", 4096, fp32, 961.7, 588.6, 7687.7),
-    ("constant", 32, bf16, 19.1, 17.4, 75.7),
-    ("lognormal 0.3", 32, bf16, 18.8, 18.5, 75.6),
-    ("lognormal 0.6", 32, bf16, 17.9, 23.6, 75.5),
-    ("lognormal 1.0", 32, bf16, 17.2, 22.8, 75.8),
-    ("full rows", 32, bf16, 94.1, 186.9, 75.4),
-    ("constant", 256, bf16, 71.4, 43.1, 101.3),
-    ("lognormal 0.3", 256, bf16, 71.5, 56.9, 101.2),
-    ("lognormal 0.6", 256, bf16, 75.7, 61.9, 100.9),
-    ("lognormal 1.0", 256, bf16, 95.8, 79.6, 100.9),
-    ("full rows", 256, bf16, 141.4, 208.4, 101.1),
-    ("constant", 4096, bf16, 849.8, 449.2, 1330.3),
-    ("lognormal 0.3", 4096, bf16, 894.0, 476.1, 1343.1),
-    ("lognormal 0.6", 4096, bf16, 972.8, 503.4, 1344.4),
-    ("lognormal 1.0", 4096, bf16, 1279.8, 599.5, 1339.4),
-    ("full rows", 4096, bf16, 992.4, 604.3, 1322.5),
+    ("constant", 32, fp32, 11.7, 17.3, 150.2),
+    ("lognormal 0.3", 32, fp32, 13.0, 22.7, 151.3),
+    ("lognormal 0.6", 32, fp32, 14.1, 28.5, 151.4),
+    ("lognormal 1.0", 32, fp32, 15.1, 31.5, 151.5),
+    ("full rows", 32, fp32, 105.0, 178.8, 152.0),
+    ("constant", 256, fp32, 52.1, 44.1, 503.8),
+    ("lognormal 0.3", 256, fp32, 54.2, 58.2, 503.6),
+    ("lognormal 0.6", 256, fp32, 59.4, 59.4, 505.1),
+    ("lognormal 1.0", 256, fp32, 75.1, 71.2, 504.6),
+    ("full rows", 256, fp32, 130.8, 199.9, 504.2),
+    ("constant", 4096, fp32, 658.1, 436.3, 7687.8),
+    ("lognormal 0.3", 4096, fp32, 685.6, 475.8, 7686.1),
+    ("lognormal 0.6", 4096, fp32, 779.1, 526.0, 7690.5),
+    ("lognormal 1.0", 4096, fp32, 1048.8, 576.0, 7689.5),
+    ("full rows", 4096, fp32, 955.1, 583.9, 7679.2),
+    ("constant", 32, bf16, 19.1, 17.3, 76.3),
+    ("lognormal 0.3", 32, bf16, 18.6, 18.4, 76.0),
+    ("lognormal 0.6", 32, bf16, 18.0, 23.7, 76.3),
+    ("lognormal 1.0", 32, bf16, 17.0, 22.9, 76.3),
+    ("full rows", 32, bf16, 94.4, 182.0, 76.2),
+    ("constant", 256, bf16, 70.9, 43.0, 100.6),
+    ("lognormal 0.3", 256, bf16, 71.2, 56.4, 101.3),
+    ("lognormal 0.6", 256, bf16, 75.8, 61.9, 100.7),
+    ("lognormal 1.0", 256, bf16, 95.8, 79.7, 100.2),
+    ("full rows", 256, bf16, 142.5, 204.5, 100.9),
+    ("constant", 4096, bf16, 849.3, 445.4, 1328.4),
+    ("lognormal 0.3", 4096, bf16, 894.7, 467.0, 1343.7),
+    ("lognormal 0.6", 4096, bf16, 976.7, 491.4, 1348.7),
+    ("lognormal 1.0", 4096, bf16, 1282.4, 587.6, 1345.9),
+    ("full rows", 4096, bf16, 992.8, 628.5, 1330.5),
 ]
 
 
 def test_fixed_of_few_rows_takes_its_two_passes_only_where_predicted_faster_and_few_tokens_overflow():
     """Up to FIXED_SCAN_ROWS tokens "fixed" runs the scan unless the cost model, from the L0 estimate, predicts its
-    two passes faster (bf16 at 256 tokens of a constant L0: 0.64x the scan's time on an H200) with at most 5% of
-    the tokens past its width."""
+    two passes faster (bf16 at 256 tokens of a constant L0: 0.61x the scan's time on an H200, 0.91x at 32 tokens;
+    fp32 at 32 tokens: 1.5x) with at most 5% of the tokens past its width."""
     from sparsefuse.sae.decode.auto import few_rows_fixed_method
 
     w = torch.empty(65536, 2304, dtype=torch.bfloat16)
     assert few_rows_fixed_method(torch.empty(256, 65536, dtype=torch.bfloat16), w, 512, expected_l0=72) == "fixed"
     assert few_rows_fixed_method(torch.empty(256, 65536, dtype=torch.bfloat16), w, 64, expected_l0=72) == "scan"
-    assert few_rows_fixed_method(torch.empty(32, 65536, dtype=torch.bfloat16), w, 512, expected_l0=72) == "scan"
+    assert few_rows_fixed_method(torch.empty(32, 65536, dtype=torch.bfloat16), w, 512, expected_l0=72) == "fixed"
+    w32 = torch.empty(65536, 768, dtype=torch.float32)
+    assert few_rows_fixed_method(torch.empty(32, 65536, dtype=torch.float32), w32, 256, expected_l0=64) == "scan"
 
 
 @pytest.mark.parametrize("row", _MEASURED_GRID, ids=lambda r: f"{r[0]}-B{r[1]}-{r[2]}".replace(" ", ""))

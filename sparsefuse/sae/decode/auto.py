@@ -11,7 +11,7 @@ would make every token look like 1100 and send a batch that is sparse but for it
 
 * scan ~ rows x d_sae bytes / row rate + ordinary rows x L0 x d_model bytes / gather rate + the long rows + the
   longest ordinary token's extra non-zeros over its split, at one program's pace (~0.6 us a non-zero);
-* fixed ~ 4 launches + rows x (d_sae bytes / bitmask rate + d_sae / 8 bytes / word rate) + ordinary rows x L0 x
+* fixed ~ its launches + rows x (d_sae bytes / bitmask rate + d_sae / 8 bytes / word rate) + ordinary rows x L0 x
   d_model bytes / gather rate + the long rows, or one program's serial walk over a row when that is longer (few
   rows, large L0) -- the scan wins small batches, the two-pass "fixed" large ones (from ~64-1024 rows, later on GPUs
   of less bandwidth);
@@ -27,8 +27,8 @@ lasts as long as its longest row, and rows past 128 stored entries are spread by
 little per row. The scan's launch of few rows is one wave too: the split holding the longest token's columns sets
 its end. The share of ordinary tokens past 128 and the longest token's L0 come from their mean and coefficient of
 variation, the L0 taken as log-normal (heavy-tailed, as sae_decode_grid models SAE tokens): at B=256 (H200),
-"fixed" at its 4x width takes 0.64x (bf16) and 0.89x (fp32) the scan's time at a constant L0, and 0.83-0.87x
-(bf16) / 1.0-1.11x (fp32) once the L0s spread (log-normal sigma 0.3-1.0).
+"fixed" at its 4x width takes 0.61x (bf16) and 0.85x (fp32) the scan's time at a constant L0, and 0.79-0.83x
+(bf16) / 0.95-1.07x (fp32) once the L0s spread (log-normal sigma 0.3-1.0).
 In launches of many waves rows of different lengths even out, and the mean decides.
 
 The number of long tokens in a batch of more rows than were sampled: the first one the sample holds is taken for a
@@ -93,8 +93,12 @@ _DENSE_WEIGHT_RATE = 3.3e12
 _DENSE_FP32_WEIGHT_RATE = 1.35e12
 _DENSE_FLOP_RATE = {torch.float32: 50e12, torch.float16: 800e12, torch.bfloat16: 800e12}
 _LAUNCH_S = 5e-6
-_FIXED_LAUNCHES_S = 20e-6
-_SCAN_16BIT_ATOMIC_S = 0.0
+# "fixed" launches bitmask, bits -> ELL, the gather and the spread (and fills only the spread's counters): their
+# fixed costs together (H200 grid: 17.3 us at B=32 bf16, of which the longest row's serial chain is ~7)
+_FIXED_LAUNCHES_S = 10e-6
+# The 16-bit scan of few rows sums its splits by fp32 atomics into a zeroed buffer, then casts: two more launches
+# (19.1 us at B=32, D=2304 bf16 against 12.4 from bytes and one launch)
+_SCAN_16BIT_ATOMIC_S = 6e-6
 # One program of the scan gathers about a non-zero per this long (a dependent load's latency): the split holding the
 # longest token's columns walks its extra non-zeros at that pace (fit on the H200 grid at 256 tokens, whose scan is
 # one wave: log-normal L0s with sigma 1.0 cost it 22-25 us over a constant L0)
@@ -104,12 +108,16 @@ _SCAN_NONZERO_S = 0.6e-6
 # and 182 / 192 us at D=2304 bf16 on an H200 / H100, whose bandwidths differ by 1.43x. The scan and "fixed" hand
 # their long rows to the same spread pass, so one rate serves both.
 _LONG_RATE = {4: 3.8e12, 2: 3.3e12}
+# "fixed" spreads an overflowed token as one unit of its whole dense row: slower than the scan's units (ranges of
+# its splits) in fp32 -- two full rows among 32 or 256 took ~160 us at D=768 fp32 (2.5 TB/s) and ~165 us at
+# D=2304 bf16 (3.7 TB/s) over the same batch without them (H200)
+_FIXED_LONG_RATE = {4: 2.5e12, 2: 3.6e12}
 # The scan's dense units: two full bf16 rows' units read W_dec (302 MB) in 73-75 us on an H200
 _DENSE_UNIT_RATE = 4.1e12
 # A one-wave gather launch with rows past ONE_WAVE_LONG_ENTRIES: the spread launch's cost once, then W_dec bytes
 # of one output row per such row over this rate (refit on the H200 grid: 16-bit gathers of 256 columns, a spread
 # sub-split per 32 non-zeros of a unit, the scan's longest-token term)
-_ONE_WAVE_SPREAD_S = 8e-6
+_ONE_WAVE_SPREAD_S = 14e-6
 _ONE_WAVE_ROW_RATE = 1e10
 REFERENCE_SMS = 132  # H100 and H200
 
@@ -210,7 +218,7 @@ def _predicted_seconds(
         M * (d_sae * e_a / (_FIXED_BITS_RATE * scale) + d_sae / 8 / _FIXED_WORDS_RATE) + gathered / fixed_gather,
         mean_l0 / 16 * _FIXED_GATHER_STEP_S + math.ceil(d_sae / 32768) * _FIXED_WORDS_CHUNK_S,
     )
-    fixed += long_s
+    fixed += n_long * long_l0 * d_model * e_w / _FIXED_LONG_RATE.get(e_a, 2.5e12)
     if M * triton.cdiv(d_model, gather_block_d(M, d_model, sms, e_w)) <= ONE_WAVE_PROGRAMS_PER_SM * sms:
         # one wave: the gather lasts as long as its longest row, and rows past ONE_WAVE_LONG_ENTRIES entries are
         # spread by a second launch -- a cost paid once any row gets there, then a little more per row
