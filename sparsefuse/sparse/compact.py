@@ -5,8 +5,8 @@ Two passes over a [M, N] dense tensor:
      N / 8 bytes per row, a sixteenth of bf16 rows);
   2. ``bits_to_sparse_kernel`` walks each row's words: a word's first slot is the row's running popcount, and the
      columns of its set bits go to consecutive slots in column order; then the row's values are gathered from
-     ``dense`` in one pass over its slots (one sector per non-zero). At SAE sparsity a row is a few thousand words of which a few dozen are non-zero, so the ranking
-     runs over words, not over every column.
+     ``dense`` in one pass over its slots (one sector per non-zero). At SAE sparsity a row is a few thousand
+     words of which a few dozen are non-zero, so the ranking runs over words, not over every column.
 
 :func:`dense_to_row_block_pattern` builds a :class:`RowBlockPattern` (row-block unions; optionally rows sorted by
 their count of non-zeros first, so that tokens of similar sparsity share a block) from the same bitmask: a union
