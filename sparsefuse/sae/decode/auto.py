@@ -37,9 +37,10 @@ tokens of 4096 are decoded best by "fixed", 657 us against cuBLAS's 1619 on an H
 the batch (a batch dense throughout goes to cuBLAS).
 
 The byte-bound terms of "fixed" and of cuBLAS in 16 bits scale with the device's DRAM bandwidth
-(:func:`~sparsefuse._backend.dram_bandwidth`); the scan's do not: at B=4096, D=2304 bf16 the scan took 811 us on an
-H100 and 783 on an H200, the two-pass "fixed" 723 and 529, in the ratio of the two memories (3.35 vs 4.8 TB/s), so
-"fixed" takes over from the scan at ~512 (bf16) to ~2048 (fp32) rows on an H100, at ~256 on an H200.
+(:func:`~sparsefuse._backend.dram_bandwidth`); the scan's row read only with its square root, being mostly bound by
+latency: the scan took 1.03-1.20x as long on an H100 as on an H200 (B=256-4096; fp32 rows the most), the two-pass
+"fixed" 1.25-1.43x, the ratio of the two memories (3.35 vs 4.8 TB/s). Both GPUs now take "fixed" from ~64 (bf16) to
+~256 (fp32) rows.
 
 The estimate is, first available: ``expected_l0`` (a mean only: taken as a constant L0, no long tokens); the running
 estimate kept per decoder (an :class:`~sparsefuse._auto.EstimateCache` keyed on ``W_dec``, fed without a sync every
@@ -209,7 +210,8 @@ def _predicted_seconds(
         # one read of W_dec for all of them; a full table sends further ones to the spread
         scan_long_s = d_sae * d_model * e_w / (_DENSE_UNIT_RATE * scale)
         scan_long_s += max(0.0, n_long - 16) * long_l0 * d_model * e_w / _LONG_RATE.get(e_a, 3.3e12)
-    scan = _LAUNCH_S + M * d_sae * e_a / _SCAN_ROW_RATE.get(e_a, 1.4e12) + gathered / scan_gather + scan_long_s
+    row_rate = _SCAN_ROW_RATE.get(e_a, 1.4e12) * math.sqrt(scale)
+    scan = _LAUNCH_S + M * d_sae * e_a / row_rate + gathered / scan_gather + scan_long_s
     splits = scan_splits(M, d_sae, d_model, scan_block_d(d_model), SCAN_BLOCK_F, sms, deterministic)
     scan += max(0.0, _longest_l0(ordinary, mean_l0, cv) - mean_l0) / splits * _SCAN_NONZERO_S
     if atomic_splits and e_a == e_w == 2:
