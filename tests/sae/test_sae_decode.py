@@ -509,6 +509,10 @@ def test_fixed_of_few_rows_takes_its_two_passes_only_where_predicted_faster_and_
     assert few_rows_fixed_method(torch.empty(256, 65536, dtype=torch.bfloat16), w, 512, expected_l0=72) == "fixed"
     assert few_rows_fixed_method(torch.empty(256, 65536, dtype=torch.bfloat16), w, 64, expected_l0=72) == "scan"
     assert few_rows_fixed_method(torch.empty(32, 65536, dtype=torch.bfloat16), w, 512, expected_l0=72) == "fixed"
+    full_first = torch.zeros(256, 65536, dtype=torch.bfloat16)
+    full_first[0] = 1.0  # a long token in the sample: the scan, whose long units share W_dec's reads
+    full_first[1:, :72] = 1.0
+    assert few_rows_fixed_method(full_first, w, 512, expected_l0=None, decoder=w) == "scan"
     w32 = torch.empty(65536, 768, dtype=torch.float32)
     assert few_rows_fixed_method(torch.empty(32, 65536, dtype=torch.float32), w32, 256, expected_l0=64) == "scan"
 
