@@ -359,12 +359,20 @@ def test_fixed_runs_the_scan_on_small_batches(device, monkeypatch):
     with track_launches() as launched:
         sparse_decode(more, w, method="fixed", max_l0=256)
     assert dict(launched) == two_pass
-    # "fixed" takes its two passes where the cost model predicts them faster, unless too many tokens overflow
+    # "fixed" takes its two passes where the cost model predicts them faster, unless too many tokens overflow or
+    # its sample holds a long token (past 32 of 600 features here: the 40- and 300-feature tokens of acts)
     monkeypatch.setattr(auto, "_predicted_seconds", lambda *_, **__: {"scan": 2.0, "fixed": 1.0, "dense": 3.0})
+    short, w_short = sparse_rows(5, 600, [3, 20, 0, 30, 7], device=device), torch.randn(600, 24, device=device)
+    sparse_decode(short, w_short, method="fixed", max_l0=256)  # a new decoder's first sample (no sync on a GPU)
+    if device.type == "cuda":
+        torch.cuda.synchronize()  # ... has arrived by the next call
     with track_launches() as launched:
-        out = sparse_decode(acts, w, method="fixed", max_l0=256)
-    assert dict(launched) == two_pass
-    assert_close_to_reference(out, *reference(acts, w), **allowance(acts, w))
+        out = sparse_decode(short, w_short, method="fixed", max_l0=256)
+    assert dict(launched) == {"row_bits_kernel": 1, "bits_to_sparse_kernel": 1, "gather_accumulate_kernel": 2}
+    assert_close_to_reference(out, *reference(short, w_short), **allowance(short, w_short))
+    with track_launches() as launched:
+        sparse_decode(acts, w, method="fixed", max_l0=256)
+    assert "row_bits_kernel" not in launched
     with track_launches() as launched:
         sparse_decode(acts, w, method="fixed", max_l0=2)  # most ordinary tokens (L0 3 and 7) overflow
     assert "row_bits_kernel" not in launched
