@@ -39,7 +39,7 @@ the batch (a batch dense throughout goes to cuBLAS).
 The byte-bound terms of "fixed" and of cuBLAS in 16 bits scale with the device's DRAM bandwidth
 (:func:`~sparsefuse._backend.dram_bandwidth`); the scan's row read only with its square root, being mostly bound by
 latency: the scan took 1.03-1.20x as long on an H100 as on an H200 (B=256-4096; fp32 rows the most), the two-pass
-"fixed" 1.25-1.43x, the ratio of the two memories (3.35 vs 4.8 TB/s). Both GPUs now take "fixed" from ~64 (bf16) to
+"fixed" 1.25-1.43x, the ratio of the two memories (3.35 vs 4.8 TB/s). Both GPUs take "fixed" from ~64 (bf16) to
 ~256 (fp32) rows.
 
 The estimate is, first available: ``expected_l0`` (a mean only: taken as a constant L0, no long tokens); the running
@@ -106,8 +106,8 @@ _SCAN_16BIT_ATOMIC_S = 6e-6
 _SCAN_NONZERO_S = 0.6e-6
 # Long tokens (e.g. two firing all 65536 features, sae_decode_grid): their W_dec bytes over the spread launch's
 # rate, bound by the spread's programs rather than by DRAM: two full rows among 32 take 107 / 112 us at D=768 fp32
-# and 182 / 192 us at D=2304 bf16 on an H200 / H100, whose bandwidths differ by 1.43x. The scan and "fixed" hand
-# their long rows to the same spread pass, so one rate serves both.
+# and 182 / 192 us at D=2304 bf16 on an H200 / H100, whose bandwidths differ by 1.43x. The rate of the scan's long
+# ranges, handed to the spread pass.
 _LONG_RATE = {4: 3.8e12, 2: 3.3e12}
 # "fixed" spreads an overflowed token as one unit of its whole dense row: slower than the scan's units (ranges of
 # its splits) in fp32 -- two full rows among 32 or 256 took ~160 us at D=768 fp32 (2.5 TB/s) and ~165 us at
