@@ -336,18 +336,20 @@ def _capture_graph(fn: Callable[..., Any], sets: list[tuple[Any, ...]]) -> tuple
 
 
 def _time_graphs_interleaved(graphs: dict[str, Any], n_sets: int, quick: bool) -> dict[str, float]:
-    """Median ms per call of each graph's replays, the graphs replayed in alternating rounds with every event
-    recorded before one final sync: a device whose clock or memory speed drifts during the measurement slows every
+    """Median ms per call of each graph's replays, the graphs replayed in rounds with every event recorded before
+    one final sync: a device whose clock or memory speed drifts during the measurement slows every
     implementation alike, instead of whichever happened to be timed then (one kernel timed as three graphs one
     after another spread 13% at 20 us, H200)."""
-    reps = max(_choose_reps(graph.replay, quick) for graph in graphs.values())
+    reps = {name: _choose_reps(graph.replay, quick) for name, graph in graphs.items()}
     order = random.Random(0)
     events: dict[str, list[tuple[Any, Any]]] = {name: [] for name in graphs}
-    for _ in range(reps):
+    for round_ in range(max(reps.values())):
         # Each round in a fresh order, so no implementation always comes right after the same one: a graph replayed
         # after a heavy one (cuBLAS reading a whole W_dec) ran ~2 us slower at 15 us (H200). A rotation would not
-        # do: it keeps every implementation's predecessor.
-        for name in order.sample(list(graphs), len(graphs)):
+        # do: it keeps every implementation's predecessor. A graph leaves the rounds once it has its own count of
+        # replays (a slow one fewer), so the case takes no longer than its graphs timed one by one.
+        live = [name for name in graphs if round_ < reps[name]]
+        for name in order.sample(live, len(live)):
             graph = graphs[name]
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -362,7 +364,7 @@ def _time_graphs_interleaved(graphs: dict[str, Any], n_sets: int, quick: bool) -
 
 
 def _interleave_budget() -> float:
-    """Bytes the graphs of one case may hold at once to be replayed in alternating rounds: a quarter of the free
+    """Bytes the graphs of one case may hold at once to be replayed in rounds together: a quarter of the free
     device memory, so a big case's later implementations still find room for their own calls."""
     free, _ = torch.cuda.mem_get_info()
     return free / 4

@@ -356,6 +356,18 @@ def test_harness_replays_the_graphs_of_a_case_in_rounds_of_varying_order(monkeyp
     assert before_first == {1, 2}  # graph 0 comes right after each of the others in some rounds: orders vary
 
 
+def test_harness_graph_leaves_the_rounds_after_its_own_count_of_replays(monkeypatch):
+    """A slow graph (fewer replays fit the time budget) stops early instead of taking the fast ones' count."""
+    log = _replay_log(monkeypatch)
+    counts = {0: 5, 1: 12, 2: 12}
+    monkeypatch.setattr(harness, "_choose_reps", lambda fn, quick: counts[fn.__self__.number])
+    rows = harness.run_cases([_graph_case()], Options(quick=True, device="cpu"), Ceilings(1e12, 1e15))
+    assert [(r.method, r.status) for r in rows] == [("graph", "ok")] * 3
+    timed = log[3:]  # after a check replay per capture (the probe replays are stubbed out)
+    assert [timed.count(n) for n in (0, 1, 2)] == [5, 12, 12]
+    assert sorted(timed[:15]) == [0] * 5 + [1] * 5 + [2] * 5  # the first 5 rounds hold all three
+
+
 def test_harness_times_a_graph_alone_when_keeping_it_would_not_fit(monkeypatch):
     log = _replay_log(monkeypatch)
     monkeypatch.setattr(harness, "_interleave_budget", lambda: 0.0)
