@@ -14,9 +14,10 @@ Methods (all built on the shared core in :mod:`sparsefuse.sparse`):
   ``FIXED_SCAN_ROWS`` tokens (without ``validate``) it runs the scan kernel instead -- the same sums (in another
   rounding order, and split rows added by fp32 atomics unless ``torch.use_deterministic_algorithms(True)``),
   without a capacity -- unless auto's cost model, from the same sync-free estimate of the L0, predicts the two
-  passes faster and at most 5% of the tokens over ``max_l0`` (on an H200 at 32 tokens the two passes took
+  passes faster, at most 5% of the tokens over ``max_l0`` and no long token in its sample (each costs the two
+  passes a read of W_dec, where the scan's long units share theirs). On an H200 at 32 tokens the two passes took
   0.9-1.35x the scan's time in bf16 and 1.5-2.1x in fp32; at 256 tokens 0.61x at a constant L0 in bf16, 0.85x in
-  fp32, up to 1.07x with the L0s spread and 1.5x with a full token).
+  fp32, up to 1.07x with the L0s spread and 1.5x with a full token.
 * ``"exact"`` -- compact into exact-size CSR (one sync to size it), gather-accumulate.
 * ``"dense"`` -- ``torch.matmul`` (cuBLAS).
 * ``"auto"`` -- ``"dense"`` for small dictionaries, else the fastest of the others by a cost model at the
