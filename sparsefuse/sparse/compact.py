@@ -148,8 +148,9 @@ def _bits_to_sparse(
     elif mode != _MODE_CSR.value and M >= MANY_ROWS_PER_SM * sm_count(bits.device):
         # Many waves: the walk is bound by its instructions (each round of set bits runs over every word of the
         # block, and at SAE sparsity nearly all words are zero), so small blocks of one warp: at 4096 rows of 2048
-        # words, 31 us against 52 with 1024 words and 4 warps and a load per round (H200). Not for CSR, which places every entry: one
-        # warp would walk a token firing every feature 4x longer than 4 warps do (ELL stops at its width).
+        # words, 31 us against 52 with 1024 words and 4 warps and a load per round (H200). Not for CSR, which places
+        # every entry: one warp would walk a token firing every feature 4x longer than 4 warps do (ELL stops at its
+        # width).
         block_w, warps = 128, 1
     else:  # about a wave: bound by each row's latency, so few, wide blocks (5.8 us at 256 rows, H200)
         block_w, warps = min(1024, max(32, triton.next_power_of_2(n_words))), 4
