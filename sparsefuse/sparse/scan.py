@@ -13,7 +13,15 @@ from .. import _backend
 from .._backend import Backend, backend_for, sm_count
 from .._validation import check_matmul_skip_zeros
 from .dense_units import lists_dense_units
-from .long_rows import DELIVER_ATOMIC, DELIVER_SPLITS, DELIVER_STORE, FORMAT_DENSE, LongRows, long_row_threshold
+from .long_rows import (
+    DELIVER_ATOMIC,
+    DELIVER_SPLITS,
+    DELIVER_STORE,
+    FORMAT_DENSE,
+    LONG_RANGES_PER_SM,
+    LongRows,
+    long_row_threshold,
+)
 from .spmm import launch_gather, launch_spread, product_operands, scan_config
 
 
@@ -122,8 +130,10 @@ def _scan_into(
         deliver = DELIVER_ATOMIC if atomic else (DELIVER_SPLITS if n_splits > 1 else DELIVER_STORE)
         spread_block_d = block_d if deliver == DELIVER_SPLITS else None  # that sum is per main-launch D block
         dense_splits = n_splits if lists_dense_units(a, weight, atomic) else 0  # ranges half non-zero or more
+        # a capped list needs one program per range (its D blocks could not agree on who walks a refused range)
+        max_units = LONG_RANGES_PER_SM * sms if d_blocks == 1 else None
         long_rows = LongRows.allocate(
-            M * n_splits, n_out, weight, threshold, deliver.value, unit_cols, 0, spread_block_d, dense_splits
+            M * n_splits, n_out, weight, threshold, deliver.value, unit_cols, 0, spread_block_d, dense_splits, max_units
         )
     operands = dict(
         dense_ptr=a,
