@@ -188,6 +188,19 @@ def _sum_columns(
     return acc, nnz > 0
 
 
+@triton.jit(noinline=True)
+def walk_refused_range(
+    row_ptr, stride_col, f_begin, f_end, w_ptr, stride_w, d, d_mask, BLOCK_S: tl.constexpr, GROUP: tl.constexpr
+):
+    """(fp32 sum [BLOCK_D], int32 1 if any non-zero) of the dense columns [f_begin, f_end) of one row, walked by
+    the scan program that found them long when the list refused them. Not inlined: the scan's own loop keeps its
+    register allocation (see the listing in spmm.py)."""
+    acc, any_nonzero = _sum_columns(
+        row_ptr, stride_col, f_begin, f_end, 0, 1, w_ptr, stride_w, d, d_mask, BLOCK_S, GROUP
+    )
+    return acc, any_nonzero.to(tl.int32)
+
+
 @triton.jit
 def _sum_entries(values_ptr, indices_ptr, n, sub, subsplits, w_ptr, stride_w, d, d_mask, BLOCK_K: tl.constexpr):
     """(fp32 sum [BLOCK_D], any entry) of sub-split ``sub`` of ``subsplits`` of the ``n`` stored entries at

@@ -130,8 +130,9 @@ def _scan_into(
         deliver = DELIVER_ATOMIC if atomic else (DELIVER_SPLITS if n_splits > 1 else DELIVER_STORE)
         spread_block_d = block_d if deliver == DELIVER_SPLITS else None  # that sum is per main-launch D block
         dense_splits = n_splits if lists_dense_units(a, weight, atomic) else 0  # ranges half non-zero or more
-        # a capped list needs one program per range (its D blocks could not agree on who walks a refused range)
-        max_units = LONG_RANGES_PER_SM * sms if d_blocks == 1 else None
+        # Capped only where one program covers a range (its D blocks could not agree on who walks a refused range)
+        # and the sum may vary from run to run: which ranges the list takes depends on the programs' order.
+        max_units = LONG_RANGES_PER_SM * sms if d_blocks == 1 and not deterministic else None
         long_rows = LongRows.allocate(
             M * n_splits, n_out, weight, threshold, deliver.value, unit_cols, 0, spread_block_d, dense_splits, max_units
         )

@@ -44,6 +44,7 @@ from .long_rows import (
     list_long_unit,
     spread_long_units,
     stored_row_threshold,
+    walk_refused_range,
 )
 from .thresholded import ThresholdedLinear, thresholded_linear_chunk
 
@@ -202,7 +203,6 @@ def gather_accumulate_kernel(
     if FORMAT == FORMAT_DENSE:
         split_nnz = tl.zeros([], dtype=tl.int32)
         deferred = tl.zeros([], dtype=tl.int32)  # the range turned out long: left to the spread pass
-        kept = tl.zeros([], dtype=tl.int32)  # ... but the list was full: walked here after all
         c_begin = split * chunks_per_split
         c_end = tl.minimum(c_begin + chunks_per_split, tl.cdiv(n_in, BLOCK_F))
         row_ptr = dense_ptr + row * stride_dense
@@ -218,43 +218,47 @@ def gather_accumulate_kernel(
             a_next = tl.load(row_ptr + f_next.to(tl.int64) * stride_dense_col, mask=f_next < f_stop, other=0.0)
             chunk_nnz = tl.sum((a != 0).to(tl.int32), axis=0)
             if LIST_LONG:  # counted before it is gathered: a long range wastes at most long_nnz gathers
-                if (deferred == 0) & (kept == 0) & (split_nnz + chunk_nnz > long_nnz):
-                    if d_block == 0:  # the first D block lists it: to the dense table, else the long list
-                        listed = tl.zeros([], dtype=tl.int32)
-                        if LIST_DENSE:
-                            # counted whole by this one program, in a function of its own: inlined, its loop
-                            # changed the register allocation of the scan's own loop (125 -> 105 a thread, fewer
-                            # loads in flight) and the main launch took 25% longer (H200, bf16 B=256)
-                            if at_least_half_nonzero(row_ptr, stride_dense_col, c_begin * BLOCK_F, f_end, BLOCK_F):
-                                listed = list_dense_unit(
-                                    dense_rows_ptr,
-                                    dense_counts_ptr,
-                                    dense_splits_ptr,
-                                    dense_used_ptr,
-                                    row,
-                                    split,
-                                    DENSE_UNIT_ROWS,
-                                ).to(tl.int32)
-                        if listed == 0:
-                            listed = list_long_unit(
-                                long_units_ptr,
-                                long_count_ptr,
-                                long_arrivals_ptr,
-                                row * n_splits + split,
-                                long_arrival_rows,
-                                long_max_units,
-                                ARRIVALS,
-                            )
-                        deferred = listed
-                        kept = 1 - listed
-                    else:  # several D blocks: the list is never capped (long_max_units), the first lists it
-                        deferred = tl.full([], 1, dtype=tl.int32)
+                deferred = deferred | (split_nnz + chunk_nnz > long_nnz).to(tl.int32)
             if deferred == 0:
                 split_nnz += chunk_nnz
                 acc = accumulate_nonzeros(acc, a, f, w_ptr, stride_w, d, d_mask, GROUP)
         if LIST_LONG:
-            if deferred != 0:
-                return
+            if deferred != 0:  # every D block of the range decides alike; the first lists it
+                refused = tl.zeros([], dtype=tl.int32)
+                if d_block == 0:
+                    dense = tl.zeros([], dtype=tl.int32)
+                    if LIST_DENSE:
+                        # counted whole by this one program, in a function of its own: inlined, its loop changed
+                        # the register allocation of the scan's own loop (125 -> 105 a thread, fewer loads in
+                        # flight) and the main launch took 25% longer (H200, bf16 B=256)
+                        if at_least_half_nonzero(row_ptr, stride_dense_col, c_begin * BLOCK_F, f_end, BLOCK_F):
+                            dense = list_dense_unit(
+                                dense_rows_ptr,
+                                dense_counts_ptr,
+                                dense_splits_ptr,
+                                dense_used_ptr,
+                                row,
+                                split,
+                                DENSE_UNIT_ROWS,
+                            ).to(tl.int32)
+                    if dense == 0:
+                        listed = list_long_unit(
+                            long_units_ptr,
+                            long_count_ptr,
+                            long_arrivals_ptr,
+                            row * n_splits + split,
+                            long_arrival_rows,
+                            long_max_units,
+                            ARRIVALS,
+                        )
+                        refused = 1 - listed
+                if refused == 0:
+                    return
+                # the list is full (only where one D block covers the range): walked here after all, from its
+                # start, in a function of its own for the same reason as above
+                acc, split_nnz = walk_refused_range(
+                    row_ptr, stride_dense_col, c_begin * BLOCK_F, f_end, w_ptr, stride_w, d, d_mask, BLOCK_F, GROUP
+                )
         if ATOMIC_SPLITS:
             # fp32 atomics into partial [M, n_out] (zeroed; out itself when out is fp32): no per-split buffer to
             # write and re-read, no arrival counter, but the summation order varies from run to run.
