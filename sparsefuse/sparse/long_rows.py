@@ -59,12 +59,6 @@ DELIVER_SPLITS = tl.constexpr(2)  # its sum is the row's split partial: the row'
 LONG_ROW_DENSITY = 64
 LONG_ROW_MIN_NNZ = 32
 NEVER_LONG = 2**31 - 1  # threshold of a launch that lists no stored row as long
-# The scan lists at most LONG_RANGES_PER_SM dense ranges per SM; a range past the threshold once the list is full is
-# walked by its own program. The spread exists to give a few long ranges the whole GPU; when ranges past the
-# threshold are that many, they already load every SM, and the spread walks a moderately dense range more slowly
-# than the scan does (per non-zero: sub-splits re-rank their chunks, and its items lose the scan's order by split).
-# Uniform L0 4096 of 65536 at B=32, D=768 bf16 (H200): every range listed 259 us, none 89, cuBLAS 30.
-LONG_RANGES_PER_SM = 4
 
 # The spread launch's grid and blocks, swept on an H200 over the SAE decode grid's slow inputs (two full rows at
 # B=32-4096; log-normal L0 with sigma 0.6-1.0 at B=256-4096, whose overflowed ELL rows are read whole): output
@@ -113,21 +107,17 @@ def stored_row_threshold(columns: int, programs: int, device: torch.device) -> i
 
 
 @triton.jit
-def list_long_unit(units_ptr, count_ptr, arrivals_ptr, unit, arrival_rows, max_units, ARRIVALS: tl.constexpr):
+def list_long_unit(units_ptr, count_ptr, arrivals_ptr, unit, arrival_rows, ARRIVALS: tl.constexpr):
     """Append ``unit`` to the device list (count [1] int32, units [capacity] int32) and zero its row of arrival
     counters (arrivals [arrival_rows, ARRIVALS] int32; ARRIVALS = 0: the spread sums by atomics and has none). Only
     the first ``arrival_rows`` units have counters: the spread splits a unit (and counts arrivals) only while the
-    list is that short. Returns 1 if listed, 0 if the list already held ``max_units`` (the caller walks the unit
-    itself; the count still grows, the spread reads at most ``max_units``)."""
+    list is that short."""
     slot = tl.atomic_add(count_ptr, 1, sem="relaxed")  # the list is read by the next launch only
-    listed = slot < max_units
-    if listed:
-        tl.store(units_ptr + slot, unit.to(tl.int32))
-        if ARRIVALS > 0:
-            if slot < arrival_rows:
-                j = tl.arange(0, ARRIVALS)
-                tl.store(arrivals_ptr + slot.to(tl.int64) * ARRIVALS + j, tl.zeros([ARRIVALS], dtype=tl.int32))
-    return listed.to(tl.int32)
+    tl.store(units_ptr + slot, unit.to(tl.int32))
+    if ARRIVALS > 0:
+        if slot < arrival_rows:
+            j = tl.arange(0, ARRIVALS)
+            tl.store(arrivals_ptr + slot.to(tl.int64) * ARRIVALS + j, tl.zeros([ARRIVALS], dtype=tl.int32))
 
 
 @triton.jit
@@ -188,19 +178,6 @@ def _sum_columns(
     return acc, nnz > 0
 
 
-@triton.jit(noinline=True)
-def walk_refused_range(
-    row_ptr, stride_col, f_begin, f_end, w_ptr, stride_w, d, d_mask, BLOCK_S: tl.constexpr, GROUP: tl.constexpr
-):
-    """(fp32 sum [BLOCK_D], int32 1 if any non-zero) of the dense columns [f_begin, f_end) of one row, walked by
-    the scan program that found them long when the list refused them. Not inlined: the scan's own loop keeps its
-    register allocation (see the listing in spmm.py)."""
-    acc, any_nonzero = _sum_columns(
-        row_ptr, stride_col, f_begin, f_end, 0, 1, w_ptr, stride_w, d, d_mask, BLOCK_S, GROUP
-    )
-    return acc, any_nonzero.to(tl.int32)
-
-
 @triton.jit
 def _sum_entries(values_ptr, indices_ptr, n, sub, subsplits, w_ptr, stride_w, d, d_mask, BLOCK_K: tl.constexpr):
     """(fp32 sum [BLOCK_D], any entry) of sub-split ``sub`` of ``subsplits`` of the ``n`` stored entries at
@@ -248,7 +225,6 @@ def spread_long_units(
     max_subsplits,
     target_items,
     entries_per_sub,
-    max_units,
     FORMAT: tl.constexpr,
     DELIVER: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -261,15 +237,14 @@ def spread_long_units(
 ):
     """The spread pass (see module docstring), one program of a 1-D grid looping over the items.
 
-    units [capacity] int32 (the first min(count [1], max_units) of them listed); a unit is a row (ELL:
-    values/indices [M, width], counts [M],
+    units [capacity] int32 (count [1] of them listed); a unit is a row (ELL: values/indices [M, width], counts [M],
     an overflowed row read from dense [M, n_in]; CSR: values/indices [nnz], row_offsets [M + 1]) or, for DENSE, the
     columns [split * unit_cols, (split + 1) * unit_cols) of row unit // n_splits of dense. Sub-split sums go to
     sub_partial [partial_rows, n_out] fp32 / sub_used [partial_rows] int32, summed by the last to arrive on
     arrivals [capacity, ARRIVALS] int32. Delivered into out [M, n_out]; DELIVER_ATOMIC: into partial [M, n_out] fp32
     instead; DELIVER_SPLITS: as split ``split`` of the row's partials (partial [M, n_splits, n_out], split_used
     [M, n_splits], split_arrivals [M, D blocks]; the same BLOCK_D as the main launch)."""
-    n_units = tl.minimum(tl.load(count_ptr), max_units)
+    n_units = tl.load(count_ptr)
     n_d_blocks = tl.cdiv(n_out, BLOCK_D)
     per_sub = n_units * n_d_blocks  # items of one sub-split index
     subsplits = tl.minimum(tl.cdiv(target_items, tl.maximum(per_sub, 1)), max_subsplits)
@@ -452,7 +427,6 @@ class LongRows:
     arrivals_per_unit: int  # a power of two, at least the output blocks; 0 with DELIVER_ATOMIC
     arrival_rows: int  # units with arrival counters: those the spread can split; 0 with DELIVER_ATOMIC
     partial_rows: int  # 0 with DELIVER_ATOMIC
-    max_units: int  # the list holds at most this many units; a unit listed past them is walked where it is
     # dense ranges' tables (dense_units.py), where the scan lists them: rows [n_splits, DENSE_UNIT_ROWS], counts
     # [n_splits] (zeroed), splits [n_splits], used [1] (zeroed)
     dense_rows: torch.Tensor | None = None
@@ -471,13 +445,10 @@ class LongRows:
         unit_entries: int,
         block_d: int | None = None,
         dense_splits: int = 0,
-        max_units: int | None = None,
     ) -> LongRows:
         """Buffers for ``capacity`` units of at most ``unit_cols`` dense columns or ``unit_entries`` stored entries
         each, output width ``n_out``; with ``dense_splits``, the tables of the scan's dense ranges for that many
-        splits (:mod:`.dense_units`); with ``max_units``, a list that takes no more units than that (the main
-        launch walks the others itself: only where one program covers all of a unit's output columns). Host-known
-        sizes only: nothing is read back."""
+        splits (:mod:`.dense_units`). Host-known sizes only: nothing is read back."""
         cfg = spread_config(n_out, weight, block_d)
         device = weight.device
         d_blocks = triton.cdiv(n_out, cfg.block_d)
@@ -520,7 +491,6 @@ class LongRows:
             arrivals_per_unit=arrivals_per_unit,
             arrival_rows=arrival_rows,
             partial_rows=partial_rows,
-            max_units=capacity if max_units is None else min(capacity, max_units),
             **dense,
         )
 
@@ -532,7 +502,6 @@ class LongRows:
             long_arrivals_ptr=self.arrivals,
             long_nnz=self.threshold,
             long_arrival_rows=self.arrival_rows,
-            long_max_units=self.max_units,
             LIST_LONG=True,
             ARRIVALS=self.arrivals_per_unit,
             **self._dense_tables(),

@@ -13,15 +13,7 @@ from .. import _backend
 from .._backend import Backend, backend_for, sm_count
 from .._validation import check_matmul_skip_zeros
 from .dense_units import lists_dense_units
-from .long_rows import (
-    DELIVER_ATOMIC,
-    DELIVER_SPLITS,
-    DELIVER_STORE,
-    FORMAT_DENSE,
-    LONG_RANGES_PER_SM,
-    LongRows,
-    long_row_threshold,
-)
+from .long_rows import DELIVER_ATOMIC, DELIVER_SPLITS, DELIVER_STORE, FORMAT_DENSE, LongRows, long_row_threshold
 from .spmm import launch_gather, launch_spread, product_operands, scan_config
 
 
@@ -130,11 +122,8 @@ def _scan_into(
         deliver = DELIVER_ATOMIC if atomic else (DELIVER_SPLITS if n_splits > 1 else DELIVER_STORE)
         spread_block_d = block_d if deliver == DELIVER_SPLITS else None  # that sum is per main-launch D block
         dense_splits = n_splits if lists_dense_units(a, weight, atomic) else 0  # ranges half non-zero or more
-        # Capped only where one program covers a range (its D blocks could not agree on who walks a refused range)
-        # and the sum may vary from run to run: which ranges the list takes depends on the programs' order.
-        max_units = LONG_RANGES_PER_SM * sms if d_blocks == 1 and not deterministic else None
         long_rows = LongRows.allocate(
-            M * n_splits, n_out, weight, threshold, deliver.value, unit_cols, 0, spread_block_d, dense_splits, max_units
+            M * n_splits, n_out, weight, threshold, deliver.value, unit_cols, 0, spread_block_d, dense_splits
         )
     operands = dict(
         dense_ptr=a,

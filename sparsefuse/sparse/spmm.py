@@ -44,7 +44,6 @@ from .long_rows import (
     list_long_unit,
     spread_long_units,
     stored_row_threshold,
-    walk_refused_range,
 )
 from .thresholded import ThresholdedLinear, thresholded_linear_chunk
 
@@ -99,7 +98,6 @@ def gather_accumulate_kernel(
     long_target_items=0,
     long_entries_per_sub=1,
     long_arrival_rows=0,
-    long_max_units=NEVER_LONG,
     REDUCE_SPLITS: tl.constexpr = 1,
     FALLBACK: tl.constexpr = 0,
     HAS_SHIFT: tl.constexpr = False,
@@ -181,7 +179,6 @@ def gather_accumulate_kernel(
             long_max_subsplits,
             long_target_items,
             long_entries_per_sub,
-            long_max_units,
             FORMAT,
             DELIVER,
             BLOCK_D,
@@ -224,7 +221,6 @@ def gather_accumulate_kernel(
                 acc = accumulate_nonzeros(acc, a, f, w_ptr, stride_w, d, d_mask, GROUP)
         if LIST_LONG:
             if deferred != 0:  # every D block of the range decides alike; the first lists it
-                refused = tl.zeros([], dtype=tl.int32)
                 if d_block == 0:
                     dense = tl.zeros([], dtype=tl.int32)
                     if LIST_DENSE:
@@ -242,23 +238,15 @@ def gather_accumulate_kernel(
                                 DENSE_UNIT_ROWS,
                             ).to(tl.int32)
                     if dense == 0:
-                        listed = list_long_unit(
+                        list_long_unit(
                             long_units_ptr,
                             long_count_ptr,
                             long_arrivals_ptr,
                             row * n_splits + split,
                             long_arrival_rows,
-                            long_max_units,
                             ARRIVALS,
                         )
-                        refused = 1 - listed
-                if refused == 0:
-                    return
-                # the list is full (only where one D block covers the range): walked here after all, from its
-                # start, in a function of its own for the same reason as above
-                acc, split_nnz = walk_refused_range(
-                    row_ptr, stride_dense_col, c_begin * BLOCK_F, f_end, w_ptr, stride_w, d, d_mask, BLOCK_F, GROUP
-                )
+                return
         if ATOMIC_SPLITS:
             # fp32 atomics into partial [M, n_out] (zeroed; out itself when out is fp32): no per-split buffer to
             # write and re-read, no arrival counter, but the summation order varies from run to run.
@@ -302,15 +290,7 @@ def gather_accumulate_kernel(
                 long = tl.where(overflowed, 0, n) > long_nnz
             if long:
                 if d_block == 0:
-                    list_long_unit(
-                        long_units_ptr,
-                        long_count_ptr,
-                        long_arrivals_ptr,
-                        row,
-                        long_arrival_rows,
-                        long_max_units,
-                        ARRIVALS,
-                    )
+                    list_long_unit(long_units_ptr, long_count_ptr, long_arrivals_ptr, row, long_arrival_rows, ARRIVALS)
                 return
         if overflowed:
             n = 0  # the stored entries are incomplete: recomputed below

@@ -18,7 +18,6 @@ from sparsefuse.sparse import (
     dense_to_ell,
     long_rows,
     matmul_skip_zeros,
-    scan,
     sparse_matmul,
     spmm,
 )
@@ -87,32 +86,6 @@ def test_only_ranges_past_the_threshold_are_listed(device, listed):
     (plan,) = listed
     assert plan.threshold == 32 and int(plan.count) == 3  # the rows of 33, 640 and 200 non-zeros
     assert sorted(plan.units[:3].tolist()) == [1, 3, 6]
-    check_product(out, a, w)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("deterministic", [True, False])
-def test_long_ranges_past_the_list_capacity_are_walked_by_their_own_program(
-    deterministic, dtype, device, listed, monkeypatch
-):
-    """More long ranges than the list takes (one per SM here): the first are spread, the rest walked where they are
-    -- every one summed exactly once. Deterministic sums list every long range: which ones a capped list takes
-    depends on the programs' order, and a spread range is summed in another order than a walked one."""
-    monkeypatch.setattr(scan, "LONG_RANGES_PER_SM", 1)
-    cap = sm_count(torch.device(device), interpreted=2)
-    # 3 in 4 columns non-zero: long, but not a dense unit (those take ranges at least half non-zero, 16-bit only)
-    a = sparse_rows(2 * cap, 700, [525, 3, 525, 525], dtype, device)  # 1.5 long ranges per list entry
-    w = (torch.randn(700, 24) / 8).to(dtype).to(device)  # one D block: a capped list needs one
-    out = matmul_skip_zeros(a, w, deterministic=deterministic)
-    (plan,) = listed
-    dense = int(plan.dense_used) if plan.dense_used is not None else 0
-    if deterministic:
-        assert plan.max_units == plan.units.numel() and int(plan.count) > cap
-        assert torch.equal(out, matmul_skip_zeros(a, w, deterministic=True))
-    else:
-        assert plan.max_units == cap
-        if dense == 0:
-            assert int(plan.count) > plan.max_units  # some ranges were refused and walked by the scan itself
     check_product(out, a, w)
 
 
