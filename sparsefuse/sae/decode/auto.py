@@ -200,16 +200,16 @@ def _predicted_seconds(
     n_long = _long_rows_in_batch(M, long_share) if long_share > 0 else 0.0
     ordinary = M - n_long
     gathered = ordinary * mean_l0 * d_model * e_w  # W_dec bytes of the ordinary rows
-    long_s = n_long * long_l0 * d_model * e_w / _LONG_RATE.get(e_a, 3.3e12)  # the long rows' spread
     scan_gather, fixed_gather = _SCAN_GATHER_RATE.get(e_a, 2.4e12), _FIXED_GATHER_RATE.get(e_w, 3.8e12) * scale
-    scan_long_s = long_s
+    long_rate = _LONG_RATE.get(e_a, 3.3e12)
+    scan_long_s = n_long * long_l0 * d_model * e_w / long_rate  # the scan's long ranges, spread
     deterministic = torch.are_deterministic_algorithms_enabled()
     atomic_splits = splits_by_atomics(M, d_model, scan_block_d(d_model), sms, deterministic)
     if e_a == e_w == 2 and n_long > 0 and 2 * long_l0 >= d_sae and atomic_splits:
         # few 16-bit rows (the scan's splits summed by atomics): up to 16 tokens at least half full are dense units,
         # one read of W_dec for all of them; a full table sends further ones to the spread
         scan_long_s = d_sae * d_model * e_w / (_DENSE_UNIT_RATE * scale)
-        scan_long_s += max(0.0, n_long - 16) * long_l0 * d_model * e_w / _LONG_RATE.get(e_a, 3.3e12)
+        scan_long_s += max(0.0, n_long - 16) * long_l0 * d_model * e_w / long_rate
     row_rate = _SCAN_ROW_RATE.get(e_a, 1.4e12) * math.sqrt(scale)
     scan = _LAUNCH_S + M * d_sae * e_a / row_rate + gathered / scan_gather + scan_long_s
     splits = scan_splits(M, d_sae, d_model, scan_block_d(d_model), SCAN_BLOCK_F, sms, deterministic)
