@@ -242,6 +242,13 @@ def _exercise_ops(dtype: torch.dtype, ffn: bool) -> None:
     xf, w_gate, w_up, w_down = r(64, K), r(N, K, scale=0.2), r(N, K, scale=0.2), r(K, N, scale=0.1)
     # the TwELL tiles' kernels take 16 tokens (the interpreter walks each token's tile); the block method the 64
     sparsefuse.twell_mlp(xf[:16], w_gate, w_up, w_down, b_gate=r(N), method="twell")
+    from sparsefuse.ffn.twell import launch as twell_launch
+
+    saved, twell_launch.HEAVY_PASS_MIN_TOKENS = twell_launch.HEAVY_PASS_MIN_TOKENS, 16  # the heavy tokens' launches
+    try:
+        sparsefuse.twell_mlp(xf[:16], w_gate, w_up, w_down, b_gate=r(N), method="twell")
+    finally:
+        twell_launch.HEAVY_PASS_MIN_TOKENS = saved
     sparsefuse.twell_mlp(xf, w_gate, w_up, w_down, b_gate=r(N), method="block")
     sparsefuse.twell_relu_mlp(xf[:16], w_up, w_down, method="twell")  # "twell" or "dense" only
     for layout in ("block", "hybrid", "dense"):

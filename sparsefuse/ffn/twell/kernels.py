@@ -35,9 +35,17 @@ def twell_gate_fwd_kernel(
     GROUP_M: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     IEEE_FP32: tl.constexpr,
+    backup_ptr,
+    backup_slot_ptr,
+    backup_count_ptr,
+    backup_cap,
+    HAS_BACKUP: tl.constexpr,
 ):
     # x [M, K] (unit column stride), w [N, K] (nn.Linear layout, any strides), b [N];
     # out: values/indices [M, n_tiles * SLOTS], counts [M, n_tiles] int32 (true counts)
+    # HAS_BACKUP: an overflowed (row, tile) also keeps its whole pre-activation row: backup [backup_cap, TILE] at a
+    # slot claimed from backup_count [1] (int32, zeroed; ends as the number of overflowed pairs, whether they fit or
+    # not), the slot in backup_slot [M, n_tiles] (written for overflowed pairs only, -1 past the capacity).
     pid = tl.program_id(0)
     # Grouped ordering: GROUP_M row blocks sweep all tiles together, so their W columns are reused from L2.
     pid_m, tile = grouped_tile_coords(pid, tl.cdiv(M, BLOCK_M), n_tiles, GROUP_M)
@@ -82,7 +90,32 @@ def twell_gate_fwd_kernel(
     dst = row_base[:, None] + rank
     tl.store(values_ptr + dst, acc.to(values_ptr.dtype.element_ty), mask=keep)
     tl.store(indices_ptr + dst, cols[None, :] + tl.zeros_like(rank), mask=keep)
-    tl.store(counts_ptr + rows.to(tl.int64) * n_tiles + tile, tl.sum(fired_i, axis=1), mask=row_mask)
+    count = tl.sum(fired_i, axis=1)  # [BLOCK_M]
+    tl.store(counts_ptr + rows.to(tl.int64) * n_tiles + tile, count, mask=row_mask)
+    if HAS_BACKUP:
+        over = row_mask & (count > SLOTS)  # [BLOCK_M]
+        n_over = tl.sum(over.to(tl.int32), axis=0)
+        if n_over > 0:  # rare: the consumer would otherwise recompute the tile with a GEMV over the gate
+            backup = tl.atomic_add(backup_count_ptr, n_over) + tl.cumsum(over.to(tl.int32), axis=0) - 1
+            backup = tl.where(backup < backup_cap, backup, -1)
+            tl.store(backup_slot_ptr + rows.to(tl.int64) * n_tiles + tile, backup, mask=over)
+            tl.store(
+                backup_ptr + backup[:, None].to(tl.int64) * TILE + tl.arange(0, TILE)[None, :],
+                acc.to(backup_ptr.dtype.element_ty),
+                mask=(over & (backup >= 0))[:, None],
+            )
+
+
+@triton.jit
+def _pre_activations(
+    x_row_ptr, wa_ptr, ba_ptr, cols, col_mask, K, stride_wa_n, stride_wa_k, BLOCK_C: tl.constexpr,
+    BLOCK_K: tl.constexpr, HAS_BA: tl.constexpr,
+):  # fmt: skip
+    """[BLOCK_C] x . W_a[cols] + b_a[cols] in fp32 (a GEMV over BLOCK_C rows of W_a)."""
+    pre = row_dots(x_row_ptr, wa_ptr, cols, col_mask, K, stride_wa_n, stride_wa_k, BLOCK_C, BLOCK_K)
+    if HAS_BA:
+        pre += tl.load(ba_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    return pre
 
 
 @triton.jit
@@ -93,6 +126,8 @@ def _recompute_overflowed_tiles(
     t_begin,
     t_end,
     n_tiles,
+    c_begin,
+    c_step,
     x_row_ptr,
     wa_ptr,
     stride_wa_n,
@@ -115,19 +150,44 @@ def _recompute_overflowed_tiles(
     HAS_BA: tl.constexpr,
     HAS_BU: tl.constexpr,
     GATED: tl.constexpr,
+    backup_ptr=None,
+    backup_slot_ptr=None,
+    use_backup=False,
+    HAS_BACKUP: tl.constexpr = False,
 ):
-    """acc += the whole contribution of every overflowed tile t in [t_begin, t_end) of ``row``, recomputed from x:
-    the activation ``a = relu(x . W_a[n] + b_a)`` (W_a = W_gate, or W_up for the non-gated block) over the tile's
-    columns, BLOCK_C at a time, times ``x . W_up[n] + b_up`` when GATED, times row n of W_down^T. Only rows that
-    fired are loaded from W_up / W_down; the GEMV over W_a reads TILE rows. Meant for rare (token, tile) pairs."""
+    """acc += the contribution of every overflowed tile t in [t_begin, t_end) of ``row``, recomputed from x: the
+    activation ``a = relu(x . W_a[n] + b_a)`` (W_a = W_gate, or W_up for the non-gated block) over the tile's
+    columns, BLOCK_C at a time from column c_begin every c_step (0 and BLOCK_C: the whole tile; programs that share
+    a token's tiles take interleaved chunks), times ``x . W_up[n] + b_up`` when GATED, times row n of W_down^T.
+    Only rows that fired are loaded from W_up / W_down; the GEMV over W_a reads TILE rows. Meant for rare (token, tile) pairs.
+    HAS_BACKUP: where ``use_backup`` (every overflowed pair found room in the backup, so that every run takes the
+    same path), the pre-activations are read from backup [*, TILE] at the slot backup_slot [M, n_tiles] holds
+    instead of the GEMV (see twell_gate_fwd_kernel)."""
     for t in range(t_begin, t_end):
         if tl.load(counts_ptr + row * n_tiles + t) > SLOTS:
-            for c0 in range(0, TILE, BLOCK_C):
+            if HAS_BACKUP:
+                backup = tl.full([], -1, tl.int32)
+                if use_backup:
+                    backup = tl.load(backup_slot_ptr + row * n_tiles + t)
+            for c0 in range(c_begin, TILE, c_step):
                 cols = t * TILE + c0 + tl.arange(0, BLOCK_C)  # [BLOCK_C]
                 col_mask = cols < N
-                pre = row_dots(x_row_ptr, wa_ptr, cols, col_mask, K, stride_wa_n, stride_wa_k, BLOCK_C, BLOCK_K)
-                if HAS_BA:
-                    pre += tl.load(ba_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+                if HAS_BACKUP:
+                    if backup >= 0:
+                        pre = tl.load(
+                            backup_ptr + backup.to(tl.int64) * TILE + c0 + tl.arange(0, BLOCK_C),
+                            mask=col_mask,
+                            other=0.0,
+                        ).to(tl.float32)
+                    else:
+                        pre = _pre_activations(
+                            x_row_ptr, wa_ptr, ba_ptr, cols, col_mask, K, stride_wa_n, stride_wa_k, BLOCK_C, BLOCK_K,
+                            HAS_BA,
+                        )  # fmt: skip
+                else:
+                    pre = _pre_activations(
+                        x_row_ptr, wa_ptr, ba_ptr, cols, col_mask, K, stride_wa_n, stride_wa_k, BLOCK_C, BLOCK_K, HAS_BA
+                    )
                 fired = col_mask & ((pre > 0) | (pre != pre))
                 coef = tl.where(fired, pre, 0.0)
                 if GATED:
@@ -181,6 +241,16 @@ def twell_up_down_fwd_kernel(
     HAS_B_GATE: tl.constexpr,
     HAS_B_UP: tl.constexpr,
     HAS_B_DOWN: tl.constexpr,
+    heavy_count_ptr=None,
+    heavy_rows_ptr=None,
+    taken_ptr=None,
+    SKIP_HEAVY: tl.constexpr = False,
+    HEAVY_PASS: tl.constexpr = False,
+    backup_ptr=None,
+    backup_slot_ptr=None,
+    backup_count_ptr=None,
+    backup_cap=0,
+    HAS_BACKUP: tl.constexpr = False,
 ):
     # TwELL of h_g: values/indices [M, n_tiles * SLOTS], counts [M, n_tiles]; x [M, K] (unit column stride);
     # wg [N, K] (any strides; read only for overflowed tiles); wu [N, K] and wd = W_down^T [N, K] with unit column
@@ -188,10 +258,24 @@ def twell_up_down_fwd_kernel(
     # Grid (tokens, splits): program (p, s) owns token order[p] (heavy tokens first, so their long chains overlap
     # the rest) and tiles [s * tiles_per_split, ...) of it, over the whole output row (BLOCK_D >= K: the x row stays
     # in registers). With n_splits > 1 the splits' fp32 partials are summed in order by the last to arrive.
-    if HAS_ORDER:
-        row = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
+    # SKIP_HEAVY: tokens flagged in taken [M] (int8) are left to a second launch of this kernel (HEAVY_PASS) over
+    # heavy_rows [heavy_count [0]], which splits each over more programs; its partials are indexed by the token's
+    # place in that list (part_row), not by the token.
+    p = tl.program_id(0)
+    if HEAVY_PASS:
+        if p >= tl.load(heavy_count_ptr):
+            return
+        row = tl.load(heavy_rows_ptr + p).to(tl.int64)
+    elif HAS_ORDER:
+        row = tl.load(order_ptr + p).to(tl.int64)
     else:
-        row = tl.program_id(0).to(tl.int64)
+        row = p.to(tl.int64)
+    if SKIP_HEAVY:
+        if tl.load(taken_ptr + row) != 0:
+            return
+    part_row = row
+    if HEAVY_PASS:
+        part_row = p.to(tl.int64)
     split = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)  # [BLOCK_D] the whole output row
     d_mask = d < K
@@ -224,38 +308,87 @@ def twell_up_down_fwd_kernel(
         if HAS_B_UP:
             u += tl.load(bu_ptr + n, mask=j_mask, other=0.0).to(tl.float32)
         acc = accumulate_rows(acc, tl.where(j_mask, h_gate * u, 0.0), n, j_mask, wd_ptr, stride_wd, d, d_mask)
-    has_overflow = tl.max(counts, axis=0) > SLOTS
-    if has_overflow:
-        acc = _recompute_overflowed_tiles(
-            acc,
-            row,
-            counts_ptr,
-            t_begin,
-            t_end,
-            n_tiles,
-            x_row_ptr,
-            wg_ptr,
-            stride_wg_n,
-            stride_wg_k,
-            bg_ptr,
-            wu_ptr,
-            stride_wu,
-            bu_ptr,
-            wd_ptr,
-            stride_wd,
-            d,
-            d_mask,
-            K,
-            N,
-            TILE,
-            SLOTS,
-            BLOCK_C,
-            BLOCK_K,
-            BLOCK_J,
-            HAS_B_GATE,
-            HAS_B_UP,
-            True,
-        )
+    if HEAVY_PASS:
+        # the listed tokens with an overflowed tile come first (heavy_count[1] of them); each split of such a token
+        # takes its own interleaved column chunks of every overflowed tile of the row (a tile's GEMV over the gate is
+        # the longest serial work a token has)
+        has_overflow = p < tl.load(heavy_count_ptr + 1)
+        if has_overflow:
+            acc = _recompute_overflowed_tiles(
+                acc,
+                row,
+                counts_ptr,
+                0,
+                n_tiles,
+                n_tiles,
+                split * BLOCK_C,
+                n_splits * BLOCK_C,
+                x_row_ptr,
+                wg_ptr,
+                stride_wg_n,
+                stride_wg_k,
+                bg_ptr,
+                wu_ptr,
+                stride_wu,
+                bu_ptr,
+                wd_ptr,
+                stride_wd,
+                d,
+                d_mask,
+                K,
+                N,
+                TILE,
+                SLOTS,
+                BLOCK_C,
+                BLOCK_K,
+                BLOCK_J,
+                HAS_B_GATE,
+                HAS_B_UP,
+                True,
+                backup_ptr,
+                backup_slot_ptr,
+                tl.load(backup_count_ptr) <= backup_cap if HAS_BACKUP else False,
+                HAS_BACKUP,
+            )
+    else:
+        has_overflow = tl.max(counts, axis=0) > SLOTS
+        if has_overflow:
+            acc = _recompute_overflowed_tiles(
+                acc,
+                row,
+                counts_ptr,
+                t_begin,
+                t_end,
+                n_tiles,
+                0,
+                BLOCK_C,
+                x_row_ptr,
+                wg_ptr,
+                stride_wg_n,
+                stride_wg_k,
+                bg_ptr,
+                wu_ptr,
+                stride_wu,
+                bu_ptr,
+                wd_ptr,
+                stride_wd,
+                d,
+                d_mask,
+                K,
+                N,
+                TILE,
+                SLOTS,
+                BLOCK_C,
+                BLOCK_K,
+                BLOCK_J,
+                HAS_B_GATE,
+                HAS_B_UP,
+                True,
+                backup_ptr,
+                backup_slot_ptr,
+                tl.load(backup_count_ptr) <= backup_cap if HAS_BACKUP else False,
+                HAS_BACKUP,
+            )
     if n_splits > 1:
         last, acc = sum_split_partials(
             acc,
@@ -263,7 +396,7 @@ def twell_up_down_fwd_kernel(
             partial_ptr,
             used_ptr,
             arrivals_ptr,
-            row,
+            part_row,
             split,
             n_splits,
             0,
@@ -385,6 +518,8 @@ def twell_overflow_down_kernel(
             0,
             n_tiles,
             n_tiles,
+            0,
+            BLOCK_C,
             x_ptr + row * stride_xm,
             wa_ptr,
             stride_wa_n,
@@ -411,3 +546,71 @@ def twell_overflow_down_kernel(
         y_ptrs = y_ptr + row * stride_ym + d
         y = tl.load(y_ptrs, mask=d_mask, other=0.0).to(tl.float32)
         tl.store(y_ptrs, (y + acc).to(y_ptr.dtype.element_ty), mask=d_mask)
+
+
+@triton.jit
+def _heavy_classes(counts_ptr, rows, row_mask, n_tiles, heavy_min, SLOTS: tl.constexpr, BLOCK_TILES: tl.constexpr):
+    """Two [BLOCK_M] masks over the tokens ``rows`` (counts [M, n_tiles]): those with an overflowed tile, and those
+    with none but >= heavy_min stored entries."""
+    tiles = tl.arange(0, BLOCK_TILES)
+    counts = tl.load(
+        counts_ptr + rows[:, None].to(tl.int64) * n_tiles + tiles[None, :],
+        mask=row_mask[:, None] & (tiles[None, :] < n_tiles),
+        other=0,
+    )
+    overflowed = row_mask & (tl.max(counts, axis=1) > SLOTS)
+    return overflowed, row_mask & ~overflowed & (tl.sum(counts, axis=1) >= heavy_min)
+
+
+@triton.jit
+def heavy_block_counts_kernel(
+    counts_ptr, block_heavy_ptr, M, n_tiles, heavy_min, SLOTS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_TILES: tl.constexpr,
+):  # fmt: skip
+    # block_heavy [2, cdiv(M, BLOCK_M)] int32: how many of each block's tokens have an overflowed tile (row 0) and
+    # how many are heavy without one (row 1); see heavy_tokens_kernel
+    b = tl.program_id(0)
+    rows = b * BLOCK_M + tl.arange(0, BLOCK_M)
+    overflowed, heavy = _heavy_classes(counts_ptr, rows, rows < M, n_tiles, heavy_min, SLOTS, BLOCK_TILES)
+    tl.store(block_heavy_ptr + b, tl.sum(overflowed.to(tl.int32), axis=0))
+    tl.store(block_heavy_ptr + tl.cdiv(M, BLOCK_M) + b, tl.sum(heavy.to(tl.int32), axis=0))
+
+
+@triton.jit
+def heavy_tokens_kernel(
+    counts_ptr, block_heavy_ptr, taken_ptr, heavy_rows_ptr, heavy_count_ptr, M, n_tiles, heavy_min, cap,
+    SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_TILES: tl.constexpr, BLOCK_B: tl.constexpr,
+):  # fmt: skip
+    # The heavy tokens, those with an overflowed tile first (each holds a GEMV over the gate: the longest serial
+    # work), then those with >= heavy_min stored entries, each class in token order; the first ``cap`` taken:
+    # heavy_rows [cap] int32 (the taken tokens), taken [M] int8 (1 for a taken token), heavy_count [2] int32 (how
+    # many were taken; how many of those have an overflowed tile). Token order, not program timing, decides which: the same tokens are taken in every run, so
+    # each token's sum is always computed the same way.
+    b = tl.program_id(0)
+    n_blocks = tl.cdiv(M, BLOCK_M)
+    before_o = tl.zeros([], dtype=tl.int32)  # overflowed tokens of the blocks before this one
+    before_h = tl.zeros([], dtype=tl.int32)  # heavy tokens without overflow of the blocks before this one
+    total_o = tl.zeros([], dtype=tl.int32)
+    total_h = tl.zeros([], dtype=tl.int32)
+    for b0 in range(0, n_blocks, BLOCK_B):
+        blocks = b0 + tl.arange(0, BLOCK_B)
+        per_o = tl.load(block_heavy_ptr + blocks, mask=blocks < n_blocks, other=0)
+        per_h = tl.load(block_heavy_ptr + n_blocks + blocks, mask=blocks < n_blocks, other=0)
+        before_o += tl.sum(tl.where(blocks < b, per_o, 0), axis=0)
+        before_h += tl.sum(tl.where(blocks < b, per_h, 0), axis=0)
+        total_o += tl.sum(per_o, axis=0)
+        total_h += tl.sum(per_h, axis=0)
+    rows = b * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    overflowed, heavy = _heavy_classes(counts_ptr, rows, row_mask, n_tiles, heavy_min, SLOTS, BLOCK_TILES)
+    slot = tl.where(
+        overflowed,
+        before_o + tl.cumsum(overflowed.to(tl.int32), axis=0) - 1,
+        total_o + before_h + tl.cumsum(heavy.to(tl.int32), axis=0) - 1,
+    )
+    taken = (overflowed | heavy) & (slot < cap)
+    tl.store(taken_ptr + rows, taken.to(tl.int8), mask=row_mask)
+    tl.store(heavy_rows_ptr + slot, rows.to(tl.int32), mask=taken)
+    if b == 0:
+        tl.store(heavy_count_ptr, tl.minimum(total_o + total_h, cap))
+        tl.store(heavy_count_ptr + 1, tl.minimum(total_o, cap))

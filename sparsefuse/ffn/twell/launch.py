@@ -18,7 +18,9 @@ from ...sparse.formats import ELL, TwELL
 from ...sparse.spmm import sparse_matmul
 from .block import launch_block_mlp
 from .kernels import (
+    heavy_block_counts_kernel,
     heavy_first_order_kernel,
+    heavy_tokens_kernel,
     twell_gate_fwd_kernel,
     twell_overflow_down_kernel,
     twell_to_ell_kernel,
@@ -64,9 +66,15 @@ def _prune_gate_configs(configs, named_args, **kwargs):
 
 _twell_gate_kernel = triton.autotune(
     configs=_gate_configs(),
-    key=["tune_key", "N", "K", "TILE", "SLOTS"],
+    key=["tune_key", "N", "K", "TILE", "SLOTS", "HAS_BACKUP"],
     prune_configs_by={"early_config_prune": _prune_gate_configs},
+    reset_to_zero=["backup_count_ptr"],  # the tuning runs claim backup slots too
 )(twell_gate_fwd_kernel)
+
+# Overflowed (token, tile) pairs whose whole pre-activation row the gate keeps for the up/down kernel, at most (one
+# in 16 pairs: 1/16 of a dense activation's bytes). Past it every overflowed tile is recomputed by a GEMV instead.
+BACKUP_FRACTION = 16
+BACKUP_MIN = 64
 
 
 def auto_tile(M: int, N: int, compression: int) -> int:
@@ -74,6 +82,16 @@ def auto_tile(M: int, N: int, compression: int) -> int:
     tile = 256 if M > 64 else 64
     tile = min(tile, max(16, triton.next_power_of_2(N)))
     return max(tile, triton.next_power_of_2(compression))
+
+
+# From this many tokens the heaviest are taken out of the main launch (up to a cap) and split over HEAVY_SPLITS
+# programs each by a second launch: a token's entries and its overflowed tiles (each a GEMV of the tile's gate
+# columns) are otherwise walked by its own one or two programs, and the heaviest sets the launch's length (H200,
+# 1.5B layer, heavy tail: 2048 tokens of mean 32 non-zeros, 20 overflowed tiles, took 10x the dense block).
+HEAVY_PASS_MIN_TOKENS = 128
+HEAVY_SPLITS = 16  # programs per heavy token, up to HEAVY_SPLITS_TOKENS tokens; fewer past it, down to 4
+HEAVY_SPLITS_TOKENS = 1024
+HEAVY_PARTIAL_BYTES = 64 << 20  # the heavy launch's fp32 partials [tokens, splits, K], at most
 
 
 def _output_block(M: int, K: int, device: torch.device) -> int:
@@ -111,12 +129,18 @@ def _up_down_plan(M: int, K: int, n_tiles: int, device: torch.device) -> _UpDown
     return _UpDownPlan(block_d, block_j, num_warps, n_splits, M >= wave, block_c, block_k)
 
 
+def _listing_block(n_tiles: int) -> int:
+    """Tokens per program of the kernels that read whole rows of counts: [block, n_tiles] counts per program, ~4096
+    elements, keep them out of spilling (256 tokens of 56 tiles spill on sm_90)."""
+    return 16 if _backend.INTERPRET else max(16, min(256, 4096 // triton.next_power_of_2(n_tiles)))
+
+
 def heavy_first_order(counts: torch.Tensor, slots: int, block_j: int) -> torch.Tensor:
     """[M] int32 permutation of the tokens, those with >= 16 steps of work (or an overflowed tile) first."""
     M, n_tiles = counts.shape
     order = torch.empty(M, dtype=torch.int32, device=counts.device)
     cursors = torch.zeros(2, dtype=torch.int32, device=counts.device)
-    block_m = 16 if _backend.INTERPRET else 256
+    block_m = _listing_block(n_tiles)
     heavy_first_order_kernel[(triton.cdiv(M, block_m),)](
         counts,
         order,
@@ -130,6 +154,38 @@ def heavy_first_order(counts: torch.Tensor, slots: int, block_j: int) -> torch.T
     )
     record_launch("heavy_first_order_kernel")
     return order
+
+
+def _heavy_splits(M: int, n_tiles: int) -> int:
+    """Programs per heavy token in the heavy launch: many where the batch is small (a heavy token would set the
+    launch's length), fewer as the batch grows and the other tokens fill the GPU; more splits also mean fewer
+    tokens fit the partials' budget."""
+    return max(1, min(n_tiles, HEAVY_SPLITS, max(4, HEAVY_SPLITS * HEAVY_SPLITS_TOKENS // M)))
+
+
+def heavy_tokens(
+    counts: torch.Tensor, slots: int, block_j: int, cap: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The first ``cap`` tokens with an overflowed tile, then with >= 16 steps of work (each class in token order),
+    on the device:
+    (heavy_rows [cap] int32, heavy_count [2] int32: taken, of which with an overflowed tile, taken [M] int8). Two
+    launches, no host sync."""
+    M, n_tiles = counts.shape
+    block_m = _listing_block(n_tiles)
+    n_blocks = triton.cdiv(M, block_m)
+    block_heavy = torch.empty(2, n_blocks, dtype=torch.int32, device=counts.device)
+    heavy_rows = torch.empty(cap, dtype=torch.int32, device=counts.device)
+    heavy_count = torch.empty(2, dtype=torch.int32, device=counts.device)
+    taken = torch.empty(M, dtype=torch.int8, device=counts.device)
+    shape = dict(SLOTS=slots, BLOCK_M=block_m, BLOCK_TILES=triton.next_power_of_2(n_tiles))
+    heavy_block_counts_kernel[(n_blocks,)](counts, block_heavy, M, n_tiles, 16 * block_j, **shape)
+    record_launch("heavy_block_counts_kernel")
+    heavy_tokens_kernel[(n_blocks,)](
+        counts, block_heavy, taken, heavy_rows, heavy_count, M, n_tiles, 16 * block_j, cap, **shape,
+        BLOCK_B=min(1024, triton.next_power_of_2(n_blocks)),
+    )  # fmt: skip
+    record_launch("heavy_tokens_kernel")
+    return heavy_rows, heavy_count, taken
 
 
 def _opt(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -151,11 +207,32 @@ def _complete_dense(twell: TwELL, x2, w_act, b_act, compute: torch.dtype) -> tor
     return torch.where(over, recomputed, clean.to_dense().to(compute))
 
 
+@dataclasses.dataclass(frozen=True)
+class GateBackup:
+    """The overflowed tiles' pre-activations kept by the gate kernel: rows [cap, tile] (x2's dtype), slot
+    [M, n_tiles] int32 (meaningful where the tile overflowed: the row in ``rows``, -1 if it found no room), count [1]
+    int32 (overflowed pairs in all; the up/down kernel uses the backup only when count <= cap)."""
+
+    rows: torch.Tensor
+    slot: torch.Tensor
+    count: torch.Tensor
+
+    @property
+    def cap(self) -> int:
+        return self.rows.shape[0]
+
+
 def launch_gate(
-    x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tile: int, compression: int
+    x2: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    tile: int,
+    compression: int,
+    backup: GateBackup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Kernel 1: TwELL (values [M, n_tiles * slots], indices int32 likewise, counts [M, n_tiles] int32) of
-    ``relu(x2 w^T + b)``; w [N, K] any strides."""
+    ``relu(x2 w^T + b)``; w [N, K] any strides. With ``backup`` (see :func:`new_gate_backup`) the overflowed tiles'
+    pre-activations are kept there too."""
     M, K = x2.shape
     N = w.shape[0]
     n_tiles, slots = triton.cdiv(N, tile), tile // compression
@@ -190,16 +267,46 @@ def launch_gate(
         SLOTS=slots,
         HAS_BIAS=b is not None,
         IEEE_FP32=ieee_fp32(x2.dtype),
+        backup_ptr=backup.rows if backup else values,
+        backup_slot_ptr=backup.slot if backup else counts,
+        backup_count_ptr=backup.count if backup else counts,  # unused without a backup (zeroed by tuning only)
+        backup_cap=backup.cap if backup else 0,
+        HAS_BACKUP=backup is not None,
     )
     record_launch("twell_gate_fwd_kernel")
     return values, indices, counts
 
 
+def new_gate_backup(M: int, N: int, tile: int, like: torch.Tensor) -> GateBackup | None:
+    """Room for 1/BACKUP_FRACTION of the (token, tile) pairs (at least BACKUP_MIN); None on the torch backend."""
+    if backend_for(like) is Backend.TORCH or M == 0:
+        return None
+    n_tiles = triton.cdiv(N, tile)
+    cap = max(BACKUP_MIN, M * n_tiles // BACKUP_FRACTION)
+    return GateBackup(
+        rows=torch.empty(cap, tile, dtype=like.dtype, device=like.device),
+        slot=torch.empty(M, n_tiles, dtype=torch.int32, device=like.device),
+        count=torch.zeros(1, dtype=torch.int32, device=like.device),
+    )
+
+
 def launch_up_down(
-    values, indices, counts, x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile: int, compression: int
+    values,
+    indices,
+    counts,
+    x2,
+    w_gate,
+    b_gate,
+    w_up,
+    b_up,
+    w_down_t,
+    b_down,
+    tile: int,
+    compression: int,
+    backup: GateBackup | None = None,
 ) -> torch.Tensor:
     """Kernel 2: y [M, K] = (h_g * (x2 w_up^T + b_up)) w_down_t + b_down for h_g given as TwELL; w_gate/b_gate are
-    read only to recompute overflowed tiles."""
+    read only to recompute overflowed tiles (unless ``backup``, filled by :func:`launch_gate`, holds them all)."""
     M, K = x2.shape
     N = w_up.shape[0]
     y = new_output((M, K), x2.dtype, x2.device)
@@ -214,14 +321,60 @@ def launch_up_down(
         return y.copy_(F.linear(h, w_down_t.t().to(compute), _opt(b_down, compute)))
     n_tiles, slots = triton.cdiv(N, tile), tile // compression
     plan = _up_down_plan(M, K, n_tiles, x2.device)
+    heavy_pass = M >= HEAVY_PASS_MIN_TOKENS
     order = heavy_first_order(counts, slots, plan.block_j) if plan.ordered else counts
-    if plan.n_splits > 1:
-        partial = torch.empty(M, plan.n_splits, K, dtype=torch.float32, device=x2.device)  # read where written only
-        used = torch.empty(M, plan.n_splits, dtype=torch.int32, device=x2.device)
-        arrivals = torch.zeros(M, 1, dtype=torch.int32, device=x2.device)
+    operands = (values, indices, counts, order, x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, y)
+    options = dict(tile=tile, slots=slots, n_tiles=n_tiles, plan=plan)
+    if backup is not None:
+        options.update(
+            backup_ptr=backup.rows, backup_slot_ptr=backup.slot, backup_count_ptr=backup.count,
+            backup_cap=backup.cap, HAS_BACKUP=True,
+        )  # fmt: skip
+    if heavy_pass:
+        splits = _heavy_splits(M, n_tiles)
+        cap = min(M, max(1, HEAVY_PARTIAL_BYTES // (splits * K * 4)))
+        heavy_rows, heavy_count, taken = heavy_tokens(counts, slots, plan.block_j, cap)
+        heavy = dict(heavy_count_ptr=heavy_count, heavy_rows_ptr=heavy_rows, taken_ptr=taken)
+        _launch_up_down_kernel(*operands, M, plan.n_splits, **options, ordered=plan.ordered, **heavy, SKIP_HEAVY=True)
+        _launch_up_down_kernel(*operands, cap, splits, **options, ordered=False, **heavy, HEAVY_PASS=True)
+    else:
+        _launch_up_down_kernel(*operands, M, plan.n_splits, **options, ordered=plan.ordered)
+    return y
+
+
+def _launch_up_down_kernel(
+    values,
+    indices,
+    counts,
+    order,
+    x2,
+    w_gate,
+    b_gate,
+    w_up,
+    b_up,
+    w_down_t,
+    b_down,
+    y,
+    programs: int,
+    n_splits: int,
+    *,
+    tile: int,
+    slots: int,
+    n_tiles: int,
+    plan: _UpDownPlan,
+    ordered: bool,
+    **kernel_args,
+) -> None:
+    """One launch of kernel 2 over ``programs`` tokens (of the order, when ``ordered``), ``n_splits`` programs
+    each; with ``n_splits > 1`` its fp32 partials [programs, n_splits, K] are summed by the last to arrive."""
+    M, K = x2.shape
+    if n_splits > 1:
+        partial = torch.empty(programs, n_splits, K, dtype=torch.float32, device=x2.device)  # read where written
+        used = torch.empty(programs, n_splits, dtype=torch.int32, device=x2.device)
+        arrivals = torch.zeros(programs, 1, dtype=torch.int32, device=x2.device)
     else:
         partial = used = arrivals = y
-    twell_up_down_fwd_kernel[(M, plan.n_splits)](
+    twell_up_down_fwd_kernel[(programs, n_splits)](
         values,
         indices,
         counts,
@@ -238,10 +391,10 @@ def launch_up_down(
         used,
         arrivals,
         K,
-        N,
+        w_up.shape[0],
         n_tiles,
-        triton.cdiv(n_tiles, plan.n_splits),
-        plan.n_splits,
+        triton.cdiv(n_tiles, n_splits),
+        n_splits,
         x2.stride(0),
         w_gate.stride(0),
         w_gate.stride(1),
@@ -250,20 +403,20 @@ def launch_up_down(
         y.stride(0),
         TILE=tile,
         SLOTS=slots,
-        BLOCK_TILES=triton.next_power_of_2(triton.cdiv(n_tiles, plan.n_splits)),
+        BLOCK_TILES=triton.next_power_of_2(triton.cdiv(n_tiles, n_splits)),
         BLOCK_J=plan.block_j,
         BLOCK_D=plan.block_d,
         BLOCK_C=plan.block_c,
         BLOCK_K=plan.block_k,
-        REDUCE_SPLITS=max(1, min(triton.next_power_of_2(plan.n_splits), 8192 // plan.block_d)),
-        HAS_ORDER=plan.ordered,
+        REDUCE_SPLITS=max(1, min(triton.next_power_of_2(n_splits), 8192 // plan.block_d)),
+        HAS_ORDER=ordered,
         HAS_B_GATE=b_gate is not None,
         HAS_B_UP=b_up is not None,
         HAS_B_DOWN=b_down is not None,
         num_warps=plan.num_warps,
+        **kernel_args,
     )
     record_launch("twell_up_down_fwd_kernel")
-    return y
 
 
 def launch_to_ell(values, indices, counts, n_cols: int, tile: int, compression: int) -> ELL:
@@ -366,8 +519,12 @@ def launch_mlp(
             return y, _no_stats(x2, with_stats)
         return y, sampled_nonzero_stats(pre, STATS_TOKENS, positive=True)
     tile = tile or auto_tile(M, w_gate.shape[0], compression)
-    values, indices, counts = launch_gate(x2, w_gate, b_gate, tile, compression)
-    y = launch_up_down(values, indices, counts, x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile, compression)
+    # only where the heavy launch spreads the overflowed tiles: below, the gate's epilogue stays as light as it can
+    backup = new_gate_backup(M, w_gate.shape[0], tile, x2) if M >= HEAVY_PASS_MIN_TOKENS else None
+    values, indices, counts = launch_gate(x2, w_gate, b_gate, tile, compression, backup)
+    y = launch_up_down(
+        values, indices, counts, x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile, compression, backup
+    )
     if not with_stats:
         return y, _no_stats(x2, with_stats)
     return y, torch.stack([counts.sum(dtype=torch.int64), device_scalar(M, x2.device)])

@@ -1,0 +1,110 @@
+"""Heavy tokens of the TwELL up/down kernel: ordered first within the main launch, and from HEAVY_PASS_MIN_TOKENS
+tokens listed in token order and split over more programs by a second launch. Interpreter: fp16/fp32."""
+
+import pytest
+import torch
+from test_twell import mlp_weights, torch_lowp_mlp
+
+from sparsefuse import track_launches
+from sparsefuse.ffn import torch_twell_mlp, twell_gate, twell_mlp
+from sparsefuse.testing import accumulation_allowance, assert_close_to_reference
+
+
+def test_heavy_first_order_is_a_permutation(device):
+    from sparsefuse.ffn.twell.launch import heavy_first_order
+
+    counts = torch.randint(0, 3, (70, 5), dtype=torch.int32)  # light: at most 10 entries
+    counts[[3, 40, 66], 1] = 9  # overflowed tiles (4 slots) make a token heavy
+    counts[[10, 50]] = 4  # 20 stored entries: heavy at 16 * block_j = 16
+    order = heavy_first_order(counts.to(device), slots=4, block_j=1).cpu()
+    assert sorted(order.tolist()) == list(range(70))
+    assert set(order[:5].tolist()) == {3, 10, 40, 50, 66}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("cap_bytes", [64 << 20, 1])  # every heavy token split further; one only (cap 1)
+def test_heavy_tokens_split_by_a_second_launch(cap_bytes, dtype, device, monkeypatch):
+    """From HEAVY_PASS_MIN_TOKENS tokens the heavy ones (many entries or an overflowed tile) leave the main launch
+    for a second one that splits each over more programs; past the cap they stay in the main launch."""
+    from sparsefuse.ffn.twell import launch
+
+    monkeypatch.setattr(launch, "HEAVY_PASS_MIN_TOKENS", 8)
+    monkeypatch.setattr(launch, "HEAVY_SPLITS", 3)
+    monkeypatch.setattr(launch, "HEAVY_PARTIAL_BYTES", cap_bytes)
+    M, K, N, tile, compression = 21, 40, 70, 32, 4
+    w_gate, w_up, w_down, b_gate, b_up, b_down = mlp_weights(K, N, dtype, device, bias=True)
+    x = (torch.randn(M, K) * 0.5).to(device=device, dtype=dtype)
+    x[:, 0] = 2.0  # most tokens fire little ...
+    x[[2, 9, 17], 0] = -3.0  # ... three fire nearly everything: heavy, with overflowed tiles
+    x[5, 0] = 50.0  # and one fires nothing
+    with track_launches() as launched:
+        y = twell_mlp(x, w_gate, w_up, w_down, b_gate=b_gate, b_up=b_up, b_down=b_down, tile=tile,
+                      compression=compression, method="twell")  # fmt: skip
+    assert launched["twell_up_down_fwd_kernel"] == 2 and launched["heavy_tokens_kernel"] == 1
+    twell = twell_gate(x, w_gate, b_gate, tile=tile, compression=compression)
+    cap = 1 if cap_bytes == 1 else M
+    heavy_rows, heavy_count, taken = launch.heavy_tokens(twell.counts, twell.slots, 4, cap)
+    # those with an overflowed tile first, then the rest, each in token order, whatever the programs' timing: the
+    # same tokens every run
+    counts = twell.counts.cpu()
+    overflowed = (counts.amax(dim=1) > twell.slots).nonzero().flatten().tolist()
+    heavy = ((counts.amax(dim=1) <= twell.slots) & (counts.sum(dim=1) >= 16 * 4)).nonzero().flatten().tolist()
+    assert overflowed[:1] == [2] and len(overflowed) >= 3
+    n_taken, n_overflowed = heavy_count.tolist()
+    assert heavy_rows[:n_taken].tolist() == (overflowed + heavy)[:cap]
+    assert n_taken == int(taken.sum()) == min(cap, len(overflowed + heavy))
+    assert n_overflowed == min(cap, len(overflowed))
+    assert taken.cpu().nonzero().flatten().tolist() == sorted((overflowed + heavy)[:cap])
+    assert twell_gate(x, w_gate, b_gate, tile=tile, compression=compression).overflowed().any()
+    ref = torch_twell_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
+    assert_close_to_reference(y, ref, torch_lowp_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down))
+    assert torch.equal(y, twell_mlp(x, w_gate, w_up, w_down, b_gate=b_gate, b_up=b_up, b_down=b_down, tile=tile,
+                                    compression=compression, method="twell"))  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("room", ["all", "too_little"])
+def test_overflowed_tiles_read_from_the_gate_backup(room, dtype, device, monkeypatch):
+    """The fused call keeps the overflowed tiles' pre-activations in a backup the gate fills; with room for every
+    overflowed pair the up/down kernel reads them there, without it every pair is recomputed (the same path in
+    every run, whatever order the gate's programs claimed slots in): bitwise the separate ops' result."""
+    from sparsefuse.ffn.twell import launch
+
+    if room == "too_little":
+        monkeypatch.setattr(launch, "BACKUP_MIN", 2)
+        monkeypatch.setattr(launch, "BACKUP_FRACTION", 1 << 30)
+    M, K, N, tile, compression = 19, 40, 70, 32, 4
+    w_gate, w_up, w_down, b_gate, b_up, b_down = mlp_weights(K, N, dtype, device, bias=True)
+    x = (torch.randn(M, K) * 0.5).to(device=device, dtype=dtype)
+    x[[1, 7, 12, 18], 0] = -3.0  # four tokens fire nearly everything: 3 overflowed tiles each
+    x2, w_down_t = x, w_down.t().contiguous()
+    backup = launch.new_gate_backup(M, N, tile, x2)
+    values, indices, counts = launch.launch_gate(x2, w_gate, b_gate, tile, compression, backup)
+    over = counts > tile // compression
+    assert int(backup.count) == int(over.sum()) >= 8
+    slots = backup.slot[over]
+    if room == "all":
+        assert sorted(slots.tolist()) == list(range(int(over.sum())))  # each pair a row of its own
+        rows, tiles = over.nonzero(as_tuple=True)
+        pre64 = torch.nn.functional.linear(x2.double(), w_gate.double(), b_gate.double())  # [M, N]
+        dot_err = accumulation_allowance(x2, w_gate.t())  # the gate's dot sums in another order than float64's
+        for r, t, slot in zip(rows.tolist(), tiles.tolist(), slots.tolist()):
+            cols = slice(t * tile, min(N, (t + 1) * tile))
+            ours = backup.rows[slot, : cols.stop - cols.start]
+            assert_close_to_reference(ours, pre64[r, cols], pre64[r, cols].to(dtype), extra_abs=dot_err[r, cols])
+    else:
+        assert backup.cap == 2 and (slots == -1).sum() == int(over.sum()) - 2
+    args = (x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile, compression)
+    y = launch.launch_up_down(values, indices, counts, *args, backup)
+    recomputed = launch.launch_up_down(values, indices, counts, *args)
+    ref = torch_twell_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
+    # the backup's pre-activations come from the gate's dot (another summation order than torch's and the GEMV's)
+    # (bounded by Higham's gamma_K), carried through h * u into the down projection
+    u64 = torch.nn.functional.linear(x.double(), w_up.double(), b_up.double())
+    h64 = torch.relu(torch.nn.functional.linear(x.double(), w_gate.double(), b_gate.double())) * u64
+    pre_err = accumulation_allowance(x, w_gate.t())  # [M, N]
+    allowance = accumulation_allowance(h64, w_down.t().double()) + (pre_err * u64.abs()) @ w_down.t().double().abs()
+    lowp = torch_lowp_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
+    assert_close_to_reference(y, ref, lowp, extra_abs=allowance)
+    if room == "too_little":
+        assert torch.equal(y, recomputed)
