@@ -55,7 +55,7 @@ from .functional import (
     twell_to_ell,
     twell_up_down,
 )
-from .kernels import heavy_first_order_kernel as heavy_first_order_kernel
+from .heavy_kernels import heavy_first_order_kernel as heavy_first_order_kernel
 from .kernels import twell_gate_fwd_kernel as twell_gate_fwd_kernel
 from .kernels import twell_overflow_down_kernel as twell_overflow_down_kernel
 from .kernels import twell_to_ell_kernel as twell_to_ell_kernel

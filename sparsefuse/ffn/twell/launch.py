@@ -17,10 +17,8 @@ from ..._triton.dot import ieee_fp32
 from ...sparse.formats import ELL, TwELL
 from ...sparse.spmm import sparse_matmul
 from .block import launch_block_mlp
+from .heavy_kernels import heavy_block_counts_kernel, heavy_first_order_kernel, heavy_tokens_kernel
 from .kernels import (
-    heavy_block_counts_kernel,
-    heavy_first_order_kernel,
-    heavy_tokens_kernel,
     twell_gate_fwd_kernel,
     twell_overflow_down_kernel,
     twell_to_ell_kernel,
