@@ -189,22 +189,12 @@ def test_zero_dense_and_nan_rows_and_tiny_batches(dtype, device):
 
 
 def test_separate_kernels_match_the_fused_call(device):
-    """Bitwise where no tile overflows; with overflowed tiles the fused call reads their pre-activations from the
-    gate's backup while the separate up/down op recomputes them (another summation order): both near the reference."""
     w_gate, w_up, w_down, *_ = mlp_weights(32, 96, torch.float32, device, seed=3)
     x = torch.randn(3, 4, 32, device=device)
-    for compression, overflows in ((1, False), (4, True)):
-        twell = twell_gate(x, w_gate, tile=32, compression=compression)
-        assert bool(twell.overflowed().any()) == overflows
-        y = twell_up_down(twell, x, w_gate, w_up, w_down)
-        assert y.shape == (3, 4, 32)
-        fused = twell_mlp(x, w_gate, w_up, w_down, tile=32, compression=compression, method="twell")
-        if overflows:
-            ref, lowp = torch_twell_mlp(x, w_gate, w_up, w_down), torch_lowp_mlp(x, w_gate, w_up, w_down)
-            assert_close_to_reference(y, ref, lowp)
-            assert_close_to_reference(fused, ref, lowp)
-        else:
-            assert torch.equal(y, fused)
+    twell = twell_gate(x, w_gate, tile=32, compression=4)
+    y = twell_up_down(twell, x, w_gate, w_up, w_down)
+    assert y.shape == (3, 4, 32)
+    assert torch.equal(y, twell_mlp(x, w_gate, w_up, w_down, tile=32, compression=4, method="twell"))
 
 
 def test_row_major_down_weight_is_copied_with_a_warning(device):

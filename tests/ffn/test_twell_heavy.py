@@ -73,15 +73,15 @@ def test_overflowed_tiles_read_from_the_gate_backup(room, dtype, device, monkeyp
     if room == "too_little":
         monkeypatch.setattr(launch, "BACKUP_MIN", 2)
         monkeypatch.setattr(launch, "BACKUP_FRACTION", 1 << 30)
-    M, K, N, tile, compression = 19, 40, 70, 32, 4
+    M, K, N, tile, compression = 19, 40, 90, 32, 4  # tiles of 32, 32 and 26 columns, 8 slots each
     w_gate, w_up, w_down, b_gate, b_up, b_down = mlp_weights(K, N, dtype, device, bias=True)
     x = (torch.randn(M, K) * 0.5).to(device=device, dtype=dtype)
-    x[[1, 7, 12, 18], 0] = -3.0  # four tokens fire nearly everything: 3 overflowed tiles each
+    x[[1, 7, 12, 18], 0] = -3.0  # four tokens fire nearly everything: 3 overflowed tiles each, the short one too
     x2, w_down_t = x, w_down.t().contiguous()
     backup = launch.new_gate_backup(M, N, tile, x2)
     values, indices, counts = launch.launch_gate(x2, w_gate, b_gate, tile, compression, backup)
     over = counts > tile // compression
-    assert int(backup.count) == int(over.sum()) >= 8
+    assert int(backup.count) == int(over.sum()) >= 12 and bool(over[[1, 7, 12, 18], -1].all())
     slots = backup.slot[over]
     if room == "all":
         assert sorted(slots.tolist()) == list(range(int(over.sum())))  # each pair a row of its own
@@ -108,3 +108,48 @@ def test_overflowed_tiles_read_from_the_gate_backup(room, dtype, device, monkeyp
     assert_close_to_reference(y, ref, lowp, extra_abs=allowance)
     if room == "too_little":
         assert torch.equal(y, recomputed)
+    else:  # read from the backup, not recomputed: emptied, it changes the result
+        backup.rows.zero_()
+        assert not torch.equal(launch.launch_up_down(values, indices, counts, *args, backup), y)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_heavy_launch_and_backup_fuzz(seed, device, monkeypatch):
+    """Seeded random batches through the heavy launch and the gate's backup at interpreter sizes: per-token firing
+    from none to every column (tiles over their slots, whole rows firing), random split counts, list caps and backup
+    room (all, some, none), biases or not; every output element against the float64 reference."""
+    from sparsefuse.ffn.twell import launch
+
+    g = torch.Generator().manual_seed(seed)
+
+    def pick(options):
+        return options[int(torch.randint(len(options), (), generator=g))]
+
+    monkeypatch.setattr(launch, "HEAVY_PASS_MIN_TOKENS", pick([1, 4, 16]))
+    monkeypatch.setattr(launch, "HEAVY_SPLITS", pick([1, 2, 3, 5]))
+    monkeypatch.setattr(launch, "HEAVY_SPLITS_TOKENS", pick([1, 8, 1024]))
+    monkeypatch.setattr(launch, "HEAVY_PARTIAL_BYTES", pick([1, 4096, 64 << 20]))
+    monkeypatch.setattr(launch, "BACKUP_MIN", pick([1, 3, 64]))
+    monkeypatch.setattr(launch, "BACKUP_FRACTION", pick([1, 4, 1 << 30]))
+    dtype = pick([torch.float32, torch.float16])
+    M, K, N = int(torch.randint(1, 41, (), generator=g)), pick([8, 40, 72]), pick([16, 70, 130])
+    tile, compression = pick([16, 32]), pick([2, 4, 8])
+    w_gate, w_up, w_down, b_gate, b_up, b_down = mlp_weights(K, N, dtype, device, bias=pick([True, False]), seed=seed)
+    x = torch.randn(M, K, generator=g) * 0.5
+    # column 0 of x steers each token's firing through W_gate's column 0 (-1, see mlp_weights): from none to all
+    x[:, 0] = torch.tensor([pick([50.0, 2.0, 0.5, -0.5, -3.0, -50.0]) for _ in range(M)])
+    x = x.to(device=device, dtype=dtype)
+    y = twell_mlp(x, w_gate, w_up, w_down, b_gate=b_gate, b_up=b_up, b_down=b_down, tile=tile,
+                  compression=compression, method="twell")  # fmt: skip
+    ref = torch_twell_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
+    lowp = torch_lowp_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
+    # the gate's dot and the GEMV sum in other orders than float64's; a gate within that of 0 may fire or not
+    bg64 = b_gate.double() if b_gate is not None else None
+    bu64 = b_up.double() if b_up is not None else None
+    u64 = torch.nn.functional.linear(x.double(), w_up.double(), bu64)
+    h64 = torch.relu(torch.nn.functional.linear(x.double(), w_gate.double(), bg64)) * u64
+    kink = accumulation_allowance(x, w_gate.t()) * u64.abs()
+    extra = accumulation_allowance(h64, w_down.t().double()) + (kink + h64.abs() * 2**-10) @ w_down.t().double().abs()
+    assert_close_to_reference(y, ref, lowp, extra_abs=extra)
+    assert torch.equal(y, twell_mlp(x, w_gate, w_up, w_down, b_gate=b_gate, b_up=b_up, b_down=b_down, tile=tile,
+                                    compression=compression, method="twell"))  # fmt: skip

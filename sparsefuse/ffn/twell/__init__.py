@@ -17,8 +17,11 @@ Two kernels (inference, :mod:`.kernels`):
    ``down_proj.weight`` is stored column-major: :func:`twell_down_layout`). fp32 accumulation throughout.
 
 Overflow is never silent: a (token, tile) with more non-zeros than its ``TILE / C`` slots is flagged by its count;
-kernel 2 skips that tile's stored entries and recomputes the whole tile from ``x`` and ``W_gate`` (a GEMV over
-TILE columns for that token only), so the result is exact whatever the sparsity, with no host sync.
+kernel 2 skips that tile's stored entries and computes the whole tile: from the pre-activation row kernel 1 kept in
+a backup (from ``HEAVY_PASS_MIN_TOKENS`` tokens, when every overflowed pair found room), else recomputed from ``x``
+and ``W_gate`` (a GEMV over TILE columns for that token only). The result is exact whatever the sparsity, with no
+host sync. From the same batch size the heavy tokens (an overflowed tile, or many entries) are listed on the device
+and split over more programs by a second launch of kernel 2 (:mod:`.heavy_kernels`).
 
 Non-gated block (``y = relu(x @ W_up^T + b_up) @ W_down^T + b_down``): kernel 1 on W_up, ``twell_to_ell_kernel``
 packs the TwELL rows into ELL on the device, the shared :func:`sparsefuse.sparse.sparse_matmul` runs, and

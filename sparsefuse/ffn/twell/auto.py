@@ -36,7 +36,8 @@ class CostModel:
     """Rates for the auto decision, fitted to H200 runs (1.5B shape, bf16, synthetic heavy-tailed sparsity, ~31
     non-zeros per token): the TwELL gate kernel took 2.3-2.8x cuBLAS's gate matmul from 2048 tokens up (its
     epilogue, not its mainloop: a counts-only epilogue ran at 1.1-1.2x); kernel 2 moved its weight rows at ~0.9 TB/s
-    on the heavy-tailed batch (its overflowed tiles are recomputed by a GEMV inside the token's program) against
+    on the heavy-tailed batch (fitted before heavy tokens got their own launch and overflowed tiles a backup: from
+    128 tokens kernel 2 is now faster than this rate says; the model only ever picks twell at small batches) against
     ~6 TB/s on a tail-free one; and the fused path took 28 us at 16 tokens (1.05x dense eager at 32 non-zeros; 201 us
     at 512). With these the model picks twell at 16 tokens x 32 non-zeros and dense elsewhere on the measured grid,
     as measured.

@@ -159,8 +159,8 @@ def _recompute_overflowed_tiles(
     activation ``a = relu(x . W_a[n] + b_a)`` (W_a = W_gate, or W_up for the non-gated block) over the tile's
     columns, BLOCK_C at a time from column c_begin every c_step (0 and BLOCK_C: the whole tile; programs that share
     a token's tiles take interleaved chunks), times ``x . W_up[n] + b_up`` when GATED, times row n of W_down^T.
-    Only rows that fired are loaded from W_up / W_down; the GEMV over W_a reads TILE rows. Meant for rare (token,
-    tile) pairs.
+    Only rows that fired are loaded from W_up / W_down; without the backup the GEMV over W_a reads TILE rows. Meant
+    for rare (token, tile) pairs.
     HAS_BACKUP: where ``use_backup`` (every overflowed pair found room in the backup, so that every run takes the
     same path), the pre-activations are read from backup [*, TILE] at the slot backup_slot [M, n_tiles] holds
     instead of the GEMV (see twell_gate_fwd_kernel)."""
@@ -257,8 +257,9 @@ def twell_up_down_fwd_kernel(
     # wg [N, K] (any strides; read only for overflowed tiles); wu [N, K] and wd = W_down^T [N, K] with unit column
     # strides (row n contiguous: coalesced); biases bg/bu [N], bd [K]; y [M, K].
     # Grid (tokens, splits): program (p, s) owns token order[p] (heavy tokens first, so their long chains overlap
-    # the rest) and tiles [s * tiles_per_split, ...) of it, over the whole output row (BLOCK_D >= K: the x row stays
-    # in registers). With n_splits > 1 the splits' fp32 partials are summed in order by the last to arrive.
+    # the rest; heavy_rows[p] in the HEAVY_PASS) and the stored entries of tiles [s * tiles_per_split, ...) of it,
+    # over the whole output row (BLOCK_D >= K: the x row stays in registers). With n_splits > 1 the splits' fp32
+    # partials are summed in order by the last to arrive.
     # SKIP_HEAVY: tokens flagged in taken [M] (int8) are left to a second launch of this kernel (HEAVY_PASS) over
     # heavy_rows [heavy_count [0]], which splits each over more programs; its partials are indexed by the token's
     # place in that list (part_row), not by the token.
