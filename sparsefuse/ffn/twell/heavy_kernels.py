@@ -25,15 +25,9 @@ def heavy_first_order_kernel(
     # within each class depends on program timing -- it only schedules work, the results do not depend on it.
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     row_mask = rows < M
-    tiles = tl.arange(0, BLOCK_TILES)
-    counts = tl.load(
-        counts_ptr + rows[:, None].to(tl.int64) * n_tiles + tiles[None, :],
-        mask=row_mask[:, None] & (tiles[None, :] < n_tiles),
-        other=0,
-    )
-    work = tl.sum(tl.where(counts > SLOTS, heavy_min, counts), axis=1)
-    heavy = row_mask & (work >= heavy_min)
-    light = row_mask & (work < heavy_min)
+    overflowed, many = _heavy_classes(counts_ptr, rows, row_mask, n_tiles, heavy_min, SLOTS, BLOCK_TILES)
+    heavy = overflowed | many
+    light = row_mask & ~heavy
     front = tl.atomic_add(cursors_ptr, tl.sum(heavy.to(tl.int32), axis=0))
     back = tl.atomic_add(cursors_ptr + 1, tl.sum(light.to(tl.int32), axis=0))
     tl.store(order_ptr + front + tl.cumsum(heavy.to(tl.int32), axis=0) - 1, rows, mask=heavy)

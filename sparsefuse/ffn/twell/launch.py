@@ -290,6 +290,14 @@ def new_gate_backup(M: int, N: int, tile: int, like: torch.Tensor) -> GateBackup
     )
 
 
+def _backup_args(backup: GateBackup | None) -> dict:
+    """The backup's kernel arguments (none without one: the kernels' defaults)."""
+    if backup is None:
+        return {}
+    return dict(backup_ptr=backup.rows, backup_slot_ptr=backup.slot, backup_count_ptr=backup.count,
+                backup_cap=backup.cap, HAS_BACKUP=True)  # fmt: skip
+
+
 def launch_up_down(
     values,
     indices,
@@ -324,12 +332,7 @@ def launch_up_down(
     heavy_pass = M >= HEAVY_PASS_MIN_TOKENS
     order = heavy_first_order(counts, slots, plan.block_j) if plan.ordered else counts
     operands = (values, indices, counts, order, x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, y)
-    options = dict(tile=tile, slots=slots, n_tiles=n_tiles, plan=plan)
-    if backup is not None:
-        options.update(
-            backup_ptr=backup.rows, backup_slot_ptr=backup.slot, backup_count_ptr=backup.count,
-            backup_cap=backup.cap, HAS_BACKUP=True,
-        )  # fmt: skip
+    options = dict(tile=tile, slots=slots, n_tiles=n_tiles, plan=plan, **_backup_args(backup))
     if heavy_pass:
         splits = _heavy_splits(M, n_tiles)
         cap = min(M, max(1, HEAVY_PARTIAL_BYTES // (splits * K * 4)))
