@@ -27,6 +27,7 @@ from sparsefuse.ffn import twell as twell_module
 from sparsefuse.ffn.synthetic import gate_statistics, synthetic_ffn
 from sparsefuse.ffn.twell import auto as twell_auto
 from sparsefuse.ffn.twell import functional as twell_functional
+from sparsefuse.ffn.twell.launch import GATE_GEMM_MIN_TOKENS, HEAVY_PASS_MIN_TOKENS
 from sparsefuse.sparse.formats import TwELL
 from sparsefuse.testing import assert_close_to_reference
 
@@ -35,11 +36,12 @@ GATED_KERNELS = ("twell_gate_fwd_kernel", "twell_up_down_fwd_kernel")
 
 
 def gated_launches_ok(launched, M: int) -> bool:
-    """One gate launch, and one up/down launch -- two from HEAVY_PASS_MIN_TOKENS tokens (the heavy tokens' own)."""
-    from sparsefuse.ffn.twell.launch import HEAVY_PASS_MIN_TOKENS
-
+    """One gate launch (the fused kernel, or from GATE_GEMM_MIN_TOKENS tokens the packing pass over cuBLAS's GEMM),
+    and one up/down launch -- two from HEAVY_PASS_MIN_TOKENS tokens (the heavy tokens' own)."""
     up_down = 2 if M >= HEAVY_PASS_MIN_TOKENS else 1
-    return launched["twell_gate_fwd_kernel"] == 1 and launched["twell_up_down_fwd_kernel"] == up_down
+    fused = M < GATE_GEMM_MIN_TOKENS
+    gate_ok = launched["twell_gate_fwd_kernel"] == int(fused) and launched["twell_pack_kernel"] == int(not fused)
+    return gate_ok and launched["twell_up_down_fwd_kernel"] == up_down
 
 
 def mlp_weights(K, N, dtype, device, *, bias=False, gate_shift=0.0, seed=0):
@@ -92,7 +94,10 @@ def test_twell_format_reference_roundtrip_and_overflow():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("M, K, N, tile, compression", [(37, 40, 100, 32, 4), (1, 24, 64, 16, 1), (20, 70, 33, 64, 8)])
+@pytest.mark.parametrize(
+    "M, K, N, tile, compression",
+    [(37, 40, 100, 32, 4), (1, 24, 64, 16, 1), (20, 70, 33, 64, 8), (130, 40, 100, 32, 4), (200, 24, 300, 256, 8)],
+)
 def test_gate_kernel_is_exact_on_integer_data(M, K, N, tile, compression, dtype, device):
     # Small integers: every product and sum is exact in the fp32 accumulator, so counts, indices and values must
     # equal the float64 reference bit for bit (no sign ambiguity at zero).
@@ -103,7 +108,8 @@ def test_gate_kernel_is_exact_on_integer_data(M, K, N, tile, compression, dtype,
     assert_backend(x)
     with track_launches() as launched:
         twell = twell_gate(x, w, b, tile=tile, compression=compression)
-    assert launched["twell_gate_fwd_kernel"] == 1
+    # from GATE_GEMM_MIN_TOKENS tokens: cuBLAS's GEMM, then the packing pass
+    assert launched["twell_pack_kernel" if M >= GATE_GEMM_MIN_TOKENS else "twell_gate_fwd_kernel"] == 1, launched
     ref = TwELL.from_dense(torch.relu(x.double() @ w.double().t() + b.double()).to(dtype).cpu(), tile, compression)
     assert twell.overflowed().any() == ref.overflowed().any()
     for name in ("counts", "indices", "values"):  # unused slots too: (index 0, value 0), never the NaN poison

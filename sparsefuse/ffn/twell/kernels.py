@@ -69,8 +69,63 @@ def twell_gate_fwd_kernel(
         acc = dot_accumulate(acc, x, w, IEEE_FP32)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    # Epilogue: ReLU + TwELL packing of this (rows, tile) block. NaN counts as fired (it propagates).
-    fired = ((acc > 0) | (acc != acc)) & row_mask[:, None] & col_mask[None, :]  # [BLOCK_M, TILE]
+    _pack_tile(
+        acc, rows, row_mask, cols, col_mask, tile, values_ptr, indices_ptr, counts_ptr, n_tiles,
+        backup_ptr, backup_slot_ptr, backup_count_ptr, backup_cap, TILE, SLOTS, BLOCK_M, HAS_BACKUP,
+    )  # fmt: skip
+
+
+@triton.jit
+def twell_pack_kernel(
+    pre_ptr,
+    values_ptr,
+    indices_ptr,
+    counts_ptr,
+    M,
+    N,
+    n_tiles,
+    stride_pm,
+    TILE: tl.constexpr,
+    SLOTS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    backup_ptr=None,
+    backup_slot_ptr=None,
+    backup_count_ptr=None,
+    backup_cap=0,
+    HAS_BACKUP: tl.constexpr = False,
+):
+    # pre [M, N] (unit column stride): the gate's pre-activations from a dense GEMM; out as twell_gate_fwd_kernel's.
+    # From a few hundred tokens the GEMM is cuBLAS's and this pass packs its output: the packing is a scan along each
+    # tile row, which in a tensor-core accumulator's register layout costs several [BLOCK_M, TILE] layout
+    # conversions through shared memory (the fused kernel took 2.6x cuBLAS's GEMM at 8192 tokens on an H200), while
+    # here the loaded tile is laid out along its rows already.
+    pid = tl.program_id(0)
+    pid_m, tile = pid // n_tiles, pid % n_tiles
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    cols = tile * TILE + tl.arange(0, TILE)  # [TILE]
+    row_mask, col_mask = rows < M, cols < N
+    pre = tl.load(
+        pre_ptr + rows[:, None].to(tl.int64) * stride_pm + cols[None, :],
+        mask=row_mask[:, None] & col_mask[None, :],
+        other=0.0,
+    )  # [BLOCK_M, TILE]
+    _pack_tile(
+        pre, rows, row_mask, cols, col_mask, tile, values_ptr, indices_ptr, counts_ptr, n_tiles,
+        backup_ptr, backup_slot_ptr, backup_count_ptr, backup_cap, TILE, SLOTS, BLOCK_M, HAS_BACKUP,
+    )  # fmt: skip
+
+
+@triton.jit
+def _pack_tile(
+    pre, rows, row_mask, cols, col_mask, tile, values_ptr, indices_ptr, counts_ptr, n_tiles,
+    backup_ptr, backup_slot_ptr, backup_count_ptr, backup_cap,
+    TILE: tl.constexpr, SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, HAS_BACKUP: tl.constexpr,
+):  # fmt: skip
+    """ReLU + TwELL packing of the pre-activations ``pre`` [BLOCK_M, TILE] of (rows, tile): values/indices at
+    [row, tile * SLOTS + slot], counts [M, n_tiles] int32 (true counts); with HAS_BACKUP an overflowed (row, tile)
+    keeps its whole pre-activation row in a backup slot (see twell_gate_fwd_kernel). NaN counts as fired (it
+    propagates)."""
+    fired = ((pre > 0) | (pre != pre)) & row_mask[:, None] & col_mask[None, :]  # [BLOCK_M, TILE]
     fired_i = fired.to(tl.int32)
     rank = tl.cumsum(fired_i, axis=1) - 1  # slot of each fired column within its tile row
     row_base = rows.to(tl.int64) * (n_tiles * SLOTS) + tile * SLOTS  # [BLOCK_M]
@@ -88,7 +143,7 @@ def twell_gate_fwd_kernel(
     tl.debug_barrier()
     keep = fired & (rank < SLOTS)  # past the slots: counted (the tile overflowed), not stored
     dst = row_base[:, None] + rank
-    tl.store(values_ptr + dst, acc.to(values_ptr.dtype.element_ty), mask=keep)
+    tl.store(values_ptr + dst, pre.to(values_ptr.dtype.element_ty), mask=keep)
     tl.store(indices_ptr + dst, cols[None, :] + tl.zeros_like(rank), mask=keep)
     count = tl.sum(fired_i, axis=1)  # [BLOCK_M]
     tl.store(counts_ptr + rows.to(tl.int64) * n_tiles + tile, count, mask=row_mask)
@@ -101,7 +156,7 @@ def twell_gate_fwd_kernel(
             tl.store(backup_slot_ptr + rows.to(tl.int64) * n_tiles + tile, backup, mask=over)
             tl.store(
                 backup_ptr + backup[:, None].to(tl.int64) * TILE + tl.arange(0, TILE)[None, :],
-                acc.to(backup_ptr.dtype.element_ty),
+                pre.to(backup_ptr.dtype.element_ty),
                 mask=(over & (backup >= 0))[:, None],
             )
 

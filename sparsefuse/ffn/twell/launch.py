@@ -21,6 +21,7 @@ from .heavy_kernels import heavy_block_counts_kernel, heavy_first_order_kernel, 
 from .kernels import (
     twell_gate_fwd_kernel,
     twell_overflow_down_kernel,
+    twell_pack_kernel,
     twell_to_ell_kernel,
     twell_up_down_fwd_kernel,
 )
@@ -75,6 +76,18 @@ _twell_gate_kernel = triton.autotune(
 # of 45056 pairs overflowed; one of 256 tokens x 128 non-zeros, a few percent).
 BACKUP_FRACTION = 4
 BACKUP_MIN = 64
+
+
+# From this many tokens the gate is cuBLAS's GEMM and a packing pass (twell_pack_kernel) instead of the fused kernel,
+# whose packing epilogue runs on the tensor-core accumulator's register layout (a scan along each tile row costs
+# several layout conversions through shared memory there). H200, bf16, 1.5B layer: the fused kernel took 31 / 174 /
+# 623 us at 256 / 2048 / 8192 tokens against cuBLAS's 11 / 62 / 241 for the GEMM alone. Below it the fused kernel
+# (64-column tiles, one launch) stays.
+GATE_GEMM_MIN_TOKENS = 128
+PACK_BLOCK_M = (
+    8  # tokens per packing program, with PACK_WARPS warps (H200: the fastest of 8-64 x 2-8 at 256-8192 tokens)
+)
+PACK_WARPS = 4
 
 
 def auto_tile(M: int, N: int, compression: int) -> int:
@@ -246,6 +259,15 @@ def launch_gate(
     indices = torch.empty(M, n_tiles * slots, dtype=torch.int32, device=x2.device)
     counts = torch.empty(M, n_tiles, dtype=torch.int32, device=x2.device)
     if M == 0:
+        return values, indices, counts
+    if M >= GATE_GEMM_MIN_TOKENS:
+        pre = F.linear(x2, w, b)  # [M, N]: cuBLAS's GEMM, then a packing pass over it
+        block_m = 16 if _backend.INTERPRET else PACK_BLOCK_M
+        twell_pack_kernel[(triton.cdiv(M, block_m) * n_tiles,)](
+            pre, values, indices, counts, M, N, n_tiles, pre.stride(0),
+            TILE=tile, SLOTS=slots, BLOCK_M=block_m, num_warps=PACK_WARPS, **_backup_args(backup),
+        )  # fmt: skip
+        record_launch("twell_pack_kernel")
         return values, indices, counts
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * n_tiles,)  # noqa: E731
     _twell_gate_kernel[grid](
