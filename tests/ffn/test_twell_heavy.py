@@ -1,12 +1,13 @@
 """Heavy tokens of the TwELL up/down kernel: ordered first within the main launch, and from HEAVY_PASS_MIN_TOKENS
-tokens listed in token order and split over more programs by a second launch. Interpreter: fp16/fp32."""
+tokens listed in token order and split over more programs by a second launch; overflowed tiles read from the gate
+GEMM's pre-activations. Interpreter: fp16/fp32."""
 
 import pytest
 import torch
 from test_twell import mlp_weights, torch_lowp_mlp
 
 from sparsefuse import track_launches
-from sparsefuse.ffn import torch_twell_mlp, twell_gate, twell_mlp
+from sparsefuse.ffn import torch_relu_mlp, torch_twell_mlp, twell_gate, twell_mlp, twell_relu_mlp
 from sparsefuse.testing import accumulation_allowance, assert_close_to_reference
 
 
@@ -63,61 +64,51 @@ def test_heavy_tokens_split_by_a_second_launch(cap_bytes, dtype, device, monkeyp
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("room", ["all", "too_little"])
-def test_overflowed_tiles_read_from_the_gate_backup(room, dtype, device, monkeypatch):
-    """The fused call keeps the overflowed tiles' pre-activations in a backup the gate fills; with room for every
-    overflowed pair the up/down kernel reads them there, without it every pair is recomputed (the same path in
-    every run, whatever order the gate's programs claimed slots in): bitwise the separate ops' result."""
+@pytest.mark.parametrize("gate", ["gemm", "fused"])
+def test_overflowed_tiles_read_from_the_gate_pre_activations(gate, dtype, device, monkeypatch):
+    """Where the gate runs as a GEMM and a packing pass, its dense pre-activations stay for the up/down kernel, whose
+    overflowed tiles read them instead of a GEMV over the gate; the fused gate kernel keeps none (the GEMV)."""
     from sparsefuse.ffn.twell import launch
 
-    if room == "too_little":
-        monkeypatch.setattr(launch, "BACKUP_MIN", 2)
-        monkeypatch.setattr(launch, "BACKUP_FRACTION", 1 << 30)
+    monkeypatch.setattr(launch, "GATE_GEMM_MIN_TOKENS", 1 if gate == "gemm" else 1 << 30)
     M, K, N, tile, compression = 19, 40, 90, 32, 4  # tiles of 32, 32 and 26 columns, 8 slots each
     w_gate, w_up, w_down, b_gate, b_up, b_down = mlp_weights(K, N, dtype, device, bias=True)
     x = (torch.randn(M, K) * 0.5).to(device=device, dtype=dtype)
     x[[1, 7, 12, 18], 0] = -3.0  # four tokens fire nearly everything: 3 overflowed tiles each, the short one too
     x2, w_down_t = x, w_down.t().contiguous()
-    backup = launch.new_gate_backup(M, N, tile, x2)
-    values, indices, counts = launch.launch_gate(x2, w_gate, b_gate, tile, compression, backup)
+    with track_launches() as launched:
+        values, indices, counts, pre = launch.launch_gate(x2, w_gate, b_gate, tile, compression)
     over = counts > tile // compression
-    assert int(backup.count) == int(over.sum()) >= 12 and bool(over[[1, 7, 12, 18], -1].all())
-    slots = backup.slot[over]
-    if room == "all":
-        assert sorted(slots.tolist()) == list(range(int(over.sum())))  # each pair a row of its own
-        rows, tiles = over.nonzero(as_tuple=True)
-        pre64 = torch.nn.functional.linear(x2.double(), w_gate.double(), b_gate.double())  # [M, N]
-        dot_err = accumulation_allowance(x2, w_gate.t())  # the gate's dot sums in another order than float64's
-        for r, t, slot in zip(rows.tolist(), tiles.tolist(), slots.tolist()):
-            cols = slice(t * tile, min(N, (t + 1) * tile))
-            ours = backup.rows[slot, : cols.stop - cols.start]
-            assert_close_to_reference(ours, pre64[r, cols], pre64[r, cols].to(dtype), extra_abs=dot_err[r, cols])
-    else:
-        assert backup.cap == 2 and (slots == -1).sum() == int(over.sum()) - 2
+    assert int(over.sum()) >= 12 and bool(over[[1, 7, 12, 18], -1].all())
+    if gate == "fused":
+        assert pre is None and launched["twell_gate_fwd_kernel"] == 1
+        return
+    assert launched["twell_pack_kernel"] == 1 and pre.shape == (M, N)
+    pre64 = torch.nn.functional.linear(x2.double(), w_gate.double(), b_gate.double())
+    assert_close_to_reference(pre, pre64, torch.nn.functional.linear(x2, w_gate, b_gate))
     args = (x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile, compression)
-    y = launch.launch_up_down(values, indices, counts, *args, backup)
+    y = launch.launch_up_down(values, indices, counts, *args, pre)
     recomputed = launch.launch_up_down(values, indices, counts, *args)
     ref = torch_twell_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
-    # the backup's pre-activations come from the gate's dot (another summation order than torch's and the GEMV's)
-    # (bounded by Higham's gamma_K), carried through h * u into the down projection
+    # the pre-activations come from torch's GEMM or the GEMV (other summation orders than float64's, bounded by
+    # Higham's gamma_K), carried through h * u into the down projection
     u64 = torch.nn.functional.linear(x.double(), w_up.double(), b_up.double())
-    h64 = torch.relu(torch.nn.functional.linear(x.double(), w_gate.double(), b_gate.double())) * u64
+    h64 = torch.relu(pre64) * u64
     pre_err = accumulation_allowance(x, w_gate.t())  # [M, N]
     allowance = accumulation_allowance(h64, w_down.t().double()) + (pre_err * u64.abs()) @ w_down.t().double().abs()
     lowp = torch_lowp_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
-    assert_close_to_reference(y, ref, lowp, extra_abs=allowance)
-    if room == "too_little":
-        assert torch.equal(y, recomputed)
-    else:  # read from the backup, not recomputed: emptied, it changes the result
-        backup.rows.zero_()
-        assert not torch.equal(launch.launch_up_down(values, indices, counts, *args, backup), y)
+    for out in (y, recomputed):
+        assert_close_to_reference(out, ref, lowp, extra_abs=allowance)
+    pre.zero_()  # read from pre, not recomputed: emptied, the overflowed tiles contribute nothing
+    assert not torch.equal(launch.launch_up_down(values, indices, counts, *args, pre), y)
 
 
-@pytest.mark.parametrize("seed", range(12))
-def test_heavy_launch_and_backup_fuzz(seed, device, monkeypatch):
-    """Seeded random batches through the heavy launch and the gate's backup at interpreter sizes: per-token firing
-    from none to every column (tiles over their slots, whole rows firing), random split counts, list caps and backup
-    room (all, some, none), biases or not; every output element against the float64 reference."""
+@pytest.mark.parametrize("seed", range(16))
+def test_heavy_launch_and_gate_paths_fuzz(seed, device, monkeypatch):
+    """Seeded random batches through the heavy launch and both gate paths (the fused kernel, or a GEMM whose
+    pre-activations the overflowed tiles read) at interpreter sizes: per-token firing from none to every column
+    (tiles over their slots, whole rows firing), random split counts and list caps, biases or not; every output
+    element of the gated and the non-gated block against the float64 reference."""
     from sparsefuse.ffn.twell import launch
 
     g = torch.Generator().manual_seed(seed)
@@ -129,8 +120,7 @@ def test_heavy_launch_and_backup_fuzz(seed, device, monkeypatch):
     monkeypatch.setattr(launch, "HEAVY_SPLITS", pick([1, 2, 3, 5]))
     monkeypatch.setattr(launch, "HEAVY_SPLITS_TOKENS", pick([1, 8, 1024]))
     monkeypatch.setattr(launch, "HEAVY_PARTIAL_BYTES", pick([1, 4096, 64 << 20]))
-    monkeypatch.setattr(launch, "BACKUP_MIN", pick([1, 3, 64]))
-    monkeypatch.setattr(launch, "BACKUP_FRACTION", pick([1, 4, 1 << 30]))
+    monkeypatch.setattr(launch, "GATE_GEMM_MIN_TOKENS", pick([1, 4, 1 << 30]))
     dtype = pick([torch.float32, torch.float16])
     M, K, N = int(torch.randint(1, 41, (), generator=g)), pick([8, 40, 72]), pick([16, 70, 130])
     tile, compression = pick([16, 32]), pick([2, 4, 8])
@@ -153,3 +143,11 @@ def test_heavy_launch_and_backup_fuzz(seed, device, monkeypatch):
     assert_close_to_reference(y, ref, lowp, extra_abs=extra)
     assert torch.equal(y, twell_mlp(x, w_gate, w_up, w_down, b_gate=b_gate, b_up=b_up, b_down=b_down, tile=tile,
                                     compression=compression, method="twell"))  # fmt: skip
+    # the non-gated block on the same batch (W_gate as its W_up): ReLU's kink as above, without the up factor
+    y = twell_relu_mlp(x, w_gate, w_down, b_up=b_gate, b_down=b_down, tile=tile, compression=compression)
+    ref = torch_relu_mlp(x, w_gate, w_down, b_gate, b_down)
+    lowp = torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(x, w_gate, b_gate)), w_down, b_down)
+    h64 = torch.relu(torch.nn.functional.linear(x.double(), w_gate.double(), bg64))
+    kink = accumulation_allowance(x, w_gate.t())
+    extra = accumulation_allowance(h64, w_down.t().double()) + (kink + h64.abs() * 2**-10) @ w_down.t().double().abs()
+    assert_close_to_reference(y, ref, lowp, extra_abs=extra)

@@ -25,13 +25,14 @@ eager, and the worst auto/eager ratio) for the report.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from ...ffn import SparsityMonitor, predicted_block_time, predicted_times, twell_gate, twell_mlp
+from ...ffn import COST_MODEL, SparsityMonitor, predicted_block_time, predicted_times, twell_gate, twell_mlp
 from ...ffn.synthetic import synthetic_ffn
 from ..harness import Case, Options, Result, register
 
@@ -46,6 +47,10 @@ GRID: dict[tuple[int, int], tuple[list[int], list[int]]] = {
 QUICK_GRID: dict[tuple[int, int], tuple[list[int], list[int]]] = {(2048, 5632): ([16, 8192], [32, 512])}
 TARGET_NNZ = 32  # the x used by the dense rows (their time does not depend on it)
 SKIP_TWELL_ABOVE = 8.0  # predicted twell / dense ratio above which the forced-twell row is left out
+# The skip's prediction leaves out auto's heavy-tail factor (which grows with the batch, and keeps auto off twell past
+# small batches): from HEAVY_PASS_MIN_TOKENS tokens the heavy tokens get their own launch, and the forced-twell rows
+# there are what shows how far it is from the best method.
+_SKIP_MODEL = dataclasses.replace(COST_MODEL, tail_tokens=math.inf)
 
 
 def eager_ffn(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
@@ -73,7 +78,7 @@ def _case(K: int, N: int, M: int, nnz_values: list[int], dtype: torch.dtype, dev
         "twell gate kernel": lambda *a: twell_gate(a[dense_x], a[n], tile=256 if M > 64 else 64).values,
     }
     for i, s in enumerate(levels):
-        twell_s, dense_s = predicted_times(M, K, N, s, dtype)
+        twell_s, dense_s = predicted_times(M, K, N, s, dtype, _SKIP_MODEL)
         if twell_s <= SKIP_TWELL_ABOVE * dense_s:
             impls[f"twell nnz={s}"] = lambda *a, i=i: twell_mlp(a[i], *a[n:], method="twell")
         else:

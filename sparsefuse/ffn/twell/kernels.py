@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from ..._triton.dot import dot_accumulate
-from ..._triton.gather import accumulate_nonzeros, accumulate_rows, sum_split_partials
+from ..._triton.gather import accumulate_nonzeros, accumulate_rows, pick_nonzeros, rank_nonzeros, sum_split_partials
 from ..._triton.schedule import grouped_tile_coords
 from ...sparse.sddmm import row_dots
 
@@ -35,17 +35,9 @@ def twell_gate_fwd_kernel(
     GROUP_M: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     IEEE_FP32: tl.constexpr,
-    backup_ptr,
-    backup_slot_ptr,
-    backup_count_ptr,
-    backup_cap,
-    HAS_BACKUP: tl.constexpr,
 ):
     # x [M, K] (unit column stride), w [N, K] (nn.Linear layout, any strides), b [N];
     # out: values/indices [M, n_tiles * SLOTS], counts [M, n_tiles] int32 (true counts)
-    # HAS_BACKUP: an overflowed (row, tile) also keeps its whole pre-activation row: backup [backup_cap, TILE] at a
-    # slot claimed from backup_count [1] (int32, zeroed; ends as the number of overflowed pairs, whether they fit or
-    # not), the slot in backup_slot [M, n_tiles] (written for overflowed pairs only, -1 past the capacity).
     pid = tl.program_id(0)
     # Grouped ordering: GROUP_M row blocks sweep all tiles together, so their W columns are reused from L2.
     pid_m, tile = grouped_tile_coords(pid, tl.cdiv(M, BLOCK_M), n_tiles, GROUP_M)
@@ -69,10 +61,7 @@ def twell_gate_fwd_kernel(
         acc = dot_accumulate(acc, x, w, IEEE_FP32)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    _pack_tile(
-        acc, rows, row_mask, cols, col_mask, tile, values_ptr, indices_ptr, counts_ptr, n_tiles,
-        backup_ptr, backup_slot_ptr, backup_count_ptr, backup_cap, TILE, SLOTS, BLOCK_M, HAS_BACKUP,
-    )  # fmt: skip
+    _pack_tile(acc, rows, row_mask, cols, col_mask, tile, values_ptr, indices_ptr, counts_ptr, n_tiles, SLOTS, BLOCK_M)
 
 
 @triton.jit
@@ -88,11 +77,6 @@ def twell_pack_kernel(
     TILE: tl.constexpr,
     SLOTS: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    backup_ptr=None,
-    backup_slot_ptr=None,
-    backup_count_ptr=None,
-    backup_cap=0,
-    HAS_BACKUP: tl.constexpr = False,
 ):
     # pre [M, N] (unit column stride): the gate's pre-activations from a dense GEMM; out as twell_gate_fwd_kernel's.
     # From a few hundred tokens the GEMM is cuBLAS's and this pass packs its output: the packing is a scan along each
@@ -109,22 +93,16 @@ def twell_pack_kernel(
         mask=row_mask[:, None] & col_mask[None, :],
         other=0.0,
     )  # [BLOCK_M, TILE]
-    _pack_tile(
-        pre, rows, row_mask, cols, col_mask, tile, values_ptr, indices_ptr, counts_ptr, n_tiles,
-        backup_ptr, backup_slot_ptr, backup_count_ptr, backup_cap, TILE, SLOTS, BLOCK_M, HAS_BACKUP,
-    )  # fmt: skip
+    _pack_tile(pre, rows, row_mask, cols, col_mask, tile, values_ptr, indices_ptr, counts_ptr, n_tiles, SLOTS, BLOCK_M)
 
 
 @triton.jit
 def _pack_tile(
     pre, rows, row_mask, cols, col_mask, tile, values_ptr, indices_ptr, counts_ptr, n_tiles,
-    backup_ptr, backup_slot_ptr, backup_count_ptr, backup_cap,
-    TILE: tl.constexpr, SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, HAS_BACKUP: tl.constexpr,
+    SLOTS: tl.constexpr, BLOCK_M: tl.constexpr,
 ):  # fmt: skip
     """ReLU + TwELL packing of the pre-activations ``pre`` [BLOCK_M, TILE] of (rows, tile): values/indices at
-    [row, tile * SLOTS + slot], counts [M, n_tiles] int32 (true counts); with HAS_BACKUP an overflowed (row, tile)
-    keeps its whole pre-activation row in a backup slot (see twell_gate_fwd_kernel). NaN counts as fired (it
-    propagates)."""
+    [row, tile * SLOTS + slot], counts [M, n_tiles] int32 (true counts). NaN counts as fired (it propagates)."""
     fired = ((pre > 0) | (pre != pre)) & row_mask[:, None] & col_mask[None, :]  # [BLOCK_M, TILE]
     fired_i = fired.to(tl.int32)
     rank = tl.cumsum(fired_i, axis=1) - 1  # slot of each fired column within its tile row
@@ -147,18 +125,6 @@ def _pack_tile(
     tl.store(indices_ptr + dst, cols[None, :] + tl.zeros_like(rank), mask=keep)
     count = tl.sum(fired_i, axis=1)  # [BLOCK_M]
     tl.store(counts_ptr + rows.to(tl.int64) * n_tiles + tile, count, mask=row_mask)
-    if HAS_BACKUP:
-        over = row_mask & (count > SLOTS)  # [BLOCK_M]
-        n_over = tl.sum(over.to(tl.int32), axis=0)
-        if n_over > 0:  # rare: the consumer would otherwise recompute the tile with a GEMV over the gate
-            backup = tl.atomic_add(backup_count_ptr, n_over) + tl.cumsum(over.to(tl.int32), axis=0) - 1
-            backup = tl.where(backup < backup_cap, backup, -1)
-            tl.store(backup_slot_ptr + rows.to(tl.int64) * n_tiles + tile, backup, mask=over)
-            tl.store(
-                backup_ptr + backup[:, None].to(tl.int64) * TILE + tl.arange(0, TILE)[None, :],
-                pre.to(backup_ptr.dtype.element_ty),
-                mask=(over & (backup >= 0))[:, None],
-            )
 
 
 @triton.jit
@@ -205,41 +171,23 @@ def _recompute_overflowed_tiles(
     HAS_BA: tl.constexpr,
     HAS_BU: tl.constexpr,
     GATED: tl.constexpr,
-    backup_ptr=None,
-    backup_slot_ptr=None,
-    use_backup=False,
-    HAS_BACKUP: tl.constexpr = False,
+    pre_row_ptr=None,
+    HAS_PRE: tl.constexpr = False,
 ):
     """acc += the contribution of every overflowed tile t in [t_begin, t_end) of ``row``, recomputed from x: the
     activation ``a = relu(x . W_a[n] + b_a)`` (W_a = W_gate, or W_up for the non-gated block) over the tile's
     columns, BLOCK_C at a time from column c_begin every c_step (0 and BLOCK_C: the whole tile; programs that share
     a token's tiles take interleaved chunks), times ``x . W_up[n] + b_up`` when GATED, times row n of W_down^T.
-    Only rows that fired are loaded from W_up / W_down; without the backup the GEMV over W_a reads TILE rows. Meant
-    for rare (token, tile) pairs.
-    HAS_BACKUP: where ``use_backup`` (every overflowed pair found room in the backup, so that every run takes the
-    same path), the pre-activations are read from backup [*, TILE] at the slot backup_slot [M, n_tiles] holds
-    instead of the GEMV (see twell_gate_fwd_kernel)."""
+    Only rows that fired are loaded from W_up / W_down. Meant for rare (token, tile) pairs.
+    HAS_PRE: the pre-activations are read from the row's dense pre-activations (``pre_row_ptr``: the gate GEMM's
+    output row, bias included), else recomputed by a GEMV over TILE rows of W_a."""
     for t in range(t_begin, t_end):
         if tl.load(counts_ptr + row * n_tiles + t) > SLOTS:
-            if HAS_BACKUP:
-                backup = tl.full([], -1, tl.int32)
-                if use_backup:
-                    backup = tl.load(backup_slot_ptr + row * n_tiles + t)
             for c0 in range(c_begin, TILE, c_step):
                 cols = t * TILE + c0 + tl.arange(0, BLOCK_C)  # [BLOCK_C]
                 col_mask = cols < N
-                if HAS_BACKUP:
-                    if backup >= 0:
-                        pre = tl.load(
-                            backup_ptr + backup.to(tl.int64) * TILE + c0 + tl.arange(0, BLOCK_C),
-                            mask=col_mask,
-                            other=0.0,
-                        ).to(tl.float32)
-                    else:
-                        pre = _pre_activations(
-                            x_row_ptr, wa_ptr, ba_ptr, cols, col_mask, K, stride_wa_n, stride_wa_k, BLOCK_C, BLOCK_K,
-                            HAS_BA,
-                        )  # fmt: skip
+                if HAS_PRE:
+                    pre = tl.load(pre_row_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
                 else:
                     pre = _pre_activations(
                         x_row_ptr, wa_ptr, ba_ptr, cols, col_mask, K, stride_wa_n, stride_wa_k, BLOCK_C, BLOCK_K, HAS_BA
@@ -254,6 +202,39 @@ def _recompute_overflowed_tiles(
                 # down projection of the fired columns PICK at a time: [PICK, BLOCK_D] tiles, no wider than the main
                 # loop's, so this rare path does not raise the kernel's register count (and cut its occupancy)
                 acc = accumulate_nonzeros(acc, coef, cols, wd_ptr, stride_wd, d, d_mask, PICK)
+    return acc
+
+
+@triton.jit
+def _overflowed_tiles_from_pre(
+    acc, x, row, counts_ptr, t_begin, t_end, n_tiles, j_begin, j_step, pre_row_ptr, wu_ptr, stride_wu, bu_ptr,
+    wd_ptr, stride_wd, d, d_mask, N, TILE: tl.constexpr, SLOTS: tl.constexpr, BLOCK_J: tl.constexpr,
+    HAS_BU: tl.constexpr,
+):  # fmt: skip
+    """acc [BLOCK_D] += every overflowed tile t in [t_begin, t_end) of ``row``, its pre-activations read from the
+    gate GEMM's output row (``pre_row_ptr``): the fired columns are ranked and walked BLOCK_J at a time like stored
+    entries (a whole W_up row against x [BLOCK_D] in registers, then a W_down row), the fired columns of rank
+    j_begin, j_begin + BLOCK_J, ... every j_step (programs that share a token's tiles take interleaved groups)."""
+    for t in range(t_begin, t_end):
+        if tl.load(counts_ptr + row * n_tiles + t) > SLOTS:
+            cols = t * TILE + tl.arange(0, TILE)  # [TILE]
+            col_mask = cols < N
+            pre = tl.load(pre_row_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            h = tl.where(col_mask & ((pre > 0) | (pre != pre)), pre, 0.0)  # ReLU; NaN propagates
+            n, rank = rank_nonzeros(h)
+            for j0 in range(j_begin, n, j_step):
+                j = j0 + tl.arange(0, BLOCK_J)  # [BLOCK_J]
+                j_mask = j < n
+                idx, h_gate = pick_nonzeros(h, cols, rank, j)
+                w_up = tl.load(
+                    wu_ptr + idx[:, None].to(tl.int64) * stride_wu + d[None, :],
+                    mask=j_mask[:, None] & d_mask[None, :],
+                    other=0.0,
+                )  # [BLOCK_J, BLOCK_D]
+                u = tl.sum(w_up.to(tl.float32) * x[None, :], axis=1)  # [BLOCK_J]
+                if HAS_BU:
+                    u += tl.load(bu_ptr + idx, mask=j_mask, other=0.0).to(tl.float32)
+                acc = accumulate_rows(acc, tl.where(j_mask, h_gate * u, 0.0), idx, j_mask, wd_ptr, stride_wd, d, d_mask)
     return acc
 
 
@@ -302,11 +283,9 @@ def twell_up_down_fwd_kernel(
     taken_ptr=None,
     SKIP_HEAVY: tl.constexpr = False,
     HEAVY_PASS: tl.constexpr = False,
-    backup_ptr=None,
-    backup_slot_ptr=None,
-    backup_count_ptr=None,
-    backup_cap=0,
-    HAS_BACKUP: tl.constexpr = False,
+    pre_ptr=None,
+    stride_pre=0,
+    HAS_PRE: tl.constexpr = False,
 ):
     # TwELL of h_g: values/indices [M, n_tiles * SLOTS], counts [M, n_tiles]; x [M, K] (unit column stride);
     # wg [N, K] (any strides; read only for overflowed tiles); wu [N, K] and wd = W_down^T [N, K] with unit column
@@ -318,6 +297,8 @@ def twell_up_down_fwd_kernel(
     # SKIP_HEAVY: tokens flagged in taken [M] (int8) are left to a second launch of this kernel (HEAVY_PASS) over
     # heavy_rows [heavy_count [0]], which splits each over more programs; its partials are indexed by the token's
     # place in that list (part_row), not by the token.
+    # HAS_PRE: pre [M, N] holds the gate's dense pre-activations (its GEMM's output): overflowed tiles read them
+    # instead of a GEMV over the gate.
     p = tl.program_id(0)
     if HEAVY_PASS:
         if p >= tl.load(heavy_count_ptr):
@@ -371,46 +352,50 @@ def twell_up_down_fwd_kernel(
         # the longest serial work a token has)
         has_overflow = p < tl.load(heavy_count_ptr + 1)
         r_begin, r_end, c_begin, c_step = 0, n_tiles, split * BLOCK_C, n_splits * BLOCK_C
+        j_begin, j_step = split * BLOCK_J, n_splits * BLOCK_J
     else:
         has_overflow = tl.max(counts, axis=0) > SLOTS
         r_begin, r_end, c_begin, c_step = t_begin, t_end, 0, BLOCK_C
+        j_begin, j_step = 0, BLOCK_J
     if has_overflow:
-        acc = _recompute_overflowed_tiles(
-            acc,
-            row,
-            counts_ptr,
-            r_begin,
-            r_end,
-            n_tiles,
-            c_begin,
-            c_step,
-            x_row_ptr,
-            wg_ptr,
-            stride_wg_n,
-            stride_wg_k,
-            bg_ptr,
-            wu_ptr,
-            stride_wu,
-            bu_ptr,
-            wd_ptr,
-            stride_wd,
-            d,
-            d_mask,
-            K,
-            N,
-            TILE,
-            SLOTS,
-            BLOCK_C,
-            BLOCK_K,
-            BLOCK_J,
-            HAS_B_GATE,
-            HAS_B_UP,
-            True,
-            backup_ptr,
-            backup_slot_ptr,
-            tl.load(backup_count_ptr) <= backup_cap if HAS_BACKUP else False,
-            HAS_BACKUP,
-        )
+        if HAS_PRE:
+            acc = _overflowed_tiles_from_pre(
+                acc, x, row, counts_ptr, r_begin, r_end, n_tiles, j_begin, j_step, pre_ptr + row * stride_pre,
+                wu_ptr, stride_wu, bu_ptr, wd_ptr, stride_wd, d, d_mask, N, TILE, SLOTS, BLOCK_J, HAS_B_UP,
+            )  # fmt: skip
+        else:
+            acc = _recompute_overflowed_tiles(
+                acc,
+                row,
+                counts_ptr,
+                r_begin,
+                r_end,
+                n_tiles,
+                c_begin,
+                c_step,
+                x_row_ptr,
+                wg_ptr,
+                stride_wg_n,
+                stride_wg_k,
+                bg_ptr,
+                wu_ptr,
+                stride_wu,
+                bu_ptr,
+                wd_ptr,
+                stride_wd,
+                d,
+                d_mask,
+                K,
+                N,
+                TILE,
+                SLOTS,
+                BLOCK_C,
+                BLOCK_K,
+                BLOCK_J,
+                HAS_B_GATE,
+                HAS_B_UP,
+                True,
+            )
     if n_splits > 1:
         last, acc = sum_split_partials(
             acc,
@@ -491,9 +476,13 @@ def twell_overflow_down_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_BA: tl.constexpr,
+    pre_ptr=None,
+    stride_pre=0,
+    HAS_PRE: tl.constexpr = False,
 ):
     # Non-gated block: y [M, K] += the overflowed tiles' relu(x . W_up[n] + b_up) * W_down^T[n, :], in place.
-    # wa = W_up [N, K] (any strides); wd = W_down^T [N, K] with a unit column stride.
+    # wa = W_up [N, K] (any strides); wd = W_down^T [N, K] with a unit column stride. HAS_PRE: pre [M, N] holds
+    # x W_up^T + b_up (the gate GEMM's output), read instead of a GEMV.
     row = tl.program_id(0).to(tl.int64)
     tiles = tl.arange(0, BLOCK_TILES)
     counts = tl.load(counts_ptr + row * n_tiles + tiles, mask=tiles < n_tiles, other=0)
@@ -532,6 +521,8 @@ def twell_overflow_down_kernel(
             HAS_BA,
             False,
             False,
+            pre_ptr + row * stride_pre if HAS_PRE else pre_ptr,
+            HAS_PRE,
         )
         y_ptrs = y_ptr + row * stride_ym + d
         y = tl.load(y_ptrs, mask=d_mask, other=0.0).to(tl.float32)

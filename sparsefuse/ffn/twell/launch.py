@@ -65,17 +65,9 @@ def _prune_gate_configs(configs, named_args, **kwargs):
 
 _twell_gate_kernel = triton.autotune(
     configs=_gate_configs(),
-    key=["tune_key", "N", "K", "TILE", "SLOTS"],  # with or without a backup alike: the same config, the same sums
+    key=["tune_key", "N", "K", "TILE", "SLOTS"],
     prune_configs_by={"early_config_prune": _prune_gate_configs},
-    reset_to_zero=["backup_count_ptr"],  # the tuning runs claim backup slots too
 )(twell_gate_fwd_kernel)
-
-# Overflowed (token, tile) pairs whose whole pre-activation row the gate keeps for the up/down kernel, at most (one
-# in 4 pairs: a quarter of a dense activation's bytes, allocated only from HEAVY_PASS_MIN_TOKENS tokens). Past it
-# every overflowed tile is recomputed by a GEMV instead (a heavy-tailed batch of 2048 tokens x 32 non-zeros had 20
-# of 45056 pairs overflowed; one of 256 tokens x 128 non-zeros, a few percent).
-BACKUP_FRACTION = 4
-BACKUP_MIN = 64
 
 
 # From this many tokens the gate is cuBLAS's GEMM and a packing pass (twell_pack_kernel) instead of the fused kernel,
@@ -83,7 +75,7 @@ BACKUP_MIN = 64
 # several layout conversions through shared memory there). H200, bf16, 1.5B layer: the fused kernel took 31 / 174 /
 # 623 us at 256 / 2048 / 8192 tokens against cuBLAS's 11 / 62 / 241 for the GEMM alone. Below it the fused kernel
 # (64-column tiles, one launch) stays.
-GATE_GEMM_MIN_TOKENS = 128
+GATE_GEMM_MIN_TOKENS = 64
 PACK_BLOCK_M = (
     8  # tokens per packing program, with PACK_WARPS warps (H200: the fastest of 8-64 x 2-8 at 256-8192 tokens)
 )
@@ -220,32 +212,16 @@ def _complete_dense(twell: TwELL, x2, w_act, b_act, compute: torch.dtype) -> tor
     return torch.where(over, recomputed, clean.to_dense().to(compute))
 
 
-@dataclasses.dataclass(frozen=True)
-class GateBackup:
-    """The overflowed tiles' pre-activations kept by the gate kernel: rows [cap, tile] (x2's dtype), slot
-    [M, n_tiles] int32 (meaningful where the tile overflowed: the row in ``rows``, -1 if it found no room), count [1]
-    int32 (overflowed pairs in all; the up/down kernel uses the backup only when count <= cap)."""
-
-    rows: torch.Tensor
-    slot: torch.Tensor
-    count: torch.Tensor
-
-    @property
-    def cap(self) -> int:
-        return self.rows.shape[0]
-
-
 def launch_gate(
     x2: torch.Tensor,
     w: torch.Tensor,
     b: torch.Tensor | None,
     tile: int,
     compression: int,
-    backup: GateBackup | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Kernel 1: TwELL (values [M, n_tiles * slots], indices int32 likewise, counts [M, n_tiles] int32) of
-    ``relu(x2 w^T + b)``; w [N, K] any strides. With ``backup`` (see :func:`new_gate_backup`) the overflowed tiles'
-    pre-activations are kept there too."""
+    ``relu(x2 w^T + b)``; w [N, K] any strides. Fourth: the dense pre-activations ``x2 w^T + b`` [M, N] where the
+    gate ran as cuBLAS's GEMM and a packing pass (from GATE_GEMM_MIN_TOKENS tokens), else None."""
     M, K = x2.shape
     N = w.shape[0]
     n_tiles, slots = triton.cdiv(N, tile), tile // compression
@@ -254,21 +230,21 @@ def launch_gate(
         compute = _backend.compute_dtype(x2.dtype)
         pre = F.linear(x2.to(compute), w.to(compute), b.to(compute) if b is not None else None)
         t = TwELL.from_dense(torch.relu(pre).to(x2.dtype), tile, compression)
-        return t.values, t.indices, t.counts
+        return t.values, t.indices, t.counts, None
     values = new_output((M, n_tiles * slots), x2.dtype, x2.device)  # poisoned under test: every slot is written
     indices = torch.empty(M, n_tiles * slots, dtype=torch.int32, device=x2.device)
     counts = torch.empty(M, n_tiles, dtype=torch.int32, device=x2.device)
     if M == 0:
-        return values, indices, counts
+        return values, indices, counts, None
     if M >= GATE_GEMM_MIN_TOKENS:
         pre = F.linear(x2, w, b)  # [M, N]: cuBLAS's GEMM, then a packing pass over it
         block_m = 16 if _backend.INTERPRET else PACK_BLOCK_M
         twell_pack_kernel[(triton.cdiv(M, block_m) * n_tiles,)](
             pre, values, indices, counts, M, N, n_tiles, pre.stride(0),
-            TILE=tile, SLOTS=slots, BLOCK_M=block_m, num_warps=PACK_WARPS, **_backup_args(backup),
+            TILE=tile, SLOTS=slots, BLOCK_M=block_m, num_warps=PACK_WARPS,
         )  # fmt: skip
         record_launch("twell_pack_kernel")
-        return values, indices, counts
+        return values, indices, counts, pre
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * n_tiles,)  # noqa: E731
     _twell_gate_kernel[grid](
         x2,
@@ -289,35 +265,14 @@ def launch_gate(
         SLOTS=slots,
         HAS_BIAS=b is not None,
         IEEE_FP32=ieee_fp32(x2.dtype),
-        backup_ptr=backup.rows if backup else values,
-        backup_slot_ptr=backup.slot if backup else counts,
-        backup_count_ptr=backup.count if backup else counts.view(-1)[:1],  # unused without one; tuning zeroes it
-        backup_cap=backup.cap if backup else 0,
-        HAS_BACKUP=backup is not None,
     )
     record_launch("twell_gate_fwd_kernel")
-    return values, indices, counts
+    return values, indices, counts, None
 
 
-def new_gate_backup(M: int, N: int, tile: int, like: torch.Tensor) -> GateBackup | None:
-    """Room for 1/BACKUP_FRACTION of the (token, tile) pairs (at least BACKUP_MIN); None on the torch backend."""
-    if backend_for(like) is Backend.TORCH or M == 0:
-        return None
-    n_tiles = triton.cdiv(N, tile)
-    cap = max(BACKUP_MIN, M * n_tiles // BACKUP_FRACTION)
-    return GateBackup(
-        rows=torch.empty(cap, tile, dtype=like.dtype, device=like.device),
-        slot=torch.empty(M, n_tiles, dtype=torch.int32, device=like.device),
-        count=torch.zeros(1, dtype=torch.int32, device=like.device),
-    )
-
-
-def _backup_args(backup: GateBackup | None) -> dict:
-    """The backup's kernel arguments (none without one: the kernels' defaults)."""
-    if backup is None:
-        return {}
-    return dict(backup_ptr=backup.rows, backup_slot_ptr=backup.slot, backup_count_ptr=backup.count,
-                backup_cap=backup.cap, HAS_BACKUP=True)  # fmt: skip
+def _pre_args(pre: torch.Tensor | None) -> dict:
+    """The dense pre-activations' kernel arguments (none without them: the kernels' defaults, a GEMV instead)."""
+    return {} if pre is None else dict(pre_ptr=pre, stride_pre=pre.stride(0), HAS_PRE=True)
 
 
 def launch_up_down(
@@ -333,10 +288,11 @@ def launch_up_down(
     b_down,
     tile: int,
     compression: int,
-    backup: GateBackup | None = None,
+    pre: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Kernel 2: y [M, K] = (h_g * (x2 w_up^T + b_up)) w_down_t + b_down for h_g given as TwELL; w_gate/b_gate are
-    read only to recompute overflowed tiles (unless ``backup``, filled by :func:`launch_gate`, holds them all)."""
+    """Kernel 2: y [M, K] = (h_g * (x2 w_up^T + b_up)) w_down_t + b_down for h_g given as TwELL; overflowed tiles
+    read their pre-activations from ``pre`` [M, N] (x2 w_gate^T + b_gate, unit column stride) when given, else
+    recompute them from w_gate/b_gate."""
     M, K = x2.shape
     N = w_up.shape[0]
     y = new_output((M, K), x2.dtype, x2.device)
@@ -354,7 +310,7 @@ def launch_up_down(
     heavy_pass = M >= HEAVY_PASS_MIN_TOKENS
     order = heavy_first_order(counts, slots, plan.block_j) if plan.ordered else counts
     operands = (values, indices, counts, order, x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, y)
-    options = dict(tile=tile, slots=slots, n_tiles=n_tiles, plan=plan, **_backup_args(backup))
+    options = dict(tile=tile, slots=slots, n_tiles=n_tiles, plan=plan, **_pre_args(pre))
     if heavy_pass:
         splits = _heavy_splits(M, n_tiles)
         cap = min(M, max(1, HEAVY_PARTIAL_BYTES // (splits * K * 4)))
@@ -478,7 +434,7 @@ def launch_relu_mlp(x2, w_up, b_up, w_down_t, b_down, tile: int, compression: in
     M, K = x2.shape
     N = w_up.shape[0]
     tile = tile or auto_tile(M, N, compression)
-    values, indices, counts = launch_gate(x2, w_up, b_up, tile, compression)
+    values, indices, counts, pre = launch_gate(x2, w_up, b_up, tile, compression)
     if backend_for(x2) is Backend.TORCH:
         _backend.warn_reference_once("twell_relu_mlp")
         compute = _backend.compute_dtype(x2.dtype)
@@ -514,6 +470,7 @@ def launch_relu_mlp(x2, w_up, b_up, w_down_t, b_down, tile: int, compression: in
         BLOCK_K=64 if _backend.INTERPRET else min(block_d, 1024),
         BLOCK_D=block_d,
         HAS_BA=b_up is not None,
+        **_pre_args(pre),
     )
     record_launch("twell_overflow_down_kernel")
     return y
@@ -544,11 +501,9 @@ def launch_mlp(
             return y, _no_stats(x2, with_stats)
         return y, sampled_nonzero_stats(pre, STATS_TOKENS, positive=True)
     tile = tile or auto_tile(M, w_gate.shape[0], compression)
-    # only where the heavy launch spreads the overflowed tiles: below, the gate's epilogue stays as light as it can
-    backup = new_gate_backup(M, w_gate.shape[0], tile, x2) if M >= HEAVY_PASS_MIN_TOKENS else None
-    values, indices, counts = launch_gate(x2, w_gate, b_gate, tile, compression, backup)
+    values, indices, counts, pre = launch_gate(x2, w_gate, b_gate, tile, compression)
     y = launch_up_down(
-        values, indices, counts, x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile, compression, backup
+        values, indices, counts, x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile, compression, pre
     )
     if not with_stats:
         return y, _no_stats(x2, with_stats)
