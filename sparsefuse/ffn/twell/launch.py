@@ -72,10 +72,12 @@ _twell_gate_kernel = triton.autotune(
 
 # From this many tokens the gate is cuBLAS's GEMM and a packing pass (twell_pack_kernel) instead of the fused kernel,
 # whose packing epilogue runs on the tensor-core accumulator's register layout (a scan along each tile row costs
-# several layout conversions through shared memory there). H200, bf16, 1.5B layer: the fused kernel took 31 / 174 /
-# 623 us at 256 / 2048 / 8192 tokens against cuBLAS's 11 / 62 / 241 for the GEMM alone. Below it the fused kernel
-# (64-column tiles, one launch) stays.
-GATE_GEMM_MIN_TOKENS = 64
+# several layout conversions through shared memory there): H200, bf16, 1.5B layer, the fused kernel took 31 / 174 /
+# 623 us at 256 / 2048 / 8192 tokens against cuBLAS's 11 / 62 / 241 for the GEMM alone (the GEMM and packing pass:
+# 16 / 86 / 354). Its dense pre-activations also stay for the up/down kernel, whose overflowed tiles read them
+# instead of a GEMV over the gate (16 tokens of ~512 non-zeros: 184 -> 72 us). Below 16 tokens the fused kernel
+# (one launch, 64-column tiles) is ~1 us faster where nothing overflows, the common decode case.
+GATE_GEMM_MIN_TOKENS = 16
 PACK_BLOCK_M = (
     8  # tokens per packing program, with PACK_WARPS warps (H200: the fastest of 8-64 x 2-8 at 256-8192 tokens)
 )
