@@ -6,22 +6,25 @@ Gated block (Llama-style, ``nn.Linear`` weight layouts, ``K`` = hidden size, ``N
     h_g = relu(x @ W_gate^T + b_gate)        x [M, K], W_gate [N, K]
     y   = (h_g * (x @ W_up^T + b_up)) @ W_down^T + b_down        W_up [N, K], W_down [K, N]
 
-Two kernels (inference, :mod:`.kernels`):
+Two steps (inference, :mod:`.kernels`):
 
-1. ``twell_gate_fwd_kernel``: a ``tl.dot`` tile of [BLOCK_M tokens, TILE columns] of ``x @ W_gate^T`` whose
-   epilogue applies the ReLU and writes TwELL (see :class:`sparsefuse.sparse.TwELL`) instead of the dense tile: one
-   program owns a whole (rows, tile) block, so each row's in-tile rank is a ``cumsum`` over the tile -- no atomics,
-   deterministic, column order. The dense [M, N] gate activations never reach memory. Counts are exact totals.
+1. The gate, as TwELL (see :class:`sparsefuse.sparse.TwELL`): from ``GATE_GEMM_MIN_TOKENS`` tokens cuBLAS's GEMM
+   ``x @ W_gate^T`` and ``twell_pack_kernel`` over its output; below, ``twell_gate_fwd_kernel``, a ``tl.dot`` tile
+   of [BLOCK_M tokens, TILE columns] whose epilogue packs it (the dense gate never reaches memory, but the rank's
+   scan on the tensor-core accumulator's layout is slow past small batches). Either way one program owns a whole
+   (rows, tile) block and applies the ReLU, so each row's in-tile rank is a ``cumsum`` over the tile -- no atomics,
+   deterministic, column order. Counts are exact totals.
 2. ``twell_up_down_fwd_kernel``: per token, walks its stored non-zeros: ``u = x[m] . W_up[n, :]`` (a contiguous
    row of ``up_proj.weight``), ``y[m] += h_g[m, n] * u * W_down^T[n, :]`` (a contiguous row when
    ``down_proj.weight`` is stored column-major: :func:`twell_down_layout`). fp32 accumulation throughout.
 
 Overflow is never silent: a (token, tile) with more non-zeros than its ``TILE / C`` slots is flagged by its count;
-kernel 2 skips that tile's stored entries and computes the whole tile: from the pre-activation row kernel 1 kept in
-a backup (from ``HEAVY_PASS_MIN_TOKENS`` tokens, when every overflowed pair found room), else recomputed from ``x``
-and ``W_gate`` (a GEMV over TILE columns for that token only). The result is exact whatever the sparsity, with no
-host sync. From the same batch size the heavy tokens (an overflowed tile, or many entries) are listed on the device
-and split over more programs by a second launch of kernel 2 (:mod:`.heavy_kernels`).
+kernel 2 skips that tile's stored entries and computes the whole tile: from the gate GEMM's pre-activation row (its
+[M, N] output, kept for the call), whose fired columns it walks like stored entries, or below
+``GATE_GEMM_MIN_TOKENS`` tokens recomputed from ``x`` and ``W_gate`` (a GEMV over TILE columns for that token
+only). The result is exact whatever the sparsity, with no host sync. From ``HEAVY_PASS_MIN_TOKENS`` tokens the heavy
+tokens (an overflowed tile, or many entries) are listed on the device and split over more programs by a second
+launch of kernel 2 (:mod:`.heavy_kernels`).
 
 Non-gated block (``y = relu(x @ W_up^T + b_up) @ W_down^T + b_down``): kernel 1 on W_up, ``twell_to_ell_kernel``
 packs the TwELL rows into ELL on the device, the shared :func:`sparsefuse.sparse.sparse_matmul` runs, and

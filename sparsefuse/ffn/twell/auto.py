@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 
 import torch
@@ -26,41 +27,42 @@ from ..._auto import (
     observable,
     pick_fastest,
 )
-from .launch import auto_tile
+from .launch import DEFAULT_COMPRESSION, GATE_GEMM_MIN_TOKENS, auto_tile
 
 PROBE_TOKENS = 64  # tokens whose gate the auto probe computes densely
 
 
 @dataclasses.dataclass
 class CostModel:
-    """Rates for the auto decision, fitted to H200 runs (1.5B shape, bf16, synthetic heavy-tailed sparsity, ~31
-    non-zeros per token): the TwELL gate kernel took 2.3-2.8x cuBLAS's gate matmul from 2048 tokens up (its
-    epilogue, not its mainloop: a counts-only epilogue ran at 1.1-1.2x); kernel 2 moved its weight rows at ~0.9 TB/s
-    on the heavy-tailed batch (fitted before heavy tokens got their own launch and overflowed tiles a backup: from
-    128 tokens kernel 2 is now faster than this rate says; the model only ever picks twell at small batches) against
-    ~6 TB/s on a tail-free one; and the fused path took 28 us at 16 tokens (1.05x dense eager at 32 non-zeros; 201 us
-    at 512). With these the model picks twell at 16 tokens x 32 non-zeros and dense elsewhere on the measured grid,
-    as measured.
+    """Rates for the auto decision, fitted to an H200 run of the ffn grid (1.5B and 8B shapes, bf16, synthetic
+    heavy-tailed sparsity, 1-256 tokens): with these every pick of twell or dense there is within 5% of the faster
+    one but one (8B shape, 64 tokens, 8 non-zeros: twell, 9% slower than dense); twell up to ~128 non-zeros at 16
+    tokens of the 8B shape, ~32 at 1.5B, dense from 128 tokens of 1.5B. The gate costs its GEMM plus a pass over its
+    [M, N] output (the packing, measured at ~1 TB/s); kernel 2's weight-row gathers ran at ~0.8 TB/s on the
+    heavy-tailed batch against ~6 TB/s on a tail-free one; below
+    GATE_GEMM_MIN_TOKENS an overflowed tile costs a GEMV over its TILE gate rows (counted for a Poisson count per
+    tile at the mean, which the heavy tail exceeds).
 
     ``gather_bytes_per_s`` is kernel 2's effective rate for weight-row gathers when the GPU is full; with fewer than
-    ``2 * n_sms`` programs it scales down in proportion. ``twell_overhead`` scales the gate matmul for the TwELL
-    epilogue; ``serial_s_per_step`` is kernel 2's time per step of a token's chain (4 entries); ``min_s`` is the
-    fused path's floor at tiny batches."""
+    ``2 * n_sms`` programs it scales down in proportion. ``serial_s_per_step`` is kernel 2's time per step of a
+    token's chain (4 entries); ``min_s`` is the fused path's floor at tiny batches."""
 
     matmul_flops_per_s: float = 600e12  # bf16/fp16 tensor cores
     fp32_matmul_flops_per_s: float = 50e12
     dram_bytes_per_s: float = 3.0e12
-    gather_bytes_per_s: float = 0.9e12
+    gather_bytes_per_s: float = 0.8e12
+    pack_bytes_per_s: float = 1.0e12
     launch_s: float = 3e-6
-    twell_overhead: float = 2.5
     serial_s_per_step: float = 1.5e-6
     min_s: float = 25e-6
     n_sms: int = 132
     # Whole-model decode steps (synthetic Llama, 1.5B shape, per-layer means 17-41 with a heavy tail, H100) ran the
-    # fused path at 1.37x / 1.13x / 0.67x of dense for 1 / 8 / 32 tokens, where the terms above predict 1.25x /
+    # fused path at 1.37x / 1.13x / 0.67x of dense for 1 / 8 / 32 tokens, where the terms above predicted 1.25x /
     # 1.20x / 1.00x: the slowest token's chain grows with the batch's tail. The prediction is scaled by
-    # (1 + M / tail_tokens) to follow that.
-    tail_tokens: float = 160.0
+    # (1 + M / tail_tokens) to follow that, refitted on the H200 grid (64 tokens of 1.5B ran 1.7x dense at 8 non-zeros
+    # where 32 ran 0.77x); past a few hundred tokens it over-predicts (8192 tokens ran 0.5-1.1x dense, never faster
+    # than the block path, which auto takes there).
+    tail_tokens: float = 80.0
     # row-block path (method="block"): the up/down products' rate on the model's uniform-firing union estimate,
     # scaled like the dense terms (which the model over-predicts by ~1.25x) so the two compare fairly. Fitted to
     # the full ffn grid on an H200: the model predicts the block path within -28%..+7% of its measured ratio to
@@ -83,14 +85,24 @@ def _matmul_s(M: int, K: int, N: int, elem: int, fp32: bool, cm: CostModel) -> f
     return max(2.0 * M * K * N / rate, (M * K + K * N + M * N) * elem / cm.dram_bytes_per_s) + cm.launch_s
 
 
+def _poisson_tail(mean: float, k: int) -> float:
+    """P(X > k) for X ~ Poisson(mean): the share of a token's tiles past their k slots, were its non-zeros spread
+    at random."""
+    term = total = math.exp(-mean)
+    for i in range(1, k + 1):
+        term *= mean / i
+        total += term
+    return max(0.0, 1.0 - total)
+
+
 def predicted_times(
     M: int, K: int, N: int, mean_nnz: float, dtype: torch.dtype, cost_model: CostModel | None = None
 ) -> tuple[float, float]:
     """(twell seconds, dense seconds) predicted for a gated block of M tokens with ``mean_nnz`` gate non-zeros per
-    token. Dense: three matmuls plus the ReLU and product passes over [M, N]. Twell: the gate matmul with its
-    epilogue, plus kernel 2's row gathers -- per non-zero a W_up row for each of the token's ``splits`` programs
-    and a W_down row -- at the gather rate scaled by how full the GPU is, but never faster than reading the
-    distinct rows touched from DRAM once."""
+    token. Dense: three matmuls plus the ReLU and product passes over [M, N]. Twell: the gate matmul and its packing
+    pass, plus kernel 2's row gathers -- per non-zero a W_up row for each of the token's ``splits`` programs and a
+    W_down row -- at the gather rate scaled by how full the GPU is, but never faster than reading the distinct rows
+    touched from DRAM once; below GATE_GEMM_MIN_TOKENS, the overflowed tiles' GEMVs too."""
     cm = cost_model or COST_MODEL
     elem = torch.finfo(dtype).bits // 8
     fp32 = dtype == torch.float32
@@ -100,6 +112,11 @@ def predicted_times(
     splits = 1 if M >= wave else min(triton.cdiv(N, auto_tile(M, N, 1)), triton.cdiv(wave, max(M, 1)))
     occupancy = min(1.0, M * splits / wave)
     gathered = M * mean_nnz * 2.0 * K * elem  # a W_up row and a W_down row per non-zero
+    if M < GATE_GEMM_MIN_TOKENS:  # the fused gate keeps no pre-activations: an overflowed tile's GEMV reads its rows
+        tile = auto_tile(M, N, DEFAULT_COMPRESSION)
+        gathered += (
+            M * triton.cdiv(N, tile) * _poisson_tail(mean_nnz * tile / N, tile // DEFAULT_COMPRESSION) * tile * K * elem
+        )
     distinct_rows = N * (1.0 - (1.0 - min(mean_nnz, N) / N) ** M) if N else 0.0
     steps = mean_nnz / (4.0 * splits)  # a token's serial chain: 4 entries per step, its tiles over `splits`
     gathers = max(
@@ -107,7 +124,8 @@ def predicted_times(
         distinct_rows * 2.0 * K * elem / cm.dram_bytes_per_s,
         steps * cm.serial_s_per_step,
     )
-    twell = max(cm.min_s, cm.twell_overhead * gate + gathers + 2.0 * M * K * elem / cm.dram_bytes_per_s + cm.launch_s)
+    pack = M * N * elem / cm.pack_bytes_per_s
+    twell = max(cm.min_s, gate + pack + gathers + 2.0 * M * K * elem / cm.dram_bytes_per_s + cm.launch_s)
     return twell * (1.0 + M / cm.tail_tokens), dense
 
 

@@ -25,12 +25,11 @@ from ..._validation import (
 )
 from ...sparse.formats import ELL, TwELL
 from .auto import resolve_method
-from .launch import launch_mlp, launch_relu_mlp, launch_to_ell
+from .launch import DEFAULT_COMPRESSION, launch_mlp, launch_relu_mlp, launch_to_ell
 from .op import twell_gate_op, twell_mlp_op, twell_relu_mlp_op, twell_up_down_op
 from .reference import dense_mlp
 
 METHODS = ("auto", "twell", "block", "dense")
-DEFAULT_COMPRESSION = 8  # slots = tile / 8: 32 slots per 256-column tile (the paper's setting)
 
 
 def twell_down_layout(w_down: torch.Tensor) -> torch.Tensor:

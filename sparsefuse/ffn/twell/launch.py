@@ -26,6 +26,7 @@ from .kernels import (
     twell_up_down_fwd_kernel,
 )
 
+DEFAULT_COMPRESSION = 8  # slots = tile / 8: 32 slots per 256-column tile (the paper's setting)
 STATS_TOKENS = 256  # tokens whose non-zeros the dense and block paths count for a SparsityMonitor
 
 
