@@ -240,8 +240,12 @@ def _exercise_ops(dtype: torch.dtype, ffn: bool) -> None:
         return
     K, N = 64, 256  # 64 tokens: several row blocks (heavy-first schedule) and row sorting (block plan)
     xf, w_gate, w_up, w_down = r(64, K), r(N, K, scale=0.2), r(N, K, scale=0.2), r(K, N, scale=0.1)
-    # the TwELL tiles' kernels take 16 tokens (the interpreter walks each token's tile); the block method the 64
-    sparsefuse.twell_mlp(xf[:16], w_gate, w_up, w_down, b_gate=r(N), method="twell")
+    # the TwELL tiles' kernels take 15 tokens (the fused gate; overflowed tiles by GEMV) and 16 (cuBLAS's gate GEMM,
+    # its packing pass, overflowed tiles from its output): the interpreter walks each token's tile; the block method
+    # takes the 64
+    for tokens in (15, 16):
+        sparsefuse.twell_mlp(xf[:tokens], w_gate, w_up, w_down, b_gate=r(N), method="twell")
+        sparsefuse.twell_relu_mlp(xf[:tokens], w_up, w_down, method="twell")  # "twell" or "dense" only
     from sparsefuse.ffn.twell import launch as twell_launch
 
     saved, twell_launch.HEAVY_PASS_MIN_TOKENS = twell_launch.HEAVY_PASS_MIN_TOKENS, 16  # the heavy tokens' launches
@@ -250,7 +254,6 @@ def _exercise_ops(dtype: torch.dtype, ffn: bool) -> None:
     finally:
         twell_launch.HEAVY_PASS_MIN_TOKENS = saved
     sparsefuse.twell_mlp(xf, w_gate, w_up, w_down, b_gate=r(N), method="block")
-    sparsefuse.twell_relu_mlp(xf[:16], w_up, w_down, method="twell")  # "twell" or "dense" only
     for layout in ("block", "hybrid", "dense"):
         leaves = [t.detach().clone().requires_grad_() for t in (xf, w_gate, w_up, w_down)]
         out = hybrid_mlp(*leaves, b_gate=r(N, grad=True), layout=layout)

@@ -207,7 +207,7 @@ def _splade_pool(d):
 
 def _ffn_case(d, gated):
     dtype = d.choice([torch.float32, torch.float16])
-    M, K, N = d.size(0, 9), d.size(1, 24), d.size(1, 70)
+    M, K, N = d.size(0, 20), d.size(1, 24), d.size(1, 70)  # from 16 tokens the TwELL gate is a GEMM
     x = d.tensor(M, K, dtype=dtype)
     wg, wd = d.tensor(N, K, dtype=dtype, scale=K**-0.5), d.tensor(K, N, dtype=dtype, scale=N**-0.5)
     wu = d.tensor(N, K, dtype=dtype, scale=K**-0.5) if gated else None
