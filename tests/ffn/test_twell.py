@@ -326,7 +326,7 @@ def test_auto_default_call_syncs_once_in_the_weights_life(device, monkeypatch):
 
 def test_predicted_crossover_is_monotone_and_matches_the_measured_grid():
     # For a fixed batch the prediction changes at most once, from twell to dense, as density grows.
-    for M in (1, 256, 8192):
+    for M in (1, 16, 32, 64, 256, 8192):
         wins = [
             predicted_times(M, 2048, 5632, nnz, torch.bfloat16)[0]
             < predicted_times(M, 2048, 5632, nnz, torch.bfloat16)[1]
@@ -359,6 +359,12 @@ def test_predicted_crossover_is_monotone_and_matches_the_measured_grid():
         (16384, 2048, 5632, 512, {"dense"}),
         (16, 4096, 14336, 512, {"dense"}),
         (1, 2048, 5632, 512, {"dense"}),
+        # a probe on the same kernels at 16-128 tokens (twell's time over dense's in the comment)
+        (32, 2048, 5632, 8, {"twell"}),  # 0.77
+        (16, 4096, 14336, 128, {"twell"}),  # 0.78
+        (64, 2048, 5632, 8, {"dense"}),  # 1.72
+        (64, 4096, 14336, 32, {"dense"}),  # 1.72
+        (128, 2048, 5632, 8, {"dense"}),  # 1.78
     ]
     for M, K, N, nnz, picks in measured:
         assert twell_auto.auto_method(M, K, N, nnz, torch.bfloat16) in picks, (M, K, N, nnz)
