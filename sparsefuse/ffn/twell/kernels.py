@@ -348,8 +348,9 @@ def twell_up_down_fwd_kernel(
         acc = accumulate_rows(acc, tl.where(j_mask, h_gate * u, 0.0), n, j_mask, wd_ptr, stride_wd, d, d_mask)
     if HEAVY_PASS:
         # the listed tokens with an overflowed tile come first (heavy_count[1] of them); each split of such a token
-        # takes its own interleaved column chunks of every overflowed tile of the row (a tile's GEMV over the gate is
-        # the longest serial work a token has)
+        # takes its own interleaved share of every overflowed tile of the row (groups of its fired columns read from
+        # pre, or column chunks of the GEMV over the gate without it): a whole tile is the longest serial work a
+        # token has
         has_overflow = p < tl.load(heavy_count_ptr + 1)
         r_begin, r_end, c_begin, c_step = 0, n_tiles, split * BLOCK_C, n_splits * BLOCK_C
         j_begin, j_step = split * BLOCK_J, n_splits * BLOCK_J

@@ -93,9 +93,9 @@ def auto_tile(M: int, N: int, compression: int) -> int:
 
 
 # From this many tokens the heaviest are taken out of the main launch (up to a cap) and split over HEAVY_SPLITS
-# programs each by a second launch: a token's entries and its overflowed tiles (each a GEMV of the tile's gate
-# columns) are otherwise walked by its own one or two programs, and the heaviest sets the launch's length (H200,
-# 1.5B layer, heavy tail: 2048 tokens of mean 32 non-zeros, 20 overflowed tiles, took 10x the dense block).
+# programs each by a second launch: a token's entries and its overflowed tiles (each a whole tile's columns) are
+# otherwise walked by its own one or two programs, and the heaviest sets the launch's length (H200, 1.5B layer,
+# heavy tail: 2048 tokens of mean 32 non-zeros, 20 overflowed tiles recomputed by GEMVs, took 10x the dense block).
 HEAVY_PASS_MIN_TOKENS = 128
 HEAVY_SPLITS = 16  # programs per heavy token, up to HEAVY_SPLITS_TOKENS tokens; fewer past it, down to 4
 HEAVY_SPLITS_TOKENS = 1024
