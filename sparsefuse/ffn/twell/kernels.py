@@ -226,16 +226,25 @@ def _overflowed_tiles_from_pre(
                 j = j0 + tl.arange(0, BLOCK_J)  # [BLOCK_J]
                 j_mask = j < n
                 idx, h_gate = pick_nonzeros(h, cols, rank, j)
-                w_up = tl.load(
-                    wu_ptr + idx[:, None].to(tl.int64) * stride_wu + d[None, :],
-                    mask=j_mask[:, None] & d_mask[None, :],
-                    other=0.0,
-                )  # [BLOCK_J, BLOCK_D]
-                u = tl.sum(w_up.to(tl.float32) * x[None, :], axis=1)  # [BLOCK_J]
-                if HAS_BU:
-                    u += tl.load(bu_ptr + idx, mask=j_mask, other=0.0).to(tl.float32)
-                acc = accumulate_rows(acc, tl.where(j_mask, h_gate * u, 0.0), idx, j_mask, wd_ptr, stride_wd, d, d_mask)
+                acc = _up_down_step(
+                    acc, x, idx, h_gate, j_mask, wu_ptr, stride_wu, bu_ptr, wd_ptr, stride_wd, d, d_mask, HAS_BU
+                )
     return acc
+
+
+@triton.jit
+def _up_down_step(
+    acc, x, n, h_gate, j_mask, wu_ptr, stride_wu, bu_ptr, wd_ptr, stride_wd, d, d_mask, HAS_BU: tl.constexpr
+):  # fmt: skip
+    """One step of kernel 2 over BLOCK_J fired neurons n [BLOCK_J] of a token with gate values h_gate: u = x . W_up[n]
+    (+ b_up[n]), a whole W_up row against x [BLOCK_D] in registers, then acc [BLOCK_D] += h_gate * u * W_down^T[n]."""
+    w_up = tl.load(
+        wu_ptr + n[:, None].to(tl.int64) * stride_wu + d[None, :], mask=j_mask[:, None] & d_mask[None, :], other=0.0
+    )  # [BLOCK_J, BLOCK_D]
+    u = tl.sum(w_up.to(tl.float32) * x[None, :], axis=1)  # [BLOCK_J]
+    if HAS_BU:
+        u += tl.load(bu_ptr + n, mask=j_mask, other=0.0).to(tl.float32)
+    return accumulate_rows(acc, tl.where(j_mask, h_gate * u, 0.0), n, j_mask, wd_ptr, stride_wd, d, d_mask)
 
 
 @triton.jit
@@ -339,13 +348,9 @@ def twell_up_down_fwd_kernel(
         slot = row_slots + tile_of_j * SLOTS + (j - first_of_tile)
         n = tl.load(indices_ptr + slot, mask=j_mask, other=0)  # [BLOCK_J] neuron ids
         h_gate = tl.load(values_ptr + slot, mask=j_mask, other=0.0).to(tl.float32)
-        w_up = tl.load(
-            wu_ptr + n[:, None].to(tl.int64) * stride_wu + d[None, :], mask=j_mask[:, None] & d_mask[None, :], other=0.0
-        )  # [BLOCK_J, BLOCK_D]
-        u = tl.sum(w_up.to(tl.float32) * x[None, :], axis=1)  # [BLOCK_J]
-        if HAS_B_UP:
-            u += tl.load(bu_ptr + n, mask=j_mask, other=0.0).to(tl.float32)
-        acc = accumulate_rows(acc, tl.where(j_mask, h_gate * u, 0.0), n, j_mask, wd_ptr, stride_wd, d, d_mask)
+        acc = _up_down_step(
+            acc, x, n, h_gate, j_mask, wu_ptr, stride_wu, bu_ptr, wd_ptr, stride_wd, d, d_mask, HAS_B_UP
+        )
     if HEAVY_PASS:
         # the listed tokens with an overflowed tile come first (heavy_count[1] of them); each split of such a token
         # takes its own interleaved share of every overflowed tile of the row (groups of its fired columns read from

@@ -79,9 +79,8 @@ _twell_gate_kernel = triton.autotune(
 # instead of a GEMV over the gate (16 tokens of ~512 non-zeros: 184 -> 72 us). Below 16 tokens the fused kernel
 # (one launch, 64-column tiles) is ~1 us faster where nothing overflows, the common decode case.
 GATE_GEMM_MIN_TOKENS = 16
-PACK_BLOCK_M = (
-    8  # tokens per packing program, with PACK_WARPS warps (H200: the fastest of 8-64 x 2-8 at 256-8192 tokens)
-)
+# tokens per packing program, and its warps (H200: the fastest of 8-64 tokens x 2-8 warps at 256-8192 tokens)
+PACK_BLOCK_M = 8
 PACK_WARPS = 4
 
 
