@@ -168,25 +168,29 @@ def block_csc_kernel(
     offsets_ptr,
     pair_ptr,
     src_ptr,
+    order_ptr,
+    rows_ptr,
     M,
     N,
     width,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_C: tl.constexpr,
     FILL: tl.constexpr,
+    HAS_ORDER: tl.constexpr,
 ):
     # BlockELL values [M, width], indices [n_blocks, width], counts [n_blocks]. Program (c, blk) takes slots
     # [c * BLOCK_C, (c + 1) * BLOCK_C) of block blk and finds the rows of the block holding a non-zero there.
     # Count pass (not FILL): pair[blk, col] = how many. Fill pass: each such (row, slot) gets the position
     # offsets[col] + start[blk, col] + (its rank among the block's non-zeros of that column, by row), start being
-    # the column's entries in the blocks before, and its flat slot index
-    # row * width + slot is written there -- every position once: no atomics, the same layout every run.
+    # the column's entries in the blocks before, and its flat slot index row * width + slot is written to src there
+    # and its matrix row (order[row] with HAS_ORDER) to rows -- every position once: no atomics, the same layout
+    # every run.
     chunk = tl.program_id(0)
     block = tl.program_id(1)
     count = tl.load(counts_ptr + block)
     if chunk * BLOCK_C < count:
-        _, p_mask, cols, _, _, _, mask, flat = block_slots(
-            indices_ptr, indices_ptr, block, chunk, count, M, width, BLOCK_ROWS, BLOCK_C, True, False
+        _, p_mask, cols, _, rows, _, mask, flat = block_slots(
+            indices_ptr, order_ptr, block, chunk, count, M, width, BLOCK_ROWS, BLOCK_C, True, HAS_ORDER and FILL
         )  # [BLOCK_ROWS, BLOCK_C] flat slot indices
         v = tl.load(values_ptr + flat, mask=mask, other=0.0)
         nz = ((v != 0) & mask).to(tl.int32)
@@ -195,6 +199,8 @@ def block_csc_kernel(
             start += tl.load(offsets_ptr + cols, mask=p_mask, other=0)
             position = start[None, :] + (tl.cumsum(nz, axis=0) - nz)
             tl.store(src_ptr + position, flat.to(src_ptr.dtype.element_ty), mask=nz > 0)
+            matrix_rows = tl.broadcast_to(rows[:, None], [BLOCK_ROWS, BLOCK_C]).to(rows_ptr.dtype.element_ty)
+            tl.store(rows_ptr + position, matrix_rows, mask=nz > 0)
         else:
             tl.store(pair_ptr + block.to(tl.int64) * N + cols, tl.sum(nz, axis=0), mask=p_mask)
 
@@ -219,15 +225,17 @@ def block_ell_transpose(
     :func:`sparsefuse.sparse.block_sddmm` with ``factors``), saves the first pass; it is only read. Or
     ``count_table``, the same counts as :func:`column_count_table` lays them out: this call takes it over and
     overwrites it with its prefix sums.
-    The index array is allocated for every slot that could hold a non-zero (``M * N`` entries: 4 bytes each while
-    ``M * width < 2**31``), since the count is only known on the device."""
+    The index arrays are allocated for every slot that could hold a non-zero (``M * min(width, N)`` entries: 4
+    bytes each while ``M * width < 2**31``), since the count is only known on the device."""
     values = sparse.values
     M, width = values.shape
     N, n_blocks = sparse.n_cols, sparse.counts.shape[0]
     index_dtype = torch.int32 if M * width < 2**31 else torch.int64
-    src = torch.empty(M * N, dtype=index_dtype, device=values.device)
+    capacity = M * min(width, N)
+    src = torch.empty(capacity, dtype=index_dtype, device=values.device)
+    rows = torch.empty(capacity, dtype=torch.int32 if M < 2**31 else torch.int64, device=values.device)
     offsets = torch.zeros(N + 1, dtype=torch.int64, device=values.device)
-    csc = BlockCSC(src, offsets, width, sparse.row_order, M, N)
+    csc = BlockCSC(src, offsets, width, sparse.row_order, M, N, rows)
     if M == 0 or N == 0:
         return csc
     if backend_for(values) is Backend.TORCH:
@@ -235,7 +243,9 @@ def block_ell_transpose(
     block_c = 16 if _backend.INTERPRET else 128
     grid = (triton.cdiv(width, block_c), n_blocks)
     args = (sparse.indices, sparse.counts)
-    common = dict(BLOCK_ROWS=sparse.block_rows, BLOCK_C=block_c, num_warps=4)
+    order = sparse.row_order
+    common = dict(BLOCK_ROWS=sparse.block_rows, BLOCK_C=block_c, HAS_ORDER=order is not None, num_warps=4)
+    order = order if order is not None else src
     # One int64 table [n_blocks + 1, N] holds the counts shifted down a row, so that its running sum in place is
     # each (block, column)'s count in the blocks before it (row n_blocks: the column's total) and, plus the
     # column's offset, where the block's entries of the column start: no second table of the counts is needed.
@@ -249,12 +259,14 @@ def block_ell_transpose(
         torch.cumsum(column_counts, 0, dtype=torch.int64, out=table[1:])
     else:
         table = torch.zeros(n_blocks + 1, N, dtype=torch.int64, device=values.device)
-        block_csc_kernel[grid](values, *args, table[1:], offsets, table[1:], src, M, N, width, FILL=False, **common)
+        block_csc_kernel[grid](
+            values, *args, table[1:], offsets, table[1:], src, order, rows, M, N, width, FILL=False, **common
+        )
         record_launch("block_csc_kernel")
         table.cumsum_(0)
     torch.cumsum(table[-1], 0, out=offsets[1:])
     start = table[:-1]  # [n_blocks, N]: the column's entries in the blocks before; the kernel adds its offset
-    block_csc_kernel[grid](values, *args, start, offsets, start, src, M, N, width, FILL=True, **common)
+    block_csc_kernel[grid](values, *args, start, offsets, start, src, order, rows, M, N, width, FILL=True, **common)
     record_launch("block_csc_kernel")
     return csc
 
@@ -264,6 +276,7 @@ def transposed_matmul_kernel(
     src_ptr,
     offsets_ptr,
     order_ptr,
+    rows_ptr,
     schedule_ptr,
     v1_ptr,
     v2_ptr,
@@ -284,8 +297,11 @@ def transposed_matmul_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
     HAS_ORDER: tl.constexpr,
     HAS_SCHEDULE: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    OFFSETS_32: tl.constexpr,
     TWO: tl.constexpr,
     PRODUCT: tl.constexpr,
     THIRD: tl.constexpr,
@@ -293,16 +309,18 @@ def transposed_matmul_kernel(
     BIAS: tl.constexpr,
     IEEE_FP32: tl.constexpr,
 ):
-    # BlockCSC src [nnz] (flat slot index, grouped by column), offsets [N + 1]; schedule [cdiv(N, BLOCK_N)] int32
-    # (launch order of the column groups; the natural order without HAS_SCHEDULE); values v1..v4 [M, width] on the
-    # slots; x, y [M, D]. A 1-D grid (any N): program p takes features [db * BLOCK_D, ...), db = p % cdiv(D, BLOCK_D),
-    # of columns [nb * BLOCK_N, ...), nb = schedule[p // cdiv(D, BLOCK_D)]. Their
-    # entries are contiguous in src; BLOCK_E at a time they form A [BLOCK_N, BLOCK_E] (entry e's value in its
-    # column's row, 0 elsewhere) times the gathered x rows [BLOCK_E, BLOCK_D], on tensor cores. Outputs: out = A1^T x
-    # with A1 = v1 (v1 * v2 when PRODUCT); TWO: out2 = v2^T x as well (the same gathered rows); THIRD: out3 =
-    # (v3 * v4)^T y. BIAS: the programs of feature block 0 also write the column sums of A1 (and v2) to sum (sum2),
-    # fp32. The next step's entry rows are loaded before this step's gathers, so the gathers that depend on them
-    # never wait on that chain of loads.
+    # BlockCSC src [nnz] (flat slot index, grouped by column), offsets [N + 1], rows [nnz] (each entry's matrix row;
+    # without HAS_ROWS found as order[src // width], or src // width without HAS_ORDER); schedule [cdiv(N, BLOCK_N)]
+    # int32 (launch order of the column groups; the natural order without HAS_SCHEDULE); values v1..v4 [M, width]
+    # on the slots; x, y [M, D]. A 1-D grid (any N): program p takes features [db * BLOCK_D, ...),
+    # db = p % cdiv(D, BLOCK_D), of columns [nb * BLOCK_N, ...), nb = schedule[p // cdiv(D, BLOCK_D)]. Their entries
+    # are contiguous in src; BLOCK_E at a time the gathered x rows, transposed [BLOCK_D, BLOCK_E], times
+    # B [BLOCK_E, BLOCK_N] (entry e's value in its column, 0 elsewhere) accumulate out^T on tensor cores: the
+    # gathered tile is the product's wide operand, read by the tensor cores from shared memory where the pipelined
+    # gather put it. Outputs: out = A1^T x with A1 = v1 (v1 * v2 when PRODUCT); TWO: out2 = v2^T x as well (the
+    # same gathered rows); THIRD: out3 = (v3 * v4)^T y. BIAS: the programs of feature block 0 also write the column
+    # sums of A1 (and v2) to sum (sum2), fp32. The next step's entry rows are loaded before this step's gathers.
+    # EVEN_D: D is a multiple of BLOCK_D (no feature mask); OFFSETS_32: row * stride fits in int32 for x and y.
     n_d = tl.cdiv(D, BLOCK_D)
     group, d_program = tl.program_id(0) // n_d, tl.program_id(0) % n_d
     n0 = (tl.load(schedule_ptr + group) if HAS_SCHEDULE else group) * BLOCK_N
@@ -312,52 +330,62 @@ def transposed_matmul_kernel(
     ends = tl.load(offsets_ptr + tl.minimum(n0 + 1 + col, N))  # [BLOCK_N]: where each column's entries end
     first = tl.load(offsets_ptr + n0)
     last = tl.load(offsets_ptr + tl.minimum(n0 + BLOCK_N, N))
-    acc1 = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    acc3 = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_D, BLOCK_N], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_D, BLOCK_N], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_D, BLOCK_N], dtype=tl.float32)
     sum1 = tl.zeros([BLOCK_N], dtype=tl.float32)
     sum2 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    x_base = x_ptr + d_program * BLOCK_D  # this program's features of row 0
+    y_base = y_ptr + d_program * BLOCK_D
+    features = tl.arange(0, BLOCK_D)
     e = first + tl.arange(0, BLOCK_E)  # [BLOCK_E]
-    flat = tl.load(src_ptr + e, mask=e < last, other=0).to(tl.int64)
-    row = tl.load(order_ptr + flat // width, mask=e < last, other=0).to(tl.int64) if HAS_ORDER else flat // width
+    flat = tl.load(src_ptr + e, mask=e < last, other=0)
+    row = _entry_rows(rows_ptr, order_ptr, e, flat, last, width, HAS_ROWS, HAS_ORDER)
     for _ in range(first, last, BLOCK_E):
         e_mask = e < last
         e_next = e + BLOCK_E
-        flat_next = tl.load(src_ptr + e_next, mask=e_next < last, other=0).to(tl.int64)
-        if HAS_ORDER:
-            row_next = tl.load(order_ptr + flat_next // width, mask=e_next < last, other=0).to(tl.int64)
-        else:
-            row_next = flat_next // width
+        flat_next = tl.load(src_ptr + e_next, mask=e_next < last, other=0)
+        row_next = _entry_rows(rows_ptr, order_ptr, e_next, flat_next, last, width, HAS_ROWS, HAS_ORDER)
+        # Both gathers are issued before anything else of the step (the order the pipeliner was measured fastest in)
+        tile_mask = e_mask[:, None] if EVEN_D else e_mask[:, None] & d_mask[None, :]
+        row_x = row * stride_x if OFFSETS_32 else row.to(tl.int64) * stride_x
+        xv = tl.load(x_base + row_x[:, None] + features[None, :], mask=tile_mask, other=0.0)  # [BLOCK_E, BLOCK_D]
+        if THIRD:
+            row_y = row * stride_y if OFFSETS_32 else row.to(tl.int64) * stride_y
+            yv = tl.load(y_base + row_y[:, None] + features[None, :], mask=tile_mask, other=0.0)
         owner = tl.sum((e[:, None] >= ends[None, :]).to(tl.int32), axis=1)  # [BLOCK_E]: column within the block
-        hit = (owner[None, :] == col[:, None]) & e_mask[None, :]  # [BLOCK_N, BLOCK_E]
-        xv = tl.load(x_ptr + row[:, None] * stride_x + d[None, :], mask=e_mask[:, None] & d_mask[None, :], other=0.0)
+        hit = (owner[:, None] == col[None, :]) & e_mask[:, None]  # [BLOCK_E, BLOCK_N]
         v1 = tl.load(v1_ptr + flat, mask=e_mask, other=0.0)
         if PRODUCT:
             v1 = (v1.to(tl.float32) * tl.load(v2_ptr + flat, mask=e_mask, other=0.0).to(tl.float32)).to(xv.dtype)
-        a1 = tl.where(hit, v1[None, :], 0.0).to(xv.dtype)
-        acc1 = dot_accumulate(acc1, a1, xv, IEEE_FP32)
-        if BIAS:
-            sum1 += tl.sum(a1.to(tl.float32), axis=1)
         if TWO:
             v2 = tl.load(v2_ptr + flat, mask=e_mask, other=0.0)
-            a2 = tl.where(hit, v2[None, :], 0.0).to(xv.dtype)
-            acc2 = dot_accumulate(acc2, a2, xv, IEEE_FP32)
-            if BIAS:
-                sum2 += tl.sum(a2.to(tl.float32), axis=1)
         if THIRD:
-            yv = tl.load(
-                y_ptr + row[:, None] * stride_y + d[None, :], mask=e_mask[:, None] & d_mask[None, :], other=0.0
-            )
             v3 = tl.load(v3_ptr + flat, mask=e_mask, other=0.0).to(tl.float32)
             if THIRD_PRODUCT:
                 v3 = v3 * tl.load(v4_ptr + flat, mask=e_mask, other=0.0).to(tl.float32)
-            a3 = tl.where(hit, v3[None, :], 0.0).to(yv.dtype)
-            acc3 = dot_accumulate(acc3, a3, yv, IEEE_FP32)
+        # Every B operand is built before the first product: each goes through shared memory behind a barrier, and
+        # three barriers between three products cost 20% at the 8B shape against one before them all.
+        b1 = tl.where(hit, v1[:, None], 0.0).to(xv.dtype)
+        if TWO:
+            b2 = tl.where(hit, v2[:, None], 0.0).to(xv.dtype)
+        if THIRD:
+            b3 = tl.where(hit, v3[:, None], 0.0).to(yv.dtype)
+        xt = tl.trans(xv)  # [BLOCK_D, BLOCK_E]
+        acc1 = dot_accumulate(acc1, xt, b1, IEEE_FP32)
+        if TWO:
+            acc2 = dot_accumulate(acc2, xt, b2, IEEE_FP32)
+        if THIRD:
+            acc3 = dot_accumulate(acc3, tl.trans(yv), b3, IEEE_FP32)
+        if BIAS:
+            sum1 += tl.sum(b1.to(tl.float32), axis=0)
+            if TWO:
+                sum2 += tl.sum(b2.to(tl.float32), axis=0)
         e, flat, row = e_next, flat_next, row_next
     cols = n0 + col
     n_mask = cols < N
-    out_offsets = cols[:, None].to(tl.int64) * D + d[None, :]
-    mask = n_mask[:, None] & d_mask[None, :]
+    out_offsets = cols[None, :].to(tl.int64) * D + d[:, None]  # [BLOCK_D, BLOCK_N]: the outputs are [N, D]
+    mask = n_mask[None, :] & d_mask[:, None]
     tl.store(out_ptr + out_offsets, acc1.to(out_ptr.dtype.element_ty), mask=mask)
     if TWO:
         tl.store(out2_ptr + out_offsets, acc2.to(out2_ptr.dtype.element_ty), mask=mask)
@@ -370,18 +398,29 @@ def transposed_matmul_kernel(
                 tl.store(sum2_ptr + cols, sum2, mask=n_mask)
 
 
-# (BLOCK_N, BLOCK_E, BLOCK_D, num_warps, num_stages, maxnreg), measured on an H100 at the 1.5B and 8B FFN shapes
-# (8192 tokens, ~30 non-zeros each). Two outputs share each gathered x tile best with wide feature blocks; one
-# output, with more entries per step. Three (the training step's dW_g, dW_u, dW_d), on the entries of the 1.5B and
-# 8B layers: the gathers wait on L2 (ncu: 56% of the issue stalls on L1TEX), and left to itself the compiler gives
-# a program of 4 warps and 32 entries a step 136 registers, so 3 programs (12 warps) fit an SM -- too few gathers in
-# flight. Capped at 96 registers (no spills), 5 programs fit: 1.08 -> 0.74 ms at 1.5B and 2.45 -> 1.69 ms at 8B
-# (88 within 3%, 64-80 spilled). 8 warps at 64 registers and 64 entries a step (4 programs, 32 warps an SM)
-# measured 2-6% faster again in two runs (0.70-0.79 against 0.74-0.81 ms, 1.68-1.75 against 1.70-1.78 ms);
-# narrower feature blocks, 16 or 128 entries, 32 columns a group or another pipeline depth were slower. Two (the
-# non-gated step's dW and dW_d), on an H200: 32 entries, 256 features, 8 warps at 64 registers, 0.65 -> 0.50 ms
-# at 1.5B and 1.44 -> 1.09 ms at 8B.
-TRANSPOSED_CONFIG = {1: (16, 128, 128, 4, 3, None), 2: (16, 32, 256, 8, 2, 64), 3: (16, 64, 128, 8, 2, 64)}
+@triton.jit
+def _entry_rows(rows_ptr, order_ptr, e, flat, last, width, HAS_ROWS: tl.constexpr, HAS_ORDER: tl.constexpr):
+    """The matrix rows of BlockCSC entries e (flat slot indices ``flat``; 0 past ``last``): read from rows, or found
+    through the slot row's order."""
+    if HAS_ROWS:
+        return tl.load(rows_ptr + e, mask=e < last, other=0)
+    if HAS_ORDER:
+        return tl.load(order_ptr + flat // width, mask=e < last, other=0)
+    return flat // width
+
+
+# (BLOCK_N, BLOCK_E, BLOCK_D, num_warps, num_stages, maxnreg) for 16-bit operands, measured on an H200 at the 1.5B
+# and 8B FFN shapes (8192 tokens, ~30 non-zeros each; fp32 takes one pipeline stage fewer: three of its tiles do not
+# fit shared memory). The product is written out^T = x^T B so that the gathered tile [BLOCK_D, BLOCK_E] is the
+# tensor cores' wide operand (wgmma, read from shared memory where the pipelined gather lands it) and the one-hot
+# B [BLOCK_E, BLOCK_N] the narrow one. Written the other way (out = A x, 16 rows a warp-level mma), Nsight Compute
+# put the kernel at 83% of the L1/shared-memory pipe's throughput with DRAM at 20%: the gathered tile went through
+# registers to the mma and every warp read all of A. With the matrix rows stored per entry (no division and
+# dependent lookup before each gather), the three products of the training step (dW_g, dW_u, dW_d) took
+# 1435 -> 935 us at 8B and 636 -> 401 us at 1.5B (3.9 and 1.9 GB of gathered rows at 4.2 and 4.9 TB/s); 32 entries
+# and 256 features a step, 8 warps, 3 stages (101 KB of shared memory, two programs an SM). 16 or 64 entries,
+# 64 or 128 features, 8 or 32 columns a group, 2 or 4 stages, or a register cap were 7-60% slower.
+TRANSPOSED_CONFIG = {n_out: (16, 32, 256, 8, 3, None) for n_out in (1, 2, 3)}
 TRANSPOSED_SCHEDULED_GROUPS = 8192  # column groups up to which they are launched heaviest first
 
 
@@ -439,7 +478,10 @@ def transposed_matmul(
         block_n, block_e, block_d, warps, stages, max_registers = 16, 16, 32, 4, 1, None
     else:
         block_n, block_e, block_d, warps, stages, max_registers = TRANSPOSED_CONFIG[n_out]
+        stages -= x.element_size() > 2
     order = csc.row_order
+    y_like = y if third is not None else x
+    offsets_32 = max(x.shape[0] * x.stride(0), y_like.shape[0] * y_like.stride(0)) < 2**31
     # Column groups are launched by decreasing entry count (longest first: hot neurons' groups hold 4-5x the mean
     # entries), and a group's feature blocks side by side, so that the rows they gather are read whole while
     # they are in L2: 1.43x on a 1.5B model layer's entries (H200), order-only, the sums unchanged.
@@ -451,6 +493,7 @@ def transposed_matmul(
         csc.src,
         csc.offsets,
         order if order is not None else csc.offsets,
+        csc.rows if csc.rows is not None else csc.offsets,
         schedule if schedule is not None else csc.offsets,
         values,
         second if second is not None else values,
@@ -467,12 +510,15 @@ def transposed_matmul(
         D,
         csc.width,
         x.stride(0),
-        y.stride(0) if third is not None else x.stride(0),
+        y_like.stride(0),
         BLOCK_N=block_n,
         BLOCK_E=block_e,
         BLOCK_D=block_d,
+        HAS_ROWS=csc.rows is not None,
         HAS_ORDER=order is not None,
         HAS_SCHEDULE=schedule is not None,
+        EVEN_D=D % block_d == 0,
+        OFFSETS_32=offsets_32,
         TWO=mode == "two",
         PRODUCT=mode == "product",
         THIRD=third is not None,

@@ -472,7 +472,9 @@ class BlockCSC:
     :func:`sparsefuse.sparse.block_grad.transposed_matmul` walks for the weight gradients ``A^T X``.
 
     * ``src`` [capacity] int32 (int64 when M * width >= 2**31): only the first ``offsets[-1]`` are meaningful.
-    * ``offsets`` [N + 1] int64."""
+    * ``offsets`` [N + 1] int64.
+    * ``rows`` [capacity] int32 or None: each entry's matrix row (``row_order`` applied), so that the weight
+      gradients gather their rows of x without a division and a dependent lookup per entry; None where not built."""
 
     src: torch.Tensor
     offsets: torch.Tensor
@@ -480,6 +482,7 @@ class BlockCSC:
     row_order: torch.Tensor | None
     n_rows: int
     n_cols: int
+    rows: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
