@@ -417,10 +417,11 @@ def _entry_rows(rows_ptr, order_ptr, e, flat, last, width, HAS_ROWS: tl.constexp
 # put the kernel at 83% of the L1/shared-memory pipe's throughput with DRAM at 20%: the gathered tile went through
 # registers to the mma and every warp read all of A. With the matrix rows stored per entry (no division and
 # dependent lookup before each gather), the three products of the training step (dW_g, dW_u, dW_d) took
-# 1435 -> 935 us at 8B and 636 -> 401 us at 1.5B (3.9 and 1.9 GB of gathered rows at 4.2 and 4.9 TB/s); 32 entries
+# 1445 -> 980 us at 8B and 636 -> 426 us at 1.5B (3.9 and 1.9 GB of gathered rows at 4.0 and 4.6 TB/s); 32 entries
 # and 256 features a step, 8 warps, 3 stages (101 KB of shared memory, two programs an SM). 16 or 64 entries,
-# 64 or 128 features, 8 or 32 columns a group, 2 or 4 stages, or a register cap were 7-60% slower.
-TRANSPOSED_CONFIG = {n_out: (16, 32, 256, 8, 3, None) for n_out in (1, 2, 3)}
+# 64 or 128 features, 8 or 32 columns a group, 2 or 4 stages, or a register cap were 7-60% slower. Two products
+# (the non-gated step's dW and dW_d) run best at 2 stages (725 us at 8B, 321 at 1.5B), one at 3 (371 and 165 us).
+TRANSPOSED_CONFIG = {1: (16, 32, 256, 8, 3, None), 2: (16, 32, 256, 8, 2, None), 3: (16, 32, 256, 8, 3, None)}
 TRANSPOSED_SCHEDULED_GROUPS = 8192  # column groups up to which they are launched heaviest first
 
 
