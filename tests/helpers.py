@@ -1,8 +1,12 @@
 """Input builders and checks shared by tests of several folders (importable: pyproject puts tests/ on the path)."""
 
 import torch
+import torch.nn.functional as F
 
+from sparsefuse.ffn.hybrid import hybrid_step_reference
 from sparsefuse.testing import accumulation_allowance, assert_close_to_reference
+
+HYBRID_NAMES = ("x", "w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
 
 
 def sparse_rows(m: int, n: int, l0s: list[int], dtype=torch.float32, device="cpu") -> torch.Tensor:
@@ -54,3 +58,60 @@ def check_product(out, a, w):
     assert not torch.isnan(out).any(), "an output element was left unwritten (NaN-poisoned)"
     ref = a.double() @ w.double()
     assert_close_to_reference(out, ref, (a.float() @ w.float()).to(out.dtype), extra_abs=accumulation_allowance(a, w))
+
+
+def hybrid_dense_lowp(leaves, dy, coef):
+    """The same step in the same dtype with plain torch (what an unpatched model computes)."""
+    x, wg, wu, wd, bg, bu, bd = (t.detach().clone().requires_grad_() if t is not None else None for t in leaves)
+    M, N = x.shape[0], wg.shape[0]
+    h_g = torch.relu(F.linear(x, wg, bg))
+    y = F.linear(h_g * F.linear(x, wu, bu), wd, bd)
+    l1 = h_g.float().sum() / (M * N)
+    leaves2 = [t for t in (x, wg, wu, wd, bg, bu, bd) if t is not None]
+    return y, l1, torch.autograd.grad((y * dy).sum() + coef * l1, leaves2)
+
+
+def hybrid_order_allowances(leaves, dy, coef):
+    """Per-element allowances for summing each product of the step in another order than cuBLAS (Higham's bound,
+    :func:`accumulation_allowance`), the sampled products' own differences carried into the products that use them.
+    Torch's error can be smaller than ours by luck where magnitudes are large, so the bound adds these."""
+    x, wg, wu, wd, bg, bu, bd = (t.detach().double().cpu() if t is not None else None for t in leaves)
+    dy = dy.detach().double().cpu()
+    M, N = x.shape[0], wg.shape[0]
+    pre = x @ wg.t() + (bg if bg is not None else 0.0)
+    fired = pre > 0
+    h_g, h_u = torch.where(fired, pre, 0.0), x @ wu.t() + (bu if bu is not None else 0.0)
+    dh = dy @ wd
+    dh_u, dpre = dh * h_g, torch.where(fired, dh * h_u + coef / max(M * N, 1), 0.0)
+    up_err, dh_err = accumulation_allowance(x, wu.t()), accumulation_allowance(dy, wd)  # [M, N]
+    dh_u_err = dh_err * h_g.abs()
+    dpre_err = torch.where(fired, dh_err * h_u.abs() + dh.abs() * up_err, 0.0)
+    h_err = h_g.abs() * up_err
+    return {
+        "y": accumulation_allowance(h_g * h_u, wd.t()) + h_err @ wd.t().abs(),
+        "x": accumulation_allowance(dh_u, wu)
+        + accumulation_allowance(dpre, wg)
+        + dh_u_err @ wu.abs()
+        + dpre_err @ wg.abs(),
+        "w_gate": accumulation_allowance(dpre.t(), x) + dpre_err.t() @ x.abs(),
+        "w_up": accumulation_allowance(dh_u.t(), x) + dh_u_err.t() @ x.abs(),
+        "w_down": accumulation_allowance(dy.t(), h_g * h_u) + dy.t().abs() @ h_err,
+        "b_gate": dpre_err.sum(0) + accumulation_allowance(torch.ones(1, M, dtype=torch.float64), dpre)[0],
+        "b_up": dh_u_err.sum(0) + accumulation_allowance(torch.ones(1, M, dtype=torch.float64), dh_u)[0],
+        "b_down": accumulation_allowance(torch.ones(1, M, dtype=torch.float64), dy)[0],
+    }
+
+
+def check_hybrid_step(leaves, dy, coef, out, grads):
+    """A gated step's output, L1 term and gradients (``grads``, in ``leaves``' order, Nones skipped) against the
+    float64 reference, each within the allowance for summing its products in another order than cuBLAS."""
+    x, wg, wu, wd, bg, bu, bd = leaves
+    y64, l164, g64 = hybrid_step_reference(x, wg, wu, wd, dy, coef, bg, bu, bd)
+    y_lp, l1_lp, grads_lp = hybrid_dense_lowp(leaves, dy, coef)
+    allow = hybrid_order_allowances(leaves, dy, coef)
+    assert_close_to_reference(out.y, y64, y_lp, extra_abs=allow["y"], name="y")
+    assert_close_to_reference(out.l1.reshape(1), l164.reshape(1), l1_lp.reshape(1), dtype=torch.float32, name="l1")
+    ref = [getattr(g64, n) for n, t in zip(HYBRID_NAMES, leaves) if t is not None]
+    names = [n for n, t in zip(HYBRID_NAMES, leaves) if t is not None]
+    for name, ours, r, lp in zip(names, grads, ref, grads_lp):
+        assert_close_to_reference(ours, r, lp, extra_abs=allow[name], name=f"d{name}")
