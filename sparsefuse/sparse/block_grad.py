@@ -423,6 +423,7 @@ def _entry_rows(rows_ptr, order_ptr, e, flat, last, width, HAS_ROWS: tl.constexp
 # (the non-gated step's dW and dW_d) run best at 2 stages (725 us at 8B, 321 at 1.5B), one at 3 (371 and 165 us).
 TRANSPOSED_CONFIG = {1: (16, 32, 256, 8, 3, None), 2: (16, 32, 256, 8, 2, None), 3: (16, 32, 256, 8, 3, None)}
 TRANSPOSED_SCHEDULED_GROUPS = 8192  # column groups up to which they are launched heaviest first
+OFFSETS_32_LIMIT = 2**31  # gathers use 32-bit row offsets while every row start of x and y is below this
 
 
 def transposed_matmul(
@@ -482,7 +483,7 @@ def transposed_matmul(
         stages -= x.element_size() > 2
     order = csc.row_order
     y_like = y if third is not None else x
-    offsets_32 = max(x.shape[0] * x.stride(0), y_like.shape[0] * y_like.stride(0)) < 2**31
+    offsets_32 = max(x.shape[0] * x.stride(0), y_like.shape[0] * y_like.stride(0)) < OFFSETS_32_LIMIT
     # Column groups are launched by decreasing entry count (longest first: hot neurons' groups hold 4-5x the mean
     # entries), and a group's feature blocks side by side, so that the rows they gather are read whole while
     # they are in L2: 1.43x on a 1.5B model layer's entries (H200), order-only, the sums unchanged.

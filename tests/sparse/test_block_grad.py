@@ -3,6 +3,8 @@ float64 references: the sampled product with the gated chain rule in its epilogu
 the column grouping of the fired slots and the transposed products. Interpreter: fp32/fp16 (interpreted bf16
 tl.dot is wrong); the GPU test adds bf16 at the 1.5B layer's shape."""
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import assert_backend
@@ -128,6 +130,31 @@ def test_weight_gradients_do_not_depend_on_the_launch_order(device, monkeypatch)
     assert launched["heavy_first_schedule_kernel"] == 0 and launched["transposed_matmul_kernel"] == 1
     for a, b in zip((*scheduled, *sums), (*natural, *natural_sums)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("K", [24, 64])  # features past the interpreter's 32-wide tile: ragged, and whole tiles
+def test_weight_gradients_take_every_row_path(K, device, monkeypatch):
+    """The transposed products gather each entry's row from the transposition's stored matrix rows; a BlockCSC
+    without them finds the row through the row order, and past 2**31 element offsets the gathers use 64-bit
+    offsets: the same sums bit for bit (the same terms in the same order)."""
+    from sparsefuse.sparse import block_grad
+
+    x, wu, wd, bias, pre, f = _factors(40, K, 100, torch.float32, device, True)
+    csc = block_ell_transpose(f.gate, f.column_counts)
+    nnz = int(csc.offsets[-1])
+    slot_rows = csc.src[:nnz].long() // csc.width
+    assert torch.equal(csc.rows[:nnz].long(), f.gate.row_order[slot_rows].long())
+    dy = torch.randn(40, K, device=device)
+    kwargs = dict(mode="two", third=(dy, f.gate.values, f.up.values), bias=True)
+    want, want_sums = transposed_matmul(csc, x, f.gate.values, f.up.values, **kwargs)
+    looked_up, looked_up_sums = transposed_matmul(
+        dataclasses.replace(csc, rows=None), x, f.gate.values, f.up.values, **kwargs
+    )
+    monkeypatch.setattr(block_grad, "OFFSETS_32_LIMIT", 0)
+    wide, wide_sums = transposed_matmul(csc, x, f.gate.values, f.up.values, **kwargs)
+    for got, sums in ((looked_up, looked_up_sums), (wide, wide_sums)):
+        for a, b in zip((*want, *want_sums), (*got, *sums)):
+            assert torch.equal(a, b)
 
 
 def test_products_write_into_given_outputs(device):
