@@ -115,3 +115,28 @@ def check_hybrid_step(leaves, dy, coef, out, grads):
     names = [n for n, t in zip(HYBRID_NAMES, leaves) if t is not None]
     for name, ours, r, lp in zip(names, grads, ref, grads_lp):
         assert_close_to_reference(ours, r, lp, extra_abs=allow[name], name=f"d{name}")
+
+
+def check_relu_step(leaves, dy, coef, out, grads):
+    """A non-gated step, ``relu(x W^T + b) W_d^T + b_d`` (``leaves`` = [x, w, w_down, b or None, b_down or None]):
+    its output, L1 term and gradients (``grads``, Nones skipped) against the float64 reference, held to the same
+    dtype's tolerance as plain torch's step in that dtype."""
+    x, w, wd, b, bd = leaves
+    used = [t for t in leaves if t is not None]
+    M, N = x.shape[0], w.shape[0]
+    y64, l164, g64 = hybrid_step_reference(x, w, None, wd, dy, coef, b, None, bd)
+    lowp = [t.detach().clone().requires_grad_() for t in used]  # plain torch in the same dtype
+    x_, w_, wd_, *rest = lowp
+    b_ = rest[0] if b is not None else None
+    bd_ = rest[-1] if bd is not None else None
+    h_lp = torch.relu(F.linear(x_, w_, b_))
+    y_lp = F.linear(h_lp, wd_, bd_)
+    l1_lp = h_lp.float().sum() / max(M * N, 1)
+    grads_lp = torch.autograd.grad((y_lp * dy).sum() + coef * l1_lp, lowp)
+    h64 = torch.relu(F.linear(x.detach().double(), w.double(), b.double() if b is not None else None))
+    assert_close_to_reference(out.y, y64, y_lp, extra_abs=accumulation_allowance(h64, wd.double().t()), name="y")
+    assert_close_to_reference(out.l1.reshape(1), l164.reshape(1), l1_lp.reshape(1), dtype=torch.float32, name="l1")
+    names = ["x", "w_gate", "w_down", "b_gate", "b_down"]
+    ref = {"x": g64.x, "w_gate": g64.w_gate, "w_down": g64.w_down, "b_gate": g64.b_gate, "b_down": g64.b_down}
+    for name, g, lp in zip([n for n, t in zip(names, leaves) if t is not None], grads, grads_lp):
+        assert_close_to_reference(g, ref[name], lp, name=f"d{name}")

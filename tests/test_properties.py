@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_valid_topk, check_hybrid_step, pre_activations_and_bound
+from helpers import assert_valid_topk, check_hybrid_step, check_relu_step, pre_activations_and_bound
 
 import sparsefuse
 from sparsefuse.activations.celu.reference import torch_celu
@@ -241,7 +241,7 @@ def _twell_mlp(d):
 
 
 def _hybrid_mlp(d):
-    """The forward on every layout; in about half the gated cases the backward too (the training step's products),
+    """The forward on every layout; in about half the cases the backward too (the training step's products),
     against the float64 step product by product, unless a gate lies within rounding of 0 (it may fire or not, and
     its gradients with it)."""
     dtype, x, wg, wu, wd, bg = _ffn_case(d, gated=d.uniform() < 0.7)
@@ -260,7 +260,15 @@ def _hybrid_mlp(d):
             grads = torch.autograd.grad((out.y * dy).sum() + coef * out.l1, [t for t in leaves if t is not None])
             check_hybrid_step(leaves, dy, coef, out, grads)
     else:
-        out = hybrid_relu_mlp(x, wg, wd, b_up=bg, layout=d.choice(["block", "dense"]))
+        backward = d.uniform() < 0.5 and not bool(near.any())
+        leaves = [x, wg, wd, bg, None]
+        if backward:
+            leaves = [t.detach().requires_grad_() if t is not None else None for t in leaves]
+        out = hybrid_relu_mlp(*leaves[:3], b_up=leaves[3], layout=d.choice(["block", "dense"]))
+        if backward:
+            dy, coef = d.tensor(*out.y.shape, dtype=dtype), d.choice([0.0, 0.5])
+            grads = torch.autograd.grad((out.y * dy).sum() + coef * out.l1, [t for t in leaves if t is not None])
+            check_relu_step(leaves, dy, coef, out, grads)
     _check_ffn(out.y.detach(), x, wg, wu, wd, bg, dtype)
     fired = (pre > 0).sum(1)
     assert bool(((out.token_counts.cpu() - fired.cpu()).abs() <= near.sum(1).cpu()).all())

@@ -9,13 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_backend
-from helpers import HYBRID_NAMES, check_hybrid_step, hybrid_dense_lowp
+from helpers import HYBRID_NAMES, check_hybrid_step, check_relu_step, hybrid_dense_lowp
 
 from sparsefuse import track_launches
 from sparsefuse.ffn.hybrid import hybrid_mlp, hybrid_relu_mlp, hybrid_step_reference, sparsity_stats
 from sparsefuse.ffn.synthetic import synthetic_ffn
 from sparsefuse.ffn.twell.block import block_plan
-from sparsefuse.testing import accumulation_allowance, assert_close_to_reference
+from sparsefuse.testing import assert_close_to_reference
 
 NAMES = HYBRID_NAMES
 
@@ -186,23 +186,7 @@ def test_non_gated_step_matches_the_float64_reference(layout, capacity, dtype, b
     if layout == "block":
         assert launched["block_sddmm_kernel"] == 1 and launched["transposed_matmul_kernel"] == 1, launched
         assert launched["block_ell_matmul_kernel"] == 2, launched  # down, and dx from one product
-    y64, l164, g64 = hybrid_step_reference(x, w, None, wd, dy, 0.3, b, None, bd)
-    assert g64.w_up is None
-    lowp = [t.detach().clone().requires_grad_() for t in used]  # plain torch in the same dtype
-    x_, w_, wd_, *rest = lowp
-    b_ = rest[0] if b is not None else None
-    bd_ = rest[-1] if bd is not None else None
-    h_lp = torch.relu(F.linear(x_, w_, b_))
-    y_lp = F.linear(h_lp, wd_, bd_)
-    l1_lp = h_lp.float().sum() / (70 * 80)
-    grads_lp = torch.autograd.grad((y_lp * dy).sum() + 0.3 * l1_lp, lowp)
-    h64 = torch.relu(F.linear(x.detach().double(), w.double(), b.double() if b is not None else None))
-    assert_close_to_reference(out.y, y64, y_lp, extra_abs=accumulation_allowance(h64, wd.double().t()), name="y")
-    assert_close_to_reference(out.l1.reshape(1), l164.reshape(1), l1_lp.reshape(1), dtype=torch.float32, name="l1")
-    names = ["x", "w_gate", "w_down", "b_gate", "b_down"]
-    ref = {"x": g64.x, "w_gate": g64.w_gate, "w_down": g64.w_down, "b_gate": g64.b_gate, "b_down": g64.b_down}
-    for name, g, lp in zip([n for n, t in zip(names, leaves) if t is not None], grads, grads_lp):
-        assert_close_to_reference(g, ref[name], lp, name=f"d{name}")
+    check_relu_step(leaves, dy, 0.3, out, grads)
 
 
 def test_non_gated_gradcheck_and_bad_layout():
