@@ -248,27 +248,27 @@ def _hybrid_mlp(d):
     pre = F.linear(x.double(), wg.double(), bg.double() if bg is not None else None)
     near = pre.abs() <= accumulation_allowance(x, wg.t()) * 4
     if wu is not None:
+        leaves, check = [x, wg, wu, wd, bg, None, None], check_hybrid_step
         layout = d.choice(["block", "dense", "hybrid"])
-        backward = d.uniform() < 0.5 and not bool(near.any())
-        leaves = [x, wg, wu, wd, bg, None, None]
-        if backward:
-            leaves = [t.detach().requires_grad_() if t is not None else None for t in leaves]
-        out = hybrid_mlp(*leaves[:4], b_gate=leaves[4], layout=layout, width=d.size(1, 12),
-                         backup_rows=d.size(0, 3), block_capacity=d.choice([None, 0, d.size(0, 400)]))  # fmt: skip
-        if backward:
-            dy, coef = d.tensor(*out.y.shape, dtype=dtype), d.choice([0.0, 0.5])
-            grads = torch.autograd.grad((out.y * dy).sum() + coef * out.l1, [t for t in leaves if t is not None])
-            check_hybrid_step(leaves, dy, coef, out, grads)
+        kwargs = dict(width=d.size(1, 12), backup_rows=d.size(0, 3), block_capacity=d.choice([None, 0, d.size(0, 400)]))
+
+        def step(t):
+            return hybrid_mlp(*t[:4], b_gate=t[4], layout=layout, **kwargs)
     else:
-        backward = d.uniform() < 0.5 and not bool(near.any())
-        leaves = [x, wg, wd, bg, None]
-        if backward:
-            leaves = [t.detach().requires_grad_() if t is not None else None for t in leaves]
-        out = hybrid_relu_mlp(*leaves[:3], b_up=leaves[3], layout=d.choice(["block", "dense"]))
-        if backward:
-            dy, coef = d.tensor(*out.y.shape, dtype=dtype), d.choice([0.0, 0.5])
-            grads = torch.autograd.grad((out.y * dy).sum() + coef * out.l1, [t for t in leaves if t is not None])
-            check_relu_step(leaves, dy, coef, out, grads)
+        leaves, check = [x, wg, wd, bg, None], check_relu_step
+        layout = d.choice(["block", "dense"])
+
+        def step(t):
+            return hybrid_relu_mlp(*t[:3], b_up=t[3], layout=layout)
+
+    backward = d.uniform() < 0.5 and not bool(near.any())
+    if backward:
+        leaves = [t.detach().requires_grad_() if t is not None else None for t in leaves]
+    out = step(leaves)
+    if backward:
+        dy, coef = d.tensor(*out.y.shape, dtype=dtype), d.choice([0.0, 0.5])
+        grads = torch.autograd.grad((out.y * dy).sum() + coef * out.l1, [t for t in leaves if t is not None])
+        check(leaves, dy, coef, out, grads)
     _check_ffn(out.y.detach(), x, wg, wu, wd, bg, dtype)
     fired = (pre > 0).sum(1)
     assert bool(((out.token_counts.cpu() - fired.cpu()).abs() <= near.sum(1).cpu()).all())
