@@ -2,8 +2,20 @@
 prologue shared by the kernels that walk a block's union of columns a chunk at a time (the sampled products,
 packing, the column grouping)."""
 
+import torch
 import triton
 import triton.language as tl
+
+# Element offsets below this fit in int32. A kernel whose every offset does takes 32-bit arithmetic for them: a
+# [64, 128] tile's offsets then hold 32 registers a thread instead of 64, which keeps a tensor-core epilogue from
+# spilling.
+OFFSETS_32_LIMIT = 2**31
+
+
+def offsets_fit_32(*tensors: torch.Tensor) -> bool:
+    """Whether every element offset of these tensors (each with a unit last stride, read as rows of ``stride(0)``)
+    is below :data:`OFFSETS_32_LIMIT`: the ``OFFSETS_32`` constexpr of the kernels that gather their rows."""
+    return all(t.shape[0] * t.stride(0) < OFFSETS_32_LIMIT for t in tensors if t.dim() > 0)
 
 
 @triton.jit
@@ -19,6 +31,7 @@ def block_slots(
     BLOCK_C: tl.constexpr,
     LOAD_COLS: tl.constexpr,
     HAS_ORDER: tl.constexpr,
+    OFFSETS_32: tl.constexpr = False,
 ):
     """Slots [chunk * BLOCK_C, (chunk + 1) * BLOCK_C) of row block ``block`` (``count`` of its slots listed) in a
     BlockELL laid out as [M, width] values, indices [n_blocks, width] and order [M] (slot row -> matrix row).
@@ -26,7 +39,8 @@ def block_slots(
     Returns ``(p, p_mask, cols, local, rows, row_mask, mask, flat)``: the slot positions p [BLOCK_C] and p < count;
     the union's columns there [BLOCK_C] (0 where masked; loaded only with ``LOAD_COLS``, else p); the rows within the
     block [BLOCK_ROWS], their matrix rows (through ``order`` with ``HAS_ORDER``, else the slot rows) and which exist;
-    the [BLOCK_ROWS, BLOCK_C] mask and each slot's offset in the [M, width] arrays, int64. Loads happen only where
+    the [BLOCK_ROWS, BLOCK_C] mask and each slot's offset in the [M, width] arrays, int64 (int32 with ``OFFSETS_32``,
+    for a caller that checked M * width against :data:`OFFSETS_32_LIMIT`). Loads happen only where
     the flags ask, so a kernel that needs neither columns nor rows (or needs them on one branch only) reads nothing
     here."""
     p = chunk * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C]
@@ -43,6 +57,8 @@ def block_slots(
     else:
         rows = slots
     mask = row_mask[:, None] & p_mask[None, :]  # [BLOCK_ROWS, BLOCK_C]
-    # the block's start can pass 2**31 (M * width values); an offset within one block cannot
-    flat = block.to(tl.int64) * BLOCK_ROWS * width + (local[:, None] * width + p[None, :])
+    if OFFSETS_32:
+        flat = block * BLOCK_ROWS * width + (local[:, None] * width + p[None, :])
+    else:  # the block's start can pass 2**31 (M * width values); an offset within one block cannot
+        flat = block.to(tl.int64) * BLOCK_ROWS * width + (local[:, None] * width + p[None, :])
     return p, p_mask, cols, local, rows, row_mask, mask, flat

@@ -20,7 +20,7 @@ import triton.language as tl
 from .. import _backend
 from .._backend import Backend, backend_for, new_output, record_launch
 from .._triton.dot import dot_accumulate, gathered_rows_dot, ieee_fp32
-from .._triton.slots import block_slots
+from .._triton.slots import block_slots, offsets_fit_32
 from .._validation import check_out, unit_last_stride
 from .block_spmm import heavy_first_schedule
 from .formats import BlockCSC, BlockELL
@@ -51,6 +51,7 @@ def block_ell_sddmm_kernel(
     GATED: tl.constexpr,
     HAS_UP: tl.constexpr,
     IEEE_FP32: tl.constexpr,
+    OFFSETS_32: tl.constexpr,
 ):
     # BlockELL slots: indices [n_blocks, width], counts [n_blocks], order [M] (slot row -> matrix row); a [M, D],
     # b [N, D]. Program (c, blk): slots [c * BLOCK_C, (c + 1) * BLOCK_C) of block blk, acc = a[rows] @ b[cols]^T.
@@ -58,16 +59,19 @@ def block_ell_sddmm_kernel(
     # gate_grad_divisor, correctly rounded as torch divides):
     #   out = acc * gate                                   (gradient w.r.t. up)
     #   out2 = (acc * up + gate_grad) where gate != 0     (gradient w.r.t. the gate's pre-activation)
-    # Without HAS_UP (a non-gated layer: h = gate) only out2, with up = 1.
+    # Without HAS_UP (a non-gated layer: h = gate) only out2, with up = 1. OFFSETS_32: every element offset of a, b
+    # and the [M, width] arrays fits in int32.
     chunk = tl.program_id(0)
     block = tl.program_id(1)
     count = tl.load(counts_ptr + block)
     if chunk * BLOCK_C < count:
         _, p_mask, cols, _, rows, row_mask, mask, offsets = block_slots(
-            indices_ptr, order_ptr, block, chunk, count, M, width, BLOCK_ROWS, BLOCK_C, True, HAS_ORDER
+            indices_ptr, order_ptr, block, chunk, count, M, width, BLOCK_ROWS, BLOCK_C, True, HAS_ORDER, OFFSETS_32
         )
-        a_rows_ptr = a_ptr + rows[:, None].to(tl.int64) * stride_a
-        b_cols_ptr = b_ptr + cols[None, :].to(tl.int64) * stride_b
+        if not OFFSETS_32:
+            rows, cols = rows.to(tl.int64), cols.to(tl.int64)
+        a_rows_ptr = a_ptr + rows[:, None] * stride_a
+        b_cols_ptr = b_ptr + cols[None, :] * stride_b
         acc = tl.zeros([BLOCK_ROWS, BLOCK_C], dtype=tl.float32)
         acc = gathered_rows_dot(acc, a_rows_ptr, row_mask, b_cols_ptr, p_mask, D, BLOCK_D, IEEE_FP32)
         if GATED:
@@ -85,10 +89,11 @@ def block_ell_sddmm_kernel(
 
 
 def _sddmm_blocks() -> tuple[int, int, int, int, int | None]:
-    """(BLOCK_C, BLOCK_D, num_warps, num_stages, maxnreg): block_sddmm's measured tiles. Capped at 128 registers a
-    thread (the compiler takes 207: one program an SM), two programs fit: 308 -> 243 us at the 8B layer shape and
-    147 -> 134 us at 1.5B (H200)."""
-    return (16, 32, 4, 1, None) if _backend.INTERPRET else (128, 64, 8, 4, 128)
+    """(BLOCK_C, BLOCK_D, num_warps, num_stages, maxnreg): measured on an H200, one recorded training step's dh
+    replayed from a CUDA graph. With 32-bit offsets 4 warps and the compiler's registers: 227 us at the 8B layer
+    shape and 117 at 1.5B, against 232 and 119 with 8 warps capped at 128 registers (two programs an SM; 8 warps
+    uncapped take one an SM: 296 and 140 us)."""
+    return (16, 32, 4, 1, None) if _backend.INTERPRET else (128, 64, 4, 4, None)
 
 
 def block_ell_sddmm(
@@ -151,6 +156,7 @@ def block_ell_sddmm(
         GATED=gated,
         HAS_UP=has_up,
         IEEE_FP32=ieee_fp32(a.dtype),
+        OFFSETS_32=offsets_fit_32(a, b, like.values),
         num_warps=warps,
         num_stages=stages,
         **({"maxnreg": max_registers} if max_registers else {}),
@@ -423,7 +429,6 @@ def _entry_rows(rows_ptr, order_ptr, e, flat, last, width, HAS_ROWS: tl.constexp
 # (the non-gated step's dW and dW_d) run best at 2 stages (725 us at 8B, 321 at 1.5B), one at 3 (371 and 165 us).
 TRANSPOSED_CONFIG = {1: (16, 32, 256, 8, 3, None), 2: (16, 32, 256, 8, 2, None), 3: (16, 32, 256, 8, 3, None)}
 TRANSPOSED_SCHEDULED_GROUPS = 8192  # column groups up to which they are launched heaviest first
-OFFSETS_32_LIMIT = 2**31  # gathers use 32-bit row offsets while every row start of x and y is below this
 
 
 def transposed_matmul(
@@ -483,7 +488,7 @@ def transposed_matmul(
         stages -= x.element_size() > 2
     order = csc.row_order
     y_like = y if third is not None else x
-    offsets_32 = max(x.shape[0] * x.stride(0), y_like.shape[0] * y_like.stride(0)) < OFFSETS_32_LIMIT
+    offsets_32 = offsets_fit_32(x, y_like)
     # Column groups are launched by decreasing entry count (longest first: hot neurons' groups hold 4-5x the mean
     # entries), and a group's feature blocks side by side, so that the rows they gather are read whole while
     # they are in L2: 1.43x on a 1.5B model layer's entries (H200), order-only, the sums unchanged.

@@ -21,7 +21,7 @@ from .. import _backend
 from .._backend import Backend, backend_for, new_output, record_launch
 from .._triton.dot import gathered_rows_dot, ieee_fp32
 from .._triton.gather import pick_nonzeros, rank_nonzeros
-from .._triton.slots import block_slots
+from .._triton.slots import block_slots, offsets_fit_32
 from .._validation import unit_last_stride
 from .formats import BlockELL, RowBlockPattern
 
@@ -157,6 +157,7 @@ def block_sddmm_kernel(
     PAIR_COUNTS: tl.constexpr,
     HAS_B: tl.constexpr,
     IEEE_FP32: tl.constexpr,
+    OFFSETS_32: tl.constexpr,
 ):
     # Pattern (RowBlockPattern): indices [n_blocks, width], counts [n_blocks, n_tiles] (width = n_tiles * TILE),
     # order [M] int32 (block rows -> matrix rows). scale [M, N] dense (relu'd when RELU); a [M, D], b [N, D] (unit
@@ -172,7 +173,9 @@ def block_sddmm_kernel(
     # times sum_scale to sum_part[blk, c] (partial sums, reduced by the host code in a fixed order: no float
     # atomics), and the non-zeros per (block, chunk) to chunk_nnz[blk, c] (every program writes its entry, 0 past
     # the union) and per block to block_nnz[blk] -- where each chunk's non-zeros go when the factors are packed
-    # pair by pair. The counts' atomics are integer ones: the same totals in any order.
+    # pair by pair. The counts' atomics are integer ones: the same totals in any order. OFFSETS_32: every element
+    # offset of scale, a, b and the [M, width] outputs fits in int32 (the epilogue's [BLOCK_ROWS, BLOCK_C] offsets
+    # and the gathered rows' starts are then 32-bit).
     chunk = tl.program_id(0)
     block = tl.program_id(1)
     width = n_tiles * TILE
@@ -185,23 +188,27 @@ def block_sddmm_kernel(
     if chunk * BLOCK_C < total:
         # p: [BLOCK_C] compacted slots; their columns are looked up through the per-tile layout below
         p, p_mask, _, _, rows, row_mask, mask, out_offsets = block_slots(
-            indices_ptr, order_ptr, block, chunk, total, M, width, BLOCK_ROWS, BLOCK_C, False, HAS_ORDER
+            indices_ptr, order_ptr, block, chunk, total, M, width, BLOCK_ROWS, BLOCK_C, False, HAS_ORDER, OFFSETS_32
         )
         # each slot's tile (how many tiles end at or before it) and its place in that tile's union
         tile_of_p = tl.sum((ends[None, :] <= p[:, None]).to(tl.int32), axis=1)  # [BLOCK_C]
         first_of_tile = tl.sum(tl.where(tiles[None, :] == tile_of_p[:, None], (ends - counts)[None, :], 0), axis=1)
         src = tile_of_p * TILE + p - first_of_tile  # [BLOCK_C] slot in the per-tile layout
         cols = tl.load(indices_ptr + block.to(tl.int64) * width + src, mask=p_mask, other=0)
+        if OFFSETS_32:
+            row_at, col_at = rows, cols
+        else:
+            row_at, col_at = rows.to(tl.int64), cols.to(tl.int64)
         if HAS_B:
-            a_rows_ptr = a_ptr + rows[:, None].to(tl.int64) * stride_a  # [BLOCK_ROWS, 1]
-            b_cols_ptr = b_ptr + cols[None, :].to(tl.int64) * stride_b  # [1, BLOCK_C]
+            a_rows_ptr = a_ptr + row_at[:, None] * stride_a  # [BLOCK_ROWS, 1]
+            b_cols_ptr = b_ptr + col_at[None, :] * stride_b  # [1, BLOCK_C]
             acc = tl.zeros([BLOCK_ROWS, BLOCK_C], dtype=tl.float32)
             acc = gathered_rows_dot(acc, a_rows_ptr, row_mask, b_cols_ptr, p_mask, D, BLOCK_D, IEEE_FP32)
         else:  # no product: the scale alone, compacted (a non-gated layer's relu(pre))
             acc = tl.full([BLOCK_ROWS, BLOCK_C], 1.0, dtype=tl.float32)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=p_mask, other=0.0).to(tl.float32)[None, :]
-        scale = tl.load(scale_ptr + rows[:, None].to(tl.int64) * stride_scale + cols[None, :], mask=mask, other=0.0).to(
+        scale = tl.load(scale_ptr + row_at[:, None] * stride_scale + col_at[None, :], mask=mask, other=0.0).to(
             tl.float32
         )
         if RELU:
@@ -255,16 +262,16 @@ def factor_chunk(D: int, block_rows: int) -> int:
 
 
 def _block_sddmm_blocks(D: int, block_rows: int, factors: bool = False) -> tuple[int, int, int, int, int | None]:
-    """(BLOCK_C, BLOCK_D, num_warps, num_stages, maxnreg): measured on an H200. The training step's call
-    (``factors``: three outputs and the statistics) at D <= 2048 runs 4 warps: inside a 1.5B-shape model 0.19
-    against 0.21 ms per layer with 8 (0.21 against 0.34 ms on one layer's arguments with a cold L2). Above, with 8
-    warps, the compiler takes 255 registers a thread (one program an SM); capped at 128, two fit: 454 -> 396 us at
-    the 8B layer shape (with 4 warps the cap spills: 203 -> 306 us at 1.5B). The inference call (no factors) keeps
-    the compiler's registers: the cap was measured on the training call only."""
+    """(BLOCK_C, BLOCK_D, num_warps, num_stages, maxnreg): measured on an H200, one recorded training step's call
+    (``factors``: three outputs and the statistics) replayed from a CUDA graph. With 32-bit offsets it runs 4 warps
+    at every D, with the compiler's registers: 348 us at the 8B layer shape against 357 with 8 warps capped at
+    128 registers (two programs an SM; 8 warps uncapped take 255 and spill: 435 us), 178 against 187 us at 1.5B.
+    256 slots a program (half the re-reads of a's rows) spill at 8 warps: 402 us at 8B. The inference call (no
+    factors) keeps 8 warps: the 4-warp tile was measured on the training call only."""
     if _backend.INTERPRET:
         return 16, 32, 4, 1, None
     if factors:
-        return (128, 64, 4, 4, None) if D <= 2048 else (128, 64, 8, 4, 128)
+        return 128, 64, 4, 4, None
     return 128, 64, 8, 4, None
 
 
@@ -421,6 +428,7 @@ def block_sddmm(
         PAIR_COUNTS=factors and column_counts,
         HAS_B=b is not None,
         IEEE_FP32=ieee_fp32(a.dtype),
+        OFFSETS_32=offsets_fit_32(scale, a, values, *((b,) if b is not None else ())),
         num_warps=warps,
         num_stages=stages,
         **({"maxnreg": max_registers} if max_registers else {}),

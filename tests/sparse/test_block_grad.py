@@ -137,7 +137,7 @@ def test_weight_gradients_take_every_row_path(K, device, monkeypatch):
     """The transposed products gather each entry's row from the transposition's stored matrix rows; a BlockCSC
     without them finds the row through the row order, and past 2**31 element offsets the gathers use 64-bit
     offsets: the same sums bit for bit (the same terms in the same order)."""
-    from sparsefuse.sparse import block_grad
+    from sparsefuse._triton import slots
 
     x, wu, wd, bias, pre, f = _factors(40, K, 100, torch.float32, device, True)
     csc = block_ell_transpose(f.gate, f.column_counts)
@@ -150,11 +150,42 @@ def test_weight_gradients_take_every_row_path(K, device, monkeypatch):
     looked_up, looked_up_sums = transposed_matmul(
         dataclasses.replace(csc, rows=None), x, f.gate.values, f.up.values, **kwargs
     )
-    monkeypatch.setattr(block_grad, "OFFSETS_32_LIMIT", 0)
+    monkeypatch.setattr(slots, "OFFSETS_32_LIMIT", 0)
     wide, wide_sums = transposed_matmul(csc, x, f.gate.values, f.up.values, **kwargs)
     for got, sums in ((looked_up, looked_up_sums), (wide, wide_sums)):
         for a, b in zip((*want, *want_sums), (*got, *sums)):
             assert torch.equal(a, b)
+
+
+def test_sampled_products_take_both_offset_widths(device, monkeypatch):
+    """The sampled products (the forward's up product with its statistics, the backward's dh with the chain rule)
+    use 32-bit element offsets while every offset fits and 64-bit ones past 2**31: the same values bit for bit on
+    every slot a block lists, and the same statistics."""
+    from sparsefuse._triton import slots
+
+    def run():
+        x, wu, wd, bias, pre, f = _factors(40, 40, 100, torch.float32, device, True)
+        dy = torch.randn(40, 40, generator=torch.Generator().manual_seed(1)).to(device)
+        d_up, d_gate = block_ell_sddmm(
+            f.gate, dy, wd, gate=f.gate.values, up=f.up.values, gate_grad=torch.ones(1, device=device)
+        )
+        return f, (f.product.values, f.gate.values, f.up.values, d_up, d_gate)
+
+    narrow, narrow_values = run()
+    monkeypatch.setattr(slots, "OFFSETS_32_LIMIT", 0)
+    with track_launches() as launched:
+        wide, wide_values = run()
+    assert launched["block_sddmm_kernel"] == 1 and launched["block_ell_sddmm_kernel"] == 1
+    listed = (
+        torch.arange(narrow.gate.values.shape[1], device=device)[None, :]
+        < narrow.gate.counts.repeat_interleave(narrow.gate.block_rows)[: narrow.gate.values.shape[0], None]
+    )
+    for a, b in zip(narrow_values, wide_values):
+        assert torch.equal(a[listed], b[listed])
+    for name in ("counts", "column_counts", "chunk_nnz", "block_nnz", "gate_sum"):
+        assert torch.equal(getattr(narrow, name), getattr(wide, name)), name
+    in_union = torch.arange(narrow.gate.indices.shape[1], device=device)[None, :] < narrow.gate.counts[:, None]
+    assert torch.equal(narrow.gate.indices[in_union], wide.gate.indices[in_union])
 
 
 def test_products_write_into_given_outputs(device):
