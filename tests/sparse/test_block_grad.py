@@ -82,6 +82,7 @@ def _check(M, K, N, dtype, device, sort_rows, **kw):
     recount = block_ell_transpose(f.gate)  # the counting pass gives the same grouping
     table = column_count_table(f.column_counts)  # ... and so does a table of the counts, taken over
     tabled = block_ell_transpose(f.gate, count_table=table)
+    assert torch.equal(table, column_count_table(f.column_counts).cumsum(0))  # overwritten with its running sums
     nnz = int(fired.sum())
     assert int(csc.offsets[-1]) == nnz
     for other in (recount, tabled):
@@ -186,6 +187,25 @@ def test_sampled_products_take_both_offset_widths(device, monkeypatch):
         assert torch.equal(getattr(narrow, name), getattr(wide, name)), name
     in_union = torch.arange(narrow.gate.indices.shape[1], device=device)[None, :] < narrow.gate.counts[:, None]
     assert torch.equal(narrow.gate.indices[in_union], wide.gate.indices[in_union])
+
+
+def test_column_prefix_sums_match_torch(device):
+    """The transposition's running sums down the [blocks + 1, N] count table, from int32 counts into a fresh table
+    and in place over a table's own rows: torch's cumsum exactly, past one chunk of rows and one of columns."""
+    from sparsefuse.sparse.block_grad import _column_prefix_sums
+
+    counts = torch.randint(0, 2**20, (40, 37), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    counts = counts.to(device)
+    want = column_count_table(counts).cumsum(0)
+    table = torch.full((41, 37), -1, dtype=torch.int64, device=device)
+    with track_launches() as launched:
+        _column_prefix_sums(table, counts, row_zero=True)
+    assert launched["column_prefix_sum_kernel"] == 1
+    assert torch.equal(table, want)
+    table = column_count_table(counts)
+    table[0] = 5  # in place, from the first row as it is
+    _column_prefix_sums(table, table[1:], row_zero=False)
+    assert torch.equal(table, want + 5)
 
 
 def test_products_write_into_given_outputs(device):
