@@ -18,6 +18,9 @@ How a case is timed (warm up first, device events, median of many, inputs that d
   the ``graph`` time of the same case it measures that overhead.
 * ``method="wall"``: whole calls (e.g. an end-to-end model decode) timed with a host clock between device
   synchronizations; one input set, no graph.
+* ``Case.host_ahead``: implementations of an eager case timed as the others but each call enqueued behind a sleep
+  kernel long enough for the host to enqueue the whole call first (``method`` column: ``"queued"``): the call's
+  GPU time on its eager path, which the ``eager`` row paces by the host where the host is as slow as the GPU.
 """
 
 from __future__ import annotations
@@ -98,6 +101,7 @@ class Case:
     eager_impl: str | None = "eager"
     compile_impl: str | None = "torch.compile"
     auto_choices: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    host_ahead: frozenset[str] = frozenset()  # eager impls timed with the host ahead of the GPU (method "queued")
     tokens: int = 0  # tokens one call processes (a model's batch x sequence): gives the tokens/s column
     # per implementation, where they differ (each at its own batch size): tokens one call processes, and the row's
     # note; both read after the implementation has run
@@ -169,7 +173,7 @@ class Result:
     dtype: str
     direction: str
     impl: str
-    method: str = ""  # "graph", "events" (graph capture failed), "eager", "wall", or "" when the implementation failed
+    method: str = ""  # "graph", "events" (graph capture failed), "eager", "queued", "wall"; "" when it failed
     sets: int = 0  # rotated input sets per timed call group
     rotation_mb: float = 0.0  # their total size
     median_us: float = math.nan
@@ -223,11 +227,13 @@ def tensor_bytes(obj: Any) -> int:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _event_times_ms(fn: Callable[[], Any], reps: int) -> list[float]:
+def _event_times_ms(fn: Callable[[], Any], reps: int, before: Callable[[], Any] | None = None) -> list[float]:
     """Device time of ``fn()`` per repetition (ms). All events are recorded first and read after one sync, so the
-    host never stalls the queue between repetitions."""
+    host never stalls the queue between repetitions. ``before()`` is enqueued ahead of each timed call, untimed."""
     pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
     for start, end in pairs:
+        if before is not None:
+            before()
         start.record()
         fn()
         end.record()
@@ -382,17 +388,27 @@ def _time_events(fn: Callable[..., Any], sets: list[tuple[Any, ...]], quick: boo
 
 
 def _time_events_interleaved(
-    fns: dict[str, Callable[..., Any]], sets: list[tuple[Any, ...]], quick: bool
+    fns: dict[str, Callable[..., Any]], sets: list[tuple[Any, ...]], quick: bool, host_ahead: frozenset[str]
 ) -> dict[str, float]:
     """:func:`_time_events` for several implementations in alternating rounds (one sweep of each per round), so a
     host whose speed drifts during the measurement -- common for host-bound eager loops -- slows every
-    implementation alike instead of whichever happened to run then."""
+    implementation alike instead of whichever happened to run then. Each sweep of ``host_ahead`` is enqueued behind
+    a sleep kernel of twice its host time (at most 2 GHz clocks, so at least that long), so that the host has
+    enqueued all of it before the GPU starts it: its GPU time."""
     sweeps = {name: (lambda fn=fn: [fn(*inputs) for inputs in sets]) for name, fn in fns.items()}
     reps = max(_choose_reps(sweep, quick) for sweep in sweeps.values())
+    before: dict[str, Callable[[], Any] | None] = dict.fromkeys(fns)
+    for name in host_ahead & fns.keys():
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        sweeps[name]()
+        cycles = int(2e9 * (2 * (time.perf_counter() - t0) + 1e-3))
+        torch.cuda.synchronize()
+        before[name] = lambda cycles=cycles: torch.cuda._sleep(cycles)
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(reps):
         for name, sweep in sweeps.items():
-            times[name] += _event_times_ms(sweep, 1)
+            times[name] += _event_times_ms(sweep, 1, before[name])
     return {name: statistics.median(t) / len(sets) for name, t in times.items()}
 
 
@@ -493,7 +509,7 @@ def run_case(case: Case, options: Options, ceilings: Ceilings, advance: Callable
             if case.method == "wall":
                 ms, row.method = _time_wall(fn, sets[0], options.quick), "wall"
             elif case.method == "eager":
-                interleaved[impl], row.method = fn, "eager"
+                interleaved[impl], row.method = fn, "queued" if impl in case.host_ahead else "eager"
             else:
                 captured = _capture_graph(fn, sets)
                 row.method = "graph"
@@ -522,7 +538,7 @@ def run_case(case: Case, options: Options, ceilings: Ceilings, advance: Callable
         graphs.clear()
     if interleaved:
         try:
-            for impl, ms in _time_events_interleaved(interleaved, sets, options.quick).items():
+            for impl, ms in _time_events_interleaved(interleaved, sets, options.quick, case.host_ahead).items():
                 _fill_rates(next(r for r in rows if r.impl == impl), case, ceilings, ms)
         except Exception as exc:  # noqa: BLE001
             for row in rows:

@@ -322,6 +322,32 @@ def test_harness_run_case_with_fake_cuda(monkeypatch):
     assert mine.speedup_compile == pytest.approx(by_impl["torch.compile"].median_us / mine.median_us)
 
 
+def test_harness_times_host_ahead_impls_behind_a_sleep(monkeypatch):
+    """An eager case's ``host_ahead`` implementations are timed like the others, each timed call enqueued behind a
+    sleep kernel of at least twice its host time (method ``queued``)."""
+    _FakeCuda().install(monkeypatch)
+    slept: list[int] = []
+    monkeypatch.setattr(torch.cuda, "_sleep", slept.append, raising=False)
+    calls = {"eager": 0, "mine": 0}
+
+    def counted(name):
+        def fn(x):
+            calls[name] += 1
+            return x * 2
+
+        return fn
+
+    case = _fake_case()
+    case.impls = {name: counted(name) for name in calls}
+    case.method, case.rotate, case.host_ahead, case.compile_impl = "eager", False, frozenset({"mine"}), None
+    ceilings = Ceilings(copy_bytes_per_s=1e12, matmul_flops_per_s=1e15)
+    rows = harness.run_cases([case], Options(quick=True, device="cpu"), ceilings, lambda _: None)
+    by_impl = {r.impl: r for r in rows}
+    assert by_impl["mine"].method == "queued" and by_impl["eager"].method == "eager"
+    assert all(r.status == "ok" and r.median_us > 0 for r in rows)
+    assert len(slept) >= 5 and min(slept) >= 2e6  # one sleep per timed call (quick: >= 5), >= 1 ms at 2 GHz
+
+
 def _replay_log(monkeypatch) -> list[int]:
     """The fake device's graphs, numbered in capture order, log each replay."""
     fake, log = _FakeCuda(), []
