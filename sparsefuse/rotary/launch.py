@@ -22,10 +22,9 @@ multiply, add) through ~5x these bytes: measured 12-13x slower than this kernel 
 from __future__ import annotations
 
 import torch
-import triton
 
 from .. import _backend
-from .._backend import Backend, backend_for, compute_dtype, new_output_layout_like, record_launch
+from .._backend import Backend, backend_for, compute_dtype, new_output_layout_like, next_power_of_2, record_launch
 from .kernels import rotary_bwd_kernel, rotary_fwd_kernel
 from .reference import torch_apply_rotary_pos_emb, torch_rotary_backward
 
@@ -61,7 +60,7 @@ def _warps(tile: int) -> int:
 
 def _head_block(n_heads: int, half_pad: int) -> int:
     """Heads a loop step covers: all of them where they fit in a TILE, else the most that do."""
-    return max(1, min(triton.next_power_of_2(max(n_heads, 1)), TILE // half_pad))
+    return max(1, min(next_power_of_2(max(n_heads, 1)), TILE // half_pad))
 
 
 def _rotate_into(
@@ -94,7 +93,7 @@ def _rotate_into(
         k_out.copy_(b)
         return
     half = hd // 2
-    half_pad = triton.next_power_of_2(half)
+    half_pad = next_power_of_2(half)
     fp64 = compute_dtype(torch.promote_types(torch.promote_types(q.dtype, cos.dtype), q_out.dtype)) == torch.float64
     kernel = rotary_bwd_kernel if backward else rotary_fwd_kernel
     block_hq = _head_block(H, half_pad)

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .. import _backend
-from .._backend import Backend, backend_for, new_output, record_launch
+from .._backend import Backend, backend_for, cdiv, new_output, record_launch
 from .._triton.dot import dot_accumulate, gathered_rows_dot, ieee_fp32
 from .._triton.slots import block_slots, offsets_fit_32
 from .._validation import check_out, unit_last_stride
@@ -132,7 +132,7 @@ def block_ell_sddmm(
         raise NotImplementedError("block_ell_sddmm runs on the GPU or the Triton interpreter")
     block_c, block_d, warps, stages, max_registers = _sddmm_blocks()
     order = like.row_order
-    block_ell_sddmm_kernel[(triton.cdiv(width, block_c), like.counts.shape[0])](
+    block_ell_sddmm_kernel[(cdiv(width, block_c), like.counts.shape[0])](
         like.indices,
         like.counts,
         order if order is not None else like.counts,
@@ -251,7 +251,7 @@ def _column_prefix_sums(table: torch.Tensor, src: torch.Tensor, row_zero: bool) 
     dim 0 of the step's [n_blocks + 1, N] table took 53 us (H200, 129 rows, at either layer shape)."""
     R, N = src.shape
     block_r, block_n = (16, 16) if _backend.INTERPRET else (32, 64)
-    column_prefix_sum_kernel[(triton.cdiv(N, block_n),)](
+    column_prefix_sum_kernel[(cdiv(N, block_n),)](
         table, src, R, N, src.stride(0), ROW_ZERO=row_zero, BLOCK_R=block_r, BLOCK_N=block_n, num_warps=4
     )
     record_launch("column_prefix_sum_kernel")
@@ -282,7 +282,7 @@ def block_ell_transpose(
     if backend_for(values) is Backend.TORCH:
         raise NotImplementedError("block_ell_transpose runs on the GPU or the Triton interpreter")
     block_c = 16 if _backend.INTERPRET else 128
-    grid = (triton.cdiv(width, block_c), n_blocks)
+    grid = (cdiv(width, block_c), n_blocks)
     args = (sparse.indices, sparse.counts)
     order = sparse.row_order
     common = dict(BLOCK_ROWS=sparse.block_rows, BLOCK_C=block_c, HAS_ORDER=order is not None, num_warps=4)
@@ -531,9 +531,9 @@ def transposed_matmul(
     # they are in L2: 1.43x on a 1.5B model layer's entries (H200), order-only, the sums unchanged.
     # The order costs one launch comparing every group with every other: past TRANSPOSED_SCHEDULED_GROUPS groups
     # (N > 131072) the grid is long enough for its tail not to matter, and the natural order is taken.
-    n_groups = triton.cdiv(N, block_n)
+    n_groups = cdiv(N, block_n)
     schedule = heavy_first_schedule(csc.offsets, group=block_n) if n_groups <= TRANSPOSED_SCHEDULED_GROUPS else None
-    transposed_matmul_kernel[(n_groups * triton.cdiv(D, block_d),)](
+    transposed_matmul_kernel[(n_groups * cdiv(D, block_d),)](
         csc.src,
         csc.offsets,
         order if order is not None else csc.offsets,

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .. import _backend
-from .._backend import Backend, backend_for, new_output, record_launch
+from .._backend import Backend, backend_for, cdiv, new_output, record_launch
 from .._triton.dot import gathered_rows_dot, ieee_fp32
 from .._triton.slots import block_slots
 from .._validation import unit_last_stride
@@ -323,7 +323,7 @@ def unpack_block_factors(
             f"unpack_block_factors: chunk={chunk} and the {packed.chunk}-slot chunks the pairs were packed in do not "
             "match"
         )
-    if chunk <= 0 or packed.offsets.numel() != n_blocks * triton.cdiv(width, chunk) + 1:
+    if chunk <= 0 or packed.offsets.numel() != n_blocks * cdiv(width, chunk) + 1:
         raise ValueError(
             f"unpack_block_factors: offsets of {packed.offsets.numel()} entries do not match {n_blocks} blocks of "
             f"{width} slots in chunks of {chunk}"
@@ -338,7 +338,7 @@ def unpack_block_factors(
     if backend_for(x) is Backend.TORCH:
         raise NotImplementedError("unpack_block_factors runs on the GPU or the Triton interpreter")
     block_k, scatter, warps, stages = (32, 16, 4, 1) if _backend.INTERPRET else UNPACK_CONFIG
-    block_unpack_kernel[(triton.cdiv(width, chunk), n_blocks)](
+    block_unpack_kernel[(cdiv(width, chunk), n_blocks)](
         packed.gate, packed.up if has_up else packed.gate, packed.slots, packed.offsets, indices, counts,
         order if order is not None else counts, x, w_gate, b_gate if b_gate is not None else w_gate,
         w_up if has_up else w_gate, b_up if b_up is not None else w_gate, gate, up if has_up else gate, table[1:],

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from .. import _backend
-from .._backend import Backend, backend_for, new_output, record_launch
+from .._backend import Backend, backend_for, cdiv, new_output, record_launch
 from .._triton.dot import dot_accumulate, ieee_fp32
 from .._validation import check_out, check_sparse_weight, describe
 from .formats import BlockELL
@@ -87,7 +87,7 @@ def heavy_first_schedule(counts: torch.Tensor, group: int | None = None) -> torc
     ``group``: ``counts`` is instead a prefix-sum array of ``n_cols + 1`` offsets (int64, a CSC's), and the
     schedule orders the ``ceil(n_cols / group)`` groups of ``group`` consecutive columns by their entries."""
     n_cols = counts.numel() - 1 if group is not None else counts.numel()
-    n = triton.cdiv(n_cols, group) if group is not None else n_cols
+    n = cdiv(n_cols, group) if group is not None else n_cols
     schedule = new_output((n,), torch.int32, counts.device)  # poisoned (-1) under test: every position is written
     _launch_schedule(counts, schedule, None, n, n_cols, group, None, None)
     return schedule
@@ -127,7 +127,7 @@ def _launch_schedule(
         # each (ncu on an H200: 135 us, 7 SMs busy, SM-active cycles equal to the elapsed ones). A program of 16
         # indices does an eighth of that work a step, and 8 times as many programs run side by side.
         block, block_j, part_tile = (16, 32, 4) if _backend.INTERPRET else (16, 128, 32)
-        heavy_first_schedule_kernel[(triton.cdiv(n, block),)](
+        heavy_first_schedule_kernel[(cdiv(n, block),)](
             counts, sizes if sizes is not None else counts, parts if parts is not None else counts, schedule,
             prefix if prefix is not None else schedule, n, n_cols, parts.shape[1] if parts is not None else 0,
             STEP=group or 1, FROM_OFFSETS=group is not None, PREFIX=prefix is not None, BLOCK=block, BLOCK_J=block_j,
@@ -269,7 +269,7 @@ def block_sparse_matmul(
     n_blocks = sparse.counts.shape[0]
     if schedule is None and heavy_first and n_blocks > 1:
         schedule = heavy_first_schedule(sparse.counts)
-    block_ell_matmul_kernel[(triton.cdiv(n_out, block_d), n_blocks)](
+    block_ell_matmul_kernel[(cdiv(n_out, block_d), n_blocks)](
         sparse.values,
         sparse.indices,
         sparse.counts,

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .. import _backend
-from .._backend import Backend, backend_for, new_output, record_launch, sm_count
+from .._backend import Backend, backend_for, cdiv, new_output, next_power_of_2, record_launch, sm_count
 from .._validation import check_dense, check_rows, check_twell_geometry, unit_last_stride
 from .formats import CSR, ELL, IN_ELL, SPILLED, Hybrid, RowBlockPattern
 
@@ -153,7 +153,7 @@ def _bits_to_sparse(
         # width).
         block_w, warps = 128, 1
     else:  # about a wave: bound by each row's latency, so few, wide blocks (5.8 us at 256 rows, H200)
-        block_w, warps = min(1024, max(32, triton.next_power_of_2(n_words))), 4
+        block_w, warps = min(1024, max(32, next_power_of_2(n_words))), 4
     unused = bits
     bits_to_sparse_kernel[(M,)](
         bits,
@@ -296,11 +296,11 @@ def _row_bits(dense: torch.Tensor, relu: bool) -> torch.Tensor:
     """bits [M, ceil(N / 32)] int32 of ``dense`` [M, N] (of relu(dense) when ``relu``) from one row_bits_kernel
     launch: the one pass over ``dense``."""
     M, N = dense.shape
-    n_words = triton.cdiv(N, 32)
+    n_words = cdiv(N, 32)
     rows, block_c = (2, 64) if _backend.INTERPRET else (8, 512)  # 4 warps (measured on an H200)
-    block_c = min(block_c, max(32, triton.next_power_of_2(N)))
+    block_c = min(block_c, max(32, next_power_of_2(N)))
     bits = new_output((M, n_words), torch.int32, dense.device)  # poisoned under test
-    row_bits_kernel[(triton.cdiv(N, block_c), min(triton.cdiv(M, rows), MAX_GRID_Y))](
+    row_bits_kernel[(cdiv(N, block_c), min(cdiv(M, rows), MAX_GRID_Y))](
         dense, bits, M, N, n_words, dense.stride(0), ROWS=rows, BLOCK_C=block_c, RELU=relu, num_warps=4
     )
     record_launch("row_bits_kernel")
@@ -321,7 +321,7 @@ SORT_GROUP = 1024
 
 def _sort_keys(n_sample: int) -> int:
     """Key count (a power of two) covering counts 0..n_sample."""
-    return triton.next_power_of_2(4 * (n_sample + 1).bit_length())
+    return next_power_of_2(4 * (n_sample + 1).bit_length())
 
 
 @triton.jit
@@ -401,10 +401,10 @@ def _group_rank(bits: torch.Tensor, n_sample: int, group: int) -> torch.Tensor:
     M, n_words = bits.shape
     keys = torch.empty(M, dtype=torch.int32, device=bits.device)
     rows, words = (4, 2) if _backend.INTERPRET else (32, 64)
-    row_keys_kernel[(triton.cdiv(M, rows),)](bits, keys, M, n_words, n_sample, ROWS=rows, WORDS=words)
+    row_keys_kernel[(cdiv(M, rows),)](bits, keys, M, n_words, n_sample, ROWS=rows, WORDS=words)
     order = new_output((M,), torch.int32, bits.device)  # poisoned (-1) under test: every position is written
-    sub = min(triton.next_power_of_2(group), 64 if _backend.INTERPRET else 128)
-    grid = (triton.cdiv(M, group), triton.cdiv(min(M, group), sub))
+    sub = min(next_power_of_2(group), 64 if _backend.INTERPRET else 128)
+    grid = (cdiv(M, group), cdiv(min(M, group), sub))
     group_rank_kernel[grid](keys, order, M, GROUP=group, SUB=sub, KEYS=_sort_keys(n_sample))
     record_launch("row_keys_kernel")
     record_launch("group_rank_kernel")
@@ -452,7 +452,7 @@ def dense_to_row_block_pattern(
         raise ValueError(f"{op}: sort_sample must be a positive int or None; got {sort_sample!r}")
     M, N = dense.shape
     n_sample = N if sort_sample is None else min(N, sort_sample)
-    n_tiles, n_blocks = triton.cdiv(N, tile), triton.cdiv(M, block_rows)
+    n_tiles, n_blocks = cdiv(N, tile), cdiv(M, block_rows)
     if backend_for(dense) is Backend.TORCH or M == 0:
         order = count_order(dense, n_sample, relu) if sort_rows else None
         if M:

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from .. import _backend
+from .._backend import next_power_of_2
 from .._triton.dot import dot_accumulate
 
 DENSE_UNIT_ROWS = tl.constexpr(16)  # rows of one split summed together (tl.dot's smallest M)
@@ -55,7 +56,7 @@ def dense_tiles(n_out: int, num_warps: int) -> dict:
     spread launch's long units take) by DOT_F activations (64: one 128-byte row of 16-bit values)."""
     if _backend.INTERPRET:
         return dict(DOT_D=16, DOT_F=16)
-    return dict(DOT_D=min(256, 64 * num_warps, max(16, triton.next_power_of_2(n_out))), DOT_F=64)
+    return dict(DOT_D=min(256, 64 * num_warps, max(16, next_power_of_2(n_out))), DOT_F=64)
 
 
 @triton.jit(noinline=True)

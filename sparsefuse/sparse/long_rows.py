@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from .. import _backend
-from .._backend import sm_count
+from .._backend import cdiv, next_power_of_2, sm_count
 from .._triton.gather import accumulate_nonzeros, accumulate_rows, load_rows, sum_split_partials
 from .dense_units import DENSE_UNIT_ROWS, dense_tiles
 
@@ -390,7 +390,7 @@ def spread_config(n_out: int, weight: torch.Tensor, block_d: int | None = None) 
         # one list unequally.
         return SpreadConfig(block_d or 32, block_s=16, block_k=8, group=8, num_warps=4, programs=4, entries_per_sub=16)
     programs = SPREAD_PROGRAMS_PER_SM * sm_count(weight.device)
-    block_d = block_d or min(SPREAD_MAX_BLOCK_D, max(32, triton.next_power_of_2(n_out)))
+    block_d = block_d or min(SPREAD_MAX_BLOCK_D, max(32, next_power_of_2(n_out)))
     warps = max(1, min(4, block_d * weight.element_size() // (32 * 16)))
     # 8 scanned activations per thread, as swept at 4 warps: narrow outputs (fewer warps) scan shorter chunks
     block_s = min(SPREAD_BLOCK_S, 256 * warps)
@@ -451,21 +451,21 @@ class LongRows:
         splits (:mod:`.dense_units`). Host-known sizes only: nothing is read back."""
         cfg = spread_config(n_out, weight, block_d)
         device = weight.device
-        d_blocks = triton.cdiv(n_out, cfg.block_d)
-        steps = max(triton.cdiv(unit_cols, cfg.group), triton.cdiv(unit_entries, cfg.block_k))  # of one unit
+        d_blocks = cdiv(n_out, cfg.block_d)
+        steps = max(cdiv(unit_cols, cfg.group), cdiv(unit_entries, cfg.block_k))  # of one unit
         max_subsplits = max(1, min(MAX_SUBSPLITS, steps, SUBSPLIT_SUM_BYTES // (4 * cfg.block_d)))
         arrivals_per_unit, arrival_rows, partial_rows = 0, 0, 0
         if deliver != DELIVER_ATOMIC.value:
-            arrivals_per_unit = triton.next_power_of_2(d_blocks)
+            arrivals_per_unit = next_power_of_2(d_blocks)
             # the spread splits units (sub-splits > 1, which count their arrivals) only while they are fewer than
             # its items per D block: counters for that many units, not for every unit that could be listed (the
             # W_dec gradient lists among d_sae rows: ~64 MiB of counters at a million features otherwise)
             items = SPREAD_ITEMS_PER_PROGRAM * cfg.programs
-            arrival_rows = min(capacity, triton.cdiv(items, d_blocks))
+            arrival_rows = min(capacity, cdiv(items, d_blocks))
             # one partial row per sub-split: into at most twice the items per D block in all (rounding up)
             partial_rows = min(
                 capacity * max_subsplits,
-                2 * triton.cdiv(items, d_blocks) + max_subsplits,
+                2 * cdiv(items, d_blocks) + max_subsplits,
                 max(1, SPREAD_PARTIAL_BYTES // (4 * n_out)),
             )
         # the counters zeroed together: one fill
@@ -538,6 +538,6 @@ class LongRows:
             BLOCK_F=cfg.block_s,
             BLOCK_K=cfg.block_k,
             GROUP=cfg.group,
-            REDUCE_SUBSPLITS=max(1, min(triton.next_power_of_2(self.max_subsplits), reduce_rows)),
+            REDUCE_SUBSPLITS=max(1, min(next_power_of_2(self.max_subsplits), reduce_rows)),
             **(dense_tiles(self.sub_partial.shape[1], cfg.num_warps) if self.dense_rows is not None else {}),
         )

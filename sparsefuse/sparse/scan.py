@@ -7,10 +7,9 @@ those at least half non-zero, where splits are summed by atomics, are summed on 
 from __future__ import annotations
 
 import torch
-import triton
 
 from .. import _backend
-from .._backend import Backend, backend_for, sm_count
+from .._backend import Backend, backend_for, cdiv, next_power_of_2, sm_count
 from .._validation import check_matmul_skip_zeros
 from .dense_units import lists_dense_units
 from .long_rows import DELIVER_ATOMIC, DELIVER_SPLITS, DELIVER_STORE, FORMAT_DENSE, LongRows, long_row_threshold
@@ -37,19 +36,19 @@ def scan_splits(
     """Programs the scan splits each row's ``n_in`` columns over (whole chunks of ``block_f`` each, as even as
     they go): ``splits`` if given, else enough (row, D block, split) programs to keep ``sms`` SMs busy. Also for
     cost models: each split is walked serially by one program."""
-    n_chunks = triton.cdiv(n_in, block_f)
+    n_chunks = cdiv(n_in, block_f)
     if splits is None:
         atomic = splits_by_atomics(M, n_out, block_d, sms, deterministic)
         per_sm = ATOMIC_SPLIT_PROGRAMS_PER_SM if atomic else SCAN_PROGRAMS_PER_SM
-        splits = triton.cdiv(per_sm * sms, M * triton.cdiv(n_out, block_d))
-    return triton.cdiv(n_chunks, triton.cdiv(n_chunks, max(1, min(splits, n_chunks))))
+        splits = cdiv(per_sm * sms, M * cdiv(n_out, block_d))
+    return cdiv(n_chunks, cdiv(n_chunks, max(1, min(splits, n_chunks))))
 
 
 def splits_by_atomics(M: int, n_out: int, block_d: int, sms: int, deterministic: bool) -> bool:
     """Whether the scan of M rows, ``block_d`` output columns a program, on ``sms`` SMs splits its rows over
     programs whose sums are added by fp32 atomics: rows alone do not fill the GPU, and the order may vary (also for
     cost models: it is where the scan's 16-bit dense units run)."""
-    return not deterministic and M * triton.cdiv(n_out, block_d) < SCAN_PROGRAMS_PER_SM * sms
+    return not deterministic and M * cdiv(n_out, block_d) < SCAN_PROGRAMS_PER_SM * sms
 
 
 def matmul_skip_zeros(
@@ -94,7 +93,7 @@ def _scan_into(
     program's columns can be long) the spread pass over the ranges it listed."""
     (M, n_in), n_out = a.shape, weight.shape[1]
     cfg = scan_config(n_out)
-    block_d, n_chunks = cfg.block_d, triton.cdiv(n_in, cfg.block_f)
+    block_d, n_chunks = cfg.block_d, cdiv(n_in, cfg.block_f)
     sms = sm_count(a.device, interpreted=2)
 
     def n_splits_for(block_d: int) -> int:
@@ -104,8 +103,8 @@ def _scan_into(
     # ~64 KiB by narrowing the D blocks when rows are few (at B=1, D=2304 a single 4096-wide block took 25 us).
     while deterministic and splits is None and block_d > 128 and n_splits_for(block_d) * block_d * 4 > 65536:
         block_d //= 2
-    d_blocks, n_splits = triton.cdiv(n_out, block_d), n_splits_for(block_d)
-    chunks_per_split = triton.cdiv(n_chunks, n_splits)
+    d_blocks, n_splits = cdiv(n_out, block_d), n_splits_for(block_d)
+    chunks_per_split = cdiv(n_chunks, n_splits)
     warps = cfg.num_warps if _backend.INTERPRET else _scan_warps(block_d, weight.element_size())
     atomic = n_splits > 1 and not deterministic
     partial = split_nnz = arrivals = out
@@ -136,7 +135,7 @@ def _scan_into(
         chunks_per_split=chunks_per_split,
         n_splits=n_splits,
         long_unit_cols=chunks_per_split * cfg.block_f,
-        REDUCE_SPLITS=max(1, min(triton.next_power_of_2(n_splits), 8192 // block_d)),
+        REDUCE_SPLITS=max(1, min(next_power_of_2(n_splits), 8192 // block_d)),
         FORMAT=FORMAT_DENSE.value,
     )
     launch_gather(

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .. import _backend
-from .._backend import Backend, backend_for, new_output, record_launch
+from .._backend import Backend, backend_for, cdiv, new_output, next_power_of_2, record_launch
 from .._triton.dot import gathered_rows_dot, ieee_fp32
 from .._triton.gather import pick_nonzeros, rank_nonzeros
 from .._triton.slots import block_slots, offsets_fit_32
@@ -95,10 +95,8 @@ def sampled_dot_dense_pattern(
     if backend_for(pattern) is Backend.TORCH:
         _backend.warn_reference_once("sampled_dot_dense_pattern")
         return ((a.double() @ b.double().t()) * (pattern != 0)).to(out.dtype)
-    block_f, block_d, group = (
-        (32, 32, 16) if _backend.INTERPRET else (1024, min(256, max(32, triton.next_power_of_2(D))), 2)
-    )
-    sampled_dot_dense_pattern_kernel[(M, triton.cdiv(N, block_f))](
+    block_f, block_d, group = (32, 32, 16) if _backend.INTERPRET else (1024, min(256, max(32, next_power_of_2(D))), 2)
+    sampled_dot_dense_pattern_kernel[(M, cdiv(N, block_f))](
         pattern,
         a,
         b,
@@ -343,7 +341,7 @@ def block_sddmm(
         return BlockELL(v, indices, counts, N, pattern.block_rows, pattern.row_order)
 
     block_c, block_d, warps, stages, max_registers = _block_sddmm_blocks(D, pattern.block_rows, factors)
-    n_chunks = triton.cdiv(width, block_c)
+    n_chunks = cdiv(width, block_c)
     if n_chunks == 0:  # no column (N = 0): no program writes the unions' sizes, which are all 0
         counts.zero_()
     out = on_slots(values)
@@ -420,7 +418,7 @@ def block_sddmm(
         BLOCK_ROWS=pattern.block_rows,
         BLOCK_C=block_c,
         BLOCK_D=block_d,
-        BLOCK_TILES=triton.next_power_of_2(n_tiles),
+        BLOCK_TILES=next_power_of_2(n_tiles),
         HAS_ORDER=order is not None,
         HAS_BIAS=bias is not None,
         RELU=relu,

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .. import _backend
-from .._backend import Backend, backend_for, new_output, record_launch, sm_count
+from .._backend import Backend, backend_for, cdiv, new_output, next_power_of_2, record_launch, sm_count
 from .._triton.gather import accumulate_nonzeros, accumulate_rows, sum_split_partials
 from .._validation import check_overflow_completion, check_sparse_weight
 from .dense_units import (
@@ -377,7 +377,7 @@ def scan_config(n_out: int) -> _LaunchConfig:
 
 def scan_block_d(n_out: int) -> int:
     """Output columns of a scan program on a GPU (see :func:`scan_config`; also for cost models)."""
-    return min(4096, max(32, triton.next_power_of_2(n_out)))
+    return min(4096, max(32, next_power_of_2(n_out)))
 
 
 def _gather_config(M: int, n_out: int, weight: torch.Tensor) -> _LaunchConfig:
@@ -396,8 +396,8 @@ def _gather_config(M: int, n_out: int, weight: torch.Tensor) -> _LaunchConfig:
 def gather_block_d(M: int, n_out: int, sms: int, itemsize: int) -> int:
     """Output columns per program of the gather of stored entries, ``itemsize``-byte weights, on a GPU of ``sms``
     SMs (see :func:`_gather_config`; also for cost models, which count its programs)."""
-    block_d = min(512 if itemsize >= 4 else 256, max(32, triton.next_power_of_2(n_out)))
-    while block_d > 128 and M * triton.cdiv(n_out, block_d) < 8 * sms:
+    block_d = min(512 if itemsize >= 4 else 256, max(32, next_power_of_2(n_out)))
+    while block_d > 128 and M * cdiv(n_out, block_d) < 8 * sms:
         block_d //= 2
     return block_d
 
@@ -458,7 +458,7 @@ def sparse_matmul(
         return torch_sparse_matmul(sparse, weight).to(out_dtype)
     cfg = _gather_config(M, n_out, weight)
     n_in, width = sparse.n_cols, sparse.width if is_ell else 0
-    programs = triton.cdiv(n_out, cfg.block_d) * M
+    programs = cdiv(n_out, cfg.block_d) * M
     threshold = stored_row_threshold(n_in, programs, weight.device) if spread_long_rows else NEVER_LONG
     can_overflow = is_ell and dense is not None and width < n_in  # completed by the spread pass
     long_rows = None

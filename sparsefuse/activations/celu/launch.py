@@ -19,13 +19,13 @@ recovered from the output, so an in-place forward keeps working under autograd:
 from __future__ import annotations
 
 import torch
-import triton
 
 from ... import _backend
 from ..._backend import (
     STREAMING_WARPS,
     Backend,
     backend_for,
+    cdiv,
     is_dense,
     new_output_layout_like,
     record_launch,
@@ -41,7 +41,7 @@ def _launch(kernel, n: int, *args, **constexprs) -> None:
     """Launch a flat CELU kernel over n elements with the shared streaming rule (see _backend.streaming_block)."""
     element = args[0]
     block = streaming_block(n, element.element_size(), element.device, _INTERPRET_BLOCK)
-    kernel[(triton.cdiv(n, block),)](*args, BLOCK=block, num_warps=STREAMING_WARPS, **constexprs)
+    kernel[(cdiv(n, block),)](*args, BLOCK=block, num_warps=STREAMING_WARPS, **constexprs)
 
 
 def _match_strides(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

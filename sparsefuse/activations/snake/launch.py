@@ -10,10 +10,18 @@ device-to-device copy bandwidth.
 from __future__ import annotations
 
 import torch
-import triton
 
 from ... import _backend
-from ..._backend import STREAMING_WARPS, Backend, backend_for, new_output, record_launch, streaming_block
+from ..._backend import (
+    STREAMING_WARPS,
+    Backend,
+    backend_for,
+    cdiv,
+    new_output,
+    next_power_of_2,
+    record_launch,
+    streaming_block,
+)
 from ..._validation import unit_last_stride
 from .kernels import (
     ALPHA_DIRECT,
@@ -42,14 +50,14 @@ _PARTIALS_MIN_PROGRAMS_INTERPRETED = 64  # CPU tests cover both finishes
 
 def _row_grid(n_rows: int, n_time_blocks: int) -> tuple[int, int, int]:
     """(time blocks, rows in a slice, row slices): rows past ROWS_PER_SLICE go to further slices along grid z."""
-    return (n_time_blocks, min(n_rows, ROWS_PER_SLICE), triton.cdiv(n_rows, ROWS_PER_SLICE))
+    return (n_time_blocks, min(n_rows, ROWS_PER_SLICE), cdiv(n_rows, ROWS_PER_SLICE))
 
 
 def _forward_block_t(T: int, element_size: int) -> int:
     """The row kernel's time block: a streaming tile of x, but no longer than the row needs (256 at least)."""
     if _backend.INTERPRET:
         return _INTERPRET_ROW_BLOCK
-    return min(_backend.STREAMING_TILE_BYTES // element_size, max(256, triton.next_power_of_2(T)))
+    return min(_backend.STREAMING_TILE_BYTES // element_size, max(256, next_power_of_2(T)))
 
 
 def _flat_run(T: int, element_size: int) -> tuple[int, bool]:
@@ -90,7 +98,7 @@ def _backward_config(T: int) -> tuple[int, int]:
     long rows and ahead on short ones (H200)."""
     if _backend.INTERPRET:
         return 64, 4
-    return min(2048, max(256, triton.next_power_of_2(T))), 4
+    return min(2048, max(256, next_power_of_2(T))), 4
 
 
 def _alpha_finish(n_programs: int, n_channels: int) -> int:
@@ -122,7 +130,7 @@ def snake_forward(x: torch.Tensor, alpha: torch.Tensor, eps: float, fast_sin: bo
         n = x.numel()
         block = streaming_block(n, x.element_size(), x.device, _INTERPRET_FLAT_BLOCK)
         run, shares_channel = _flat_run(T, x.element_size())
-        snake_fwd_flat_kernel[(triton.cdiv(n, block),)](
+        snake_fwd_flat_kernel[(cdiv(n, block),)](
             x,
             alpha,
             y,
@@ -140,7 +148,7 @@ def snake_forward(x: torch.Tensor, alpha: torch.Tensor, eps: float, fast_sin: bo
         record_launch("snake_fwd_flat_kernel")
         return y
     block_t = _forward_block_t(T, x.element_size())
-    snake_fwd_kernel[_row_grid(B * C, triton.cdiv(T, block_t))](
+    snake_fwd_kernel[_row_grid(B * C, cdiv(T, block_t))](
         x,
         alpha,
         y,
@@ -177,7 +185,7 @@ def snake_backward(
         return gx.to(x.dtype), ga.to(alpha.dtype)
     x, grad_y = unit_last_stride(x), unit_last_stride(grad_y)
     block_t, num_warps = _backward_config(T)
-    n_time_blocks = triton.cdiv(T, block_t)
+    n_time_blocks = cdiv(T, block_t)
     n_programs = B * C * n_time_blocks
     finish = _alpha_finish(n_programs, C)
     if need_alpha_grad:

@@ -27,9 +27,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import triton
 
-from ..._backend import on_tensor_device, plain_eager_call
+from ..._backend import cdiv, on_tensor_device, plain_eager_call
 from ..._validation import autocast_off
 from ...sparse import BlockELL
 from ...sparse.block_grad import block_ell_sddmm, block_ell_transpose, transposed_matmul
@@ -135,8 +134,8 @@ block_mlp_train_fwd_op = torch.library.custom_op("sparsefuse::block_mlp_train_fw
 @block_mlp_train_fwd_op.register_fake
 def _(x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, block_rows, tile, sort_rows, capacity):
     M, N = x2.shape[0], w_gate.shape[0]
-    width, n_blocks = triton.cdiv(N, tile) * tile, triton.cdiv(M, block_rows)
-    n_chunks = triton.cdiv(width, factor_chunk(x2.shape[1], block_rows))
+    width, n_blocks = cdiv(N, tile) * tile, cdiv(M, block_rows)
+    n_chunks = cdiv(width, factor_chunk(x2.shape[1], block_rows))
     index = lambda *shape: torch.empty(*shape, dtype=torch.int32, device=x2.device)  # noqa: E731
     return (
         x2.new_empty(M, w_down_t.shape[1]),

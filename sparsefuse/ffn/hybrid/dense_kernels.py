@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ... import _backend
-from ..._backend import STREAMING_WARPS, Backend, backend_for, new_output, record_launch, streaming_block
+from ..._backend import STREAMING_WARPS, Backend, backend_for, cdiv, new_output, record_launch, streaming_block
 
 # Forward tiles: a program walks a strip of BLOCK_C columns down a group of rows, ROWS at a time. BLOCK_C is one
 # warp's width of 16-byte vectors (256 columns of a 16-bit dtype, 128 of fp32): every load and store is a 128-bit
@@ -148,10 +148,10 @@ def _forward_grid(M: int, N: int, element_size: int, device: torch.device) -> tu
         rows, block_c, min_chunks = _INTERPRET_ROWS, _INTERPRET_BLOCK_C, _INTERPRET_MIN_CHUNKS
     else:
         rows, block_c, min_chunks = FORWARD_ROWS, 32 * (16 // element_size), MIN_CHUNKS
-    strips, chunks = triton.cdiv(N, block_c), triton.cdiv(M, rows)
-    groups = triton.cdiv(PROGRAMS_PER_SM * _backend.sm_count(device), strips)
-    per_program = max(min_chunks, triton.cdiv(chunks, groups))
-    return rows, block_c, per_program, triton.cdiv(chunks, per_program)
+    strips, chunks = cdiv(N, block_c), cdiv(M, rows)
+    groups = cdiv(PROGRAMS_PER_SM * _backend.sm_count(device), strips)
+    per_program = max(min_chunks, cdiv(chunks, groups))
+    return rows, block_c, per_program, cdiv(chunks, per_program)
 
 
 def relu_mul_stats(
@@ -166,7 +166,7 @@ def relu_mul_stats(
     pre = pre.contiguous()
     up = up.contiguous() if up is not None else None
     rows, block_c, per_program, groups = _forward_grid(M, N, pre.element_size(), pre.device)
-    strips = triton.cdiv(N, block_c)
+    strips = cdiv(N, block_c)
     gate = new_output((M, N), pre.dtype, pre.device)
     h = new_output((M, N), pre.dtype, pre.device) if up is not None else None
     l1_part = new_output((groups, strips), torch.float32, pre.device)
@@ -223,7 +223,7 @@ def relu_mul_backward(
     d_pre = new_output(gate.shape, gate.dtype, gate.device)
     d_up = new_output(gate.shape, gate.dtype, gate.device) if up is not None else None
     block = streaming_block(n, gate.element_size(), gate.device, _INTERPRET_BACKWARD_BLOCK)
-    relu_mul_backward_kernel[(triton.cdiv(n, block),)](
+    relu_mul_backward_kernel[(cdiv(n, block),)](
         grad_h,
         gate,
         up if up is not None else gate,

@@ -18,7 +18,6 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-import triton
 
 from ..._auto import (
     EstimateCache,
@@ -27,6 +26,7 @@ from ..._auto import (
     observable,
     pick_fastest,
 )
+from ..._backend import cdiv
 from .launch import DEFAULT_COMPRESSION, GATE_GEMM_MIN_TOKENS, auto_tile
 
 PROBE_TOKENS = 64  # tokens whose gate the auto probe computes densely
@@ -109,13 +109,13 @@ def predicted_times(
     gate = _matmul_s(M, K, N, elem, fp32, cm)
     dense = 3 * gate + 5.0 * M * N * elem / cm.dram_bytes_per_s + 2 * cm.launch_s
     wave = 2 * cm.n_sms
-    splits = 1 if M >= wave else min(triton.cdiv(N, auto_tile(M, N, 1)), triton.cdiv(wave, max(M, 1)))
+    splits = 1 if M >= wave else min(cdiv(N, auto_tile(M, N, 1)), cdiv(wave, max(M, 1)))
     occupancy = min(1.0, M * splits / wave)
     gathered = M * mean_nnz * 2.0 * K * elem  # a W_up row and a W_down row per non-zero
     if M < GATE_GEMM_MIN_TOKENS:  # the fused gate keeps no pre-activations: an overflowed tile's GEMV reads its rows
         tile = auto_tile(M, N, DEFAULT_COMPRESSION)
         gathered += (
-            M * triton.cdiv(N, tile) * _poisson_tail(mean_nnz * tile / N, tile // DEFAULT_COMPRESSION) * tile * K * elem
+            M * cdiv(N, tile) * _poisson_tail(mean_nnz * tile / N, tile // DEFAULT_COMPRESSION) * tile * K * elem
         )
     distinct_rows = N * (1.0 - (1.0 - min(mean_nnz, N) / N) ** M) if N else 0.0
     steps = mean_nnz / (4.0 * splits)  # a token's serial chain: 4 entries per step, its tiles over `splits`
@@ -147,8 +147,8 @@ def predicted_block_time(
     fp32 = dtype == torch.float32
     gate = _matmul_s(M, K, N, elem, fp32, cm)
     union = 1.0 - (1.0 - min(mean_nnz, N) / max(N, 1)) ** block_rows
-    n_blocks = triton.cdiv(max(M, 1), block_rows)
-    fill = min(1.0, M / 8192) ** 0.31 * min(1.0, n_blocks * triton.cdiv(K, 256) / (2 * cm.n_sms))
+    n_blocks = cdiv(max(M, 1), block_rows)
+    fill = min(1.0, M / 8192) ** 0.31 * min(1.0, n_blocks * cdiv(K, 256) / (2 * cm.n_sms))
     rate = cm.block_flops_per_s * (cm.fp32_matmul_flops_per_s / cm.matmul_flops_per_s if fp32 else 1.0) * fill
     products = 2 * 2.0 * M * K * N * union / rate
     traffic = (M * N + 3 * M * N * union + 2 * M * K) * elem / cm.dram_bytes_per_s

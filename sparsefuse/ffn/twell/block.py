@@ -8,9 +8,9 @@ import math
 
 import torch
 import torch.nn.functional as F
-import triton
 
 from ... import _backend
+from ..._backend import next_power_of_2
 from ...sparse.block_spmm import block_sparse_matmul
 from ...sparse.compact import dense_to_row_block_pattern
 from ...sparse.sddmm import block_sddmm
@@ -48,7 +48,7 @@ _INTERPRET_BLOCK_PLAN = BlockPlan(block_rows=16, tile=64, sort_min_tokens=64)  #
 def block_plan(N: int) -> BlockPlan:
     """The plan for N intermediate columns (tiles no wider than the padded N)."""
     plan = _INTERPRET_BLOCK_PLAN if _backend.INTERPRET else BLOCK_PLAN
-    tile = min(plan.tile, max(16, triton.next_power_of_2(N)))
+    tile = min(plan.tile, max(16, next_power_of_2(N)))
     return dataclasses.replace(plan, tile=tile) if tile != plan.tile else plan
 
 

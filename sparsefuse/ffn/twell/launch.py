@@ -12,7 +12,7 @@ import triton
 
 from ... import _backend
 from ..._auto import device_scalar, sampled_nonzero_stats
-from ..._backend import Backend, backend_for, new_output, record_launch, sm_count
+from ..._backend import Backend, backend_for, cdiv, new_output, next_power_of_2, record_launch, sm_count
 from ..._triton.dot import ieee_fp32
 from ...sparse.formats import ELL, TwELL
 from ...sparse.spmm import sparse_matmul
@@ -59,7 +59,7 @@ def _prune_gate_configs(configs, named_args, **kwargs):
     kept = [
         c
         for c in configs
-        if c.kwargs["BLOCK_M"] <= max(16, triton.next_power_of_2(M)) and c.kwargs["BLOCK_M"] * tile <= 128 * 256
+        if c.kwargs["BLOCK_M"] <= max(16, next_power_of_2(M)) and c.kwargs["BLOCK_M"] * tile <= 128 * 256
     ]
     return kept or configs[-1:]
 
@@ -87,8 +87,8 @@ PACK_WARPS = 4
 def auto_tile(M: int, N: int, compression: int) -> int:
     """The default tile: 256 columns (the paper's); 64 when the batch is small, so the gate has enough programs."""
     tile = 256 if M > 64 else 64
-    tile = min(tile, max(16, triton.next_power_of_2(N)))
-    return max(tile, triton.next_power_of_2(compression))
+    tile = min(tile, max(16, next_power_of_2(N)))
+    return max(tile, next_power_of_2(compression))
 
 
 # From this many tokens the heaviest are taken out of the main launch (up to a cap) and split over HEAVY_SPLITS
@@ -106,8 +106,8 @@ def _output_block(M: int, K: int, device: torch.device) -> int:
     batch is too small to fill the GPU, then split so that there are >= 2 programs per SM."""
     if _backend.INTERPRET:
         return 128
-    block = min(4096, triton.next_power_of_2(K))
-    while block > 128 and M * triton.cdiv(K, block) < 2 * sm_count(device):
+    block = min(4096, next_power_of_2(K))
+    while block > 128 and M * cdiv(K, block) < 2 * sm_count(device):
         block //= 2
     return block
 
@@ -127,11 +127,11 @@ def _up_down_plan(M: int, K: int, n_tiles: int, device: torch.device) -> _UpDown
     """Kernel 2's launch, measured on an H200: 4 entries per step with ~64 weight elements per thread per tile; one
     program per token once the batch fills the GPU (the heavy ones first), otherwise each token's tiles split over
     enough programs to fill it."""
-    block_d = triton.next_power_of_2(max(K, 1))
+    block_d = next_power_of_2(max(K, 1))
     block_j = 4 if block_d <= 16384 else max(1, 65536 // block_d)
     num_warps = min(32, max(4, block_j * block_d // 2048))
     wave = 2 * sm_count(device)
-    n_splits = 1 if M >= wave else min(n_tiles, triton.cdiv(wave, max(M, 1)))
+    n_splits = 1 if M >= wave else min(n_tiles, cdiv(wave, max(M, 1)))
     block_c, block_k = (16, 64) if _backend.INTERPRET else (8, 1024)
     return _UpDownPlan(block_d, block_j, num_warps, n_splits, M >= wave, block_c, block_k)
 
@@ -139,7 +139,7 @@ def _up_down_plan(M: int, K: int, n_tiles: int, device: torch.device) -> _UpDown
 def _listing_block(n_tiles: int) -> int:
     """Tokens per program of the kernels that read whole rows of counts: [block, n_tiles] counts per program, ~4096
     elements, keep them out of spilling (256 tokens of 56 tiles spill on sm_90)."""
-    return 16 if _backend.INTERPRET else max(16, min(256, 4096 // triton.next_power_of_2(n_tiles)))
+    return 16 if _backend.INTERPRET else max(16, min(256, 4096 // next_power_of_2(n_tiles)))
 
 
 def heavy_first_order(counts: torch.Tensor, slots: int, block_j: int) -> torch.Tensor:
@@ -148,7 +148,7 @@ def heavy_first_order(counts: torch.Tensor, slots: int, block_j: int) -> torch.T
     order = torch.empty(M, dtype=torch.int32, device=counts.device)
     cursors = torch.zeros(2, dtype=torch.int32, device=counts.device)
     block_m = _listing_block(n_tiles)
-    heavy_first_order_kernel[(triton.cdiv(M, block_m),)](
+    heavy_first_order_kernel[(cdiv(M, block_m),)](
         counts,
         order,
         cursors,
@@ -157,7 +157,7 @@ def heavy_first_order(counts: torch.Tensor, slots: int, block_j: int) -> torch.T
         16 * block_j,
         SLOTS=slots,
         BLOCK_M=block_m,
-        BLOCK_TILES=triton.next_power_of_2(n_tiles),
+        BLOCK_TILES=next_power_of_2(n_tiles),
     )
     record_launch("heavy_first_order_kernel")
     return order
@@ -179,17 +179,17 @@ def heavy_tokens(
     launches, no host sync."""
     M, n_tiles = counts.shape
     block_m = _listing_block(n_tiles)
-    n_blocks = triton.cdiv(M, block_m)
+    n_blocks = cdiv(M, block_m)
     block_heavy = torch.empty(2, n_blocks, dtype=torch.int32, device=counts.device)
     heavy_rows = torch.empty(cap, dtype=torch.int32, device=counts.device)
     heavy_count = torch.empty(2, dtype=torch.int32, device=counts.device)
     taken = torch.empty(M, dtype=torch.int8, device=counts.device)
-    shape = dict(SLOTS=slots, BLOCK_M=block_m, BLOCK_TILES=triton.next_power_of_2(n_tiles))
+    shape = dict(SLOTS=slots, BLOCK_M=block_m, BLOCK_TILES=next_power_of_2(n_tiles))
     heavy_block_counts_kernel[(n_blocks,)](counts, block_heavy, M, n_tiles, 16 * block_j, **shape)
     record_launch("heavy_block_counts_kernel")
     heavy_tokens_kernel[(n_blocks,)](
         counts, block_heavy, taken, heavy_rows, heavy_count, M, n_tiles, 16 * block_j, cap, **shape,
-        BLOCK_B=min(1024, triton.next_power_of_2(n_blocks)),
+        BLOCK_B=min(1024, next_power_of_2(n_blocks)),
     )  # fmt: skip
     record_launch("heavy_tokens_kernel")
     return heavy_rows, heavy_count, taken
@@ -226,7 +226,7 @@ def launch_gate(
     gate ran as cuBLAS's GEMM and a packing pass (from GATE_GEMM_MIN_TOKENS tokens), else None."""
     M, K = x2.shape
     N = w.shape[0]
-    n_tiles, slots = triton.cdiv(N, tile), tile // compression
+    n_tiles, slots = cdiv(N, tile), tile // compression
     if backend_for(x2) is Backend.TORCH:
         _backend.warn_reference_once("twell_gate")
         compute = _backend.compute_dtype(x2.dtype)
@@ -241,13 +241,13 @@ def launch_gate(
     if M >= GATE_GEMM_MIN_TOKENS:
         pre = F.linear(x2, w, b)  # [M, N]: cuBLAS's GEMM, then a packing pass over it
         block_m = 16 if _backend.INTERPRET else PACK_BLOCK_M
-        twell_pack_kernel[(triton.cdiv(M, block_m) * n_tiles,)](
+        twell_pack_kernel[(cdiv(M, block_m) * n_tiles,)](
             pre, values, indices, counts, M, N, n_tiles, pre.stride(0),
             TILE=tile, SLOTS=slots, BLOCK_M=block_m, num_warps=PACK_WARPS,
         )  # fmt: skip
         record_launch("twell_pack_kernel")
         return values, indices, counts, pre
-    grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * n_tiles,)  # noqa: E731
+    grid = lambda meta: (cdiv(M, meta["BLOCK_M"]) * n_tiles,)  # noqa: E731
     _twell_gate_kernel[grid](
         x2,
         w,
@@ -307,7 +307,7 @@ def launch_up_down(
         h_gate = _complete_dense(twell, x2, w_gate, b_gate, compute)
         h = h_gate * F.linear(x2.to(compute), w_up.to(compute), _opt(b_up, compute))
         return y.copy_(F.linear(h, w_down_t.t().to(compute), _opt(b_down, compute)))
-    n_tiles, slots = triton.cdiv(N, tile), tile // compression
+    n_tiles, slots = cdiv(N, tile), tile // compression
     plan = _up_down_plan(M, K, n_tiles, x2.device)
     heavy_pass = M >= HEAVY_PASS_MIN_TOKENS
     order = heavy_first_order(counts, slots, plan.block_j) if plan.ordered else counts
@@ -376,7 +376,7 @@ def _launch_up_down_kernel(
         K,
         w_up.shape[0],
         n_tiles,
-        triton.cdiv(n_tiles, n_splits),
+        cdiv(n_tiles, n_splits),
         n_splits,
         x2.stride(0),
         w_gate.stride(0),
@@ -386,12 +386,12 @@ def _launch_up_down_kernel(
         y.stride(0),
         TILE=tile,
         SLOTS=slots,
-        BLOCK_TILES=triton.next_power_of_2(triton.cdiv(n_tiles, n_splits)),
+        BLOCK_TILES=next_power_of_2(cdiv(n_tiles, n_splits)),
         BLOCK_J=plan.block_j,
         BLOCK_D=plan.block_d,
         BLOCK_C=plan.block_c,
         BLOCK_K=plan.block_k,
-        REDUCE_SPLITS=max(1, min(triton.next_power_of_2(n_splits), 8192 // plan.block_d)),
+        REDUCE_SPLITS=max(1, min(next_power_of_2(n_splits), 8192 // plan.block_d)),
         HAS_ORDER=ordered,
         HAS_B_GATE=b_gate is not None,
         HAS_B_UP=b_up is not None,
@@ -425,7 +425,7 @@ def launch_to_ell(values, indices, counts, n_cols: int, tile: int, compression: 
         ell_counts,
         n_tiles,
         SLOTS=slots,
-        BLOCK_TILES=triton.next_power_of_2(n_tiles),
+        BLOCK_TILES=next_power_of_2(n_tiles),
     )
     record_launch("twell_to_ell_kernel")
     return ELL(ell_values, ell_indices, ell_counts, n_cols)
@@ -450,7 +450,7 @@ def launch_relu_mlp(x2, w_up, b_up, w_down_t, b_down, tile: int, compression: in
         y += b_down
     n_tiles, slots = counts.shape[1], tile // compression
     block_d = _output_block(M, K, x2.device)
-    twell_overflow_down_kernel[(M, triton.cdiv(K, block_d))](
+    twell_overflow_down_kernel[(M, cdiv(K, block_d))](
         counts,
         x2,
         w_up,
@@ -467,7 +467,7 @@ def launch_relu_mlp(x2, w_up, b_up, w_down_t, b_down, tile: int, compression: in
         y.stride(0),
         TILE=tile,
         SLOTS=slots,
-        BLOCK_TILES=triton.next_power_of_2(n_tiles),
+        BLOCK_TILES=next_power_of_2(n_tiles),
         BLOCK_C=16 if _backend.INTERPRET else 8,
         BLOCK_K=64 if _backend.INTERPRET else min(block_d, 1024),
         BLOCK_D=block_d,

@@ -9,10 +9,9 @@ gradients (a few MB at most) and their sum. transformers' ``LlamaRMSNorm`` runs 
 from __future__ import annotations
 
 import torch
-import triton
 
 from ... import _backend
-from ..._backend import Backend, backend_for, compute_dtype, new_output, record_launch, sm_count
+from ..._backend import Backend, backend_for, cdiv, compute_dtype, new_output, next_power_of_2, record_launch, sm_count
 from .kernels import rms_norm_bwd_kernel, rms_norm_fwd_kernel
 from .reference import torch_rms_norm, torch_rms_norm_backward, torch_rms_norm_rstd
 
@@ -28,7 +27,7 @@ PROGRAMS_PER_SM = 4  # backward programs: each keeps one [D] weight-gradient sha
 def _blocks(D: int) -> tuple[bool, int, int]:
     """(SINGLE, BLOCK_M, BLOCK_D) for rows of D elements."""
     single = D <= SINGLE_MAX
-    block_d = triton.next_power_of_2(D) if single else triton.next_power_of_2(min(CHUNK, SINGLE_MAX))
+    block_d = next_power_of_2(D) if single else next_power_of_2(min(CHUNK, SINGLE_MAX))
     return single, max(1, min(16, TILE // block_d)), block_d
 
 
@@ -52,7 +51,7 @@ def rms_norm_forward(x2: torch.Tensor, weight: torch.Tensor | None, eps: float) 
         rstd.copy_(torch_rms_norm_rstd(x2, eps))
         return y, rstd
     single, block_m, block_d = _blocks(D)
-    rms_norm_fwd_kernel[(triton.cdiv(M, block_m),)](
+    rms_norm_fwd_kernel[(cdiv(M, block_m),)](
         x2,
         weight if weight is not None else x2,
         y,
@@ -95,7 +94,7 @@ def rms_norm_backward(
             grad_w.copy_(dw)
         return grad_x, grad_w
     single, block_m, block_d = _blocks(D)
-    programs = min(triton.cdiv(M, block_m), PROGRAMS_PER_SM * sm_count(x2.device))
+    programs = min(cdiv(M, block_m), PROGRAMS_PER_SM * sm_count(x2.device))
     partial = None
     if weight is not None:  # the chunked path adds into its row: it starts from zeros
         alloc = torch.empty if single else torch.zeros

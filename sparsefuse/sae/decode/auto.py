@@ -59,10 +59,9 @@ from dataclasses import dataclass
 from statistics import NormalDist
 
 import torch
-import triton
 
 from ..._auto import EstimateCache, observable, pick_fastest, sampled_row_stats
-from ..._backend import dram_bandwidth, sm_count
+from ..._backend import cdiv, dram_bandwidth, next_power_of_2, sm_count
 from ...sparse.long_rows import ONE_WAVE_LONG_ENTRIES, ONE_WAVE_PROGRAMS_PER_SM, long_row_threshold
 from ...sparse.scan import scan_splits, splits_by_atomics
 from ...sparse.spmm import SCAN_BLOCK_F, gather_block_d, scan_block_d
@@ -221,7 +220,7 @@ def _predicted_seconds(
         mean_l0 / 16 * _FIXED_GATHER_STEP_S + math.ceil(d_sae / 32768) * _FIXED_WORDS_CHUNK_S,
     )
     fixed += n_long * long_l0 * d_model * e_w / _FIXED_LONG_RATE.get(e_a, 2.5e12)
-    if M * triton.cdiv(d_model, gather_block_d(M, d_model, sms, e_w)) <= ONE_WAVE_PROGRAMS_PER_SM * sms:
+    if M * cdiv(d_model, gather_block_d(M, d_model, sms, e_w)) <= ONE_WAVE_PROGRAMS_PER_SM * sms:
         # one wave: the gather lasts as long as its longest row, and rows past ONE_WAVE_LONG_ENTRIES entries are
         # spread by a second launch -- a cost paid once any row gets there, then a little more per row
         over = ordinary * _share_above(ONE_WAVE_LONG_ENTRIES, mean_l0, cv)
@@ -296,7 +295,7 @@ def _model_inputs(acts: torch.Tensor, W_dec: torch.Tensor, l0: L0Estimate) -> tu
 
 
 def _auto_width(mean_l0: float, d_sae: int) -> int:
-    return min(d_sae, max(DEFAULT_MAX_L0, triton.next_power_of_2(max(1, math.ceil(AUTO_WIDTH_PER_L0 * mean_l0)))))
+    return min(d_sae, max(DEFAULT_MAX_L0, next_power_of_2(max(1, math.ceil(AUTO_WIDTH_PER_L0 * mean_l0)))))
 
 
 def _estimated_l0(acts: torch.Tensor, decoder: torch.Tensor, sync_free: bool = False) -> L0Estimate | None:

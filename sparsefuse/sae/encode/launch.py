@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import torch
-import triton
 
-from ..._backend import record_launch
+from ..._backend import cdiv, next_power_of_2, record_launch
 from ..._triton.dot import ieee_fp32
 from ..._validation import unit_last_stride
 from .._encoder_tile import sae_input
@@ -30,7 +29,7 @@ def launch_jumprelu_encode(
         x2 = sae_input(x2, b_dec)
         W = unit_last_stride(W_enc)  # dtype cast per tile in the kernel, not here
         b_enc, threshold = unit_last_stride(b_enc), unit_last_stride(threshold)  # read at unit stride
-        grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(d_sae, meta["BLOCK_N"]))  # noqa: E731
+        grid = lambda meta: (cdiv(M, meta["BLOCK_M"]), cdiv(d_sae, meta["BLOCK_N"]))  # noqa: E731
         jumprelu_encode_kernel[grid](
             x2,
             W,
@@ -45,7 +44,7 @@ def launch_jumprelu_encode(
             max_l0,
             x2.stride(0),
             W.stride(0),
-            min(triton.next_power_of_2(M), 8192),
+            min(next_power_of_2(M), 8192),
             IEEE_FP32=ieee_fp32(x2.dtype),
         )
         record_launch("jumprelu_encode_kernel")

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import torch
-import triton
 
 from ... import _backend
-from ..._backend import new_output, record_launch
+from ..._backend import cdiv, new_output, next_power_of_2, record_launch
 from ..._triton.dot import ieee_fp32
 from ..._validation import unit_last_stride
 from .._encoder_tile import sae_input
@@ -24,11 +23,11 @@ def _launch_shape(M: int, N: int, k_pad: int, dtype: torch.dtype, device: torch.
         bm = 64 if k_pad <= 64 else (32 if k_pad <= 128 else 16)  # the running top-k lives in registers
         bn = 64 if dtype == torch.float32 else 128
         bk, warps, target_programs = 32, 8, 4 * _backend.sm_count(device)
-    tiles = triton.cdiv(N, bn)
-    groups = max(1, min(tiles, triton.cdiv(target_programs, triton.cdiv(M, bm))))
+    tiles = cdiv(N, bn)
+    groups = max(1, min(tiles, cdiv(target_programs, cdiv(M, bm))))
     # At least 16 k columns per group: fewer would write more candidates than they save, and the first tiles of
     # a group (empty running top-k: every entry is a candidate) are its slowest.
-    tiles_per_group = max(triton.cdiv(tiles, groups), triton.cdiv(16 * k_pad, bn))
+    tiles_per_group = max(cdiv(tiles, groups), cdiv(16 * k_pad, bn))
     return bm, bn, bk, warps, tiles_per_group * bn
 
 
@@ -43,15 +42,15 @@ def launch_topk_keys(
     """x2 [M, d_in] (M >= 1), W_enc [d_in, d_sae] -> the k best sort keys per token [M, k], sorted decreasing:
     every column group's k best from the kernel, then ``torch.topk`` over the candidates."""
     M, (d_in, d_sae) = x2.shape[0], W_enc.shape
-    k_pad = triton.next_power_of_2(k)
+    k_pad = next_power_of_2(k)
     x2 = sae_input(x2, b_dec)
     W = unit_last_stride(W_enc)  # dtype cast per tile in the kernel, not here
     b_enc = unit_last_stride(b_enc)  # read at unit stride
     feature_scale = unit_last_stride(feature_scale) if feature_scale is not None else None
     bm, bn, bk, warps, cols_per_group = _launch_shape(M, d_sae, k_pad, x2.dtype, x2.device)
-    groups = triton.cdiv(d_sae, cols_per_group)
+    groups = cdiv(d_sae, cols_per_group)
     candidates = new_output((M, groups * k), torch.int64, x2.device)  # every element is written
-    topk_encode_fwd_kernel[(triton.cdiv(M, bm), groups)](
+    topk_encode_fwd_kernel[(cdiv(M, bm), groups)](
         x2,
         W,
         b_enc,

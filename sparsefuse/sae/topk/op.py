@@ -6,10 +6,9 @@ Autograd: gradients for x, W_enc, b_enc and b_dec (the backward scatters the k g
 from __future__ import annotations
 
 import torch
-import triton
 
 from ... import _backend
-from ..._backend import Backend, backend_for, compute_dtype, on_tensor_device
+from ..._backend import Backend, backend_for, compute_dtype, next_power_of_2, on_tensor_device
 from .keys import _topk_keys_torch, _unpack_keys
 from .launch import MAX_KERNEL_K, launch_topk_keys
 
@@ -26,7 +25,7 @@ def _topk_encode(
     # -> (top_acts [M, k], top_indices [M, k] int64)
     if x2.shape[0] == 0:
         keys = torch.zeros(0, k, dtype=torch.int64, device=x2.device)
-    elif backend_for(x2) is Backend.TORCH or triton.next_power_of_2(k) > MAX_KERNEL_K:
+    elif backend_for(x2) is Backend.TORCH or next_power_of_2(k) > MAX_KERNEL_K:
         if backend_for(x2) is Backend.TORCH:
             _backend.warn_reference_once("topk_encode")
         keys = _topk_keys_torch(x2, W_enc, b_enc, b_dec, feature_scale, k)

@@ -56,7 +56,7 @@ import triton
 import triton.language as tl
 
 from ... import _backend
-from ..._backend import new_output, record_launch, tuning_configs
+from ..._backend import cdiv, new_output, record_launch, tuning_configs
 from ..._triton.dot import ieee_fp32
 from ..._validation import unit_last_stride
 from ...sparse import CSR, ELL, dense_to_ell, sparse_matmul
@@ -222,9 +222,9 @@ def launch_splade_forward(
     hidden, weight, bias = _kernel_layout(hidden, weight, bias)
     kmask = _mask_for_kernel(mask)
     cfg = _fwd_config(hidden, weight, keep_aux)
-    n_s_tiles = triton.cdiv(S, cfg.block_m)
+    n_s_tiles = cdiv(S, cfg.block_m)
     single_pass = n_s_tiles == 1
-    num_tiles = B * n_s_tiles * triton.cdiv(V, cfg.block_n)
+    num_tiles = B * n_s_tiles * cdiv(V, cfg.block_n)
     if cfg.persistent:
         n_sms = _INTERPRET_PROGRAMS if _backend.INTERPRET else _device_info(_cuda_index(hidden.device))[1]
         grid = (min(num_tiles, n_sms),)
@@ -279,7 +279,7 @@ def launch_splade_forward(
     record_launch("splade_fwd_kernel")
     if not single_pass:
         block_v = 128 if _backend.INTERPRET else 1024
-        splade_fwd_combine_kernel[(B * triton.cdiv(V, block_v),)](
+        splade_fwd_combine_kernel[(B * cdiv(V, block_v),)](
             part,
             part_arg,
             bias_arg,
@@ -412,14 +412,14 @@ def _sum_backward(grad, hidden, weight, bias, mask, need_hidden, need_weight, ne
     grad_hidden = grad_weight = grad_bias = None
     if need_hidden:
         grad_hidden = new_output((B, S, H), hidden.dtype, hidden.device)
-        _sum_bwd_hidden[lambda meta: (B * triton.cdiv(S, meta["BLOCK_S"]) * triton.cdiv(H, meta["BLOCK_HO"]),)](
+        _sum_bwd_hidden[lambda meta: (B * cdiv(S, meta["BLOCK_S"]) * cdiv(H, meta["BLOCK_HO"]),)](
             *inputs, grad_hidden, B, S, V, H, *strides, s_bucket, b_bucket, **common
         )
         record_launch("splade_sum_bwd_hidden_kernel")
     if need_weight or need_bias:
         grad_weight = new_output((V, H), weight.dtype, weight.device)
         grad_bias32 = new_output((V,), torch.float32, weight.device) if need_bias else grad_weight
-        _sum_bwd_weight[lambda meta: (triton.cdiv(V, meta["BLOCK_V"]) * triton.cdiv(H, meta["BLOCK_HO"]),)](
+        _sum_bwd_weight[lambda meta: (cdiv(V, meta["BLOCK_V"]) * cdiv(H, meta["BLOCK_HO"]),)](
             *inputs, grad_weight, grad_bias32, B, S, V, H, *strides, s_bucket, b_bucket, NEED_BIAS=need_bias, **common
         )
         record_launch("splade_sum_bwd_weight_kernel")
