@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._backend import cdiv
 from .._validation import check_block_rows, check_indices, check_row_order, check_rows, check_twell_geometry
 
 __all__ = ["CSR", "ELL", "TwELL", "Hybrid", "RowBlockPattern", "BlockELL", "check_twell_geometry", "IN_ELL", "SPILLED"]
@@ -152,7 +153,7 @@ class TwELL:
         check_twell_geometry("TwELL", self.tile, self.compression)
         check_rows("TwELL.values", self.values, 2)
         check_indices("TwELL", self.values, self.indices)
-        n_tiles = -(-self.n_cols // self.tile)
+        n_tiles = cdiv(self.n_cols, self.tile)
         if self.values.shape[1] != n_tiles * self.slots:
             raise ValueError(
                 f"TwELL.values must have {n_tiles} tiles x {self.slots} slots = "
@@ -172,7 +173,7 @@ class TwELL:
 
     @property
     def n_tiles(self) -> int:
-        return -(-self.n_cols // self.tile)
+        return cdiv(self.n_cols, self.tile)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -214,7 +215,7 @@ class TwELL:
         check_twell_geometry("TwELL.from_dense", tile, compression)
         check_rows("dense", dense, 2)
         M, N = dense.shape
-        n_tiles, slots = -(-N // tile), tile // compression
+        n_tiles, slots = cdiv(N, tile), tile // compression
         padded = torch.zeros(M, n_tiles * tile, dtype=dense.dtype, device=dense.device)
         padded[:, :N] = dense
         nonzero = (padded != 0).reshape(M, n_tiles, tile)
@@ -338,7 +339,7 @@ class RowBlockPattern:
     def __post_init__(self) -> None:
         check_twell_geometry("RowBlockPattern", self.tile, 1)
         check_block_rows("RowBlockPattern", self.block_rows)
-        n_blocks, width = -(-self.n_rows // self.block_rows), self.n_tiles * self.tile
+        n_blocks, width = cdiv(self.n_rows, self.block_rows), self.n_tiles * self.tile
         if self.indices.shape != (n_blocks, width) or self.indices.dtype != torch.int32:
             raise ValueError(
                 f"RowBlockPattern.indices must be int32 of shape [{n_blocks}, {width}]; got "
@@ -353,7 +354,7 @@ class RowBlockPattern:
 
     @property
     def n_tiles(self) -> int:
-        return -(-self.n_cols // self.tile)
+        return cdiv(self.n_cols, self.tile)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -386,7 +387,7 @@ class RowBlockPattern:
         check_rows("dense", dense, 2)
         M, N = dense.shape
         check_row_order("RowBlockPattern", row_order, M)
-        n_tiles, n_blocks = -(-N // tile), -(-M // block_rows)
+        n_tiles, n_blocks = cdiv(N, tile), cdiv(M, block_rows)
         indices = torch.zeros(n_blocks, n_tiles * tile, dtype=torch.int32, device=dense.device)
         counts = torch.zeros(n_blocks, n_tiles, dtype=torch.int32, device=dense.device)
         for b in range(n_blocks):
@@ -416,7 +417,7 @@ class BlockELL:
         check_block_rows("BlockELL", self.block_rows)
         check_rows("BlockELL.values", self.values, 2)
         M, width = self.values.shape
-        n_blocks = -(-M // self.block_rows)
+        n_blocks = cdiv(M, self.block_rows)
         if self.indices.shape != (n_blocks, width) or self.indices.dtype != torch.int32:
             raise ValueError(
                 f"BlockELL.indices must be int32 of shape [{n_blocks}, {width}]; got "
@@ -448,7 +449,7 @@ class BlockELL:
         check_block_rows("BlockELL.from_dense", block_rows)
         check_rows("dense", dense, 2)
         M, N = dense.shape
-        n_blocks = -(-M // block_rows)
+        n_blocks = cdiv(M, block_rows)
         unions = [
             (dense[b * block_rows : (b + 1) * block_rows] != 0).any(dim=0).nonzero().flatten() for b in range(n_blocks)
         ]

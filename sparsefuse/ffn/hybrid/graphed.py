@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..._backend import Backend, backend_for, new_output, plain_eager_call
+from ..._backend import Backend, backend_for, cdiv, new_output, plain_eager_call
 from ..._validation import autocast_off, unit_last_stride
 from .block_step import _train_backward, _train_backward_into, _train_forward, _train_forward_into
 from .choice import TRAIN_CHOICE, _in_backward
@@ -259,7 +259,7 @@ class GraphedBlockStep:
         probe = _train_forward(*_operands(tokens.x, weights, dtype), block_rows, tile, sort_rows, capacity)
         self.layout, offset = [], 0
         for t in probe[3:]:
-            offset = -(-offset // _ALIGN) * _ALIGN
+            offset = cdiv(offset, _ALIGN) * _ALIGN
             self.layout.append((offset, t.dtype, t.shape))
             offset += t.numel() * t.element_size()
         self.kept = torch.zeros(offset, dtype=torch.uint8, device=dev)

@@ -34,6 +34,8 @@ def twell_gate_op(
 
 @twell_gate_op.register_fake
 def _(x, w, b, tile, compression):
+    # -(-a // b), not _backend.cdiv: under dynamic shapes w.shape[0] is a SymInt, and cdiv's (a + b - 1) // b form
+    # fails opcheck's dynamic-shape test (unhashable SymInt) where this one traces
     M, n_tiles = x.shape[0], -(-w.shape[0] // tile)
     width = n_tiles * (tile // compression)
     return (
