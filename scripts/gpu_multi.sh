@@ -15,8 +15,8 @@
 # copied without its .git. Knobs: NGPU (default: every visible GPU), ENGINES (ddp,fsdp2),
 # SPARSEFUSE_FSDP_LAYERS_PER_UNIT (decoder layers per FSDP2 unit in the bench, default 3),
 # SPARSEFUSE_FSDP_RESHARD_AFTER_FORWARD (0 or 1, default 0: units kept gathered to the backward),
-# SPARSEFUSE_TRAIN_CUDA_GRAPH (0 or 1, default 0: the patched rows' FFN steps replayed from CUDA graphs; under FSDP2,
-# which gathers the weights anew each step, from copies of them),
+# SPARSEFUSE_TRAIN_CUDA_GRAPH (0 or 1; unset: the library's default, which replays the patched rows' FFN steps from
+# CUDA graphs at the 1.5B shape; under FSDP2, which gathers the weights anew each step, from copies of them),
 # SPARSEFUSE_TRAIN_PIN_CPUS (0 or 1, default 0: each process on its own share of the CPUs, split by local rank),
 # SPARSEFUSE_TRAIN_SINGLE_THREAD_BACKWARD (0 or 1, default 1: the backward on the calling thread rather than
 # autograd's GPU worker thread),

@@ -69,6 +69,17 @@ def _fixed_decode_runs_its_format(monkeypatch):
     monkeypatch.setattr(decode, "FIXED_SCAN_ROWS", 0)
 
 
+@pytest.fixture(autouse=True)
+def _training_steps_launch_eagerly(monkeypatch):
+    """hybrid_mlp's default replays a GPU layer's block step from CUDA graphs (CPU tensors never): the tests of the
+    eager step count its launches on either device, so the default's choice is pinned to the eager step here. The
+    tests of replays ask for them (``cuda_graph=True``) or patch the choice back
+    (tests/ffn/test_hybrid_graphed.py tests the choice itself)."""
+    import sparsefuse.ffn.hybrid.functional as functional
+
+    monkeypatch.setattr(functional, "replays_by_default", lambda x2, n_neurons: False)
+
+
 @pytest.fixture
 def listed(monkeypatch):
     """Every LongRows allocated in the test, in order; ``int(l.count)`` is how many units its launch listed (and

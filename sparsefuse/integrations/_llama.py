@@ -69,7 +69,7 @@ def _replacement(
     method: str,
     train_method: str = "dense",
     down_layout: str = "column",
-    train_cuda_graph: bool = False,
+    train_cuda_graph: bool | None = None,
 ) -> SparseGatedMLP:
     gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
     fused = SparseGatedMLP(
@@ -99,11 +99,12 @@ def patch_llama(
     train_method: str = "dense",
     down_layout: str = "column",
     fuse: bool = True,
-    train_cuda_graph: bool = False,
+    train_cuda_graph: bool | None = None,
 ) -> nn.Module:
     """Replace every ReLU ``LlamaMLP`` inside ``model`` (in place) with :class:`sparsefuse.nn.SparseGatedMLP`
     (inference by ``method``; forwards that need gradients by ``train_method``: "dense" or "hybrid", the sparse
-    training step, replayed from CUDA graphs with ``train_cuda_graph``: see :func:`sparsefuse.ffn.hybrid.hybrid_mlp`;
+    training step, replayed from CUDA graphs per ``train_cuda_graph`` (default: where the host would pace it): see
+    :func:`sparsefuse.ffn.hybrid.hybrid_mlp` ``cuda_graph``;
     ``down_layout="row"`` keeps ``down_proj.weight`` contiguous, for FSDP2), and with ``fuse`` every
     ``LlamaRMSNorm`` with :class:`sparsefuse.nn.RMSNorm` and the attention's rotary embedding with
     :func:`sparsefuse.rotary.apply_rotary_pos_emb` (the same computations in one kernel each way; :func:`fuse_norms`,
@@ -281,8 +282,8 @@ def shard_llama_fsdp2(
     from forward to backward (``reshard_after_forward=False``: no all-gathers in the backward) took a patched 1.5B
     step on 2 H100s from 226 to 165 ms (1.04x -> 1.34x unpatched), for ~2.4 GB more peak memory per GPU
     (docs/training.md, "Several GPUs"). FSDP2 shards contiguous parameters only: patch with
-    ``down_layout="row"``. Layers patched with ``train_cuda_graph=True`` keep it: FSDP2 gathers their weights into
-    fresh storage every step, so after two steps their replays read copies of the weights, filled each call
+    ``down_layout="row"``. Layers whose steps are replayed from CUDA graphs keep replaying: FSDP2 gathers their
+    weights into fresh storage every step, so after two steps their replays read copies of the weights, filled each call
     (:mod:`sparsefuse.ffn.hybrid.graphed`)."""
     if layers_per_unit < 1:
         raise ValueError(f"shard_llama_fsdp2: layers_per_unit must be >= 1; got {layers_per_unit}")

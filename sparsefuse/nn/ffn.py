@@ -11,7 +11,8 @@ reads the estimate. Inference uses the sparse
 kernels. When autograd needs gradients, ``train_method`` decides: ``"dense"`` (default) runs ``LlamaMLP``'s ops,
 ``"hybrid"`` the sparse training step (:func:`sparsefuse.ffn.hybrid.hybrid_mlp`); both leave the step's L1 term in
 :attr:`SparseGatedMLP.last_l1` and its firing statistics in :meth:`SparseGatedMLP.sparsity_report`;
-``train_cuda_graph=True`` replays the hybrid step from CUDA graphs (for a host that cannot keep up).
+``train_cuda_graph`` (hybrid_mlp's ``cuda_graph``; default None: where the host would pace the step) replays the
+hybrid step from CUDA graphs.
 ``down_layout="row"`` keeps ``down_proj.weight`` row-major (contiguous), as FSDP2's ``fully_shard`` requires of
 the parameters it shards; the sparse kernels then copy W_down^T once per call.
 """
@@ -49,7 +50,7 @@ class SparseGatedMLP(nn.Module):
         train_method: str = "dense",
         train_width: int = DEFAULT_HYBRID_WIDTH,
         down_layout: str = "column",
-        train_cuda_graph: bool = False,
+        train_cuda_graph: bool | None = None,
         device=None,
         dtype=None,
     ) -> None:
@@ -69,7 +70,8 @@ class SparseGatedMLP(nn.Module):
         if down_layout not in ("column", "row"):
             raise ValueError(f"SparseGatedMLP: down_layout must be 'column' or 'row'; got {down_layout!r}")
         self.train_method, self.train_width, self.down_layout = train_method, train_width, down_layout
-        # hybrid training: replay the step from CUDA graphs captured per input shape (hybrid_mlp's cuda_graph)
+        # hybrid training: replay the step from CUDA graphs captured per input shape (hybrid_mlp's cuda_graph:
+        # None lets it decide by the layer's size)
         self.train_cuda_graph = train_cuda_graph
         self.last_l1: torch.Tensor | None = None  # the last training step's L1 term (differentiable)
         self._last_counts: tuple[torch.Tensor, torch.Tensor] | None = None  # (per token, per neuron) firing counts

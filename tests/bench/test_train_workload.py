@@ -28,7 +28,7 @@ def test_train_workload_steps_patched_and_unpatched(monkeypatch, device):
     assert case.shape == "2L nnz=6 B=2 S=16" and set(case.impls) == {
         "unpatched",
         "patched",
-        "patched graphs",
+        "patched no replay",
         "fused only",
         "unpatched compile",
         "patched compile",
@@ -47,17 +47,23 @@ def test_train_workload_steps_patched_and_unpatched(monkeypatch, device):
     # same weights, same tokens: the LM losses agree (the patched loss adds 2e-5 * L1, about 1e-5 here)
     assert losses["patched"] == pytest.approx(losses["unpatched"], rel=1e-3)
 
-    # the patched model again, its FFN steps replayed from captured graphs (under the interpreter: re-run), with
-    # the flag set only for that row's steps
+    # the patched model again, its FFN steps replayed from captured graphs as the default replays them on a GPU at
+    # this layer size (CPU tensors replay only when told; under the interpreter a replay re-runs the captured
+    # function), then with replays off for the "no replay" row's steps only
+    import sparsefuse.ffn.hybrid.functional as functional
     from sparsefuse.ffn.hybrid import graphed
     from sparsefuse.ffn.hybrid.choice import TRAIN_CHOICE
 
     monkeypatch.setattr(TRAIN_CHOICE, "dense_above", 1.0)  # the tiny model fires ~6%: keep the block step
+    monkeypatch.setattr(functional, "replays_by_default", lambda x2, n_neurons: True)
     replays = graphed.GRAPH_EVENTS["replay"]
     for _ in range(2):
-        graphed_loss = float(case.impls["patched graphs"](ids))
+        replayed_loss = float(case.impls["patched"](ids))
     assert graphed.GRAPH_EVENTS["replay"] == replays + 4  # two layers, two steps
-    assert graphed_loss == pytest.approx(losses["patched"], rel=1e-5)
+    assert replayed_loss == pytest.approx(losses["patched"], rel=1e-5)
+    unreplayed_loss = float(case.impls["patched no replay"](ids))
+    assert graphed.GRAPH_EVENTS["replay"] == replays + 4  # launched eagerly
+    assert unreplayed_loss == pytest.approx(losses["patched"], rel=1e-5)
     graphed.release_graphs()
 
     # the fused-only model: the norms and the rotary embedding fused, the FFN dense (no sparse kernel)

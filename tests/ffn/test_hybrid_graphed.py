@@ -301,8 +301,8 @@ def test_cuda_graph_step_on_the_gpu_equals_the_eager_step(autocast):
         grads = torch.autograd.grad((out.y.float() * dy).sum() + 0.5 * out.l1, leaves)
         return (out.y.detach(), out.l1.detach(), *grads)
 
-    step()  # observed
-    want = step()
+    step(cuda_graph=False)  # observed
+    want = step(cuda_graph=False)
     step(cuda_graph=True)  # captured
     with track_launches() as launched:
         got = step(cuda_graph=True)
@@ -313,6 +313,46 @@ def test_cuda_graph_step_on_the_gpu_equals_the_eager_step(autocast):
         if autocast and i >= 3:  # the three weight gradients
             a = a.to(torch.bfloat16).to(a.dtype)
         assert torch.equal(a, b)
+
+
+def test_the_default_replays_by_layer_size_and_falls_back_quietly(device, monkeypatch):
+    """cuda_graph=None replays CUDA layers whose gate product is at most REPLAY_MAX_GATE_FLOP (the 1.5B layer, not
+    the 8B one) and never CPU tensors; where it replays it gives the eager step's results, falls back to the eager
+    step past the capture limit without the warning an explicit cuda_graph=True gets, and leaves a given
+    block_capacity to the eager step."""
+    from types import SimpleNamespace
+
+    import sparsefuse.ffn.hybrid.functional as functional
+    from sparsefuse.sparse.block_pack import spilled_blocks
+
+    def on_gpu(rows, features):
+        return SimpleNamespace(is_cuda=True, shape=(rows, features))
+
+    assert graphed.replays_by_default(on_gpu(8192, 2048), 5632) and graphed.replays_by_default(
+        on_gpu(16384, 2048), 5632
+    )
+    assert not graphed.replays_by_default(on_gpu(8192, 4096), 14336)
+    assert not graphed.replays_by_default(SimpleNamespace(is_cuda=False, shape=(8, 8)), 8)
+
+    monkeypatch.setattr(functional, "replays_by_default", lambda x2, n_neurons: True)  # as a GPU's small layer
+    monkeypatch.setattr(graphed, "CAPTURE_LIMIT", 1)
+    leaves = _leaves(M, K, N, torch.float32, device, False, seed=9)
+    dy = torch.randn(M, K, device=device)
+    _grads(leaves, dy, 0.0)  # observed (the eager step)
+    before = _events()
+    out, grads = _grads(leaves, dy, 0.0)  # captured and replayed
+    assert graphed.GRAPH_EVENTS["replay"] == before.get("replay", 0) + 1
+    _check(leaves, dy, 0.0, out, grads)
+    ragged = [leaves[0][: M - 2].detach().requires_grad_(), *leaves[1:]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a new shape past the limit: the eager step, quietly
+        out, grads = _grads(ragged, dy[: M - 2], 0.0)
+    _check(ragged, dy[: M - 2], 0.0, out, grads)
+    assert graphed.GRAPH_EVENTS["replay"] == before.get("replay", 0) + 1
+    spilled = int(spilled_blocks(device))
+    out, grads = _grads(leaves, dy, 0.0, block_capacity=0)  # the eager step, every block recomputed
+    assert int(spilled_blocks(device)) > spilled and graphed.GRAPH_EVENTS["replay"] == before.get("replay", 0) + 1
+    _check(leaves, dy, 0.0, out, grads)
 
 
 @pytest.mark.gpu

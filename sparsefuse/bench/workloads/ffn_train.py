@@ -11,12 +11,16 @@ and the gradients of x and the three weights with ``torch.autograd.grad``. Rows 
 * ``dense eager``       ``F.linear(relu(F.linear(x, Wg)) * F.linear(x, Wu), Wd)`` and its autograd backward
 * ``torch.compile``     the same, compiled
 * ``sparse nnz=S``      ``hybrid_mlp`` as a user calls it (``layout="auto"``: the block step while the gate is
-                        sparse, dense ops once it fires widely) at S non-zeros per token
-* ``queued nnz=30``     the same calls, each enqueued while the GPU is still busy (method ``queued``): the step's
-                        GPU time on the eager path, where the ``sparse`` row's time is paced by a host as slow as
+                        sparse, dense ops once it fires widely; ``cuda_graph=None``: replayed from the layer's two
+                        CUDA graphs where the host would pace it, the 1.5B layer, launched eagerly at 8B) at S
+                        non-zeros per token
+* ``eager nnz=30``      the same with ``cuda_graph=False``: every step's ~16 Triton launches from Python
+* ``queued nnz=30``     those eager calls, each enqueued while the GPU is still busy (method ``queued``): the step's
+                        GPU time on the eager path, where the ``eager`` row's time is paced by a host as slow as
                         its GPU
 * ``graphed nnz=30``    the same with ``cuda_graph=True``: each step replayed from the layer's two captured CUDA
-                        graphs (the host's launches and Python out of the way; captured on the first calls)
+                        graphs at any size (the host's launches and Python out of the way; captured on the first
+                        calls)
 * ``ELL nnz=30``        ``layout="hybrid"``: the TwELL paper's ELL + dense-backup format (one host sync per call)
 
 ``flops`` is the dense step's ``18 M K N`` for every row (TFLOP/s of a sparse row is dense-equivalent); the
@@ -47,7 +51,7 @@ def _dense_step(fn, x, w_gate, w_up, w_down, dy):
     return torch.autograd.grad(y, (x, w_gate, w_up, w_down), dy)
 
 
-def _sparse_step(x, w_gate, w_up, w_down, dy, coefficient, layout, cuda_graph=False):
+def _sparse_step(x, w_gate, w_up, w_down, dy, coefficient, layout, cuda_graph=None):
     out = hybrid_mlp(x, w_gate, w_up, w_down, layout=layout, cuda_graph=cuda_graph)
     return torch.autograd.grad((out.y, out.l1), (x, w_gate, w_up, w_down), (dy, coefficient))
 
@@ -75,7 +79,8 @@ def _case(K: int, N: int, M: int, dtype: torch.dtype, device: str) -> Case:
         "dense eager": lambda x30, xh, wg, wu, wd, *rest: eager_ffn(x30, wg, wu, wd),
         "torch.compile": lambda x30, xh, wg, wu, wd, *rest: compiled(x30, wg, wu, wd),
         "sparse nnz=30": lambda x30, xh, wg, wu, wd, *rest: hybrid_mlp(x30, wg, wu, wd, layout="auto").y,
-        "queued nnz=30": lambda x30, xh, wg, wu, wd, *rest: hybrid_mlp(x30, wg, wu, wd, layout="auto").y,
+        "eager nnz=30": lambda x30, xh, wg, wu, wd, *rest: hybrid_mlp(x30, wg, wu, wd, cuda_graph=False).y,
+        "queued nnz=30": lambda x30, xh, wg, wu, wd, *rest: hybrid_mlp(x30, wg, wu, wd, cuda_graph=False).y,
         "graphed nnz=30": lambda x30, xh, wg, wu, wd, *rest: hybrid_mlp(x30, wg, wu, wd, cuda_graph=True).y,
         "ELL nnz=30": lambda x30, xh, wg, wu, wd, *rest: hybrid_mlp(x30, wg, wu, wd, layout="hybrid").y,
         "sparse nnz=half": lambda x30, xh, wg, wu, wd, dy, c, *h: hybrid_mlp(xh, *h, layout="auto").y,
@@ -92,7 +97,8 @@ def _case(K: int, N: int, M: int, dtype: torch.dtype, device: str) -> Case:
         "dense eager": lambda x30, xh, wg, wu, wd, dy, c, *h: _dense_step(eager_ffn, x30, wg, wu, wd, dy),
         "torch.compile": lambda x30, xh, wg, wu, wd, dy, c, *h: _dense_step(compiled, x30, wg, wu, wd, dy),
         "sparse nnz=30": lambda x30, xh, wg, wu, wd, dy, c, *h: _sparse_step(x30, wg, wu, wd, dy, c, "auto"),
-        "queued nnz=30": lambda x30, xh, wg, wu, wd, dy, c, *h: _sparse_step(x30, wg, wu, wd, dy, c, "auto"),
+        "eager nnz=30": lambda x30, xh, wg, wu, wd, dy, c, *h: _sparse_step(x30, wg, wu, wd, dy, c, "auto", False),
+        "queued nnz=30": lambda x30, xh, wg, wu, wd, dy, c, *h: _sparse_step(x30, wg, wu, wd, dy, c, "auto", False),
         "graphed nnz=30": lambda x30, xh, wg, wu, wd, dy, c, *h: _sparse_step(x30, wg, wu, wd, dy, c, "auto", True),
         "ELL nnz=30": lambda x30, xh, wg, wu, wd, dy, c, *h: _sparse_step(x30, wg, wu, wd, dy, c, "hybrid"),
         "sparse nnz=half": lambda x30, xh, wg, wu, wd, dy, c, *h: _sparse_step(xh, *h, dy, c, "auto"),

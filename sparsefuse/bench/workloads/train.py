@@ -14,9 +14,10 @@ Rows (shape label ``"<layers>L <sparsity> B=.. S=.."``; speed-up = unpatched eag
 * ``unpatched``          the model as transformers builds it, eager
 * ``unpatched compile``  its forward under ``torch.compile`` (8 layers only: compiling 24 costs minutes)
 * ``patched``            after ``patch_llama(model, train_method="hybrid")``, eager: the sparse FFN, and the norms and
-                         the rotary embedding fused (``fuse=True``, the default)
-* ``patched graphs``     the same model and optimizer, its sparse FFN steps replayed from CUDA graphs
-                         (``train_cuda_graph=True``: the FFN's ~15 launches a layer each way out of the host's way)
+                         the rotary embedding fused (``fuse=True``, the default); at this layer shape the FFN steps
+                         replay from CUDA graphs by default (``train_cuda_graph=None``)
+* ``patched no replay``  the same model and optimizer, its sparse FFN steps launched eagerly
+                         (``train_cuda_graph=False``: ~16 Triton launches and their Python a layer, each way)
 * ``fused only``         the unpatched model with only the norms and the rotary embedding fused (``fuse_norms``,
                          ``fuse_rotary``; dense FFN): how much of ``patched``'s gain is not the FFN's (at full
                          depth on GPUs of >= 100 GiB only: a fourth resident model and its AdamW state)
@@ -68,8 +69,8 @@ class _Models:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             self.key = key
-        if impl == "patched graphs":  # the patched model and optimizer, its FFN steps replayed from CUDA graphs
-            return _Graphed(self.get(key, "patched", alone))
+        if impl == "patched no replay":  # the patched model and optimizer, its FFN steps launched eagerly
+            return _Unreplayed(self.get(key, "patched", alone))
         if impl not in self.trainers:
             from ...integrations.transformers import patch_llama
 
@@ -97,9 +98,9 @@ class _Models:
         return self.trainers["base"]
 
 
-class _Graphed:
-    """A patched trainer stepped with its sparse FFN layers' ``train_cuda_graph`` on (one model and optimizer for both
-    rows: a fourth resident 24-layer model would not fit an 80 GB GPU)."""
+class _Unreplayed:
+    """A patched trainer stepped with its sparse FFN layers' ``train_cuda_graph`` off (one model and optimizer for
+    both rows: a fourth resident 24-layer model would not fit an 80 GB GPU)."""
 
     def __init__(self, trainer: setup.Trainer) -> None:
         self.trainer = trainer
@@ -109,12 +110,12 @@ class _Graphed:
 
         layers = [m for m in self.trainer.model.modules() if isinstance(m, SparseGatedMLP)]
         for m in layers:
-            m.train_cuda_graph = True
+            m.train_cuda_graph = False
         try:
             return self.trainer.step(ids)
         finally:
             for m in layers:
-                m.train_cuda_graph = False
+                m.train_cuda_graph = None
 
 
 def _gpu_gib() -> float:
@@ -255,7 +256,7 @@ def _case(models: _Models, key: tuple[int, float | None], batch: int, seq: int, 
     compiled = ["unpatched compile", "patched compile"] if layers <= 8 else []
     # each row's model lives with its AdamW state (16 bytes a parameter): a fourth 24-layer model fits 141 GB, not 80
     fused = ["fused only"] if layers <= 8 or _gpu_gib() >= FUSED_ONLY_MIN_GIB else []
-    impls = ["unpatched", "patched", "patched graphs", *fused, *compiled, "no FFN"]
+    impls = ["unpatched", "patched", "patched no replay", *fused, *compiled, "no FFN"]
 
     def make_inputs() -> tuple[torch.Tensor]:
         model = models.get(key, "unpatched").model

@@ -319,7 +319,7 @@ class _Engine:
         if engine == "fsdp2":
             engine += fsdp_label(self.layers)
         anatomy = f"; {self.anatomy(impl)}" if train_profile() and impl in self.last_ids else ""
-        if impl == "patched" and train_cuda_graph():
+        if impl == "patched" and GRAPH_EVENTS["replay"] > 0:
             # FSDP2 gathers the weights into fresh storage every step: its replays read copies of them
             copied = GRAPH_EVENTS["copied replay"] > 0
             engine += ", FFN steps as CUDA graphs" + (" (weights copied in)" if copied else "")

@@ -16,7 +16,7 @@ FSDP_LAYERS_PER_UNIT = FSDP2_LAYERS_PER_UNIT
 FSDP_UNIT_ENV = "SPARSEFUSE_FSDP_LAYERS_PER_UNIT"  # overrides FSDP_LAYERS_PER_UNIT
 FSDP_RESHARD_AFTER_FORWARD = FSDP2_RESHARD_AFTER_FORWARD
 FSDP_RESHARD_ENV = "SPARSEFUSE_FSDP_RESHARD_AFTER_FORWARD"  # "1" or "0": overrides FSDP_RESHARD_AFTER_FORWARD
-CUDA_GRAPH_ENV = "SPARSEFUSE_TRAIN_CUDA_GRAPH"  # "1": patched models replay their FFN steps from CUDA graphs
+CUDA_GRAPH_ENV = "SPARSEFUSE_TRAIN_CUDA_GRAPH"  # "1" / "0": patched models replay their FFN steps or never do
 # Training steps per timed call (default 1): the harness synchronizes around each call, so 1 times every step from an
 # idle GPU (a loop that reads its loss each step) and more lets the host run ahead into the next step (a loop that
 # does not). On 2 H100s DDP's patched scaling measured 0.92 and 1.06 in two runs of the first, 0.98 in one of the
@@ -109,9 +109,12 @@ def cpu_share(cpus: list[int], local_rank: int, local_size: int) -> list[int]:
     return cpus[start : start + per + (local_rank < extra)]
 
 
-def train_cuda_graph() -> bool:
+def train_cuda_graph() -> bool | None:
     """Whether the patched models replay their sparse FFN steps from CUDA graphs (``patch_llama``'s
-    ``train_cuda_graph``): ``SPARSEFUSE_TRAIN_CUDA_GRAPH`` ("1" or "0", default "0")."""
+    ``train_cuda_graph``): ``SPARSEFUSE_TRAIN_CUDA_GRAPH`` ("1" or "0"); unset: None, the library's default (replay
+    where the host would pace the step: the 1.5B shape)."""
+    if CUDA_GRAPH_ENV not in os.environ:
+        return None
     return _flag_from_env(CUDA_GRAPH_ENV, False)
 
 

@@ -22,7 +22,7 @@ from ..twell.block import block_plan
 from .block_step import block_mlp_train_fwd
 from .choice import TRAIN_CHOICE
 from .dense import dense_step
-from .graphed import graphed_step
+from .graphed import graphed_step, replays_by_default
 from .op import hybrid_mlp_fwd_op
 
 LAYOUTS = ("auto", "block", "dense", "hybrid")
@@ -55,7 +55,7 @@ def hybrid_mlp(
     width: int = DEFAULT_HYBRID_WIDTH,
     backup_rows: int | None = None,
     block_capacity: int | None = None,
-    cuda_graph: bool = False,
+    cuda_graph: bool | None = None,
 ) -> HybridMLPOutput:
     """Gated ReLU block ``(relu(x W_g^T + b_g) * (x W_u^T + b_u)) W_d^T + b_d`` for training: differentiable in
     every tensor argument, and what it keeps for the backward is sparse (the gate and up activations where the gate
@@ -86,10 +86,14 @@ def hybrid_mlp(
             :func:`sparsefuse.sparse.block_pack.spilled_blocks` counts them.
         cuda_graph: (``"block"``, CUDA) replay the step from two CUDA graphs captured per layer and input shape
             (:mod:`sparsefuse.ffn.hybrid.graphed`): the host's cost of a layer's step drops from ~15 kernel
-            launches and their Python to two replays and a few copies. Same kernels, same results. For a
-            training loop of fixed shapes whose host cannot keep up with its GPU; the eager step runs until the
+            launches and their Python to two replays and a few copies. Same kernels, same results. ``None``
+            (default): replay where the host would otherwise pace the step -- CUDA tensors, no ``block_capacity``
+            given, and a layer whose gate product is at most
+            :data:`~sparsefuse.ffn.hybrid.graphed.REPLAY_MAX_GATE_FLOP` (the 1.5B layer shape up to 16384
+            tokens, not the 8B one, whose GPU time already exceeds an eager step's host time and would only gain
+            the replay's copies). ``True``: replay at any size; ``False``: never. The eager step runs until the
             gate weight's sparsity has been observed once, inside activation checkpointing's recompute, and
-            wherever the call is not a plain eager one (torch.compile, tensor subclasses). Ignores
+            wherever the call is not a plain eager one (torch.compile, tensor subclasses). A replayed step ignores
             ``block_capacity`` (the capacity is bucketed, see there).
     Returns: :class:`HybridMLPOutput` (y, l1, per-token and per-neuron firing counts, all on the device). Under
     ``torch.autocast`` the step runs in the autocast dtype, as ``nn.Linear`` would.
@@ -110,7 +114,7 @@ def hybrid_relu_mlp(
     b_down: torch.Tensor | None = None,
     layout: str = "auto",
     block_capacity: int | None = None,
-    cuda_graph: bool = False,
+    cuda_graph: bool | None = None,
 ) -> HybridMLPOutput:
     """Non-gated ReLU block ``relu(x W_up^T + b_up) W_down^T + b_down`` for training, as :func:`hybrid_mlp` trains
     the gated one (same outputs: ``l1`` and the counts are those of ``relu(x W_up^T + b_up)``; names as in
@@ -139,7 +143,7 @@ def _train_step(
     backup_rows: int | None,
     block_capacity: int | None,
     gate_names: tuple[str, str] = ("w_gate", "b_gate"),
-    cuda_graph: bool = False,
+    cuda_graph: bool | None = None,
 ) -> HybridMLPOutput:
     """Both blocks' step (``w_up=None``: non-gated): arguments checked, the layout resolved and run."""
     # the layout choice and the capacity are kept per gate weight: the caller's, not autocast's per-call copy
@@ -168,9 +172,14 @@ def _train_step(
         return HybridMLPOutput(y.reshape(out_shape), l1, counts, neuron_counts)
     if layout == "block" and kernels:
         plan = block_plan(w_gate.shape[0])
+        if cuda_graph is None:
+            cuda_graph = block_capacity is None and replays_by_default(x2, w_gate.shape[0])
+            explicit = False
+        else:
+            explicit = cuda_graph
         if cuda_graph:
             graphed = graphed_step(
-                gate, x2, caller_weights, plan.block_rows, plan.tile, plan.sorts(M),
+                gate, x2, caller_weights, plan.block_rows, plan.tile, plan.sorts(M), warn=explicit,
             )  # fmt: skip
             if graphed is not None:
                 y, l1, counts, neuron_counts = graphed

@@ -66,6 +66,12 @@ CAPTURE_LIMIT = 8
 # replays read copies of them instead (warned once): an engine that regathers parameters every step (FSDP2's
 # all-gather into fresh storage) would otherwise take a capture per step, each costing more than the step it replaces.
 MOVE_LIMIT = 1
+# hybrid_mlp's default (cuda_graph=None) replays a layer whose gate product 2 M K N is at most this many FLOPs. An
+# eager block step costs its host ~2.3-2.7 ms (16 Triton launches at ~31 us each on a lent H200 host, their
+# Python, autograd); its GPU time is ~1.6 ms at the 1.5B layer shape (8192 tokens, gate product 1.9e11) and ~3.9 ms
+# at the 8B one (9.6e11): below the line the host paces the eager step and a replay frees it; above it the GPU
+# does, and a replay would add only its copies (x and dy in, y, dx and the weight gradients out: ~0.3 ms at 8B).
+REPLAY_MAX_GATE_FLOP = 5e11
 # How many times the graphs have been captured and replayed (forward replays; "copied replay": those of a step
 # reading copied weights), and backwards that ran eagerly because a weight had moved since its forward; for tests
 # and logs.
@@ -401,7 +407,7 @@ def _addresses(weights: tuple) -> tuple[int | None, ...]:
     return tuple(t.data_ptr() if t is not None else None for t in weights)
 
 
-def _weights_keep_moving(layer: _LayerGraphs, addresses: tuple[int | None, ...]) -> bool:
+def _weights_keep_moving(layer: _LayerGraphs, addresses: tuple[int | None, ...], warn: bool = True) -> bool:
     """Whether this layer's weights (at ``addresses`` now) have been found at new addresses more than
     :data:`MOVE_LIMIT` times (each move would be a new capture): then its steps replay a capture that reads copies
     of the weights (warned once)."""
@@ -409,14 +415,22 @@ def _weights_keep_moving(layer: _LayerGraphs, addresses: tuple[int | None, ...])
         layer.moves += 1
         if layer.moves == MOVE_LIMIT + 1:
             layer.steps.clear()  # its in-place captures, buffers and pool memory are not replayed again
-            warnings.warn(
-                "sparsefuse hybrid_mlp(cuda_graph=True): a layer's weights were found at a new address "
-                f"{layer.moves} times (parameters gathered anew each step, as FSDP2 does); from now on its replays "
-                "copy the weights into static buffers first (two weight copies per step)",
-                stacklevel=5,
-            )
+            if warn:
+                warnings.warn(
+                    "sparsefuse hybrid_mlp(cuda_graph=True): a layer's weights were found at a new address "
+                    f"{layer.moves} times (parameters gathered anew each step, as FSDP2 does); from now on its "
+                    "replays copy the weights into static buffers first (two weight copies per step)",
+                    stacklevel=5,
+                )
     layer.addresses = addresses
     return layer.moves > MOVE_LIMIT
+
+
+def replays_by_default(x2: torch.Tensor, n_neurons: int) -> bool:
+    """Whether ``hybrid_mlp(cuda_graph=None)`` replays the block step of x2 [M, K] through a gate of ``n_neurons``
+    rows: CUDA tensors whose gate product is at most :data:`REPLAY_MAX_GATE_FLOP` (where the host paces the eager
+    step). CPU tensors (the interpreter's emulated graphs included) run the eager step."""
+    return x2.is_cuda and 2 * x2.shape[0] * x2.shape[1] * n_neurons <= REPLAY_MAX_GATE_FLOP
 
 
 def graphed_step(
@@ -426,12 +440,14 @@ def graphed_step(
     block_rows: int,
     tile: int,
     sort_rows: bool,
+    warn: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """The block step of one layer from its captured graphs: (y [M, K], l1, token counts [M], neuron counts [N]);
     None where the eager step must run instead (see the module docstring). ``gate``: the caller's gate weight (the
     graphs and the capacity are kept per gate weight); x2 [M, K] in the step's dtype (autocast's cast done);
     ``weights``: (w_gate, b_gate, w_up, b_up, w_down, b_down) as the caller passed them (before autocast), w_down
-    [K, N]."""
+    [K, N]. ``warn``: say (once per layer) when a layer's weights keep moving or its shapes keep changing (for a
+    caller who asked for replays; the default choice falls back quietly)."""
     tensors = [x2, *(t for t in weights if t is not None)]
     if (
         not torch.is_grad_enabled()
@@ -446,7 +462,7 @@ def graphed_step(
     if layer is None:
         layer = _LAYERS[gate] = _LayerGraphs()
     addresses = _addresses(weights)
-    copied = _weights_keep_moving(layer, addresses)
+    copied = _weights_keep_moving(layer, addresses, warn)
     capacity = TRAIN_CHOICE.bucketed_capacity(gate, x2.shape[0])
     if capacity is None:
         return None
@@ -465,7 +481,7 @@ def graphed_step(
     on_device = torch.cuda.device(x2.device) if x2.is_cuda else contextlib.nullcontext()
     if step is None:
         if layer.captures >= CAPTURE_LIMIT:
-            if layer.captures == CAPTURE_LIMIT:
+            if layer.captures == CAPTURE_LIMIT and warn:
                 warnings.warn(
                     f"sparsefuse hybrid_mlp(cuda_graph=True): a layer's step was captured {layer.captures} times "
                     "(its input shape keeps changing); it runs eagerly from now on",
