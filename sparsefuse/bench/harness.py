@@ -1,4 +1,4 @@
-"""Generic GPU benchmark harness: workload registry, device ceilings, and per-implementation timing.
+"""Generic GPU benchmark harness: workload registry and per-implementation timing (ceilings: :mod:`.device`).
 
 Nothing here knows about any particular op. A workload is a function ``options -> list[Case]`` registered by name
 (see :func:`register`); each :class:`Case` carries its own input factory, implementations and cost model (minimal
@@ -37,6 +37,9 @@ from typing import Any, Literal
 
 import torch
 
+from .device import Ceilings, l2_cache_bytes, measure_ceilings
+from .device import event_times_ms as _event_times_ms
+
 __all__ = [
     "Case",
     "Options",
@@ -52,6 +55,7 @@ __all__ = [
     "fill_relative_columns",
     "tensor_bytes",
     "dtype_name",
+    "l2_cache_bytes",
 ]
 
 Direction = Literal["fwd", "fwd+bwd"]
@@ -196,17 +200,6 @@ class Result:
     auto_choices: tuple[str, ...] = dataclasses.field(default=(), repr=False)
 
 
-@dataclasses.dataclass(frozen=True)
-class Ceilings:
-    """Measured device rates: copy bandwidth (bytes read + written per second) and bf16 matmul flop/s."""
-
-    copy_bytes_per_s: float
-    matmul_flops_per_s: float
-
-    def rate(self, kind: str) -> float:
-        return {"copy": self.copy_bytes_per_s, "matmul": self.matmul_flops_per_s}.get(kind, math.nan)
-
-
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -227,57 +220,11 @@ def tensor_bytes(obj: Any) -> int:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _event_times_ms(fn: Callable[[], Any], reps: int, before: Callable[[], Any] | None = None) -> list[float]:
-    """Device time of ``fn()`` per repetition (ms). All events are recorded first and read after one sync, so the
-    host never stalls the queue between repetitions. ``before()`` is enqueued ahead of each timed call, untimed."""
-    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for start, end in pairs:
-        if before is not None:
-            before()
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return [start.elapsed_time(end) for start, end in pairs]
-
-
 def _choose_reps(fn: Callable[[], Any], quick: bool) -> int:
     """Enough repetitions for a stable median within a time budget: at least 5 (quick) / 20, at most 20 / 200."""
     lo, hi, budget_s = (5, 20, 0.1) if quick else (20, 200, 0.5)
     probe_ms = statistics.median(_event_times_ms(fn, 3))
     return max(lo, min(hi, int(budget_s * 1e3 / max(probe_ms, 1e-3))))
-
-
-def measure_ceilings(quick: bool = False) -> Ceilings:
-    """Copy bandwidth from a 1 GiB device-to-device copy (bytes read + written) and bf16 matmul flop/s from
-    random 8192^3 products, each the median of many event-timed repetitions."""
-    reps = 10 if quick else 30
-    n = (1 << 30) // 4
-    src = torch.randn(n, device="cuda")  # random data: zeros can run faster than real data
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    copy_ms = statistics.median(_event_times_ms(lambda: dst.copy_(src), reps))
-    copy_rate = 2 * src.numel() * src.element_size() / (copy_ms * 1e-3)
-    src = dst = None  # free the 8 GiB before the matmul's operands
-
-    m = 8192
-    a = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
-    c = torch.empty(m, m, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        torch.matmul(a, b, out=c)
-    mm_ms = statistics.median(_event_times_ms(lambda: torch.matmul(a, b, out=c), reps))
-    mm_rate = 2 * m**3 / (mm_ms * 1e-3)
-    a = b = c = None
-    torch.cuda.empty_cache()
-    return Ceilings(copy_rate, mm_rate)
-
-
-def l2_cache_bytes() -> int:
-    """The device's L2 size (50 MB when torch does not report it)."""
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    return int(getattr(props, "L2_cache_size", 0) or 50 * 1000 * 1000)
 
 
 def _number_of_sets(bytes_per_set: int, options: Options) -> int:

@@ -20,7 +20,7 @@ import triton.language as tl
 from .. import _backend
 from .._backend import Backend, backend_for, cdiv, new_output, record_launch
 from .._triton.dot import dot_accumulate, gathered_rows_dot, ieee_fp32
-from .._triton.slots import block_slots, offsets_fit_32
+from .._triton.slots import OFFSETS_32_LIMIT, block_slots, offsets_fit_32
 from .._validation import check_out, unit_last_stride
 from .block_spmm import heavy_first_schedule
 from .formats import BlockCSC, BlockELL
@@ -257,6 +257,11 @@ def _column_prefix_sums(table: torch.Tensor, src: torch.Tensor, row_zero: bool) 
     record_launch("column_prefix_sum_kernel")
 
 
+def _index_dtype(largest: int) -> torch.dtype:
+    """int32 for indices below ``largest`` where it fits, else int64."""
+    return torch.int32 if largest < OFFSETS_32_LIMIT else torch.int64
+
+
 def block_ell_transpose(
     sparse: BlockELL, column_counts: torch.Tensor | None = None, *, count_table: torch.Tensor | None = None
 ) -> BlockCSC:
@@ -264,17 +269,16 @@ def block_ell_transpose(
     column: :class:`BlockCSC`. Two passes over the slots and prefix sums over a [n_blocks, N] table; no host sync.
     ``column_counts`` [n_blocks, N] int32, the non-zeros per (row block, column) when already known (e.g. from
     :func:`sparsefuse.sparse.block_sddmm` with ``factors``), saves the first pass; it is only read. Or
-    ``count_table``, the same counts as :func:`column_count_table` lays them out: this call takes it over and
-    overwrites it with its prefix sums.
+    ``count_table``, the same counts as :func:`column_count_table` lays them out (contiguous): this call takes it
+    over and overwrites it with its prefix sums.
     The index arrays are allocated for every slot that could hold a non-zero (``M * min(width, N)`` entries: 4
-    bytes each while ``M * width < 2**31``), since the count is only known on the device."""
+    bytes each while the flat slot index fits int32), since the count is only known on the device."""
     values = sparse.values
     M, width = values.shape
     N, n_blocks = sparse.n_cols, sparse.counts.shape[0]
-    index_dtype = torch.int32 if M * width < 2**31 else torch.int64
     capacity = M * min(width, N)
-    src = torch.empty(capacity, dtype=index_dtype, device=values.device)
-    rows = torch.empty(capacity, dtype=torch.int32 if M < 2**31 else torch.int64, device=values.device)
+    src = torch.empty(capacity, dtype=_index_dtype(M * width), device=values.device)  # flat slot indices
+    rows = torch.empty(capacity, dtype=_index_dtype(M), device=values.device)  # matrix rows
     offsets = torch.zeros(N + 1, dtype=torch.int64, device=values.device)
     csc = BlockCSC(src, offsets, width, sparse.row_order, M, N, rows)
     if M == 0 or N == 0:
@@ -291,12 +295,17 @@ def block_ell_transpose(
     # each (block, column)'s count in the blocks before it (row n_blocks: the column's total) and, plus the
     # column's offset, where the block's entries of the column start: no second table of the counts is needed.
     if count_table is not None:
-        if count_table.shape != (n_blocks + 1, N) or count_table.dtype != torch.int64:
-            raise ValueError(f"block_ell_transpose: count_table must be [{n_blocks + 1}, {N}] int64")
-        table = count_table.contiguous()
+        if (
+            count_table.shape != (n_blocks + 1, N)
+            or count_table.dtype != torch.int64
+            or not count_table.is_contiguous()
+        ):
+            raise ValueError(
+                f"block_ell_transpose: count_table must be a contiguous [{n_blocks + 1}, {N}] int64 tensor; got "
+                f"{list(count_table.shape)} {count_table.dtype} with strides {count_table.stride()}"
+            )
+        table = count_table  # its running sums are written in place
         _column_prefix_sums(table, table[1:], row_zero=False)
-        if table is not count_table:
-            count_table.copy_(table)
     elif column_counts is not None:
         table = torch.empty(n_blocks + 1, N, dtype=torch.int64, device=values.device)
         _column_prefix_sums(table, unit_last_stride(column_counts), row_zero=True)

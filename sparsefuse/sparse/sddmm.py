@@ -193,6 +193,7 @@ def block_sddmm_kernel(
         first_of_tile = tl.sum(tl.where(tiles[None, :] == tile_of_p[:, None], (ends - counts)[None, :], 0), axis=1)
         src = tile_of_p * TILE + p - first_of_tile  # [BLOCK_C] slot in the per-tile layout
         cols = tl.load(indices_ptr + block.to(tl.int64) * width + src, mask=p_mask, other=0)
+        # the offsets' copies of rows and cols (int64 past OFFSETS_32): the int32 ones are stored and counted below
         if OFFSETS_32:
             row_at, col_at = rows, cols
         else:

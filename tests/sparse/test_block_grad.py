@@ -83,6 +83,8 @@ def _check(M, K, N, dtype, device, sort_rows, **kw):
     table = column_count_table(f.column_counts)  # ... and so does a table of the counts, taken over
     tabled = block_ell_transpose(f.gate, count_table=table)
     assert torch.equal(table, column_count_table(f.column_counts).cumsum(0))  # overwritten with its running sums
+    with pytest.raises(ValueError, match="contiguous"):  # a strided table could not be overwritten in place
+        block_ell_transpose(f.gate, count_table=column_count_table(f.column_counts).t().contiguous().t())
     nnz = int(fired.sum())
     assert int(csc.offsets[-1]) == nnz
     for other in (recount, tabled):
