@@ -155,7 +155,7 @@ def test_fsdp_reshard_from_env(monkeypatch):
     "name, read, default",
     [
         (train_knobs.PROFILE_ENV, train_knobs.train_profile, False),
-        (train_knobs.CUDA_GRAPH_ENV, train_knobs.train_cuda_graph, False),
+        (train_knobs.CUDA_GRAPH_ENV, train_knobs.train_cuda_graph, None),  # unset: the library decides
         (train_knobs.PIN_CPUS_ENV, train_knobs.pin_cpus, False),
         (train_knobs.SINGLE_THREAD_BACKWARD_ENV, train_knobs.single_thread_backward, True),
     ],
