@@ -77,7 +77,7 @@ def build_model(
     train_method: str,
     seed: int,
     down_layout: str = "column",
-    cuda_graph: bool = False,
+    cuda_graph: bool | None = None,
 ) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -162,7 +162,8 @@ def train(cfg: dict, data: torch.Tensor, l1: float, args: argparse.Namespace, de
     if cfg["batch"] % world:
         raise ValueError(f"--distributed: the batch ({cfg['batch']}) must divide among {world} processes")
     layout = "row" if args.distributed and args.engine == "fsdp2" else "column"
-    model = build_model(cfg, device, args.train_method, args.seed, down_layout=layout, cuda_graph=args.cuda_graph)
+    replay = {"auto": None, "on": True, "off": False}[args.cuda_graph]
+    model = build_model(cfg, device, args.train_method, args.seed, down_layout=layout, cuda_graph=replay)
     inner = model
     if args.distributed:
         model = _shard(model, args.engine, device)
@@ -256,8 +257,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-method", choices=("dense", "hybrid"), default="dense")
     parser.add_argument(
         "--cuda-graph",
-        action="store_true",
-        help="with --train-method hybrid: replay each layer's step from CUDA graphs (patch_llama's train_cuda_graph)",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="with --train-method hybrid: replay each layer's step from CUDA graphs (patch_llama's train_cuda_graph: "
+        "auto = where the host would pace the step)",
     )
     parser.add_argument("--steps", type=_positive, default=None, help="override the size's step count")
     parser.add_argument(
