@@ -333,6 +333,9 @@ def test_the_default_replays_by_layer_size_and_falls_back_quietly(device, monkey
     )
     assert not graphed.replays_by_default(on_gpu(8192, 4096), 14336)
     assert not graphed.replays_by_default(SimpleNamespace(is_cuda=False, shape=(8, 8)), 8)
+    with monkeypatch.context() as traced:  # a call torch.compile traces: the eager step's op, whatever the size
+        traced.setattr(torch.compiler, "is_compiling", lambda: True)
+        assert not graphed.replays_by_default(on_gpu(8192, 2048), 5632)
 
     monkeypatch.setattr(functional, "replays_by_default", lambda x2, n_neurons: True)  # as a GPU's small layer
     monkeypatch.setattr(graphed, "CAPTURE_LIMIT", 1)

@@ -432,8 +432,11 @@ def _weights_keep_moving(layer: _LayerGraphs, addresses: tuple[int | None, ...],
 def replays_by_default(x2: torch.Tensor, n_neurons: int) -> bool:
     """Whether ``hybrid_mlp(cuda_graph=None)`` replays the block step of x2 [M, K] through a gate of ``n_neurons``
     rows: CUDA tensors whose gate product is at most :data:`REPLAY_MAX_GATE_FLOP` (where the host paces the eager
-    step). CPU tensors (the interpreter's emulated graphs included) run the eager step."""
-    return x2.is_cuda and 2 * x2.shape[0] * x2.shape[1] * n_neurons <= REPLAY_MAX_GATE_FLOP
+    step). CPU tensors (the interpreter's emulated graphs included) run the eager step, and so does a call being
+    traced by torch.compile (decided before the size is read: no guard on a dynamic token count)."""
+    if torch.compiler.is_compiling() or not x2.is_cuda:
+        return False
+    return 2 * x2.shape[0] * x2.shape[1] * n_neurons <= REPLAY_MAX_GATE_FLOP
 
 
 def graphed_step(
