@@ -55,7 +55,6 @@ class Backend(str, enum.Enum):
     TORCH = "torch"
 
 
-@functools.cache
 def cdiv(x: int, y: int) -> int:
     """``triton.cdiv`` for the host's launch arithmetic, without its per-call wrapper: ``triton.cdiv`` and
     ``triton.next_power_of_2`` are constexpr functions whose every host call unwraps its arguments (~2 us, where this
@@ -68,6 +67,7 @@ def next_power_of_2(n: int) -> int:
     return 0 if n <= 0 else 1 << (n - 1).bit_length()
 
 
+@functools.cache
 def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
