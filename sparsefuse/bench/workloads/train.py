@@ -109,13 +109,14 @@ class _Unreplayed:
         from ...nn import SparseGatedMLP
 
         layers = [m for m in self.trainer.model.modules() if isinstance(m, SparseGatedMLP)]
+        chosen = [m.train_cuda_graph for m in layers]
         for m in layers:
             m.train_cuda_graph = False
         try:
             return self.trainer.step(ids)
         finally:
-            for m in layers:
-                m.train_cuda_graph = None
+            for m, value in zip(layers, chosen):
+                m.train_cuda_graph = value
 
 
 def _gpu_gib() -> float:
