@@ -16,6 +16,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .._jit import kernel
+
 
 @triton.jit
 def _rotate_heads(
@@ -156,7 +158,7 @@ def _rotate_token(
     )
 
 
-@triton.jit
+@kernel
 def rotary_fwd_kernel(
     q_ptr,
     k_ptr,
@@ -237,7 +239,7 @@ def rotary_fwd_kernel(
     )
 
 
-@triton.jit
+@kernel
 def rotary_bwd_kernel(
     q_ptr,
     k_ptr,

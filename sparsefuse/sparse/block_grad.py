@@ -19,6 +19,7 @@ import triton.language as tl
 
 from .. import _backend
 from .._backend import Backend, backend_for, cdiv, new_output, record_launch
+from .._jit import kernel
 from .._triton.dot import dot_accumulate, gathered_rows_dot, ieee_fp32
 from .._triton.slots import OFFSETS_32_LIMIT, block_slots, offsets_fit_32
 from .._validation import check_out, unit_last_stride
@@ -26,7 +27,7 @@ from .block_spmm import heavy_first_schedule
 from .formats import BlockCSC, BlockELL
 
 
-@triton.jit
+@kernel
 def block_ell_sddmm_kernel(
     indices_ptr,
     counts_ptr,
@@ -165,7 +166,7 @@ def block_ell_sddmm(
     return result()
 
 
-@triton.jit
+@kernel
 def block_csc_kernel(
     values_ptr,
     indices_ptr,
@@ -222,7 +223,7 @@ def column_count_table(column_counts: torch.Tensor) -> torch.Tensor:
     return table
 
 
-@triton.jit
+@kernel
 def column_prefix_sum_kernel(
     table_ptr, src_ptr, R, N, stride_src, ROW_ZERO: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr
 ):
@@ -323,7 +324,7 @@ def block_ell_transpose(
     return csc
 
 
-@triton.jit
+@kernel
 def transposed_matmul_kernel(
     src_ptr,
     offsets_ptr,

@@ -27,6 +27,7 @@ import triton.language as tl
 
 from .. import _backend
 from .._backend import Backend, backend_for, cdiv, new_output, record_launch
+from .._jit import kernel
 from .._triton.dot import gathered_rows_dot, ieee_fp32
 from .._triton.slots import block_slots
 from .._validation import unit_last_stride
@@ -71,7 +72,7 @@ def _sum_before(values_ptr, end, SCAN: tl.constexpr):
     return total
 
 
-@triton.jit
+@kernel
 def block_pack_kernel(
     gate_ptr,
     up_ptr,
@@ -200,7 +201,7 @@ def pack_block_factors(factors: BlockFactors, capacity: int, offsets: torch.Tens
     return packed
 
 
-@triton.jit
+@kernel
 def block_unpack_kernel(
     packed_gate_ptr,
     packed_up_ptr,

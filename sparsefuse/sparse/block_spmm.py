@@ -10,6 +10,7 @@ import triton.language as tl
 
 from .. import _backend
 from .._backend import Backend, backend_for, cdiv, new_output, record_launch
+from .._jit import kernel
 from .._triton.dot import dot_accumulate, ieee_fp32
 from .._validation import check_out, check_sparse_weight, describe
 from .formats import BlockELL
@@ -28,7 +29,7 @@ def _group_count(counts_ptr, i, mask, n_cols, STEP: tl.constexpr, FROM_OFFSETS: 
     return tl.where(mask, count, -1)
 
 
-@triton.jit
+@kernel
 def heavy_first_schedule_kernel(
     counts_ptr,
     sizes_ptr,
@@ -136,7 +137,7 @@ def _launch_schedule(
         record_launch("heavy_first_schedule_kernel")
 
 
-@triton.jit
+@kernel
 def block_ell_matmul_kernel(
     values_ptr,
     indices_ptr,

@@ -27,6 +27,7 @@ import triton.language as tl
 
 from .. import _backend
 from .._backend import Backend, backend_for, cdiv, new_output, next_power_of_2, record_launch, sm_count
+from .._jit import kernel
 from .._validation import check_dense, check_rows, check_twell_geometry, unit_last_stride
 from .formats import CSR, ELL, IN_ELL, SPILLED, Hybrid, RowBlockPattern
 
@@ -66,7 +67,7 @@ def _lowest_bit(u):
     return ((low.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
 
 
-@triton.jit
+@kernel
 def bits_to_sparse_kernel(
     bits_ptr,
     dense_ptr,
@@ -219,7 +220,7 @@ def _bitwise_or(a, b):
     return a | b
 
 
-@triton.jit
+@kernel
 def row_bits_kernel(
     dense_ptr, bits_ptr, M, N, n_words, stride_row, ROWS: tl.constexpr, BLOCK_C: tl.constexpr, RELU: tl.constexpr
 ):
@@ -250,7 +251,7 @@ def row_bits_kernel(
         )
 
 
-@triton.jit
+@kernel
 def row_block_union_kernel(
     bits_ptr,
     order_ptr,
@@ -334,7 +335,7 @@ def _count_key(count):
     return 4 * e + ((v.to(tl.int64) * 4) >> e.to(tl.int64)).to(tl.int32) - 4
 
 
-@triton.jit
+@kernel
 def row_keys_kernel(bits_ptr, keys_ptr, M, n_words, n_sample, ROWS: tl.constexpr, WORDS: tl.constexpr):
     # bits [M, n_words] (row_bits_kernel) -> keys [M] int32: the key of each row's count of set bits among its
     # first n_sample columns (the last such word masked to its low n_sample % 32 bits).
@@ -355,7 +356,7 @@ def row_keys_kernel(bits_ptr, keys_ptr, M, n_words, n_sample, ROWS: tl.constexpr
     tl.store(keys_ptr + rows, _count_key(count), mask=row_mask)
 
 
-@triton.jit
+@kernel
 def group_rank_kernel(keys_ptr, order_ptr, M, GROUP: tl.constexpr, SUB: tl.constexpr, KEYS: tl.constexpr):
     # A stable counting sort by decreasing key within groups of GROUP rows (keys [M] int32): row r goes to
     #   group start + (the group's rows with a larger key) + (its earlier rows with r's key); order[position] = r.

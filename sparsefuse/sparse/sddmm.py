@@ -19,6 +19,7 @@ import triton.language as tl
 
 from .. import _backend
 from .._backend import Backend, backend_for, cdiv, new_output, next_power_of_2, record_launch
+from .._jit import kernel
 from .._triton.dot import gathered_rows_dot, ieee_fp32
 from .._triton.gather import pick_nonzeros, rank_nonzeros
 from .._triton.slots import block_slots, offsets_fit_32
@@ -47,7 +48,7 @@ def row_dots(
     return out
 
 
-@triton.jit
+@kernel
 def sampled_dot_dense_pattern_kernel(
     pattern_ptr,
     a_ptr,
@@ -115,7 +116,7 @@ def sampled_dot_dense_pattern(
     return out
 
 
-@triton.jit
+@kernel
 def block_sddmm_kernel(
     scale_ptr,
     indices_ptr,

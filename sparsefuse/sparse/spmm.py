@@ -19,11 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 import triton.language as tl
 
 from .. import _backend
 from .._backend import Backend, backend_for, cdiv, new_output, next_power_of_2, record_launch, sm_count
+from .._jit import kernel
 from .._triton.gather import accumulate_nonzeros, accumulate_rows, sum_split_partials
 from .._validation import check_overflow_completion, check_sparse_weight
 from .dense_units import (
@@ -48,7 +48,7 @@ from .long_rows import (
 from .thresholded import ThresholdedLinear, thresholded_linear_chunk
 
 
-@triton.jit
+@kernel
 def gather_accumulate_kernel(
     values_ptr,
     indices_ptr,

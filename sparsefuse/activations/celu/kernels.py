@@ -6,6 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..._jit import kernel
 from ..._triton.sfu import sfu_exp2_ftz
 
 
@@ -40,7 +41,7 @@ def _block(pid, n_elements, BLOCK: tl.constexpr):
     return start, offsets, offsets < n_elements - start
 
 
-@triton.jit
+@kernel
 def celu_fwd_kernel(
     x_ptr, y_ptr, n_elements, alpha, scale, input_scale, BLOCK: tl.constexpr, SERIES_DEGREE: tl.constexpr
 ):
@@ -56,7 +57,7 @@ def celu_fwd_kernel(
     tl.store(y_ptr + start + offsets, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@kernel
 def celu_bwd_kernel(grad_y_ptr, y_ptr, grad_x_ptr, n_elements, alpha, scale, input_scale, BLOCK: tl.constexpr):
     # grad_y, y (the forward's output), grad_x: flat [n_elements]
     start, offsets, mask = _block(tl.program_id(0), n_elements, BLOCK)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..._jit import kernel
 from ..._triton.sfu import sfu_cos, sfu_sin
 
 # Sine. Snake needs sin(u)^2 (forward) and sin(u)cos(u) (backward), and both only depend on u modulo pi: with
@@ -154,7 +155,7 @@ def _row_tile(rows_per_slice, n_channels, c_magic, c_shift, T, BLOCK_T: tl.const
     return b, c, row, t, t < T
 
 
-@triton.jit
+@kernel
 def snake_fwd_kernel(
     x_ptr,
     alpha_ptr,
@@ -186,7 +187,7 @@ def snake_fwd_kernel(
     tl.store(y_ptr + row.to(tl.int64) * T + t, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@kernel
 def snake_fwd_flat_kernel(
     x_ptr,
     alpha_ptr,
@@ -222,7 +223,7 @@ def snake_fwd_flat_kernel(
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@kernel
 def snake_bwd_kernel(
     grad_y_ptr,
     x_ptr,

@@ -16,11 +16,11 @@ and CPU tensors without the interpreter take the exact torch path (:func:`_torch
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
 from ... import _backend
 from ..._backend import STREAMING_WARPS, Backend, backend_for, cdiv, new_output, record_launch, streaming_block
+from ..._jit import kernel
 
 # Forward tiles: a program walks a strip of BLOCK_C columns down a group of rows, ROWS at a time. BLOCK_C is one
 # warp's width of 16-byte vectors (256 columns of a 16-bit dtype, 128 of fp32): every load and store is a 128-bit
@@ -41,7 +41,7 @@ _INTERPRET_ROWS, _INTERPRET_BLOCK_C, _INTERPRET_MIN_CHUNKS = 4, 32, 2
 _INTERPRET_BACKWARD_BLOCK = 256
 
 
-@triton.jit
+@kernel
 def relu_mul_stats_kernel(
     pre_ptr,
     up_ptr,
@@ -91,7 +91,7 @@ def relu_mul_stats_kernel(
     tl.store(neuron_part_ptr + group.to(tl.int64) * N + cols, tl.sum(fired_acc, axis=0), mask=col_mask)
 
 
-@triton.jit
+@kernel
 def relu_mul_backward_kernel(
     grad_h_ptr,
     gate_ptr,

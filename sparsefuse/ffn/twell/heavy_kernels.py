@@ -7,8 +7,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..._jit import kernel
 
-@triton.jit
+
+@kernel
 def heavy_first_order_kernel(
     counts_ptr,
     order_ptr,
@@ -48,7 +50,7 @@ def _heavy_classes(counts_ptr, rows, row_mask, n_tiles, heavy_min, SLOTS: tl.con
     return overflowed, row_mask & ~overflowed & (tl.sum(counts, axis=1) >= heavy_min)
 
 
-@triton.jit
+@kernel
 def heavy_block_counts_kernel(
     counts_ptr, block_heavy_ptr, M, n_tiles, heavy_min, SLOTS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_TILES: tl.constexpr,
@@ -62,7 +64,7 @@ def heavy_block_counts_kernel(
     tl.store(block_heavy_ptr + tl.cdiv(M, BLOCK_M) + b, tl.sum(heavy.to(tl.int32), axis=0))
 
 
-@triton.jit
+@kernel
 def heavy_tokens_kernel(
     counts_ptr, block_heavy_ptr, taken_ptr, heavy_rows_ptr, heavy_count_ptr, M, n_tiles, heavy_min, cap,
     SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_TILES: tl.constexpr, BLOCK_B: tl.constexpr,

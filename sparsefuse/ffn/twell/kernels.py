@@ -6,13 +6,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..._jit import kernel
 from ..._triton.dot import dot_accumulate
 from ..._triton.gather import accumulate_nonzeros, accumulate_rows, pick_nonzeros, rank_nonzeros, sum_split_partials
 from ..._triton.schedule import grouped_tile_coords
 from ...sparse.sddmm import row_dots
 
 
-@triton.jit
+@kernel
 def twell_gate_fwd_kernel(
     x_ptr,
     w_ptr,
@@ -64,7 +65,7 @@ def twell_gate_fwd_kernel(
     _pack_tile(acc, rows, row_mask, cols, col_mask, tile, values_ptr, indices_ptr, counts_ptr, n_tiles, SLOTS, BLOCK_M)
 
 
-@triton.jit
+@kernel
 def twell_pack_kernel(
     pre_ptr,
     values_ptr,
@@ -247,7 +248,7 @@ def _up_down_step(
     return accumulate_rows(acc, tl.where(j_mask, h_gate * u, 0.0), n, j_mask, wd_ptr, stride_wd, d, d_mask)
 
 
-@triton.jit
+@kernel
 def twell_up_down_fwd_kernel(
     values_ptr,
     indices_ptr,
@@ -429,7 +430,7 @@ def twell_up_down_fwd_kernel(
         tl.store(y_ptr + row * stride_ym + d, acc.to(y_ptr.dtype.element_ty), mask=d_mask)
 
 
-@triton.jit
+@kernel
 def twell_to_ell_kernel(
     values_ptr,
     indices_ptr,
@@ -459,7 +460,7 @@ def twell_to_ell_kernel(
     tl.store(ell_counts_ptr + row, tl.sum(stored, axis=0))
 
 
-@triton.jit
+@kernel
 def twell_overflow_down_kernel(
     counts_ptr,
     x_ptr,

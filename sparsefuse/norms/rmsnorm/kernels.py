@@ -10,6 +10,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..._jit import kernel
+
 
 @triton.jit
 def _rounded(v, dtype: tl.constexpr):
@@ -24,7 +26,7 @@ def _rounded(v, dtype: tl.constexpr):
         return v.to(dtype).to(v.dtype)
 
 
-@triton.jit
+@kernel
 def rms_norm_fwd_kernel(
     x_ptr,  # [M, D], rows at stride_x
     w_ptr,  # [D] (unused without HAS_WEIGHT)
@@ -70,7 +72,7 @@ def rms_norm_fwd_kernel(
         tl.store(y_rows + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@kernel
 def rms_norm_bwd_kernel(
     dy_ptr,  # [M, D], rows at stride_dy
     x_ptr,  # [M, D], rows at stride_x

@@ -6,6 +6,7 @@ import triton
 import triton.language as tl
 
 from ... import _backend
+from ..._jit import kernel
 from .._encoder_tile import encoder_pre_tile
 
 
@@ -30,7 +31,7 @@ def _encode_configs() -> list[triton.Config]:
 
 # Tuned per (d_in, d_sae, power-of-two token bucket); the slot counters are re-zeroed between trial runs.
 @triton.autotune(configs=_encode_configs(), key=["K", "N", "M_BUCKET"], reset_to_zero=["counts_ptr"])
-@triton.jit
+@kernel
 def jumprelu_encode_kernel(
     x_ptr,
     w_ptr,

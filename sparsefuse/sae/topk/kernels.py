@@ -5,6 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..._jit import kernel
 from .._encoder_tile import encoder_pre_tile
 
 # Sort keys: below every real key (real ones are >= the key of -inf, about -0.996 * 2**63); slot j of an empty
@@ -21,7 +22,7 @@ def _sort_keys(pre, cols):
     return (ordered.to(tl.int64) << 32) | (0x7FFFFFFF - cols).to(tl.int64)[None, :]
 
 
-@triton.jit
+@kernel
 def topk_encode_fwd_kernel(
     x_ptr,
     w_ptr,

@@ -37,6 +37,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..._jit import kernel
 from ..._triton.dot import dot_accumulate
 from ..._triton.schedule import grouped_tile_coords
 
@@ -155,7 +156,7 @@ def _finish_columns(
     tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=v_ok)
 
 
-@triton.jit
+@kernel
 def splade_fwd_kernel(
     hidden_ptr,
     weight_ptr,
@@ -274,7 +275,7 @@ def splade_fwd_kernel(
                 tl.store(part_arg_ptr + part_offsets, best_s, mask=v_ok)
 
 
-@triton.jit
+@kernel
 def splade_fwd_combine_kernel(
     part_ptr,
     part_arg_ptr,
@@ -323,7 +324,7 @@ def _sum_dlogit(acc, bias, g, keep):
     return tl.where(keep[:, None] & (logits > 0), g[None, :] / (1.0 + logits), 0.0)
 
 
-@triton.jit
+@kernel
 def splade_sum_bwd_hidden_kernel(
     grad_ptr,
     hidden_ptr,
@@ -406,7 +407,7 @@ def splade_sum_bwd_hidden_kernel(
     tl.store(dst, acc.to(grad_hidden_ptr.dtype.element_ty), mask=(s < S)[:, None] & ho_ok[None, :])
 
 
-@triton.jit
+@kernel
 def splade_sum_bwd_weight_kernel(
     grad_ptr,
     hidden_ptr,
