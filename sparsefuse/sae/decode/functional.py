@@ -34,10 +34,11 @@ from __future__ import annotations
 
 import torch
 
+from ... import _backend
 from ..._validation import autocast_operands, check_index_range, check_sparse_decode, check_topk_decode, flat_rows
 from ...sparse import ELL, sparse_matmul
 from . import auto
-from .op import sparse_decode_op
+from .op import decode_forward, sparse_decode_op
 
 METHODS = ("auto", "scan", "fixed", "exact", "dense")
 FIXED_SCAN_ROWS = 256  # tokens up to which method="fixed" (no validate) may run the scan: auto.few_rows_fixed_method
@@ -79,7 +80,10 @@ def sparse_decode(
         width = max_l0 if max_l0 is not None else min(auto.DEFAULT_MAX_L0, W_dec.shape[0])
         method = auto.few_rows_fixed_method(acts, W_dec, width, expected_l0, decoder)
     method, max_l0 = auto.resolve_method(method, acts, W_dec, max_l0, expected_l0, decoder)
-    out = sparse_decode_op(acts, W_dec, method, max_l0, bool(validate), out_dtype)
+    if _backend.bypass_dispatcher(acts, W_dec):  # no autograd, tracing or mode: the op's dispatch adds only host time
+        out = decode_forward(acts, W_dec, method, max_l0, bool(validate), out_dtype)
+    else:
+        out = sparse_decode_op(acts, W_dec, method, max_l0, bool(validate), out_dtype)
     return out.reshape(*feature_acts.shape[:-1], W_dec.shape[1])
 
 

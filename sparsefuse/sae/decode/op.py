@@ -18,10 +18,10 @@ from ...sparse import dense_to_csr, dense_to_ell, matmul_skip_zeros, sparse_matm
 from ...sparse.sddmm import sampled_dot_dense_pattern
 
 
-def _decode_forward(
+def decode_forward(
     acts: torch.Tensor, W_dec: torch.Tensor, method: str, max_l0: int, validate: bool, out_dtype: torch.dtype
 ) -> torch.Tensor:
-    # acts [M, d_sae] -> [M, d_model]
+    """The op's forward, also called directly for a plain eager call: acts [M, d_sae] -> [M, d_model]."""
     if method == "scan":
         return matmul_skip_zeros(acts, W_dec, out_dtype=out_dtype)
     if method == "exact":
@@ -60,7 +60,7 @@ def _dense_product(acts: torch.Tensor, W_dec: torch.Tensor, out_dtype: torch.dty
 def sparse_decode_op(
     feature_acts: torch.Tensor, W_dec: torch.Tensor, method: str, max_l0: int, validate: bool, out_dtype: torch.dtype
 ) -> torch.Tensor:
-    return _decode_forward(feature_acts, W_dec, method, max_l0, validate, out_dtype)
+    return decode_forward(feature_acts, W_dec, method, max_l0, validate, out_dtype)
 
 
 @sparse_decode_op.register_fake
