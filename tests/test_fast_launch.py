@@ -160,3 +160,29 @@ def test_fast_path_launches_the_kernel_triton_compiled(device):
         standard[(triton.cdiv(n, 32),)](x, want, n, scale, FLAG=flag)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert len(k._launches) == 4
+
+
+def _jitted(obj):
+    """The jitted function under ``obj`` (through an autotuner's wrapping), or None."""
+    while hasattr(obj, "fn") and not isinstance(obj.fn, types.FunctionType):
+        obj = obj.fn
+    return obj if isinstance(getattr(obj, "fn", None), types.FunctionType) else None
+
+
+def test_every_kernel_the_package_launches_is_decorated_with_kernel():
+    import importlib
+    import pkgutil
+
+    import sparsefuse
+
+    kernels = {}
+    for info in pkgutil.walk_packages(sparsefuse.__path__, "sparsefuse."):
+        if ".bench" in info.name or ".integrations" in info.name:
+            continue
+        module = importlib.import_module(info.name)
+        for name, obj in vars(module).items():
+            jitted = _jitted(obj)
+            if name.endswith("_kernel") and jitted is not None and jitted.fn.__module__ == info.name:
+                kernels[f"{info.name}.{name}"] = jitted
+    assert len(kernels) >= 40
+    assert [name for name, k in kernels.items() if not getattr(k, "launched_kernel", False)] == []
