@@ -359,6 +359,34 @@ def test_the_default_replays_by_layer_size_and_falls_back_quietly(device, monkey
 
 
 @pytest.mark.gpu
+def test_the_default_replays_a_15b_layer_on_the_gpu_as_the_eager_step(monkeypatch):
+    """The default call (cuda_graph=None, the library's own choice, not the tests' pin) at the 1.5B layer shape and
+    8192 tokens: it captures once it has observed the layer, then replays, and gives the eager step's results."""
+    import sparsefuse.ffn.hybrid.functional as functional
+    from sparsefuse.ffn.synthetic import synthetic_ffn
+
+    monkeypatch.setattr(functional, "replays_by_default", graphed.replays_by_default)
+    ffn = synthetic_ffn(2048, 5632, dtype=torch.bfloat16, device="cuda", seed=4)
+    leaves = [ffn.make_input(8192, 30.0).requires_grad_()]
+    leaves += [w.clone().requires_grad_() for w in (ffn.w_gate, ffn.w_up, ffn.w_down)]
+    dy = torch.randn(8192, 2048, device="cuda", dtype=torch.bfloat16)
+    assert graphed.replays_by_default(leaves[0], 5632)
+
+    def step(**kw):
+        out = hybrid_mlp(*leaves, **kw)
+        grads = torch.autograd.grad((out.y, out.l1), leaves, (dy, torch.tensor(2e-5, device="cuda")))
+        return (out.y.detach(), out.l1.detach(), *grads)
+
+    want = step(cuda_graph=False)
+    before = graphed.GRAPH_EVENTS["replay"]
+    for _ in range(3):  # observed, captured, replayed
+        got = step()
+    assert graphed.GRAPH_EVENTS["replay"] > before
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+@pytest.mark.gpu
 def test_captures_after_every_earlier_graph_is_gone():
     """A layer freed (its graphs with it) and another captured after: a new pool, not the emptied one."""
     import gc
