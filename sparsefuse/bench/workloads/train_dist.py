@@ -262,6 +262,8 @@ class _Engine:
         self.agreement: dict[str, GradAgreement] = {}
         self.before: dict[str, int] = {}  # bytes allocated when the implementation's last step began
         self.last_ids: dict[str, torch.Tensor] = {}  # the tokens of its last step (what the anatomy re-runs)
+        # the process-wide replay counters when this case's patched model was built: its note counts its own
+        self.events_before: dict[str, int] = {}
 
     def trainer(self, impl: str) -> setup.Trainer:
         if impl not in self.trainers:
@@ -270,6 +272,7 @@ class _Engine:
             model = broadcast_(self.build())
             patched = impl == "patched"
             if patched:
+                self.events_before = dict(GRAPH_EVENTS)
                 layout = "row" if self.engine == "fsdp2" else "column"
                 model = patch_llama(
                     model, train_method="hybrid", down_layout=layout, train_cuda_graph=train_cuda_graph()
@@ -319,9 +322,10 @@ class _Engine:
         if engine == "fsdp2":
             engine += fsdp_label(self.layers)
         anatomy = f"; {self.anatomy(impl)}" if train_profile() and impl in self.last_ids else ""
-        if impl == "patched" and GRAPH_EVENTS["replay"] > 0:
+        replays = {k: GRAPH_EVENTS[k] - self.events_before.get(k, 0) for k in ("replay", "copied replay")}
+        if impl == "patched" and replays["replay"] > 0:
             # FSDP2 gathers the weights into fresh storage every step: its replays read copies of them
-            copied = GRAPH_EVENTS["copied replay"] > 0
+            copied = replays["copied replay"] > 0
             engine += ", FFN steps as CUDA graphs" + (" (weights copied in)" if copied else "")
         if pin_cpus():
             engine += f", CPUs pinned: {len(os.sched_getaffinity(0))} per process"
