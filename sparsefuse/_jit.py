@@ -21,7 +21,8 @@ tensor descriptor), and Triton releases before 3.4 (another launcher convention)
 
 Measured on a lent H200 host (Triton 3.6), a 25-argument launch: 25.7-27.1 us through Triton's ``run``, 20.2-20.6
 us through this path (its key 6.3 us, the compiled launcher ~14 us). The path is **opt-in**
-(``SPARSEFUSE_FAST_LAUNCH=1``) until the whole GPU suite passes with it on.
+(``SPARSEFUSE_FAST_LAUNCH=1``) until the whole GPU suite passes with it on; ``SPARSEFUSE_FAST_LAUNCH=verify``
+checks each cached launch against Triton's own pick and raises where they differ.
 """
 
 from __future__ import annotations
@@ -53,9 +54,12 @@ def _version(v: str) -> tuple[int, int]:
 # launch_metadata, enter_hook, exit_hook, *every_bound_argument)``; 3.3 and earlier pass other hooks.
 FAST_LAUNCH: bool = (
     not INTERPRET
-    and os.environ.get("SPARSEFUSE_FAST_LAUNCH", "0") == "1"
+    and os.environ.get("SPARSEFUSE_FAST_LAUNCH", "0") in ("1", "verify")
     and (3, 4) <= _version(triton.__version__) < (4, 0)
 )
+# "verify": every cached launch also asks Triton which kernel it would run (its binder, no launch) and raises if that
+# is not the cached one -- slower than either path; for test runs that check the key.
+VERIFY: bool = os.environ.get("SPARSEFUSE_FAST_LAUNCH") == "verify"
 
 _INT32_MIN, _INT32_MAX, _INT64_MAX = -(1 << 31), (1 << 31) - 1, (1 << 63) - 1
 
@@ -145,6 +149,16 @@ class FastLaunchJIT(JITFunction):
             raise _Unmodelled(self.__name__)
         return kernel, kernel.run, kernel.function, kernel.packed_metadata, tail
 
+    def _verify(self, compiled: Any, args: tuple[Any, ...], kwargs: dict[str, Any], grid: Any) -> None:
+        expected = super().run(*args, grid=grid, warmup=True, **kwargs)  # Triton's pick, compiled if new; no launch
+        if hasattr(expected, "result"):  # an asynchronous compile's future
+            expected = expected.result()
+        if expected is not compiled:
+            raise RuntimeError(
+                f"sparsefuse fast launch: {self.__name__}'s cached kernel is not the one Triton picks for these "
+                f"arguments (keywords {sorted(kwargs)}): the launch key misses a specialisation"
+            )
+
     def run(self, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
         runtime = knobs.runtime
         if (
@@ -169,6 +183,8 @@ class FastLaunchJIT(JITFunction):
                     pass
             return compiled
         compiled, launcher, function, metadata, tail = entry
+        if VERIFY:
+            self._verify(compiled, args, kwargs, grid)
         values = args + tuple([kwargs[name] if name in kwargs else default for name, default in tail])
         n = len(grid)
         stream = driver.active.get_current_stream(key[0])

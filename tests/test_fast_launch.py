@@ -137,6 +137,21 @@ def test_what_the_fast_path_does_not_model_takes_tritons_run(monkeypatch):
     assert len(stand_ins.standard_runs) == 7 and len(stand_ins.launches) == 1
 
 
+def test_verify_mode_raises_where_tritons_pick_is_not_the_cached_kernel(monkeypatch):
+    stand_ins = _StandIns(monkeypatch)
+    monkeypatch.setattr(_jit, "VERIFY", True)
+    k = _jit.FastLaunchJIT(_toy)
+    x, out = torch.zeros(64), torch.zeros(64)
+    k[(2,)](x, out, 64, 0.5, FLAG=True)  # a miss: Triton's run, then cached
+    with pytest.raises(RuntimeError, match="_toy's cached kernel is not the one Triton picks"):
+        k[(2,)](x, out, 64, 0.5, FLAG=True)  # the stand-in's run returns a new kernel each time: a mismatch
+    assert not stand_ins.launches
+    cached = k._launches[next(iter(k._launches))][0]
+    monkeypatch.setattr(_jit.JITFunction, "run", lambda *a, **kw: cached)  # Triton picks the cached kernel
+    k[(2,)](x, out, 64, 0.5, FLAG=True)
+    assert len(stand_ins.launches) == 1
+
+
 def test_kernel_decorator_is_triton_jit_where_the_fast_path_is_off():
     if _jit.FAST_LAUNCH:
         assert isinstance(_jit.kernel(_toy), _jit.FastLaunchJIT)
@@ -146,9 +161,10 @@ def test_kernel_decorator_is_triton_jit_where_the_fast_path_is_off():
 
 
 @pytest.mark.gpu
-def test_fast_path_launches_the_kernel_triton_compiled(device):
+def test_fast_path_launches_the_kernel_triton_compiled(device, monkeypatch):
     if _jit._version(triton.__version__) < (3, 4):
         pytest.skip("the fast launch path needs Triton >= 3.4")
+    monkeypatch.setattr(_jit, "VERIFY", True)  # each cached launch also checked against Triton's own pick
     k = _jit.FastLaunchJIT(_toy)  # whether or not SPARSEFUSE_FAST_LAUNCH turns it on for the package
     standard = triton.jit(_toy)
     base = torch.randn(300, device=device)
