@@ -68,10 +68,16 @@ class _Unmodelled(Exception):
     """An argument the launch key does not model: Triton's own path takes the call."""
 
 
-def int_key(v: int) -> tuple[bool, bool, bool, bool]:
-    """What Triton's specialisation of a non-constexpr integer depends on: == 1 (baked in as a constant), divisible
-    by 16 (an alignment hint), and its type (i32, i64 or u64)."""
-    return v == 1, not v & 15, _INT32_MIN <= v <= _INT32_MAX, v <= _INT64_MAX
+# The key's parts as Python expressions of an argument ``{v}``: written once, evaluated both as the functions below
+# (which the tests compare with Triton's own specialisation) and inline in each kernel's generated key function.
+# An integer: == 1 (baked in as a constant), divisible by 16 (an alignment hint), its type (i32, i64 or u64).
+_INT_KEY = f"({{v}} == 1, not {{v}} & 15, {_INT32_MIN} <= {{v}} <= {_INT32_MAX}, {{v}} <= {_INT64_MAX})"
+# A tensor: its dtype and its address modulo 16 (Triton's 16-byte alignment hint).
+_TENSOR_KEY = "({v}.dtype, {v}.data_ptr() & 15)"
+
+int_key: Callable[[int], tuple[bool, bool, bool, bool]] = eval(f"lambda v: {_INT_KEY.format(v='v')}")
+int_key.__doc__ = "What Triton's specialisation of a non-constexpr integer depends on (see ``_INT_KEY``)."
+_tensor_key: Callable[[torch.Tensor], tuple[torch.dtype, int]] = eval(f"lambda v: {_TENSOR_KEY.format(v='v')}")
 
 
 def arg_key(v: Any, constexpr: bool) -> Any:
@@ -80,7 +86,7 @@ def arg_key(v: Any, constexpr: bool) -> Any:
     if constexpr:
         return v  # baked into the kernel: the value itself (hashable, or the lookup falls back)
     if isinstance(v, torch.Tensor):
-        return v.dtype, v.data_ptr() & 15
+        return _tensor_key(v)
     t = type(v)
     if t is int:
         return int_key(v)
@@ -105,9 +111,8 @@ def _key_source(names: list[str], kinds: list[str]) -> str:
             parts.append(n)
         else:
             parts.append(
-                f"(({n}.dtype, {n}.data_ptr() & 15) if type({n}) is _Tensor else "
-                f"({n} == 1, not {n} & 15, {_INT32_MIN} <= {n} <= {_INT32_MAX}, {n} <= {_INT64_MAX}) "
-                f"if type({n}) is int else _arg_key({n}, False))"
+                f"({_TENSOR_KEY.format(v=n)} if type({n}) is _Tensor else "
+                f"{_INT_KEY.format(v=n)} if type({n}) is int else _arg_key({n}, False))"
             )
     return f"def key({', '.join(names)}):\n    return ({', '.join(parts)},)\n"
 

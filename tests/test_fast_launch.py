@@ -116,6 +116,15 @@ def test_fast_path_reuses_only_identical_specialisations_and_orders_arguments(mo
     assert len(stand_ins.standard_runs) == 11
 
 
+def test_the_generated_key_is_arg_key_argument_by_argument():
+    k = _jit.FastLaunchJIT(_toy)
+    x = torch.zeros(64)
+    for args in [(x, x[1:], 1, 0.5, True), (x, x, 1 << 31, 2.0, False), (x[4:], x, -16, None, True)]:
+        want = tuple(_jit.arg_key(v, i == 4) for i, v in enumerate(args))
+        assert k._key_fn(len(args), ())(*args) == want
+    assert k._key_fn(2, ("n", "BLOCK"))(x, x, 17, 64) == (_jit.arg_key(x, False),) * 2 + (_jit.int_key(17), 64)
+
+
 def test_what_the_fast_path_does_not_model_takes_tritons_run(monkeypatch):
     stand_ins = _StandIns(monkeypatch)
     k = _jit.FastLaunchJIT(_toy)
