@@ -291,10 +291,14 @@ def check_out(
     out_dtype: torch.dtype | None,
     *,
     contiguous: bool,
+    transposed: bool = False,
 ) -> None:
     """A product's ``out=`` tensor: float, of ``shape``, on ``device``, in ``out_dtype`` when one is given, and
-    contiguous (``contiguous``) or at unit last stride; ``ValueError`` naming what it is otherwise."""
+    contiguous (``contiguous``) or at unit last stride; with ``transposed`` (a 2-D ``out``) also the transpose of a
+    contiguous tensor. ``ValueError`` naming what it is otherwise."""
     layout_ok = out.is_contiguous() if contiguous else out.stride(-1) == 1
+    if transposed and not layout_ok and out.dim() == 2:
+        layout_ok = out.t().is_contiguous()
     if (
         tuple(out.shape) != tuple(shape)
         or not layout_ok
@@ -303,6 +307,7 @@ def check_out(
         or out_dtype not in (None, out.dtype)
     ):
         layout = "contiguous" if contiguous else "with unit last stride"
+        layout += " (or the transpose of a contiguous one)" if transposed else ""
         dtype = f" in {str(out_dtype).removeprefix('torch.')} (out_dtype)" if out_dtype is not None else ""
         raise ValueError(
             f"{op}: out must be a float {list(shape)} tensor {layout} on {device}{dtype}; got {describe(out)}"

@@ -347,6 +347,12 @@ def transposed_matmul_kernel(
     width,
     stride_x,
     stride_y,
+    stride_o1_n,
+    stride_o1_d,
+    stride_o2_n,
+    stride_o2_d,
+    stride_o3_n,
+    stride_o3_d,
     BLOCK_N: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -437,13 +443,18 @@ def transposed_matmul_kernel(
         e, flat, row = e_next, flat_next, row_next
     cols = n0 + col
     n_mask = cols < N
-    out_offsets = cols[None, :].to(tl.int64) * D + d[:, None]  # [BLOCK_D, BLOCK_N]: the outputs are [N, D]
+    # [BLOCK_D, BLOCK_N] of each [N, D] output at its strides: (D, 1) contiguous, (1, N) the transpose of a
+    # row-major [D, N] weight's gradient (its columns then are this tile's unit-stride axis)
+    cols64, d64 = cols[None, :].to(tl.int64), d[:, None].to(tl.int64)
     mask = n_mask[None, :] & d_mask[:, None]
-    tl.store(out_ptr + out_offsets, acc1.to(out_ptr.dtype.element_ty), mask=mask)
+    out1 = out_ptr + cols64 * stride_o1_n + d64 * stride_o1_d
+    tl.store(out1, acc1.to(out_ptr.dtype.element_ty), mask=mask)
     if TWO:
-        tl.store(out2_ptr + out_offsets, acc2.to(out2_ptr.dtype.element_ty), mask=mask)
+        out2 = out2_ptr + cols64 * stride_o2_n + d64 * stride_o2_d
+        tl.store(out2, acc2.to(out2_ptr.dtype.element_ty), mask=mask)
     if THIRD:
-        tl.store(out3_ptr + out_offsets, acc3.to(out3_ptr.dtype.element_ty), mask=mask)
+        out3 = out3_ptr + cols64 * stride_o3_n + d64 * stride_o3_d
+        tl.store(out3, acc3.to(out3_ptr.dtype.element_ty), mask=mask)
     if BIAS:
         if d_program == 0:
             tl.store(sum_ptr + cols, sum1, mask=n_mask)
@@ -499,8 +510,9 @@ def transposed_matmul(
     A, the third last; the column sums [N] fp32 of the A's on x when ``bias``, else None). Deterministic: each
     column's terms are summed in one fixed order. The cost is one gathered row of x (and y) per entry: ``nnz * D``
     elements, against the dense product's ``M * N * D`` multiply-adds. ``out``: the products written into these
-    contiguous [N, D] tensors (any float dtype each, or ``out_dtype`` if given; one per product) instead of new
-    ones."""
+    [N, D] tensors (any float dtype each, or ``out_dtype`` if given; one per product), each contiguous or the
+    transpose of a contiguous [D, N] one (a row-major weight's gradient, written in place rather than copied after),
+    instead of new contiguous ones."""
     if mode not in ("one", "two", "product"):
         raise ValueError(f"transposed_matmul: mode must be 'one', 'two' or 'product'; got {mode!r}")
     x = unit_last_stride(x)
@@ -518,7 +530,7 @@ def transposed_matmul(
         raise ValueError(f"transposed_matmul: out must hold {n_out} tensors, one per product; got {len(out)}")
     else:
         for o in out:
-            check_out("transposed_matmul", o, (N, D), x.device, out_dtype, contiguous=True)
+            check_out("transposed_matmul", o, (N, D), x.device, out_dtype, contiguous=True, transposed=True)
     sums = [torch.zeros(N, dtype=torch.float32, device=x.device) for _ in range(n_x)] if bias else None
     if N == 0 or D == 0:
         return out, sums
@@ -565,6 +577,9 @@ def transposed_matmul(
         csc.width,
         x.stride(0),
         y_like.stride(0),
+        *out[0].stride(),
+        *out[1 if n_x == 2 else 0].stride(),
+        *out[-1].stride(),
         BLOCK_N=block_n,
         BLOCK_E=block_e,
         BLOCK_D=block_d,

@@ -212,7 +212,8 @@ def test_column_prefix_sums_match_torch(device):
 
 def test_products_write_into_given_outputs(device):
     """``out=``: block_sparse_matmul and transposed_matmul write the same products into the caller's tensors (the
-    weight gradients in float32 from fp16 operands: each output's own dtype), and refuse a wrong shape."""
+    weight gradients in float32 from fp16 operands: each output's own dtype; contiguous, or transposed as a row-major
+    weight's gradient is), and refuse a wrong shape or layout."""
     x, wu, wd, bias, pre, f = _factors(40, 24, 100, torch.float16, device, True)
     csc = block_ell_transpose(f.gate, f.column_counts)
     args = (csc, x, f.gate.values, f.up.values)
@@ -226,8 +227,14 @@ def test_products_write_into_given_outputs(device):
         transposed_matmul(*args, mode="two", out=given[:1])
     with pytest.raises(ValueError, match=r"out must be a float \[100, 24\] tensor contiguous .* in float16"):
         transposed_matmul(*args, mode="two", out=given, out_dtype=torch.float16)
-    strided = torch.full((24, 100), float("nan"), device=device).t()  # [100, 24], not contiguous
-    with pytest.raises(ValueError, match="out must be a float .* contiguous"):
+    # [100, 24] as the transpose of a contiguous [24, 100] (a row-major weight's gradient): written in place
+    transposed = [torch.full((24, 100), float("nan"), device=device).t() for _ in range(2)]
+    got, _ = transposed_matmul(*args, mode="two", out=transposed)
+    assert all(g is o for g, o in zip(got, transposed))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    strided = torch.full((100, 48), float("nan"), device=device)[:, ::2]  # [100, 24], neither layout
+    with pytest.raises(ValueError, match=r"out must be a float .* contiguous \(or the transpose of a contiguous"):
         transposed_matmul(*args, mode="two", out=[given[0], strided])
     product = BlockELL(f.up.values, f.gate.indices, f.gate.counts, 100, f.gate.block_rows, f.gate.row_order)
     want = block_sparse_matmul(product, wu)

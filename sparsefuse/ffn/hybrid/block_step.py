@@ -28,7 +28,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..._backend import cdiv, on_tensor_device, plain_eager_call
+from ..._backend import (
+    cdiv,
+    empty_layout_like,
+    new_output,
+    new_output_layout_like,
+    on_tensor_device,
+    plain_eager_call,
+)
 from ..._validation import autocast_off
 from ...sparse import BlockELL
 from ...sparse.block_grad import block_ell_sddmm, block_ell_transpose, transposed_matmul
@@ -188,7 +195,8 @@ def _train_backward_into(
     counts, order, schedule, block_rows, bias_grads, dx_out, dw_out,
 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """:func:`_train_backward`, dx and the weight gradients written into ``dx_out`` [M, K] and ``dw_out`` (dw_gate,
-    dw_up or None, dw_down_t: contiguous, any float dtype) when given (a captured step's static outputs)."""
+    dw_up or None: contiguous; dw_down_t: contiguous or the transpose of a contiguous tensor; any float dtype) when
+    given (a captured step's static outputs), else into new ones (:func:`_weight_grads`)."""
     M, N = x2.shape[0], w_gate.shape[0]
     dy = dy.to(x2.dtype).contiguous()
     chunk = factor_chunk(x2.shape[1], block_rows)  # as the forward's block_sddmm chunked the unions
@@ -208,6 +216,8 @@ def _train_backward_into(
     )
     d_pre_slots = _on_slots(d_pre, indices, counts, order, N, block_rows)
     csc = block_ell_transpose(gate, count_table=count_table)
+    if dw_out is None:
+        dw_out = _weight_grads(x2, w_gate, w_up, w_down_t)
     schedule = schedule if counts.shape[0] > 1 else None
     if w_up is not None:
         d_up_slots = _on_slots(d_up, indices, counts, order, N, block_rows)
@@ -220,7 +230,7 @@ def _train_backward_into(
     else:  # h = relu(pre): one product into dx, the down gradient from the gate's own values
         dx = block_sparse_matmul(d_pre_slots, w_gate, out_dtype=x2.dtype, schedule=schedule, out=dx_out)
         third = (dy, gate_values, None)
-        out = [dw_out[0], dw_out[2]] if dw_out is not None else None
+        out = [dw_out[0], dw_out[2]]
         (dwg, dwd), sums = transposed_matmul(csc, x2, d_pre, mode="one", third=third, bias=bias_grads, out=out)
         dwu = x2.new_empty(0)
     if bias_grads:
@@ -229,6 +239,15 @@ def _train_backward_into(
     else:  # distinct tensors: a custom op's outputs may not alias one another
         biases = [x2.new_empty(0) for _ in range(3)]
     return (dx, dwg, dwu, dwd, *biases)
+
+
+def _weight_grads(x2, w_gate, w_up, w_down_t) -> list[torch.Tensor | None]:
+    """New outputs for the weight gradients (dw_gate, dw_up or None, dw_down_t) in the step's dtype. dw_down_t takes
+    w_down_t's layout, as the fake implementation says: for a row-major w_down [K, N] (``w_down_t = w_down.t()``)
+    the gradient is then written as the weight is laid out, with no transposing copy for autograd to make on its way
+    to the parameter."""
+    grad = lambda w: new_output(w.shape, x2.dtype, x2.device) if w is not None else None  # noqa: E731
+    return [grad(w_gate), grad(w_up), new_output_layout_like(w_down_t, x2.dtype)]
 
 
 block_mlp_train_bwd_op = torch.library.custom_op("sparsefuse::block_mlp_train_bwd", _train_backward, mutates_args=())
@@ -260,7 +279,7 @@ def _(
         torch.empty_like(x2),
         torch.empty_like(w_gate),
         torch.empty_like(w_up) if w_up is not None else x2.new_empty(0),
-        torch.empty_like(w_down_t),
+        empty_layout_like(w_down_t),
         x2.new_empty(N if bias_grads else 0),
         x2.new_empty(N if bias_grads and w_up is not None else 0),
         x2.new_empty(K if bias_grads else 0),

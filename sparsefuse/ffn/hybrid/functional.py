@@ -73,7 +73,8 @@ def hybrid_mlp(
             without the Triton interpreter, take ``"hybrid"``'s torch path for ``"auto"`` and ``"block"``.
         x: [..., K] float32/float16/bfloat16 (float64 for gradient checks); w_gate, w_up: [N, K]; w_down: [K, N]
             (``nn.Linear`` weights, x's dtype; w_down column-major, as :class:`sparsefuse.nn.SparseGatedMLP` stores
-            it, avoids a copy per call).
+            it, saves the two copies of W_down^T a row-major one costs a step; either way its gradient comes in its
+            own layout).
         width: (``"hybrid"``) ELL slots kept per token (the TwELL paper's 128); a token with more non-zeros is
             kept whole in the backup.
         backup_rows: (``"hybrid"``) whole rows kept for such tokens (default ``ceil(M / 8)``); when more overflow,

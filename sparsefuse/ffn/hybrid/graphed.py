@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..._backend import Backend, backend_for, cdiv, new_output, plain_eager_call
+from ..._backend import Backend, backend_for, cdiv, new_output, new_output_layout_like, plain_eager_call
 from ..._validation import autocast_off, unit_last_stride
 from .block_step import _train_backward, _train_backward_into, _train_forward, _train_forward_into
 from .choice import TRAIN_CHOICE, _in_backward
@@ -125,8 +125,9 @@ class _TokenBuffers:
 
 @dataclass(eq=False)
 class _WeightBuffers:
-    """The weights' static gradients (in the weights' dtypes; w_down's as its transpose [N, K]), l1 and its
-    gradient: one set per weight shapes, whatever the token count."""
+    """The weights' static gradients (in the weights' dtypes; w_down's as its transpose [N, K], laid out so that
+    its transpose has w_down's strides), l1 and its gradient: one set per weight shapes and w_down layout, whatever
+    the token count."""
 
     dl1: torch.Tensor
     l1: torch.Tensor
@@ -168,7 +169,9 @@ def _buffers(x2: torch.Tensor, weights: tuple) -> tuple[_TokenBuffers, _WeightBu
     M, N, K_out, dev = x2.shape[0], w_gate.shape[0], w_down.shape[0], x2.device
     # poisoned under test (NaN, -1) like every kernel output: a value a replay fails to write shows
     empty = lambda *shape, dtype: new_output(shape, dtype, dev)  # noqa: E731
-    weight_key = ("weights", dev, tuple((t.dtype, t.shape) if t is not None else None for t in weights))
+    # w_down's strides too: its gradient's buffer takes its layout (as the eager step's, _weight_grads)
+    layouts = tuple((t.dtype, t.shape) if t is not None else None for t in weights) + (w_down.stride(),)
+    weight_key = ("weights", dev, layouts)
     token_key = ("tokens", dev, x2.shape, x2.dtype, K_out, N)
     tokens = _shared(
         token_key,
@@ -186,7 +189,7 @@ def _buffers(x2: torch.Tensor, weights: tuple) -> tuple[_TokenBuffers, _WeightBu
             dl1=empty(dtype=torch.float32),
             l1=empty(dtype=torch.float32),
             dw=[empty(*w.shape, dtype=w.dtype) if w is not None else None for w in (w_gate, w_up)]
-            + [empty(w_down.shape[1], w_down.shape[0], dtype=w_down.dtype)],
+            + [new_output_layout_like(w_down.t())],
             db=[empty(*b.shape, dtype=b.dtype) if b is not None else None for b in (b_gate, b_up, b_down)],
         ),
     )
@@ -372,7 +375,7 @@ class GraphedBlockStep:
             db[0] if has_g else None,
             dw[1],
             db[1] if has_u else None,
-            dw[2].t(),  # w_down's gradient: the transpose of the [N, K] product (w_down column-major: its layout)
+            dw[2].t(),  # w_down's gradient: the transpose of the [N, K] product, in w_down's layout
             db[2] if has_d else None,
         )
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..._backend import on_tensor_device
+from ..._backend import empty_layout_like, on_tensor_device
 from ...sparse import ELL, dense_to_hybrid, sparse_matmul, torch_sparse_matmul
 
 REBUILDS = {"calls": 0, "rebuilt": 0}  # forward calls, and those whose backup had to grow (every layer of this process)
@@ -200,11 +200,13 @@ def hybrid_mlp_bwd_op(
     du = _scatter(du_vals, indices, du_backup, rows, N)
     dpre = _scatter(dpre_vals, indices, dpre_backup, rows, N)
     h = _scatter(g_vals * u_vals, indices, g_backup * u_backup, rows, N)
+    # dW_down^T in w_down_t's layout (the fake's): a row-major w_down's gradient is written as the weight is laid out
+    dwd = torch.mm(h.t(), dy, out=empty_layout_like(w_down_t))
     return (
         dx,
         dpre.t() @ x2,
         du.t() @ x2,
-        h.t() @ dy,
+        dwd,
         dpre.sum(0, dtype=torch.float32).to(x2.dtype),
         du.sum(0, dtype=torch.float32).to(x2.dtype),
         dy.sum(0, dtype=torch.float32).to(x2.dtype),
@@ -218,7 +220,7 @@ def _(dy, dl1, x2, w_gate, w_up, w_down_t, g_vals, u_vals, indices, counts, g_ba
         torch.empty_like(x2),
         torch.empty_like(w_gate),
         torch.empty_like(w_up),
-        torch.empty_like(w_down_t),
+        empty_layout_like(w_down_t),
         x2.new_empty(N),
         x2.new_empty(N),
         x2.new_empty(w_down_t.shape[1]),
