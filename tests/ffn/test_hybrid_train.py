@@ -471,16 +471,22 @@ def test_module_trains_with_either_method_and_reports(train_method, device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout, K, N", [("block", 2048, 5632), ("block", 1024, 3000), ("dense", 2048, 5632)])
-def test_step_on_the_gpu_is_sync_free_capturable_and_close_to_float64(layout, K, N):
+@pytest.mark.parametrize(
+    "layout, K, N, down",
+    [("block", 2048, 5632, "column"), ("block", 1024, 3000, "column"), ("block", 1024, 3000, "row")]
+    + [("dense", 2048, 5632, "column")],
+)
+def test_step_on_the_gpu_is_sync_free_capturable_and_close_to_float64(layout, K, N, down):
     """bf16 at a real layer shape, the block and the dense step: gradients within twice torch's own bf16 error of
     the float64 step (whole-tensor norms), no host sync in forward or backward, and a CUDA-graph replay equal to the
-    eager step."""
+    eager step. ``down="row"``: w_down row-major, its gradient stored by the weight-gradient kernel in that layout
+    (N = 3000: a last column group of 8)."""
     from sparsefuse.testing import assert_norm_close_to_reference
 
     ffn = synthetic_ffn(K, N, dtype=torch.bfloat16, device="cuda", seed=9)
     x = ffn.make_input(2048, 30.0).requires_grad_()
-    leaves = [x] + [w.clone().requires_grad_() for w in (ffn.w_gate, ffn.w_up, ffn.w_down)] + [None] * 3
+    w_down = ffn.w_down.contiguous() if down == "row" else ffn.w_down
+    leaves = [x] + [w.clone().requires_grad_() for w in (ffn.w_gate, ffn.w_up, w_down)] + [None] * 3
     dy = torch.randn(2048, K, device="cuda", dtype=torch.bfloat16)
     coef = torch.tensor(0.5, device="cuda")
 
@@ -501,8 +507,9 @@ def test_step_on_the_gpu_is_sync_free_capturable_and_close_to_float64(layout, K,
     y64, _, g64 = hybrid_step_reference(*leaves[:4], dy, 0.5)
     y_lp, _, grads_lp = _dense_lowp(leaves, dy, 0.5)
     assert_norm_close_to_reference(eager[0], y64, y_lp, name="y")
-    for name, ours, lp in zip(NAMES, eager[1:], grads_lp):
+    for name, ours, lp, leaf in zip(NAMES, eager[1:], grads_lp, leaves):
         assert_norm_close_to_reference(ours, getattr(g64, name), lp, name=f"d{name}")
+        assert layout == "dense" or ours.stride() == leaf.stride(), (name, ours.stride(), leaf.stride())
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up on a side stream before capture, as torch.cuda.graphs asks
