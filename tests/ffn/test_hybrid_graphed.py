@@ -154,6 +154,11 @@ def test_weights_regathered_every_step_replay_copies(device):
     assert len(moves) == 1 and moves[0].filename == __file__  # once, pointing at the caller's line
     # the in-place captures are freed; one capture, of the copied weights, is kept
     assert [key[2] for key in graphed._LAYERS[leaves[1]].steps] == [graphed._COPIED]
+    # the row-major w_down is copied in column-major (the copy-in transposes it: the graphs do not), and its
+    # gradient still comes in its own layout
+    (step,) = graphed._LAYERS[leaves[1]].steps.values()
+    assert leaves[3].is_contiguous() and step.copies.tensors[4].t().is_contiguous()
+    assert grads[3].stride() == leaves[3].stride()
     out, grads = _grads(kept[0], dy, 0.0, cuda_graph=True)  # weights seen before: still copied, same capture
     _check(kept[0], dy, 0.0, out, grads)
     assert captures() == start + 3 and graphed.GRAPH_EVENTS["copied replay"] == copied + 3
@@ -181,7 +186,10 @@ def test_two_layers_share_the_weight_copies_and_each_replay_fills_them(device, m
         leaves = _leaves(M, K, N, torch.float32, device, True, seed=seed)
         _moved_until_copied(leaves, dy, kept)
         layers.append(kept[-1])
-    assert len(graphed._weight_copies(tuple(layers[0][1:])).tensors) == 6  # one shared set for both layers
+    # one shared set of copies for both layers (the weights in the step's order: w_gate, b_gate, w_up, b_up, ...)
+    shared = [next(iter(graphed._LAYERS[layer[1]].steps.values())).copies for layer in layers]
+    _x, wg, wu, wd, bg, bu, bd = layers[0]
+    assert shared[0] is shared[1] is graphed._weight_copies((wg, bg, wu, bu, wd, bd))
 
     def chain(**kw):
         h = layers[0][0]

@@ -157,11 +157,17 @@ def _shared(key: tuple, make: Callable[[], object]):
 
 
 def _weight_copies(weights: tuple) -> _WeightCopies:
-    """The shared static copies for weights of these shapes, dtypes and strides (allocated on first use)."""
+    """The shared static copies for weights of these shapes, dtypes and strides (allocated on first use). w_down's
+    copy is column-major whatever the caller's layout: the step reads rows of W_down^T, so a row-major w_down
+    (FSDP2's) is transposed once by the copy-in rather than once in each graph."""
     dev = next(t for t in weights if t is not None).device
     key = ("weight copies", dev, tuple((t.dtype, t.shape, t.stride()) if t is not None else None for t in weights))
     empty = lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=dev)  # noqa: E731
-    return _shared(key, lambda: _WeightCopies(tuple(empty(t) if t is not None else None for t in weights)))
+    column_major = lambda t: torch.empty(t.shape[1], t.shape[0], dtype=t.dtype, device=dev).t()  # noqa: E731
+    makers = [empty] * 4 + [column_major, empty]
+    return _shared(
+        key, lambda: _WeightCopies(tuple(make(t) if t is not None else None for make, t in zip(makers, weights)))
+    )
 
 
 def _buffers(x2: torch.Tensor, weights: tuple) -> tuple[_TokenBuffers, _WeightBuffers]:
