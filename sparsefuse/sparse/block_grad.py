@@ -447,14 +447,11 @@ def transposed_matmul_kernel(
     # row-major [D, N] weight's gradient (its columns then are this tile's unit-stride axis)
     cols64, d64 = cols[None, :].to(tl.int64), d[:, None].to(tl.int64)
     mask = n_mask[None, :] & d_mask[:, None]
-    out1 = out_ptr + cols64 * stride_o1_n + d64 * stride_o1_d
-    tl.store(out1, acc1.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + cols64 * stride_o1_n + d64 * stride_o1_d, acc1.to(out_ptr.dtype.element_ty), mask=mask)
     if TWO:
-        out2 = out2_ptr + cols64 * stride_o2_n + d64 * stride_o2_d
-        tl.store(out2, acc2.to(out2_ptr.dtype.element_ty), mask=mask)
+        tl.store(out2_ptr + cols64 * stride_o2_n + d64 * stride_o2_d, acc2.to(out2_ptr.dtype.element_ty), mask=mask)
     if THIRD:
-        out3 = out3_ptr + cols64 * stride_o3_n + d64 * stride_o3_d
-        tl.store(out3, acc3.to(out3_ptr.dtype.element_ty), mask=mask)
+        tl.store(out3_ptr + cols64 * stride_o3_n + d64 * stride_o3_d, acc3.to(out3_ptr.dtype.element_ty), mask=mask)
     if BIAS:
         if d_program == 0:
             tl.store(sum_ptr + cols, sum1, mask=n_mask)
