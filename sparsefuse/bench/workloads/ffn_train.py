@@ -22,6 +22,8 @@ and the gradients of x and the three weights with ``torch.autograd.grad``. Rows 
                         graphs at any size (the host's launches and Python out of the way; captured on the first
                         calls)
 * ``ELL nnz=30``        ``layout="hybrid"``: the TwELL paper's ELL + dense-backup format (one host sync per call)
+* ``row-major nnz=30``  ``sparse nnz=30`` with w_down row-major, as an ``nn.Linear`` holds it (FSDP2's layout): what
+                        the step's two copies of W_down^T cost a user who did not re-lay it out
 
 ``flops`` is the dense step's ``18 M K N`` for every row (TFLOP/s of a sparse row is dense-equivalent); the
 ``peak MB`` column is each call's allocator high-water mark above what was allocated before it: with no activation
@@ -67,8 +69,13 @@ def _case(K: int, N: int, M: int, dtype: torch.dtype, device: str) -> Case:
         # the rows at 45% firing get their own copy of the weights: auto's choice follows each gate weight's
         # firing, as in training, where a weight sees about the same sparsity from one step to the next
         half_weights = [w.detach().clone().requires_grad_() for w in weights]
+        # the row-major row's own weights too (its captures and choice are kept per gate weight), w_down laid out
+        # as nn.Linear holds [K, N]
+        row_weights = [w.detach().clone().requires_grad_() for w in weights[:2]]
+        row_weights.append(weights[2].detach().contiguous().requires_grad_())
         dy = torch.randn(M, K, device=device, dtype=dtype)
-        inputs = (x30, x_half, *weights, dy, torch.tensor(L1_COEFFICIENT, device=device), *half_weights)
+        coefficient = torch.tensor(L1_COEFFICIENT, device=device)
+        inputs = (x30, x_half, *weights, dy, coefficient, *half_weights, *row_weights)
         last.clear()
         last["inputs"] = inputs
         return inputs
@@ -83,7 +90,8 @@ def _case(K: int, N: int, M: int, dtype: torch.dtype, device: str) -> Case:
         "queued nnz=30": lambda x30, xh, wg, wu, wd, *rest: hybrid_mlp(x30, wg, wu, wd, cuda_graph=False).y,
         "graphed nnz=30": lambda x30, xh, wg, wu, wd, *rest: hybrid_mlp(x30, wg, wu, wd, cuda_graph=True).y,
         "ELL nnz=30": lambda x30, xh, wg, wu, wd, *rest: hybrid_mlp(x30, wg, wu, wd, layout="hybrid").y,
-        "sparse nnz=half": lambda x30, xh, wg, wu, wd, dy, c, *h: hybrid_mlp(xh, *h, layout="auto").y,
+        "sparse nnz=half": lambda x30, xh, wg, wu, wd, dy, c, *h: hybrid_mlp(xh, *h[:3], layout="auto").y,
+        "row-major nnz=30": lambda x30, xh, wg, wu, wd, dy, c, *h: hybrid_mlp(x30, *h[3:], layout="auto").y,
     }
 
     def kept_note(impl: str) -> str:
@@ -101,7 +109,8 @@ def _case(K: int, N: int, M: int, dtype: torch.dtype, device: str) -> Case:
         "queued nnz=30": lambda x30, xh, wg, wu, wd, dy, c, *h: _sparse_step(x30, wg, wu, wd, dy, c, "auto", False),
         "graphed nnz=30": lambda x30, xh, wg, wu, wd, dy, c, *h: _sparse_step(x30, wg, wu, wd, dy, c, "auto", True),
         "ELL nnz=30": lambda x30, xh, wg, wu, wd, dy, c, *h: _sparse_step(x30, wg, wu, wd, dy, c, "hybrid"),
-        "sparse nnz=half": lambda x30, xh, wg, wu, wd, dy, c, *h: _sparse_step(xh, *h, dy, c, "auto"),
+        "sparse nnz=half": lambda x30, xh, wg, wu, wd, dy, c, *h: _sparse_step(xh, *h[:3], dy, c, "auto"),
+        "row-major nnz=30": lambda x30, xh, wg, wu, wd, dy, c, *h: _sparse_step(x30, *h[3:], dy, c, "auto"),
     }
     return Case(
         workload="ffn_train",
