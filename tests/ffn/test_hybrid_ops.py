@@ -51,15 +51,19 @@ def test_block_step_ops_pass_opcheck(gated, capacity, down, device):
 
 @pytest.mark.parametrize("down", ["column", "row"])
 def test_hybrid_format_backward_op_passes_opcheck(down, device):
-    """The paper's format's backward op: its weight gradients as its fake says (dW_down^T in w_down_t's layout)."""
+    """The paper's format's backward op: its weight gradients as its fake says, each in its weight's layout (with
+    ``down="row"`` also a transposed w_gate)."""
     M, K, N, width = 24, 16, 40, 6
     g = torch.Generator().manual_seed(4)
     x = torch.randn(M, K, generator=g).to(device)
     wg, wu = ((torch.randn(N, K, generator=g) / K**0.5).to(device) for _ in range(2))
+    if down == "row":
+        wg = wg.t().contiguous().t()
     wd = _w_down_t(N, K, down, g).to(device)
     out = hybrid_mlp_fwd_op(x, wg, None, wu, None, wd, None, width, 2)
     saved = out[2:9]
     dy, dl1 = torch.randn(M, K, generator=g).to(device), torch.tensor(0.5, device=device)
     args = (dy, dl1, x, wg, wu, wd, *saved)
     torch.library.opcheck(hybrid_mlp_bwd_op, args, test_utils=("test_schema", "test_faketensor"))
-    assert hybrid_mlp_bwd_op(*args)[3].stride() == wd.stride()
+    grads = hybrid_mlp_bwd_op(*args)
+    assert [t.stride() for t in grads[1:4]] == [wg.stride(), wu.stride(), wd.stride()]

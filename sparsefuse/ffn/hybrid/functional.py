@@ -204,8 +204,9 @@ def _train_step(
         )
         TRAIN_CHOICE.observe(gate, counts)
         return HybridMLPOutput(y.reshape(out_shape), l1, counts, neuron_counts)
+    # weight rows at unit stride, as for the block step (the op's fake gives dW_gate, dW_up their weights' layouts)
     y, l1, *_, counts, _, _, _, neuron_counts = hybrid_mlp_fwd_op(
-        x2, w_gate, b_gate, unit_last_stride(w_up), b_up, w_down.t(), b_down, width, backup_rows
+        x2, unit_last_stride(w_gate), b_gate, unit_last_stride(w_up), b_up, w_down.t(), b_down, width, backup_rows
     )
     return HybridMLPOutput(y.reshape(out_shape), l1, counts, neuron_counts)
 

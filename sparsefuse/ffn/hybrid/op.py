@@ -200,13 +200,13 @@ def hybrid_mlp_bwd_op(
     du = _scatter(du_vals, indices, du_backup, rows, N)
     dpre = _scatter(dpre_vals, indices, dpre_backup, rows, N)
     h = _scatter(g_vals * u_vals, indices, g_backup * u_backup, rows, N)
-    # dW_down^T in w_down_t's layout (the fake's): a row-major w_down's gradient is written as the weight is laid out
-    dwd = torch.mm(h.t(), dy, out=empty_layout_like(w_down_t))
+    # each weight's gradient in that weight's layout, as the fake says (a row-major w_down's, w_down_t = w_down.t(),
+    # is then written as the weight is laid out)
     return (
         dx,
-        dpre.t() @ x2,
-        du.t() @ x2,
-        dwd,
+        torch.mm(dpre.t(), x2, out=empty_layout_like(w_gate)),
+        torch.mm(du.t(), x2, out=empty_layout_like(w_up)),
+        torch.mm(h.t(), dy, out=empty_layout_like(w_down_t)),
         dpre.sum(0, dtype=torch.float32).to(x2.dtype),
         du.sum(0, dtype=torch.float32).to(x2.dtype),
         dy.sum(0, dtype=torch.float32).to(x2.dtype),
@@ -218,8 +218,8 @@ def _(dy, dl1, x2, w_gate, w_up, w_down_t, g_vals, u_vals, indices, counts, g_ba
     N, K = w_gate.shape
     return (
         torch.empty_like(x2),
-        torch.empty_like(w_gate),
-        torch.empty_like(w_up),
+        empty_layout_like(w_gate),
+        empty_layout_like(w_up),
         empty_layout_like(w_down_t),
         x2.new_empty(N),
         x2.new_empty(N),
