@@ -117,6 +117,56 @@ def sampled_dot_dense_pattern(
 
 
 @kernel
+def sampled_dot_rows_kernel(
+    indices_ptr,
+    a_ptr,
+    b_ptr,
+    out_ptr,
+    k,
+    D,
+    stride_idx,
+    stride_a,
+    stride_b,
+    stride_out,
+    BLOCK_J: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # indices [M, k] (rows of b), a [M, D], b [N, D]; out [M, k]: a[m] . b[indices[m, j]]. Grid (M, k blocks).
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)
+    j_mask = j < k
+    cols = tl.load(indices_ptr + row * stride_idx + j, mask=j_mask, other=0)
+    acc = row_dots(a_ptr + row * stride_a, b_ptr, cols, j_mask, D, stride_b, 1, BLOCK_J, BLOCK_D)
+    tl.store(out_ptr + row * stride_out + j, acc.to(out_ptr.dtype.element_ty), mask=j_mask)
+
+
+def sampled_dot_rows(
+    indices: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """[M, k]: ``a[m] . b[indices[m, j]]`` (fp32 accumulation) for indices [M, k] (int32/int64, in [0, N): not
+    checked), a [M, D], b [N, D] -- the sampled product on a fixed-width pattern such as a TopK SAE's (its decode's
+    gradient w.r.t. the activations). One read of a row of b per entry; no host sync."""
+    a, b = unit_last_stride(a), unit_last_stride(b)
+    indices = unit_last_stride(indices)
+    (M, k), D = indices.shape, a.shape[1]
+    out = new_output((M, k), out_dtype or a.dtype, a.device)
+    if M == 0 or k == 0:
+        return out
+    if D == 0:
+        return out.zero_()
+    if backend_for(a) is Backend.TORCH:
+        _backend.warn_reference_once("sampled_dot_rows")
+        return (b.double()[indices.long()] @ a.double()[:, :, None]).squeeze(-1).to(out.dtype)
+    block_j, block_d = (16, 32) if _backend.INTERPRET else (16, min(256, max(32, next_power_of_2(D))))
+    sampled_dot_rows_kernel[(M, cdiv(k, block_j))](
+        indices, a, b, out, k, D, indices.stride(0), a.stride(0), b.stride(0), out.stride(0),
+        BLOCK_J=block_j, BLOCK_D=block_d,
+    )  # fmt: skip
+    record_launch("sampled_dot_rows_kernel")
+    return out
+
+
+@kernel
 def block_sddmm_kernel(
     scale_ptr,
     indices_ptr,

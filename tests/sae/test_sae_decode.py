@@ -138,6 +138,67 @@ def test_topk_decode(device):
         topk_decode(idx.float(), vals, w)
 
 
+def _topk_inputs(M, k, F, D, dtype, device, seed=0, hot=()):
+    """TopK ids (distinct per token; every token also picks each feature in ``hot``), their activations, W_dec."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.stack([torch.randperm(F, generator=g)[:k] for _ in range(M)]) if M else torch.zeros(0, k).long()
+    for j, f in enumerate(hot):
+        idx[idx == f] = idx[:, j].unsqueeze(1).expand_as(idx)[idx == f]  # f out of the other slots ...
+        idx[:, j] = f  # ... and into slot j of every token
+    vals = torch.rand(M, k, generator=g) + 0.1
+    w = torch.randn(F, D, generator=g) / 4
+    return idx.to(device), vals.to(dtype).to(device), w.to(dtype).to(device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "M, k, F, D, hot",
+    [(7, 12, 500, 40, ()), (1, 3, 64, 33, ()), (40, 8, 300, 24, (5,)), (0, 4, 64, 8, ()), (5, 0, 64, 8, ())],
+)
+def test_topk_decode_gradients_match_the_dense_products(M, k, F, D, hot, dtype, device):
+    """Forward and backward against the float64 dense product of the scattered activations: grad_acts on the
+    TopK slots (one decoder row a slot), W_dec's gradient by feature (``hot``: a feature every token picked, a long
+    row of the transposed activations, spread over the GPU), with the kernels that run and no dense [M, d_sae]."""
+    idx, vals, w = _topk_inputs(M, k, F, D, dtype, device, hot=hot)
+    vals.requires_grad_()
+    w.requires_grad_()
+    grad_out = (torch.randn(M, D) / 2).to(dtype).to(device)
+    with track_launches() as launched:
+        out = topk_decode(idx, vals, w)
+        g_vals, g_w = torch.autograd.grad(out, (vals, w), grad_out)
+    if M and k:
+        assert launched["gather_accumulate_kernel"] >= 2 and launched["sampled_dot_rows_kernel"] == 1, launched
+    dense = torch.zeros(M, F, dtype=torch.float64, device=device).scatter_(1, idx, vals.detach().double())
+    go, w64 = grad_out.double(), w.detach().double()
+    assert_close_to_reference(out, dense @ w64, dtype=dtype, extra_abs=accumulation_allowance(dense, w64))
+    assert_close_to_reference(
+        g_vals, (go @ w64.t()).gather(1, idx), dtype=dtype, extra_abs=accumulation_allowance(go, w64.t()).gather(1, idx)
+    )
+    assert_close_to_reference(g_w, dense.t() @ go, dtype=dtype, extra_abs=accumulation_allowance(dense.t(), go))
+    assert g_vals.shape == vals.shape and g_w.shape == w.shape
+
+
+def test_topk_decode_ops_pass_opcheck_and_compile(device):
+    """The forward and backward ops' schemas, fakes and autograd registration; fullgraph compile (the range check
+    off: it reads the ids back) gives the eager results bit for bit. (The gradients' values against float64: above;
+    the kernels take no float64 for gradcheck.)"""
+    from sparsefuse.sae.decode.op import topk_decode_backward_op, topk_decode_op
+
+    idx, vals, w = _topk_inputs(6, 5, 80, 12, torch.float32, device, seed=3, hot=(7,))
+    idx32 = idx.to(torch.int32)
+    torch.library.opcheck(topk_decode_op, (idx32, vals.requires_grad_(), w.requires_grad_(), torch.float32))
+    grad_out = torch.randn(6, 12, device=device)
+    torch.library.opcheck(topk_decode_backward_op, (grad_out, idx32, vals.detach(), w.detach(), True, True))
+    backend = "inductor" if device.type == "cuda" else "aot_eager"
+    fn = torch.compile(lambda i, v, b: topk_decode(i, v, b, check_indices=False), fullgraph=True, backend=backend)
+    out = fn(idx, vals, w)
+    grads = torch.autograd.grad(out, (vals, w), grad_out)
+    eager = topk_decode(idx, vals, w)
+    assert torch.equal(out, eager)
+    for a, b in zip(grads, torch.autograd.grad(eager, (vals, w), grad_out)):
+        assert torch.equal(a, b)
+
+
 def test_bad_inputs(device):
     acts, w = torch.randn(2, 64, device=device), torch.randn(64, 8, device=device)
     with pytest.raises(ValueError, match=r"disagree on d_sae.*\[2, 63\]"):

@@ -36,9 +36,8 @@ import torch
 
 from ... import _backend
 from ..._validation import autocast_operands, check_index_range, check_sparse_decode, check_topk_decode, flat_rows
-from ...sparse import ELL, sparse_matmul
 from . import auto
-from .op import decode_forward, sparse_decode_op
+from .op import decode_forward, sparse_decode_op, topk_decode_forward, topk_decode_op
 
 METHODS = ("auto", "scan", "fixed", "exact", "dense")
 FIXED_SCAN_ROWS = 256  # tokens up to which method="fixed" (no validate) may run the scan: auto.few_rows_fixed_method
@@ -93,23 +92,22 @@ def topk_decode(
     """TopK SAE decode: ``sum_j top_acts[..., j] * W_dec[top_indices[..., j]]`` -> [..., d_model] (top_acts and
     W_dec of one dtype, or under ``torch.autocast``, as for :func:`sparse_decode`).
 
-    top_indices: [..., k] integer feature ids in [0, d_sae); top_acts: [..., k] floating. Forward only for now.
-    Indices are range-checked (one host sync) -- an out-of-range id would read outside W_dec; pass
-    ``check_indices=False`` for ids that are in range by construction (``topk_encode``'s), e.g. inside a CUDA graph."""
+    top_indices: [..., k] integer feature ids in [0, d_sae); top_acts: [..., k] floating. Differentiable in top_acts
+    and W_dec, without a host sync: ``grad_acts[..., j] = grad_out . W_dec[id]`` (one decoder row read per entry)
+    and W_dec's gradient row by row over the tokens that picked each feature (no dense [tokens, d_sae] tensor; a
+    feature that many tokens picked is spread over the GPU). Indices are range-checked (one host sync) -- an
+    out-of-range id would read outside W_dec; pass ``check_indices=False`` for ids that are in range by construction
+    (``topk_encode``'s), e.g. inside a CUDA graph or under ``torch.compile``, which cannot trace the check."""
     op = "topk_decode"
     top_acts, W_dec = autocast_operands(top_acts, W_dec)
     check_topk_decode(op, top_indices, top_acts, W_dec)
-    d_sae = W_dec.shape[0]
     if check_indices:
-        check_index_range(op, top_indices, d_sae)
-    k = top_acts.shape[-1]
-    values = flat_rows(top_acts)
-    M = values.shape[0]
-    ell = ELL(
-        values.contiguous(),
-        flat_rows(top_indices).to(torch.int32).contiguous(),
-        torch.full((M,), k, dtype=torch.int32, device=values.device),
-        d_sae,
-    )
-    out = sparse_matmul(ell, W_dec, out_dtype=torch.promote_types(top_acts.dtype, W_dec.dtype))
+        check_index_range(op, top_indices, W_dec.shape[0])
+    values = flat_rows(top_acts).contiguous()
+    indices = flat_rows(top_indices).to(torch.int32).contiguous()
+    out_dtype = torch.promote_types(top_acts.dtype, W_dec.dtype)
+    if _backend.bypass_dispatcher(values, W_dec):  # no autograd, tracing or mode: the op's dispatch adds host time
+        out = topk_decode_forward(indices, values, W_dec, out_dtype)
+    else:
+        out = topk_decode_op(indices, values, W_dec, out_dtype)
     return out.reshape(*top_acts.shape[:-1], W_dec.shape[1])

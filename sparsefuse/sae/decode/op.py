@@ -1,5 +1,6 @@
-"""``sparsefuse::sparse_decode`` and its backward as custom ops (fake impls, autograd). Each method is a call of
-the shared sparse core (:mod:`sparsefuse.sparse`): the decode has no kernels of its own.
+"""``sparsefuse::sparse_decode``, ``sparsefuse::topk_decode`` and their backwards as custom ops (fake impls,
+autograd). Each method is a call of the shared sparse core (:mod:`sparsefuse.sparse`): the decode has no kernels of
+its own.
 
 Backward, without a host sync: the gradient for W_dec is ``feature_acts^T @ grad_out`` computed by the same
 skip-zeros kernel on the transposed activations (d_sae rows fill the GPU, so no split and no float atomics, unless
@@ -14,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from ..._backend import on_tensor_device
-from ...sparse import dense_to_csr, dense_to_ell, matmul_skip_zeros, sparse_matmul
-from ...sparse.sddmm import sampled_dot_dense_pattern
+from ...sparse import CSR, ELL, dense_to_csr, dense_to_ell, matmul_skip_zeros, sparse_matmul
+from ...sparse.sddmm import sampled_dot_dense_pattern, sampled_dot_rows
 
 
 def decode_forward(
@@ -103,3 +104,79 @@ def _decode_backward(ctx, grad_out):
 
 
 sparse_decode_op.register_autograd(_decode_backward, setup_context=_decode_setup)
+
+
+def topk_decode_forward(top_indices: torch.Tensor, top_acts: torch.Tensor, W_dec: torch.Tensor, out_dtype: torch.dtype):
+    """The TopK decode's forward, also called directly for a plain eager call: top_indices [M, k] int32 and top_acts
+    [M, k], both contiguous -> [M, d_model], ``sum_j top_acts[m, j] W_dec[top_indices[m, j]]``."""
+    M, k = top_acts.shape
+    counts = torch.full((M,), k, dtype=torch.int32, device=top_acts.device)
+    return sparse_matmul(ELL(top_acts, top_indices, counts, W_dec.shape[0]), W_dec, out_dtype=out_dtype)
+
+
+@torch.library.custom_op("sparsefuse::topk_decode", mutates_args=())
+@on_tensor_device
+def topk_decode_op(
+    top_indices: torch.Tensor, top_acts: torch.Tensor, W_dec: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    return topk_decode_forward(top_indices, top_acts, W_dec, out_dtype)
+
+
+@topk_decode_op.register_fake
+def _(top_indices, top_acts, W_dec, out_dtype):
+    return top_acts.new_empty((top_acts.shape[0], W_dec.shape[1]), dtype=out_dtype)
+
+
+def _features_by_row(top_indices: torch.Tensor, top_acts: torch.Tensor, d_sae: int) -> CSR:
+    """The TopK activations transposed, [d_sae, M] as CSR: feature f's entries are the tokens that picked it, in
+    token order (a stable sort of the flat ids; row offsets by binary search, so no host sync and no atomics)."""
+    M, k = top_acts.shape
+    flat = top_indices.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    offsets = torch.searchsorted(flat[order], torch.arange(d_sae + 1, device=flat.device))
+    tokens = torch.div(order, k, rounding_mode="floor").to(torch.int32)
+    return CSR(top_acts.reshape(-1)[order].contiguous(), tokens, offsets, M)
+
+
+@torch.library.custom_op("sparsefuse::topk_decode_backward", mutates_args=())
+@on_tensor_device
+def topk_decode_backward_op(
+    grad_out: torch.Tensor,
+    top_indices: torch.Tensor,
+    top_acts: torch.Tensor,
+    W_dec: torch.Tensor,
+    need_acts: bool,
+    need_weight: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # grad_acts [M, k] = grad_out[m] . W_dec[id]; grad_weight [d_sae, d_model] = acts^T grad_out, by feature: each
+    # row of it gathers the grad_out rows of the tokens that picked that feature (a feature every token picked is a
+    # long row, spread over the GPU by the gather's second launch)
+    grad_acts = sampled_dot_rows(top_indices, grad_out, W_dec, top_acts.dtype) if need_acts else top_acts.new_zeros(0)
+    grad_weight = W_dec.new_zeros(0)
+    if need_weight:
+        by_feature = _features_by_row(top_indices, top_acts, W_dec.shape[0])
+        grad_weight = sparse_matmul(by_feature, grad_out, out_dtype=W_dec.dtype, spread_long_rows=True)
+    return grad_acts, grad_weight
+
+
+@topk_decode_backward_op.register_fake
+def _(grad_out, top_indices, top_acts, W_dec, need_acts, need_weight):
+    return (
+        top_acts.new_empty(top_acts.shape if need_acts else (0,)),
+        W_dec.new_empty(W_dec.shape if need_weight else (0,)),
+    )
+
+
+def _topk_setup(ctx, inputs, output) -> None:
+    top_indices, top_acts, W_dec, _ = inputs
+    ctx.save_for_backward(top_indices, top_acts, W_dec)
+
+
+def _topk_backward(ctx, grad_out):
+    top_indices, top_acts, W_dec = ctx.saved_tensors
+    need_acts, need_weight = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+    grad_acts, grad_weight = topk_decode_backward_op(grad_out, top_indices, top_acts, W_dec, need_acts, need_weight)
+    return None, (grad_acts if need_acts else None), (grad_weight if need_weight else None), None
+
+
+topk_decode_op.register_autograd(_topk_backward, setup_context=_topk_setup)
