@@ -203,7 +203,10 @@ def _exercise_ops(dtype: torch.dtype, ffn: bool) -> None:
     # interpreter walks slowly)
     grad_acts = _sparse_rows(3, 200, [3, 40, 0], dtype).requires_grad_()
     sparsefuse.sparse_decode(grad_acts, r(200, 40, scale=0.1, grad=True), method="scan").float().sum().backward()
-    sparsefuse.topk_decode(torch.randint(0, 256, (4, 8)), r(4, 8), r(256, 40))
+    # TopK decode forward and backward (the slots' sampled dots; W_dec's gradient by feature)
+    sparsefuse.topk_decode(
+        torch.randint(0, 256, (4, 8)), r(4, 8, grad=True), r(256, 40, grad=True)
+    ).float().sum().backward()
     xe, w_enc, b_enc = r(4, 64), r(64, 256, scale=0.1), r(256, scale=0.1)
     sparsefuse.jumprelu_encode(xe, w_enc, b_enc, torch.full((256,), 0.1, dtype=dtype), b_dec=r(64))
     sparsefuse.topk_encode(xe, w_enc, b_enc, 8)
