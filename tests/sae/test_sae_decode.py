@@ -199,6 +199,33 @@ def test_topk_decode_ops_pass_opcheck_and_compile(device):
         assert torch.equal(a, b)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_topk_decode_backward_on_the_gpu_at_an_sae_shape(dtype):
+    """k=64 of 65536 features, d_model 2304, 2048 tokens (two features every token picks): the gradients within
+    twice torch's own error (the dense products in that dtype) of float64, whole-tensor norms, without a host sync."""
+    from sparsefuse.testing import assert_norm_close_to_reference
+
+    idx, vals, w = _topk_inputs(2048, 64, 65536, 2304, dtype, "cuda", seed=5, hot=(11, 40000))
+    vals.requires_grad_()
+    w.requires_grad_()
+    grad_out = torch.randn(2048, 2304, device="cuda", dtype=dtype)
+    topk_decode(idx, vals, w, check_indices=False)  # compiles the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = topk_decode(idx, vals, w, check_indices=False)
+        g_vals, g_w = torch.autograd.grad(out, (vals, w), grad_out)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    dense = torch.zeros(2048, 65536, device="cuda", dtype=dtype).scatter_(1, idx, vals.detach())
+    d64, go64, w64 = dense.double(), grad_out.double(), w.detach().double()
+    assert_norm_close_to_reference(out, d64 @ w64, dense @ w.detach(), name="out")
+    lowp_acts = (grad_out @ w.detach().t()).gather(1, idx)
+    assert_norm_close_to_reference(g_vals, (go64 @ w64.t()).gather(1, idx), lowp_acts, name="grad_acts")
+    assert_norm_close_to_reference(g_w, d64.t() @ go64, dense.t() @ grad_out, name="grad_W_dec")
+
+
 def test_bad_inputs(device):
     acts, w = torch.randn(2, 64, device=device), torch.randn(64, 8, device=device)
     with pytest.raises(ValueError, match=r"disagree on d_sae.*\[2, 63\]"):
