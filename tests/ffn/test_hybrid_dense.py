@@ -109,10 +109,12 @@ def test_fused_backward_with_one_output_in_the_loss(which, gated, device):
         _assert_rounded_once(grads[1], g * gate64, torch.float32, name="d_up")
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_fused_ops_pass_opcheck(dtype, device):
+def test_fused_ops_pass_opcheck(dtype, layout, device):
     """Schema, fake tensors, autograd registration and AOT dispatch of the four ops (the backward ops with and
-    without the L1 gradient)."""
+    without the L1 gradient); ``transposed``: every [M, N] input the transpose of a contiguous tensor (the outputs
+    stay contiguous, as the fakes say)."""
     from sparsefuse.ffn.hybrid.dense import (
         relu_l1_backward_op,
         relu_l1_op,
@@ -121,6 +123,8 @@ def test_fused_ops_pass_opcheck(dtype, device):
     )
 
     pre, up, grad_h = _fused_inputs(10, 40, dtype, device, seed=22)
+    if layout == "transposed":
+        pre, up, grad_h = (t.t().contiguous().t() for t in (pre, up, grad_h))
     torch.library.opcheck(relu_mul_l1_op, (pre.requires_grad_(), up.requires_grad_()))
     torch.library.opcheck(relu_l1_op, (pre,))
     pre, up = pre.detach(), up.detach()

@@ -48,6 +48,11 @@ def _gated_forward(
     return gate, h, l1, token_counts, neuron_counts
 
 
+def _contiguous_like(t: torch.Tensor) -> torch.Tensor:
+    """A fake's [M, N] output: contiguous whatever ``t``'s strides, as the implementations write them."""
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+
+
 relu_mul_l1_op = torch.library.custom_op("sparsefuse::relu_mul_l1", _gated_forward, mutates_args=())
 
 
@@ -56,7 +61,7 @@ def _(pre, up):
     M, N = pre.shape
     counts = lambda n: torch.empty(n, dtype=torch.int32, device=pre.device)  # noqa: E731
     l1 = torch.empty((), dtype=l1_dtype(pre.dtype), device=pre.device)
-    return torch.empty_like(pre), torch.empty_like(pre), l1, counts(M), counts(N)
+    return _contiguous_like(pre), _contiguous_like(pre), l1, counts(M), counts(N)
 
 
 @on_tensor_device
@@ -74,7 +79,7 @@ relu_mul_l1_backward_op = torch.library.custom_op("sparsefuse::relu_mul_l1_backw
 
 @relu_mul_l1_backward_op.register_fake
 def _(grad_h, grad_l1, gate, up):
-    return torch.empty_like(gate), torch.empty_like(gate)
+    return _contiguous_like(gate), _contiguous_like(gate)
 
 
 def _gated_setup(ctx, inputs, output) -> None:
@@ -118,7 +123,7 @@ relu_l1_op = torch.library.custom_op("sparsefuse::relu_l1", _relu_forward, mutat
 def _(pre):
     M, N = pre.shape
     counts = lambda n: torch.empty(n, dtype=torch.int32, device=pre.device)  # noqa: E731
-    return torch.empty_like(pre), torch.empty((), dtype=l1_dtype(pre.dtype), device=pre.device), counts(M), counts(N)
+    return _contiguous_like(pre), torch.empty((), dtype=l1_dtype(pre.dtype), device=pre.device), counts(M), counts(N)
 
 
 @on_tensor_device
@@ -133,7 +138,7 @@ relu_l1_backward_op = torch.library.custom_op("sparsefuse::relu_l1_backward", _r
 
 @relu_l1_backward_op.register_fake
 def _(h, grad_h, grad_l1):
-    return torch.empty_like(h)
+    return _contiguous_like(h)
 
 
 def _relu_setup(ctx, inputs, output) -> None:

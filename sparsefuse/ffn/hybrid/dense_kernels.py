@@ -161,10 +161,10 @@ def relu_mul_stats(
     (None without up), l1 = sum(h_gate) / (M * N) (0-dim fp32; float64 for float64 pre), fired count per row [M] and
     per column [N] (int32)). New tensors throughout (a custom op's outputs alias neither inputs nor each other)."""
     M, N = pre.shape
+    pre = pre.contiguous()  # on either path: the outputs are then contiguous, as the ops' fakes say
+    up = up.contiguous() if up is not None else None
     if _exact_torch(pre):
         return _torch_stats(pre, up)
-    pre = pre.contiguous()
-    up = up.contiguous() if up is not None else None
     rows, block_c, per_program, groups = _forward_grid(M, N, pre.element_size(), pre.device)
     strips = cdiv(N, block_c)
     gate = new_output((M, N), pre.dtype, pre.device)
@@ -214,12 +214,12 @@ def relu_mul_backward(
     h_gate's), grad_l1 0-dim (None: the loss has no L1 term), gate = h_gate and up [M, N] as the forward returned and
     took them (up None: non-gated). Returns d_pre = (grad_h * up + grad_l1 / (M * N)) where gate != 0 (fired, NaN
     included), else 0, and d_up = grad_h * gate (None without up), [M, N] each."""
+    grad_h = grad_h.to(gate.dtype).contiguous()  # on either path, as in the forward
+    gate = gate.contiguous()
+    up = up.contiguous() if up is not None else None
     if _exact_torch(gate):
         return _torch_backward(grad_h, grad_l1, gate, up)
     n = gate.numel()
-    grad_h = grad_h.to(gate.dtype).contiguous()
-    gate = gate.contiguous()
-    up = up.contiguous() if up is not None else None
     d_pre = new_output(gate.shape, gate.dtype, gate.device)
     d_up = new_output(gate.shape, gate.dtype, gate.device) if up is not None else None
     block = streaming_block(n, gate.element_size(), gate.device, _INTERPRET_BACKWARD_BLOCK)
