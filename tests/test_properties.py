@@ -158,6 +158,21 @@ def _topk_decode(d):
     lowp = torch.einsum("mk,mkd->md", vals.float(), w.float()[idx]).to(dtype)
     extra = torch.einsum("mk,mkd->md", vals.double().abs(), w.double().abs()[idx]) * k * 2**-24
     assert_close_to_reference(out, ref, lowp, extra_abs=extra)
+    if d.uniform() < 0.5:  # the backward: the slots' sampled dots, W_dec's gradient by feature (ids may repeat)
+        v, b = vals.detach().requires_grad_(), w.detach().requires_grad_()
+        grad_out = d.tensor(M, Dm, dtype=dtype)
+        g_vals, g_w = torch.autograd.grad(sparsefuse.topk_decode(idx, v, b), (v, b), grad_out)
+        go, rows = grad_out.double(), w.double()[idx]  # [M, k, Dm]
+        ref_v = torch.einsum("md,mkd->mk", go, rows)
+        extra_v = torch.einsum("md,mkd->mk", go.abs(), rows.abs()) * Dm * 2**-24
+        assert_close_to_reference(g_vals, ref_v, dtype=dtype, extra_abs=extra_v, name="grad_acts")
+        terms = vals.double()[:, :, None] * go[:, None, :]  # [M, k, Dm]: each slot's share of its feature's row
+        ref_w = torch.zeros(S, Dm, dtype=torch.float64).index_add_(0, idx.cpu().flatten(), terms.cpu().reshape(-1, Dm))
+        abs_w = torch.zeros(S, Dm, dtype=torch.float64).index_add_(
+            0, idx.cpu().flatten(), terms.abs().cpu().reshape(-1, Dm)
+        )
+        extra_w = abs_w * M * k * 2**-24
+        assert_close_to_reference(g_w, ref_w, dtype=dtype, extra_abs=extra_w.to(g_w.device), name="grad_W_dec")
 
 
 def _jumprelu_encode(d):
