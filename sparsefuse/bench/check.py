@@ -475,6 +475,7 @@ WORKLOAD_FAMILIES: dict[str, tuple[str, ...]] = {
     "sae_decode": ("sae_decode",),
     "sae_decode_grid": ("sae_decode",),
     "sae_forward": ("sae_encode", "sae_decode"),
+    "sae_topk": ("sae_decode",),
     "sae": ("sae_encode", "sae_decode"),
     "splade": ("splade",),
     "splade_sum": ("splade",),
