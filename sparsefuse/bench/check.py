@@ -274,19 +274,36 @@ def _sae_decode(method: str) -> OpFn:
 
 
 def _topk_decode(shape, dtype, device, gen):
-    """shape (B, F, D, k): k distinct random features per token, positive activations (as after a TopK encode)."""
+    """shape (B, F, D, k): k distinct random features per token, positive activations (as after a TopK encode); the
+    output and the gradients of the activations and W_dec."""
     B, F, D, k = shape
     indices = torch.stack([torch.randperm(F, generator=gen)[:k] for _ in range(B)])
     acts = _to(torch.rand(B, k, generator=gen, dtype=torch.float64) + 0.1, dtype, device)
     w = _to(_randn((F, D), gen, 0.125), dtype, device)
     indices = indices.to(device)
 
+    grad_out = _to(_randn((B, D), gen), dtype, device)
+
     def run() -> Outputs:
-        out = topk_decode(indices, acts, w)
+        a, b = acts.detach().requires_grad_(), w.detach().requires_grad_()
+        out = topk_decode(indices, a, b)
+        grad_acts, grad_w = torch.autograd.grad(out, (a, b), grad_out)
         dense = torch.zeros(B, F, dtype=dtype, device=device).scatter_(1, indices, acts)
         low = (dense.float() @ w.float()).to(dtype)
+        d64, g64, w64 = dense.double(), grad_out.double(), w.double()
+        low_acts = (grad_out.float() @ w.float().t()).gather(1, indices).to(dtype)
+        low_w = (dense.float().t() @ grad_out.float()).to(dtype)
         return [
-            compare("out", out, torch_sparse_decode(dense, w), low, dtype, extra_abs=accumulation_allowance(dense, w))
+            compare("out", out, torch_sparse_decode(dense, w), low, dtype, extra_abs=accumulation_allowance(dense, w)),
+            compare(
+                "grad_acts",
+                grad_acts,
+                (g64 @ w64.t()).gather(1, indices),
+                low_acts,
+                dtype,
+                extra_abs=accumulation_allowance(g64, w64.t()).gather(1, indices),
+            ),
+            compare("grad_W_dec", grad_w, d64.t() @ g64, low_w, dtype, extra_abs=accumulation_allowance(d64.t(), g64)),
         ]
 
     return acts, run
@@ -449,7 +466,7 @@ OPS: dict[str, OpCheck] = {
         "sae_decode", _sae_decode("fixed"), _DECODE_SMALL, [*_DECODE_FULL, (320, 65536, 768, 64)]
     ),
     "sae decode exact": OpCheck("sae_decode", _sae_decode("exact"), _DECODE_SMALL, _DECODE_FULL),
-    "sae topk_decode": OpCheck("sae_decode", _topk_decode, [(5, 700, 40, 9)], [(64, 65536, 768, 64)]),
+    "sae topk_decode fwd+bwd": OpCheck("sae_decode", _topk_decode, [(5, 700, 40, 9)], [(64, 65536, 768, 64)]),
     # (M, d_in, d_sae[, k])
     "sae jumprelu_encode": OpCheck("sae_encode", _jumprelu_encode, [(5, 40, 100)], [(256, 2304, 16384)], True),
     "sae topk_encode": OpCheck("sae_encode", _topk_encode, [(5, 40, 100, 7)], [(256, 2304, 16384, 64)], True),
