@@ -1,5 +1,6 @@
 """Input builders and checks shared by tests of several folders (importable: pyproject puts tests/ on the path)."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -7,6 +8,12 @@ from sparsefuse.ffn.hybrid import hybrid_step_reference
 from sparsefuse.testing import accumulation_allowance, assert_close_to_reference
 
 HYBRID_NAMES = ("x", "w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
+
+
+def interpreter_only(device: torch.device, workload: str) -> None:
+    """Skips a bench workload's interpreter test on a GPU, where ``sparsefuse bench`` runs the workload itself."""
+    if device.type != "cpu":
+        pytest.skip(f"the GPU runs this workload through `sparsefuse bench {workload}`")
 
 
 def sparse_rows(m: int, n: int, l0s: list[int], dtype=torch.float32, device="cpu") -> torch.Tensor:

@@ -3,6 +3,7 @@ run the block step's kernels and give what the step itself computed."""
 
 import pytest
 import torch
+from helpers import interpreter_only
 
 from sparsefuse import track_launches
 from sparsefuse.bench.workloads import ffn_products
@@ -14,8 +15,7 @@ K, N, M = 16, 128, 96  # two row groups of 64 tokens, the second partial
 
 @pytest.fixture
 def cases(device):
-    if device.type != "cpu":
-        pytest.skip("the GPU runs this workload through `sparsefuse bench ffn_products`")
+    interpreter_only(device, "ffn_products")
     return ffn_products._cases(K, N, M, torch.float32, "cpu")
 
 

@@ -4,6 +4,7 @@ gate's gradient (coefficient 2e-5 over M N pairs) is far under fp32's tolerance 
 
 import pytest
 import torch
+from helpers import interpreter_only
 
 from sparsefuse.bench.workloads import ffn_train
 from sparsefuse.testing import assert_close_to_reference
@@ -13,8 +14,7 @@ K, N, M = 16, 128, 96
 
 @pytest.fixture
 def case(device):
-    if device.type != "cpu":
-        pytest.skip("the GPU runs this workload through `sparsefuse bench ffn_train`")
+    interpreter_only(device, "ffn_train")
     return ffn_train._case(K, N, M, torch.float32, "cpu")
 
 

@@ -3,6 +3,7 @@ sparsefuse row with its kernels."""
 
 import pytest
 import torch
+from helpers import interpreter_only
 
 from sparsefuse import track_launches
 from sparsefuse.bench.workloads import sae_topk
@@ -11,8 +12,7 @@ from sparsefuse.testing import assert_close_to_reference
 
 @pytest.fixture
 def case(device):
-    if device.type != "cpu":
-        pytest.skip("the GPU runs this workload through `sparsefuse bench sae_topk`")
+    interpreter_only(device, "sae_topk")
     return sae_topk._case((12, 96, 24, 5), torch.float32, "cpu")
 
 
