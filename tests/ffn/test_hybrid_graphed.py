@@ -261,8 +261,9 @@ def test_weights_moved_or_changed_between_forward_and_backward(device):
     wu.data = moved  # same values, another address
     got = torch.autograd.grad((out.y * dy).sum() + 0.2 * out.l1, leaves)
     assert graphed.GRAPH_EVENTS["eager backward"] == eager_backwards + 1
-    for a, b in zip(got, want):
+    for a, b, leaf in zip(got, want, leaves):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+        assert a.stride() == leaf.stride()  # the row-major w_down's gradient in its layout there too
     out = hybrid_mlp(x, wg, wu, wd, b_gate=bg, b_up=bu, b_down=bd, layout="block", cuda_graph=True)
     with torch.no_grad():
         wd.mul_(2.0)

@@ -1,7 +1,7 @@
 """Benchmark workload ``sae_topk``: a TopK SAE's decode, forward and backward (what a TopK SAE's training step runs
 after its encode), ``sparsefuse.topk_decode`` against the dense decode TopK SAEs use (the k activations scattered
-into a [B, d_sae] tensor, then ``@ W_dec``, differentiated by autograd) and ``F.embedding_bag`` (torch's own gather
-with per-sample weights, also differentiable in both).
+into a [B, d_sae] tensor, then ``@ W_dec``, differentiated by autograd) and, in fp32, ``F.embedding_bag`` (torch's
+own gather with per-sample weights, differentiable in both there; its CUDA backward has no bf16 kernel).
 
 Shapes (B, F, D, k): a Gemma-2B-sized TopK SAE (65536 features, d_model 2304, k 64) at 4096 tokens, a 9B-sized one
 (131072 x 3584) at 1024 tokens, and the reference write-up's (65536 x 768, k 32) at 256 tokens; bf16 and fp32. The
@@ -52,10 +52,11 @@ def _case(shape: tuple[int, int, int, int], dtype: torch.dtype, device: str) -> 
     impls = {
         "sparsefuse topk_decode": lambda i, v, w, g: _step(lambda *a: topk_decode(*a, check_indices=False), i, v, w, g),
         "eager": lambda i, v, w, g: _step(_dense_decode, i, v, w, g),
-        "F.embedding_bag": lambda i, v, w, g: _step(
-            lambda ids, vals, W: F_.embedding_bag(ids, W, per_sample_weights=vals, mode="sum"), i, v, w, g
-        ),
     }
+    if dtype == torch.float32:  # (torch's CUDA backward of per-sample weights has no bf16 kernel)
+        impls["F.embedding_bag"] = lambda i, v, w, g: _step(
+            lambda ids, vals, W: F_.embedding_bag(ids, W, per_sample_weights=vals, mode="sum"), i, v, w, g
+        )
     return Case(
         workload="sae_topk",
         shape=f"B={B} F={F} D={D} k={k}",

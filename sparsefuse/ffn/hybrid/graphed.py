@@ -57,7 +57,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..._backend import Backend, backend_for, cdiv, new_output, new_output_layout_like, plain_eager_call
 from ..._validation import autocast_off, unit_last_stride
-from .block_step import _train_backward, _train_backward_into, _train_forward, _train_forward_into
+from .block_step import _train_backward_into, _train_forward, _train_forward_into
 from .choice import TRAIN_CHOICE, _in_backward
 
 # Captures kept per gate weight (input shapes, capacities); the least recently used is dropped past this.
@@ -365,10 +365,14 @@ class GraphedBlockStep:
         """The backward's kernels launched one by one on the kept arrays and the weights where they are now."""
         GRAPH_EVENTS["eager backward"] += 1
         x_c, wg, bg, wu, bu, wdt, _ = _operands(x2, weights, x2.dtype)
-        dx, dwg, dwu, dwd, *db = _train_backward(
-            dy, dl1, x_c, wg, wu, wdt, bg, bu, *self._views(kept), self.block_rows, self.bias_grads
-        )
         w_gate, b_gate, w_up, b_up, w_down, b_down = weights
+        # dW_down^T laid out as the caller's w_down (transposed), as the replay's buffer is: no copy into its layout
+        dw_out = [new_output(wg.shape, x2.dtype, x2.device), None, new_output_layout_like(w_down.t(), x2.dtype)]
+        if wu is not None:
+            dw_out[1] = new_output(wu.shape, x2.dtype, x2.device)
+        dx, dwg, dwu, dwd, *db = _train_backward_into(
+            dy, dl1, x_c, wg, wu, wdt, bg, bu, *self._views(kept), self.block_rows, self.bias_grads, None, dw_out
+        )
         dw = [g.to(w.dtype) if w is not None else None for g, w in ((dwg, w_gate), (dwu, w_up), (dwd, w_down))]
         db = [g.to(b.dtype) if b is not None else None for g, b in zip(db, (b_gate, b_up, b_down))]
         return self._grads(dx, dw, db)

@@ -97,7 +97,8 @@ def topk_decode(
     and W_dec's gradient row by row over the tokens that picked each feature (no dense [tokens, d_sae] tensor; a
     feature that many tokens picked is spread over the GPU). Indices are range-checked (one host sync) -- an
     out-of-range id would read outside W_dec; pass ``check_indices=False`` for ids that are in range by construction
-    (``topk_encode``'s), e.g. inside a CUDA graph or under ``torch.compile``, which cannot trace the check."""
+    (``topk_encode``'s), e.g. inside a CUDA graph or under ``torch.compile(fullgraph=True)`` (the check's read-back
+    is a graph break)."""
     op = "topk_decode"
     top_acts, W_dec = autocast_operands(top_acts, W_dec)
     check_topk_decode(op, top_indices, top_acts, W_dec)

@@ -131,9 +131,8 @@ def _features_by_row(top_indices: torch.Tensor, top_acts: torch.Tensor, d_sae: i
     """The TopK activations transposed, [d_sae, M] as CSR: feature f's entries are the tokens that picked it, in
     token order (a stable sort of the flat ids; row offsets by binary search, so no host sync and no atomics)."""
     M, k = top_acts.shape
-    flat = top_indices.reshape(-1).long()
-    order = torch.argsort(flat, stable=True)
-    offsets = torch.searchsorted(flat[order], torch.arange(d_sae + 1, device=flat.device))
+    ids, order = torch.sort(top_indices.reshape(-1), stable=True)  # (int32 keys: a faster sort than int64's)
+    offsets = torch.searchsorted(ids, torch.arange(d_sae + 1, dtype=ids.dtype, device=ids.device))
     tokens = torch.div(order, k, rounding_mode="floor").to(torch.int32)
     return CSR(top_acts.reshape(-1)[order].contiguous(), tokens, offsets, M)
 
