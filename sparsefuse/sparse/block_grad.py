@@ -25,6 +25,7 @@ from .._triton.slots import OFFSETS_32_LIMIT, block_slots, offsets_fit_32
 from .._validation import check_out, unit_last_stride
 from .block_spmm import heavy_first_schedule
 from .formats import BlockCSC, BlockELL
+from .layout import unit_rows
 
 
 @kernel
@@ -117,7 +118,7 @@ def block_ell_sddmm(
     of its own, correctly rounded as the dense layout's kernel and torch divide it), returns the two gradients of
     ``h`` given ``dh = a @ b^T``: ``(dh * gate, (dh * up + gate_grad) * [gate != 0])``. With ``gate`` but no
     ``up`` (a non-gated layer, ``h = gate``): ``(None, (dh + gate_grad) * [gate != 0])``."""
-    a, b = unit_last_stride(a), unit_last_stride(b)
+    a, b = unit_rows(a), unit_rows(b)  # (b: W_down^T of a row-major W_down, by the tiled copy)
     M, width = like.values.shape
     gated, has_up = gate is not None, up is not None
     out_dtype = out_dtype or a.dtype

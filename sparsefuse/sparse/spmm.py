@@ -34,6 +34,7 @@ from .dense_units import (
     sum_dense_units,
 )
 from .formats import CSR, ELL
+from .layout import unit_rows
 from .long_rows import (
     DELIVER_STORE,
     FORMAT_CSR,
@@ -403,7 +404,7 @@ def gather_block_d(M: int, n_out: int, sms: int, itemsize: int) -> int:
 
 
 def _weight_for_gather(weight: torch.Tensor) -> torch.Tensor:
-    return weight if weight.stride(1) == 1 or weight.shape[1] <= 1 else weight.contiguous()
+    return unit_rows(weight)  # (a transposed one, e.g. a row-major W_down's W_down^T, by the tiled copy)
 
 
 def product_operands(

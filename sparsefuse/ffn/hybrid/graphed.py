@@ -57,6 +57,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..._backend import Backend, backend_for, cdiv, new_output, new_output_layout_like, plain_eager_call
 from ..._validation import autocast_off, unit_last_stride
+from ...sparse.layout import unit_rows
 from .block_step import _train_backward_into, _train_forward, _train_forward_into
 from .choice import TRAIN_CHOICE, _in_backward
 
@@ -144,7 +145,11 @@ class _WeightCopies:
 
     def fill(self, weights: tuple) -> None:
         for copy, w in zip(self.tensors, weights):
-            if copy is not None:
+            if copy is None:
+                continue
+            if copy.stride() != w.stride() and copy.dim() == 2 and copy.t().is_contiguous() and w.dtype == copy.dtype:
+                unit_rows(w.t(), out=copy.t())  # a row-major w_down into its column-major copy: the tiled transpose
+            else:
                 copy.copy_(w)
 
 
@@ -207,7 +212,7 @@ def _operands(x: torch.Tensor, weights: tuple, dtype: torch.dtype) -> tuple:
     casts), rows at unit stride, w_down transposed."""
     w_gate, b_gate, w_up, b_up, w_down, b_down = weights
     cast = lambda t: unit_last_stride(t.to(dtype)) if t is not None else None  # noqa: E731
-    w_down_t = unit_last_stride(w_down.to(dtype).t())
+    w_down_t = unit_rows(w_down.to(dtype).t())
     return x.to(dtype), cast(w_gate), cast(b_gate), cast(w_up), cast(b_up), w_down_t, cast(b_down)
 
 
