@@ -22,8 +22,8 @@ How it stays correct:
   ``MOVE_LIMIT`` times (FSDP2 gathers each unit's parameters into fresh storage every step) is captured once more
   reading its weights from static copies, shared by every layer of those shapes, which each forward and backward
   replay fills first: two weight copies per layer and step (69 MB each for bf16 weights at the 1.5B layer shape,
-  ~0.05 ms each on an H100 by its bandwidth; twice that for fp32 master weights), where an eager step costs its
-  host 2-3.5 ms.
+  ~0.05 ms each on an H100 by its bandwidth, a row-major w_down's by a tiled transpose at about the same rate;
+  twice that for fp32 master weights), where an eager step costs its host 2-3.5 ms.
 * **The capacity is bucketed**: pairs kept per token are rounded up to a power of two of the weight's observed need
   (as under torch.compile) and held until the need outgrows it or falls below a quarter of it, so a layer is
   re-captured a few times while L1 bites, not at every observation. Until a weight has an observation the eager
@@ -164,7 +164,7 @@ def _shared(key: tuple, make: Callable[[], object]):
 def _weight_copies(weights: tuple) -> _WeightCopies:
     """The shared static copies for weights of these shapes, dtypes and strides (allocated on first use). w_down's
     copy is column-major whatever the caller's layout: the step reads rows of W_down^T, so a row-major w_down
-    (FSDP2's) is transposed once by the copy-in rather than once in each graph."""
+    (FSDP2's) is transposed by each fill (the tiled transpose, at the copy rate) and the graphs copy it no more."""
     dev = next(t for t in weights if t is not None).device
     key = ("weight copies", dev, tuple((t.dtype, t.shape, t.stride()) if t is not None else None for t in weights))
     empty = lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=dev)  # noqa: E731
