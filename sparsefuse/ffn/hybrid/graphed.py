@@ -58,7 +58,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..._backend import Backend, backend_for, cdiv, new_output, new_output_layout_like, plain_eager_call
 from ..._validation import autocast_off, unit_last_stride
 from ...sparse.layout import unit_rows
-from .block_step import _train_backward_into, _train_forward, _train_forward_into
+from .block_step import _train_backward_into, _train_forward, _train_forward_into, _weight_grads
 from .choice import TRAIN_CHOICE, _in_backward
 
 # Captures kept per gate weight (input shapes, capacities); the least recently used is dropped past this.
@@ -372,9 +372,7 @@ class GraphedBlockStep:
         x_c, wg, bg, wu, bu, wdt, _ = _operands(x2, weights, x2.dtype)
         w_gate, b_gate, w_up, b_up, w_down, b_down = weights
         # dW_down^T laid out as the caller's w_down (transposed), as the replay's buffer is: no copy into its layout
-        dw_out = [new_output(wg.shape, x2.dtype, x2.device), None, new_output_layout_like(w_down.t(), x2.dtype)]
-        if wu is not None:
-            dw_out[1] = new_output(wu.shape, x2.dtype, x2.device)
+        dw_out = _weight_grads(x2, wg, wu, w_down.t())
         dx, dwg, dwu, dwd, *db = _train_backward_into(
             dy, dl1, x_c, wg, wu, wdt, bg, bu, *self._views(kept), self.block_rows, self.bias_grads, None, dw_out
         )
