@@ -151,3 +151,33 @@ def test_heavy_launch_and_gate_paths_fuzz(seed, device, monkeypatch):
     kink = accumulation_allowance(x, w_gate.t())
     extra = accumulation_allowance(h64, w_down.t().double()) + (kink + h64.abs() * 2**-10) @ w_down.t().double().abs()
     assert_close_to_reference(y, ref, lowp, extra_abs=extra)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_gate_keeps_the_overflowed_tiles_pre_activations(dtype, device):
+    """Below GATE_GEMM_MIN_TOKENS the fused gate kernel writes the pre-activations of its overflowed (token, tile)
+    pairs, and of nothing else (the buffer stays poisoned there), and the up/down kernel reads those instead of a
+    GEMV over the gate: a token of many non-zeros among few no longer costs a serial GEMV per overflowed tile."""
+    from sparsefuse.ffn.twell.launch import GATE_GEMM_MIN_TOKENS, launch_gate
+
+    M, K, N, tile, compression = 5, 40, 70, 32, 4
+    assert M < GATE_GEMM_MIN_TOKENS
+    w_gate, w_up, w_down, b_gate, b_up, b_down = mlp_weights(K, N, dtype, device, bias=True)
+    x = (torch.randn(M, K) * 0.5).to(device=device, dtype=dtype)
+    x[:, 0] = 2.0  # most tokens fire little ...
+    x[3, 0] = -3.0  # ... one fires nearly everything: every tile overflowed
+    _, _, counts, pre = launch_gate(x, w_gate, b_gate, tile, compression, keep_pre=True)
+    over = (counts > tile // compression).repeat_interleave(tile, dim=1)[:, :N]
+    assert over[3, :64].all() and not over[[0, 1, 2, 4]].any()  # (the last tile, 6 columns, cannot overflow)
+    expected = (x.double() @ w_gate.double().t() + b_gate.double()).to(dtype)
+    tol = dict(rtol=0, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(pre[over], expected[over], **tol)
+    assert torch.isnan(pre[~over]).all()  # poisoned where nothing was written: the up/down must not read it
+    with track_launches() as launched:
+        y = twell_mlp(
+            x, w_gate, w_up, w_down, b_gate=b_gate, b_up=b_up, b_down=b_down, tile=tile, compression=compression,
+            method="twell",
+        )  # fmt: skip
+    assert launched["twell_gate_fwd_kernel"] == 1 and launched["twell_up_down_fwd_kernel"] == 1, launched
+    ref = torch_twell_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
+    assert_close_to_reference(y, ref, torch_lowp_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down))

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable
 
 import torch
@@ -27,7 +26,7 @@ from ..._auto import (
     pick_fastest,
 )
 from ..._backend import cdiv
-from .launch import DEFAULT_COMPRESSION, GATE_GEMM_MIN_TOKENS, auto_tile
+from .launch import auto_tile
 
 PROBE_TOKENS = 64  # tokens whose gate the auto probe computes densely
 
@@ -39,9 +38,7 @@ class CostModel:
     one but one (8B shape, 64 tokens, 8 non-zeros: twell, 9% slower than dense); twell up to ~128 non-zeros at 16
     tokens of the 8B shape, ~32 at 1.5B, dense from 128 tokens of 1.5B. The gate costs its GEMM plus a pass over its
     [M, N] output (the packing, measured at ~1 TB/s); kernel 2's weight-row gathers ran at ~0.8 TB/s on the
-    heavy-tailed batch against ~6 TB/s on a tail-free one; below
-    GATE_GEMM_MIN_TOKENS an overflowed tile costs a GEMV over its TILE gate rows (counted for a Poisson count per
-    tile at the mean, which the heavy tail exceeds).
+    heavy-tailed batch against ~6 TB/s on a tail-free one.
 
     ``gather_bytes_per_s`` is kernel 2's effective rate for weight-row gathers when the GPU is full; with fewer than
     ``2 * n_sms`` programs it scales down in proportion. ``serial_s_per_step`` is kernel 2's time per step of a
@@ -85,16 +82,6 @@ def _matmul_s(M: int, K: int, N: int, elem: int, fp32: bool, cm: CostModel) -> f
     return max(2.0 * M * K * N / rate, (M * K + K * N + M * N) * elem / cm.dram_bytes_per_s) + cm.launch_s
 
 
-def _poisson_tail(mean: float, k: int) -> float:
-    """P(X > k) for X ~ Poisson(mean): the share of a token's tiles past their k slots, were its non-zeros spread
-    at random."""
-    term = total = math.exp(-mean)
-    for i in range(1, k + 1):
-        term *= mean / i
-        total += term
-    return max(0.0, 1.0 - total)
-
-
 def predicted_times(
     M: int, K: int, N: int, mean_nnz: float, dtype: torch.dtype, cost_model: CostModel | None = None
 ) -> tuple[float, float]:
@@ -102,7 +89,8 @@ def predicted_times(
     token. Dense: three matmuls plus the ReLU and product passes over [M, N]. Twell: the gate matmul and its packing
     pass, plus kernel 2's row gathers -- per non-zero a W_up row for each of the token's ``splits`` programs and a
     W_down row -- at the gather rate scaled by how full the GPU is, but never faster than reading the distinct rows
-    touched from DRAM once; below GATE_GEMM_MIN_TOKENS, the overflowed tiles' GEMVs too."""
+    touched from DRAM once (an overflowed tile's fired columns are walked like stored entries, from the gate's
+    pre-activations)."""
     cm = cost_model or COST_MODEL
     elem = torch.finfo(dtype).bits // 8
     fp32 = dtype == torch.float32
@@ -112,11 +100,6 @@ def predicted_times(
     splits = 1 if M >= wave else min(cdiv(N, auto_tile(M, N, 1)), cdiv(wave, max(M, 1)))
     occupancy = min(1.0, M * splits / wave)
     gathered = M * mean_nnz * 2.0 * K * elem  # a W_up row and a W_down row per non-zero
-    if M < GATE_GEMM_MIN_TOKENS:  # the fused gate keeps no pre-activations: an overflowed tile's GEMV reads its rows
-        tile = auto_tile(M, N, DEFAULT_COMPRESSION)
-        gathered += (
-            M * cdiv(N, tile) * _poisson_tail(mean_nnz * tile / N, tile // DEFAULT_COMPRESSION) * tile * K * elem
-        )
     distinct_rows = N * (1.0 - (1.0 - min(mean_nnz, N) / N) ** M) if N else 0.0
     steps = mean_nnz / (4.0 * splits)  # a token's serial chain: 4 entries per step, its tiles over `splits`
     gathers = max(

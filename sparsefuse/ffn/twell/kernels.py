@@ -36,9 +36,16 @@ def twell_gate_fwd_kernel(
     GROUP_M: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     IEEE_FP32: tl.constexpr,
+    pre_ptr=None,
+    stride_pre=0,
+    STORE_PRE: tl.constexpr = False,
 ):
     # x [M, K] (unit column stride), w [N, K] (nn.Linear layout, any strides), b [N];
     # out: values/indices [M, n_tiles * SLOTS], counts [M, n_tiles] int32 (true counts)
+    # STORE_PRE: the pre-activations of every overflowed (token, tile) also go to pre [M, N] (x's dtype, written
+    # nowhere else), which the up/down kernel then reads for those tiles instead of recomputing them by a GEMV over
+    # TILE rows of w: one program's serial chain per overflowed tile otherwise (a token firing 727 of 5632 among
+    # 8 took the block 3x dense's time on an H200)
     pid = tl.program_id(0)
     # Grouped ordering: GROUP_M row blocks sweep all tiles together, so their W columns are reused from L2.
     pid_m, tile = grouped_tile_coords(pid, tl.cdiv(M, BLOCK_M), n_tiles, GROUP_M)
@@ -62,7 +69,16 @@ def twell_gate_fwd_kernel(
         acc = dot_accumulate(acc, x, w, IEEE_FP32)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    _pack_tile(acc, rows, row_mask, cols, col_mask, tile, values_ptr, indices_ptr, counts_ptr, n_tiles, SLOTS, BLOCK_M)
+    count = _pack_tile(
+        acc, rows, row_mask, cols, col_mask, tile, values_ptr, indices_ptr, counts_ptr, n_tiles, SLOTS, BLOCK_M
+    )
+    if STORE_PRE:
+        over = row_mask & (count > SLOTS)  # [BLOCK_M]
+        tl.store(
+            pre_ptr + rows[:, None].to(tl.int64) * stride_pre + cols[None, :],
+            acc.to(pre_ptr.dtype.element_ty),
+            mask=over[:, None] & col_mask[None, :],
+        )
 
 
 @kernel
@@ -103,7 +119,8 @@ def _pack_tile(
     SLOTS: tl.constexpr, BLOCK_M: tl.constexpr,
 ):  # fmt: skip
     """ReLU + TwELL packing of the pre-activations ``pre`` [BLOCK_M, TILE] of (rows, tile): values/indices at
-    [row, tile * SLOTS + slot], counts [M, n_tiles] int32 (true counts). NaN counts as fired (it propagates)."""
+    [row, tile * SLOTS + slot], counts [M, n_tiles] int32 (true counts). NaN counts as fired (it propagates).
+    Returns the counts [BLOCK_M]."""
     fired = ((pre > 0) | (pre != pre)) & row_mask[:, None] & col_mask[None, :]  # [BLOCK_M, TILE]
     fired_i = fired.to(tl.int32)
     rank = tl.cumsum(fired_i, axis=1) - 1  # slot of each fired column within its tile row
@@ -126,6 +143,7 @@ def _pack_tile(
     tl.store(indices_ptr + dst, cols[None, :] + tl.zeros_like(rank), mask=keep)
     count = tl.sum(fired_i, axis=1)  # [BLOCK_M]
     tl.store(counts_ptr + rows.to(tl.int64) * n_tiles + tile, count, mask=row_mask)
+    return count
 
 
 @triton.jit

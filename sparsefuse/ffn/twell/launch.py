@@ -220,10 +220,13 @@ def launch_gate(
     b: torch.Tensor | None,
     tile: int,
     compression: int,
+    keep_pre: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Kernel 1: TwELL (values [M, n_tiles * slots], indices int32 likewise, counts [M, n_tiles] int32) of
-    ``relu(x2 w^T + b)``; w [N, K] any strides. Fourth: the dense pre-activations ``x2 w^T + b`` [M, N] where the
-    gate ran as cuBLAS's GEMM and a packing pass (from GATE_GEMM_MIN_TOKENS tokens), else None."""
+    ``relu(x2 w^T + b)``; w [N, K] any strides. Fourth: the pre-activations ``x2 w^T + b`` [M, N] for the second
+    kernel's overflowed tiles: all of them where the gate ran as cuBLAS's GEMM and a packing pass (from
+    GATE_GEMM_MIN_TOKENS tokens); below that, with ``keep_pre``, those of the overflowed tiles only (the fused
+    kernel writes nothing else there); else None."""
     M, K = x2.shape
     N = w.shape[0]
     n_tiles, slots = cdiv(N, tile), tile // compression
@@ -247,6 +250,7 @@ def launch_gate(
         )  # fmt: skip
         record_launch("twell_pack_kernel")
         return values, indices, counts, pre
+    pre = new_output((M, N), x2.dtype, x2.device) if keep_pre else None  # poisoned under test: read where written
     grid = lambda meta: (cdiv(M, meta["BLOCK_M"]) * n_tiles,)  # noqa: E731
     _twell_gate_kernel[grid](
         x2,
@@ -267,9 +271,10 @@ def launch_gate(
         SLOTS=slots,
         HAS_BIAS=b is not None,
         IEEE_FP32=ieee_fp32(x2.dtype),
+        **({} if pre is None else dict(pre_ptr=pre, stride_pre=pre.stride(0), STORE_PRE=True)),
     )
     record_launch("twell_gate_fwd_kernel")
-    return values, indices, counts, None
+    return values, indices, counts, pre
 
 
 def _pre_args(pre: torch.Tensor | None) -> dict:
@@ -436,7 +441,7 @@ def launch_relu_mlp(x2, w_up, b_up, w_down_t, b_down, tile: int, compression: in
     M, K = x2.shape
     N = w_up.shape[0]
     tile = tile or auto_tile(M, N, compression)
-    values, indices, counts, pre = launch_gate(x2, w_up, b_up, tile, compression)
+    values, indices, counts, pre = launch_gate(x2, w_up, b_up, tile, compression, keep_pre=True)
     if backend_for(x2) is Backend.TORCH:
         _backend.warn_reference_once("twell_relu_mlp")
         compute = _backend.compute_dtype(x2.dtype)
@@ -503,7 +508,7 @@ def launch_mlp(
             return y, _no_stats(x2, with_stats)
         return y, sampled_nonzero_stats(pre, STATS_TOKENS, positive=True)
     tile = tile or auto_tile(M, w_gate.shape[0], compression)
-    values, indices, counts, pre = launch_gate(x2, w_gate, b_gate, tile, compression)
+    values, indices, counts, pre = launch_gate(x2, w_gate, b_gate, tile, compression, keep_pre=True)
     y = launch_up_down(
         values, indices, counts, x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile, compression, pre
     )
