@@ -204,6 +204,17 @@ def bypass_dispatcher(*tensors: torch.Tensor) -> bool:
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
+def inductor_traces_inference() -> bool:
+    """True while torch.compile traces a call that records no autograd graph (inference). There the drop-in
+    modules whose gain is fusing a chain of elementwise ops (RMSNorm, the rotary embedding) hand the compiler the
+    plain torch expression instead of their op: the compiler fuses that expression with its neighbours (the
+    residual add before a norm, the casts around it), which an opaque op prevents. On an H200, a 6-layer 1.5B-shape
+    ReLU Llama under torch.compile ran 0.95x (prefill 4 x 2048) and 0.98x / 0.89x (one decode step at batch 1 / 8,
+    mode="reduce-overhead") of the unpatched compiled model with the fused norm and rotary ops, and 1.17x / 1.08x /
+    0.98x with the sparse FFN alone."""
+    return torch.compiler.is_compiling() and not torch.is_grad_enabled()
+
+
 # --- launch accounting ------------------------------------------------------------------------------------------
 # Every launcher calls record_launch(<kernel name>) so tests can assert that a Triton kernel really ran (and the
 # reference was not silently compared with itself). A dict increment per launch costs ~50 ns.

@@ -19,6 +19,10 @@ runs ~10). In an eager 1.5B-shape training step those two are ~30% of the time.
 The attention module looks ``apply_rotary_pos_emb`` up in its module's globals on every call, so that name is
 replaced once by a dispatcher that runs the fused function only while a fused model's attention is running (a
 per-thread count kept by forward hooks on those modules): other Llama models keep transformers' function.
+
+Under torch.compile without autograd (compiled inference) the norms and the rotary embedding are the plain torch
+expressions again, which the compiler fuses with their neighbours better than it can call an opaque op
+(:func:`sparsefuse._backend.inductor_traces_inference`); compiled training keeps the fused ops.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import threading
 import torch
 from torch import nn
 
+from .._backend import inductor_traces_inference
 from ..ffn.twell import DEFAULT_COMPRESSION
 from ..nn.ffn import SparseGatedMLP
 from ..nn.norms import RMSNorm
@@ -150,7 +155,7 @@ _TRANSFORMERS_ROTARY = None  # transformers' own apply_rotary_pos_emb, called ou
 def _rotary_dispatch(q, k, cos, sin, *args, **kwargs):
     """What ``modeling_llama.apply_rotary_pos_emb`` names once a model was fused: the fused function inside a fused
     model's attention, transformers' elsewhere."""
-    if _FUSED_ATTENTION.depth > 0:
+    if _FUSED_ATTENTION.depth > 0 and not inductor_traces_inference():  # (compiled inference: the compiler fuses)
         if not args and not kwargs:  # how LlamaAttention calls it
             return apply_rotary_pos_emb(q, k, cos, sin)
         # other callers: their arguments read as transformers' signature says (it changed across versions)

@@ -5,14 +5,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .._backend import inductor_traces_inference
 from ..norms import rms_norm
+from ..norms.rmsnorm.reference import torch_rms_norm
 
 
 class RMSNorm(nn.Module):
     """Drop-in for transformers' ``LlamaRMSNorm`` (and the RMSNorms of models built like it): one
     ``weight`` Parameter [hidden_size] initialised to ones and ``variance_epsilon``, so their ``state_dict`` loads
     as is. Input [..., hidden_size]; output of the same shape in the input's dtype promoted with the weight's, as
-    ``LlamaRMSNorm`` computes it (:func:`sparsefuse.norms.rms_norm`), in one kernel each way."""
+    ``LlamaRMSNorm`` computes it (:func:`sparsefuse.norms.rms_norm`), in one kernel each way. Under
+    torch.compile without autograd it is the plain expression, for the compiler to fuse
+    (:func:`sparsefuse._backend.inductor_traces_inference`)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, *, device=None, dtype=None) -> None:
         super().__init__()
@@ -42,6 +46,8 @@ class RMSNorm(nn.Module):
         return norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if inductor_traces_inference():  # the compiler fuses the plain expression with its neighbours (why: there)
+            return torch_rms_norm(x, self.weight, self.variance_epsilon)
         return rms_norm(x, self.weight.shape[0], self.weight, self.variance_epsilon)
 
     def extra_repr(self) -> str:

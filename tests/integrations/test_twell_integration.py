@@ -309,6 +309,13 @@ def test_fused_model_compiles_without_graph_breaks(device):
     with track_launches() as launched:
         compiled(ids, labels=ids).loss.backward()
     assert launched["rms_norm_fwd_kernel"] == 5 and launched["rotary_fwd_kernel"] == 2, launched
+    # compiled inference: the norms and the rotary embedding are the compiler's to fuse (plain torch), and the
+    # logits those of the unpatched expressions
+    with torch.no_grad(), track_launches() as launched:
+        logits = compiled(ids).logits
+    assert launched["rms_norm_fwd_kernel"] == 0 and launched["rotary_fwd_kernel"] == 0, launched
+    with torch.no_grad():
+        torch.testing.assert_close(logits, model(ids).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_fused_rotary_state_is_per_thread_and_survives_a_reload(device):

@@ -229,6 +229,23 @@ def test_torch_compile_fullgraph_has_no_graph_break(device):
     assert model[1].weight.grad is not None
 
 
+def test_compiled_inference_hands_the_compiler_the_plain_expression(device):
+    """Under torch.compile without autograd the module is the plain torch expression (which the compiler fuses with
+    its neighbours), not the fused op; the values are LlamaRMSNorm's either way."""
+    backend = "inductor" if device.type == "cuda" else "aot_eager"
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), sparsefuse.nn.RMSNorm(32), torch.nn.Linear(32, 4)).to(device)
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    x = torch.randn(5, 16, device=device)
+    with torch.no_grad(), track_launches() as launched:
+        y = compiled(x)
+        expected = model[2](torch_rms_norm(model[0](x), model[1].weight, model[1].variance_epsilon))
+    assert launched["rms_norm_fwd_kernel"] == 0, launched
+    torch.testing.assert_close(y, expected)
+    with track_launches() as launched:  # eager no-grad calls keep the kernel
+        model(x)
+    assert launched["rms_norm_fwd_kernel"] == 1
+
+
 def test_zero_size_normalized_dimension(device):
     """An empty row (D = 0) is valid, as in torch.nn.functional.rms_norm: an empty result of input's shape."""
     x = torch.randn(3, 0, device=device, requires_grad=True)
