@@ -574,7 +574,10 @@ def write_results(
 
 
 def rewrite_from_csv(csv_path: str | Path, plot: bool = True) -> list[Path]:
-    """Regenerate the markdown and plot of a written set from its CSV (metadata from its markdown)."""
+    """Regenerate the markdown and plot of a written set from its CSV (metadata from its markdown), with its
+    workload's own summary and plot."""
+    from . import workloads  # noqa: F401  (imports every workload module, which registers its summary and plot)
+
     csv_path = Path(csv_path)
     meta = read_meta(csv_path.with_suffix(".md"))
     return write_set(read_csv(csv_path), meta, csv_path.parent, csv_path.stem, plot)

@@ -4,6 +4,7 @@ no model), that its unpatched and patched implementations compute the same logit
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -197,3 +198,16 @@ def test_summary_and_plot(tmp_path):
     assert "## Whole model: patched vs unpatched" in paths[1].read_text()
     again = report.read_csv(paths[0])
     assert math.isclose(again[0].tokens_per_s, rows[0].tokens_per_s)
+
+
+def test_a_set_measured_in_parts_is_plotted_and_rewritten_from_its_csv(tmp_path):
+    """A set whose 8B rows have a prefill but no decode (measured in parts, merged) plots without empty axes, and
+    rewriting it from its CSV keeps the workload's own summary and plot."""
+    rows = _fake_rows()
+    rows += [dataclasses.replace(r, shape=r.shape.replace("1.5B", "8B")) for r in rows if "prefill" in r.shape]
+    meta = {"GPU": "Fake GPU", "torch": "2", "commit": "abc"}
+    paths = report.write_set(rows, meta, tmp_path, "model-Fake")
+    assert paths[2].stat().st_size > 0
+    first = paths[1].read_text()
+    assert report.rewrite_from_csv(paths[0]) == paths
+    assert paths[1].read_text() == first and "## Whole model: patched vs unpatched" in first

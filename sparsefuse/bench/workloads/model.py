@@ -528,6 +528,10 @@ def plot(rows: Sequence[Result], meta: dict[str, str], path: Path) -> bool:
                     color=palette.get(impl, "tab:orange"),
                     label=f"{impl}, {how}",
                 )
+        for ax, phase in ((ax_p, "prefill"), (ax_d, "decode")):
+            if not phases.get(phase):  # a set measured in parts can lack a phase: say so, draw no empty axes
+                ax.text(0.5, 0.5, f"no {phase} rows in this set", ha="center", fontsize=9, transform=ax.transAxes)
+                ax.set_axis_off()
         ax_d.set_xscale("log", base=2)
         ax_d.set_yscale("log")
         ax_d.set_title(f"{model} {sparsity}: one decode step, {CONTEXT} tokens of context", fontsize=9)
