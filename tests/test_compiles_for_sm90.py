@@ -243,12 +243,14 @@ def _exercise_ops(dtype: torch.dtype, ffn: bool) -> None:
         return
     K, N = 64, 256  # 64 tokens: several row blocks (heavy-first schedule) and row sorting (block plan)
     xf, w_gate, w_up, w_down = r(64, K), r(N, K, scale=0.2), r(N, K, scale=0.2), r(K, N, scale=0.1)
-    # the TwELL tiles' kernels take 15 tokens (the fused gate; overflowed tiles by GEMV) and 16 (cuBLAS's gate GEMM,
-    # its packing pass, overflowed tiles from its output): the interpreter walks each token's tile; the block method
-    # takes the 64
+    # the TwELL tiles' kernels take 15 tokens (the fused gate, which keeps its overflowed tiles' pre-activations)
+    # and 16 (cuBLAS's gate GEMM, its packing pass, overflowed tiles from its output): the interpreter walks each
+    # token's tile; the block method takes the 64. The separate kernels' up/down recomputes overflowed tiles by GEMV.
     for tokens in (15, 16):
         sparsefuse.twell_mlp(xf[:tokens], w_gate, w_up, w_down, b_gate=r(N), method="twell")
         sparsefuse.twell_relu_mlp(xf[:tokens], w_up, w_down, method="twell")  # "twell" or "dense" only
+    gate = sparsefuse.ffn.twell_gate(xf[:15], w_gate)
+    sparsefuse.ffn.twell_up_down(gate, xf[:15], w_gate, w_up, w_down)
     from sparsefuse.ffn.twell import launch as twell_launch
 
     saved, twell_launch.HEAVY_PASS_MIN_TOKENS = twell_launch.HEAVY_PASS_MIN_TOKENS, 16  # the heavy tokens' launches

@@ -8,6 +8,7 @@ from helpers import sparse_rows
 from sparsefuse import track_launches
 from sparsefuse.sae import sparse_decode, topk_decode
 from sparsefuse.sae.decode import sparse_decode_backward_op, sparse_decode_op
+from sparsefuse.sparse import matmul_skip_zeros
 from sparsefuse.testing import accumulation_allowance, assert_close_to_reference
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -411,6 +412,17 @@ def test_auto_width_is_four_times_the_mean_l0_within_bounds():
     assert _auto_width(10, 100) == 100 and _auto_width(5000, 16384) == 16384
 
 
+@pytest.fixture(autouse=True)
+def uncached_auto_pick(monkeypatch):
+    """auto's memoised pick calls the cost model every time, so that tests may stub the model
+    (test_auto_pick_is_memoised checks the memo itself)."""
+    import sparsefuse.sae.decode.auto as auto
+
+    cached = auto._cached_pick
+    monkeypatch.setattr(auto, "_cached_pick", cached.__wrapped__)
+    return cached
+
+
 @pytest.fixture
 def scan_below_10(monkeypatch):
     """auto on small shapes, with a stub cost model (scan iff L0 < 10) that records the L0 it was given."""
@@ -539,6 +551,59 @@ def test_auto_inside_a_cuda_graph_follows_the_warm_up_estimate():
         assert list(launched) == ([kernel] if kernel else []), (l0, dict(launched))
         graph.replay()
         assert_close_to_reference(out, *reference(acts, w), **allowance(acts, w))
+
+
+def test_auto_counts_host_time_for_plain_eager_calls_only():
+    """A plain eager call pays each method's host time (a loop of one-token decodes ran 5-8x cuBLAS's time through
+    the sparse kernels on a lent H200 host), so there few tokens take cuBLAS; a captured or compiled call picks by
+    GPU time, and many tokens keep the sparse kernels either way."""
+    from sparsefuse.sae.decode.auto import _fastest_method
+
+    bf16, fp32 = torch.bfloat16, torch.float32
+    for M, D, dtype in ((1, 2304, bf16), (32, 2304, bf16), (256, 2304, bf16), (32, 768, fp32)):
+        assert _fastest_method(M, 65536, D, 72, dtype, dtype, eager=True) == "dense", (M, dtype)
+        assert _fastest_method(M, 65536, D, 72, dtype, dtype) != "dense", (M, dtype)
+    assert _fastest_method(4096, 65536, 2304, 72, bf16, bf16, eager=True) == "fixed"
+    assert _fastest_method(32, 65536, 2304, 72, fp32, fp32, eager=True) == "scan"  # cuBLAS's fp32 is slower still
+
+
+def test_an_eager_pick_of_cublas_warms_the_in_graph_pick_up_once(device, monkeypatch):
+    """Where the eager call takes cuBLAS and a capture of it would take a sparse kernel, the first such eager call
+    per shape runs the sparse kernel once (a capture cannot compile one); the result is cuBLAS's either way."""
+    import sparsefuse.sae.decode.auto as auto
+
+    monkeypatch.setattr(auto, "AUTO_DENSE_BELOW_D_SAE", 256)
+    monkeypatch.setattr(auto, "_GRAPH_READY", set())
+    monkeypatch.setattr(auto, "launched_from_python", lambda acts: True)  # as a plain CUDA call would be
+    monkeypatch.setattr(
+        auto, "_predicted_seconds", lambda *_, **__: {"scan": 1e-6, "fixed": 2e-6, "dense": 20e-6}
+    )  # dense only above its host term; scan fastest by GPU time, but under the host terms
+    acts, w = sparse_rows(3, 512, [3], device=device), torch.randn(512, 8, device=device)
+    with track_launches() as scan:
+        matmul_skip_zeros(acts, w)
+    for expected in (dict(scan), {}):  # the warm-up's scan, then cuBLAS alone
+        with track_launches() as launched:
+            out = sparse_decode(acts, w, expected_l0=3)
+        assert dict(launched) == expected, dict(launched)
+        assert_close_to_reference(out, *reference(acts, w), **allowance(acts, w))
+    monkeypatch.setattr(auto, "launched_from_python", lambda acts: False)  # captured or traced: GPU time decides
+    with track_launches() as launched:
+        sparse_decode(acts, w, expected_l0=3)
+    assert dict(launched) == dict(scan)
+
+
+def test_auto_pick_is_memoised_on_the_rounded_estimate(uncached_auto_pick):
+    from sparsefuse.sae.decode.auto import L0Estimate, _fastest_method, _rounded
+
+    cached = uncached_auto_pick
+    cached.cache_clear()
+    l0 = _rounded(L0Estimate(72.04, 0.6012, 0.0, 0.0))
+    assert l0 == L0Estimate(72.0, 0.6, 0.0, 0.0)
+    question = (256, 65536, 2304, l0, torch.bfloat16, torch.bfloat16, 4.8e12, 132, False)
+    for eager in (False, True):
+        expected = _fastest_method(*question[:3], 72.0, *question[4:7], eager=eager, cv=0.6, sms=132)
+        assert cached(*question, eager) == expected == cached(*question, eager)
+    assert cached.cache_info().hits == 2 and cached.cache_info().misses == 2
 
 
 def test_auto_scales_the_cost_model_by_the_device_dram_bandwidth(device):

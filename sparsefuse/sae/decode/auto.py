@@ -54,7 +54,9 @@ long-row pass (:mod:`sparsefuse.sparse.long_rows`).
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from statistics import NormalDist
 
@@ -120,6 +122,15 @@ _DENSE_UNIT_RATE = 4.1e12
 _ONE_WAVE_SPREAD_S = 14e-6
 _ONE_WAVE_ROW_RATE = 1e10
 REFERENCE_SMS = 132  # H100 and H200
+# Host time of one plain eager call per method (checks, the pick, allocations, launches), measured on a lent H200
+# host (Triton 3.6, one token, d_sae 65536, bf16): the scan 316-342 us a call (two launches, the long-row pass's
+# buffers, the 16-bit atomic sum's zeroing and cast), "fixed" 343-463 us (four launches), cuBLAS's product 72 us
+# (GPU-bound: its host part is a single dispatch). A Python loop of such calls runs at the larger of a method's host
+# and GPU times, so a plain eager call costs each method at least its host time -- one token looped eagerly took
+# 5-8x cuBLAS's time through the sparse kernels, which CUDA-graph replay runs 5x faster than cuBLAS. Under
+# CUDA-graph capture and torch.compile tracing these terms are left out (as the FFN's auto does). Set at the low
+# end of what was measured: a host that is faster still keeps the sparse kernels where they win on the GPU.
+_HOST_S = {"scan": 250e-6, "fixed": 300e-6, "dense": 30e-6}
 
 _ESTIMATES = EstimateCache(observe_every=AUTO_OBSERVE_EVERY)  # per W_dec: dies with the decoder
 
@@ -244,12 +255,37 @@ def _fastest_method(
     acts_dtype: torch.dtype,
     w_dtype: torch.dtype,
     bandwidth: float = REFERENCE_BANDWIDTH,
+    *,
+    eager: bool = False,
     **spread: float,
 ) -> str:
     """auto's pick: the faster sparse method if predicted at least 1 - AUTO_MARGIN faster than cuBLAS, else dense.
-    ``spread``: the keywords of :func:`_predicted_seconds` past the mean (cv, long_share, long_l0, sms)."""
+    ``eager``: a plain call from Python (not captured, not traced), where each method costs at least its host time
+    (``_HOST_S``). ``spread``: the keywords of :func:`_predicted_seconds` past the mean (cv, long_share, long_l0,
+    sms)."""
     predicted = _predicted_seconds(M, d_sae, d_model, mean_l0, acts_dtype, w_dtype, bandwidth, **spread)
+    if eager:
+        predicted = {method: max(t, _HOST_S[method]) for method, t in predicted.items()}
     return pick_fastest(predicted, margin=AUTO_MARGIN)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_pick(
+    M: int, d_sae: int, d_model: int, l0: L0Estimate, acts_dtype, w_dtype, bandwidth, sms, deterministic, eager
+) -> str:
+    # The cost model is pure Python arithmetic (~15 us a call on a lent GPU host); a loop asks the same question on
+    # every call, so the answer is memoised on the estimate rounded as _rounded does (``deterministic`` is read by
+    # the model: it is part of the question).
+    return _fastest_method(
+        M, d_sae, d_model, l0.mean, acts_dtype, w_dtype, bandwidth, eager=eager, cv=l0.cv,
+        long_share=l0.long_share, long_l0=l0.long_l0, sms=sms,
+    )  # fmt: skip
+
+
+def _rounded(l0: L0Estimate) -> L0Estimate:
+    """The estimate at the resolution the pick is memoised at: a tenth of a non-zero, a hundredth of the coefficient
+    of variation, a thousandth of the long tokens' share, a whole long L0."""
+    return L0Estimate(round(l0.mean, 1), round(l0.cv, 2), round(l0.long_share, 3), float(round(l0.long_l0)))
 
 
 # "fixed" of few rows takes its two passes only where few tokens overflow its width: past it a token is read whole
@@ -319,9 +355,12 @@ def resolve_method(
     max_l0: int | None,
     expected_l0: float | None,
     decoder: torch.Tensor | None = None,
+    warm_up: Callable[[str, int], object] = lambda method, width: None,
 ) -> tuple[str, int]:
     """(method, ELL width) for acts [M, d_sae], W_dec [d_sae, d_model]: ``method`` itself unless it is "auto".
-    ``decoder``: the tensor the estimate is kept for, the caller's W_dec where ``W_dec`` is its autocast copy."""
+    ``decoder``: the tensor the estimate is kept for, the caller's W_dec where ``W_dec`` is its autocast copy.
+    An eager call may pick cuBLAS where the same call captured in a CUDA graph would pick a sparse kernel (the host
+    time terms); the first time that happens for a shape, ``warm_up(method, width)`` runs the in-graph pick once."""
     d_sae = acts.shape[1]
     width = max_l0 if max_l0 is not None else min(DEFAULT_MAX_L0, d_sae)
     if method == "auto":
@@ -334,8 +373,30 @@ def resolve_method(
                 l0 = _estimated_l0(acts, W_dec if decoder is None else decoder)
                 if l0 is None:
                     l0 = L0Estimate(d_sae / 1024)  # SAE-like sparsity, assumed where nothing was observed
-            args, keywords = _model_inputs(acts, W_dec, l0)
-            method = _fastest_method(*args, **keywords)
+            (M, _, d_model, _, acts_dtype, w_dtype, bandwidth), keywords = _model_inputs(acts, W_dec, l0)
+            question = (M, d_sae, d_model, _rounded(l0), acts_dtype, w_dtype, bandwidth, keywords["sms"])
+            deterministic = torch.are_deterministic_algorithms_enabled()
+            eager = launched_from_python(acts)
+            method = _cached_pick(*question, deterministic, eager)
             if max_l0 is None:
                 width = _auto_width(l0.mean, d_sae)
+            if eager:
+                in_graph = _cached_pick(*question, deterministic, False)
+                ready = (M, d_sae, d_model, acts_dtype, w_dtype, in_graph)
+                if in_graph != method and ready not in _GRAPH_READY:
+                    # The usual way into a CUDA graph is an eager call, then the capture, which then picks by GPU
+                    # time alone; a capture cannot compile or tune a kernel, so the in-graph pick runs once now.
+                    _GRAPH_READY.add(ready)
+                    in_graph_width = width if max_l0 is not None else _auto_width(l0.mean, d_sae)
+                    warm_up(in_graph, in_graph_width)
     return method, width
+
+
+def launched_from_python(acts: torch.Tensor) -> bool:
+    """Whether this call's launches are real launches from Python (CUDA tensors, not captured, not traced): the
+    calls whose host time a loop pays."""
+    return acts.is_cuda and observable(acts)
+
+
+# (M, d_sae, d_model, dtypes, method) whose in-graph pick was warmed up once (see resolve_method).
+_GRAPH_READY: set[tuple] = set()

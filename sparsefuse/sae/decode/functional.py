@@ -21,7 +21,9 @@ Methods (all built on the shared core in :mod:`sparsefuse.sparse`):
 * ``"exact"`` -- compact into exact-size CSR (one sync to size it), gather-accumulate.
 * ``"dense"`` -- ``torch.matmul`` (cuBLAS).
 * ``"auto"`` -- ``"dense"`` for small dictionaries, else the fastest of the others by a cost model at the
-  activations' mean L0, estimated without host syncs after the first call per decoder (:mod:`.auto`).
+  activations' mean L0, estimated without host syncs after the first call per decoder (:mod:`.auto`). A plain
+  eager call counts each method's host time too, so a Python loop of a few tokens gets cuBLAS, where the same call
+  captured in a CUDA graph or compiled gets the sparse kernels.
 
 In ``"scan"``, ``"fixed"`` and ``"exact"`` a token far denser than the rest (past 1 in 64 features: one that fires
 every feature) is not walked by one program: the first launch lists it on the device and a second spreads it over
@@ -78,7 +80,15 @@ def sparse_decode(
     if method == "fixed" and not validate and acts.shape[0] <= FIXED_SCAN_ROWS:
         width = max_l0 if max_l0 is not None else min(auto.DEFAULT_MAX_L0, W_dec.shape[0])
         method = auto.few_rows_fixed_method(acts, W_dec, width, expected_l0, decoder)
-    method, max_l0 = auto.resolve_method(method, acts, W_dec, max_l0, expected_l0, decoder)
+    method, max_l0 = auto.resolve_method(
+        method,
+        acts,
+        W_dec,
+        max_l0,
+        expected_l0,
+        decoder,
+        warm_up=lambda m, width: decode_forward(acts, W_dec, m, width, False, out_dtype),
+    )
     if _backend.bypass_dispatcher(acts, W_dec):  # no autograd, tracing or mode: the op's dispatch adds only host time
         out = decode_forward(acts, W_dec, method, max_l0, bool(validate), out_dtype)
     else:
