@@ -215,7 +215,10 @@ def pick_fastest(predicted: dict[str, float], *, baseline: str = "dense", margin
     """The method with the smallest predicted time, but ``baseline`` unless that method is predicted at least
     ``margin`` times the baseline's time (``margin`` < 1 asks a sparse method to win clearly where the cost model's
     error is known to be large)."""
-    best = min((m for m in predicted if m != baseline), key=predicted.__getitem__, default=baseline)
+    best = baseline
+    for method, seconds in predicted.items():  # a plain loop, not min(key=...): torch.compile traces it
+        if method != baseline and (best == baseline or seconds < predicted[best]):
+            best = method
     if best == baseline or predicted[best] < margin * predicted[baseline]:
         return best
     return baseline

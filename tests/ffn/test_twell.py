@@ -472,7 +472,7 @@ def test_opcheck_and_fullgraph_compile(device):
     assert_close_to_reference(y, ref, torch_lowp_mlp(x, w_gate, w_up, w_down, b_gate))
 
 
-def test_compiled_auto_follows_the_eager_estimate(device):
+def test_compiled_auto_follows_the_eager_estimate(device, monkeypatch):
     """A compiled graph takes the pick of the estimate that eager calls left for the gate weight (random weights:
     half the neurons fire, so dense), frozen at trace time: no sync and no guard on the estimate."""
     w_gate, w_up, w_down, _, _, _ = mlp_weights(24, 40, torch.float32, device, bias=False)
@@ -484,6 +484,16 @@ def test_compiled_auto_follows_the_eager_estimate(device):
     with track_launches() as launched:
         y = fn(x, w_gate, w_up, w_down)
     assert launched["twell_up_down_fwd_kernel"] == 0 and launched["twell_gate_fwd_kernel"] == 0, launched
+    assert_close_to_reference(y, torch_twell_mlp(x, w_gate, w_up, w_down), torch_lowp_mlp(x, w_gate, w_up, w_down))
+    # with the hint, the cost model's pick is a constant of the graph too (evaluated at trace time, not traced;
+    # stubbed: at this size the model picks dense)
+    monkeypatch.setattr(twell_auto, "_cached_auto_method", lambda M, K, N, nnz, dtype, eager: "twell")
+    torch._dynamo.reset()
+    hinted = torch.compile(lambda *a: twell_mlp(*a, tile=16, compression=2, expected_nnz=2.0), fullgraph=True,
+                           backend=backend)  # fmt: skip
+    with track_launches() as launched:
+        y = hinted(x, w_gate, w_up, w_down)
+    assert launched["twell_up_down_fwd_kernel"] == 1, launched
     assert_close_to_reference(y, torch_twell_mlp(x, w_gate, w_up, w_down), torch_lowp_mlp(x, w_gate, w_up, w_down))
 
 

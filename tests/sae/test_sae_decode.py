@@ -285,6 +285,22 @@ def test_torch_compile_fullgraph(device):
     assert w.grad is not None and acts.grad is not None
 
 
+@pytest.mark.parametrize("expected_l0", [None, 3.0, 400.0])
+def test_torch_compile_fullgraph_of_the_default_call(expected_l0, device, scan_below_10):
+    """The default call (method="auto") compiles without a graph break: the cost model's pick (stubbed: scan iff
+    L0 < 10) is evaluated at trace time and baked in (nothing observed under tracing: d_sae / 1024 unless
+    expected_l0 says otherwise)."""
+    acts, w = sparse_rows(5, 600, [3, 30, 0, 4, 7], device=device), torch.randn(600, 24, device=device)
+    backend = "inductor" if device.type == "cuda" else "aot_eager"
+    torch._dynamo.reset()
+    fn = torch.compile(lambda a, b: sparse_decode(a, b, expected_l0=expected_l0), fullgraph=True, backend=backend)
+    with track_launches() as launched:
+        out = fn(acts, w)
+    assert bool(launched) == (expected_l0 != 400.0), dict(launched)
+    assert scan_below_10 == [round(600 / 1024, 1) if expected_l0 is None else expected_l0]  # (rounded: memo key)
+    assert_close_to_reference(out, *reference(acts, w), **allowance(acts, w))
+
+
 @pytest.mark.gpu
 def test_gpu_seed_correctness_grid():
     """The JumpReLU-decode write-up's 486-configuration grid (its 2 methods and our scan x 3 dtypes x B x F x D x
@@ -598,10 +614,11 @@ def test_auto_pick_is_memoised_on_the_rounded_estimate(uncached_auto_pick):
     cached = uncached_auto_pick
     cached.cache_clear()
     l0 = _rounded(L0Estimate(72.04, 0.6012, 0.0, 0.0))
-    assert l0 == L0Estimate(72.0, 0.6, 0.0, 0.0)
-    question = (256, 65536, 2304, l0, torch.bfloat16, torch.bfloat16, 4.8e12, 132, False)
+    assert l0 == (72.0, 0.6, 0.0, 0.0)
+    question = (256, 65536, 2304, *l0, torch.bfloat16, torch.bfloat16, 4.8e12, 132, False)
     for eager in (False, True):
-        expected = _fastest_method(*question[:3], 72.0, *question[4:7], eager=eager, cv=0.6, sms=132)
+        expected = _fastest_method(256, 65536, 2304, 72.0, torch.bfloat16, torch.bfloat16, 4.8e12, eager=eager,
+                                   cv=0.6, sms=132)  # fmt: skip
         assert cached(*question, eager) == expected == cached(*question, eager)
     assert cached.cache_info().hits == 2 and cached.cache_info().misses == 2
 

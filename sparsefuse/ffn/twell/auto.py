@@ -165,6 +165,13 @@ def _cached_auto_method(M: int, K: int, N: int, mean_nnz: float, dtype: torch.dt
     return auto_method(M, K, N, mean_nnz, dtype, eager)
 
 
+@torch.compiler.assume_constant_result
+def _traced_auto_method(M: int, K: int, N: int, mean_nnz: float, dtype: torch.dtype, eager: bool) -> str:
+    """:func:`_cached_auto_method` as torch.compile sees it (an ``expected_nnz`` given): evaluated once at trace
+    time and baked into the graph as a constant, not traced."""
+    return _cached_auto_method(M, K, N, mean_nnz, dtype, eager)
+
+
 def probe_stats(x2: torch.Tensor, w_gate: torch.Tensor, b_gate: torch.Tensor | None) -> torch.Tensor:
     """[2] int64 (gate non-zeros, tokens) over <= PROBE_TOKENS evenly spaced tokens of x2 [M >= 1, K], the gate
     computed densely for those tokens only; no sync."""
@@ -215,7 +222,8 @@ def resolve_method(
         # Host time matters for real launches from Python only: CUDA tensors, outside graph capture and tracing.
         eager = x2.is_cuda and observable(x2)
         key = (M, K, w_gate.shape[0], round(float(estimate), 1), x2.dtype)
-        method = _cached_auto_method(*key, eager)
+        pick = _traced_auto_method if torch.compiler.is_compiling() else _cached_auto_method
+        method = pick(*key, eager)
         if eager:
             in_graph = _cached_auto_method(*key, False)
             ready = (M, K, w_gate.shape[0], x2.dtype, in_graph)

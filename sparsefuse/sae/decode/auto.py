@@ -271,21 +271,40 @@ def _fastest_method(
 
 @functools.lru_cache(maxsize=4096)
 def _cached_pick(
-    M: int, d_sae: int, d_model: int, l0: L0Estimate, acts_dtype, w_dtype, bandwidth, sms, deterministic, eager
+    M: int,
+    d_sae: int,
+    d_model: int,
+    mean: float,
+    cv: float,
+    long_share: float,
+    long_l0: float,
+    acts_dtype: torch.dtype,
+    w_dtype: torch.dtype,
+    bandwidth: float,
+    sms: int,
+    deterministic: bool,
+    eager: bool,
 ) -> str:
     # The cost model is pure Python arithmetic (~15 us a call on a lent GPU host); a loop asks the same question on
     # every call, so the answer is memoised on the estimate rounded as _rounded does (``deterministic`` is read by
     # the model: it is part of the question).
     return _fastest_method(
-        M, d_sae, d_model, l0.mean, acts_dtype, w_dtype, bandwidth, eager=eager, cv=l0.cv,
-        long_share=l0.long_share, long_l0=l0.long_l0, sms=sms,
+        M, d_sae, d_model, mean, acts_dtype, w_dtype, bandwidth, eager=eager, cv=cv, long_share=long_share,
+        long_l0=long_l0, sms=sms,
     )  # fmt: skip
 
 
-def _rounded(l0: L0Estimate) -> L0Estimate:
+@torch.compiler.assume_constant_result
+def _traced_pick(*question) -> str:
+    """:func:`_cached_pick` as torch.compile sees it: evaluated once at trace time (its arguments are shapes,
+    dtypes and numbers) and baked into the graph as a constant, not traced."""
+    return _cached_pick(*question)
+
+
+def _rounded(l0: L0Estimate) -> tuple[float, float, float, float]:
     """The estimate at the resolution the pick is memoised at: a tenth of a non-zero, a hundredth of the coefficient
     of variation, a thousandth of the long tokens' share, a whole long L0."""
-    return L0Estimate(round(l0.mean, 1), round(l0.cv, 2), round(l0.long_share, 3), float(round(l0.long_l0)))
+    return round(l0.mean, 1), round(l0.cv, 2), round(l0.long_share, 3), float(round(l0.long_l0))
 
 
 # "fixed" of few rows takes its two passes only where few tokens overflow its width: past it a token is read whole
@@ -374,10 +393,11 @@ def resolve_method(
                 if l0 is None:
                     l0 = L0Estimate(d_sae / 1024)  # SAE-like sparsity, assumed where nothing was observed
             (M, _, d_model, _, acts_dtype, w_dtype, bandwidth), keywords = _model_inputs(acts, W_dec, l0)
-            question = (M, d_sae, d_model, _rounded(l0), acts_dtype, w_dtype, bandwidth, keywords["sms"])
+            question = (int(M), d_sae, d_model, *_rounded(l0), acts_dtype, w_dtype, bandwidth, keywords["sms"])
             deterministic = torch.are_deterministic_algorithms_enabled()
             eager = launched_from_python(acts)
-            method = _cached_pick(*question, deterministic, eager)
+            pick = _traced_pick if torch.compiler.is_compiling() else _cached_pick
+            method = pick(*question, deterministic, eager)
             if max_l0 is None:
                 width = _auto_width(l0.mean, d_sae)
             if eager:
