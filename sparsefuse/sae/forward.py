@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import torch
 
+from .. import _backend
 from .._validation import check_jumprelu_decoder, check_jumprelu_encode, flat_rows
-from ..sparse import sparse_matmul
 from .decode import DEFAULT_MAX_L0, sparse_decode
 from .encode import jumprelu_encode
-from .encoder import JumpReLUEncoder
+from .encode.op import jumprelu_ell_decode, jumprelu_ell_decode_op
 
 
 def jumprelu_sae_forward(
@@ -59,7 +59,9 @@ def jumprelu_sae_forward(
     if fused:
         width = max_l0 if max_l0 is not None else min(DEFAULT_MAX_L0, W_enc.shape[1])
         ell = jumprelu_encode(x2, W_enc, b_enc, threshold, b_dec=input_shift, max_l0=width)
-        recon = sparse_matmul(ell, W_dec, encoder=JumpReLUEncoder(x2, W_enc, b_enc, threshold, input_shift))
+        args = (ell.values, ell.indices, ell.counts, W_dec, x2, W_enc, b_enc, threshold, input_shift)
+        fast = _backend.bypass_dispatcher(*(t for t in args if t is not None))  # plain eager: no dispatcher hop
+        recon = jumprelu_ell_decode(*args) if fast else jumprelu_ell_decode_op(*args)
     else:
         dtype = torch.promote_types(x2.dtype, W_enc.dtype)
         sae_in = x2 - input_shift if input_shift is not None else x2

@@ -442,6 +442,7 @@ def test_opcheck_and_fullgraph_compile(device):
         twell_relu_mlp_op,
         twell_up_down_op,
     )
+    from sparsefuse.ffn.twell.op import twell_to_ell_op
 
     w_gate, w_up, w_down, b_gate, b_up, b_down = mlp_weights(24, 40, torch.float32, device, bias=True)
     x = torch.randn(3, 24, device=device)
@@ -459,6 +460,10 @@ def test_opcheck_and_fullgraph_compile(device):
             twell_mlp_op, (x, w_gate, None, w_up, None, w_down_t, None, 0, 2, method, True), test_utils=utils
         )
     torch.library.opcheck(twell_relu_mlp_op, (x, w_up, b_up, w_down_t, b_down, 16, 4), test_utils=utils)
+    torch.library.opcheck(twell_to_ell_op, (values, indices, counts, 40, 16, 2), test_utils=utils)
+    ell_of = torch.compile(lambda v, i, c: twell_to_ell(TwELL(v, i, c, 40, 16, 2)).counts, fullgraph=True,
+                           backend="aot_eager")  # fmt: skip
+    assert torch.equal(ell_of(values, indices, counts), twell_to_ell(TwELL(values, indices, counts, 40, 16, 2)).counts)
     backend = "inductor" if device.type == "cuda" else "aot_eager"
     fn = torch.compile(
         lambda *a: twell_mlp(*a, b_gate=b_gate, tile=16, compression=2, method="auto"), fullgraph=True, backend=backend

@@ -94,6 +94,33 @@ def mlp_accumulation_allowance(x, mlp):
     return (err_h + gamma(h.shape[-1]) * h.abs()) @ wd.abs().t()
 
 
+def test_row_layout_module_compiles_without_a_graph_break(device):
+    """``down_layout="row"`` (FSDP2's) keeps W_down row-major, so the sparse call copies W_down^T (warned once in
+    eager); under torch.compile(fullgraph=True) that warning is not emitted (it would break the graph), even as the
+    first call of the process."""
+    from sparsefuse.ffn.twell import functional as twell_functional
+
+    config = tiny_config(mlp_bias=True)
+    mlp = LlamaMLP(config).to(device)
+    sparsify_gates(mlp, -1.0)
+    fused = SparseGatedMLP(config.hidden_size, config.intermediate_size, bias=True, method="twell", tile=32,
+                           compression=4, down_layout="row", device=device)  # fmt: skip
+    fused.load_state_dict(mlp.state_dict())
+    assert fused.down_proj.weight.stride(1) == 1  # row-major kept
+    x = torch.randn(2, 5, config.hidden_size, device=device)
+    twell_functional._warned_down_copy.discard("twell_mlp")  # as in a fresh process
+    backend = "inductor" if device.type == "cuda" else "aot_eager"
+    torch._dynamo.reset()
+    compiled = torch.compile(fused, fullgraph=True, backend=backend)
+    with torch.no_grad(), track_launches() as launched:
+        y = compiled(x)
+    assert twell_launches(launched) == (1, 1), launched
+    b = [m.bias for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
+    ref = torch_twell_mlp(x, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, *b)
+    with torch.no_grad():
+        assert_close_to_reference(y, ref, mlp(x), extra_abs=mlp_accumulation_allowance(x, mlp))
+
+
 def test_module_trains_through_the_dense_path(device):
     fused = SparseGatedMLP(32, 64, device=device)
     x = torch.randn(5, 32, device=device)

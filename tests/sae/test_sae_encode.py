@@ -103,6 +103,39 @@ def test_opcheck_and_fullgraph_compile(device):
     assert torch.equal(fn(x, w, b_enc, threshold).cpu(), (ref != 0).sum(1).to(torch.int32).cpu())
 
 
+@pytest.mark.parametrize("max_l0", [64, 4])  # every token stored; most recomputed from the encoder's inputs
+def test_fused_sae_forward_is_an_op_and_compiles_without_a_graph_break(max_l0, device):
+    """The fused forward's decode of the encode's ELL is ``sparsefuse::jumprelu_ell_decode``: under
+    torch.compile(fullgraph=True) the module with max_l0 (the fused encode) is two op calls, not traced launches."""
+    import sparsefuse.nn
+    from sparsefuse.sae.encode import jumprelu_encode_op
+    from sparsefuse.sae.encode.op import jumprelu_ell_decode_op
+
+    x, w, b_enc, threshold, b_dec = make_sae(5, 24, 64, torch.float32, device, margin=0.05)
+    w_dec = torch.randn(64, 24, device=device) / 8
+    values, indices, counts = jumprelu_encode_op(x, w, b_enc, threshold, b_dec, max_l0)
+    torch.library.opcheck(
+        jumprelu_ell_decode_op,
+        (values, indices, counts, w_dec, x, w, b_enc, threshold, b_dec),
+        test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"),
+    )
+    sae = sparsefuse.nn.SparseJumpReLUSAE(24, 64, max_l0=max_l0).to(device)
+    with torch.no_grad():
+        for p, v in zip(
+            (sae.W_enc, sae.b_enc, sae.threshold, sae.W_dec, sae.b_dec), (w, b_enc, threshold, w_dec, b_dec)
+        ):
+            p.copy_(v)
+        eager = sae(x)
+        backend = "inductor" if device.type == "cuda" else "aot_eager"
+        torch._dynamo.reset()
+        compiled = torch.compile(sae, fullgraph=True, backend=backend)
+        with track_launches() as launched:
+            out = compiled(x)
+    assert launched["gather_accumulate_kernel"] >= 1, dict(launched)
+    ref = torch_jumprelu_encode(x, w, b_enc, threshold, b_dec).double() @ w_dec.double() + b_dec.double()
+    assert_close_to_reference(out, ref, eager)
+
+
 def test_encoder_weight_in_another_dtype_is_cast_per_tile(device):
     x, w, b_enc, threshold, b_dec = make_sae(7, 40, 96, torch.float16, device, margin=0.05)
     ref = jumprelu_encode(x, w, b_enc, threshold, b_dec=b_dec, max_l0=96)

@@ -26,7 +26,7 @@ from ..._validation import (
 from ...sparse.formats import ELL, TwELL
 from .auto import resolve_method
 from .launch import DEFAULT_COMPRESSION, launch_mlp, launch_relu_mlp, launch_to_ell
-from .op import twell_gate_op, twell_mlp_op, twell_relu_mlp_op, twell_up_down_op
+from .op import twell_gate_op, twell_mlp_op, twell_relu_mlp_op, twell_to_ell_op, twell_up_down_op
 from .reference import dense_mlp
 
 METHODS = ("auto", "twell", "block", "dense")
@@ -48,12 +48,13 @@ def _down_rows(op: str, w_down: torch.Tensor) -> torch.Tensor:
     """W_down^T [N, K] with unit column stride (a view when w_down is column-major, else one copy per call)."""
     if w_down.stride(0) == 1 or w_down.shape[0] <= 1:
         return w_down.t()
-    if w_down.shape[1] > 1 and op not in _warned_down_copy:  # (one neuron: a copy of K values, no warning)
+    # (one neuron: a copy of K values, no warning; none while torch.compile traces: a warning breaks its graph)
+    if w_down.shape[1] > 1 and op not in _warned_down_copy and not torch.compiler.is_compiling():
         _warned_down_copy.add(op)
         warnings.warn(
             f"sparsefuse.{op}: w_down is row-major [K, N], so its rows per neuron are strided; it is "
             "copied to column-major on every call. Store it once with sparsefuse.ffn.twell_down_layout "
-            "(sparsefuse.nn.SparseGatedMLP does).",
+            "(sparsefuse.nn.SparseGatedMLP does unless down_layout='row').",
             stacklevel=4,
         )
     return w_down.t().contiguous()
@@ -249,4 +250,8 @@ def twell_to_ell(twell: TwELL) -> ELL:
     :func:`sparsefuse.sparse.sparse_matmul`. Overflowed tiles are **left out** (their entries are incomplete), so
     the ELL's counts are the stored entries of the complete tiles; check ``twell.overflowed()`` and complete those
     tiles separately (as :func:`twell_relu_mlp` does)."""
-    return launch_to_ell(twell.values, twell.indices, twell.counts, twell.n_cols, twell.tile, twell.compression)
+    args = (twell.values, twell.indices, twell.counts, twell.n_cols, twell.tile, twell.compression)
+    if _backend.bypass_dispatcher(twell.values, twell.indices, twell.counts):
+        return launch_to_ell(*args)
+    values, indices, counts = twell_to_ell_op(*args)
+    return ELL(values, indices, counts, twell.n_cols)

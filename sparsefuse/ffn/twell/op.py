@@ -1,7 +1,7 @@
 """The ``torch.library`` ops of the TwELL blocks (``sparsefuse::twell_gate``, ``twell_up_down``, ``twell_mlp``,
-``twell_relu_mlp``): what torch.compile, export and autograd see. Their bodies call the launchers; tensors arrive
-laid out as :mod:`.launch` expects. The ops are inference-only: backward raises rather than return wrong gradients
-(the functional API runs the dense, differentiable block whenever autograd needs a gradient)."""
+``twell_relu_mlp``, ``twell_to_ell``): what torch.compile, export and autograd see. Their bodies call the launchers;
+tensors arrive laid out as :mod:`.launch` expects. The ops are inference-only: backward raises rather than return
+wrong gradients (the functional API runs the dense, differentiable block whenever autograd needs a gradient)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from ..._backend import on_tensor_device
 from .auto import resolve_method
-from .launch import launch_gate, launch_mlp, launch_relu_mlp, launch_up_down
+from .launch import launch_gate, launch_mlp, launch_relu_mlp, launch_to_ell, launch_up_down
 
 
 def _inference_only(ctx, *grads):
@@ -114,5 +114,20 @@ def _(x, w_up, b_up, w_down_t, b_down, tile, compression):
     return x.new_empty((x.shape[0], w_down_t.shape[1]))
 
 
-for _op in (twell_gate_op, twell_up_down_op, twell_mlp_op, twell_relu_mlp_op):
+@torch.library.custom_op("sparsefuse::twell_to_ell", mutates_args=())
+@on_tensor_device
+def twell_to_ell_op(
+    values: torch.Tensor, indices: torch.Tensor, counts: torch.Tensor, n_cols: int, tile: int, compression: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ell = launch_to_ell(values, indices, counts, n_cols, tile, compression)
+    return ell.values, ell.indices, ell.counts
+
+
+@twell_to_ell_op.register_fake
+def _(values, indices, counts, n_cols, tile, compression):
+    M = values.shape[0]
+    return values.new_empty(values.shape), indices.new_empty(values.shape), counts.new_empty((M,))
+
+
+for _op in (twell_gate_op, twell_up_down_op, twell_mlp_op, twell_relu_mlp_op, twell_to_ell_op):
     _op.register_autograd(_inference_only, setup_context=_no_context)

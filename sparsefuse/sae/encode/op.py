@@ -1,6 +1,8 @@
-"""``sparsefuse::jumprelu_encode``: the fused encode as a custom op (inference only: no autograd is registered, a
-sparse format is not a differentiable output; differentiate through the dense encode, as
-:class:`sparsefuse.nn.SparseJumpReLUSAE` does when gradients are needed)."""
+"""``sparsefuse::jumprelu_encode``: the fused encode as a custom op, and ``sparsefuse::jumprelu_ell_decode``: the
+gather product of its ELL, whose overflowed tokens are recomputed from the encoder's inputs (inference only: no
+autograd is registered, a sparse format is not a differentiable output; differentiate through the dense encode, as
+:class:`sparsefuse.nn.SparseJumpReLUSAE` does when gradients are needed). As ops, torch.compile sees both as calls
+(the launches inside them are not traced)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ import torch
 
 from ... import _backend
 from ..._backend import Backend, backend_for, on_tensor_device
-from ...sparse import ELL
+from ...sparse import ELL, sparse_matmul
+from ..encoder import JumpReLUEncoder
 from .launch import launch_jumprelu_encode
 from .reference import torch_jumprelu_encode
 
@@ -45,3 +48,42 @@ def jumprelu_encode_op(
 def _(x, W_enc, b_enc, threshold, b_dec, max_l0):
     M = x.shape[0]
     return (x.new_empty((M, max_l0)), x.new_empty((M, max_l0), dtype=torch.int32), x.new_empty((M,), dtype=torch.int32))
+
+
+def jumprelu_ell_decode(
+    values: torch.Tensor,
+    indices: torch.Tensor,
+    counts: torch.Tensor,
+    W_dec: torch.Tensor,
+    x: torch.Tensor,
+    W_enc: torch.Tensor,
+    b_enc: torch.Tensor,
+    threshold: torch.Tensor,
+    b_dec: torch.Tensor | None,
+) -> torch.Tensor:
+    """``acts @ W_dec`` [M, d_model] for the fused encode's ELL (values/indices [M, width], counts [M]) of x [M, d_in]
+    (its tokens past the width recomputed from x, W_enc, b_enc, threshold and b_dec on the device). The op's body,
+    also called directly for a plain eager call."""
+    ell = ELL(values, indices, counts, W_enc.shape[1])
+    return sparse_matmul(ell, W_dec, encoder=JumpReLUEncoder(x, W_enc, b_enc, threshold, b_dec))
+
+
+@torch.library.custom_op("sparsefuse::jumprelu_ell_decode", mutates_args=())
+@on_tensor_device
+def jumprelu_ell_decode_op(
+    values: torch.Tensor,
+    indices: torch.Tensor,
+    counts: torch.Tensor,
+    W_dec: torch.Tensor,
+    x: torch.Tensor,
+    W_enc: torch.Tensor,
+    b_enc: torch.Tensor,
+    threshold: torch.Tensor,
+    b_dec: torch.Tensor | None,
+) -> torch.Tensor:
+    return jumprelu_ell_decode(values, indices, counts, W_dec, x, W_enc, b_enc, threshold, b_dec)
+
+
+@jumprelu_ell_decode_op.register_fake
+def _(values, indices, counts, W_dec, x, W_enc, b_enc, threshold, b_dec):
+    return values.new_empty((values.shape[0], W_dec.shape[1]), dtype=torch.promote_types(values.dtype, W_dec.dtype))
