@@ -63,7 +63,8 @@ def sparse_decode(
         method: "auto", "scan", "fixed", "exact" or "dense" (see module docstring).
         max_l0: slots per token for "fixed" (default 256, capped at d_sae; when "auto" picks "fixed", 4x the mean
             L0, at least 256).
-        validate: "fixed" raises ValueError if a token fired more than max_l0 features (one host sync).
+        validate: "fixed" raises ValueError if a token fired more than max_l0 features (one host sync: a graph
+            break under torch.compile).
         out_dtype: defaults to ``torch.result_type(feature_acts, W_dec)``.
         expected_l0: for "auto", the mean number of features that fire per token, if known (e.g. under
             torch.compile, where nothing is observed); otherwise it is estimated (see :mod:`.auto`).

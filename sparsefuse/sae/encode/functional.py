@@ -8,7 +8,8 @@ instead of writing it, keeps the entries that fire: each fired entry claims a sl
 one integer atomic and is stored there. ``x - b_dec`` is computed once before the launch. The dense
 [M, d_sae] activations never reach memory. Counts are exact totals; a token that fired more than ``max_l0``
 features is marked overflowed (``ELL.overflowed()``): decoding it without its dense row yields NaN, never a
-silently truncated reconstruction, and ``validate=True`` raises instead. Entries race for slots, so a row is
+silently truncated reconstruction, and ``validate=True`` raises instead (reading the largest count: one host sync,
+a graph break under torch.compile). Entries race for slots, so a row is
 sorted by feature id after the kernel: the ELL, and what is decoded from it, are the same on every run. (A row that
 overflowed keeps the first ``max_l0`` entries to claim a slot, in feature order; it is recomputed, not decoded from
 them.)
