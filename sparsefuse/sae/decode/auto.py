@@ -407,8 +407,7 @@ def resolve_method(
                     # The usual way into a CUDA graph is an eager call, then the capture, which then picks by GPU
                     # time alone; a capture cannot compile or tune a kernel, so the in-graph pick runs once now.
                     _GRAPH_READY.add(ready)
-                    in_graph_width = width if max_l0 is not None else _auto_width(l0.mean, d_sae)
-                    warm_up(in_graph, in_graph_width)
+                    warm_up(in_graph, width)
     return method, width
 
 
