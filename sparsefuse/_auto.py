@@ -14,7 +14,7 @@ memory without blocking and folds it into a running estimate on a later call, on
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Mapping
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -222,3 +222,42 @@ def pick_fastest(predicted: dict[str, float], *, baseline: str = "dense", margin
     if best == baseline or predicted[best] < margin * predicted[baseline]:
         return best
     return baseline
+
+
+# A plain eager call -- a loop of them, as a decode loop makes -- runs at the larger of each method's host time
+# (checks, the pick, allocations, launches) and its GPU time; a CUDA-graph replay or a compiled graph pays the GPU time
+# alone. So auto prices a method at ``max(gpu, host)`` in plain eager calls and at its GPU time otherwise, and the two
+# can pick differently for the same shape: the eager call may take cuBLAS (one dispatch) where its capture would take
+# a sparse kernel of several launches.
+
+
+def launched_from_python(t: torch.Tensor) -> bool:
+    """Whether a call on ``t`` makes real launches from Python (a CUDA tensor, not captured, not traced): the calls
+    whose host time a loop pays."""
+    return t.is_cuda and observable(t)
+
+
+def with_host_floor(predicted: Mapping[str, float], host_s: Mapping[str, float]) -> dict[str, float]:
+    """``predicted`` GPU seconds per method, each raised to at least that method's host seconds (0 where
+    ``host_s`` has none): what a plain eager call costs."""
+    return {method: max(seconds, host_s.get(method, 0.0)) for method, seconds in predicted.items()}
+
+
+class GraphWarmUp:
+    """Runs the in-graph pick of a shape once where a plain eager call picked something else.
+
+    The usual way into a CUDA graph is an eager call, then the capture, which picks by GPU time alone; a capture
+    cannot compile or tune a Triton kernel, so the first eager call of a shape whose in-graph pick differs from its
+    own runs that pick once (its result discarded). ``shape`` keys the shape (no estimate in it: one warm-up per
+    method a shape can take, not one per estimate)."""
+
+    def __init__(self) -> None:
+        self._ready: set[tuple] = set()
+
+    def __call__(self, shape: tuple[Hashable, ...], eager_pick: str, in_graph_pick: str, run: Callable[[], object]):
+        if in_graph_pick != eager_pick and (*shape, in_graph_pick) not in self._ready:
+            self._ready.add((*shape, in_graph_pick))
+            run()
+
+    def clear(self) -> None:
+        self._ready.clear()

@@ -587,9 +587,10 @@ def test_an_eager_pick_of_cublas_warms_the_in_graph_pick_up_once(device, monkeyp
     """Where the eager call takes cuBLAS and a capture of it would take a sparse kernel, the first such eager call
     per shape runs the sparse kernel once (a capture cannot compile one); the result is cuBLAS's either way."""
     import sparsefuse.sae.decode.auto as auto
+    from sparsefuse._auto import GraphWarmUp
 
     monkeypatch.setattr(auto, "AUTO_DENSE_BELOW_D_SAE", 256)
-    monkeypatch.setattr(auto, "_GRAPH_READY", set())
+    monkeypatch.setattr(auto, "GRAPH_WARM_UP", GraphWarmUp())
     monkeypatch.setattr(auto, "launched_from_python", lambda acts: True)  # as a plain CUDA call would be
     monkeypatch.setattr(
         auto, "_predicted_seconds", lambda *_, **__: {"scan": 1e-6, "fixed": 2e-6, "dense": 20e-6}

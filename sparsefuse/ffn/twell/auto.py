@@ -20,10 +20,13 @@ import torch.nn.functional as F
 
 from ..._auto import (
     EstimateCache,
+    GraphWarmUp,
     SparsityMonitor,
     device_scalar,
+    launched_from_python,
     observable,
     pick_fastest,
+    with_host_floor,
 )
 from ..._backend import cdiv
 from .launch import auto_tile
@@ -151,10 +154,12 @@ def auto_method(M: int, K: int, N: int, mean_nnz: float, dtype: torch.dtype, eag
     from Python, not inside a CUDA graph or a compiled graph, so each method costs at least its host time."""
     cm = COST_MODEL
     twell, dense = predicted_times(M, K, N, mean_nnz, dtype)
-    predicted = {"twell": max(twell, cm.host_twell_s) if eager else twell}  # first: a tie with block goes to twell
+    predicted = {"twell": twell}  # first: a tie with block goes to twell
     if M >= cm.block_min_tokens:  # where the GPU time of every method exceeds its host time
         predicted["block"] = predicted_block_time(M, K, N, mean_nnz, dtype)
-    predicted["dense"] = max(dense, cm.host_dense_s) if eager else dense
+    predicted["dense"] = dense
+    if eager:
+        predicted = with_host_floor(predicted, {"twell": cm.host_twell_s, "dense": cm.host_dense_s})
     return pick_fastest(predicted, baseline="dense", margin=AUTO_MARGIN if M >= 2 * cm.n_sms else 1.0)
 
 
@@ -194,8 +199,7 @@ def eager_runs_dense(w_gate: torch.Tensor, M: int, dtype: torch.dtype) -> bool |
     return _cached_auto_method(M, K, N, round(monitor.mean_nnz, 1), dtype, True) == "dense"
 
 
-# (M, K, N, dtype, method) whose in-graph pick was warmed up once (see resolve_method).
-_GRAPH_READY: set[tuple] = set()
+GRAPH_WARM_UP = GraphWarmUp()  # per (M, K, N, dtype): the in-graph pick run once where an eager call differed
 
 
 def resolve_method(
@@ -219,17 +223,13 @@ def resolve_method(
         if estimate is None and M > 0:
             estimate = ESTIMATES.estimate(w_gate, lambda: probe_stats(x2, w_gate, b_gate), observable(x2))
     if estimate is not None:
-        # Host time matters for real launches from Python only: CUDA tensors, outside graph capture and tracing.
-        eager = x2.is_cuda and observable(x2)
+        eager = launched_from_python(x2)
         key = (M, K, w_gate.shape[0], round(float(estimate), 1), x2.dtype)
         pick = _traced_auto_method if torch.compiler.is_compiling() else _cached_auto_method
         method = pick(*key, eager)
         if eager:
             in_graph = _cached_auto_method(*key, False)
-            ready = (M, K, w_gate.shape[0], x2.dtype, in_graph)
-            if in_graph != method and ready not in _GRAPH_READY:
-                _GRAPH_READY.add(ready)
-                warm_up(in_graph)
+            GRAPH_WARM_UP((M, K, w_gate.shape[0], x2.dtype), method, in_graph, lambda: warm_up(in_graph))
         return method
     if torch.compiler.is_compiling() and isinstance(M, int) and M > 0:
         return _traced_pick(w_gate, M, K, w_gate.shape[0], x2.dtype)

@@ -62,7 +62,15 @@ from statistics import NormalDist
 
 import torch
 
-from ..._auto import EstimateCache, observable, pick_fastest, sampled_row_stats
+from ..._auto import (
+    EstimateCache,
+    GraphWarmUp,
+    launched_from_python,
+    observable,
+    pick_fastest,
+    sampled_row_stats,
+    with_host_floor,
+)
 from ..._backend import cdiv, dram_bandwidth, next_power_of_2, sm_count
 from ...sparse.long_rows import ONE_WAVE_LONG_ENTRIES, ONE_WAVE_PROGRAMS_PER_SM, long_row_threshold
 from ...sparse.scan import scan_splits, splits_by_atomics
@@ -133,6 +141,7 @@ REFERENCE_SMS = 132  # H100 and H200
 _HOST_S = {"scan": 250e-6, "fixed": 300e-6, "dense": 30e-6}
 
 _ESTIMATES = EstimateCache(observe_every=AUTO_OBSERVE_EVERY)  # per W_dec: dies with the decoder
+GRAPH_WARM_UP = GraphWarmUp()  # per shape and dtypes: the in-graph pick run once where an eager call differed
 
 
 @dataclass(frozen=True)
@@ -265,7 +274,7 @@ def _fastest_method(
     sms)."""
     predicted = _predicted_seconds(M, d_sae, d_model, mean_l0, acts_dtype, w_dtype, bandwidth, **spread)
     if eager:
-        predicted = {method: max(t, _HOST_S[method]) for method, t in predicted.items()}
+        predicted = with_host_floor(predicted, _HOST_S)
     return pick_fastest(predicted, margin=AUTO_MARGIN)
 
 
@@ -402,20 +411,6 @@ def resolve_method(
                 width = _auto_width(l0.mean, d_sae)
             if eager:
                 in_graph = _cached_pick(*question, deterministic, False)
-                ready = (M, d_sae, d_model, acts_dtype, w_dtype, in_graph)
-                if in_graph != method and ready not in _GRAPH_READY:
-                    # The usual way into a CUDA graph is an eager call, then the capture, which then picks by GPU
-                    # time alone; a capture cannot compile or tune a kernel, so the in-graph pick runs once now.
-                    _GRAPH_READY.add(ready)
-                    warm_up(in_graph, width)
+                shape = (M, d_sae, d_model, acts_dtype, w_dtype)
+                GRAPH_WARM_UP(shape, method, in_graph, lambda: warm_up(in_graph, width))
     return method, width
-
-
-def launched_from_python(acts: torch.Tensor) -> bool:
-    """Whether this call's launches are real launches from Python (CUDA tensors, not captured, not traced): the
-    calls whose host time a loop pays."""
-    return acts.is_cuda and observable(acts)
-
-
-# (M, d_sae, d_model, dtypes, method) whose in-graph pick was warmed up once (see resolve_method).
-_GRAPH_READY: set[tuple] = set()
