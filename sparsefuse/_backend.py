@@ -68,8 +68,15 @@ def next_power_of_2(n: int) -> int:
 
 
 @functools.cache
-def _cuda_sm_count(index: int) -> int:
+def _cached_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+# The device queries below run at trace time under torch.compile, their answers baked in as constants: a host-side
+# cost model reads them from traced code, and Dynamo cannot trace Triton's driver query (a graph break).
+@torch.compiler.assume_constant_result
+def _cuda_sm_count(index: int) -> int:
+    return _cached_sm_count(index)
 
 
 def sm_count(device: torch.device, interpreted: int = 8) -> int:
@@ -81,10 +88,19 @@ def sm_count(device: torch.device, interpreted: int = 8) -> int:
 
 
 @functools.cache
-def _cuda_dram_bandwidth(index: int) -> float | None:
-    props = triton.runtime.driver.active.utils.get_device_properties(index)
+def _cached_dram_bandwidth(index: int) -> float:
+    """0.0 where the driver does not report the memory clock and bus width, or Triton lacks the query."""
+    try:
+        props = triton.runtime.driver.active.utils.get_device_properties(index)
+    except (AttributeError, RuntimeError):
+        return 0.0
     clock_khz, bus_bits = props.get("mem_clock_rate", 0), props.get("mem_bus_width", 0)
-    return 2 * clock_khz * 1e3 * bus_bits / 8 if clock_khz and bus_bits else None  # double data rate
+    return 2 * clock_khz * 1e3 * bus_bits / 8 if clock_khz and bus_bits else 0.0  # double data rate
+
+
+@torch.compiler.assume_constant_result
+def _cuda_dram_bandwidth(index: int) -> float:
+    return _cached_dram_bandwidth(index)
 
 
 def dram_bandwidth(device: torch.device) -> float | None:
@@ -93,10 +109,8 @@ def dram_bandwidth(device: torch.device) -> float | None:
     terms by it: H100 SXM 3.35e12, H200 4.8e12."""
     if device.type != "cuda":
         return None
-    try:
-        return _cuda_dram_bandwidth(device.index if device.index is not None else torch.cuda.current_device())
-    except (AttributeError, RuntimeError):  # a Triton without the query: cost models keep their reference rates
-        return None
+    # 0.0 where unknown: cost models keep their reference rates
+    return _cuda_dram_bandwidth(device.index if device.index is not None else torch.cuda.current_device()) or None
 
 
 # Launch rule for the elementwise (streaming) kernels, measured rather than autotuned (H200, CUDA-graph replay with
