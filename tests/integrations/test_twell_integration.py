@@ -156,7 +156,8 @@ def test_patch_llama_logits_match_unpatched(mlp_bias, device):
     with torch.no_grad(), track_launches() as launched:
         patched = model(ids).logits
     assert twell_launches(launched) == (model.config.num_hidden_layers,) * 2, launched
-    assert launched["rms_norm_fwd_kernel"] == len(norms)
+    # a small eager inference call on CUDA normalises through torch's native RMSNorm (its host path is shorter)
+    assert launched["rms_norm_fwd_kernel"] == (0 if ids.is_cuda else len(norms))
     assert_norm_close_to_reference(patched, ref64, unpatched, name="logits")
 
 

@@ -259,3 +259,46 @@ def test_from_module_refuses_a_wrapped_norm():
     theirs._hf_hook = object()  # what accelerate's device maps attach
     with pytest.raises(ValueError, match="patch the model before"):
         sparsefuse.nn.RMSNorm.from_module(theirs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_weight", [False, True])
+def test_host_bound_route_is_llama_rmsnorm_formula(dtype, with_weight, device, monkeypatch):
+    """The route of small plain eager inference calls on CUDA (torch's native RMSNorm, then the weight) computes
+    LlamaRMSNorm's formula: forced here so that it runs on any device, against the float64 reference."""
+    import sparsefuse.norms.rmsnorm.functional as functional
+
+    monkeypatch.setattr(functional, "_host_bound_inference", lambda x2, weight: True)
+    x = make((3, 7, 48), dtype, device)
+    w = make((48,), torch.float32 if dtype == torch.bfloat16 else dtype, device, 1.0) if with_weight else None
+    with torch.no_grad(), track_launches() as launched:
+        y = sparsefuse.rms_norm(x, 48, w, 1e-5)
+    assert not launched, dict(launched)
+    assert y.shape == x.shape and y.dtype == (x.dtype if w is None else torch.promote_types(x.dtype, w.dtype))
+    ref = torch_rms_norm(x.double(), None if w is None else w.double(), 1e-5)
+    assert_close_to_reference(y, ref, lowp_llama(x, w, 1e-5))
+
+
+def test_host_bound_route_is_taken_by_small_eager_inference_on_cuda_only(device):
+    from sparsefuse.norms.rmsnorm.functional import NATIVE_EAGER_MAX_BYTES, _host_bound_inference
+
+    cuda = device.type == "cuda"
+    small, w = make((8, 2048), torch.bfloat16, device), make((2048,), torch.bfloat16, device, 1.0)
+    large = make((NATIVE_EAGER_MAX_BYTES // 4096 + 1, 2048), torch.bfloat16, device)
+    with torch.no_grad():
+        assert _host_bound_inference(small, w) is cuda and not _host_bound_inference(large, w)
+    assert _host_bound_inference(small, w) is cuda  # nothing requires grad
+    assert not _host_bound_inference(small, w.clone().requires_grad_())  # autograd: the kernel's backward
+    if cuda:
+        with torch.no_grad(), track_launches() as launched:
+            sparsefuse.rms_norm(small, 2048, w)
+            sparsefuse.rms_norm(large, 2048, w)
+        assert dict(launched) == {"rms_norm_fwd_kernel": 1}, dict(launched)
+        rms_launch.rms_norm_forward(small, w, 1e-6)  # compiled for this shape before the capture (it cannot)
+        torch.cuda.synchronize()
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream), torch.no_grad():
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream), track_launches() as captured:
+                sparsefuse.rms_norm(small, 2048, w)
+        assert captured["rms_norm_fwd_kernel"] == 1  # a capture replays the one kernel

@@ -1,5 +1,6 @@
-"""The public ``rms_norm``: check the arguments, then run the launcher directly (plain eager inference), through an
-``autograd.Function`` (plain eager training) or through the torch.library op (torch.compile, subclasses, modes)."""
+"""The public ``rms_norm``: check the arguments, then run torch's native RMSNorm (small plain eager inference calls on
+CUDA, which are host-bound), the launcher directly (other plain eager inference), an ``autograd.Function`` (plain
+eager training) or the torch.library op (torch.compile, subclasses, modes)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,25 @@ def _normalized(op: str, x: torch.Tensor, normalized_shape: int | Sequence[int])
             f"{op}: normalized_shape {list(shape)} must equal the last dimensions of input ({describe(x)})"
         )
     return shape
+
+
+# A plain eager inference call on CUDA of at most this many input bytes runs torch's native RMSNorm (without the
+# weight, which is then multiplied in as LlamaRMSNorm does). Such a call is host-bound -- a decode step from Python
+# -- and one native dispatch is the cheapest host path there is: on a lent H200 host, one call at 1 or 8 rows of
+# 2048 bf16 took 17-18 us through torch's op, 93-100 through the Triton kernel's launch (Triton binds and
+# specialises every argument per launch) and 110-118 through transformers' LlamaRMSNorm (eight dispatches). Past a
+# few hundred rows the GPU time dominates and the Triton kernel (copy bandwidth) takes over; so do CUDA-graph
+# captures, compiled graphs and calls that record autograd (the kernel's backward keeps 4 bytes a row).
+NATIVE_EAGER_MAX_BYTES = 1 << 20
+
+
+def _host_bound_inference(x2: torch.Tensor, weight: torch.Tensor | None) -> bool:
+    if not x2.is_cuda or x2.numel() * x2.element_size() > NATIVE_EAGER_MAX_BYTES:
+        return False
+    if torch.is_grad_enabled() and (x2.requires_grad or (weight is not None and weight.requires_grad)):
+        return False
+    tensors = (x2,) if weight is None else (x2, weight)
+    return _backend.plain_eager_call(*tensors) and not torch.cuda.is_current_stream_capturing()
 
 
 def rms_norm(
@@ -68,7 +88,10 @@ def rms_norm(
     x2 = unit_last_stride(input.reshape(M, D))
     w = unit_last_stride(weight.reshape(D)) if weight is not None else None
     tensors = (x2,) if w is None else (x2, w)
-    if _backend.bypass_dispatcher(*tensors):
+    if _host_bound_inference(x2, w):
+        normed = torch.nn.functional.rms_norm(x2, (D,), None, eps)
+        y = normed if w is None else w * normed  # LlamaRMSNorm's order: normalise, round to x's dtype, scale
+    elif _backend.bypass_dispatcher(*tensors):
         y = rms_norm_forward(x2, w, eps)[0]
     elif _backend.plain_eager_call(*tensors) and torch.is_grad_enabled():
         y = EagerRMSNorm.apply(x2, w, eps)[0]
