@@ -157,7 +157,9 @@ def test_patch_llama_logits_match_unpatched(mlp_bias, device):
         patched = model(ids).logits
     assert twell_launches(launched) == (model.config.num_hidden_layers,) * 2, launched
     # a small eager inference call on CUDA normalises through torch's native RMSNorm (its host path is shorter)
-    assert launched["rms_norm_fwd_kernel"] == (0 if ids.is_cuda else len(norms))
+    from sparsefuse.norms.rmsnorm.functional import NATIVE_FUSED
+
+    assert launched["rms_norm_fwd_kernel"] == (0 if ids.is_cuda and NATIVE_FUSED else len(norms))
     assert_norm_close_to_reference(patched, ref64, unpatched, name="logits")
 
 

@@ -280,9 +280,9 @@ def test_host_bound_route_is_llama_rmsnorm_formula(dtype, with_weight, device, m
 
 
 def test_host_bound_route_is_taken_by_small_eager_inference_on_cuda_only(device):
-    from sparsefuse.norms.rmsnorm.functional import NATIVE_EAGER_MAX_BYTES, _host_bound_inference
+    from sparsefuse.norms.rmsnorm.functional import NATIVE_EAGER_MAX_BYTES, NATIVE_FUSED, _host_bound_inference
 
-    cuda = device.type == "cuda"
+    cuda = device.type == "cuda" and NATIVE_FUSED
     small, w = make((8, 2048), torch.bfloat16, device), make((2048,), torch.bfloat16, device, 1.0)
     large = make((NATIVE_EAGER_MAX_BYTES // 4096 + 1, 2048), torch.bfloat16, device)
     with torch.no_grad():

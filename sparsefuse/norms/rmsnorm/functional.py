@@ -38,10 +38,13 @@ def _normalized(op: str, x: torch.Tensor, normalized_shape: int | Sequence[int])
 # few hundred rows the GPU time dominates and the Triton kernel (copy bandwidth) takes over; so do CUDA-graph
 # captures, compiled graphs and calls that record autograd (the kernel's backward keeps 4 bytes a row).
 NATIVE_EAGER_MAX_BYTES = 1 << 20
+# Before torch's fused native kernel (aten::_fused_rms_norm, torch 2.8 on), F.rms_norm is a chain of elementwise
+# dispatches, no shorter on the host than LlamaRMSNorm: such a torch keeps the Triton kernel.
+NATIVE_FUSED = hasattr(torch.ops.aten, "_fused_rms_norm")
 
 
 def _host_bound_inference(x2: torch.Tensor, weight: torch.Tensor | None) -> bool:
-    if not x2.is_cuda or x2.numel() * x2.element_size() > NATIVE_EAGER_MAX_BYTES:
+    if not NATIVE_FUSED or not x2.is_cuda or x2.numel() * x2.element_size() > NATIVE_EAGER_MAX_BYTES:
         return False
     if torch.is_grad_enabled() and (x2.requires_grad or (weight is not None and weight.requires_grad)):
         return False
