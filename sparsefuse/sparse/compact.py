@@ -97,9 +97,11 @@ def bits_to_sparse_kernel(
         if MODE != _MODE_COUNT:
             slot = filled + tl.cumsum(pc, axis=0) - pc  # each word's first slot in the row
             rest = word
-            # round k places the column of every word's k-th set bit; a full ELL row only counts the rest (a token
-            # firing every feature would otherwise walk 32 rounds per block for nothing)
-            rounds = tl.max(pc, axis=0) if MODE == _MODE_CSR else tl.where(filled < width, tl.max(pc, axis=0), 0)
+            # round k places the column of every word's k-th set bit, at a slot >= filled + k: an ELL row needs
+            # no round past the width it has left, and a full one only counts the rest (a token firing every
+            # feature would otherwise walk 32 rounds per block for nothing)
+            most = tl.max(pc, axis=0)
+            rounds = most if MODE == _MODE_CSR else tl.minimum(most, tl.maximum(width - filled, 0))
             for _ in range(rounds):
                 live = rest != 0
                 col = w * 32 + _lowest_bit(rest)
