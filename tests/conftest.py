@@ -19,6 +19,10 @@ import sparsefuse  # noqa: E402
 from sparsefuse import Backend  # noqa: E402
 
 EXPECTED_BACKEND = Backend.TRITON if DEVICE == "cuda" else Backend.INTERPRETER
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from _fast_interpreter import install  # noqa: E402
+
+    install()  # the interpreter without its redundant re-patching per helper call (see the module)
 
 # Tests that run whole programs through the interpreter in a subprocess (the README's CPU example, the CLI's check)
 # need a Triton whose interpreter can loop over a runtime kernel argument; older ones raise on range(n). The GPU
