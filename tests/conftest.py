@@ -33,7 +33,21 @@ needs_modern_interpreter = pytest.mark.skipif(
 )
 
 
+# The longest tests on a 2-core CI machine (minutes each under the interpreter), longest first: collected before the
+# rest, so that xdist's workers start them early rather than one worker running them alone at the end.
+LONG_FIRST = (
+    "test_compiles_for_sm90.py::",
+    "test_properties.py::test_random_cases[",
+    "test_examples.py::",
+    "distributed/",
+)
+
+
 def pytest_collection_modifyitems(config, items):
+    def rank(item) -> int:  # the longest first; the rest in their order (the sort is stable)
+        return next((i for i, long in enumerate(LONG_FIRST) if long in item.nodeid), len(LONG_FIRST))
+
+    items.sort(key=rank)
     cuda = DEVICE == "cuda" and torch.cuda.is_available()
     skip_gpu = pytest.mark.skip(reason="needs CUDA (run scripts/gpu_check.sh on a GPU machine)")
     for item in items:
