@@ -28,15 +28,19 @@ def install() -> bool:
 
     patch_lang = getattr(interpreter, "_patch_lang", None)
     function = getattr(interpreter, "InterpretedFunction", None)
-    if patch_lang is None or function is None or getattr(patch_lang, "_sparsefuse_once", False):
-        return patch_lang is not None and function is not None
+    executor = getattr(interpreter, "GridExecutor", None)
+    if patch_lang is None or function is None or executor is None:
+        return False
+    if getattr(patch_lang, "_sparsefuse_once", False):
+        return True
     try:
-        if "_patch_lang(self.fn)" not in inspect.getsource(function.__call__):
+        if not all("_patch_lang(self.fn)" in inspect.getsource(f.__call__) for f in (function, executor)):
             return False
     except (OSError, TypeError):
         return False
 
-    state = threading.local()  # per thread: depth of device calls, language modules swapped in this launch
+    # per thread: launches running, depth of device calls, language modules swapped in the running launch
+    state = threading.local()
     lang_ids: dict[int, frozenset[int]] = {}
 
     def languages(fn: Any) -> frozenset[int]:
@@ -49,17 +53,17 @@ def install() -> bool:
 
     def patch_once(fn: Any) -> Any:
         langs = languages(fn)
-        if getattr(state, "depth", 0):  # a helper called from a running kernel
-            patched = getattr(state, "patched", frozenset())
-            if langs <= patched:
-                return None  # the caller discards a helper call's scope
-            state.patched = patched | langs
-        else:  # a launch: it restores its own swaps when it ends
-            state.patched = langs
-        return patch_lang(fn)
+        if getattr(state, "launches", 0):
+            if getattr(state, "depth", 0):  # a helper called from the running kernel
+                if langs and langs <= state.patched:
+                    return None  # the caller discards a helper call's scope
+                state.patched = state.patched | langs
+            else:  # the launch itself: it restores its own swaps when it ends
+                state.patched = langs
+        return patch_lang(fn)  # and anything called outside a launch, as before
 
     patch_once._sparsefuse_once = True
-    call = function.__call__
+    call, run = function.__call__, executor.__call__
 
     def device_call(self: Any, *args: Any, **kwargs: Any) -> Any:
         state.depth = getattr(state, "depth", 0) + 1
@@ -68,6 +72,15 @@ def install() -> bool:
         finally:
             state.depth -= 1
 
+    def launch(self: Any, *args: Any, **kwargs: Any) -> Any:
+        state.launches = getattr(state, "launches", 0) + 1
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            state.launches -= 1
+            state.patched = frozenset()
+
     interpreter._patch_lang = patch_once
     function.__call__ = device_call
+    executor.__call__ = launch
     return True

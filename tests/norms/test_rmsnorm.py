@@ -294,6 +294,13 @@ def test_host_bound_route_is_taken_by_small_eager_inference_on_cuda_only(device)
             sparsefuse.rms_norm(small, 2048, w)
             sparsefuse.rms_norm(large, 2048, w)
         assert dict(launched) == {"rms_norm_fwd_kernel": 1}, dict(launched)
+        # autocast runs torch's rms_norm in float32: the route still rounds to x's dtype, as the kernel does
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            routed = sparsefuse.rms_norm(small, 2048, w)
+        eps = torch.finfo(torch.bfloat16).eps  # eps=None's default for bf16 input
+        kernel = rms_launch.rms_norm_forward(small, w, eps)[0]
+        assert routed.dtype == torch.bfloat16
+        assert_close_to_reference(routed, torch_rms_norm(small.double(), w.double(), eps), kernel)
         rms_launch.rms_norm_forward(small, w, 1e-6)  # compiled for this shape before the capture (it cannot)
         torch.cuda.synchronize()
         stream = torch.cuda.Stream()

@@ -44,7 +44,7 @@ NATIVE_FUSED = hasattr(torch.ops.aten, "_fused_rms_norm")
 
 
 def _host_bound_inference(x2: torch.Tensor, weight: torch.Tensor | None) -> bool:
-    if not NATIVE_FUSED or not x2.is_cuda or x2.numel() * x2.element_size() > NATIVE_EAGER_MAX_BYTES:
+    if not NATIVE_FUSED or not x2.is_cuda or not 0 < x2.numel() * x2.element_size() <= NATIVE_EAGER_MAX_BYTES:
         return False
     if torch.is_grad_enabled() and (x2.requires_grad or (weight is not None and weight.requires_grad)):
         return False
@@ -92,8 +92,10 @@ def rms_norm(
     w = unit_last_stride(weight.reshape(D)) if weight is not None else None
     tensors = (x2,) if w is None else (x2, w)
     if _host_bound_inference(x2, w):
-        normed = torch.nn.functional.rms_norm(x2, (D,), None, eps)
-        y = normed if w is None else w * normed  # LlamaRMSNorm's order: normalise, round to x's dtype, scale
+        # LlamaRMSNorm's order: normalise, round to x's dtype (autocast would leave torch's rms_norm in float32),
+        # then scale by the weight in the promoted dtype
+        normed = torch.nn.functional.rms_norm(x2, (D,), None, eps).to(x2.dtype)
+        y = normed if w is None else w * normed
     elif _backend.bypass_dispatcher(*tensors):
         y = rms_norm_forward(x2, w, eps)[0]
     elif _backend.plain_eager_call(*tensors) and torch.is_grad_enabled():
