@@ -63,22 +63,23 @@ def install() -> bool:
         return patch_lang(fn)  # and anything called outside a launch, as before
 
     patch_once._sparsefuse_once = True
-    call, run = function.__call__, executor.__call__
 
-    def device_call(self: Any, *args: Any, **kwargs: Any) -> Any:
-        state.depth = getattr(state, "depth", 0) + 1
-        try:
-            return call(self, *args, **kwargs)
-        finally:
-            state.depth -= 1
+    def counted(wrapped: Any, counter: str) -> Any:
+        """``wrapped`` (a ``__call__``) with the thread's ``counter`` raised while it runs; a launch's end also
+        forgets the modules swapped in it (its own swaps are restored by then)."""
 
-    def launch(self: Any, *args: Any, **kwargs: Any) -> Any:
-        state.launches = getattr(state, "launches", 0) + 1
-        try:
-            return run(self, *args, **kwargs)
-        finally:
-            state.launches -= 1
-            state.patched = frozenset()
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            setattr(state, counter, getattr(state, counter, 0) + 1)
+            try:
+                return wrapped(self, *args, **kwargs)
+            finally:
+                setattr(state, counter, getattr(state, counter) - 1)
+                if counter == "launches":
+                    state.patched = frozenset()
+
+        return call
+
+    device_call, launch = counted(function.__call__, "depth"), counted(executor.__call__, "launches")
 
     interpreter._patch_lang = patch_once
     function.__call__ = device_call

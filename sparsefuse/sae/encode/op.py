@@ -68,20 +68,10 @@ def jumprelu_ell_decode(
     return sparse_matmul(ell, W_dec, encoder=JumpReLUEncoder(x, W_enc, b_enc, threshold, b_dec))
 
 
-@torch.library.custom_op("sparsefuse::jumprelu_ell_decode", mutates_args=())
-@on_tensor_device
-def jumprelu_ell_decode_op(
-    values: torch.Tensor,
-    indices: torch.Tensor,
-    counts: torch.Tensor,
-    W_dec: torch.Tensor,
-    x: torch.Tensor,
-    W_enc: torch.Tensor,
-    b_enc: torch.Tensor,
-    threshold: torch.Tensor,
-    b_dec: torch.Tensor | None,
-) -> torch.Tensor:
-    return jumprelu_ell_decode(values, indices, counts, W_dec, x, W_enc, b_enc, threshold, b_dec)
+# the op runs the body itself (on the tensors' GPU): one signature, the schema inferred from it
+jumprelu_ell_decode_op = torch.library.custom_op("sparsefuse::jumprelu_ell_decode", mutates_args=())(
+    on_tensor_device(jumprelu_ell_decode)
+)
 
 
 @jumprelu_ell_decode_op.register_fake
