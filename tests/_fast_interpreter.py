@@ -2,7 +2,7 @@
 
 Under ``TRITON_INTERPRET=1`` a kernel launch swaps the builtins of the ``triton.language`` modules its globals
 reach (``tl``, ``tl.core``) for interpreted versions, and restores them when it ends. Every call of a
-``@triton.jit`` helper from inside the kernel (``tl.zeros``, ``popcount``, a gather helper in a loop) does the
+``@triton.jit`` helper from inside the kernel (``tl.zeros``, ``_popcount``, a gather helper in a loop) does the
 same swap again for the helper's modules -- already swapped by the launch or by an earlier helper call of the
 same launch -- and never restores it. That repeated walk over the modules' members was ~23% of the interpreter's
 time in the training step's property cases. Here a helper call swaps only the language modules not yet swapped

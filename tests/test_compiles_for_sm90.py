@@ -43,11 +43,11 @@ pytestmark = pytest.mark.skipif(not _backend.INTERPRET, reason="records launches
 PACKAGE = Path(sparsefuse.__file__).parent
 WORKER = Path(__file__).with_name("_sm90_compile.py")
 # Reached only on the compiled path (see module docstring): compiled through their callers, never interpreted.
-# bitwise_or: a tl.reduce combine function, which the interpreter applies without calling it (row_bits_kernel).
+# _bitwise_or: a tl.reduce combine function, which the interpreter applies without calling it (row_bits_kernel).
 COMPILED_ONLY = {
     ("sparsefuse._triton.sfu", "_sfu"),
     ("sparsefuse.splade.head.kernels", "_nan_max"),
-    ("sparsefuse.sparse.compact", "bitwise_or"),
+    ("sparsefuse.sparse.compact", "_bitwise_or"),
 }
 # Constexprs the launchers set from _backend.INTERPRET: compiled with their GPU value (_nan_max behind it).
 COMPILED_PATH_CONSTEXPRS = {"NATIVE_NAN_MAX": True}

@@ -28,7 +28,7 @@ from ..ffn.hybrid import hybrid_mlp, sparsity_stats
 from ..ffn.twell import DEFAULT_COMPRESSION, METHODS, twell_down_layout, twell_mlp
 from ..ffn.twell.auto import ESTIMATES, eager_runs_dense
 from ..ffn.twell.launch import STATS_TOKENS
-from ..sparse.ell_compact import DEFAULT_HYBRID_WIDTH
+from ..sparse.compact import DEFAULT_HYBRID_WIDTH
 
 # How a forward that needs gradients runs: "dense" (LlamaMLP's ops) or "hybrid" (the sparse training step).
 TRAIN_METHODS = ("dense", "hybrid")

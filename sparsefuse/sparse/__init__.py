@@ -1,6 +1,6 @@
 """The shared sparse core: row formats (:mod:`.formats`, the training format :class:`.Hybrid` among them),
-dense -> sparse compaction (:mod:`.compact`, :mod:`.ell_compact`) and the gather-accumulate product (:mod:`.spmm`)
-that every sparse x dense product in sparsefuse is built on.
+dense -> sparse compaction (:mod:`.compact`) and the gather-accumulate product (:mod:`.spmm`) that every
+sparse x dense product in sparsefuse is built on.
 
 Used by the SAE decode/encode (:mod:`sparsefuse.sae`), the SPLADE backward and the TwELL FFN (:mod:`sparsefuse.ffn`).
 """
@@ -14,8 +14,7 @@ from .._auto import SparsityMonitor, sampled_nonzero_stats
 from .block_grad import block_ell_sddmm, block_ell_transpose, transposed_matmul
 from .block_pack import PackedFactors, pack_block_factors, spilled_blocks, unpack_block_factors
 from .block_spmm import block_sparse_matmul
-from .compact import dense_to_csr, dense_to_row_block_pattern
-from .ell_compact import dense_to_ell, dense_to_hybrid
+from .compact import dense_to_csr, dense_to_ell, dense_to_hybrid, dense_to_row_block_pattern
 from .formats import CSR, ELL, BlockCSC, BlockELL, Hybrid, RowBlockPattern, TwELL
 from .scan import matmul_skip_zeros
 from .sddmm import block_sddmm, torch_block_sddmm

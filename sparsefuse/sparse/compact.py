@@ -1,4 +1,4 @@
-"""Dense -> CSR compaction and row-block patterns (Triton), deterministic and in column order.
+"""Dense -> ELL / CSR compaction (Triton), deterministic and in column order.
 
 Two passes over a [M, N] dense tensor:
   1. ``row_bits_kernel`` streams ``dense`` once and writes a bitmask of its non-zeros (bit c % 32 of word c // 32;
@@ -12,11 +12,14 @@ Two passes over a [M, N] dense tensor:
 their count of non-zeros first, so that tokens of similar sparsity share a block) from the same bitmask: a union
 kernel or-s its words per block; no host sync.
 
-CSR needs the total nnz on the host to allocate exactly (one sync). ELL, whose row base is known, is built in one
-pass instead (:mod:`.ell_compact`). NaN counts as a non-zero, so it propagates into whatever consumes the format.
+ELL needs no device->host sync (its row base is ``row * width`` and entries past the width are counted but not
+stored). CSR needs the total nnz on the host to allocate exactly (one sync). NaN counts as a non-zero, so it
+propagates into whatever consumes the format.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -25,15 +28,15 @@ import triton.language as tl
 from .. import _backend
 from .._backend import Backend, backend_for, cdiv, new_output, next_power_of_2, record_launch, sm_count
 from .._jit import kernel
-from .._validation import check_dense, check_twell_geometry, unit_last_stride
-from .formats import CSR, RowBlockPattern
+from .._validation import check_dense, check_rows, check_twell_geometry, unit_last_stride
+from .formats import CSR, ELL, IN_ELL, SPILLED, Hybrid, RowBlockPattern
 
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension; row_bits_kernel's programs loop past it
-MANY_ROWS_PER_SM = 8  # rows per SM from which counting walks its rows' words in small blocks
+MANY_ROWS_PER_SM = 8  # rows per SM from which the compaction walks its rows' words in small blocks
 
 
 @triton.jit
-def is_nonzero(v, RELU: tl.constexpr):
+def _is_nonzero(v, RELU: tl.constexpr):
     """Non-zero test of the compaction kernels; with RELU, of relu(v) (v > 0), for pre-activations. NaN counts.
     Compared in fp32: the interpreter compares bf16 by its bit pattern, so -0.0 would count and -1 be > 0."""
     v = v.to(tl.float32)
@@ -43,11 +46,12 @@ def is_nonzero(v, RELU: tl.constexpr):
 
 
 _MODE_COUNT = tl.constexpr(0)
-_MODE_CSR = tl.constexpr(1)
+_MODE_ELL = tl.constexpr(1)
+_MODE_CSR = tl.constexpr(2)
 
 
 @triton.jit
-def popcount(u):
+def _popcount(u):
     """Set bits of each uint32 word (SWAR: no inline assembly, so the interpreter runs it too) as int32."""
     u = u - ((u >> 1) & 0x55555555)
     u = (u & 0x33333333) + ((u >> 2) & 0x33333333)
@@ -56,7 +60,7 @@ def popcount(u):
 
 
 @triton.jit
-def lowest_bit(u):
+def _lowest_bit(u):
     """Index (int32) of the lowest set bit of each non-zero uint32 word: the exponent of that bit as an fp32, which
     a power of two converts to exactly."""
     low = (u & (~u + 1)).to(tl.float32)
@@ -73,44 +77,59 @@ def bits_to_sparse_kernel(
     indices_ptr,
     n_words,
     stride_dense,
+    width,
     BLOCK_W: tl.constexpr,
     MODE: tl.constexpr,
 ):
     # bits [M, n_words] int32 (row_bits_kernel) of dense [M, N] (unit column stride); one program per row.
-    # MODE count: counts [M] int32 = the row's set bits. CSR: values/indices [nnz] from row_offsets [M + 1] int64 on.
+    # MODE count: counts [M] int32 = the row's set bits. ELL: values/indices [M, width] (the first width non-zeros,
+    # then zeros) and counts [M] (all of them). CSR: values/indices [nnz] from row_offsets [M + 1] int64 on.
     row = tl.program_id(0).to(tl.int64)
     if MODE == _MODE_CSR:
         base = tl.load(row_offsets_ptr + row)
+    else:
+        base = row * width
     filled = tl.zeros([], dtype=tl.int32)
     for w0 in range(0, n_words, BLOCK_W):
         w = w0 + tl.arange(0, BLOCK_W)  # [BLOCK_W]
         word = tl.load(bits_ptr + row * n_words + w, mask=w < n_words, other=0).to(tl.uint32, bitcast=True)
-        pc = popcount(word)
-        if MODE == _MODE_CSR:
+        pc = _popcount(word)
+        if MODE != _MODE_COUNT:
             slot = filled + tl.cumsum(pc, axis=0) - pc  # each word's first slot in the row
             rest = word
-            # round k places the column of every word's k-th set bit
-            for _ in range(tl.max(pc, axis=0)):
+            # round k places the column of every word's k-th set bit, at a slot >= filled + k: an ELL row needs
+            # no round past the width it has left, and a full one only counts the rest (a token firing every
+            # feature would otherwise walk 32 rounds per block for nothing)
+            most = tl.max(pc, axis=0)
+            rounds = most if MODE == _MODE_CSR else tl.minimum(most, tl.maximum(width - filled, 0))
+            for _ in range(rounds):
                 live = rest != 0
-                col = w * 32 + lowest_bit(rest)
-                tl.store(indices_ptr + base + slot, col, mask=live)
+                col = w * 32 + _lowest_bit(rest)
+                keep = live & (slot < width) if MODE == _MODE_ELL else live
+                tl.store(indices_ptr + base + slot, col, mask=keep)
                 slot += live.to(tl.int32)
                 rest = rest & (rest - 1)
         filled += tl.sum(pc, axis=0)
-    if MODE == _MODE_CSR:
+    if MODE != _MODE_COUNT:
         # The values in one pass over the placed slots, not a load per round: a round then waits on no memory, and
         # a row's gathers from dense are in flight together (with a load per round, a full row waits 32 DRAM
         # latencies: 19 us against 13.5 at 256 rows, H200).
         # The indices are read back from memory, written by other threads of this program: hence the barrier,
         # and loads that bypass L1.
         tl.debug_barrier()
-        for s0 in range(0, filled, BLOCK_W):
+        placed = filled if MODE == _MODE_CSR else tl.minimum(filled, width)
+        for s0 in range(0, placed, BLOCK_W):
             s = s0 + tl.arange(0, BLOCK_W)
-            in_row = s < filled
+            in_row = s < placed
             col = tl.load(indices_ptr + base + s, mask=in_row, other=0, cache_modifier=".cg")
             v = tl.load(dense_ptr + row * stride_dense + col, mask=in_row, other=0.0)
             tl.store(values_ptr + base + s, v, mask=in_row)
-    else:
+    if MODE == _MODE_ELL:  # the unused slots get index 0 and value 0 here: no fill launches before this one
+        for s0 in range(tl.minimum(filled, width), width, BLOCK_W):
+            s = s0 + tl.arange(0, BLOCK_W)
+            tl.store(values_ptr + base + s, tl.zeros([BLOCK_W], dtype=values_ptr.dtype.element_ty), mask=s < width)
+            tl.store(indices_ptr + base + s, tl.zeros([BLOCK_W], dtype=tl.int32), mask=s < width)
+    if MODE != _MODE_CSR:
         tl.store(counts_ptr + row, filled)
 
 
@@ -123,16 +142,20 @@ def _bits_to_sparse(
     row_offsets: torch.Tensor | None = None,
     values: torch.Tensor | None = None,
     indices: torch.Tensor | None = None,
+    width: int = 0,
 ) -> None:
     """One bits_to_sparse_kernel launch over the rows of ``bits`` (see the kernel for the modes)."""
     M, n_words = bits.shape
     if _backend.INTERPRET:
         block_w, warps = 8, 4
-    elif mode == _MODE_COUNT.value and M >= MANY_ROWS_PER_SM * sm_count(bits.device):
-        # Many waves: counting is bound by its instructions, so small blocks of one warp. Not for CSR, which
-        # places every entry: one warp would walk a token firing every feature 4x longer than 4 warps do.
+    elif mode != _MODE_CSR.value and M >= MANY_ROWS_PER_SM * sm_count(bits.device):
+        # Many waves: the walk is bound by its instructions (each round of set bits runs over every word of the
+        # block, and at SAE sparsity nearly all words are zero), so small blocks of one warp: at 4096 rows of 2048
+        # words, 31 us against 52 with 1024 words and 4 warps and a load per round (H200). Not for CSR, which places
+        # every entry: one warp would walk a token firing every feature 4x longer than 4 warps do (ELL stops at its
+        # width).
         block_w, warps = 128, 1
-    else:  # about a wave: bound by each row's latency, so few, wide blocks
+    else:  # about a wave: bound by each row's latency, so few, wide blocks (5.8 us at 256 rows, H200)
         block_w, warps = min(1024, max(32, next_power_of_2(n_words))), 4
     unused = bits
     bits_to_sparse_kernel[(M,)](
@@ -144,11 +167,33 @@ def _bits_to_sparse(
         unused if indices is None else indices,
         n_words,
         dense.stride(0),
+        width,
         BLOCK_W=block_w,
         MODE=mode,
         num_warps=warps,
     )
     record_launch("bits_to_sparse_kernel")
+
+
+def dense_to_ell(dense: torch.Tensor, width: int) -> ELL:
+    """Compact each row of ``dense`` [M, N] into ``width`` slots (column order) with its true count. No host sync:
+    rows with more than ``width`` non-zeros keep their first ``width`` and report the full count (``overflowed()``).
+    """
+    check_dense("dense_to_ell", dense)
+    dense = unit_last_stride(dense)
+    if not isinstance(width, int) or width <= 0:
+        raise ValueError(f"dense_to_ell: width must be a positive int; got {width!r}")
+    M, N = dense.shape
+    if backend_for(dense) is Backend.TORCH or M == 0 or N == 0:
+        if backend_for(dense) is Backend.TORCH:
+            _backend.warn_reference_once("dense_to_ell")
+        return ELL.from_dense(dense, width)
+    bits = _row_bits(dense, False)
+    values = new_output((M, width), dense.dtype, dense.device)  # every slot written by the kernel (padding too)
+    indices = new_output((M, width), torch.int32, dense.device)
+    counts = new_output((M,), torch.int32, dense.device)
+    _bits_to_sparse(bits, dense, _MODE_ELL.value, counts=counts, values=values, indices=indices, width=width)
+    return ELL(values, indices, counts, N)
 
 
 def dense_to_csr(dense: torch.Tensor) -> CSR:
@@ -173,7 +218,7 @@ def dense_to_csr(dense: torch.Tensor) -> CSR:
 
 
 @triton.jit
-def bitwise_or(a, b):
+def _bitwise_or(a, b):
     return a | b
 
 
@@ -198,8 +243,8 @@ def row_bits_kernel(
             mask=row_mask[:, None] & (cols[None, :] < N),
             other=0.0,
         )
-        fired = is_nonzero(v, RELU).to(tl.int32)  # [ROWS, BLOCK_C]
-        words = tl.reduce(tl.reshape(fired, [ROWS, BLOCK_C // 32, 32]) << lane[None, None, :], 2, bitwise_or)
+        fired = _is_nonzero(v, RELU).to(tl.int32)  # [ROWS, BLOCK_C]
+        words = tl.reduce(tl.reshape(fired, [ROWS, BLOCK_C // 32, 32]) << lane[None, None, :], 2, _bitwise_or)
         w = chunk * (BLOCK_C // 32) + tl.arange(0, BLOCK_C // 32)
         tl.store(
             bits_ptr + rows[:, None].to(tl.int64) * n_words + w[None, :],
@@ -239,10 +284,10 @@ def row_block_union_kernel(
         mask=slot_mask[:, None] & (first_word + w[None, :] < n_words),
         other=0,
     )
-    union = tl.reduce(words, 0, bitwise_or)  # [WORDS]
+    union = tl.reduce(words, 0, _bitwise_or)  # [WORDS]
     cols = tile * TILE + tl.arange(0, TILE)  # [TILE]
     word_of_col = tl.reduce(
-        tl.where((cols // 32 - first_word)[:, None] == w[None, :], union[None, :], 0), 1, bitwise_or
+        tl.where((cols // 32 - first_word)[:, None] == w[None, :], union[None, :], 0), 1, _bitwise_or
     )
     in_union = ((word_of_col >> (cols % 32)) & 1) * (cols < N)  # [TILE]
     rank = tl.cumsum(in_union, axis=0) - 1
@@ -309,7 +354,7 @@ def row_keys_kernel(bits_ptr, keys_ptr, M, n_words, n_sample, ROWS: tl.constexpr
         kept = n_sample - w * 32  # bits of each word inside the sample (>= 32: all)
         low = (tl.full([WORDS], 1, tl.uint32) << tl.minimum(tl.maximum(kept, 0), 31).to(tl.uint32)) - 1
         low = tl.where(kept >= 32, tl.full([WORDS], 0xFFFFFFFF, tl.uint32), low)
-        count += tl.sum(popcount(words & low[None, :]), axis=1)
+        count += tl.sum(_popcount(words & low[None, :]), axis=1)
     tl.store(keys_ptr + rows, _count_key(count), mask=row_mask)
 
 
@@ -438,3 +483,36 @@ def dense_to_row_block_pattern(
     )
     record_launch("row_block_union_kernel")
     return RowBlockPattern(indices, union_counts, order, M, N, tile, block_rows)
+
+
+DEFAULT_HYBRID_WIDTH = 128  # ELL slots per row of the training format (the TwELL paper's)
+
+
+def dense_to_hybrid(dense: torch.Tensor, width: int = DEFAULT_HYBRID_WIDTH, backup_rows: int | None = None) -> Hybrid:
+    """The :class:`Hybrid` form of ``dense`` [M, N] (non-zeros: entries != 0; pass ``relu(pre)`` for a ReLU layer).
+
+    Args:
+        width: ELL slots per row (a row with more non-zeros goes to the backup whole).
+        backup_rows: R, dense rows kept for overflowed rows (default ``ceil(M / 8)``); overflowed rows past the
+            first R are marked ``SPILLED``.
+    No host sync; deterministic (prefix sums and a sorted search, no atomics), so the same input always gives the
+    same format. How many rows spilled is a device scalar (:meth:`Hybrid.spilled`) a caller reads when it chooses,
+    e.g. to size the next step's backup."""
+    check_rows("dense", dense, 2)
+    M, N = dense.shape
+    R = math.ceil(M / 8) if backup_rows is None else backup_rows
+    if not isinstance(R, int) or isinstance(R, bool) or R < 0:
+        raise ValueError(f"dense_to_hybrid: backup_rows must be a non-negative int or None; got {backup_rows!r}")
+    # float64 (gradient checks) has no kernel: the plain-torch compaction, same format
+    ell = ELL.from_dense(dense, width) if dense.dtype == torch.float64 else dense_to_ell(dense, width)
+    overflowed = ell.overflowed()
+    seen = overflowed.to(torch.int32).cumsum(0, dtype=torch.int32)  # overflowed rows up to and including each row
+    rank = seen - 1
+    slot = torch.where(overflowed, torch.where(rank < R, rank, SPILLED), IN_ELL).to(torch.int32)
+    # backup row s holds the first row at which `seen` reaches s + 1 (M when fewer rows overflowed)
+    wanted = torch.arange(1, R + 1, device=dense.device, dtype=torch.int32)
+    rows = torch.searchsorted(seen, wanted) if M else torch.zeros(R, dtype=torch.int64, device=dense.device)
+    valid = rows < M
+    backup = dense[rows.clamp(max=max(M - 1, 0))] if M else dense.new_zeros(R, N)
+    backup = torch.where(valid[:, None], backup, 0)  # unused rows: zeros (never read)
+    return Hybrid(ell, backup, torch.where(valid, rows, -1).to(torch.int32), slot)

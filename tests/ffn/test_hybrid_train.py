@@ -68,7 +68,7 @@ def test_step_matches_the_float64_reference_with_the_kernels(layout, dtype, bias
     with track_launches() as launched:
         out, grads = _run(leaves, dy, coef=0.3, layout=layout, width=8, backup_rows=1)
     if layout == "hybrid":
-        assert launched["dense_to_ell_kernel"] >= 1 and launched["gather_accumulate_kernel"] == 3, launched
+        assert launched["bits_to_sparse_kernel"] >= 1 and launched["gather_accumulate_kernel"] == 3, launched
     elif layout == "dense":  # cuBLAS products; relu, the product, L1 and counts in one pass, their backward in one
         assert launched == {"relu_mul_stats_kernel": 1, "relu_mul_backward_kernel": 1}, launched
     else:  # forward: up on the unions (+ statistics), down; backward: dh + chain rule, dx, transpose, weight grads

@@ -466,10 +466,10 @@ def test_fixed_runs_the_scan_on_small_batches(device, monkeypatch):
     monkeypatch.setattr(decode, "FIXED_SCAN_ROWS", 5)
     acts = sparse_rows(5, 600, [3, 300, 0, 40, 7], device=device)
     w = torch.randn(600, 24, device=device)
-    two_pass = {"dense_to_ell_kernel": 1, "gather_accumulate_kernel": 2}
+    two_pass = {"row_bits_kernel": 1, "bits_to_sparse_kernel": 1, "gather_accumulate_kernel": 2}
     with track_launches() as launched:
         out = sparse_decode(acts, w, method="fixed", max_l0=256)
-    assert "dense_to_ell_kernel" not in launched and launched["gather_accumulate_kernel"] >= 1, dict(launched)
+    assert "row_bits_kernel" not in launched and launched["gather_accumulate_kernel"] >= 1, dict(launched)
     assert_close_to_reference(out, *reference(acts, w), **allowance(acts, w))
     with track_launches() as launched:
         out = sparse_decode(acts, w, method="fixed", max_l0=300, validate=True)
@@ -488,14 +488,14 @@ def test_fixed_runs_the_scan_on_small_batches(device, monkeypatch):
         torch.cuda.synchronize()  # ... has arrived by the next call
     with track_launches() as launched:
         out = sparse_decode(short, w_short, method="fixed", max_l0=256)
-    assert dict(launched) == {"dense_to_ell_kernel": 1, "gather_accumulate_kernel": 2}
+    assert dict(launched) == {"row_bits_kernel": 1, "bits_to_sparse_kernel": 1, "gather_accumulate_kernel": 2}
     assert_close_to_reference(out, *reference(short, w_short), **allowance(short, w_short))
     with track_launches() as launched:
         sparse_decode(acts, w, method="fixed", max_l0=256)
-    assert "dense_to_ell_kernel" not in launched
+    assert "row_bits_kernel" not in launched
     with track_launches() as launched:
         sparse_decode(acts, w, method="fixed", max_l0=2)  # most ordinary tokens (L0 3 and 7) overflow
-    assert "dense_to_ell_kernel" not in launched
+    assert "row_bits_kernel" not in launched
     monkeypatch.setattr(auto, "AUTO_DENSE_BELOW_D_SAE", 256)
     monkeypatch.setattr(auto, "_fastest_method", lambda *_, **__: "fixed")
     with track_launches() as launched:
@@ -514,7 +514,7 @@ def test_auto_runs_the_two_pass_method_when_the_model_picks_it(device, monkeypat
     w = torch.randn(600, 24, device=device)
     with track_launches() as launched:
         out = sparse_decode(acts, w, expected_l0=10)
-    assert dict(launched) == {"dense_to_ell_kernel": 1, "gather_accumulate_kernel": 2}
+    assert dict(launched) == {"row_bits_kernel": 1, "bits_to_sparse_kernel": 1, "gather_accumulate_kernel": 2}
     assert_close_to_reference(out, *reference(acts, w), **allowance(acts, w))
 
 

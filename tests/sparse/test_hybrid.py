@@ -40,7 +40,7 @@ def test_dense_to_hybrid_stores_every_value_or_marks_the_row(n, l0s, width, back
     assert_backend(dense)
     with track_launches() as launched:
         hybrid = dense_to_hybrid(dense, width=width, backup_rows=backup)
-    assert launched["dense_to_ell_kernel"] == 1  # the ELL part is the core's compaction kernel
+    assert launched["bits_to_sparse_kernel"] == 1  # the ELL part is the core's compaction kernel
     R = -(-len(l0s) // 8) if backup is None else backup
     assert hybrid.backup.shape == (R, n) and hybrid.shape == dense.shape
     ref = ELL.from_dense(dense, width)

@@ -17,7 +17,7 @@ from ..._validation import (
     flat_rows,
     unit_last_stride,
 )
-from ...sparse.ell_compact import DEFAULT_HYBRID_WIDTH
+from ...sparse.compact import DEFAULT_HYBRID_WIDTH
 from ..twell.block import block_plan
 from .block_step import block_mlp_train_fwd
 from .choice import TRAIN_CHOICE
