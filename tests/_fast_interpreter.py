@@ -64,9 +64,9 @@ def install() -> bool:
 
     patch_once._sparsefuse_once = True
 
-    def counted(wrapped: Any, counter: str) -> Any:
-        """``wrapped`` (a ``__call__``) with the thread's ``counter`` raised while it runs; a launch's end also
-        forgets the modules swapped in it (its own swaps are restored by then)."""
+    def counted(wrapped: Any, counter: str, forget_on_exit: bool = False) -> Any:
+        """``wrapped`` (a ``__call__``) with the thread's ``counter`` raised while it runs; with ``forget_on_exit``
+        (a launch) its end also forgets the modules swapped in it (its own swaps are restored by then)."""
 
         def call(self: Any, *args: Any, **kwargs: Any) -> Any:
             setattr(state, counter, getattr(state, counter, 0) + 1)
@@ -74,12 +74,15 @@ def install() -> bool:
                 return wrapped(self, *args, **kwargs)
             finally:
                 setattr(state, counter, getattr(state, counter) - 1)
-                if counter == "launches":
+                if forget_on_exit:
                     state.patched = frozenset()
 
         return call
 
-    device_call, launch = counted(function.__call__, "depth"), counted(executor.__call__, "launches")
+    device_call, launch = (
+        counted(function.__call__, "depth"),
+        counted(executor.__call__, "launches", forget_on_exit=True),
+    )
 
     interpreter._patch_lang = patch_once
     function.__call__ = device_call
