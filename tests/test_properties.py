@@ -196,7 +196,7 @@ def _jumprelu_encode(d):
 def _topk_encode(d):
     dtype = d.choice([torch.float32, torch.float16])
     M, d_in, d_sae = d.size(0, 7), d.size(1, 40), d.size(2, 80)
-    k = d.size(1, min(d_sae, 8))
+    k = min(d.size(1, 8), d_sae)  # size() scales its bound on the GPU grid: k stays within d_sae
     x, w, b_enc = d.tensor(M, d_in, dtype=dtype), d.tensor(d_in, d_sae, dtype=dtype), d.tensor(d_sae)
     activation = d.choice(["relu", "none"])
     indices, acts = sparsefuse.topk_encode(x, w, b_enc, k, activation=activation)

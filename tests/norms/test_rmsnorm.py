@@ -164,15 +164,21 @@ def test_empty_inputs(device):
     assert launched["rms_norm_fwd_kernel"] == 0
 
 
-def test_nan_and_inf_propagate_per_row_as_torch(device):
+@pytest.mark.parametrize(
+    "dtype, D", [(torch.float32, 32), (torch.bfloat16, 70), (torch.float16, 3), (torch.bfloat16, 2048)]
+)
+def test_nan_and_inf_propagate_per_row_as_torch(dtype, D, device):
     """A NaN poisons its row; an inf makes its row's 1/rms zero (inf * 0 = NaN where it was, 0 elsewhere), as
-    LlamaRMSNorm gives; other rows are untouched."""
-    x = make((4, 32), torch.float32, device)
-    x[1, 3] = float("nan")
+    LlamaRMSNorm gives; other rows are untouched. Whatever route a small eager call takes on CUDA: torch's native
+    kernel returns such a row all NaN off its vectorised path (row lengths such as 3 and 70)."""
+    x = make((4, D), dtype, device)
+    x[1, D // 2] = float("nan")
     x[2, 0] = float("inf")
-    y = sparsefuse.rms_norm(x, 32)
+    with torch.no_grad():
+        y = sparsefuse.rms_norm(x, D)
     assert torch.isnan(y[1]).all() and torch.isnan(y[2, 0]) and torch.equal(y[2, 1:], torch.zeros_like(y[2, 1:]))
-    assert_close_to_reference(y, torch_rms_norm(x.double(), None, EPS32), lowp_llama(x, None, EPS32))
+    eps = torch.finfo(dtype).eps
+    assert_close_to_reference(y, torch_rms_norm(x.double(), None, eps), lowp_llama(x, None, eps))
 
 
 def test_bad_inputs(device):
@@ -289,6 +295,10 @@ def test_host_bound_route_is_taken_by_small_eager_inference_on_cuda_only(device)
         assert _host_bound_inference(small, w) is cuda and not _host_bound_inference(large, w)
     assert _host_bound_inference(small, w) is cuda  # nothing requires grad
     assert not _host_bound_inference(small, w.clone().requires_grad_())  # autograd: the kernel's backward
+    with torch.no_grad():  # rows torch's native kernel may take off its vectorised path (inf rows all NaN there)
+        assert not _host_bound_inference(make((8, 70), torch.bfloat16, device), None)
+        assert not _host_bound_inference(make((8 * 2048 + 1,), torch.bfloat16, device)[1:].view(8, 2048), None)
+        assert not _host_bound_inference(make((8, 4096), torch.bfloat16, device)[:, :2048], None)
     if cuda:
         with torch.no_grad(), track_launches() as launched:
             sparsefuse.rms_norm(small, 2048, w)

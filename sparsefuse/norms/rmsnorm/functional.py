@@ -43,8 +43,17 @@ NATIVE_EAGER_MAX_BYTES = 1 << 20
 NATIVE_FUSED = hasattr(torch.ops.aten, "_fused_rms_norm")
 
 
+# torch's native CUDA kernel gives LlamaRMSNorm's answer for a row holding an inf (1/rms = 0: NaN where the inf
+# was, 0 elsewhere) only on its vectorised path; its other path (a row length that is not a multiple of its vector,
+# or an unaligned row) returns the whole row NaN (H200, torch 2.11: 16-bit rows of 2, 3 and 70 elements). So the
+# route takes only rows that path is sure to take: contiguous, 16-byte aligned, a multiple of 8 elements long.
+NATIVE_ROW_MULTIPLE = 8
+
+
 def _host_bound_inference(x2: torch.Tensor, weight: torch.Tensor | None) -> bool:
     if not NATIVE_FUSED or not x2.is_cuda or not 0 < x2.numel() * x2.element_size() <= NATIVE_EAGER_MAX_BYTES:
+        return False
+    if x2.shape[1] % NATIVE_ROW_MULTIPLE or not x2.is_contiguous() or x2.data_ptr() % 16:
         return False
     if torch.is_grad_enabled() and (x2.requires_grad or (weight is not None and weight.requires_grad)):
         return False
