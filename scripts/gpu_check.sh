@@ -33,6 +33,36 @@ gpu=$($PY -c 'import torch; from sparsefuse.bench.report import sanitize; print(
 # machine's time limit still ends with pytest's summary, naming the failures seen so far.
 # PYTEST_ARGS: more pytest arguments for the suite (-v names each test as it finishes, so that a cut run's log
 # tells which tests never ran).
+# test_shards N [without-distributed]: the test files in N lines of about equal source size (the largest file first,
+# into the lightest shard); with "without-distributed", tests/distributed is left out (it runs on its own).
+test_shards() {
+  $PY - "$@" <<'PYTHON'
+import sys
+from pathlib import Path
+
+n, skip = int(sys.argv[1]), "without-distributed" in sys.argv[2:]
+files = sorted(
+    (f for f in Path("tests").rglob("test_*.py") if not (skip and "distributed" in f.parts)),
+    key=lambda f: (-f.stat().st_size, str(f)),
+)
+shards, loads = [[] for _ in range(n)], [0] * n
+for f in files:
+    i = loads.index(min(loads))
+    shards[i].append(str(f))
+    loads[i] += f.stat().st_size
+print("\n".join(" ".join(s) for s in shards))
+PYTHON
+}
+# PART=K/N (TESTS unset): only the K-th of N shares of the test files, so that a machine lent 10 minutes a call runs
+# the whole suite in N calls (PART=1/3, 2/3, 3/3 on one H200 with 16 workers).
+if [ -n "${PART:-}" ] && [ -z "${TESTS:-}" ]; then
+  if ! [[ "$PART" =~ ^([0-9]+)/([0-9]+)$ ]] || [ "${BASH_REMATCH[1]}" -lt 1 ] || [ "${BASH_REMATCH[1]}" -gt "${BASH_REMATCH[2]}" ]; then
+    echo "gpu_check: PART must be K/N with 1 <= K <= N; got '$PART'" >&2
+    exit 2
+  fi
+  TESTS=$(test_shards "${BASH_REMATCH[2]}" | sed -n "${BASH_REMATCH[1]}p")
+  echo "gpu_check: PART $PART: $TESTS"
+fi
 ngpu=${GPUS:-$($PY -c 'import torch; print(torch.cuda.device_count())')}
 deadline=()
 [ -n "${TESTS_DEADLINE_S:-}" ] && deadline=(timeout -s INT -k 30 "$TESTS_DEADLINE_S")
@@ -44,23 +74,7 @@ elif [ -n "${TESTS:-}" ] || [ "$ngpu" -le 1 ]; then
   ${deadline[@]+"${deadline[@]}"} $PY -m pytest ${TESTS:-tests} -q -rf -n ${PYTEST_WORKERS:-8} -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$log"
   tests_status=${PIPESTATUS[0]}
 else
-  mapfile -t shards < <($PY - "$ngpu" <<'PYTHON'
-import sys
-from pathlib import Path
-
-n = int(sys.argv[1])
-files = sorted(
-    (f for f in Path("tests").rglob("test_*.py") if "distributed" not in f.parts),
-    key=lambda f: (-f.stat().st_size, str(f)),
-)
-shards, loads = [[] for _ in range(n)], [0] * n
-for f in files:  # the largest file first, into the lightest shard
-    i = loads.index(min(loads))
-    shards[i].append(str(f))
-    loads[i] += f.stat().st_size
-print("\n".join(" ".join(s) for s in shards))
-PYTHON
-  )
+  mapfile -t shards < <(test_shards "$ngpu" without-distributed)
   pids=()
   for i in "${!shards[@]}"; do
     CUDA_VISIBLE_DEVICES=$i ${deadline[@]+"${deadline[@]}"} $PY -m pytest ${shards[$i]} -q -rf -n ${PYTEST_WORKERS:-8} -p no:cacheprovider ${PYTEST_ARGS:-} \
