@@ -60,6 +60,16 @@ def assert_valid_topk(indices, acts, pre, bound, k, activation="relu"):
     )
 
 
+def product_reference(a, w):
+    """(``a @ w`` in float64, torch's fp32-accumulated product in torch's result dtype)."""
+    return a.double() @ w.double(), (a.float() @ w.float()).to(torch.result_type(a, w))
+
+
+def product_allowance(a, w):
+    """Keyword arguments of the comparison allowing ``a @ w``'s summation order: ``**product_allowance(a, w)``."""
+    return {"extra_abs": accumulation_allowance(a, w)}
+
+
 def check_product(out, a, w):
     """``out`` is ``a @ w`` (fully written: outputs are NaN-poisoned) within the fp32-accumulation tolerance."""
     assert not torch.isnan(out).any(), "an output element was left unwritten (NaN-poisoned)"

@@ -3,25 +3,14 @@
 import pytest
 import torch
 from conftest import DEVICE, assert_backend
-from helpers import sparse_rows
+from helpers import product_allowance, product_reference, sparse_rows
 
 from sparsefuse import track_launches
 from sparsefuse.sae import sparse_decode, topk_decode
 from sparsefuse.sae.decode import sparse_decode_backward_op, sparse_decode_op
-from sparsefuse.sparse import matmul_skip_zeros
 from sparsefuse.testing import accumulation_allowance, assert_close_to_reference
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
-
-
-def reference(acts, w):
-    """(float64 product, torch's in the output dtype); pass **allowance(acts, w) for the summation-order slack."""
-    out_dtype = torch.result_type(acts, w)
-    return acts.double() @ w.double(), (acts.float() @ w.float()).to(out_dtype)
-
-
-def allowance(acts, w):
-    return {"extra_abs": accumulation_allowance(acts, w)}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -36,7 +25,7 @@ def test_decode_matches_dense_product(B, F, D, l0s, method, dtype, device):
     if method in ("scan", "fixed", "exact"):  # the main launch, then the spread pass over the long rows it listed
         assert launched["gather_accumulate_kernel"] == 2
     assert out.shape == (B, D) and out.dtype == dtype
-    assert_close_to_reference(out, *reference(acts, w), **allowance(acts, w))
+    assert_close_to_reference(out, *product_reference(acts, w), **product_allowance(acts, w))
 
 
 LONG_ROW_CASES = {  # (B, per-token L0 cycled over the batch) at d_sae 700: not a multiple of any block
@@ -78,14 +67,14 @@ def test_tokens_firing_every_feature_are_spread_and_exact(case, method, dtype, d
     else:  # rows past 32 non-zeros (1 in 64 columns, at least 32), and for "fixed" those past its 16 slots
         assert int(plan.count) == int((fired > (16 if method == "fixed" else 32)).sum())
     assert out.shape == (B, 40) and out.dtype == dtype
-    assert_close_to_reference(out, *reference(acts, w), **allowance(acts, w))
+    assert_close_to_reference(out, *product_reference(acts, w), **product_allowance(acts, w))
 
 
 def test_overflowing_tokens_are_decoded_correctly_or_rejected(device):
     acts = sparse_rows(6, 512, [2, 90, 0, 512, 7, 40], device=device)
     w = torch.randn(512, 40, device=device)
     out = sparse_decode(acts, w, method="fixed", max_l0=32)
-    assert_close_to_reference(out, *reference(acts, w), **allowance(acts, w))
+    assert_close_to_reference(out, *product_reference(acts, w), **product_allowance(acts, w))
     with pytest.raises(ValueError, match="a token fired 512 features but max_l0=32"):
         sparse_decode(acts, w, method="fixed", max_l0=32, validate=True)
     sparse_decode(acts, w, method="fixed", max_l0=512, validate=True)  # fits: no error
@@ -114,9 +103,9 @@ def test_backward_matches_autograd_on_the_pattern(device):
     ref_acts = (grad.double() @ w.detach().double().t()) * pattern
     ref_w = acts.detach().double().t() @ grad.double()
     assert_close_to_reference(
-        acts.grad, ref_acts, ((grad @ w.detach().t()) * pattern), **allowance(grad, w.detach().t())
+        acts.grad, ref_acts, ((grad @ w.detach().t()) * pattern), **product_allowance(grad, w.detach().t())
     )
-    assert_close_to_reference(w.grad, ref_w, acts.detach().t() @ grad, **allowance(acts.detach().t(), grad))
+    assert_close_to_reference(w.grad, ref_w, acts.detach().t() @ grad, **product_allowance(acts.detach().t(), grad))
 
 
 def test_opcheck(device):
@@ -132,7 +121,7 @@ def test_topk_decode(device):
     vals = torch.randn(7, 12, device=device)
     w = torch.randn(500, 40, device=device)
     dense = torch.zeros(7, 500, device=device).scatter_(1, idx, vals)
-    assert_close_to_reference(topk_decode(idx, vals, w), *reference(dense, w))
+    assert_close_to_reference(topk_decode(idx, vals, w), *product_reference(dense, w))
     with pytest.raises(ValueError, match=r"top_indices must lie in \[0, 500\); got range \[-1, "):
         topk_decode(torch.where(idx == idx[0, 0], -1, idx), vals, w)
     with pytest.raises(TypeError, match="top_indices must be int32/int64"):
@@ -281,24 +270,8 @@ def test_torch_compile_fullgraph(device):
     fn = torch.compile(lambda a, b: sparse_decode(a, b, method="fixed", max_l0=8), fullgraph=True, backend=backend)
     out = fn(acts, w)
     out.sum().backward()
-    assert_close_to_reference(out, *reference(acts.detach(), w.detach()))
+    assert_close_to_reference(out, *product_reference(acts.detach(), w.detach()))
     assert w.grad is not None and acts.grad is not None
-
-
-@pytest.mark.parametrize("expected_l0", [None, 3.0, 400.0])
-def test_torch_compile_fullgraph_of_the_default_call(expected_l0, device, scan_below_10):
-    """The default call (method="auto") compiles without a graph break: the cost model's pick (stubbed: scan iff
-    L0 < 10) is evaluated at trace time and baked in (nothing observed under tracing: d_sae / 1024 unless
-    expected_l0 says otherwise)."""
-    acts, w = sparse_rows(5, 600, [3, 30, 0, 4, 7], device=device), torch.randn(600, 24, device=device)
-    backend = "inductor" if device.type == "cuda" else "aot_eager"
-    torch._dynamo.reset()
-    fn = torch.compile(lambda a, b: sparse_decode(a, b, expected_l0=expected_l0), fullgraph=True, backend=backend)
-    with track_launches() as launched:
-        out = fn(acts, w)
-    assert bool(launched) == (expected_l0 != 400.0), dict(launched)
-    assert scan_below_10 == [round(600 / 1024, 1) if expected_l0 is None else expected_l0]  # (rounded: memo key)
-    assert_close_to_reference(out, *reference(acts, w), **allowance(acts, w))
 
 
 @pytest.mark.gpu
@@ -318,9 +291,8 @@ def test_gpu_seed_correctness_grid():
         acts = sparse_rows(B, F, [l0], dtype, "cuda")
         w = (torch.randn(F, D, device="cuda") / 8).to(dtype)
         out = sparse_decode(acts, w, method=method, max_l0=64)  # l0 = 100 overflows 64: decoded from dense rows
-        assert_close_to_reference(
-            out, *reference(acts, w), **allowance(acts, w), name=f"{method} {dtype} B={B} F={F} D={D} L0={l0}"
-        )
+        name = f"{method} {dtype} B={B} F={F} D={D} L0={l0}"
+        assert_close_to_reference(out, *product_reference(acts, w), **product_allowance(acts, w), name=name)
 
 
 def test_sparse_jumprelu_sae_module(device):
@@ -359,410 +331,3 @@ def test_sparse_jumprelu_sae_fused_inference_with_overflow(device):
     ref = (torch.relu(pre) * (pre > p["threshold"])) @ p["W_dec"] + p["b_dec"]
     assert recon.shape == x.shape
     assert (recon.double() - ref).abs().max() <= 1e-4 * ref.abs().max()
-
-
-bf16, fp32 = torch.bfloat16, torch.float32
-
-# Measured medians (us) of scan, the two passes of "fixed" at auto's width and cuBLAS at a constant L0 (CUDA graphs
-# of 20 calls over two input sets, 4 for the largest): the sae_decode benchmark's shapes on an H200 (main shapes, L0
-# and batch sweeps; None: not measured) and sae_decode_grid's constant inputs on an H100.
-_MEASURED_DECODES = [
-    ("H200", 32, 65536, 768, 64, fp32, 10.9, 16.0, 149.6),
-    ("H200", 256, 65536, 768, 64, fp32, 52.4, 42.9, 502.4),
-    ("H200", 32, 131072, 512, 128, fp32, 16.5, 32.5, 163.8),
-    ("H200", 4096, 65536, 2304, 72, fp32, 1496.1, 840.6, 23576.6),
-    ("H200", 1024, 262144, 2304, 100, fp32, 995.8, 505.6, 23703.3),
-    ("H200", 1024, 131072, 3584, 72, fp32, 746.0, 387.9, 21188.1),
-    ("H200", 1024, 32768, 2048, 100, fp32, 258.7, 181.1, 2899.1),
-    ("H200", 32, 65536, 768, 64, bf16, 12.5, 14.1, 29.3),
-    ("H200", 256, 65536, 768, 64, bf16, 45.2, 29.7, 42.7),
-    ("H200", 32, 131072, 512, 128, bf16, 14.5, 20.0, 37.2),
-    ("H200", 4096, 65536, 2304, 72, bf16, 858.9, 435.1, 1335.9),
-    ("H200", 1024, 262144, 2304, 100, bf16, 545.5, 304.1, 1520.8),
-    ("H200", 1024, 131072, 3584, 72, bf16, 335.7, 213.5, 1214.5),
-    ("H200", 1024, 32768, 2048, 100, bf16, 159.9, 112.5, 159.5),
-    ("H200", 32, 65536, 768, 16, bf16, 11.0, None, 29.5),
-    ("H200", 32, 65536, 768, 64, bf16, 12.5, None, 29.3),
-    ("H200", 32, 65536, 768, 256, bf16, 18.5, None, 29.6),
-    ("H200", 32, 65536, 768, 1024, bf16, 38.2, None, 29.3),
-    ("H200", 32, 65536, 768, 4096, bf16, 256.1, None, 30.4),
-    ("H200", 32, 65536, 768, 16384, bf16, 736.2, None, 29.9),
-    ("H200", 1024, 65536, 768, 16, bf16, 97.8, 60.1, 121.3),
-    ("H200", 1024, 65536, 768, 64, bf16, 156.9, 72.4, 122.1),
-    ("H200", 1024, 65536, 768, 256, bf16, 331.7, None, 121.5),
-    ("H200", 1024, 65536, 768, 1024, bf16, 956.8, None, 122.2),
-    ("H200", 1024, 65536, 768, 4096, bf16, 4754.1, None, 122.4),
-    ("H200", 1024, 65536, 768, 16384, bf16, 15240.3, None, 129.3),
-    ("H200", 1, 65536, 2304, 72, bf16, 9.0, 12.6, 70.9),
-    ("H200", 8, 65536, 2304, 72, bf16, 12.0, 14.4, 71.9),
-    ("H200", 64, 65536, 2304, 72, bf16, 32.0, 22.7, 77.0),
-    ("H200", 512, 65536, 2304, 72, bf16, 122.3, 72.2, 191.8),
-    ("H200", 4096, 65536, 2304, 72, bf16, 858.9, 435.1, 1335.9),
-    ("H100", 32, 65536, 768, 64, fp32, 11.4, 17.9, 150.3),
-    ("H100", 256, 65536, 768, 64, fp32, 58.4, 54.4, 503.8),
-    ("H100", 4096, 65536, 768, 64, fp32, 789.3, 593.9, 7690.9),
-    ("H100", 32, 65536, 2304, 72, bf16, 19.9, 18.9, 107.3),
-    ("H100", 256, 65536, 2304, 72, bf16, 73.0, 53.6, 123.8),
-    ("H100", 4096, 65536, 2304, 72, bf16, 916.7, 622.2, 1326.3),
-]
-
-
-@pytest.mark.parametrize("row", _MEASURED_DECODES, ids=lambda r: "{}-B{}-F{}-D{}-L0{}-{}".format(*r[:6]))
-def test_auto_cost_model_picks_within_5_percent_of_the_fastest_measured(row):
-    """auto's pick, given the true mean L0 and the GPU's DRAM bandwidth, ran within 5% of the fastest of scan,
-    fixed and cuBLAS on that GPU."""
-    from sparsefuse.sae.decode.auto import _fastest_method
-
-    gpu, M, F, D, l0, dtype, scan, fixed, dense = row
-    measured = {"scan": scan, "fixed": fixed, "dense": dense}
-    pick = _fastest_method(M, F, D, l0, dtype, dtype, bandwidth={"H100": 3.35e12, "H200": 4.8e12}[gpu])
-    assert measured[pick] is not None, f"picked {pick}, which this row did not measure"
-    best = min(v for v in measured.values() if v is not None)
-    assert measured[pick] <= 1.05 * best, (pick, measured)
-
-
-def test_auto_width_is_four_times_the_mean_l0_within_bounds():
-    from sparsefuse.sae.decode.auto import _auto_width
-
-    assert _auto_width(72, 65536) == 512 and _auto_width(10, 65536) == 256 and _auto_width(0, 65536) == 256
-    assert _auto_width(10, 100) == 100 and _auto_width(5000, 16384) == 16384
-
-
-@pytest.fixture(autouse=True)
-def uncached_auto_pick(monkeypatch):
-    """auto's memoised pick calls the cost model every time, so that tests may stub the model
-    (test_auto_pick_is_memoised checks the memo itself)."""
-    import sparsefuse.sae.decode.auto as auto
-
-    cached = auto._cached_pick
-    monkeypatch.setattr(auto, "_cached_pick", cached.__wrapped__)
-    return cached
-
-
-@pytest.fixture
-def scan_below_10(monkeypatch):
-    """auto on small shapes, with a stub cost model (scan iff L0 < 10) that records the L0 it was given."""
-    import sparsefuse.sae.decode.auto as auto
-
-    monkeypatch.setattr(auto, "AUTO_DENSE_BELOW_D_SAE", 256)
-    seen = []
-
-    def stub(M, F, D, l0, *_, eager=False, **__):
-        if not eager:  # a plain CUDA call asks for its eager pick and for its in-graph pick: one record a call
-            seen.append(l0)
-        return "scan" if l0 < 10 else "dense"
-
-    monkeypatch.setattr(auto, "_fastest_method", stub)
-    return seen
-
-
-def test_fixed_runs_the_scan_on_small_batches(device, monkeypatch):
-    """Up to FIXED_SCAN_ROWS tokens method="fixed" runs the one-pass scan (same sums, no capacity) unless the cost
-    model predicts its two passes faster with few tokens past its width; with validate it compacts (the count it
-    checks comes from the format), and auto's own pick of "fixed" is kept."""
-    import sparsefuse.sae.decode.auto as auto
-    import sparsefuse.sae.decode.functional as decode
-
-    monkeypatch.setattr(decode, "FIXED_SCAN_ROWS", 5)
-    acts = sparse_rows(5, 600, [3, 300, 0, 40, 7], device=device)
-    w = torch.randn(600, 24, device=device)
-    two_pass = {"row_bits_kernel": 1, "bits_to_sparse_kernel": 1, "gather_accumulate_kernel": 2}
-    with track_launches() as launched:
-        out = sparse_decode(acts, w, method="fixed", max_l0=256)
-    assert "row_bits_kernel" not in launched and launched["gather_accumulate_kernel"] >= 1, dict(launched)
-    assert_close_to_reference(out, *reference(acts, w), **allowance(acts, w))
-    with track_launches() as launched:
-        out = sparse_decode(acts, w, method="fixed", max_l0=300, validate=True)
-    assert dict(launched) == two_pass  # (the 300-feature token is spread by the second gather)
-    assert_close_to_reference(out, *reference(acts, w), **allowance(acts, w))
-    more = sparse_rows(6, 600, [3, 300, 0, 40, 7, 1], device=device)  # one token past the threshold
-    with track_launches() as launched:
-        sparse_decode(more, w, method="fixed", max_l0=256)
-    assert dict(launched) == two_pass
-    # "fixed" takes its two passes where the cost model predicts them faster, unless too many tokens overflow or
-    # its sample holds a long token (past 32 of 600 features here: the 40- and 300-feature tokens of acts)
-    monkeypatch.setattr(auto, "_predicted_seconds", lambda *_, **__: {"scan": 2.0, "fixed": 1.0, "dense": 3.0})
-    short, w_short = sparse_rows(5, 600, [3, 20, 0, 30, 7], device=device), torch.randn(600, 24, device=device)
-    sparse_decode(short, w_short, method="fixed", max_l0=256)  # a new decoder's first sample (no sync on a GPU)
-    if device.type == "cuda":
-        torch.cuda.synchronize()  # ... has arrived by the next call
-    with track_launches() as launched:
-        out = sparse_decode(short, w_short, method="fixed", max_l0=256)
-    assert dict(launched) == {"row_bits_kernel": 1, "bits_to_sparse_kernel": 1, "gather_accumulate_kernel": 2}
-    assert_close_to_reference(out, *reference(short, w_short), **allowance(short, w_short))
-    with track_launches() as launched:
-        sparse_decode(acts, w, method="fixed", max_l0=256)
-    assert "row_bits_kernel" not in launched
-    with track_launches() as launched:
-        sparse_decode(acts, w, method="fixed", max_l0=2)  # most ordinary tokens (L0 3 and 7) overflow
-    assert "row_bits_kernel" not in launched
-    monkeypatch.setattr(auto, "AUTO_DENSE_BELOW_D_SAE", 256)
-    monkeypatch.setattr(auto, "_fastest_method", lambda *_, **__: "fixed")
-    with track_launches() as launched:
-        sparse_decode(acts, w, expected_l0=10)
-    assert dict(launched) == two_pass
-
-
-def test_auto_runs_the_two_pass_method_when_the_model_picks_it(device, monkeypatch):
-    """When the model picks "fixed", auto compacts at 4x the mean L0, at least 256 slots (here 256: the token
-    firing 300 features overflows and is decoded from its dense row) and gathers."""
-    import sparsefuse.sae.decode.auto as auto
-
-    monkeypatch.setattr(auto, "AUTO_DENSE_BELOW_D_SAE", 256)
-    monkeypatch.setattr(auto, "_fastest_method", lambda *_, **__: "fixed")
-    acts = sparse_rows(5, 600, [3, 300, 0, 40, 7], device=device)
-    w = torch.randn(600, 24, device=device)
-    with track_launches() as launched:
-        out = sparse_decode(acts, w, expected_l0=10)
-    assert dict(launched) == {"row_bits_kernel": 1, "bits_to_sparse_kernel": 1, "gather_accumulate_kernel": 2}
-    assert_close_to_reference(out, *reference(acts, w), **allowance(acts, w))
-
-
-def _auto_decode(acts, w, kernel, **kwargs):
-    with track_launches() as launched:
-        out = sparse_decode(acts, w, **kwargs)
-    assert list(launched) == ([kernel] if kernel else []), dict(launched)
-    assert_close_to_reference(out, *reference(acts, w), **allowance(acts, w))
-
-
-def test_auto_measures_each_decoder_once_then_follows_it_without_syncs(device, scan_below_10):
-    import sparsefuse.sae.decode.auto as auto
-
-    w = torch.randn(512, 8, device=device)
-    _auto_decode(sparse_rows(2, 512, [3], device=device), w, "gather_accumulate_kernel")  # first call: counted, 3
-    dense_ish = sparse_rows(6, 512, [25], device=device)  # not long (the long-row threshold of 512 columns: 32)
-    for _ in range(auto.AUTO_OBSERVE_EVERY - 1):  # the estimate (3) holds until the next observation
-        _auto_decode(dense_ish, w, "gather_accumulate_kernel")
-    _auto_decode(dense_ish, w, "gather_accumulate_kernel")  # observes 25 (on the CPU folded at once)
-    _auto_decode(dense_ish, w, None)  # estimate (3 + 25) / 2: cuBLAS
-    assert scan_below_10[:2] == [3.0, 3.0] and scan_below_10[-1] == pytest.approx(14.0)
-    _auto_decode(dense_ish, w.clone(), None)  # another decoder: counted anew (25)
-    _auto_decode(dense_ish, w.clone(), "gather_accumulate_kernel", expected_l0=5)  # the hint decides
-    assert scan_below_10[-2:] == [25.0, 5]
-    with pytest.raises(ValueError, match="expected_l0 must be a non-negative number"):
-        sparse_decode(dense_ish, w, expected_l0=-1.0)
-
-
-def test_auto_keeps_the_estimate_of_the_callers_decoder_under_autocast(device, scan_below_10):
-    """Under autocast the decode runs on a cast copy of W_dec made anew each call; the estimate must still be the
-    one kept for the caller's W_dec (counted once), not a fresh count (a host sync) every call."""
-    w = torch.randn(512, 8, device=device)
-    half = torch.float16 if device.type == "cuda" else torch.bfloat16
-    with torch.autocast(device.type, dtype=half):
-        sparse_decode(sparse_rows(2, 512, [3], device=device), w)  # first call: counted, 3
-        sparse_decode(sparse_rows(6, 512, [40], device=device), w)  # the estimate holds (observed later)
-    assert scan_below_10 == [3.0, 3.0]
-
-
-@pytest.mark.gpu
-def test_auto_inside_a_cuda_graph_follows_the_warm_up_estimate():
-    """No sync is possible during capture: the decoder's estimate from the eager warm-up decides (sae_decode's
-    L0 sweep at B=32, bf16: scan at L0=64, cuBLAS at L0=4096)."""
-    for l0, kernel in [(64, "gather_accumulate_kernel"), (4096, None)]:
-        acts = sparse_rows(32, 65536, [l0], torch.bfloat16, "cuda")
-        w = (torch.randn(65536, 768, device="cuda") / 16).bfloat16()
-        stream = torch.cuda.Stream()
-        with torch.cuda.stream(stream):
-            sparse_decode(acts, w)  # warm-up: the one counted call
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with track_launches() as launched, torch.cuda.graph(graph):
-            out = sparse_decode(acts, w)
-        assert list(launched) == ([kernel] if kernel else []), (l0, dict(launched))
-        graph.replay()
-        assert_close_to_reference(out, *reference(acts, w), **allowance(acts, w))
-
-
-def test_auto_counts_host_time_for_plain_eager_calls_only():
-    """A plain eager call pays each method's host time (a loop of one-token decodes ran 5-8x cuBLAS's time through
-    the sparse kernels on a lent H200 host), so there few tokens take cuBLAS; a captured or compiled call picks by
-    GPU time, and many tokens keep the sparse kernels either way."""
-    from sparsefuse.sae.decode.auto import _fastest_method
-
-    bf16, fp32 = torch.bfloat16, torch.float32
-    for M, D, dtype in ((1, 2304, bf16), (32, 2304, bf16), (256, 2304, bf16), (32, 768, fp32)):
-        assert _fastest_method(M, 65536, D, 72, dtype, dtype, eager=True) == "dense", (M, dtype)
-        assert _fastest_method(M, 65536, D, 72, dtype, dtype) != "dense", (M, dtype)
-    assert _fastest_method(4096, 65536, 2304, 72, bf16, bf16, eager=True) == "fixed"
-    assert _fastest_method(32, 65536, 2304, 72, fp32, fp32, eager=True) == "scan"  # cuBLAS's fp32 is slower still
-
-
-def test_an_eager_pick_of_cublas_warms_the_in_graph_pick_up_once(device, monkeypatch):
-    """Where the eager call takes cuBLAS and a capture of it would take a sparse kernel, the first such eager call
-    per shape runs the sparse kernel once (a capture cannot compile one); the result is cuBLAS's either way."""
-    import sparsefuse.sae.decode.auto as auto
-    from sparsefuse._auto import GraphWarmUp
-
-    monkeypatch.setattr(auto, "AUTO_DENSE_BELOW_D_SAE", 256)
-    monkeypatch.setattr(auto, "GRAPH_WARM_UP", GraphWarmUp())
-    monkeypatch.setattr(auto, "launched_from_python", lambda acts: True)  # as a plain CUDA call would be
-    monkeypatch.setattr(
-        auto, "_predicted_seconds", lambda *_, **__: {"scan": 1e-6, "fixed": 2e-6, "dense": 20e-6}
-    )  # dense only above its host term; scan fastest by GPU time, but under the host terms
-    acts, w = sparse_rows(3, 512, [3], device=device), torch.randn(512, 8, device=device)
-    with track_launches() as scan:
-        matmul_skip_zeros(acts, w)
-    for expected in (dict(scan), {}):  # the warm-up's scan, then cuBLAS alone
-        with track_launches() as launched:
-            out = sparse_decode(acts, w, expected_l0=3)
-        assert dict(launched) == expected, dict(launched)
-        assert_close_to_reference(out, *reference(acts, w), **allowance(acts, w))
-    monkeypatch.setattr(auto, "launched_from_python", lambda acts: False)  # captured or traced: GPU time decides
-    with track_launches() as launched:
-        sparse_decode(acts, w, expected_l0=3)
-    assert dict(launched) == dict(scan)
-
-
-def test_auto_pick_is_memoised_on_the_rounded_estimate(uncached_auto_pick):
-    from sparsefuse.sae.decode.auto import L0Estimate, _fastest_method, _rounded
-
-    cached = uncached_auto_pick
-    cached.cache_clear()
-    l0 = _rounded(L0Estimate(72.04, 0.6012, 0.0, 0.0))
-    assert l0 == (72.0, 0.6, 0.0, 0.0)
-    question = (256, 65536, 2304, *l0, torch.bfloat16, torch.bfloat16, 4.8e12, 132, False)
-    for eager in (False, True):
-        expected = _fastest_method(256, 65536, 2304, 72.0, torch.bfloat16, torch.bfloat16, 4.8e12, eager=eager,
-                                   cv=0.6, sms=132)  # fmt: skip
-        assert cached(*question, eager) == expected == cached(*question, eager)
-    assert cached.cache_info().hits == 2 and cached.cache_info().misses == 2
-
-
-def test_auto_scales_the_cost_model_by_the_device_dram_bandwidth(device):
-    """The bandwidth comes from the device (None on the CPU: the reference GPU's rates); with less of it the
-    two-pass "fixed" path, which is bandwidth-bound, takes over from the latency-bound scan at larger batches."""
-    from sparsefuse._backend import dram_bandwidth
-    from sparsefuse.sae.decode.auto import REFERENCE_BANDWIDTH, _fastest_method, _predicted_seconds
-
-    bandwidth = dram_bandwidth(device)
-    assert bandwidth is None if device.type == "cpu" else 1e12 < bandwidth < 2e13
-    fp32 = torch.float32
-    assert _fastest_method(128, 65536, 768, 64, fp32, fp32, REFERENCE_BANDWIDTH) == "fixed"
-    assert _fastest_method(128, 65536, 768, 64, fp32, fp32, 3.35e12) == "scan"
-    bf16 = torch.bfloat16
-    h200, h100 = (_predicted_seconds(256, 65536, 2304, 72, bf16, bf16, bw) for bw in (REFERENCE_BANDWIDTH, 3.35e12))
-    assert h200["fixed"] / h200["scan"] < h100["fixed"] / h100["scan"] < 1  # measured 0.59 and 0.73
-
-
-# sae_decode_grid's inputs on an H200 (F=65536; fp32 D=768 mean L0 64, bf16 D=2304 mean L0 72): medians (us) of
-# the scan, of the two passes of "fixed" at auto's width (4x the ordinary tokens' mean L0, at least 256) and of
-# cuBLAS, measured together (a CUDA graph of 20 calls over two input sets; 6 calls at B=4096), per L0 distribution
-# and batch.
-_MEASURED_GRID = [
-    ("constant", 32, fp32, 11.7, 17.3, 150.2),
-    ("lognormal 0.3", 32, fp32, 13.0, 22.7, 151.3),
-    ("lognormal 0.6", 32, fp32, 14.1, 28.5, 151.4),
-    ("lognormal 1.0", 32, fp32, 15.1, 31.5, 151.5),
-    ("full rows", 32, fp32, 105.0, 178.8, 152.0),
-    ("constant", 256, fp32, 52.1, 44.1, 503.8),
-    ("lognormal 0.3", 256, fp32, 54.2, 58.2, 503.6),
-    ("lognormal 0.6", 256, fp32, 59.4, 59.4, 505.1),
-    ("lognormal 1.0", 256, fp32, 75.1, 71.2, 504.6),
-    ("full rows", 256, fp32, 130.8, 199.9, 504.2),
-    ("constant", 4096, fp32, 658.1, 436.3, 7687.8),
-    ("lognormal 0.3", 4096, fp32, 685.6, 475.8, 7686.1),
-    ("lognormal 0.6", 4096, fp32, 779.1, 526.0, 7690.5),
-    ("lognormal 1.0", 4096, fp32, 1048.8, 576.0, 7689.5),
-    ("full rows", 4096, fp32, 955.1, 583.9, 7679.2),
-    ("constant", 32, bf16, 19.1, 17.3, 76.3),
-    ("lognormal 0.3", 32, bf16, 18.6, 18.4, 76.0),
-    ("lognormal 0.6", 32, bf16, 18.0, 23.7, 76.3),
-    ("lognormal 1.0", 32, bf16, 17.0, 22.9, 76.3),
-    ("full rows", 32, bf16, 94.4, 182.0, 76.2),
-    ("constant", 256, bf16, 70.9, 43.0, 100.6),
-    ("lognormal 0.3", 256, bf16, 71.2, 56.4, 101.3),
-    ("lognormal 0.6", 256, bf16, 75.8, 61.9, 100.7),
-    ("lognormal 1.0", 256, bf16, 95.8, 79.7, 100.2),
-    ("full rows", 256, bf16, 142.5, 204.5, 100.9),
-    ("constant", 4096, bf16, 849.3, 445.4, 1328.4),
-    ("lognormal 0.3", 4096, bf16, 894.7, 467.0, 1343.7),
-    ("lognormal 0.6", 4096, bf16, 976.7, 491.4, 1348.7),
-    ("lognormal 1.0", 4096, bf16, 1282.4, 587.6, 1345.9),
-    ("full rows", 4096, bf16, 992.8, 628.5, 1330.5),
-]
-
-
-def test_fixed_of_few_rows_takes_its_two_passes_only_where_predicted_faster_and_few_tokens_overflow():
-    """Up to FIXED_SCAN_ROWS tokens "fixed" runs the scan unless the cost model, from the L0 estimate, predicts its
-    two passes faster (bf16 at 256 tokens of a constant L0: 0.61x the scan's time on an H200, 0.91x at 32 tokens;
-    fp32 at 32 tokens: 1.5x) with at most 5% of the tokens past its width."""
-    from sparsefuse.sae.decode.auto import few_rows_fixed_method
-
-    w = torch.empty(65536, 2304, dtype=torch.bfloat16)
-    assert few_rows_fixed_method(torch.empty(256, 65536, dtype=torch.bfloat16), w, 512, expected_l0=72) == "fixed"
-    assert few_rows_fixed_method(torch.empty(256, 65536, dtype=torch.bfloat16), w, 64, expected_l0=72) == "scan"
-    assert few_rows_fixed_method(torch.empty(32, 65536, dtype=torch.bfloat16), w, 512, expected_l0=72) == "fixed"
-    full_first = torch.zeros(256, 65536, dtype=torch.bfloat16)
-    full_first[0] = 1.0  # a long token in the sample: the scan, whose long units share W_dec's reads
-    full_first[1:, :72] = 1.0
-    assert few_rows_fixed_method(full_first, w, 512, expected_l0=None, decoder=w) == "scan"
-    w32 = torch.empty(65536, 768, dtype=torch.float32)
-    assert few_rows_fixed_method(torch.empty(32, 65536, dtype=torch.float32), w32, 256, expected_l0=64) == "scan"
-
-
-@pytest.mark.parametrize("row", _MEASURED_GRID, ids=lambda r: f"{r[0]}-B{r[1]}-{r[2]}".replace(" ", ""))
-def test_auto_picks_within_5_percent_on_the_sae_decode_grid(row):
-    """auto's pick from what its sample of the grid's input shows (the per-token L0s of the benchmark, counted over
-    the rows auto samples and made into an estimate as a decoder's first call makes it) ran within 5% of the
-    fastest method on the H200."""
-    from sparsefuse._auto import SparsityMonitor
-    from sparsefuse.bench.workloads.sae_grid import token_l0s
-    from sparsefuse.sae.decode.auto import AUTO_SAMPLE_ROWS, L0Estimate, _fastest_method
-    from sparsefuse.sparse.long_rows import long_row_threshold
-
-    distribution, M, dtype, scan, fixed, dense = row
-    F, D, mean = (65536, 768, 64) if dtype == fp32 else (65536, 2304, 72)
-    l0 = token_l0s(M, F, mean, distribution, torch.Generator().manual_seed(M + F + D))
-    counts = l0[torch.linspace(0, M - 1, min(M, AUTO_SAMPLE_ROWS)).long()]  # the rows sampled_row_stats counts
-    long = counts > long_row_threshold(F)
-    ordinary = torch.where(long, 0, counts)
-    monitor = SparsityMonitor()
-    monitor.update(ordinary.sum(), len(counts), (ordinary**2).sum(), long.sum(), torch.where(long, counts, 0).sum())
-    est = L0Estimate.from_per_row(monitor.per_row)
-    measured = {"scan": scan, "fixed": fixed, "dense": dense}
-    pick = _fastest_method(
-        M, F, D, est.mean, dtype, dtype, cv=est.cv, long_share=est.long_share, long_l0=est.long_l0, sms=132
-    )
-    assert measured[pick] <= 1.05 * min(measured.values()), (pick, measured, est)
-
-
-def test_sampled_row_stats_sets_long_rows_apart(device):
-    from sparsefuse._auto import sampled_row_stats
-
-    acts = sparse_rows(4, 512, [3, 40, 5, 0], device=device)
-    stats = sampled_row_stats(acts, 64, long_above=32)
-    assert stats.tolist() == [8, 4, 34, 1, 40]
-    assert sampled_row_stats(acts, 2, long_above=32).tolist() == [3, 2, 9, 0, 0]  # rows 0 and 3
-
-
-def test_fixed_of_few_rows_never_counts_a_new_decoders_sample_on_the_host(device):
-    """The estimate "fixed" of few rows consults is started without the host count auto's first call makes: the
-    first sample is observed like later ones (on a GPU it arrives a call or more later; on the CPU at once)."""
-    from sparsefuse._auto import EstimateCache
-
-    cache = EstimateCache()
-    w = torch.randn(300, 24, device=device)
-    stats = torch.tensor([64, 2, 2048, 0, 0], device=device)
-    first = cache.estimate_per_row(w, lambda: stats, can_observe=True, sync_free=True)
-    if device.type == "cpu":
-        assert first == (32.0, 1024.0, 0.0, 0.0)
-    else:
-        assert first is None  # not waited for
-        torch.cuda.synchronize()
-        assert cache.estimate_per_row(w, lambda: stats, can_observe=True) == (32.0, 1024.0, 0.0, 0.0)
-
-
-@pytest.mark.gpu
-def test_fixed_of_few_rows_does_not_synchronise_on_a_new_decoder(monkeypatch):
-    import sparsefuse.sae.decode.functional as decode
-
-    monkeypatch.setattr(decode, "FIXED_SCAN_ROWS", 256)  # (tests/conftest.py sets it to 0)
-    a = sparse_rows(64, 4096, [40], torch.bfloat16, "cuda")
-    w = (torch.randn(4096, 256, device="cuda") / 16).to(torch.bfloat16)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(3):
-            out = sparse_decode(a, w, method="fixed", max_l0=128)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert_close_to_reference(out, *reference(a, w), **allowance(a, w))
