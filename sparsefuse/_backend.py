@@ -47,6 +47,12 @@ __all__ = [
 ]
 
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0").lower() not in ("", "0", "false", "off")
+# Triton's interpreter without its discarded overflow checks and redundant re-patching (sparsefuse/_fast_interpreter.py)
+FAST_INTERPRETER: bool = INTERPRET and os.environ.get("SPARSEFUSE_FAST_INTERPRETER", "0") == "1"
+if FAST_INTERPRETER:
+    from sparsefuse._fast_interpreter import install as _install_fast_interpreter
+
+    _install_fast_interpreter()
 
 
 class Backend(str, enum.Enum):

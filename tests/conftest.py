@@ -10,6 +10,9 @@ import os
 DEVICE = os.environ.get("SPARSEFUSE_TEST_DEVICE", "cpu")
 if DEVICE != "cuda":
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # the interpreter without its discarded work (sparsefuse/_fast_interpreter.py), here and in the processes the
+    # tests start
+    os.environ.setdefault("SPARSEFUSE_FAST_INTERPRETER", "1")
 os.environ.setdefault("SPARSEFUSE_POISON_OUTPUTS", "1")
 
 import pytest  # noqa: E402
@@ -19,10 +22,6 @@ import sparsefuse  # noqa: E402
 from sparsefuse import Backend  # noqa: E402
 
 EXPECTED_BACKEND = Backend.TRITON if DEVICE == "cuda" else Backend.INTERPRETER
-if os.environ.get("TRITON_INTERPRET") == "1":
-    from _fast_interpreter import install  # noqa: E402
-
-    install()  # the interpreter without its redundant re-patching per helper call (see the module)
 
 # Tests that run whole programs through the interpreter in a subprocess (the README's CPU example, the CLI's check)
 # need a Triton whose interpreter can loop over a runtime kernel argument; older ones raise on range(n). The GPU
@@ -81,7 +80,7 @@ def _seed():
 def _fixed_decode_runs_its_format(monkeypatch):
     """sparse_decode(method="fixed") runs the scan kernel up to FIXED_SCAN_ROWS tokens, and the interpreter's
     batches are all that small: the tests of the fixed-capacity path keep it at every batch. The routing itself is
-    tested with the threshold restored (tests/sae/test_sae_decode.py)."""
+    tested with the threshold restored (tests/sae/test_sae_decode_auto.py)."""
     import sparsefuse.sae.decode.functional as decode
 
     monkeypatch.setattr(decode, "FIXED_SCAN_ROWS", 0)
