@@ -1,4 +1,8 @@
-"""Compile-only worker for tests/test_compiles_for_sm90.py: ``python _sm90_compile.py SPECS.pkl OUT.json``.
+"""Compile-only worker for tests/test_compiles_for_sm90.py: ``python _sm90_compile.py SPECS.pkl OUT.json CLAIMS``.
+
+Every worker reads the same specs and compiles those it claims first (an exclusive file per spec under the folder
+CLAIMS): compile times range from a fraction of a second to tens, so fixed shares would leave one worker finishing
+long after the other.
 
 It runs in a fresh process *without* TRITON_INTERPRET, because ``@triton.jit`` decides at import time whether a
 function is interpreted: only a fresh import gives JITFunctions whose callees are JITFunctions too (and takes the
@@ -11,6 +15,7 @@ import contextlib
 import importlib
 import io
 import json
+import os
 import pickle
 import re
 import sys
@@ -64,11 +69,14 @@ def compile_one(spec: dict[str, Any]) -> dict[str, Any]:
 
 def gpu_variants(spec: dict[str, Any]) -> list[dict[str, Any]]:
     """An autotuned kernel's recorded launch ran the interpreter's single config (small tiles that no GPU run
-    takes): one spec per GPU config instead, each config's meta-parameters and warps/stages put in. Imported here,
-    without TRITON_INTERPRET, the autotuner holds the GPU configs. Other kernels: the spec itself."""
+    takes): one spec per GPU config instead, each config's meta-parameters and warps/stages put in (the first
+    config alone where the spec says ``first_config_only``). Imported here, without TRITON_INTERPRET, the autotuner
+    holds the GPU configs. Other kernels: the spec itself."""
     configs = getattr(getattr(importlib.import_module(spec["module"]), spec["name"]), "configs", None)
     if not configs:
         return [spec]
+    if spec.get("first_config_only"):
+        configs = configs[:1]
     names = _kernel(spec["module"], spec["name"]).arg_names
     variants = []
     for config in configs:
@@ -80,15 +88,27 @@ def gpu_variants(spec: dict[str, Any]) -> list[dict[str, Any]]:
     return variants
 
 
-def main(spec_path: str, out_path: str) -> None:
+def _claim(claims: str, index: int) -> bool:
+    """True for the one worker that creates ``claims/index`` first."""
+    try:
+        os.close(os.open(os.path.join(claims, str(index)), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
+def main(spec_path: str, out_path: str, claims: str) -> None:
     from triton import knobs
 
     knobs.nvidia.dump_ptxas_log = True
     with open(spec_path, "rb") as f:
-        specs = [variant for spec in pickle.load(f) for variant in gpu_variants(spec)]
+        specs = pickle.load(f)
+    results = [
+        compile_one(variant) for i, spec in enumerate(specs) if _claim(claims, i) for variant in gpu_variants(spec)
+    ]
     with open(out_path, "w") as f:
-        json.dump([compile_one(s) for s in specs], f)
+        json.dump(results, f)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3])

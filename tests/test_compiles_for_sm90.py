@@ -54,19 +54,22 @@ COMPILED_PATH_CONSTEXPRS = {"NATIVE_NAN_MAX": True}
 WORKERS = 2  # CI has 2 cores; each worker process compiles its share serially
 
 
-def _known_compiler_failure(result: dict[str, Any]) -> bool:
-    """A failure of Triton itself, not of the kernel: from Triton 3.9, its TritonGPURemoveLayoutConversions pass
-    aborts on jumprelu_encode_kernel's 2-D atomic slot claim over a 16-bit tensor-core tile (every config; fp32
-    compiles). Triton 3.6, the GPU image's, compiles and runs it (the sae_forward benchmarks). Until the kernel avoids
-    it or a Triton fixes it, a user on Triton 3.9 gets the error at the first 16-bit JumpReLU encode (docs/sae.md)."""
+def _in_known_compiler_failure(spec: dict[str, Any]) -> bool:
+    """A spec Triton itself cannot compile: from Triton 3.9, its TritonGPURemoveLayoutConversions pass aborts on
+    jumprelu_encode_kernel's 2-D atomic slot claim over a 16-bit tensor-core tile (every config; fp32 compiles).
+    Triton 3.6, the GPU image's, compiles and runs it (the sae_forward benchmarks). Until the kernel avoids it or a
+    Triton fixes it, a user on Triton 3.9 gets the error at the first 16-bit JumpReLU encode (docs/sae.md)."""
     from packaging.version import Version
 
     return (
-        result["name"] == "jumprelu_encode_kernel"
-        and "PassManager::run failed" in result["error"]
-        and ("'*fp16'" in result["key"] or "'*bf16'" in result["key"])
+        spec["name"] == "jumprelu_encode_kernel"
+        and ("'*fp16'" in spec["key"] or "'*bf16'" in spec["key"])
         and Version(__import__("triton").__version__) >= Version("3.9")
     )
+
+
+def _known_compiler_failure(result: dict[str, Any]) -> bool:
+    return _in_known_compiler_failure(result) and "PassManager::run failed" in result["error"]
 
 
 def _sm90_backend() -> Any:
@@ -275,20 +278,23 @@ def _exercise_ops(dtype: torch.dtype, ffn: bool) -> None:
 
 
 def _compile(specs: list[dict[str, Any]], tmp_path: Path) -> list[dict[str, Any]]:
-    """Compiles the specs in WORKERS fresh processes (a share each), without the interpreter."""
+    """Compiles the specs in WORKERS fresh processes, without the interpreter: each takes the next spec no other
+    has claimed."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=str(tmp_path / "cache"), TRITON_ALWAYS_COMPILE="1")  # ptxas must run: its log
+    (tmp_path / "specs.pkl").write_bytes(pickle.dumps(specs))
+    (tmp_path / "claims").mkdir()
     procs = []
     for i in range(WORKERS):
-        share = specs[i::WORKERS]
-        (tmp_path / f"specs{i}.pkl").write_bytes(pickle.dumps(share))
-        cmd = [sys.executable, str(WORKER), str(tmp_path / f"specs{i}.pkl"), str(tmp_path / f"out{i}.json")]
+        cmd = [sys.executable, str(WORKER), str(tmp_path / "specs.pkl"), str(tmp_path / f"out{i}.json")]
+        cmd.append(str(tmp_path / "claims"))
         procs.append(subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     results = []
     for i, proc in enumerate(procs):
         output = proc.communicate(timeout=600)[0].decode(errors="replace")
         assert proc.returncode == 0, f"compile worker {i} crashed:\n{output[-4000:]}"
         results += json.loads((tmp_path / f"out{i}.json").read_text())
+    assert len(list((tmp_path / "claims").iterdir())) == len(specs), "a spec no worker compiled"
     return results
 
 
@@ -302,6 +308,8 @@ def test_every_kernel_compiles_for_sm90(recorder: Recorder, tmp_path: Path) -> N
     assert not missing, f"@triton.jit functions no recorded call reaches: {sorted(missing)}"
 
     specs = sorted(recorder.specs.values(), key=lambda s: (s["module"], s["name"], s["key"]))
+    for spec in specs:  # one autotuning config shows the failure is still there (another takes Triton 4 min to fail)
+        spec["first_config_only"] = _in_known_compiler_failure(spec)
     results = _compile(specs, tmp_path)
     print(f"\nrecorded {len(specs)} specialisations of {len({s['name'] for s in specs})} kernels in {recorded:.0f} s;")
     print(f"compiled for sm_90 in {time.perf_counter() - start - recorded:.0f} s ({WORKERS} processes)")
