@@ -69,14 +69,11 @@ def compile_one(spec: dict[str, Any]) -> dict[str, Any]:
 
 def gpu_variants(spec: dict[str, Any]) -> list[dict[str, Any]]:
     """An autotuned kernel's recorded launch ran the interpreter's single config (small tiles that no GPU run
-    takes): one spec per GPU config instead, each config's meta-parameters and warps/stages put in (the first
-    config alone where the spec says ``first_config_only``). Imported here, without TRITON_INTERPRET, the autotuner
-    holds the GPU configs. Other kernels: the spec itself."""
+    takes): one spec per GPU config instead, each config's meta-parameters and warps/stages put in. Imported here,
+    without TRITON_INTERPRET, the autotuner holds the GPU configs. Other kernels: the spec itself."""
     configs = getattr(getattr(importlib.import_module(spec["module"]), spec["name"]), "configs", None)
     if not configs:
         return [spec]
-    if spec.get("first_config_only"):
-        configs = configs[:1]
     names = _kernel(spec["module"], spec["name"]).arg_names
     variants = []
     for config in configs:

@@ -51,6 +51,7 @@ def jumprelu_encode_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     IEEE_FP32: tl.constexpr,
+    FLAT_CLAIM: tl.constexpr,
 ):
     # x [M, K] (x - b_dec), w [K, N] (unit column strides), b_enc/threshold [N];
     # out: values/indices [M, width], counts [M] int32 (zeroed)
@@ -81,7 +82,15 @@ def jumprelu_encode_kernel(
     # 3820 us at Gemma Scope 2B, 4096 tokens; the cumsum over the MMA-layout tile is the costly part) and loses
     # only when half the features fire (6312 vs 3600 us), where every token overflows and is recomputed anyway.
     row_counts = counts_ptr + rows[:, None] + tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
-    slot = tl.atomic_add(row_counts, 1, mask=fired, sem="relaxed")  # [BLOCK_M, BLOCK_N] slots claimed
+    if FLAT_CLAIM:
+        # The same claims on the tile flattened (reshapes keep the order): Triton 3.9's layout-conversion pass
+        # aborts on the 2-D atomic over a tensor-core tile, and compiles this one.
+        flat = tl.atomic_add(
+            tl.reshape(row_counts, [BLOCK_M * BLOCK_N]), 1, mask=tl.reshape(fired, [BLOCK_M * BLOCK_N]), sem="relaxed"
+        )
+        slot = tl.reshape(flat, [BLOCK_M, BLOCK_N])
+    else:
+        slot = tl.atomic_add(row_counts, 1, mask=fired, sem="relaxed")  # [BLOCK_M, BLOCK_N] slots claimed
     keep = fired & (slot < width)
     dst = rows[:, None].to(tl.int64) * width + slot
     tl.store(values_ptr + dst, pre.to(values_ptr.dtype.element_ty), mask=keep)

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import torch
+import triton
 
 from ..._backend import cdiv, next_power_of_2, record_launch
 from ..._triton.dot import ieee_fp32
 from ..._validation import unit_last_stride
 from .._encoder_tile import sae_input
 from .kernels import jumprelu_encode_kernel
+
+# From Triton 3.9 the slot claim of a tile from a tensor-core product (16-bit, or fp32 with TF32 allowed) is made on
+# the flattened tile: the 2-D atomic over it aborts that compiler's layout-conversion pass. Earlier Tritons compile
+# the 2-D claim (the form the sae_forward benchmarks measured); fp32's IEEE product keeps it everywhere.
+FLATTENS_TENSOR_CORE_CLAIM = tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 9)
 
 
 def launch_jumprelu_encode(
@@ -29,6 +35,7 @@ def launch_jumprelu_encode(
         x2 = sae_input(x2, b_dec)
         W = unit_last_stride(W_enc)  # dtype cast per tile in the kernel, not here
         b_enc, threshold = unit_last_stride(b_enc), unit_last_stride(threshold)  # read at unit stride
+        ieee = ieee_fp32(x2.dtype)
         grid = lambda meta: (cdiv(M, meta["BLOCK_M"]), cdiv(d_sae, meta["BLOCK_N"]))  # noqa: E731
         jumprelu_encode_kernel[grid](
             x2,
@@ -45,7 +52,8 @@ def launch_jumprelu_encode(
             x2.stride(0),
             W.stride(0),
             min(next_power_of_2(M), 8192),
-            IEEE_FP32=ieee_fp32(x2.dtype),
+            IEEE_FP32=ieee,
+            FLAT_CLAIM=FLATTENS_TENSOR_CORE_CLAIM and not ieee,
         )
         record_launch("jumprelu_encode_kernel")
         values, indices = _in_feature_order(values, indices, counts, d_sae)
