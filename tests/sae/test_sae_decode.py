@@ -168,6 +168,27 @@ def test_topk_decode_gradients_match_the_dense_products(M, k, F, D, hot, dtype, 
     assert g_vals.shape == vals.shape and g_w.shape == w.shape
 
 
+@pytest.mark.parametrize("picked_rows", [True, False])
+@pytest.mark.parametrize("M, k, F, D, hot", [(9, 6, 400, 40, (3,)), (1, 1, 64, 8, ()), (0, 3, 64, 8, ())])
+def test_topk_weight_gradient_by_picked_rows_and_by_all_rows(M, k, F, D, hot, picked_rows, device, monkeypatch):
+    """Both ways to W_dec's gradient (a row per picked feature and a memset of the rest, or a row per feature) give
+    the float64 product, a feature every token picked (a long row, spread) included. The gather's output starts as
+    NaN under the tests (new_output's poison), so a picked row left unwritten would show."""
+    from sparsefuse.sae.decode import op as decode_op
+
+    monkeypatch.setattr(decode_op, "PICKED_ROWS_MAX_SHARE", float("inf") if picked_rows else 0.0)
+    idx, vals, _ = _topk_inputs(M, k, F, D, torch.float32, device, seed=7, hot=hot)
+    grad_out = torch.randn(M, D, device=device)
+    with track_launches() as launched:
+        g_w = decode_op._topk_weight_grad(idx.to(torch.int32), vals, grad_out, F, torch.float32)
+    if M and k:
+        assert launched["gather_accumulate_kernel"] >= 1, launched
+    dense = torch.zeros(M, F, dtype=torch.float64, device=device).scatter_(1, idx, vals.double())
+    go = grad_out.double()
+    assert g_w.shape == (F, D) and g_w.is_contiguous()
+    assert_close_to_reference(g_w, dense.t() @ go, dtype=torch.float32, extra_abs=accumulation_allowance(dense.t(), go))
+
+
 def test_topk_decode_ops_pass_opcheck_and_compile(device):
     """The forward and backward ops' schemas, fakes and autograd registration; fullgraph compile (the range check
     off: it reads the ids back) gives the eager results bit for bit. (The gradients' values against float64: above;

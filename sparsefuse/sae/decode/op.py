@@ -137,6 +137,45 @@ def _features_by_row(top_indices: torch.Tensor, top_acts: torch.Tensor, d_sae: i
     return CSR(top_acts.reshape(-1)[order].contiguous(), tokens, offsets, M)
 
 
+# The picked features' rows alone get gather programs while the M * k picks number at most this share of d_sae
+# (see _picked_features_grad).
+PICKED_ROWS_MAX_SHARE = 0.5
+
+
+def _picked_features_grad(
+    top_indices: torch.Tensor, top_acts: torch.Tensor, grad_out: torch.Tensor, d_sae: int, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """W_dec's gradient [d_sae, d_model] = acts^T grad_out where few features were picked (M * k well under d_sae):
+    the gather runs over one CSR row per *picked* feature (at most M * k rows, in feature order; rows past the
+    number of distinct features are empty), and one memset zeroes every other row. Over all d_sae rows instead, the
+    gather's one-warp programs for rows nobody picked cost more than the rows' bytes (a program per row and 256
+    columns, 196k of them at d_sae 65536, d_model 768). No host sync: the row count is the bound M * k."""
+    M, k = top_acts.shape
+    ids, order = torch.sort(top_indices.reshape(-1), stable=True)
+    first = torch.ones_like(ids, dtype=torch.bool)
+    first[1:] = ids[1:] != ids[:-1]
+    row = torch.cumsum(first, 0, dtype=torch.int32) - 1  # each pick's row: its feature's rank among the picked
+    rows = ids.shape[0]
+    offsets = torch.searchsorted(row, torch.arange(rows + 1, dtype=torch.int32, device=ids.device)).to(torch.int64)
+    # each row's feature (every pick of a row writes the same id); the empty rows' go to a spare row past d_sae
+    feature = torch.full((rows,), d_sae, dtype=torch.int64, device=ids.device).scatter_(0, row.long(), ids.long())
+    tokens = torch.div(order, k, rounding_mode="floor").to(torch.int32)
+    picked = CSR(top_acts.reshape(-1)[order].contiguous(), tokens, offsets, M)
+    sums = sparse_matmul(picked, grad_out, out_dtype=out_dtype, spread_long_rows=True)
+    grad = torch.zeros(d_sae + 1, grad_out.shape[1], dtype=out_dtype, device=grad_out.device)
+    return grad.index_copy_(0, feature, sums)[:d_sae]  # (the spare row takes the empty rows' zeros)
+
+
+def _topk_weight_grad(
+    top_indices: torch.Tensor, top_acts: torch.Tensor, grad_out: torch.Tensor, d_sae: int, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """acts^T grad_out [d_sae, d_model]: by the picked features' rows where they are few, else by all d_sae rows."""
+    if top_acts.numel() <= PICKED_ROWS_MAX_SHARE * d_sae:
+        return _picked_features_grad(top_indices, top_acts, grad_out, d_sae, out_dtype)
+    by_feature = _features_by_row(top_indices, top_acts, d_sae)
+    return sparse_matmul(by_feature, grad_out, out_dtype=out_dtype, spread_long_rows=True)
+
+
 @torch.library.custom_op("sparsefuse::topk_decode_backward", mutates_args=())
 @on_tensor_device
 def topk_decode_backward_op(
@@ -153,8 +192,7 @@ def topk_decode_backward_op(
     grad_acts = sampled_dot_rows(top_indices, grad_out, W_dec, top_acts.dtype) if need_acts else top_acts.new_zeros(0)
     grad_weight = W_dec.new_zeros(0)
     if need_weight:
-        by_feature = _features_by_row(top_indices, top_acts, W_dec.shape[0])
-        grad_weight = sparse_matmul(by_feature, grad_out, out_dtype=W_dec.dtype, spread_long_rows=True)
+        grad_weight = _topk_weight_grad(top_indices, top_acts, grad_out, W_dec.shape[0], W_dec.dtype)
     return grad_acts, grad_weight
 
 
