@@ -157,13 +157,16 @@ def _picked_features_grad(
     row = torch.cumsum(first, 0, dtype=torch.int32) - 1  # each pick's row: its feature's rank among the picked
     rows = ids.shape[0]
     offsets = torch.searchsorted(row, torch.arange(rows + 1, dtype=torch.int32, device=ids.device)).to(torch.int64)
-    # each row's feature (every pick of a row writes the same id); the empty rows' go to a spare row past d_sae
-    feature = torch.full((rows,), d_sae, dtype=torch.int64, device=ids.device).scatter_(0, row.long(), ids.long())
+    # each row's feature: the id of its first pick; the empty rows' (offset = rows) go to a spare row past d_sae
+    starts = offsets[:-1]
+    feature = torch.where(starts < rows, ids[starts.clamp(max=max(rows - 1, 0))].long(), d_sae)
     tokens = torch.div(order, k, rounding_mode="floor").to(torch.int32)
     picked = CSR(top_acts.reshape(-1)[order].contiguous(), tokens, offsets, M)
     sums = sparse_matmul(picked, grad_out, out_dtype=out_dtype, spread_long_rows=True)
     grad = torch.zeros(d_sae + 1, grad_out.shape[1], dtype=out_dtype, device=grad_out.device)
-    return grad.index_copy_(0, feature, sums)[:d_sae]  # (the spare row takes the empty rows' zeros)
+    # index_put_ rather than index_copy_ (which has no deterministic CUDA version); only the spare row is written
+    # more than once, always with zeros
+    return grad.index_put_((feature,), sums)[:d_sae]
 
 
 def _topk_weight_grad(
