@@ -177,8 +177,10 @@ def test_topk_weight_gradient_by_picked_rows_and_by_all_rows(M, k, F, D, hot, pi
     from sparsefuse.sae.decode import op as decode_op
 
     monkeypatch.setattr(decode_op, "PICKED_ROWS_MAX_SHARE", float("inf") if picked_rows else 0.0)
-    idx, vals, _ = _topk_inputs(M, k, F, D, torch.float32, device, seed=7, hot=hot)
+    idx, vals, w = _topk_inputs(M, k, F, D, torch.float32, device, seed=7, hot=hot)
     grad_out = torch.randn(M, D, device=device)
+    if M and k:  # the backward op's schema, fake and strides on this way too
+        torch.library.opcheck(decode_op.topk_decode_backward_op, (grad_out, idx.to(torch.int32), vals, w, True, True))
     with track_launches() as launched:
         g_w = decode_op._topk_weight_grad(idx.to(torch.int32), vals, grad_out, F, torch.float32)
     if M and k:

@@ -138,8 +138,9 @@ def _features_by_row(top_indices: torch.Tensor, top_acts: torch.Tensor, d_sae: i
 
 
 # The picked features' rows alone get gather programs while the M * k picks number at most this share of d_sae
-# (see _picked_features_grad).
-PICKED_ROWS_MAX_SHARE = 0.5
+# (see _picked_features_grad): there the programs drop 8x or more, for a memset and a copy of at most an eighth of
+# the gradient's bytes. Chosen by that count, not yet by a GPU timing (docs/sae.md).
+PICKED_ROWS_MAX_SHARE = 0.125
 
 
 def _picked_features_grad(
