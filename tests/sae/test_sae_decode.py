@@ -181,8 +181,13 @@ def test_topk_weight_gradient_by_picked_rows_and_by_all_rows(M, k, F, D, hot, pi
     grad_out = torch.randn(M, D, device=device)
     if M and k:  # the backward op's schema, fake and strides on this way too
         torch.library.opcheck(decode_op.topk_decode_backward_op, (grad_out, idx.to(torch.int32), vals, w, True, True))
-    with track_launches() as launched:
-        g_w = decode_op._topk_weight_grad(idx.to(torch.int32), vals, grad_out, F, torch.float32)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)  # every op of either way has a deterministic version
+    try:
+        with track_launches() as launched:
+            g_w = decode_op._topk_weight_grad(idx.to(torch.int32), vals, grad_out, F, torch.float32)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
     if M and k:
         assert launched["gather_accumulate_kernel"] >= 1, launched
     dense = torch.zeros(M, F, dtype=torch.float64, device=device).scatter_(1, idx, vals.double())
