@@ -115,6 +115,50 @@ def test_inplace_autograd_rules(device):
     assert_close_to_reference(leaf.grad, expected)
 
 
+@pytest.mark.parametrize("fast_path", [True, False], ids=["launcher", "op"])
+def test_inplace_bumps_the_version_counter_like_torch(fast_path, device, monkeypatch):
+    """A graph that saved x must not backpropagate through celu_'s overwrite of it: PyTorch raises there, whether
+    the graph saved x itself or a view sharing its storage, and whether celu_ ran under no_grad or not."""
+    from sparsefuse import _backend
+
+    monkeypatch.setattr(_backend, "EAGER_FAST_PATH", fast_path)
+    for no_grad in (False, True):
+        for region in (slice(None), slice(2, 6)):
+            x = randn((8,), torch.float32, device)
+            w = torch.randn(8, device=device, requires_grad=True)
+            y = (w * x).sum()  # saves x for w's gradient
+            assert_backend(x)
+            version = x._version
+            with track_launches() as launched, torch.set_grad_enabled(not no_grad):
+                sparsefuse.celu_(x[region], 0.7)
+            assert launched["celu_fwd_kernel"] == 1
+            assert x._version > version
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                y.backward()
+
+
+def test_inplace_on_views_of_a_leaf_follows_torch(device):
+    leaf = randn((4, 10), torch.float32, device).requires_grad_()
+    for view in (lambda t: t[1:3], lambda t: t.t()):
+        with pytest.raises(RuntimeError, match="a view of a leaf Variable that requires grad"):
+            F.celu_(view(leaf))
+        with pytest.raises(RuntimeError, match="a view of a leaf Variable that requires grad"):
+            sparsefuse.celu_(view(leaf))
+    with torch.no_grad():
+        made_without_grad = leaf[1:3]
+    with pytest.raises(RuntimeError, match="created in no_grad mode"):
+        F.celu_(made_without_grad)
+    with pytest.raises(RuntimeError, match="created in no_grad mode"):
+        sparsefuse.celu_(made_without_grad)
+    # under no_grad the leaf itself is overwritten, its version bumped as torch's in-place ops bump it
+    expected = F.celu(leaf.detach().double(), 0.6)
+    version = leaf._version
+    with torch.no_grad():
+        sparsefuse.celu_(leaf, 0.6)
+    assert leaf._version > version
+    assert_close_to_reference(leaf.detach(), expected)
+
+
 def test_layouts_and_empty(device):
     x = randn((5, 6, 7), torch.float32, device).permute(2, 0, 1)  # dense, not contiguous: runs in place of layout
     y = sparsefuse.celu(x)

@@ -31,12 +31,15 @@ def celu_(x: torch.Tensor, alpha: float = 1.0, scale: float = 1.0, input_scale: 
     """In-place :func:`celu`; returns x.
 
     Without autograd (inference, ``torch.no_grad``, or x not requiring grad) the kernel overwrites x with no extra
-    allocation. Under autograd the rules are PyTorch's: a leaf that requires grad raises ``RuntimeError``; for any
-    other tensor the result is computed out of place and copied into x (one extra buffer), so gradients flow.
+    allocation. Under autograd the rules are PyTorch's: a leaf that requires grad (or a view of one) raises
+    ``RuntimeError``; for any other tensor the result is computed out of place and copied into x (one extra buffer),
+    so gradients flow. Either way x's version counter is bumped, so a backward that saved x before the call raises
+    instead of reading the overwritten values.
     """
     alpha, scale, input_scale = check_celu_args("celu_", x, alpha, scale, input_scale)
     if torch.is_grad_enabled() and x.requires_grad:
-        if x.is_leaf:
+        # a view (of a leaf, or one made under no_grad) is left to copy_, which raises PyTorch's own error for it
+        if x.is_leaf and x._base is None:
             raise RuntimeError(
                 "celu_: a leaf Variable that requires grad is being used in an in-place operation; "
                 "use sparsefuse.celu (out of place) or run under torch.no_grad()"
@@ -44,6 +47,10 @@ def celu_(x: torch.Tensor, alpha: float = 1.0, scale: float = 1.0, input_scale: 
         return x.copy_(celu_op(x, alpha, scale, input_scale))
     if _backend.bypass_dispatcher(x):
         celu_inplace(x, alpha, scale, input_scale)
+        # The op's mutates_args bumps x's version counter in the dispatcher, which this path skips: without the bump
+        # a graph that saved x (or a view sharing its storage) would backpropagate through the overwritten values
+        # instead of raising, as PyTorch's in-place ops make it.
+        torch.autograd.graph.increment_version(x)
     else:
         celu_inplace_op(x, alpha, scale, input_scale)
     return x
