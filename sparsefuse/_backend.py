@@ -53,6 +53,12 @@ if FAST_INTERPRETER:
     from sparsefuse._fast_interpreter import install as _install_fast_interpreter
 
     _install_fast_interpreter()
+if (
+    INTERPRET
+):  # the interpreter's bf16 tl.dot multiplies raw bit patterns: always corrected (sparsefuse/_interpreter_dot.py)
+    from sparsefuse._interpreter_dot import install as _install_interpreter_dot
+
+    _install_interpreter_dot()
 
 
 class Backend(str, enum.Enum):
