@@ -18,7 +18,10 @@ What changes, for every (masked-LM transformer, ``SpladePooling``) pair found in
   weights keep working).
 
 Both are instance-level ``forward`` overrides: the classes, parameters, state_dict and ``model.save`` output stay
-those of sentence-transformers. :func:`unpatch` restores the original behaviour. ``SpladePooling.chunk_size``
+those of sentence-transformers. :func:`unpatch` restores the original behaviour. Lifecycle: ``torch.save``/
+``torch.load(weights_only=False)`` and ``copy.deepcopy`` give a patched model (bound to its own masked LM);
+``model.save(dir)`` then ``SparseEncoder(dir)`` gives an unpatched one (the patch is not in the saved files: patch
+it again); patching a patched model is a no-op. ``SpladePooling.chunk_size``
 becomes irrelevant (nothing of size [B, S, vocab] is allocated). Inputs that sentence-transformers flattened for
 FlashAttention (``cu_seq_lens_q``) are pooled one sequence at a time. If the projection module was replaced after
 patching (e.g. ``resize_token_embeddings``), the transformer produces logits again and the pooling falls back to
@@ -30,7 +33,7 @@ sentence-transformers itself is not imported here: modules are recognised by cla
 
 from __future__ import annotations
 
-import types
+import functools
 from typing import Any
 
 import torch
@@ -48,8 +51,13 @@ def is_splade_pooling(module: nn.Module) -> bool:
     return type(module).__name__ == "SpladePooling" and hasattr(module, "pooling_strategy")
 
 
-def is_patched(module: nn.Module) -> bool:
+def _is_patched_pooling(module: nn.Module) -> bool:
     return _MLM_ATTR in module.__dict__
+
+
+def is_patched(module: nn.Module) -> bool:
+    """Whether ``module`` is a patched ``SpladePooling`` or a model (``SparseEncoder``) holding one."""
+    return _is_patched_pooling(module) or any(_is_patched_pooling(m) for m in module.children())
 
 
 def _masked_lm_of(module: nn.Module) -> nn.Module | None:
@@ -111,20 +119,22 @@ def _patch_pair(transformer: nn.Module, pooling: nn.Module) -> bool:
         )
     bypass_projection(vocabulary_projection(mlm))
     pooling.__dict__[_MLM_ATTR] = mlm  # plain attribute: not registered as a submodule (no state_dict keys)
-    pooling.forward = types.MethodType(_fused_splade_pooling_forward, pooling)
+    # A partial, not a bound method: pickle stores a bound method as getattr(instance, its function's name), which
+    # the module lacks; a partial pickles the function by name and the module by reference (deepcopy rebinds it).
+    pooling.forward = functools.partial(_fused_splade_pooling_forward, pooling)
     return True
 
 
 def patch(model: nn.Module) -> nn.Module:
     """Fuse every masked-LM transformer + ``SpladePooling`` pair of a sentence-transformers model (in place; see
-    module docstring). Returns the model. Raises ``ValueError`` if no such pair was found or a pooling module uses
-    an unsupported activation."""
+    module docstring). Returns the model; a model already patched is returned unchanged. Raises ``ValueError`` if
+    no such pair was found or a pooling module uses an unsupported activation."""
     modules = list(model.children())
     patched = 0
     for first, second in zip(modules, modules[1:]):
-        if is_splade_pooling(second) and not is_patched(second):
+        if is_splade_pooling(second) and not _is_patched_pooling(second):
             patched += _patch_pair(first, second)
-    if patched == 0 and not any(is_patched(m) for m in modules):
+    if patched == 0 and not any(_is_patched_pooling(m) for m in modules):
         raise ValueError(
             f"sparsefuse.integrations.sentence_transformers.patch: no masked-LM transformer followed by "
             f"SpladePooling found in {type(model).__name__}"
@@ -135,7 +145,7 @@ def patch(model: nn.Module) -> nn.Module:
 def unpatch(model: nn.Module) -> nn.Module:
     """Undo :func:`patch` (in place); returns the model."""
     for module in model.children():
-        if is_splade_pooling(module) and is_patched(module):
+        if is_splade_pooling(module) and _is_patched_pooling(module):
             mlm = module.__dict__.pop(_MLM_ATTR)
             del module.forward
             restore_projection(vocabulary_projection(mlm))

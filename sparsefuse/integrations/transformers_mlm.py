@@ -19,7 +19,6 @@ The module does not import transformers.
 from __future__ import annotations
 
 import contextlib
-import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -48,13 +47,15 @@ def vocabulary_projection(model: nn.Module) -> nn.Linear:
     return decoder
 
 
-def _pass_through(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+def _pass_through(hidden_states: torch.Tensor) -> torch.Tensor:
     return hidden_states
 
 
 def bypass_projection(decoder: nn.Module) -> None:
     """Make ``decoder`` return its input (an instance-level ``forward``; parameters and state_dict unchanged)."""
-    decoder.forward = types.MethodType(_pass_through, decoder)
+    # A plain module-level function, not a bound method: pickle stores a bound method as getattr(instance, its
+    # function's name), which the module lacks, so a bypassed model would fail torch.load.
+    decoder.forward = _pass_through
     decoder.__dict__[_BYPASS_ATTR] = True
 
 

@@ -9,6 +9,7 @@ errors of two equally good computations are uncorrelated).
 """
 
 import copy
+import io
 
 import pytest
 import torch
@@ -155,13 +156,13 @@ def test_patch_unpatch_and_errors(checkpoint, device):
     mlm = model[0].auto_model
     sf_st.patch(model)
     assert sf_st.is_patched(model[1])
-    sf_st.patch(model)  # patching twice is a no-op
+    assert sf_st.patch(model) is model and sf_st.is_patched(model)  # patching twice is a no-op
     features = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in model.preprocess(QUERIES).items()}
     with torch.no_grad():
         hidden = model[0](dict(features))["token_embeddings"]
         assert hidden.shape[-1] == 32  # the transformer now hands over hidden states, not logits
         sf_st.unpatch(model)
-        assert not sf_st.is_patched(model[1])
+        assert not sf_st.is_patched(model[1]) and not sf_st.is_patched(model)
         logits = model[0](dict(features))["token_embeddings"]
         assert logits.shape[-1] == len(VOCAB)
         torch.testing.assert_close(logits, mlm(**{k: features[k] for k in ("input_ids", "attention_mask")}).logits)
@@ -171,6 +172,41 @@ def test_patch_unpatch_and_errors(checkpoint, device):
         sf_st.patch(SparseEncoder(modules=[model[0], SpladePooling(activation_function="log1p_relu")], device="cpu"))
     with pytest.raises(ValueError, match="no masked-LM transformer followed by SpladePooling"):
         sf_st.patch(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
+def torch_save_load(obj):
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+def test_patched_sparse_encoder_pickles_deep_copies_and_saves(checkpoint, device, tmp_path):
+    """torch.save/torch.load and copy.deepcopy give a patched model bound to its own masked LM; sentence-transformers'
+    own save/load gives the unpatched model (the patch lives in the Python objects, not in the saved files)."""
+    from sentence_transformers import SparseEncoder
+
+    plain = sparse_encoder(checkpoint, "max", legacy_module=False).to(device).eval()
+    model = sf_st.patch(copy.deepcopy(plain))
+    assert sf_st.is_patched(model) and not sf_st.is_patched(plain)
+    with torch.no_grad():
+        expected, unpatched = embed(model, QUERIES, device), embed(plain, QUERIES, device)
+    features = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in model.preprocess(QUERIES).items()}
+    for copied in (torch_save_load(model), copy.deepcopy(model)):
+        assert sf_st.is_patched(copied) and sf_st.is_patched(copied[1])
+        with torch.no_grad(), track_launches() as launched:
+            torch.testing.assert_close(embed(copied, QUERIES, device), expected, rtol=0, atol=0)
+        assert launched["splade_fwd_kernel"] == 1
+        sf_st.unpatch(copied)  # restores the copy's projection, not the original's
+        with torch.no_grad():
+            assert copied[0](dict(features))["token_embeddings"].shape[-1] == len(VOCAB)
+            assert model[0](dict(features))["token_embeddings"].shape[-1] == 32
+    model.save(str(tmp_path / "saved"))
+    reloaded = SparseEncoder(str(tmp_path / "saved"), device=str(device))
+    assert not sf_st.is_patched(reloaded)
+    with torch.no_grad():
+        torch.testing.assert_close(embed(reloaded.eval(), QUERIES, device), unpatched)
+        torch.testing.assert_close(embed(sf_st.patch(reloaded), QUERIES, device), expected)
 
 
 def test_patched_pooling_falls_back_when_the_projection_was_replaced(checkpoint, device):
