@@ -1,6 +1,7 @@
 """sparsefuse.nn.Snake1d and sparsefuse.integrations.snac against the real `snac` package (random weights)."""
 
 import copy
+import io
 
 import pytest
 import torch
@@ -115,6 +116,48 @@ def test_patch_errors_and_single_module():
         sf_snac.patch(torch.nn.Linear(2, 2))
     fused = sf_snac.patch(snac.layers.Snake1d(3))
     assert isinstance(fused, sparsefuse.nn.Snake1d)
+
+
+def test_patch_twice_is_a_no_op():
+    model = snac.SNAC(**SNAC_TINY)
+    assert not sf_snac.is_patched(model)
+    sf_snac.patch(model)
+    snakes = [m for m in model.modules() if isinstance(m, sparsefuse.nn.Snake1d)]
+    assert sf_snac.is_patched(model)
+    assert sf_snac.patch(model, fast_sin=True) is model and sf_snac.is_patched(model)
+    assert [m for m in model.modules() if isinstance(m, sparsefuse.nn.Snake1d)] == snakes
+    assert not any(m.fast_sin for m in snakes)  # the first patch's settings stay
+    fused = sparsefuse.nn.Snake1d(3)
+    assert sf_snac.patch(fused) is fused and sf_snac.is_patched(fused)
+    with pytest.raises(ValueError, match="no Snake1d module found in Sequential"):
+        sf_snac.patch(torch.nn.Sequential(torch.nn.Conv1d(2, 2, 1)))
+
+
+def test_patched_model_pickles_and_deep_copies():
+    """copy.deepcopy of a patched SNAC, and torch.save/torch.load of a patched stack of SNAC Snake1d modules, keep
+    the fused Snake1d. (A whole SNAC cannot go through torch.save, patched or not: its convolutions carry
+    torch.nn.utils.parametrizations.weight_norm, whose modules and state-dict hook pickle refuses.)"""
+    model = snac.SNAC(**{**SNAC_TINY, "noise": False}).eval().to(DEVICE)
+    randomize_alphas(model)
+    codes = random_codes(model, 3, torch.device(DEVICE))
+    sf_snac.patch(model)
+    copied = copy.deepcopy(model)
+    assert sf_snac.is_patched(copied)
+    with torch.no_grad(), sparsefuse.track_launches() as launched:
+        torch.testing.assert_close(copied.decode(codes), model.decode(codes), rtol=0, atol=0)
+    assert launched["snake_fwd_kernel"] + launched["snake_fwd_flat_kernel"] > 0
+
+    stack = torch.nn.Sequential(snac.layers.Snake1d(4), torch.nn.Conv1d(4, 4, 3), snac.layers.Snake1d(4)).to(DEVICE)
+    randomize_alphas(stack)
+    sf_snac.patch(stack)
+    buffer = io.BytesIO()
+    torch.save(stack, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert sf_snac.is_patched(loaded) and all(isinstance(loaded[i], sparsefuse.nn.Snake1d) for i in (0, 2))
+    x = torch.randn(2, 4, 9, device=DEVICE)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), stack(x), rtol=0, atol=0)
 
 
 @pytest.mark.gpu
