@@ -52,12 +52,17 @@ value) -- ours is the decision on the more precise value.
 Supported: ``sae_lens >= 6`` ``JumpReLUSAE`` and ``TopKSAE`` (and subclasses that keep their encode, decode,
 forward and activation). Anything else -- other architectures, training SAEs, transcoders, ``AbsTopKSAE`` --
 raises ``ValueError``.
+
+Lifecycle: ``copy.deepcopy`` gives a patched SAE whose methods are bound to the copy. ``torch.save``/``torch.load``
+keep the patch too, but a sae_lens 6 SAE holds lambdas (its reshape and normalisation functions) that pickle
+refuses, patched or not: save with SAELens' ``save_model``, load with ``load_from_disk`` (unpatched) and patch again.
+Patching twice keeps the SAE patched, with the last call's settings.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import types
+import functools
 from typing import Any
 
 import torch
@@ -138,7 +143,8 @@ def patch(
             cuBLAS encode (faster). JumpReLU: ``jumprelu_encode`` instead of cuBLAS + in-place JumpReLU, by default
             exactly when ``max_l0`` is given. TopK: ``topk_encode`` for ``forward`` and ``encode`` instead of the
             cuBLAS encode + ``torch.topk``, off by default.
-    Returns: ``sae``. Patching an already patched SAE updates its settings.
+    Returns: ``sae``. Patching an already patched SAE keeps it patched, with this call's settings (the same
+    arguments: a no-op).
     """
     architecture = _architecture(sae)
     d_sae = sae.W_dec.shape[0]
@@ -150,7 +156,10 @@ def patch(
     methods = {"jumprelu": (_jumprelu_forward, None, _decode), "topk": (_topk_forward, _topk_encode, _decode)}
     for name, fn in zip(_PATCHED_METHODS, methods[architecture]):
         if fn is not None:
-            setattr(sae, name, types.MethodType(fn, sae))
+            # A partial, not a bound method: pickle stores a bound method as getattr(instance, its function's
+            # name), which the SAE lacks; a partial pickles the function by name and the SAE by reference
+            # (deepcopy rebinds it to the copy).
+            setattr(sae, name, functools.partial(fn, sae))
     return sae
 
 

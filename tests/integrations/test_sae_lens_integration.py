@@ -10,7 +10,9 @@ no pre-activation lies within the low-precision computations' measured deviation
 there, SAELens (deciding on the dtype-rounded value) and the kernels (deciding in float32) may legitimately differ.
 """
 
+import copy
 import dataclasses
+import io
 
 import pytest
 import torch
@@ -323,6 +325,46 @@ def test_unpatch_float64_and_unsupported_saes(device):
         sf_sae_lens.patch(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="max_l0 must be a positive int; got 0"):
         sf_sae_lens.patch(sae, max_l0=0)
+
+
+def identity(x, *_):
+    return x
+
+
+@pytest.mark.parametrize("architecture", ["jumprelu", "topk"])
+def test_patch_twice_pickling_and_deepcopy(architecture, device):
+    """Patching again keeps the SAE patched (with the new call's settings); torch.save/torch.load and copy.deepcopy
+    give a patched SAE whose methods are bound to the copy. sae_lens 6 SAEs hold lambdas (reshape and run-time
+    normalisation functions) that pickle refuses, patched or not: the round trip replaces them with a module-level
+    identity, which is what they compute here."""
+    if architecture == "jumprelu":
+        sae = build_sae(JumpReLUSAE, JumpReLUSAEConfig, 16, 64, torch.float32, device)
+    else:
+        sae = build_sae(TopKSAE, TopKSAEConfig, 16, 64, torch.float32, device, k=4)
+    for name in (
+        "reshape_fn_in",
+        "reshape_fn_out",
+        "run_time_activation_norm_fn_in",
+        "run_time_activation_norm_fn_out",
+    ):
+        setattr(sae, name, identity)
+    x = torch.randn(5, 16, device=device)
+    assert sf_sae_lens.patch(sae, decode_method="fixed") is sae
+    with torch.no_grad():
+        expected = sae(x)
+    assert sf_sae_lens.patch(sae, decode_method="fixed") is sae and sf_sae_lens.is_patched(sae)
+    buffer = io.BytesIO()
+    torch.save(sae, buffer)
+    buffer.seek(0)
+    for copied in (torch.load(buffer, weights_only=False), copy.deepcopy(sae)):
+        assert sf_sae_lens.is_patched(copied)
+        with torch.no_grad(), track_launches() as launched:
+            torch.testing.assert_close(copied(x), expected, rtol=0, atol=0)
+            torch.testing.assert_close(copied.decode(copied.encode(x)), expected)
+        assert launched["gather_accumulate_kernel"] >= 1
+        with torch.no_grad():
+            copied.W_dec.zero_()  # the copy's methods read the copy's parameters, not the original's
+            assert not torch.equal(copied(x), expected) and torch.equal(sae(x), expected)
 
 
 # --- GPU: the real Gemma Scope 2B width ---------------------------------------------------------------------------
