@@ -16,9 +16,8 @@ elementwise kernels forward and ~10 backward), and the model's ``LlamaAttention`
 with :func:`sparsefuse.rotary.apply_rotary_pos_emb` (one kernel each way for q and k together, where transformers
 runs ~10). In an eager 1.5B-shape training step those two are ~30% of the time.
 
-The attention module looks ``apply_rotary_pos_emb`` up in its module's globals on every call, so that name is
-replaced once by a dispatcher that runs the fused function only while a fused model's attention is running (a
-per-thread count kept by forward hooks on those modules): other Llama models keep transformers' function.
+The fused rotary embedding stays local to the patched model: other Llama models in the process, and pickling any
+of them, keep transformers' function (:mod:`._llama_rotary` says how).
 
 Under torch.compile without autograd (compiled inference) the norms and the rotary embedding are the plain torch
 expressions again, which the compiler fuses with their neighbours better than it can call an opaque op
@@ -27,21 +26,18 @@ expressions again, which the compiler fuses with their neighbours better than it
 
 from __future__ import annotations
 
-import inspect
-import threading
-
 import torch
 from torch import nn
 
-from .._backend import inductor_traces_inference
 from ..ffn.twell import DEFAULT_COMPRESSION
 from ..nn.ffn import SparseGatedMLP
 from ..nn.norms import RMSNorm
-from ..rotary import apply_rotary_pos_emb
+from ._llama_rotary import fuse_rotary
 
 __all__ = [
     "patch_llama",
     "fuse_norms",
+    "fuse_rotary",
     "is_relu_llama_mlp",
     "l1_loss",
     "sparsity_report",
@@ -67,29 +63,11 @@ def is_relu_llama_mlp(module: nn.Module) -> bool:
     )
 
 
-def _replacement(
-    mlp: nn.Module,
-    compression: int,
-    tile: int | None,
-    method: str,
-    train_method: str = "dense",
-    down_layout: str = "column",
-    train_cuda_graph: bool | None = None,
-) -> SparseGatedMLP:
+def _replacement(mlp: nn.Module, options: dict) -> SparseGatedMLP:
     gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
-    fused = SparseGatedMLP(
-        gate.in_features,
-        gate.out_features,
-        bias=gate.bias is not None,
-        compression=compression,
-        tile=tile,
-        method=method,
-        train_method=train_method,
-        down_layout=down_layout,
-        train_cuda_graph=train_cuda_graph,
-        device="meta",
-    )
-    fused.gate_proj, fused.up_proj, fused.down_proj = gate, up, down  # the modules themselves, not copies
+    fused = SparseGatedMLP(gate.in_features, gate.out_features, bias=gate.bias is not None, device="meta", **options)
+    # the modules themselves, not copies: their Parameters (tied weights), their hooks and their state_dict keys
+    fused.gate_proj, fused.up_proj, fused.down_proj, fused.act_fn = gate, up, down, mlp.act_fn
     fused.relayout_down_proj()
     fused.train(mlp.training)
     return fused
@@ -115,107 +93,42 @@ def patch_llama(
     :func:`sparsefuse.rotary.apply_rotary_pos_emb` (the same computations in one kernel each way; :func:`fuse_norms`,
     :func:`fuse_rotary`).
 
-    Returns the model (or, if ``model`` itself is a ReLU LlamaMLP, its replacement). Raises ``ValueError`` if no
-    ReLU LlamaMLP was found (e.g. a model with ``hidden_act="silu"``: TwELL needs the ReLU's exact zeros)."""
+    Patching a patched model again is not an error: its :class:`SparseGatedMLP` modules take this call's options
+    (the same options: nothing changes). Returns the model (or, if ``model`` itself is a ReLU LlamaMLP, its
+    replacement). Raises ``ValueError`` if there is neither a ReLU LlamaMLP nor a patched one (e.g. a model with
+    ``hidden_act="silu"``: TwELL needs the ReLU's exact zeros)."""
+    options = dict(
+        compression=compression,
+        tile=tile,
+        method=method,
+        train_method=train_method,
+        down_layout=down_layout,
+        train_cuda_graph=train_cuda_graph,
+    )
     if is_relu_llama_mlp(model):
-        return _replacement(model, compression, tile, method, train_method, down_layout, train_cuda_graph)
-    replaced = 0
+        return _replacement(model, options)
+    found = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if is_relu_llama_mlp(child):
-                replacement = _replacement(
-                    child, compression, tile, method, train_method, down_layout, train_cuda_graph
-                )
-                setattr(parent, name, replacement)
-                replaced += 1
-    if replaced and fuse:
-        fuse_norms(model)
-        fuse_rotary(model)
-    if replaced == 0:
+                setattr(parent, name, _replacement(child, options))
+                found += 1
+            elif isinstance(child, SparseGatedMLP):
+                child.configure(**options)
+                found += 1
+    if isinstance(model, SparseGatedMLP):
+        model.configure(**options)
+        return model
+    if found == 0:
         act = getattr(getattr(model, "config", None), "hidden_act", None)
         raise ValueError(
             f"sparsefuse patch_llama: no LlamaMLP with a ReLU activation found in "
             f"{type(model).__name__}" + (f" (config.hidden_act={act!r})" if act else "")
         )
+    if fuse:
+        fuse_norms(model)
+        fuse_rotary(model)
     return model
-
-
-class _FusedAttentionState(threading.local):
-    """How many fused models' attention modules are inside their forward on this thread (their rotary embedding
-    takes the fused function). Per thread: an unfused Llama run by another thread at the same moment keeps
-    transformers' function."""
-
-    depth: int = 0
-
-
-_FUSED_ATTENTION = _FusedAttentionState()
-_TRANSFORMERS_ROTARY = None  # transformers' own apply_rotary_pos_emb, called outside fused models
-
-
-def _rotary_dispatch(q, k, cos, sin, *args, **kwargs):
-    """What ``modeling_llama.apply_rotary_pos_emb`` names once a model was fused: the fused function inside a fused
-    model's attention, transformers' elsewhere."""
-    if _FUSED_ATTENTION.depth > 0 and not inductor_traces_inference():  # (compiled inference: the compiler fuses)
-        if not args and not kwargs:  # how LlamaAttention calls it
-            return apply_rotary_pos_emb(q, k, cos, sin)
-        # other callers: their arguments read as transformers' signature says (it changed across versions)
-        bound = inspect.signature(_TRANSFORMERS_ROTARY).bind(q, k, cos, sin, *args, **kwargs)
-        return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=bound.arguments.get("unsqueeze_dim", 1))
-    return _TRANSFORMERS_ROTARY(q, k, cos, sin, *args, **kwargs)
-
-
-_rotary_dispatch._sparsefuse_dispatch = True  # how a re-imported module recognises an installed dispatcher
-
-
-def _enter_fused_attention(module, args, kwargs) -> None:
-    _FUSED_ATTENTION.depth += 1
-
-
-def _leave_fused_attention(module, args, kwargs, output) -> None:
-    # never below zero: a pre-hook registered before ours that raised skips ours but not this one
-    _FUSED_ATTENTION.depth = max(0, _FUSED_ATTENTION.depth - 1)
-
-
-def _reset_fused_attention(module, args, kwargs) -> None:
-    # No attention module is inside its forward when a model (or a decoder layer) starts its own: a count left over
-    # by an interrupted forward (a KeyboardInterrupt skips the post-hooks) is cleared here.
-    _FUSED_ATTENTION.depth = 0
-
-
-def _install_rotary_dispatch(modeling_llama) -> None:
-    """Point ``modeling_llama.apply_rotary_pos_emb`` at the dispatcher once, remembering transformers' function on
-    that module (so a reloaded sparsefuse finds it there rather than taking the dispatcher for it)."""
-    global _TRANSFORMERS_ROTARY
-    current = modeling_llama.apply_rotary_pos_emb
-    if getattr(current, "_sparsefuse_dispatch", False):
-        _TRANSFORMERS_ROTARY = modeling_llama._sparsefuse_transformers_rotary
-    else:
-        _TRANSFORMERS_ROTARY = modeling_llama._sparsefuse_transformers_rotary = current
-    modeling_llama.apply_rotary_pos_emb = _rotary_dispatch
-
-
-def fuse_rotary(model: nn.Module) -> int:
-    """Make every transformers ``LlamaAttention`` inside ``model`` apply its rotary embedding with
-    :func:`sparsefuse.rotary.apply_rotary_pos_emb` (see the module docstring); returns how many modules. Idempotent.
-    Patch before wrapping the model (FSDP, accelerate's device maps): the hooks go on the modules found here."""
-    from transformers.models.llama import modeling_llama
-
-    if _TRANSFORMERS_ROTARY is None or modeling_llama.apply_rotary_pos_emb is not _rotary_dispatch:
-        _install_rotary_dispatch(modeling_llama)
-    fused = 0
-    for module in model.modules():
-        if isinstance(module, modeling_llama.LlamaAttention):
-            if not getattr(module, "_sparsefuse_rotary", False):
-                module.register_forward_pre_hook(_enter_fused_attention, with_kwargs=True)
-                # always_call: the count comes down when the forward raises an Exception too
-                module.register_forward_hook(_leave_fused_attention, with_kwargs=True, always_call=True)
-                module._sparsefuse_rotary = True
-            fused += 1
-        elif isinstance(module, (modeling_llama.LlamaModel, modeling_llama.LlamaDecoderLayer)):
-            if not getattr(module, "_sparsefuse_rotary_reset", False):
-                module.register_forward_pre_hook(_reset_fused_attention, with_kwargs=True)
-                module._sparsefuse_rotary_reset = True
-    return fused
 
 
 def fuse_norms(model: nn.Module) -> int:
@@ -245,8 +158,10 @@ def l1_loss(model: nn.Module) -> torch.Tensor:
     terms = [m.last_l1 for _, m in patched_mlps(model) if m.last_l1 is not None]
     if not terms:
         raise RuntimeError(
-            "sparsefuse l1_loss: no patched SparseGatedMLP has run a forward with gradients yet "
-            "(patch the model with patch_llama and call l1_loss after the forward)"
+            "sparsefuse l1_loss: no patched SparseGatedMLP has run a forward with gradients since its last forward "
+            "without them (patch the model with patch_llama and call l1_loss after the training forward; under "
+            "activation checkpointing use use_reentrant=False: the reentrant kind runs the forward without "
+            "gradients, so no differentiable L1 term exists until its backward)"
         )
     return torch.stack([t.float() for t in terms]).sum()
 

@@ -15,6 +15,18 @@ kernels. When autograd needs gradients, ``train_method`` decides: ``"dense"`` (d
 hybrid step from CUDA graphs.
 ``down_layout="row"`` keeps ``down_proj.weight`` row-major (contiguous), as FSDP2's ``fully_shard`` requires of
 the parameters it shards; the sparse kernels then copy W_down^T once per call.
+
+The module tree is ``LlamaMLP``'s (``gate_proj``, ``up_proj``, ``down_proj``, ``act_fn``), and so is what hooks see:
+while any of those submodules has a hook (forward, forward-pre or backward; or a global module hook is set) or is not
+a plain ``nn.Linear`` / ``nn.ReLU`` (a LoRA or quantised projection, a parametrization), the forward calls the
+submodules as ``LlamaMLP`` does -- the dense ops, every hook run, whatever a hook returns used -- instead of handing
+their weights to the kernels. So do inputs the kernels do not take (float64) under ``method="auto"``.
+
+What a forward leaves for the step (``last_l1``, the eager choices) is not part of the module's state: a copy
+(``copy.deepcopy``, pickling) starts without it, so a copy never holds the step's autograd graph, and a forward
+without gradients clears ``last_l1`` (a later :func:`~sparsefuse.integrations.transformers.l1_loss` cannot
+return a stale term). ``state_dict()`` holds ``down_proj.weight`` contiguous, as ``LlamaMLP``'s (a copy of the
+column-major weight: what safetensors and other writers require; ``keep_vars=True`` gives the Parameter itself).
 """
 
 from __future__ import annotations
@@ -24,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._auto import SparsityMonitor, observable, sampled_nonzero_stats
+from .._validation import FLOAT_DTYPES
 from ..ffn.hybrid import hybrid_mlp, sparsity_stats
 from ..ffn.twell import DEFAULT_COMPRESSION, METHODS, twell_down_layout, twell_mlp
 from ..ffn.twell.auto import ESTIMATES, eager_runs_dense
@@ -32,6 +45,8 @@ from ..sparse.compact import DEFAULT_HYBRID_WIDTH
 
 # How a forward that needs gradients runs: "dense" (LlamaMLP's ops) or "hybrid" (the sparse training step).
 TRAIN_METHODS = ("dense", "hybrid")
+# What a forward leaves for the step or for later calls; a copy or a pickle of the module starts without it.
+_STEP_STATE = {"last_l1": None, "_eager_choice_weight": None}
 
 
 class SparseGatedMLP(nn.Module):
@@ -55,30 +70,54 @@ class SparseGatedMLP(nn.Module):
         dtype=None,
     ) -> None:
         super().__init__()
-        if method not in METHODS:
-            raise ValueError(f"SparseGatedMLP: method must be one of {', '.join(METHODS)}; got {method!r}")
-        if train_method not in TRAIN_METHODS:
-            raise ValueError(
-                f"SparseGatedMLP: train_method must be one of {', '.join(TRAIN_METHODS)}; got {train_method!r}"
-            )
         kw = dict(device=device, dtype=dtype)
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, **kw)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, **kw)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, **kw)
-        self.compression, self.tile, self.method = compression, tile, method
-        if down_layout not in ("column", "row"):
-            raise ValueError(f"SparseGatedMLP: down_layout must be 'column' or 'row'; got {down_layout!r}")
-        self.train_method, self.train_width, self.down_layout = train_method, train_width, down_layout
-        # hybrid training: replay the step from CUDA graphs captured per input shape (hybrid_mlp's cuda_graph:
-        # None lets it decide by the layer's size)
-        self.train_cuda_graph = train_cuda_graph
+        self.act_fn = nn.ReLU()  # LlamaMLP's module tree: a hook on act_fn sees the gate activations
+        self.train_width = train_width
+        self.configure(
+            compression=compression,
+            tile=tile,
+            method=method,
+            train_method=train_method,
+            down_layout=down_layout,
+            train_cuda_graph=train_cuda_graph,
+        )
+        self._register_state_dict_hook(_contiguous_down_weight)
         self.last_l1: torch.Tensor | None = None  # the last training step's L1 term (differentiable)
         self._last_counts: tuple[torch.Tensor, torch.Tensor] | None = None  # (per token, per neuron) firing counts
         self._eager_choice: dict[tuple[int, torch.dtype], bool] = {}  # (tokens, dtype) -> auto runs dense
         self._eager_choice_weight: torch.Tensor | None = None  # the gate weight those choices were made for
         # dense eager calls made; the count at which the next sample of the gate's sparsity is taken
         self._eager_calls, self._next_sample = 0, ESTIMATES.observe_every
+
+    def configure(
+        self,
+        *,
+        compression: int = DEFAULT_COMPRESSION,
+        tile: int | None = None,
+        method: str = "auto",
+        train_method: str = "dense",
+        down_layout: str = "column",
+        train_cuda_graph: bool | None = None,
+    ) -> None:
+        """Set how the module runs (the constructor's keywords; what :func:`patch_llama` on a patched model calls),
+        re-laying ``down_proj.weight`` out in place where ``down_layout`` changes."""
+        if method not in METHODS:
+            raise ValueError(f"SparseGatedMLP: method must be one of {', '.join(METHODS)}; got {method!r}")
+        if train_method not in TRAIN_METHODS:
+            raise ValueError(
+                f"SparseGatedMLP: train_method must be one of {', '.join(TRAIN_METHODS)}; got {train_method!r}"
+            )
+        if down_layout not in ("column", "row"):
+            raise ValueError(f"SparseGatedMLP: down_layout must be 'column' or 'row'; got {down_layout!r}")
+        self.compression, self.tile, self.method = compression, tile, method
+        self.train_method, self.down_layout = train_method, down_layout
+        # hybrid training: replay the step from CUDA graphs captured per input shape (hybrid_mlp's cuda_graph:
+        # None lets it decide by the layer's size)
+        self.train_cuda_graph = train_cuda_graph
         self.relayout_down_proj()
 
     @torch.no_grad()
@@ -87,6 +126,8 @@ class SparseGatedMLP(nn.Module):
         ``down_layout="row"``."""
         weight = self.down_proj.weight
         if self.down_layout == "row":
+            if weight.device.type != "meta" and not weight.is_contiguous():
+                weight.data = weight.data.contiguous()
             return
         if weight.device.type != "meta" and weight.stride(0) != 1 and weight.shape[1] > 1:
             weight.data = twell_down_layout(weight.data)
@@ -94,7 +135,12 @@ class SparseGatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.down_layout == "column" and self.down_proj.weight.stride(0) != 1 and not torch.compiler.is_compiling():
             self.relayout_down_proj()  # a new weight was assigned or loaded with another layout
-        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters())):
+        wants_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
+        if not wants_grad:
+            self.last_l1 = None  # no differentiable term for this forward: l1_loss must not return an older one
+        if self._runs_submodules(x):
+            return self._submodule_forward(x, wants_grad)
+        if wants_grad:
             return self._train_forward(x)
         if self.method == "auto" and x.is_cuda and self._eager_dense(x):
             return self._dense_forward(x)
@@ -110,6 +156,41 @@ class SparseGatedMLP(nn.Module):
             tile=self.tile,
             method=self.method,
         )
+
+    def _runs_submodules(self, x: torch.Tensor) -> bool:
+        """Whether this forward calls the submodules as ``LlamaMLP`` does (see the module docstring): a hook on one
+        of them (or a global module hook), a submodule that is not a plain Linear / ReLU, or (under ``auto``) a
+        dtype the kernels do not take. A few dict lookups: an eager call's host time barely moves."""
+        if self.method == "auto" and x.dtype not in FLOAT_DTYPES:
+            return True
+        for module, plain in (
+            (self.gate_proj, nn.Linear),
+            (self.up_proj, nn.Linear),
+            (self.down_proj, nn.Linear),
+            (self.act_fn, nn.ReLU),
+        ):
+            if type(module) is not plain or _has_hooks(module):
+                return True
+        return _global_hooks_set()
+
+    def _submodule_forward(self, x: torch.Tensor, wants_grad: bool) -> torch.Tensor:
+        """``LlamaMLP.forward`` itself: ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, every submodule called (and
+        its hooks run) in LlamaMLP's order; a forward with gradients records the step's L1 term and counts from
+        the activations as the hooks left them."""
+        h_gate = self.act_fn(self.gate_proj(x))
+        if wants_grad:
+            self._record_step(h_gate)
+        return self.down_proj(h_gate * self.up_proj(x))
+
+    def _record_step(self, h_gate: torch.Tensor) -> None:
+        """The dense step's L1 term (the gate activations' mean per element) and firing counts."""
+        fired = (h_gate > 0).reshape(-1, h_gate.shape[-1])
+        self.last_l1 = h_gate.sum(dtype=torch.float32) / max(h_gate.numel(), 1)
+        self._last_counts = (fired.sum(1, dtype=torch.int32), fired.sum(0, dtype=torch.int32))
+
+    def __getstate__(self) -> dict:
+        # copies and pickles start without the step's state (see the module docstring)
+        return {**super().__getstate__(), **_STEP_STATE, "_eager_choice": {}}
 
     def _eager_dense(self, x: torch.Tensor) -> bool:
         """Whether this call is a plain eager CUDA call for which ``auto`` runs dense (its host time is lower: a
@@ -170,9 +251,7 @@ class SparseGatedMLP(nn.Module):
             self.last_l1, self._last_counts = out.l1, (out.token_counts, out.neuron_counts)
             return out.y
         h_gate = torch.relu(F.linear(x, gate.weight, gate.bias))
-        fired = (h_gate > 0).reshape(-1, h_gate.shape[-1])
-        self.last_l1 = h_gate.sum(dtype=torch.float32) / max(h_gate.numel(), 1)
-        self._last_counts = (fired.sum(1, dtype=torch.int32), fired.sum(0, dtype=torch.int32))
+        self._record_step(h_gate)
         return F.linear(h_gate * F.linear(x, up.weight, up.bias), down.weight, down.bias)
 
     def sparsity_report(self, group: torch.distributed.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
@@ -195,3 +274,29 @@ class SparseGatedMLP(nn.Module):
             f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
             f"compression={self.compression}, method={self.method!r}, train_method={self.train_method!r}"
         )
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    return bool(
+        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
+    )
+
+
+def _global_hooks_set() -> bool:
+    from torch.nn.modules import module as torch_module
+
+    return bool(
+        torch_module._global_forward_hooks
+        or torch_module._global_forward_pre_hooks
+        or torch_module._global_backward_hooks
+        or torch_module._global_backward_pre_hooks
+    )
+
+
+def _contiguous_down_weight(module: SparseGatedMLP, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """state_dict hook: ``down_proj.weight`` as ``LlamaMLP`` holds it (contiguous), unless the Parameter itself was
+    asked for (``keep_vars=True``)."""
+    key = prefix + "down_proj.weight"
+    weight = state_dict.get(key)
+    if isinstance(weight, torch.Tensor) and not isinstance(weight, nn.Parameter) and not weight.is_contiguous():
+        state_dict[key] = weight.contiguous()

@@ -302,17 +302,41 @@ def test_release_step_frees_a_failed_steps_graph(device):
         l1_loss(model)
 
 
-def test_fused_rotary_runs_only_inside_fused_models(device):
+def plain_rotary(q, k, cos, sin, unsqueeze_dim=1):
+    """transformers' rotary embedding as a plain function (what modeling_llama holds without the kernels package)."""
+    from sparsefuse.rotary import torch_apply_rotary_pos_emb
+
+    return torch_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
+
+
+@pytest.fixture(params=["own wrapper", "dispatcher"])
+def rotary_route(request, monkeypatch):
+    """Both ways fuse_rotary reaches one model's attention (sparsefuse/integrations/_llama_rotary.py): the
+    attention's own rotary wrapper where transformers gives it one, the dispatcher where the global is a plain
+    function -- simulated here by putting one there."""
+    from transformers.models.llama import modeling_llama
+
+    has_wrappers = isinstance(modeling_llama.apply_rotary_pos_emb, torch.nn.Module)
+    if request.param == "own wrapper" and not has_wrappers:
+        pytest.skip("this transformers gives the attention no rotary wrapper of its own (no kernels package)")
+    if request.param == "dispatcher" and has_wrappers:
+        monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", plain_rotary)
+    return request.param
+
+
+def test_fused_rotary_runs_only_inside_fused_models(device, rotary_route):
     """After patch_llama the fused model's attention rotates q and k with one kernel each way; a model that was not
     patched, in the same process, keeps transformers' function; an attention forward that raises leaves nothing
     behind."""
-    from sparsefuse.integrations import _llama
+    from sparsefuse.integrations import _llama_rotary
 
     torch.manual_seed(0)
     fused = transformers.LlamaForCausalLM(tiny_config(num_hidden_layers=2)).to(device)
     plain = transformers.LlamaForCausalLM(fused.config).to(device)
     plain.load_state_dict(fused.state_dict())
     patch_llama(fused, method="dense")
+    assert all(_llama_rotary.is_rotary_fused(layer.self_attn) for layer in fused.model.layers)
+    assert not any(_llama_rotary.is_rotary_fused(layer.self_attn) for layer in plain.model.layers)
     ids = torch.randint(0, 97, (2, 5), device=device)
     with track_launches() as launched:
         loss = fused(ids, labels=ids).loss
@@ -327,10 +351,10 @@ def test_fused_rotary_runs_only_inside_fused_models(device):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
     with pytest.raises(RuntimeError):  # hidden states of the wrong width
         fused.model.layers[0].self_attn(torch.ones(1, 2, 3, device=device), position_embeddings=None)
-    assert _llama._FUSED_ATTENTION.depth == 0
+    assert _llama_rotary._FUSED_ATTENTION.depth == 0
 
 
-def test_fused_model_compiles_without_graph_breaks(device):
+def test_fused_model_compiles_without_graph_breaks(device, rotary_route):
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(tiny_config(num_hidden_layers=2, mlp_bias=True)).to(device)
     sparsify_gates(model, -1.0)
@@ -358,20 +382,25 @@ def test_fused_rotary_state_is_per_thread_and_survives_a_reload(device):
     import sys
     import threading
 
-    from sparsefuse.integrations import _llama
+    from sparsefuse.integrations import _llama_rotary
 
-    _llama._FUSED_ATTENTION.depth = 1  # as inside a fused model's attention on this thread
+    _llama_rotary._FUSED_ATTENTION.depth = 1  # as inside a fused model's attention on this thread
     try:
         seen = []
-        worker = threading.Thread(target=lambda: seen.append(_llama._FUSED_ATTENTION.depth))
+        worker = threading.Thread(target=lambda: seen.append(_llama_rotary._FUSED_ATTENTION.depth))
         worker.start()
         worker.join()
         assert seen == [0]
     finally:
-        _llama._FUSED_ATTENTION.depth = 0
+        _llama_rotary._FUSED_ATTENTION.depth = 0
     script = (
         "import importlib, torch, transformers\n"
-        "from sparsefuse.integrations import _llama\n"
+        "from transformers.models.llama import modeling_llama\n"
+        "from sparsefuse.integrations import _llama_rotary as _llama\n"
+        "from sparsefuse.rotary import torch_apply_rotary_pos_emb\n"
+        "def plain(q, k, cos, sin, unsqueeze_dim=1):\n"
+        "    return torch_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)\n"
+        "modeling_llama.apply_rotary_pos_emb = plain  # the dispatcher's case: a plain function\n"
         "cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,"
         " num_attention_heads=2, num_key_value_heads=2, hidden_act='relu')\n"
         "_llama.fuse_rotary(transformers.LlamaForCausalLM(cfg))\n"
