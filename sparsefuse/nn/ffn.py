@@ -17,10 +17,11 @@ hybrid step from CUDA graphs.
 the parameters it shards; the sparse kernels then copy W_down^T once per call.
 
 The module tree is ``LlamaMLP``'s (``gate_proj``, ``up_proj``, ``down_proj``, ``act_fn``), and so is what hooks see:
-while any of those submodules has a hook (forward, forward-pre or backward; or a global module hook is set) or is not
-a plain ``nn.Linear`` / ``nn.ReLU`` (a LoRA or quantised projection, a parametrization), the forward calls the
-submodules as ``LlamaMLP`` does -- the dense ops, every hook run, whatever a hook returns used -- instead of handing
-their weights to the kernels. So do inputs the kernels do not take (float64) under ``method="auto"``.
+while any of those submodules has a hook (forward, forward-pre or backward, a forward wrapped on the instance; or a
+global module hook is set) or is not a plain ``nn.Linear`` / ``nn.ReLU`` (a LoRA or quantised projection, a
+parametrization), the forward calls the submodules as ``LlamaMLP`` does -- the dense ops, every hook run, whatever
+a hook returns used -- instead of handing their weights to the kernels. So do inputs the kernels do not take
+(float64) under ``method="auto"``.
 
 What a forward leaves for the step (``last_l1``, the eager choices) is not part of the module's state: a copy
 (``copy.deepcopy``, pickling) starts without it, so a copy never holds the step's autograd graph, and a forward
@@ -34,6 +35,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as _torch_module
 
 from .._auto import SparsityMonitor, observable, sampled_nonzero_stats
 from .._validation import FLOAT_DTYPES
@@ -277,19 +279,22 @@ class SparseGatedMLP(nn.Module):
 
 
 def _has_hooks(module: nn.Module) -> bool:
+    """Hooks registered on the module, or a forward set on the instance (accelerate's hooks wrap it so)."""
     return bool(
-        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+        or "forward" in module.__dict__
     )
 
 
 def _global_hooks_set() -> bool:
-    from torch.nn.modules import module as torch_module
-
     return bool(
-        torch_module._global_forward_hooks
-        or torch_module._global_forward_pre_hooks
-        or torch_module._global_backward_hooks
-        or torch_module._global_backward_pre_hooks
+        _torch_module._global_forward_hooks
+        or _torch_module._global_forward_pre_hooks
+        or _torch_module._global_backward_hooks
+        or _torch_module._global_backward_pre_hooks
     )
 
 
