@@ -4,8 +4,9 @@
     max:  out[b, v] = max_s log1p(relu(logits[b, s, v])) * mask[b, s]    (SPLADE v2+, naver/splade, SpladePooling)
     sum:  out[b, v] = sum_s log1p(relu(logits[b, s, v])) * mask[b, s]    (SPLADE v1)
 
-Masked positions contribute 0 -- so a column whose unmasked logits are all negative scores 0, and a fully masked
-row is all zeros. The mask is an attention mask: any non-zero value keeps the position.
+A position whose mask is 0 is skipped (its logits, NaN or not, never reach the result); any other mask value keeps
+the position and weighs its score, as the formulas say (a 0/1 mask: plain SPLADE). So a column whose kept logits are
+all negative scores 0, and a fully masked row is all zeros.
 
 Precision: fp32/fp16/bf16 inputs (hidden and weight of one dtype; bias any float dtype); logits accumulate in fp32,
 ``log1p`` is evaluated accurately near 0, the output is rounded once to the input dtype. fp32 products use exact

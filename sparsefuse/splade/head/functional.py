@@ -30,13 +30,16 @@ def splade_pool(
             float16 or bfloat16.
         weight: [V, H] the decoder's weight (usually tied to the word embeddings), same dtype as hidden.
         bias: [V] the decoder's bias (any float dtype), or None.
-        attention_mask: [B, S] (bool, integer or float; non-zero keeps a position), or None for all positions.
+        attention_mask: [B, S] (bool, integer or float), or None for all positions. A position whose mask is 0 is
+            skipped; any other value keeps it and multiplies its score ``log1p(relu(logit))`` before the pooling
+            (0/1 masks: plain SPLADE; weights: ``max_s mask_s * log1p(relu(logit_s))``).
         pooling: "max" (SPLADE v2+, the default) or "sum" (SPLADE v1).
 
     Returns:
         [B, V] in hidden's dtype. Equal to naver/splade's and sentence-transformers' ``SpladePooling``: masked
         positions contribute 0, so an all-negative column and a fully masked row score 0. Differentiable in hidden,
-        weight and bias (max pooling: the gradient reaches the first maximal position only, as with torch.max).
+        weight and bias (max pooling: the gradient, ``mask / (1 + logit)`` times the incoming one, reaches the first
+        position of the largest weighted score only, as with torch.max).
         Under autocast, hidden and weight are cast to the autocast dtype (as ``F.linear`` would be).
     """
     name = "splade_pool"

@@ -20,7 +20,16 @@ per group. Two schedules: one tile per program (fully masked padding tiles then 
 pipeline keeps loading across tiles; padding tiles are then computed and masked. Loads are pointer loads, or on
 Hopper TMA loads through ``tl.make_tensor_descriptor``.
 
-Backward, sum pooling: every position gets a gradient, ``dlogit[b, s, v] = grad[b, v] * mask[b, s] / (1 + x)``
+Mask values: a position whose mask is 0 is skipped (its logits never reach a max or a sum, so padding's NaN or inf
+cannot leak), and a kept position's score is multiplied by its mask value c, as in naver/splade's
+``max_s log1p(relu(x_s)) * mask_s`` (and the sum). A bool mask (or none) has c = 1: the raw-logit max above. Any
+other mask dtype may hold other values (MASK_SCALES, max pooling): a tile whose kept positions share one positive c
+still reduces the raw logits, since ``max_s c * f(x_s) = c * f(max_s x_s)`` (a 0/1 integer mask costs a reduction of
+the mask per tile), while a tile of differing values computes every weighted score, whose max the raw logits no
+longer give. The partials are then finished weighted scores (bias and log1p applied), and they carry the derivative
+``c / (1 + x)`` at their max, which the combine could not recover from a score.
+
+Backward, sum pooling: every kept position gets a gradient, ``dlogit[b, s, v] = grad[b, v] * mask[b, s] / (1 + x)``
 for ``x = logits > 0``. Two kernels recompute the logits tile by tile (never storing [B, S, V]): one owns
 (b, sequence tile, hidden slice) and accumulates ``dlogit @ weight``; one owns (vocabulary tile, hidden slice) and
 accumulates ``dlogit^T @ hidden`` over every (b, sequence tile), plus the bias gradient, in a fixed order (no
@@ -116,18 +125,57 @@ def _logit_tile(
 
 @triton.jit
 def _kept_positions(mask_ptr, b, s, S, stride_mb, stride_ms, HAS_MASK: tl.constexpr):
-    """[BLOCK_S] bool: in range and not masked out."""
+    """([BLOCK_S] bool, [BLOCK_S] fp32): in range and not masked out, and the mask's value there (the weight of a
+    kept position's score; 1 without a mask)."""
     keep = s < S
     if HAS_MASK:
         m = tl.load(mask_ptr + b.to(tl.int64) * stride_mb + s.to(tl.int64) * stride_ms, mask=keep, other=0)
         keep = keep & (m != 0)
-    return keep
+        weight = m.to(tl.float32)
+    else:
+        weight = keep.to(tl.float32)
+    return keep, weight
+
+
+@triton.jit
+def _weighted_column_max(acc, bias, keep, weight, s, SAVE_AUX: tl.constexpr, NATIVE_NAN_MAX: tl.constexpr):
+    """Max pooling of ``weight_s * log1p(relu(acc_s + bias))`` over the kept rows of a [BLOCK_M, BLOCK_N] logit tile:
+    ([BLOCK_N] max, -inf where no row is kept; the first row attaining it; the derivative there, weight / (1 + x)
+    for x > 0 else 0). One positive weight shared by every kept row (0/1 masks) keeps the raw-logit max."""
+    w_hi = tl.max(tl.where(keep, weight, float("-inf")), axis=0)
+    w_lo = tl.min(tl.where(keep, weight, float("inf")), axis=0)
+    w_nan = tl.max((keep & (weight != weight)).to(tl.int32), axis=0) > 0  # tl.max/min skip NaN: it must count
+    best_s = tl.zeros(bias.shape, dtype=tl.int32)
+    slope = tl.zeros(bias.shape, dtype=tl.float32)
+    if (((w_lo == w_hi) & (w_lo > 0)) | (w_hi == float("-inf"))) & ~w_nan:  # one weight, or no kept row
+        # (names differ between the branches: the compiled if merges same-named values, which must agree in shape)
+        raw = tl.where(keep[:, None], acc, float("-inf"))  # [BLOCK_M, BLOCK_N]
+        top = _column_max(raw, NATIVE_NAN_MAX)  # [BLOCK_N]
+        x_top = top + bias
+        score = w_hi * _log1p_nonneg(tl.maximum(x_top, 0.0, propagate_nan=tl.PropagateNan.ALL))
+        value = tl.where(top == float("-inf"), float("-inf"), score)
+        if SAVE_AUX:
+            best_s = tl.min(tl.where(raw == top[None, :], s[:, None], 2147483647), axis=0)
+            slope = tl.where(x_top > 0, w_hi / (1.0 + x_top), 0.0)
+    else:
+        logits = acc + bias[None, :]  # [BLOCK_M, BLOCK_N]
+        scores = weight[:, None] * _log1p_nonneg(tl.maximum(logits, 0.0, propagate_nan=tl.PropagateNan.ALL))
+        scores = tl.where(keep[:, None], scores, float("-inf"))
+        value = _column_max(scores, NATIVE_NAN_MAX)
+        if SAVE_AUX:
+            best_s = tl.min(tl.where(scores == value[None, :], s[:, None], 2147483647), axis=0)
+            chosen = s[:, None] == best_s[None, :]
+            x_best = tl.sum(tl.where(chosen, logits, 0.0), axis=0)
+            w_best = tl.sum(tl.where(chosen, weight[:, None], 0.0), axis=0)
+            slope = tl.where(x_best > 0, w_best / (1.0 + x_best), 0.0)
+    return value, best_s, slope
 
 
 @triton.jit
 def _finish_columns(
     value,
     best_s,
+    best_slope,
     b,
     v,
     v_ok,
@@ -139,11 +187,19 @@ def _finish_columns(
     POOL_MAX: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SAVE_AUX: tl.constexpr,
+    MASK_SCALES: tl.constexpr,
 ):
     """Writes out[b, v] (and argmax/slope) from the pooled value of a [BLOCK_N] column block of batch row b: for max
-    pooling the masked max raw logit (no bias yet; -inf when every position is masked), for sum pooling the sum."""
+    pooling the masked max raw logit (no bias yet; -inf when every position is masked), or under MASK_SCALES the
+    finished max weighted score (-inf when every position is masked) and its derivative best_slope; for sum pooling
+    the sum."""
     offsets = b.to(tl.int64) * V + v
-    if POOL_MAX:
+    if POOL_MAX and MASK_SCALES:
+        y = tl.where(value == float("-inf"), 0.0, value)
+        if SAVE_AUX:
+            tl.store(argmax_ptr + offsets, best_s, mask=v_ok)
+            tl.store(slope_ptr + offsets, best_slope, mask=v_ok)
+    elif POOL_MAX:
         m = value
         if HAS_BIAS:
             m = m + tl.load(bias_ptr + tl.minimum(v, V - 1)).to(tl.float32)
@@ -167,6 +223,7 @@ def splade_fwd_kernel(
     slope_ptr,
     part_ptr,
     part_arg_ptr,
+    part_slope_ptr,
     B,
     S,
     V,
@@ -184,6 +241,7 @@ def splade_fwd_kernel(
     POOL_MAX: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_MASK: tl.constexpr,
+    MASK_SCALES: tl.constexpr,
     SAVE_AUX: tl.constexpr,
     SINGLE_PASS: tl.constexpr,
     PERSISTENT: tl.constexpr,
@@ -196,8 +254,9 @@ def splade_fwd_kernel(
     # masked positions are excluded by `keep`). hidden [B, S, H], weight [V, H] (unit last strides), bias [V],
     # mask [B, S] (any int/float dtype); out [B, V] (hidden's dtype); SAVE_AUX: argmax [B, V] int32, slope fp32.
     # SINGLE_PASS (n_s_tiles == 1): each tile finishes its columns. Otherwise each tile writes the partials
-    # part [B * n_s_tiles, V] fp32 (column max of the raw logits, or column sum of the scores) and part_arg (the
-    # first position of the max) for splade_fwd_combine_kernel. A program walks tiles pid, pid + #programs, ...:
+    # part [B * n_s_tiles, V] fp32 (column max of the raw logits -- of the weighted scores under MASK_SCALES, then
+    # with their derivative in part_slope -- or column sum of the scores) and part_arg (the first position of the
+    # max) for splade_fwd_combine_kernel. A program walks tiles pid, pid + #programs, ...:
     # PERSISTENT grids have one program per SM and flatten that loop with the K loop (the pipeline keeps loading
     # across tiles); otherwise there is one tile per program and fully masked (padding) tiles skip their matmul.
     K_TILES: tl.constexpr = (H + BLOCK_K - 1) // BLOCK_K
@@ -221,7 +280,7 @@ def splade_fwd_kernel(
         v = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         v_ok = v < V
         v_load = tl.minimum(v, V - 1)
-        keep = _kept_positions(mask_ptr, b, s, S, stride_mb, stride_ms, HAS_MASK)  # [BLOCK_M]
+        keep, weight = _kept_positions(mask_ptr, b, s, S, stride_mb, stride_ms, HAS_MASK)  # [BLOCK_M]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         run = True
         if HAS_MASK and not PERSISTENT:  # (a branch inside the flattened loop nest would stop the flattening)
@@ -248,7 +307,15 @@ def splade_fwd_kernel(
                         x = tl.load(x_ptrs + ki * BLOCK_K, mask=(ki * BLOCK_K + k)[None, :] < H, other=0.0)
                         w = tl.load(w_ptrs + ki * BLOCK_K, mask=(ki * BLOCK_K + k)[:, None] < H, other=0.0)
                     acc = dot_accumulate(acc, x, w, IEEE_FP32)
-        if POOL_MAX:  # over the raw logits: the bias and log1p(relu(.)) commute with the max (module docstring)
+        if HAS_BIAS and (MASK_SCALES or not POOL_MAX):  # the raw-logit max adds it once, when finishing
+            bias = tl.load(bias_ptr + v_load).to(tl.float32)  # [BLOCK_N]
+        else:
+            bias = tl.zeros([BLOCK_N], dtype=tl.float32)
+        best_slope = bias  # placeholder: MASK_SCALES only
+        if POOL_MAX and MASK_SCALES:
+            value, best_s, best_slope = _weighted_column_max(acc, bias, keep, weight, s, SAVE_AUX, NATIVE_NAN_MAX)
+            best_s = tl.minimum(best_s, S - 1)  # NaN column
+        elif POOL_MAX:  # over the raw logits: the bias and log1p(relu(.)) commute with the max (module docstring)
             logits = tl.where(keep[:, None], acc, float("-inf"))  # [BLOCK_M, BLOCK_N]
             value = _column_max(logits, NATIVE_NAN_MAX)  # [BLOCK_N]
             if SAVE_AUX:  # first position equal to the max (ties: first, like torch.max); NaN column: clamped
@@ -257,28 +324,43 @@ def splade_fwd_kernel(
             else:
                 best_s = tl.zeros([BLOCK_N], dtype=tl.int32)
         else:
-            if HAS_BIAS:
-                bias = tl.load(bias_ptr + v_load).to(tl.float32)  # [BLOCK_N]
-            else:
-                bias = tl.zeros([BLOCK_N], dtype=tl.float32)
             scores = _log1p_nonneg(tl.maximum(acc + bias[None, :], 0.0, propagate_nan=tl.PropagateNan.ALL))
+            if HAS_MASK:
+                scores = scores * weight[:, None]
             value = tl.sum(tl.where(keep[:, None], scores, 0.0), axis=0)  # [BLOCK_N]
             best_s = tl.zeros([BLOCK_N], dtype=tl.int32)
         if SINGLE_PASS:
             _finish_columns(
-                value, best_s, b, v, v_ok, V, bias_ptr, out_ptr, argmax_ptr, slope_ptr, POOL_MAX, HAS_BIAS, SAVE_AUX
+                value,
+                best_s,
+                best_slope,
+                b,
+                v,
+                v_ok,
+                V,
+                bias_ptr,
+                out_ptr,
+                argmax_ptr,
+                slope_ptr,
+                POOL_MAX,
+                HAS_BIAS,
+                SAVE_AUX,
+                MASK_SCALES,
             )
         else:
             part_offsets = pid_m.to(tl.int64) * V + v
             tl.store(part_ptr + part_offsets, value, mask=v_ok)
             if SAVE_AUX:
                 tl.store(part_arg_ptr + part_offsets, best_s, mask=v_ok)
+                if MASK_SCALES:
+                    tl.store(part_slope_ptr + part_offsets, best_slope, mask=v_ok)
 
 
 @kernel
 def splade_fwd_combine_kernel(
     part_ptr,
     part_arg_ptr,
+    part_slope_ptr,
     bias_ptr,
     out_ptr,
     argmax_ptr,
@@ -289,6 +371,7 @@ def splade_fwd_combine_kernel(
     POOL_MAX: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SAVE_AUX: tl.constexpr,
+    MASK_SCALES: tl.constexpr,
 ):
     # Folds the n_s_tiles partials of each (b, v) in sequence order (fixed order: deterministic) and finishes them.
     pid = tl.program_id(0)
@@ -301,6 +384,7 @@ def splade_fwd_combine_kernel(
     else:
         value = tl.zeros([BLOCK_V], dtype=tl.float32)
     best_s = tl.zeros([BLOCK_V], dtype=tl.int32)
+    best_slope = tl.zeros([BLOCK_V], dtype=tl.float32)
     for j in range(0, n_s_tiles):
         offsets = (b.to(tl.int64) * n_s_tiles + j) * V + v
         x = tl.load(part_ptr + offsets, mask=v_ok, other=0.0)
@@ -310,18 +394,35 @@ def splade_fwd_combine_kernel(
             value = tl.where(better, x, value)
             if SAVE_AUX:
                 best_s = tl.where(better, tl.load(part_arg_ptr + offsets, mask=v_ok, other=0), best_s)
+                if MASK_SCALES:
+                    best_slope = tl.where(better, tl.load(part_slope_ptr + offsets, mask=v_ok, other=0.0), best_slope)
         else:
             value += x
     _finish_columns(
-        value, best_s, b, v, v_ok, V, bias_ptr, out_ptr, argmax_ptr, slope_ptr, POOL_MAX, HAS_BIAS, SAVE_AUX
+        value,
+        best_s,
+        best_slope,
+        b,
+        v,
+        v_ok,
+        V,
+        bias_ptr,
+        out_ptr,
+        argmax_ptr,
+        slope_ptr,
+        POOL_MAX,
+        HAS_BIAS,
+        SAVE_AUX,
+        MASK_SCALES,
     )
 
 
 @triton.jit
-def _sum_dlogit(acc, bias, g, keep):
-    """[BLOCK_S, BLOCK_V] fp32: d/dlogit of sum-pooled log1p(relu(logit)) times the incoming gradient g [BLOCK_V]."""
+def _sum_dlogit(acc, bias, g, keep, weight):
+    """[BLOCK_S, BLOCK_V] fp32: d/dlogit of sum-pooled weight * log1p(relu(logit)) times the incoming gradient g
+    [BLOCK_V]."""
     logits = acc + bias[None, :]
-    return tl.where(keep[:, None] & (logits > 0), g[None, :] / (1.0 + logits), 0.0)
+    return tl.where(keep[:, None] & (logits > 0), g[None, :] * weight[:, None] / (1.0 + logits), 0.0)
 
 
 @kernel
@@ -364,7 +465,7 @@ def splade_sum_bwd_hidden_kernel(
     s = (pid // n_h_tiles) % n_s_tiles * BLOCK_S + tl.arange(0, BLOCK_S)  # [BLOCK_S]
     ho = pid % n_h_tiles * BLOCK_HO + tl.arange(0, BLOCK_HO)  # [BLOCK_HO]
     ho_ok = ho < H
-    keep = _kept_positions(mask_ptr, b, s, S, stride_mb, stride_ms, HAS_MASK)
+    keep, weight = _kept_positions(mask_ptr, b, s, S, stride_mb, stride_ms, HAS_MASK)
     s_load = tl.minimum(s, S - 1)
     hidden_row_ptr = hidden_ptr + b.to(tl.int64) * stride_hb
     acc = tl.zeros([BLOCK_S, BLOCK_HO], dtype=tl.float32)
@@ -398,7 +499,7 @@ def splade_sum_bwd_hidden_kernel(
             g = tl.load(grad_ptr + b.to(tl.int64) * stride_gb + v.to(tl.int64) * stride_gv, mask=v_ok, other=0.0).to(
                 tl.float32
             )  # [BLOCK_V]; 0 past V
-            d = _sum_dlogit(logits, bias, g, keep)  # [BLOCK_S, BLOCK_V]
+            d = _sum_dlogit(logits, bias, g, keep, weight)  # [BLOCK_S, BLOCK_V]
             w = tl.load(
                 weight_ptr + v_load[:, None].to(tl.int64) * stride_wv + ho[None, :], mask=ho_ok[None, :], other=0.0
             )  # [BLOCK_V, BLOCK_HO]
@@ -462,7 +563,7 @@ def splade_sum_bwd_weight_kernel(
         g = tl.load(grad_ptr + b * stride_gb + v.to(tl.int64) * stride_gv, mask=v_ok, other=0.0).to(tl.float32)
         for s0 in range(0, S, BLOCK_S):
             s = s0 + tl.arange(0, BLOCK_S)
-            keep = _kept_positions(mask_ptr, b, s, S, stride_mb, stride_ms, HAS_MASK)
+            keep, weight = _kept_positions(mask_ptr, b, s, S, stride_mb, stride_ms, HAS_MASK)
             if HAS_MASK:
                 has_tokens = tl.max(keep.to(tl.int32), axis=0) > 0
             else:
@@ -483,12 +584,12 @@ def splade_sum_bwd_weight_kernel(
                     EVEN_H,
                     IEEE_FP32,
                 )
-                d = _sum_dlogit(logits, bias, g, keep)  # [BLOCK_S, BLOCK_V]; 0 on rows that are not kept
+                d = _sum_dlogit(logits, bias, g, keep, weight)  # [BLOCK_S, BLOCK_V]; 0 on rows not kept
                 x = tl.load(
                     hidden_row_ptr + s_load[:, None].to(tl.int64) * stride_hs + ho[None, :],
-                    mask=ho_ok[None, :],
+                    mask=keep[:, None] & ho_ok[None, :],
                     other=0.0,
-                )  # [BLOCK_S, BLOCK_HO]
+                )  # [BLOCK_S, BLOCK_HO]; 0 on rows not kept, whose NaN would survive d's zeros (0 * NaN)
                 acc = dot_accumulate(acc, tl.trans(d.to(x.dtype)), x, IEEE_FP32)
                 if NEED_BIAS:
                     bias_acc += tl.sum(d, axis=0)

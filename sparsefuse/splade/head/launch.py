@@ -26,9 +26,9 @@ a TMA launch and only when no allocator is set yet, to one that allocates with t
 stream, so it works under CUDA graph capture.
 
 Backward, max pooling: only the argmax position of each (b, v) receives a gradient. When gradients are needed the
-forward also stores ``argmax`` [B, V] (int32; first position on ties, like ``torch.max``) and the derivative
-``slope = 1 / (1 + m)`` at the max logit m (0 where m <= 0 or the row is fully masked), fp32 [B, V]. Then with
-``dlogit = grad * slope`` (zero entries are skipped everywhere):
+forward also stores ``argmax`` [B, V] (int32; first position on ties, like ``torch.max``) and the derivative there,
+``slope = c / (1 + m)`` for its logit m and mask value c (0 where m <= 0 or the row is fully masked), fp32 [B, V].
+Then with ``dlogit = grad * slope`` (zero entries are skipped everywhere):
 
 * grad_bias[v]   = sum_b dlogit[b, v]                                   (a column sum)
 * grad_weight[v] = sum_b dlogit[b, v] * hidden[b, argmax[b, v]]          (ELL, one row per v, width B)
@@ -81,6 +81,12 @@ def _kernel_layout(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     """hidden/weight with unit last strides (other strides are passed to the kernels), bias contiguous; a copy
     only where the layout differs."""
     return unit_last_stride(hidden), unit_last_stride(weight), bias.contiguous() if bias is not None else None
+
+
+def _mask_scales(mask: torch.Tensor | None) -> bool:
+    """Whether the mask may weigh kept positions by values other than 1 (kernels.py: MASK_SCALES). Read from the
+    dtype, never the values (that would cost a host sync): a bool mask is 0/1, any other dtype may not be."""
+    return mask is not None and mask.dtype != torch.bool
 
 
 def _mask_for_kernel(mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -234,11 +240,14 @@ def launch_splade_forward(
         _ensure_tma_allocator()
     # M tiles whose hidden rows fit in L2 together sweep the vocabulary side by side
     group_m = max(1, min(B * n_s_tiles, _L2_BUDGET_BYTES // (cfg.block_m * max(H, 1) * hidden.element_size())))
-    part = part_arg = out  # placeholders (never read or written)
+    mask_scales = pooling == "max" and _mask_scales(mask)
+    part = part_arg = part_slope = out  # placeholders (never read or written)
     if not single_pass:
         part = torch.empty((B * n_s_tiles, V), dtype=torch.float32, device=hidden.device)
         if keep_aux:
             part_arg = torch.empty((B * n_s_tiles, V), dtype=torch.int32, device=hidden.device)
+            if mask_scales:  # the derivative at each partial's max (kernels.py: MASK_SCALES)
+                part_slope = torch.empty((B * n_s_tiles, V), dtype=torch.float32, device=hidden.device)
     bias_arg = bias if bias is not None else out
     argmax_arg, slope_arg = (argmax, slope) if keep_aux else (out, out)
     splade_fwd_kernel[grid](
@@ -251,6 +260,7 @@ def launch_splade_forward(
         slope_arg,
         part,
         part_arg,
+        part_slope,
         B,
         S,
         V,
@@ -267,6 +277,7 @@ def launch_splade_forward(
         POOL_MAX=pooling == "max",
         HAS_BIAS=bias is not None,
         HAS_MASK=kmask is not None,
+        MASK_SCALES=mask_scales,
         SAVE_AUX=keep_aux,
         SINGLE_PASS=single_pass,
         PERSISTENT=cfg.persistent,
@@ -282,6 +293,7 @@ def launch_splade_forward(
         splade_fwd_combine_kernel[(B * cdiv(V, block_v),)](
             part,
             part_arg,
+            part_slope,
             bias_arg,
             out,
             argmax_arg,
@@ -292,6 +304,7 @@ def launch_splade_forward(
             POOL_MAX=pooling == "max",
             HAS_BIAS=bias is not None,
             SAVE_AUX=keep_aux,
+            MASK_SCALES=mask_scales,
             num_warps=4,
         )
         record_launch("splade_fwd_combine_kernel")
