@@ -1,6 +1,8 @@
 """sparse_decode's ``auto``: its cost model against measured timings, its width, its sync-free estimate of each
 decoder's L0 and its memoised pick, on the interpreter (fp16/fp32) and, marked ``gpu``, in CUDA graphs."""
 
+from collections import Counter
+
 import pytest
 import torch
 from helpers import product_allowance, product_reference, sparse_rows
@@ -9,6 +11,10 @@ from sparsefuse import track_launches
 from sparsefuse.sae import sparse_decode
 from sparsefuse.sparse import matmul_skip_zeros
 from sparsefuse.testing import assert_close_to_reference
+
+# cuBLAS's product launches no Triton kernel of its own: these are the listing of its non-finite rows and the spread
+# launch that recomputes them (sparsefuse/sparse/nonfinite_rows.py), which finds the list empty here
+CUBLAS = {"list_nonfinite_rows_kernel": 1, "gather_accumulate_kernel": 1}
 
 bf16, fp32 = torch.bfloat16, torch.float32
 
@@ -170,7 +176,7 @@ def test_auto_runs_the_two_pass_method_when_the_model_picks_it(device, monkeypat
 def _auto_decode(acts, w, kernel, **kwargs):
     with track_launches() as launched:
         out = sparse_decode(acts, w, **kwargs)
-    assert list(launched) == ([kernel] if kernel else []), dict(launched)
+    assert (list(launched) == [kernel]) if kernel else (dict(launched) == CUBLAS), dict(launched)
     assert_close_to_reference(out, *product_reference(acts, w), **product_allowance(acts, w))
 
 
@@ -217,7 +223,7 @@ def test_auto_inside_a_cuda_graph_follows_the_warm_up_estimate():
         graph = torch.cuda.CUDAGraph()
         with track_launches() as launched, torch.cuda.graph(graph):
             out = sparse_decode(acts, w)
-        assert list(launched) == ([kernel] if kernel else []), (l0, dict(launched))
+        assert (list(launched) == [kernel]) if kernel else (dict(launched) == CUBLAS), (l0, dict(launched))
         graph.replay()
         assert_close_to_reference(out, *product_reference(acts, w), **product_allowance(acts, w))
 
@@ -251,7 +257,7 @@ def test_an_eager_pick_of_cublas_warms_the_in_graph_pick_up_once(device, monkeyp
     acts, w = sparse_rows(3, 512, [3], device=device), torch.randn(512, 8, device=device)
     with track_launches() as scan:
         matmul_skip_zeros(acts, w)
-    for expected in (dict(scan), {}):  # the warm-up's scan, then cuBLAS alone
+    for expected in (dict(scan + Counter(CUBLAS)), CUBLAS):  # the warm-up's scan and cuBLAS, then cuBLAS alone
         with track_launches() as launched:
             out = sparse_decode(acts, w, expected_l0=3)
         assert dict(launched) == expected, dict(launched)
@@ -428,6 +434,6 @@ def test_torch_compile_fullgraph_of_the_default_call(expected_l0, device, scan_b
     fn = torch.compile(lambda a, b: sparse_decode(a, b, expected_l0=expected_l0), fullgraph=True, backend=backend)
     with track_launches() as launched:
         out = fn(acts, w)
-    assert bool(launched) == (expected_l0 != 400.0), dict(launched)
+    assert ("list_nonfinite_rows_kernel" in launched) == (expected_l0 == 400.0), dict(launched)
     assert scan_below_10 == [round(600 / 1024, 1) if expected_l0 is None else expected_l0]  # (rounded: memo key)
     assert_close_to_reference(out, *product_reference(acts, w), **product_allowance(acts, w))

@@ -29,6 +29,15 @@ In ``"scan"``, ``"fixed"`` and ``"exact"`` a token far denser than the rest (pas
 every feature) is not walked by one program: the first launch lists it on the device and a second spreads it over
 the GPU, without a host sync (:mod:`sparsefuse.sparse.long_rows`).
 
+Every method, the torch fallback of CPU tensors included, sums over the features that fired: **a feature that did
+not fire contributes exactly zero, whatever its decoder row holds** (a NaN or inf row of a dead feature included,
+where ``feature_acts @ W_dec`` gives ``0 * NaN = NaN``), as ``topk_decode`` and ``torch.sparse.mm`` do; a fired
+feature's non-finite row, or a NaN / inf activation, propagates as in the float64 product
+(:func:`~.reference.torch_sparse_decode`). The sparse methods never read an unfired feature's row; ``"dense"``
+recomputes the rows of cuBLAS's product that came out NaN or infinite over their non-zero activations, on the
+device (:mod:`sparsefuse.sparse.nonfinite_rows`): where every row is finite, one read of the output and two small
+launches.
+
 Backward, without a host sync, on the activations' sparsity pattern (:mod:`.op`).
 """
 
@@ -68,7 +77,8 @@ def sparse_decode(
         out_dtype: defaults to ``torch.result_type(feature_acts, W_dec)``.
         expected_l0: for "auto", the mean number of features that fire per token, if known (e.g. under
             torch.compile, where nothing is observed); otherwise it is estimated (see :mod:`.auto`).
-    Returns: [..., d_model]. Accumulation is in float32.
+    Returns: [..., d_model], summed over the features that fired (an unfired feature's decoder row, NaN or not,
+    contributes zero). Accumulation is in float32.
 
     Dtypes follow ``feature_acts @ W_dec``: one dtype (a mix raises TypeError), or under ``torch.autocast`` both
     taken in the autocast dtype.

@@ -2,6 +2,10 @@
 autograd). Each method is a call of the shared sparse core (:mod:`sparsefuse.sparse`): the decode has no kernels of
 its own.
 
+Every method sums over the features that fired: cuBLAS's product (``"dense"``) has the rows it made NaN or infinite
+recomputed over the non-zero activations on the device (:mod:`sparsefuse.sparse.nonfinite_rows`), so that a decoder
+row of NaN contributes nothing to a token that did not fire its feature, as in the sparse methods.
+
 Backward, without a host sync: the gradient for W_dec is ``feature_acts^T @ grad_out`` computed by the same
 skip-zeros kernel on the transposed activations (d_sae rows fill the GPU, so no split and no float atomics, unless
 d_sae < 4 rows per SM; a feature that fired for many of the tokens is spread by the long-row pass and summed in a
@@ -14,30 +18,44 @@ from __future__ import annotations
 
 import torch
 
-from ..._backend import on_tensor_device
+from ... import _backend
+from ..._backend import Backend, backend_for, on_tensor_device
 from ...sparse import CSR, ELL, dense_to_csr, dense_to_ell, matmul_skip_zeros, sparse_matmul
+from ...sparse.nonfinite_rows import complete_nonfinite_rows
 from ...sparse.sddmm import sampled_dot_dense_pattern, sampled_dot_rows
+from .reference import torch_sparse_decode
 
 
 def decode_forward(
     acts: torch.Tensor, W_dec: torch.Tensor, method: str, max_l0: int, validate: bool, out_dtype: torch.dtype
 ) -> torch.Tensor:
     """The op's forward, also called directly for a plain eager call: acts [M, d_sae] -> [M, d_model]."""
+    if backend_for(acts, W_dec) is Backend.TORCH:
+        # the dense products of the core's torch paths would turn a zero activation of a NaN row into NaN
+        if method == "fixed" and validate:
+            _check_capacity((acts != 0).sum(1), max_l0)
+        _backend.warn_reference_once("sparse_decode")
+        return torch_sparse_decode(acts, W_dec).to(out_dtype)
     if method == "scan":
         return matmul_skip_zeros(acts, W_dec, out_dtype=out_dtype)
     if method == "exact":
         return sparse_matmul(dense_to_csr(acts), W_dec, out_dtype=out_dtype, spread_long_rows=True)
     if method == "dense":
-        return _dense_product(acts, W_dec, out_dtype)
+        return complete_nonfinite_rows(_dense_product(acts, W_dec, out_dtype), acts, W_dec)
     ell = dense_to_ell(acts, max_l0)
-    if validate and acts.shape[0]:
-        largest = int(ell.counts.max())
-        if largest > max_l0:
-            raise ValueError(
-                f"sparse_decode: a token fired {largest} features but max_l0={max_l0}; raise max_l0 "
-                "or use validate=False (overflowing tokens are then decoded from their dense rows)"
-            )
+    if validate:
+        _check_capacity(ell.counts, max_l0)
     return sparse_matmul(ell, W_dec, dense=acts, out_dtype=out_dtype, spread_long_rows=True)
+
+
+def _check_capacity(counts: torch.Tensor, max_l0: int) -> None:
+    """``validate=True`` of "fixed": ValueError naming the largest count past ``max_l0`` (one host sync)."""
+    largest = int(counts.max()) if counts.numel() else 0
+    if largest > max_l0:
+        raise ValueError(
+            f"sparse_decode: a token fired {largest} features but max_l0={max_l0}; raise max_l0 "
+            "or use validate=False (overflowing tokens are then decoded from their dense rows)"
+        )
 
 
 def _dense_product(acts: torch.Tensor, W_dec: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,168 @@
+"""sparse_decode's contract whichever method runs: a feature that did not fire contributes exactly zero, whatever its
+decoder row holds (non-finite values included). On the interpreter (fp16/fp32; see README)."""
+
+import pytest
+import torch
+from conftest import DEVICE, assert_backend
+from helpers import sparse_rows
+
+from sparsefuse import _backend, track_launches
+from sparsefuse.sae import sparse_decode
+from sparsefuse.sae.decode import torch_sparse_decode
+from sparsefuse.testing import accumulation_allowance, assert_close_to_reference
+
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+METHODS = ["scan", "fixed", "exact", "dense", "auto"]
+DEAD, HOT, SPARSE_NAN = 5, 77, 150  # a NaN row never fired, an inf row fired by token 2, a NaN entry never fired
+
+
+def poisoned_decoder(M=7, F=300, D=40, dtype=torch.float32, device="cpu", dead_rows=True):
+    """Activations [M, F] (token 4 holds a NaN activation, token 5 an inf one, token 1 none) and W_dec [F, D] whose
+    rows of features that never fire hold NaN and inf (with ``dead_rows``); feature HOT's row holds +-inf and fires
+    in token 2 only; token 6 fires every other feature."""
+    acts = sparse_rows(M, F, [3, 0, 20, 1, 9, 6, 300 if M > 6 else 3], torch.float32)
+    acts[:, [DEAD, HOT, SPARSE_NAN]] = 0.0
+    acts[2, HOT] = 0.5
+    acts[4, 200], acts[5, 201] = float("nan"), float("inf")
+    w = torch.randn(F, D) / 8
+    w[HOT, :4], w[HOT, 10] = float("inf"), float("-inf")
+    if dead_rows:
+        w[DEAD] = float("nan")
+        w[SPARSE_NAN, 3], w[SPARSE_NAN + 1, 7] = float("nan"), float("inf")
+        acts[:, SPARSE_NAN + 1] = 0.0
+    if M > 6:  # token 6 fires every feature but the dead ones (a long row: the spread pass)
+        acts[6] = torch.where(acts[6] == 0, 0.25, acts[6])
+        acts[6, [DEAD, HOT, SPARSE_NAN, SPARSE_NAN + 1]] = 0.0
+    return acts.to(dtype).to(device), w.to(dtype).to(device)
+
+
+def check_against_reference(out, acts, w):
+    """``out`` is the float64 decode over the fired features, NaN and infinities in the same places; the finite
+    elements within fp32 accumulation in any order."""
+    ref = torch_sparse_decode(acts, w)
+    allowance = accumulation_allowance(acts, w.nan_to_num(0.0, 0.0, 0.0))
+    assert_close_to_reference(out, ref, extra_abs=allowance)
+    return ref
+
+
+def test_the_reference_sums_over_the_fired_features_only():
+    acts, w = poisoned_decoder()
+    ref = torch_sparse_decode(acts, w)
+    assert ref.dtype == torch.float64
+    # tokens without a non-finite activation: NaN / inf only where a fired feature's row has them
+    assert torch.isfinite(ref[[0, 1, 3]]).all()
+    assert torch.isinf(ref[2, :4]).all() and torch.isinf(ref[2, 10]) and torch.isfinite(ref[2, 11:]).all()
+    assert torch.isnan(ref[4]).all() and not torch.isfinite(ref[5]).any()
+    finite = w.double().nan_to_num(0.0, 0.0, 0.0)
+    torch.testing.assert_close(ref[[0, 1, 3]], acts.double()[[0, 1, 3]] @ finite)
+    assert torch.equal(torch_sparse_decode(acts[:0], w), torch.zeros(0, w.shape[1], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("method", METHODS)
+def test_unfired_features_contribute_zero_whatever_their_decoder_rows_hold(method, dtype, device):
+    acts, w = poisoned_decoder(dtype=dtype, device=device)
+    assert_backend(acts)
+    out = sparse_decode(acts, w, method=method, max_l0=16)
+    assert out.shape == (7, 40) and out.dtype == dtype
+    check_against_reference(out, acts, w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_dense_recomputes_the_nonfinite_rows_on_the_device(dtype, device, listed):
+    """cuBLAS's product, then one listing launch over its rows and the gather's spread launch over the rows it
+    listed: each row holding NaN or inf is recomputed over its non-zero activations; finite rows keep cuBLAS's."""
+    acts, w = poisoned_decoder(dtype=dtype, device=device, dead_rows=False)
+    w[HOT] = 0.125  # every row finite but tokens 4 and 5's (a NaN and an inf activation)
+    assert_backend(acts)
+    with track_launches() as launched:
+        out = sparse_decode(acts, w, method="dense")
+    assert launched["list_nonfinite_rows_kernel"] == 1 and launched["gather_accumulate_kernel"] == 1
+    (plan,) = listed
+    assert sorted(plan.units[: int(plan.count)].tolist()) == [4, 5]
+    ref = check_against_reference(out, acts, w)
+    finite_rows = [0, 1, 2, 3, 6]
+    cublas = (acts.float() @ w.float()).to(dtype)
+    assert torch.equal(out[finite_rows], cublas[finite_rows])
+    assert torch.isfinite(ref[finite_rows]).all()
+
+    acts, w = poisoned_decoder(dtype=dtype, device=device, dead_rows=False)  # HOT's inf row: NaN in every row
+    listed.clear()
+    out = sparse_decode(acts, w, method="dense")
+    assert int(listed[0].count) == acts.shape[0]
+    check_against_reference(out, acts, w)
+
+    acts, w = poisoned_decoder(dtype=dtype, device=device)  # and dead NaN rows
+    listed.clear()
+    out = sparse_decode(acts, w, method="dense")
+    assert int(listed[0].count) == acts.shape[0]
+    check_against_reference(out, acts, w)
+
+
+def test_dense_with_finite_rows_lists_nothing_and_returns_cublas_product(device, listed):
+    """The normal case: the extra work is the listing launch (one read of the output) and a spread launch whose
+    programs find an empty list."""
+    acts = sparse_rows(9, 256, [4, 0, 31], device=device)
+    w = torch.randn(256, 24, device=device)
+    with track_launches() as launched:
+        out = sparse_decode(acts, w, method="dense")
+    assert launched["list_nonfinite_rows_kernel"] == 1 and launched["gather_accumulate_kernel"] == 1
+    assert int(listed[0].count) == 0
+    assert torch.equal(out, acts @ w)
+
+
+def test_dense_transposed_decoder_and_fp32_out_of_fp16(device):
+    """A W_dec read by rows at a stride (a transposed view) and an fp32 output of fp16 operands."""
+    acts, w = poisoned_decoder(dtype=torch.float16, device=device)
+    wt = w.t().contiguous().t()
+    assert wt.stride(1) != 1
+    out = sparse_decode(acts, wt, method="dense", out_dtype=torch.float32)
+    assert out.dtype == torch.float32
+    ref = torch_sparse_decode(acts, w)
+    assert_close_to_reference(out, ref, extra_abs=accumulation_allowance(acts, w.nan_to_num(0.0, 0.0, 0.0)))
+
+
+@pytest.mark.parametrize("method", ["scan", "fixed", "exact", "dense"])
+def test_plain_torch_fallback_keeps_the_contract(method, monkeypatch, device):
+    """CPU tensors without TRITON_INTERPRET take the torch path; forced here, where the interpreter is on."""
+    if device.type != "cpu":
+        pytest.skip("the torch path is the CPU fallback")
+    acts, w = poisoned_decoder(device=device)
+    monkeypatch.setattr(_backend, "INTERPRET", False)
+    monkeypatch.setattr(_backend, "_warned", set())
+    with pytest.warns(UserWarning, match="plain-torch reference"), track_launches() as launched:
+        out = sparse_decode(acts, w, method=method, max_l0=16)
+    assert sum(launched.values()) == 0
+    check_against_reference(out, acts, w)
+
+
+def test_dense_compiles_fullgraph_with_nonfinite_rows(device):
+    acts, w = poisoned_decoder(device=device)
+    backend = "inductor" if device.type == "cuda" else "aot_eager"
+    fn = torch.compile(lambda a, b: sparse_decode(a, b, method="dense"), fullgraph=True, backend=backend)
+    check_against_reference(fn(acts, w), acts, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_fixup_in_a_cuda_graph(dtype, listed):
+    """No host sync: the dense decode with its listing and spread launches is captured and replayed; each replay
+    recomputes the rows that are non-finite in the data it finds (tokens 4 and 5's, then all, then 4 and 5's)."""
+    acts, w = poisoned_decoder(M=64, F=4096, D=768, dtype=dtype, device="cuda", dead_rows=False)
+    w[HOT] = 0.125
+    clean = w.clone()
+    sparse_decode(acts, w, method="dense")  # warm-up: compiles the kernels
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    listed.clear()
+    with torch.cuda.graph(graph):
+        out = sparse_decode(acts, w, method="dense")
+    (plan,) = listed
+    for nan_row, expected in ((False, 2), (True, acts.shape[0]), (False, 2)):
+        w.copy_(clean)
+        if nan_row:
+            w[DEAD] = float("nan")  # a dead feature's row goes NaN: every row of the product is recomputed
+        graph.replay()
+        torch.cuda.synchronize()
+        assert int(plan.count) == expected
+        check_against_reference(out, acts, w)
