@@ -38,7 +38,11 @@ recomputes the rows of cuBLAS's product that came out NaN or infinite over their
 device (:mod:`sparsefuse.sparse.nonfinite_rows`): where every row is finite, one read of the output and two small
 launches.
 
-Backward, without a host sync, on the activations' sparsity pattern (:mod:`.op`).
+Backward, without a host sync (:mod:`.op`): W_dec's gradient is ``feature_acts^T @ grad_out`` (torch's); the
+activations' is, with ``acts_grad="sparse"`` (default), ``grad_out @ W_dec^T`` on the activations' sparsity pattern
+and zero elsewhere -- the gradient a JumpReLU / TopK activation passes on anyway, what training needs -- or, with
+``acts_grad="full"``, all of ``grad_out @ W_dec^T``, torch's gradient of ``feature_acts @ W_dec`` whichever method
+ran: attribution patching and straight-through estimators need it for the features that did not fire.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ import torch
 from ... import _backend
 from ..._validation import autocast_operands, check_index_range, check_sparse_decode, check_topk_decode, flat_rows
 from . import auto
-from .op import decode_forward, sparse_decode_op, topk_decode_forward, topk_decode_op
+from .op import ACTS_GRADS, decode_forward, sparse_decode_op, topk_decode_forward, topk_decode_op
 
 METHODS = ("auto", "scan", "fixed", "exact", "dense")
 FIXED_SCAN_ROWS = 256  # tokens up to which method="fixed" (no validate) may run the scan: auto.few_rows_fixed_method
@@ -63,6 +67,7 @@ def sparse_decode(
     validate: bool = False,
     out_dtype: torch.dtype | None = None,
     expected_l0: float | None = None,
+    acts_grad: str = "sparse",
 ) -> torch.Tensor:
     """Drop-in for ``feature_acts @ W_dec`` that skips features that did not fire (see module docstring).
 
@@ -77,6 +82,9 @@ def sparse_decode(
         out_dtype: defaults to ``torch.result_type(feature_acts, W_dec)``.
         expected_l0: for "auto", the mean number of features that fire per token, if known (e.g. under
             torch.compile, where nothing is observed); otherwise it is estimated (see :mod:`.auto`).
+        acts_grad: feature_acts' gradient: "sparse" (default) ``grad_out @ W_dec^T`` on the activations' non-zeros,
+            zero elsewhere; "full" all of it, as torch gives it for ``feature_acts @ W_dec`` (attribution
+            patching, straight-through estimators). W_dec's gradient is ``feature_acts^T @ grad_out`` either way.
     Returns: [..., d_model], summed over the features that fired (an unfired feature's decoder row, NaN or not,
     contributes zero). Accumulation is in float32.
 
@@ -86,6 +94,8 @@ def sparse_decode(
     decoder = W_dec  # auto's estimate is kept per decoder: under autocast W_dec is a new cast copy every call
     feature_acts, W_dec = autocast_operands(feature_acts, W_dec)
     check_sparse_decode("sparse_decode", feature_acts, W_dec, method, METHODS, max_l0, expected_l0)
+    if acts_grad not in ACTS_GRADS:
+        raise ValueError(f"sparse_decode: acts_grad must be one of {', '.join(ACTS_GRADS)}; got {acts_grad!r}")
     out_dtype = out_dtype or torch.promote_types(feature_acts.dtype, W_dec.dtype)  # (result_type: not traceable)
     acts = flat_rows(feature_acts)
     if method == "fixed" and not validate and acts.shape[0] <= FIXED_SCAN_ROWS:
@@ -103,7 +113,7 @@ def sparse_decode(
     if _backend.bypass_dispatcher(acts, W_dec):  # no autograd, tracing or mode: the op's dispatch adds only host time
         out = decode_forward(acts, W_dec, method, max_l0, bool(validate), out_dtype)
     else:
-        out = sparse_decode_op(acts, W_dec, method, max_l0, bool(validate), out_dtype)
+        out = sparse_decode_op(acts, W_dec, method, max_l0, bool(validate), out_dtype, acts_grad)
     return out.reshape(*feature_acts.shape[:-1], W_dec.shape[1])
 
 

@@ -9,9 +9,10 @@ row of NaN contributes nothing to a token that did not fire its feature, as in t
 Backward, without a host sync: the gradient for W_dec is ``feature_acts^T @ grad_out`` computed by the same
 skip-zeros kernel on the transposed activations (d_sae rows fill the GPU, so no split and no float atomics, unless
 d_sae < 4 rows per SM; a feature that fired for many of the tokens is spread by the long-row pass and summed in a
-fixed order); the gradient for the activations is the sampled product ``grad_out[m] . W_dec[f]`` on the
-activations' own sparsity pattern (zero elsewhere) -- the gradient a thresholded activation (JumpReLU, TopK) passes
-on.
+fixed order) -- torch's gradient, whose rows for features that never fired are zero. The gradient for the
+activations is, with ``acts_grad="sparse"``, the sampled product ``grad_out[m] . W_dec[f]`` on the activations' own
+sparsity pattern (zero elsewhere) -- the gradient a thresholded activation (JumpReLU, TopK) passes on; with
+``acts_grad="full"``, torch's ``grad_out @ W_dec^T`` by cuBLAS (attribution patching, straight-through estimators).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from ...sparse import CSR, ELL, dense_to_csr, dense_to_ell, matmul_skip_zeros, s
 from ...sparse.nonfinite_rows import complete_nonfinite_rows
 from ...sparse.sddmm import sampled_dot_dense_pattern, sampled_dot_rows
 from .reference import torch_sparse_decode
+
+ACTS_GRADS = ("sparse", "full")
 
 
 def decode_forward(
@@ -77,24 +80,41 @@ def _dense_product(acts: torch.Tensor, W_dec: torch.Tensor, out_dtype: torch.dty
 @torch.library.custom_op("sparsefuse::sparse_decode", mutates_args=())
 @on_tensor_device
 def sparse_decode_op(
-    feature_acts: torch.Tensor, W_dec: torch.Tensor, method: str, max_l0: int, validate: bool, out_dtype: torch.dtype
+    feature_acts: torch.Tensor,
+    W_dec: torch.Tensor,
+    method: str,
+    max_l0: int,
+    validate: bool,
+    out_dtype: torch.dtype,
+    acts_grad: str = "sparse",
 ) -> torch.Tensor:
+    # acts_grad: the backward's gradient for feature_acts (module docstring); the forward is the same either way
     return decode_forward(feature_acts, W_dec, method, max_l0, validate, out_dtype)
 
 
 @sparse_decode_op.register_fake
-def _(feature_acts, W_dec, method, max_l0, validate, out_dtype):
+def _(feature_acts, W_dec, method, max_l0, validate, out_dtype, acts_grad="sparse"):
     return feature_acts.new_empty((feature_acts.shape[0], W_dec.shape[1]), dtype=out_dtype)
 
 
 @torch.library.custom_op("sparsefuse::sparse_decode_backward", mutates_args=())
 @on_tensor_device
 def sparse_decode_backward_op(
-    grad_out: torch.Tensor, feature_acts: torch.Tensor, W_dec: torch.Tensor, need_acts: bool, need_weight: bool
+    grad_out: torch.Tensor,
+    feature_acts: torch.Tensor,
+    W_dec: torch.Tensor,
+    need_acts: bool,
+    need_weight: bool,
+    acts_grad: str = "sparse",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    # grad_acts [M, d_sae] on the activations' pattern; grad_weight [d_sae, d_model] = acts^T @ grad_out, whose
-    # rows are non-zero only for features that fired: the skip-zeros kernel over acts^T (a strided view, no copy).
-    grad_acts = sampled_dot_dense_pattern(feature_acts, grad_out, W_dec) if need_acts else feature_acts.new_zeros(0)
+    # grad_acts [M, d_sae]: on the activations' pattern, or in full (torch's gradient: one dense product, the
+    # sampled product's kernel not run); grad_weight [d_sae, d_model] = acts^T @ grad_out, whose rows are non-zero
+    # only for features that fired: the skip-zeros kernel over acts^T (a strided view, no copy).
+    grad_acts = feature_acts.new_zeros(0)
+    if need_acts and acts_grad == "full":
+        grad_acts = _dense_product(grad_out, W_dec.t(), feature_acts.dtype)
+    elif need_acts:
+        grad_acts = sampled_dot_dense_pattern(feature_acts, grad_out, W_dec)
     grad_weight = (
         matmul_skip_zeros(feature_acts.t(), grad_out, out_dtype=W_dec.dtype) if need_weight else W_dec.new_zeros(0)
     )
@@ -102,7 +122,7 @@ def sparse_decode_backward_op(
 
 
 @sparse_decode_backward_op.register_fake
-def _(grad_out, feature_acts, W_dec, need_acts, need_weight):
+def _(grad_out, feature_acts, W_dec, need_acts, need_weight, acts_grad="sparse"):
     return (
         feature_acts.new_empty(feature_acts.shape if need_acts else (0,)),
         W_dec.new_empty(W_dec.shape if need_weight else (0,)),
@@ -111,14 +131,17 @@ def _(grad_out, feature_acts, W_dec, need_acts, need_weight):
 
 def _decode_setup(ctx, inputs, output) -> None:
     feature_acts, W_dec = inputs[0], inputs[1]
+    ctx.acts_grad = inputs[6] if len(inputs) > 6 else "sparse"
     ctx.save_for_backward(feature_acts, W_dec)
 
 
 def _decode_backward(ctx, grad_out):
     feature_acts, W_dec = ctx.saved_tensors
     need_acts, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    grad_acts, grad_weight = sparse_decode_backward_op(grad_out, feature_acts, W_dec, need_acts, need_weight)
-    return (grad_acts if need_acts else None), (grad_weight if need_weight else None), None, None, None, None
+    grad_acts, grad_weight = sparse_decode_backward_op(
+        grad_out, feature_acts, W_dec, need_acts, need_weight, ctx.acts_grad
+    )
+    return (grad_acts if need_acts else None), (grad_weight if need_weight else None), None, None, None, None, None
 
 
 sparse_decode_op.register_autograd(_decode_backward, setup_context=_decode_setup)
