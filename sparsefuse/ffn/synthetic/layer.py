@@ -34,6 +34,25 @@ __all__ = ["SyntheticFFN", "synthetic_ffn", "gate_statistics"]
 _DEAD_OFFSET = 1e3
 
 
+def resolve_device(fn: str, device: str | torch.device | int | None) -> torch.device:
+    """``device`` as a torch.device; None: CUDA when available, else the CPU (so the builders run on any machine
+    as called). A device torch cannot allocate on (a GPU absent or not compiled in, a bad name) is a ValueError
+    naming the argument, where torch would fail later with an AssertionError or RuntimeError deep in its init."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not isinstance(device, (str, torch.device, int)) or isinstance(device, bool):
+        raise TypeError(f"{fn}: device must be a str, torch.device or None; got {type(device).__name__}")
+    try:
+        resolved = torch.device(device)
+        torch.empty(0, device=resolved)  # the device exists: fails here, not halfway through the build
+    except (RuntimeError, AssertionError) as e:
+        raise ValueError(
+            f"{fn}: device={device!r} is not usable on this machine ({e}); "
+            "device=None picks CUDA when available, else the CPU"
+        ) from None
+    return resolved
+
+
 def _hermite_nodes(n: int = 48) -> tuple[torch.Tensor, torch.Tensor]:
     """Nodes and weights of E[f(g)], g ~ N(0, 1) (probabilists' Gauss-Hermite)."""
     import numpy as np
@@ -103,13 +122,15 @@ def synthetic_ffn(
     intermediate_size: int,
     *,
     dtype: torch.dtype = torch.bfloat16,
-    device: str | torch.device = "cpu",
+    device: str | torch.device | None = None,
     seed: int = 0,
     token_spread: float = 0.35,
     neuron_spread: float = 0.25,
     dead_fraction: float = 0.3,
 ) -> SyntheticFFN:
-    """Weights for :class:`SyntheticFFN` (see the module docstring for the construction and the defaults)."""
+    """Weights for :class:`SyntheticFFN` (see the module docstring for the construction and the defaults) on
+    ``device`` (None: CUDA when available, else the CPU)."""
+    device = resolve_device("synthetic_ffn", device)
     K, N = hidden_size, intermediate_size
     if K < 3 or N < 1:
         raise ValueError(

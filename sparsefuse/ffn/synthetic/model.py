@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layer import gate_statistics
+from .layer import gate_statistics, resolve_device
 
 if TYPE_CHECKING:
     from transformers import LlamaForCausalLM
@@ -193,24 +193,25 @@ def synthetic_llama(
     num_hidden_layers: int | None = None,
     mean_nnz: float | None = 30.0,
     dtype: torch.dtype = torch.bfloat16,
-    device: str | torch.device = "cuda",
+    device: str | torch.device | None = None,
     seed: int = 0,
     calibration_tokens: int = 2048,
     attn_implementation: str = "sdpa",
     **config_overrides,
 ) -> LlamaForCausalLM:
     """A ``LlamaForCausalLM`` with ReLU MLPs whose gates fire ~``mean_nnz`` neurons per token in every layer
-    (synthetic weights; see the module docstring), in eval mode on ``device`` in ``dtype``.
+    (synthetic weights; see the module docstring), in eval mode on ``device`` (None: CUDA when available, else the
+    CPU) in ``dtype``.
 
     ``shape``: a key of :data:`LLAMA_SHAPES` or a dict of ``LlamaConfig`` fields; ``config_overrides`` are further
     ``LlamaConfig`` fields. ``mean_nnz=None``: plain random weights and no calibration (a dense ReLU model: ~50%
     of the neurons fire). ``device="meta"`` builds the structure only (no values, no calibration)."""
     from transformers import LlamaForCausalLM
 
+    device = resolve_device("synthetic_llama", device)
     if mean_nnz is not None:
         config_overrides = {**config_overrides, "mlp_bias": True}
     config = _config(shape, num_hidden_layers, attn_implementation, config_overrides)
-    device = torch.device(device)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
         with torch.device(device):
