@@ -18,6 +18,7 @@ import contextlib
 import enum
 import functools
 import os
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -159,17 +160,38 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+# The op that warned first (empty until then). One warning per process, not one per op: the fallback is one fact
+# about the machine, and a script calling several ops on CPU tensors should say it once, not once per op.
 _warned: set[str] = set()
 
 
 def warn_reference_once(op: str) -> None:
-    if op not in _warned:
-        _warned.add(op)
-        warnings.warn(
-            f"sparsefuse.{op}: CPU tensors run the plain-torch reference (no speed-up). "
-            "Use CUDA tensors, or set TRITON_INTERPRET=1 before import to run the Triton kernels on the CPU.",
-            stacklevel=3,
-        )
+    """Warn, the first time any op falls back to the plain-torch reference on CPU tensors in this process, that
+    CPU tensors get no speed-up; later fallbacks, of this op or another, are silent."""
+    if _warned:
+        return
+    _warned.add(op)
+    warnings.warn(
+        f"sparsefuse.{op}: CPU tensors run the plain-torch reference, with no speed-up (so does every other "
+        "sparsefuse op on CPU tensors: warned once per process). Use CUDA tensors, or set TRITON_INTERPRET=1 "
+        "before import to run the Triton kernels on the CPU.",
+        stacklevel=_caller_stacklevel(),
+    )
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` of :func:`warn_reference_once`'s warning that names the first frame outside sparsefuse
+    and torch: the user's line, however deep in the package (functional API, custom op, launcher) the op warned."""
+    frame = sys._getframe(2)  # warn_reference_once's caller: stacklevel 2
+    level = 2
+    while frame.f_back is not None and frame.f_code.co_filename.startswith((_PACKAGE_DIR, _TORCH_DIR)):
+        frame = frame.f_back
+        level += 1
+    return level
 
 
 # --- eager fast path ----------------------------------------------------------------------------------------------
