@@ -30,7 +30,7 @@ check: $(STAMP)
 	$(PY) -m sparsefuse check $(ARGS)
 
 test: $(STAMP)
-	$(if $(HAS_GPU),SPARSEFUSE_TEST_DEVICE=cuda,TRITON_INTERPRET=1) $(PY) -m pytest -n $(PYTEST_WORKERS) -q $(ARGS)
+	$(if $(HAS_GPU),SPARSEFUSE_TEST_DEVICE=cuda,TRITON_INTERPRET=1) $(PY) -m pytest -n $(PYTEST_WORKERS) -q --durations=15 $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check sparsefuse tests examples
