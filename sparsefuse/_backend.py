@@ -54,12 +54,13 @@ if FAST_INTERPRETER:
     from sparsefuse._fast_interpreter import install as _install_fast_interpreter
 
     _install_fast_interpreter()
-if (
-    INTERPRET
-):  # the interpreter's bf16 tl.dot multiplies raw bit patterns: always corrected (sparsefuse/_interpreter_dot.py)
+# Whether a bf16 tl.dot computes what the GPU computes: the interpreter's multiplies raw bit patterns and is always
+# corrected (sparsefuse/_interpreter_dot.py), except on a Triton whose interpreter that correction does not know.
+BF16_DOT_OK: bool = True
+if INTERPRET:
     from sparsefuse._interpreter_dot import install as _install_interpreter_dot
 
-    _install_interpreter_dot()
+    BF16_DOT_OK = _install_interpreter_dot()
 
 
 class Backend(str, enum.Enum):
