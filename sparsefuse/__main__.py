@@ -3,7 +3,9 @@
     python -m sparsefuse bench [WORKLOAD ...] [--quick] [--dtype float32,float16,bfloat16] [--out DIR] [--no-plot]
     python -m sparsefuse check [WORKLOAD ...] [--device cpu|cuda] [--size small|full] [--dtype ...] [--seed N]
 
-Without a GPU, ``bench`` runs ``check`` on the ops of the named workloads instead (correctness only, no timings).
+Without a GPU, ``bench`` runs ``check`` on the ops of the named workloads instead (correctness only, no timings),
+and refuses the options only a timed run reads (``--out``, ``--no-plot``, ``--shapes``, ``--checkpoint``,
+``--merge``) rather than ignore them.
 
 Without a CUDA device both commands run the real Triton kernels through Triton's CPU interpreter. Triton decides
 whether kernels are interpreted when sparsefuse is imported, and ``python -m sparsefuse`` has imported the package
@@ -31,6 +33,15 @@ _DTYPE_ALIASES: dict[str, torch.dtype] = {
     "half": torch.float16,
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
+}
+DEFAULT_OUT = "benchmarks/results"
+# bench options that only the timed run on a GPU reads: without one, bench runs `check` instead (no timings, no files)
+_GPU_ONLY_BENCH_OPTIONS = {
+    "out": "--out",
+    "no_plot": "--no-plot",
+    "shapes": "--shapes",
+    "checkpoint": "--checkpoint",
+    "merge": "--merge",
 }
 _REEXEC_MARK = "_SPARSEFUSE_REEXECUTED"  # guards against a re-exec loop if the interpreter flag is not honoured
 
@@ -64,8 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--dtype", default="float32,float16,bfloat16", help="comma-separated (default: %(default)s)")
     bench.add_argument(
         "--out",
-        default="benchmarks/results",
-        help="directory for <workload>-<gpu>[-quick].csv/.md/.png (default: %(default)s)",
+        default=None,  # None, not the path: an --out given on a machine without a GPU is an error (nothing is written)
+        help=f"directory for <workload>-<gpu>[-quick].csv/.md/.png (default: {DEFAULT_OUT})",
     )
     bench.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
     bench.add_argument(
@@ -104,6 +115,27 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--dtype", default="float32,float16,bfloat16", help="comma-separated (default: %(default)s)")
     check.add_argument("--seed", type=int, default=None, help="input seed (default: fresh each run, printed)")
     return parser
+
+
+def bench_option_error(args: argparse.Namespace, has_cuda: bool) -> str | None:
+    """Why the bench options given cannot apply (None when they all can): an option is refused, not ignored."""
+    given = [flag for dest, flag in _GPU_ONLY_BENCH_OPTIONS.items() if getattr(args, dest) not in (None, False)]
+    if not has_cuda and given:
+        return (
+            f"bench {', '.join(given)}: cannot apply without a CUDA GPU, where bench times nothing and runs "
+            "`check --size small` on the workloads' ops instead (no result files, no plot, no model); drop "
+            f"{'it' if len(given) == 1 else 'them'}, or run on a GPU"
+        )
+    if args.checkpoint is not None:
+        if args.workloads and "model" not in args.workloads:
+            return (
+                f"bench --checkpoint applies to the model workload only (it benches that saved model instead of the "
+                f"synthetic ones), and the workloads named are {', '.join(args.workloads)}: add `model`, or drop "
+                "--checkpoint"
+            )
+        if not Path(args.checkpoint).is_file():
+            return f"bench --checkpoint {args.checkpoint!r}: no such file"
+    return None
 
 
 def _reexec_with_interpreter(argv: Sequence[str], reason: str) -> int:
@@ -149,6 +181,8 @@ def main(argv: Sequence[str] | None = None, *, allow_reexec: bool = True) -> int
 
     if args.command == "check" and args.device == "cuda" and not has_cuda:
         parser.error("--device cuda: no CUDA device is available")
+    if args.command == "bench" and (problem := bench_option_error(args, has_cuda)) is not None:
+        parser.error(problem)
 
     from . import _backend
 
@@ -218,7 +252,7 @@ def _bench(names: list[str], args: argparse.Namespace, dtypes: tuple[torch.dtype
         say("sparsefuse bench: nothing to run")
         return 1
     gpu = torch.cuda.get_device_name()
-    out_dir = Path(args.out)
+    out_dir = Path(args.out or DEFAULT_OUT)
     out_dir.mkdir(parents=True, exist_ok=True)
     partial = out_dir / f"partial-{sanitize(gpu)}.csv"  # a killed run still leaves its rows here
 
