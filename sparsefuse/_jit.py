@@ -1,6 +1,6 @@
 """``@kernel``: ``triton.jit`` for the kernels the package launches, with a shorter host path per launch.
 
-Why: a Triton launch of ~25 arguments costs 30-50 us of host time on the lent H100/H200 hosts, of which the compiled
+Why: a Triton launch of ~25 arguments costs 30-50 us of host time on H100 and H200 machines, of which the compiled
 kernel's own launcher takes ~14 us. The rest is Triton's generic binding: its generated binder specialises every
 argument (~17 us), hashes the specialisation into a cache key, looks up global-value guards, knobs, hooks and the
 launch metadata. A small eager call (one token's SAE decode, one token through the FFN) makes two to four launches,
@@ -19,7 +19,7 @@ kernels), launch hooks (profilers such as Proton), pre-run hooks, warm-up, an ar
 tensor descriptor), and Triton releases before 3.4 (another launcher convention). Under ``TRITON_INTERPRET=1``
 ``@kernel`` is plain ``triton.jit``.
 
-Measured on a lent H200 host (Triton 3.6), a 25-argument launch: 25.7-27.1 us through Triton's ``run``, 20.2-20.6
+Measured on an H200 machine (Triton 3.6), a 25-argument launch: 25.7-27.1 us through Triton's ``run``, 20.2-20.6
 us through this path (its key 6.3 us, the compiled launcher ~14 us). The path is **opt-in**
 (``SPARSEFUSE_FAST_LAUNCH=1``) until the whole GPU suite passes with it on; ``SPARSEFUSE_FAST_LAUNCH=verify``
 checks each cached launch against Triton's own pick and raises where they differ.

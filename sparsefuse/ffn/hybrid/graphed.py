@@ -2,7 +2,7 @@
 host would pace the eager step: :func:`replays_by_default`).
 
 A plain eager block step enqueues ~15 Triton launches, ~10 torch ops and their Python: 2-3.5 ms of host time per
-layer forward + backward on the lent H100/H200 hosts, more than the GPU's ~1.8 ms at the 1.5B layer shape, so an
+layer forward + backward on H100 and H200 machines, more than the GPU's ~1.8 ms at the 1.5B layer shape, so an
 eager model waits on its host. Here each layer's forward and backward are captured once as two CUDA graphs and a
 step costs the host two replays and a few copies.
 
@@ -71,7 +71,7 @@ CAPTURE_LIMIT = 8
 # all-gather into fresh storage) would otherwise take a capture per step, each costing more than the step it replaces.
 MOVE_LIMIT = 1
 # hybrid_mlp's default (cuda_graph=None) replays a layer whose gate product 2 M K N is at most this many FLOPs. An
-# eager block step costs its host ~2.3-2.7 ms (16 Triton launches at ~31 us each on a lent H200 host, their
+# eager block step costs its host ~2.3-2.7 ms (16 Triton launches at ~31 us each on an H200 machine, their
 # Python, autograd); its GPU time is ~1.6 ms at the 1.5B layer shape (8192 tokens, gate product 1.9e11) and ~3.9 ms
 # at the 8B one (9.6e11): below the line the host paces the eager step and a replay frees it; above it the GPU
 # does, and a replay would add only its copies (x and dy in, y, dx and the weight gradients out: ~0.3 ms at 8B).

@@ -32,7 +32,7 @@ def _normalized(op: str, x: torch.Tensor, normalized_shape: int | Sequence[int])
 
 # A plain eager inference call on CUDA of at most this many input bytes runs torch's native RMSNorm (without the
 # weight, which is then multiplied in as LlamaRMSNorm does). Such a call is host-bound -- a decode step from Python
-# -- and one native dispatch is the cheapest host path there is: on a lent H200 host, one call at 1 or 8 rows of
+# -- and one native dispatch is the cheapest host path there is: on an H200 machine, one call at 1 or 8 rows of
 # 2048 bf16 took 17-18 us through torch's op, 93-100 through the Triton kernel's launch (Triton binds and
 # specialises every argument per launch) and 110-118 through transformers' LlamaRMSNorm (eight dispatches). Past a
 # few hundred rows the GPU time dominates and the Triton kernel (copy bandwidth) takes over; so do CUDA-graph
