@@ -180,7 +180,7 @@ def _exercise_ops(dtype: torch.dtype, ffn: bool) -> None:
     sparsefuse.celu(x)
     sparsefuse.celu(r(300, grad=True), alpha=0.5).sum().backward()
     acts = _sparse_rows(5, 700, [3, 700, 0, 12, 1], dtype)  # row 1 fires every feature: the long-row pass runs
-    for method in ("scan", "fixed", "exact", "dense"):  # dense: cuBLAS, then its non-finite rows' listing and spread
+    for method in ("scan", "fixed", "exact", "dense"):  # dense: cuBLAS, then the pass over its non-finite elements
         sparsefuse.sparse_decode(acts, r(700, 40, scale=0.1), method=method, max_l0=16)
     # the full row alone: split over programs summed by atomics, its 16-bit ranges are dense units (dense_units.py)
     sparsefuse.sparse_decode(acts[1:2], r(700, 40, scale=0.1), method="scan")

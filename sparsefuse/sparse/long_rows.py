@@ -121,7 +121,7 @@ def list_long_unit(units_ptr, count_ptr, arrivals_ptr, unit, arrival_rows, ARRIV
 
 
 @triton.jit
-def _sum_columns(
+def sum_dense_columns(
     row_ptr,
     stride_col,
     f_begin,
@@ -137,6 +137,7 @@ def _sum_columns(
 ):
     """(fp32 sum [BLOCK_D], any non-zero) of sub-split ``sub`` of ``subsplits`` of the dense columns [f_begin,
     f_end) of one row (row_ptr, column stride stride_col): W rows loaded only where the activation is non-zero.
+    Also how a dense product's non-finite elements are recomputed (:mod:`.nonfinite_rows`).
 
     A chunk at least half non-zero (a token that fires everything) is summed in order, GROUP consecutive W rows at
     a time: no ranking and picking of its non-zeros, and the rows' addresses are known ahead, so their loads can be
@@ -293,7 +294,7 @@ def spread_long_units(
             else:
                 # an ELL row that overflowed has incomplete stored entries: its whole dense row is read instead
                 if read_dense:
-                    acc, has_work = _sum_columns(
+                    acc, has_work = sum_dense_columns(
                         dense_ptr + row * stride_dense,
                         stride_dense_col,
                         f_begin,

@@ -1,23 +1,23 @@
-"""The rows of a dense product ``out = a @ weight`` that came out NaN or infinite, recomputed over ``a``'s non-zeros
-alone, without a host sync.
+"""The elements of a dense product ``out = a @ weight`` that came out NaN or infinite, recomputed over ``a``'s
+non-zeros alone, in one launch without a host sync.
 
 Why: a dense product (cuBLAS) multiplies every term, so a weight row holding a NaN or an infinity puts ``0 * NaN =
 NaN`` into every output row, also into those whose activation of it is zero. The sparse products never read the
-weight row of a zero activation: there such a row contributes exactly zero. This pass gives the dense product the
-same answer, for the price of one read of ``out`` where every row is finite.
+weight row of a zero activation: there such a row contributes exactly zero. Only the non-finite elements of the
+dense product can differ from that sum (a finite element had no such term), so they alone are recomputed.
 
-How, in two launches of fixed grids (nothing read back: CUDA-graph capturable; one opaque op under torch.compile):
+How: each program owns a tile of ``out`` (ROWS rows, BLOCK_D columns) and reads it once. A row of the tile holding a
+NaN or an infinity is recomputed over the tile's columns by the spread pass's sum over a dense row
+(:func:`.long_rows.sum_dense_columns`: ``a``'s row scanned for non-zeros, only their weight rows gathered, fp32
+accumulation) and stored over it; a row whose own fired terms are not finite (a NaN activation, a fired feature's
+NaN weight row) comes out NaN / inf again. The grid is the tiles: nothing is listed or read back (CUDA-graph
+capturable, one opaque op under torch.compile), and where every element is finite the cost is one read of ``out``
+in one launch. Host side: that launch alone, no buffer.
 
-1. **Listing**: each program reads a tile of rows of ``out`` and appends every row holding a NaN or an infinity to
-   the long-row list of :mod:`.long_rows` (an int32 counter and a buffer, one integer atomic a row).
-2. **Recomputing**: the gather kernel's spread launch (:mod:`.long_rows`) walks the listed rows as dense units of
-   ``a``'s whole row: it gathers only the weight rows of the row's non-zeros, spread over the GPU, and stores the
-   row's fp32-accumulated sum over the dense product's row. A row whose own fired terms are not finite (a NaN
-   activation, a fired feature's NaN weight row) comes out NaN / inf again. With nothing listed its programs read
-   the counter and exit.
-
-A row listed only because the dense product overflowed its dtype (finite terms past fp16's range) is recomputed to
-the same infinity: a wasted recomputation, never a wrong row.
+The rare path's cost: each program recomputes its tile's bad rows one after another, each a scan of ``a``'s row
+(``n_in`` activations) and a gather of its non-zeros' weight rows over BLOCK_D columns, by one program: where every
+row is bad (a dead feature's NaN weight row) that is the scan decode's work D / BLOCK_D times over, without its
+splitting of a row over programs -- slower than the scan decode, never wrong.
 """
 
 from __future__ import annotations
@@ -26,62 +26,77 @@ import torch
 import triton.language as tl
 
 from .. import _backend
-from .._backend import Backend, backend_for, cdiv, next_power_of_2, record_launch
+from .._backend import Backend, backend_for, cdiv, next_power_of_2, record_launch, sm_count
 from .._jit import kernel
 from .layout import unit_rows
-from .long_rows import DELIVER_STORE, FORMAT_DENSE, LongRows, list_long_unit
-from .spmm import launch_spread
+from .long_rows import sum_dense_columns
 
-# The listing reads tiles of about LIST_TILE elements (4 warps, 32 a thread: 16-byte loads of fp32, 64-byte of
-# 16-bit values), up to LIST_MAX_BLOCK_D columns a step; a streaming read, not tuned.
-LIST_TILE = 4096
-LIST_MAX_BLOCK_D = 1024
+# A program's tile: BLOCK_D columns of out, at most MAX_BLOCK_D -- also the width its rare recomputation gathers, so
+# each recomputed row scans a's row once per D / BLOCK_D programs -- by ROWS rows: TILE elements in all (4 warps, 32
+# values a thread) where the tiles fill the GPU many times over, else one row, so that a recomputation (each a
+# program's serial scan of a's row) is spread over as many programs as there are rows. The recomputation scans
+# SCAN_BLOCK activations a step and gathers GROUP weight rows at a time, as the spread pass's 1024-column items do
+# (long_rows.spread_config: 64 values a thread). On an H100 (one dead feature's NaN row: every row recomputed) 16
+# rows of 256 columns a program took 1.6 ms for 32 bf16 tokens at d_sae 65536, where the scan decode takes 15 us.
+TILE = 4096
+MAX_BLOCK_D = 1024
+ONE_ROW_PROGRAMS_PER_SM = 8
+SCAN_BLOCK = 1024
+GROUP = 8
 
 
 @kernel
-def list_nonfinite_rows_kernel(
+def complete_nonfinite_rows_kernel(
     out_ptr,
-    units_ptr,
-    count_ptr,
-    arrivals_ptr,
+    a_ptr,
+    w_ptr,
     M,
+    n_in,
     n_out,
     stride_out,
-    arrival_rows,
+    stride_a,
+    stride_a_col,
+    stride_w,
     ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    ARRIVALS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    GROUP: tl.constexpr,
 ):
-    # out [M, n_out] (unit column stride); rows ROWS * program_id .. + ROWS, BLOCK_D columns a step. Rows holding a
-    # NaN or an infinity are appended to the list (units, count) by long_rows.list_long_unit.
+    # out [M, n_out] (unit column stride) = a [M, n_in] @ w [n_in, n_out] (unit column stride) as a dense product
+    # gave it. Grid (row tiles, column blocks): the tile's rows holding a NaN or an infinity in its columns are
+    # recomputed there over a's non-zeros.
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    row_mask = rows < M
-    bad = tl.zeros([ROWS], dtype=tl.int32)
-    for d0 in range(0, n_out, BLOCK_D):
-        d = d0 + tl.arange(0, BLOCK_D)
-        mask = row_mask[:, None] & (d[None, :] < n_out)
-        x = tl.load(out_ptr + rows[:, None].to(tl.int64) * stride_out + d[None, :], mask=mask, other=0.0)
-        x = x.to(tl.float32)
-        nonfinite = (x != x) | (tl.abs(x) == float("inf"))
-        bad = bad | tl.max(nonfinite.to(tl.int32), axis=1)
-    if tl.max(bad, axis=0) > 0:  # rare: the tile's rows are listed one at a time
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_mask = d < n_out
+    x = tl.load(
+        out_ptr + rows[:, None].to(tl.int64) * stride_out + d[None, :],
+        mask=(rows[:, None] < M) & d_mask[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    bad = tl.max(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32), axis=1)  # [ROWS]
+    if tl.max(bad, axis=0) > 0:  # rare: the tile's bad rows one at a time
         for r in range(0, ROWS):
             if tl.sum(tl.where(tl.arange(0, ROWS) == r, bad, 0), axis=0) > 0:
-                row = tl.program_id(0) * ROWS + r
-                list_long_unit(units_ptr, count_ptr, arrivals_ptr, row, arrival_rows, ARRIVALS)
+                row = (tl.program_id(0) * ROWS + r).to(tl.int64)
+                acc, _ = sum_dense_columns(
+                    a_ptr + row * stride_a, stride_a_col, 0, n_in, 0, 1, w_ptr, stride_w, d, d_mask, BLOCK_S, GROUP
+                )
+                tl.store(out_ptr + row * stride_out + d, acc.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-def _list_blocks(M: int, n_out: int) -> tuple[int, int]:
-    """(rows, columns) of a listing program's tile."""
+def _tile(M: int, n_out: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(ROWS, BLOCK_D, BLOCK_S, GROUP) of the launch."""
     if _backend.INTERPRET:
-        return 4, 16  # several steps and programs on the tests' small outputs
-    block_d = min(LIST_MAX_BLOCK_D, max(16, next_power_of_2(n_out)))
-    return max(1, min(LIST_TILE // block_d, next_power_of_2(M))), block_d
+        return 4, 16, 16, 8  # several programs, row tiles and scan steps on the tests' small outputs
+    block_d = min(MAX_BLOCK_D, max(16, next_power_of_2(n_out)))
+    if M * cdiv(n_out, block_d) <= ONE_ROW_PROGRAMS_PER_SM * sm_count(device):
+        return 1, block_d, SCAN_BLOCK, GROUP
+    return max(1, min(TILE // block_d, next_power_of_2(M))), block_d, SCAN_BLOCK, GROUP
 
 
 def complete_nonfinite_rows(out: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``out`` [M, n_out] (unit column stride) = ``a`` [M, n_in] @ ``weight`` [n_in, n_out] as a dense product
-    computed it, with each row that holds a NaN or an infinity recomputed in place over ``a``'s non-zeros (see the
+    computed it, with every element that is NaN or infinite recomputed in place over ``a``'s non-zeros (see the
     module docstring); returns ``out``. A ``weight`` without unit column stride (a transposed view) is copied for
     the recomputation, as the sparse products copy it. The torch backend (CPU tensors without the interpreter) has
     no such pass: the caller computes its reference there."""
@@ -92,33 +107,23 @@ def complete_nonfinite_rows(out: torch.Tensor, a: torch.Tensor, weight: torch.Te
     if out.stride(1) != 1 and n_out > 1:
         raise ValueError(f"complete_nonfinite_rows: out must have unit column stride; got strides {out.stride()}")
     weight = unit_rows(weight)
-    long_rows = LongRows.allocate(M, n_out, weight, 0, DELIVER_STORE.value, n_in, 0)
-    rows, block_d = _list_blocks(M, n_out)
-    list_nonfinite_rows_kernel[(cdiv(M, rows),)](
+    rows, block_d, block_s, group = _tile(M, n_out, out.device)
+    complete_nonfinite_rows_kernel[(cdiv(M, rows), cdiv(n_out, block_d))](
         out,
-        long_rows.units,
-        long_rows.count,
-        long_rows.arrivals,
+        a,
+        weight,
         M,
+        n_in,
         n_out,
         out.stride(0),
-        long_rows.arrival_rows,
+        a.stride(0),
+        a.stride(1),
+        weight.stride(0),
         ROWS=rows,
         BLOCK_D=block_d,
-        ARRIVALS=long_rows.arrivals_per_unit,
+        BLOCK_S=block_s,
+        GROUP=group,
         num_warps=4,
     )
-    record_launch("list_nonfinite_rows_kernel")
-    launch_spread(
-        long_rows,
-        weight,
-        out,
-        dense_ptr=a,
-        n_in=n_in,
-        stride_dense=a.stride(0),
-        stride_dense_col=a.stride(1),
-        n_splits=1,
-        long_unit_cols=n_in,
-        FORMAT=FORMAT_DENSE.value,
-    )
+    record_launch("complete_nonfinite_rows_kernel")
     return out

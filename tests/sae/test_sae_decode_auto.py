@@ -12,9 +12,9 @@ from sparsefuse.sae import sparse_decode
 from sparsefuse.sparse import matmul_skip_zeros
 from sparsefuse.testing import assert_close_to_reference
 
-# cuBLAS's product launches no Triton kernel of its own: these are the listing of its non-finite rows and the spread
-# launch that recomputes them (sparsefuse/sparse/nonfinite_rows.py), which finds the list empty here
-CUBLAS = {"list_nonfinite_rows_kernel": 1, "gather_accumulate_kernel": 1}
+# cuBLAS's product launches no Triton kernel of its own: this one reads its output and recomputes the non-finite
+# elements (sparsefuse/sparse/nonfinite_rows.py), none here
+CUBLAS = {"complete_nonfinite_rows_kernel": 1}
 
 bf16, fp32 = torch.bfloat16, torch.float32
 
@@ -434,6 +434,6 @@ def test_torch_compile_fullgraph_of_the_default_call(expected_l0, device, scan_b
     fn = torch.compile(lambda a, b: sparse_decode(a, b, expected_l0=expected_l0), fullgraph=True, backend=backend)
     with track_launches() as launched:
         out = fn(acts, w)
-    assert ("list_nonfinite_rows_kernel" in launched) == (expected_l0 == 400.0), dict(launched)
+    assert ("complete_nonfinite_rows_kernel" in launched) == (expected_l0 == 400.0), dict(launched)
     assert scan_below_10 == [round(600 / 1024, 1) if expected_l0 is None else expected_l0]  # (rounded: memo key)
     assert_close_to_reference(out, *product_reference(acts, w), **product_allowance(acts, w))

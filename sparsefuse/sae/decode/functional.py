@@ -34,9 +34,9 @@ not fire contributes exactly zero, whatever its decoder row holds** (a NaN or in
 where ``feature_acts @ W_dec`` gives ``0 * NaN = NaN``), as ``topk_decode`` and ``torch.sparse.mm`` do; a fired
 feature's non-finite row, or a NaN / inf activation, propagates as in the float64 product
 (:func:`~.reference.torch_sparse_decode`). The sparse methods never read an unfired feature's row; ``"dense"``
-recomputes the rows of cuBLAS's product that came out NaN or infinite over their non-zero activations, on the
-device (:mod:`sparsefuse.sparse.nonfinite_rows`): where every row is finite, one read of the output and two small
-launches.
+recomputes the elements of cuBLAS's product that came out NaN or infinite over their rows' non-zero activations, on
+the device (:mod:`sparsefuse.sparse.nonfinite_rows`): where every element is finite, one read of the output in one
+launch.
 
 Backward, without a host sync (:mod:`.op`): W_dec's gradient is ``feature_acts^T @ grad_out`` (torch's); the
 activations' is, with ``acts_grad="sparse"`` (default), ``grad_out @ W_dec^T`` on the activations' sparsity pattern

@@ -2,9 +2,9 @@
 autograd). Each method is a call of the shared sparse core (:mod:`sparsefuse.sparse`): the decode has no kernels of
 its own.
 
-Every method sums over the features that fired: cuBLAS's product (``"dense"``) has the rows it made NaN or infinite
-recomputed over the non-zero activations on the device (:mod:`sparsefuse.sparse.nonfinite_rows`), so that a decoder
-row of NaN contributes nothing to a token that did not fire its feature, as in the sparse methods.
+Every method sums over the features that fired: cuBLAS's product (``"dense"``) has the elements it made NaN or
+infinite recomputed over their rows' non-zero activations on the device (:mod:`sparsefuse.sparse.nonfinite_rows`),
+so that a decoder row of NaN contributes nothing to a token that did not fire its feature, as in the sparse methods.
 
 Backward, without a host sync: the gradient for W_dec is ``feature_acts^T @ grad_out`` computed by the same
 skip-zeros kernel on the transposed activations (d_sae rows fill the GPU, so no split and no float atomics, unless
