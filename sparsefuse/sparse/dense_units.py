@@ -18,9 +18,12 @@ here it is summed as a small dense product instead:
    columns, sub-range of the split's columns); each loads the [DENSE_UNIT_ROWS, DOT_F] activations of the split's
    listed rows (unlisted rows masked: never read) against one [DOT_F, DOT_D] tile of W, accumulating in fp32 with
    ``tl.dot``, and adds its [rows, DOT_D] sum into the rows' fp32 sums by atomics. The number of sub-ranges is
-   chosen on the device from how many splits were listed: about one item per program of the launch. Every weight row
-   of the range is read, the zero activations' too, so a NaN or inf in such a row reaches the listed rows' sums, as
-   in the dense product; the gather, which loads only the non-zeros' rows, leaves it out.
+   chosen on the device from how many splits were listed: about one item per program of the launch. The product
+   reads every weight row of the range, the zero activations' too: a tile of W holding a NaN or an infinity would
+   put ``0 * NaN`` into every listed row. An item whose sum comes out NaN or infinite in a listed row (rare: a dead
+   feature's NaN weight row, or a NaN activation) is summed again row by row over each row's non-zero activations,
+   by the gather's step, so the sums keep the gather's contract -- a zero activation contributes exactly zero
+   whatever its weight row holds. The check is one per item, on its [rows, DOT_D] sum.
 
 Only where the scan's splits are already summed by fp32 atomics (its default when rows are too few to fill the GPU:
 the case where a full row is a cliff) and the activations and W are one 16-bit dtype (tensor-core products of 16-bit
@@ -36,8 +39,10 @@ import triton.language as tl
 from .. import _backend
 from .._backend import next_power_of_2
 from .._triton.dot import dot_accumulate
+from .._triton.gather import accumulate_rows
 
 DENSE_UNIT_ROWS = tl.constexpr(16)  # rows of one split summed together (tl.dot's smallest M)
+NONZERO_GROUP = tl.constexpr(8)  # activations a step where a W tile is not finite (a [8, DOT_D] tile: as the gather's)
 DENSE_UNIT_MIN_COLS = tl.constexpr(256)  # columns of one item's sub-range, at least
 DENSE_UNIT_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -82,6 +87,43 @@ def list_dense_unit(rows_ptr, counts_ptr, splits_ptr, n_splits_used_ptr, row, sp
             at = tl.atomic_add(n_splits_used_ptr, 1, sem="relaxed")
             tl.store(splits_ptr + at, split.to(tl.int32))
     return slot < ROWS
+
+
+@triton.jit
+def _sum_nonzero_terms(
+    rows,
+    listed,
+    dense_ptr,
+    stride_dense,
+    stride_dense_col,
+    s_begin,
+    s_end,
+    w_ptr,
+    stride_w,
+    d,
+    d_mask,
+    ROWS: tl.constexpr,
+    DOT_D: tl.constexpr,
+):
+    """[ROWS, DOT_D] fp32: the listed rows' activations [s_begin, s_end) times W[those, d], each row over its non-zero
+    activations alone, one row and NONZERO_GROUP activations at a time (the gather's step: the W rows of zero
+    activations are never loaded); unlisted rows 0. For an item whose product came out NaN / inf (module
+    docstring)."""
+    r_ids = tl.arange(0, ROWS)
+    acc = tl.zeros((ROWS, DOT_D), dtype=tl.float32)
+    for r in range(0, ROWS):
+        sel = r_ids == r
+        if tl.sum(tl.where(sel & listed, 1, 0), axis=0) > 0:
+            row = tl.sum(tl.where(sel, rows, 0), axis=0)
+            part = tl.zeros(d.shape, dtype=tl.float32)
+            for f0 in range(s_begin, s_end, NONZERO_GROUP):
+                f = f0 + tl.arange(0, NONZERO_GROUP)
+                a = tl.load(
+                    dense_ptr + row * stride_dense + f.to(tl.int64) * stride_dense_col, mask=f < s_end, other=0.0
+                ).to(tl.float32)
+                part = accumulate_rows(part, a, f, a != 0, w_ptr, stride_w, d, d_mask)
+            acc = tl.where(sel[:, None], acc + part[None, :], acc)
+    return acc
 
 
 @triton.jit
@@ -140,6 +182,25 @@ def sum_dense_units(
                 other=0.0,
             )
             acc = dot_accumulate(acc, a, w, False)  # 16-bit operands only: the native tensor-core path
+        # a NaN / inf in a listed row's sum (rare): summed again over each row's non-zero activations alone, which
+        # leaves out a zero activation's NaN weight row; one check an item, not a step
+        nonfinite = ((acc != acc) | (tl.abs(acc) == float("inf"))) & listed[:, None]
+        if tl.max(tl.max(nonfinite.to(tl.int32), axis=1), axis=0) > 0:
+            acc = _sum_nonzero_terms(
+                rows,
+                listed,
+                dense_ptr,
+                stride_dense,
+                stride_dense_col,
+                s_begin,
+                s_end,
+                w_ptr,
+                stride_w,
+                d,
+                d_mask,
+                ROWS,
+                DOT_D,
+            )
         if s_end > s_begin:
             tl.atomic_add(
                 sums_ptr + rows[:, None] * n_out + d[None, :],

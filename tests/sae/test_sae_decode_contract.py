@@ -68,6 +68,25 @@ def test_unfired_features_contribute_zero_whatever_their_decoder_rows_hold(metho
     check_against_reference(out, acts, w)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []))
+def test_scan_dense_units_skip_unfired_nonfinite_rows(dtype, device, listed):
+    """The 16-bit scan of few tokens sums a range of columns at least half non-zero on tensor cores, every weight row
+    of the range at once (sparsefuse/sparse/dense_units.py): a tile holding a NaN / inf weight is summed over each
+    token's non-zero activations instead, so a dead feature's NaN row inside a full token's range stays out."""
+    F = 4096 if device.type == "cuda" else 300  # ranges split over programs: several scan chunks
+    acts = torch.rand(3, F) + 0.1  # token 0 fires every feature but the dead ones; tokens 1, 2 a few
+    acts[1:, 10:] = 0.0
+    acts[:, [DEAD, SPARSE_NAN]] = 0.0
+    acts[1, 2] = float("nan")
+    w = torch.randn(F, 24) / 8
+    w[DEAD], w[SPARSE_NAN, 3], w[7, 5] = float("nan"), float("inf"), float("-inf")  # feature 7 fired: -inf
+    acts, w = acts.to(dtype).to(device), w.to(dtype).to(device)
+    out = sparse_decode(acts, w, method="scan")
+    (plan,) = listed
+    assert plan.dense_used is not None and int(plan.dense_used) > 0  # token 0's ranges went to the dense units
+    check_against_reference(out, acts, w)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_dense_recomputes_the_nonfinite_elements_on_the_device(dtype, device):
     """cuBLAS's product, then one launch over its output: the elements that are NaN or inf are recomputed over their

@@ -33,10 +33,11 @@ Every method, the torch fallback of CPU tensors included, sums over the features
 not fire contributes exactly zero, whatever its decoder row holds** (a NaN or inf row of a dead feature included,
 where ``feature_acts @ W_dec`` gives ``0 * NaN = NaN``), as ``topk_decode`` and ``torch.sparse.mm`` do; a fired
 feature's non-finite row, or a NaN / inf activation, propagates as in the float64 product
-(:func:`~.reference.torch_sparse_decode`). The sparse methods never read an unfired feature's row; ``"dense"``
-recomputes the elements of cuBLAS's product that came out NaN or infinite over their rows' non-zero activations, on
-the device (:mod:`sparsefuse.sparse.nonfinite_rows`): where every element is finite, one read of the output in one
-launch.
+(:func:`~.reference.torch_sparse_decode`). The gathers never read an unfired feature's row; the products that read
+every row -- cuBLAS's (``"dense"``), the scan's tensor-core sums of near-full tokens
+(:mod:`sparsefuse.sparse.dense_units`) -- sum again, over the non-zero activations, what came out NaN or infinite,
+on the device (for ``"dense"`` :mod:`sparsefuse.sparse.nonfinite_rows`: where every element is finite, one read of
+the output in one launch).
 
 Backward, without a host sync (:mod:`.op`): W_dec's gradient is ``feature_acts^T @ grad_out`` (torch's); the
 activations' is, with ``acts_grad="sparse"`` (default), ``grad_out @ W_dec^T`` on the activations' sparsity pattern
