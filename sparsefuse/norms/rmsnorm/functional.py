@@ -53,12 +53,13 @@ NATIVE_ROW_MULTIPLE = 8
 def _host_bound_inference(x2: torch.Tensor, weight: torch.Tensor | None) -> bool:
     if not NATIVE_FUSED or not x2.is_cuda or not 0 < x2.numel() * x2.element_size() <= NATIVE_EAGER_MAX_BYTES:
         return False
-    if x2.shape[1] % NATIVE_ROW_MULTIPLE or not x2.is_contiguous() or x2.data_ptr() % 16:
-        return False
     if torch.is_grad_enabled() and (x2.requires_grad or (weight is not None and weight.requires_grad)):
         return False
+    # eager first: torch.compile cannot trace data_ptr() arithmetic (a graph break on CUDA)
     tensors = (x2,) if weight is None else (x2, weight)
-    return _backend.plain_eager_call(*tensors) and not torch.cuda.is_current_stream_capturing()
+    if not _backend.plain_eager_call(*tensors) or torch.cuda.is_current_stream_capturing():
+        return False
+    return not (x2.shape[1] % NATIVE_ROW_MULTIPLE or not x2.is_contiguous() or x2.data_ptr() % 16)
 
 
 def rms_norm(
