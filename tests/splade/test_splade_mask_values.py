@@ -84,6 +84,7 @@ def test_every_schedule_weighs_scores_by_the_mask(S, persistent, tma, pooling, m
     with track_launches() as launched:
         check_forward(hidden, weight, bias, mask, pooling)
     assert launched["splade_fwd_combine_kernel"] == (1 if S > 16 else 0)
+    assert launched["splade_fwd_kernel:weighted_tiles"] == (pooling == "max")  # rows 0's tiles of differing weights
     check_gradients(hidden, weight, bias, mask, pooling)
 
 

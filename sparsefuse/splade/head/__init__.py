@@ -14,20 +14,16 @@ fp32 (``input_precision="ieee"``) unless ``torch.set_float32_matmul_precision`` 
 NaN logits propagate to the output (the argmax stored for a NaN column is unspecified).
 
 Layout: :mod:`.reference` (plain torch; ground truth and CPU fallback), :mod:`.kernels` (forward GEMM with the
-pooling as its epilogue, sum-pooling backward), :mod:`.launch` (configs and tuning measurements, launches, the
-max-pooling backward through the shared sparse core), :mod:`.op` (``torch.library`` ops, autograd),
-:mod:`.functional` (:func:`splade_pool`).
+pooling as its epilogue), :mod:`.sum_kernels` (sum-pooling backward), :mod:`.launch` (configs and tuning
+measurements, launches, the max-pooling backward through the shared sparse core), :mod:`.op` (``torch.library``
+ops, autograd), :mod:`.functional` (:func:`splade_pool`).
 """
 
 from .functional import POOLINGS, SPLADE_DTYPES, splade_pool
-from .kernels import (
-    splade_fwd_combine_kernel,
-    splade_fwd_kernel,
-    splade_sum_bwd_hidden_kernel,
-    splade_sum_bwd_weight_kernel,
-)
+from .kernels import splade_fwd_combine_kernel, splade_fwd_kernel
 from .op import splade_pool_backward_op, splade_pool_op
 from .reference import torch_splade_pool
+from .sum_kernels import splade_sum_bwd_hidden_kernel, splade_sum_bwd_weight_kernel
 
 __all__ = [
     "splade_pool",

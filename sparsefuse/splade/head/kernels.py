@@ -1,6 +1,6 @@
-"""The SPLADE head's Triton kernels: the forward GEMM with the pooling as its epilogue, the combine of per-tile
-partials, and the two sum-pooling backward kernels. (Max pooling's backward is the shared sparse core's
-gather-accumulate; see :mod:`.launch`.)
+"""The SPLADE head's forward Triton kernels: the GEMM with the pooling as its epilogue and the combine of per-tile
+partials. (The sum-pooling backward is :mod:`.sum_kernels`; max pooling's is the shared sparse core's
+gather-accumulate, see :mod:`.launch`.)
 
 Forward: a GEMM over hidden viewed as [B*S, H] times weight^T [H, V] whose [BLOCK_M, BLOCK_N] output tiles never
 cross a batch row (an M tile holds BLOCK_M positions of one batch row; positions past S and masked ones are
@@ -23,19 +23,14 @@ Hopper TMA loads through ``tl.make_tensor_descriptor``.
 Mask values: a position whose mask is 0 is skipped (its logits never reach a max or a sum, so padding's NaN or inf
 cannot leak), and a kept position's score is multiplied by its mask value c, as in naver/splade's
 ``max_s log1p(relu(x_s)) * mask_s`` (and the sum). A bool mask (or none) has c = 1: the raw-logit max above. Any
-other mask dtype may hold other values (MASK_SCALES, max pooling): a tile whose kept positions share one positive c
-still reduces the raw logits, since ``max_s c * f(x_s) = c * f(max_s x_s)`` (a 0/1 integer mask costs a reduction of
-the mask per tile), while a tile of differing values computes every weighted score, whose max the raw logits no
-longer give. The partials are then finished weighted scores (bias and log1p applied), and they carry the derivative
-``c / (1 + x)`` at their max, which the combine could not recover from a score.
-
-Backward, sum pooling: every kept position gets a gradient, ``dlogit[b, s, v] = grad[b, v] * mask[b, s] / (1 + x)``
-for ``x = logits > 0``. Two kernels recompute the logits tile by tile (never storing [B, S, V]): one owns
-(b, sequence tile, hidden slice) and accumulates ``dlogit @ weight``; one owns (vocabulary tile, hidden slice) and
-accumulates ``dlogit^T @ hidden`` over every (b, sequence tile), plus the bias gradient, in a fixed order (no
-atomics: deterministic). Cost: a register accumulator holds only a BLOCK_HO slice of H, so each kernel recomputes
-the logits H / BLOCK_HO times -- several forward matmuls in all; max pooling (SPLADE v2+) is the path built for
-speed.
+other mask dtype may hold other values, which max pooling meets in two passes of the same kernel (MASK_SCALES). Pass
+1, the schedule above, reduces the raw logits and scales the max by the tile's largest kept weight c, exact where the
+kept positions share one positive c (``max_s c * f(x_s) = c * f(max_s x_s)``), as 0/1 integer masks do. Pass 2, one
+tile per program, skips such tiles after reading their mask and rewrites the others' results from every weighted
+score. Their per-element log1p stays out of pass 1: at 128x256 tiles it spills (1.2 KB a thread on sm_90), which
+slowed the 0/1-mask forward by ~27% on an H100 when both were one kernel. The partials are finished weighted scores
+(bias and log1p applied), and they carry the derivative ``c / (1 + x)`` at their max, which the combine could not
+recover from a score.
 
 Precision: logits accumulate in fp32 (fp32 products per :mod:`sparsefuse._triton.dot`), ``log1p`` is evaluated
 accurately near 0, the output is rounded once to its dtype; NaN logits propagate to the output.
@@ -50,12 +45,7 @@ from ..._jit import kernel
 from ..._triton.dot import dot_accumulate
 from ..._triton.schedule import grouped_tile_coords
 
-__all__ = [
-    "splade_fwd_kernel",
-    "splade_fwd_combine_kernel",
-    "splade_sum_bwd_hidden_kernel",
-    "splade_sum_bwd_weight_kernel",
-]
+__all__ = ["splade_fwd_kernel", "splade_fwd_combine_kernel"]
 
 
 @triton.jit
@@ -90,40 +80,6 @@ def _column_max(x, NATIVE_NAN_MAX: tl.constexpr):
 
 
 @triton.jit
-def _logit_tile(
-    hidden_row_ptr,
-    weight_ptr,
-    s_load,
-    v_load,
-    H,
-    stride_hs,
-    stride_wv,
-    BLOCK_S: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    EVEN_H: tl.constexpr,
-    IEEE_FP32: tl.constexpr,
-):
-    """[BLOCK_S, BLOCK_V] fp32 = hidden[b, s_load, :] @ weight[v_load, :]^T. s_load/v_load are clamped in-range
-    indices (tails are masked by the caller), so only the hidden dimension needs load masks (EVEN_H: none)."""
-    h = tl.arange(0, BLOCK_H)
-    x_ptrs = hidden_row_ptr + s_load[:, None].to(tl.int64) * stride_hs + h[None, :]  # [BLOCK_S, BLOCK_H]
-    w_ptrs = weight_ptr + v_load[None, :].to(tl.int64) * stride_wv + h[:, None]  # [BLOCK_H, BLOCK_V]
-    acc = tl.zeros([BLOCK_S, BLOCK_V], dtype=tl.float32)
-    for h0 in range(0, H, BLOCK_H):
-        if EVEN_H:
-            x = tl.load(x_ptrs)
-            w = tl.load(w_ptrs)
-        else:
-            x = tl.load(x_ptrs, mask=(h0 + h)[None, :] < H, other=0.0)
-            w = tl.load(w_ptrs, mask=(h0 + h)[:, None] < H, other=0.0)
-        acc = dot_accumulate(acc, x, w, IEEE_FP32)
-        x_ptrs += BLOCK_H
-        w_ptrs += BLOCK_H
-    return acc
-
-
-@triton.jit
 def _kept_positions(mask_ptr, b, s, S, stride_mb, stride_ms, HAS_MASK: tl.constexpr):
     """([BLOCK_S] bool, [BLOCK_S] fp32): in range and not masked out, and the mask's value there (the weight of a
     kept position's score; 1 without a mask)."""
@@ -138,36 +94,49 @@ def _kept_positions(mask_ptr, b, s, S, stride_mb, stride_ms, HAS_MASK: tl.conste
 
 
 @triton.jit
-def _weighted_column_max(acc, bias, keep, weight, s, SAVE_AUX: tl.constexpr, NATIVE_NAN_MAX: tl.constexpr):
-    """Max pooling of ``weight_s * log1p(relu(acc_s + bias))`` over the kept rows of a [BLOCK_M, BLOCK_N] logit tile:
-    ([BLOCK_N] max, -inf where no row is kept; the first row attaining it; the derivative there, weight / (1 + x)
-    for x > 0 else 0). One positive weight shared by every kept row (0/1 masks) keeps the raw-logit max."""
+def _weights_uniform(keep, weight):
+    """(the largest kept weight, -inf with none kept; whether the kept rows share one positive weight or none is
+    kept, so that the raw-logit max holds). tl.max/min skip NaN, so a NaN weight is counted apart."""
     w_hi = tl.max(tl.where(keep, weight, float("-inf")), axis=0)
     w_lo = tl.min(tl.where(keep, weight, float("inf")), axis=0)
-    w_nan = tl.max((keep & (weight != weight)).to(tl.int32), axis=0) > 0  # tl.max/min skip NaN: it must count
+    w_nan = tl.max((keep & (weight != weight)).to(tl.int32), axis=0) > 0
+    return w_hi, (((w_lo == w_hi) & (w_lo > 0)) | (w_hi == float("-inf"))) & ~w_nan
+
+
+@triton.jit
+def _scaled_column_max(acc, bias, keep, w, s, SAVE_AUX: tl.constexpr, NATIVE_NAN_MAX: tl.constexpr):
+    """Max pooling of ``w * log1p(relu(acc_s + bias))`` over the kept rows of a [BLOCK_M, BLOCK_N] logit tile whose
+    kept rows all weigh w > 0, by the raw-logit max: ([BLOCK_N] max, -inf where no row is kept; the first row
+    attaining it; the derivative there, w / (1 + x) for x > 0 else 0)."""
+    raw = tl.where(keep[:, None], acc, float("-inf"))  # [BLOCK_M, BLOCK_N]
+    top = _column_max(raw, NATIVE_NAN_MAX)  # [BLOCK_N]
+    x = top + bias
+    score = w * _log1p_nonneg(tl.maximum(x, 0.0, propagate_nan=tl.PropagateNan.ALL))
+    value = tl.where(top == float("-inf"), float("-inf"), score)
     best_s = tl.zeros(bias.shape, dtype=tl.int32)
     slope = tl.zeros(bias.shape, dtype=tl.float32)
-    if (((w_lo == w_hi) & (w_lo > 0)) | (w_hi == float("-inf"))) & ~w_nan:  # one weight, or no kept row
-        # (names differ between the branches: the compiled if merges same-named values, which must agree in shape)
-        raw = tl.where(keep[:, None], acc, float("-inf"))  # [BLOCK_M, BLOCK_N]
-        top = _column_max(raw, NATIVE_NAN_MAX)  # [BLOCK_N]
-        x_top = top + bias
-        score = w_hi * _log1p_nonneg(tl.maximum(x_top, 0.0, propagate_nan=tl.PropagateNan.ALL))
-        value = tl.where(top == float("-inf"), float("-inf"), score)
-        if SAVE_AUX:
-            best_s = tl.min(tl.where(raw == top[None, :], s[:, None], 2147483647), axis=0)
-            slope = tl.where(x_top > 0, w_hi / (1.0 + x_top), 0.0)
-    else:
-        logits = acc + bias[None, :]  # [BLOCK_M, BLOCK_N]
-        scores = weight[:, None] * _log1p_nonneg(tl.maximum(logits, 0.0, propagate_nan=tl.PropagateNan.ALL))
-        scores = tl.where(keep[:, None], scores, float("-inf"))
-        value = _column_max(scores, NATIVE_NAN_MAX)
-        if SAVE_AUX:
-            best_s = tl.min(tl.where(scores == value[None, :], s[:, None], 2147483647), axis=0)
-            chosen = s[:, None] == best_s[None, :]
-            x_best = tl.sum(tl.where(chosen, logits, 0.0), axis=0)
-            w_best = tl.sum(tl.where(chosen, weight[:, None], 0.0), axis=0)
-            slope = tl.where(x_best > 0, w_best / (1.0 + x_best), 0.0)
+    if SAVE_AUX:
+        best_s = tl.min(tl.where(raw == top[None, :], s[:, None], 2147483647), axis=0)
+        slope = tl.where(x > 0, w / (1.0 + x), 0.0)
+    return value, best_s, slope
+
+
+@triton.jit
+def _weighted_column_max(acc, bias, keep, weight, s, SAVE_AUX: tl.constexpr, NATIVE_NAN_MAX: tl.constexpr):
+    """:func:`_scaled_column_max` for rows of any weights: every weighted score is formed, and the derivative is
+    read at the winning row."""
+    logits = acc + bias[None, :]  # [BLOCK_M, BLOCK_N]
+    scores = weight[:, None] * _log1p_nonneg(tl.maximum(logits, 0.0, propagate_nan=tl.PropagateNan.ALL))
+    scores = tl.where(keep[:, None], scores, float("-inf"))
+    value = _column_max(scores, NATIVE_NAN_MAX)
+    best_s = tl.zeros(bias.shape, dtype=tl.int32)
+    slope = tl.zeros(bias.shape, dtype=tl.float32)
+    if SAVE_AUX:
+        best_s = tl.min(tl.where(scores == value[None, :], s[:, None], 2147483647), axis=0)
+        chosen = s[:, None] == best_s[None, :]
+        x_best = tl.sum(tl.where(chosen, logits, 0.0), axis=0)
+        w_best = tl.sum(tl.where(chosen, weight[:, None], 0.0), axis=0)
+        slope = tl.where(x_best > 0, w_best / (1.0 + x_best), 0.0)
     return value, best_s, slope
 
 
@@ -285,6 +254,9 @@ def splade_fwd_kernel(
         run = True
         if HAS_MASK and not PERSISTENT:  # (a branch inside the flattened loop nest would stop the flattening)
             run = tl.max(keep.to(tl.int32), axis=0) > 0
+        if MASK_SCALES == 2:  # the second pass: only the tiles of differing weights (the first pass did the rest)
+            w_hi, uniform = _weights_uniform(keep, weight)
+            run = run & ~uniform
         if run:
             if USE_TMA:  # out-of-range rows, columns and the K tail are zero-filled by the TMA unit
                 row0 = b * S + s0
@@ -312,9 +284,13 @@ def splade_fwd_kernel(
         else:
             bias = tl.zeros([BLOCK_N], dtype=tl.float32)
         best_slope = bias  # placeholder: MASK_SCALES only
-        if POOL_MAX and MASK_SCALES:
-            value, best_s, best_slope = _weighted_column_max(acc, bias, keep, weight, s, SAVE_AUX, NATIVE_NAN_MAX)
+        if POOL_MAX and MASK_SCALES == 1:  # a tile of differing weights gets a wrong value here, rewritten by pass 2
+            w_hi, uniform = _weights_uniform(keep, weight)
+            value, best_s, best_slope = _scaled_column_max(acc, bias, keep, w_hi, s, SAVE_AUX, NATIVE_NAN_MAX)
             best_s = tl.minimum(best_s, S - 1)  # NaN column
+        elif POOL_MAX and MASK_SCALES == 2:
+            value, best_s, best_slope = _weighted_column_max(acc, bias, keep, weight, s, SAVE_AUX, NATIVE_NAN_MAX)
+            best_s = tl.minimum(best_s, S - 1)
         elif POOL_MAX:  # over the raw logits: the bias and log1p(relu(.)) commute with the max (module docstring)
             logits = tl.where(keep[:, None], acc, float("-inf"))  # [BLOCK_M, BLOCK_N]
             value = _column_max(logits, NATIVE_NAN_MAX)  # [BLOCK_N]
@@ -329,31 +305,35 @@ def splade_fwd_kernel(
                 scores = scores * weight[:, None]
             value = tl.sum(tl.where(keep[:, None], scores, 0.0), axis=0)  # [BLOCK_N]
             best_s = tl.zeros([BLOCK_N], dtype=tl.int32)
-        if SINGLE_PASS:
-            _finish_columns(
-                value,
-                best_s,
-                best_slope,
-                b,
-                v,
-                v_ok,
-                V,
-                bias_ptr,
-                out_ptr,
-                argmax_ptr,
-                slope_ptr,
-                POOL_MAX,
-                HAS_BIAS,
-                SAVE_AUX,
-                MASK_SCALES,
-            )
-        else:
-            part_offsets = pid_m.to(tl.int64) * V + v
-            tl.store(part_ptr + part_offsets, value, mask=v_ok)
-            if SAVE_AUX:
-                tl.store(part_arg_ptr + part_offsets, best_s, mask=v_ok)
-                if MASK_SCALES:
-                    tl.store(part_slope_ptr + part_offsets, best_slope, mask=v_ok)
+        write = True
+        if MASK_SCALES == 2:
+            write = run
+        if write:
+            if SINGLE_PASS:
+                _finish_columns(
+                    value,
+                    best_s,
+                    best_slope,
+                    b,
+                    v,
+                    v_ok,
+                    V,
+                    bias_ptr,
+                    out_ptr,
+                    argmax_ptr,
+                    slope_ptr,
+                    POOL_MAX,
+                    HAS_BIAS,
+                    SAVE_AUX,
+                    MASK_SCALES,
+                )
+            else:
+                part_offsets = pid_m.to(tl.int64) * V + v
+                tl.store(part_ptr + part_offsets, value, mask=v_ok)
+                if SAVE_AUX:
+                    tl.store(part_arg_ptr + part_offsets, best_s, mask=v_ok)
+                    if MASK_SCALES:
+                        tl.store(part_slope_ptr + part_offsets, best_slope, mask=v_ok)
 
 
 @kernel
@@ -415,186 +395,3 @@ def splade_fwd_combine_kernel(
         SAVE_AUX,
         MASK_SCALES,
     )
-
-
-@triton.jit
-def _sum_dlogit(acc, bias, g, keep, weight):
-    """[BLOCK_S, BLOCK_V] fp32: d/dlogit of sum-pooled weight * log1p(relu(logit)) times the incoming gradient g
-    [BLOCK_V]."""
-    logits = acc + bias[None, :]
-    return tl.where(keep[:, None] & (logits > 0), g[None, :] * weight[:, None] / (1.0 + logits), 0.0)
-
-
-@kernel
-def splade_sum_bwd_hidden_kernel(
-    grad_ptr,
-    hidden_ptr,
-    weight_ptr,
-    bias_ptr,
-    mask_ptr,
-    grad_hidden_ptr,
-    B,
-    S,
-    V,
-    H,
-    stride_gb,
-    stride_gv,
-    stride_hb,
-    stride_hs,
-    stride_wv,
-    stride_mb,
-    stride_ms,
-    s_bucket,
-    b_bucket,
-    BLOCK_S: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_HO: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    HAS_MASK: tl.constexpr,
-    EVEN_H: tl.constexpr,
-    IEEE_FP32: tl.constexpr,
-):
-    # grad [B, V] (any strides); grad_hidden [B, S, H] contiguous. A program owns (b, sequence tile, hidden slice
-    # of BLOCK_HO) and sweeps the vocabulary: recompute the logit tile, form dlogit, accumulate dlogit @ weight.
-    # s_bucket and b_bucket are read only by the autotuner (its keys, see launch.py).
-    pid = tl.program_id(0)
-    n_s_tiles = tl.cdiv(S, BLOCK_S)
-    n_h_tiles = tl.cdiv(H, BLOCK_HO)
-    b = pid // (n_s_tiles * n_h_tiles)
-    s = (pid // n_h_tiles) % n_s_tiles * BLOCK_S + tl.arange(0, BLOCK_S)  # [BLOCK_S]
-    ho = pid % n_h_tiles * BLOCK_HO + tl.arange(0, BLOCK_HO)  # [BLOCK_HO]
-    ho_ok = ho < H
-    keep, weight = _kept_positions(mask_ptr, b, s, S, stride_mb, stride_ms, HAS_MASK)
-    s_load = tl.minimum(s, S - 1)
-    hidden_row_ptr = hidden_ptr + b.to(tl.int64) * stride_hb
-    acc = tl.zeros([BLOCK_S, BLOCK_HO], dtype=tl.float32)
-    if HAS_MASK:
-        has_tokens = tl.max(keep.to(tl.int32), axis=0) > 0
-    else:
-        has_tokens = pid >= 0
-    if has_tokens:  # masked positions get a zero gradient: skip padding tiles
-        for v0 in range(0, V, BLOCK_V):
-            v = v0 + tl.arange(0, BLOCK_V)
-            v_ok = v < V
-            v_load = tl.minimum(v, V - 1)
-            logits = _logit_tile(
-                hidden_row_ptr,
-                weight_ptr,
-                s_load,
-                v_load,
-                H,
-                stride_hs,
-                stride_wv,
-                BLOCK_S,
-                BLOCK_V,
-                BLOCK_H,
-                EVEN_H,
-                IEEE_FP32,
-            )
-            if HAS_BIAS:
-                bias = tl.load(bias_ptr + v_load).to(tl.float32)
-            else:
-                bias = tl.zeros([BLOCK_V], dtype=tl.float32)
-            g = tl.load(grad_ptr + b.to(tl.int64) * stride_gb + v.to(tl.int64) * stride_gv, mask=v_ok, other=0.0).to(
-                tl.float32
-            )  # [BLOCK_V]; 0 past V
-            d = _sum_dlogit(logits, bias, g, keep, weight)  # [BLOCK_S, BLOCK_V]
-            w = tl.load(
-                weight_ptr + v_load[:, None].to(tl.int64) * stride_wv + ho[None, :], mask=ho_ok[None, :], other=0.0
-            )  # [BLOCK_V, BLOCK_HO]
-            acc = dot_accumulate(acc, d.to(w.dtype), w, IEEE_FP32)
-    dst = grad_hidden_ptr + (b.to(tl.int64) * S + s[:, None]) * H + ho[None, :]
-    tl.store(dst, acc.to(grad_hidden_ptr.dtype.element_ty), mask=(s < S)[:, None] & ho_ok[None, :])
-
-
-@kernel
-def splade_sum_bwd_weight_kernel(
-    grad_ptr,
-    hidden_ptr,
-    weight_ptr,
-    bias_ptr,
-    mask_ptr,
-    grad_weight_ptr,
-    grad_bias_ptr,
-    B,
-    S,
-    V,
-    H,
-    stride_gb,
-    stride_gv,
-    stride_hb,
-    stride_hs,
-    stride_wv,
-    stride_mb,
-    stride_ms,
-    s_bucket,
-    b_bucket,
-    BLOCK_S: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_HO: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    HAS_MASK: tl.constexpr,
-    NEED_BIAS: tl.constexpr,
-    EVEN_H: tl.constexpr,
-    IEEE_FP32: tl.constexpr,
-):
-    # grad_weight [V, H] contiguous, grad_bias [V] fp32. A program owns (vocabulary tile, hidden slice) and sweeps
-    # every (b, sequence tile) in a fixed order: recompute the logit tile, accumulate dlogit^T @ hidden. The first
-    # hidden slice's program also sums dlogit into the bias gradient. No atomics: deterministic.
-    pid = tl.program_id(0)
-    n_h_tiles = tl.cdiv(H, BLOCK_HO)
-    v = pid // n_h_tiles * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V]
-    v_ok = v < V
-    v_load = tl.minimum(v, V - 1)
-    ho_tile = pid % n_h_tiles
-    ho = ho_tile * BLOCK_HO + tl.arange(0, BLOCK_HO)  # [BLOCK_HO]
-    ho_ok = ho < H
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + v_load).to(tl.float32)
-    else:
-        bias = tl.zeros([BLOCK_V], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_V, BLOCK_HO], dtype=tl.float32)
-    bias_acc = tl.zeros([BLOCK_V], dtype=tl.float32)
-    for batch in range(0, B):
-        b = tl.cast(batch, tl.int64)  # the loop index is a plain int under the interpreter
-        hidden_row_ptr = hidden_ptr + b * stride_hb
-        g = tl.load(grad_ptr + b * stride_gb + v.to(tl.int64) * stride_gv, mask=v_ok, other=0.0).to(tl.float32)
-        for s0 in range(0, S, BLOCK_S):
-            s = s0 + tl.arange(0, BLOCK_S)
-            keep, weight = _kept_positions(mask_ptr, b, s, S, stride_mb, stride_ms, HAS_MASK)
-            if HAS_MASK:
-                has_tokens = tl.max(keep.to(tl.int32), axis=0) > 0
-            else:
-                has_tokens = s0 < S
-            if has_tokens:
-                s_load = tl.minimum(s, S - 1)
-                logits = _logit_tile(
-                    hidden_row_ptr,
-                    weight_ptr,
-                    s_load,
-                    v_load,
-                    H,
-                    stride_hs,
-                    stride_wv,
-                    BLOCK_S,
-                    BLOCK_V,
-                    BLOCK_H,
-                    EVEN_H,
-                    IEEE_FP32,
-                )
-                d = _sum_dlogit(logits, bias, g, keep, weight)  # [BLOCK_S, BLOCK_V]; 0 on rows not kept
-                x = tl.load(
-                    hidden_row_ptr + s_load[:, None].to(tl.int64) * stride_hs + ho[None, :],
-                    mask=keep[:, None] & ho_ok[None, :],
-                    other=0.0,
-                )  # [BLOCK_S, BLOCK_HO]; 0 on rows not kept, whose NaN would survive d's zeros (0 * NaN)
-                acc = dot_accumulate(acc, tl.trans(d.to(x.dtype)), x, IEEE_FP32)
-                if NEED_BIAS:
-                    bias_acc += tl.sum(d, axis=0)
-    dst = grad_weight_ptr + v[:, None].to(tl.int64) * H + ho[None, :]
-    tl.store(dst, acc.to(grad_weight_ptr.dtype.element_ty), mask=v_ok[:, None] & ho_ok[None, :])
-    if NEED_BIAS:
-        if ho_tile == 0:
-            tl.store(grad_bias_ptr + v, bias_acc, mask=v_ok)

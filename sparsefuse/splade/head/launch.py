@@ -1,6 +1,7 @@
-"""Launchers of the SPLADE head: configs, allocation, grids and launches of :mod:`.kernels`, and the max-pooling
-backward through the shared sparse core. Nothing here checks arguments (:mod:`.functional` did) or picks a backend
-(:mod:`.op` did): the inputs are valid and the kernels run (compiled or interpreted).
+"""Launchers of the SPLADE head: configs, allocation, grids and launches of :mod:`.kernels` and
+:mod:`.sum_kernels`, and the max-pooling backward through the shared sparse core. Nothing here checks arguments
+(:mod:`.functional` did) or picks a backend (:mod:`.op` did): the inputs are valid and the kernels run (compiled or
+interpreted).
 
 Forward tuning: a fixed rule (:func:`_fwd_config`), no autotuning. Measured on an H200 (Triton 3.6, torch 2.11),
 bf16 max pooling at B=32, S=256, H=768, V=30522, inference / with SAVE_AUX:
@@ -37,7 +38,7 @@ Then with ``dlogit = grad * slope`` (zero entries are skipped everywhere):
 Both sparse products are the shared gather-accumulate kernel (:func:`sparsefuse.sparse.sparse_matmul`). The
 CSR of grad_hidden is built on the device without a host sync: a stable sort of the (b, argmax) keys and a
 ``searchsorted`` for the row offsets; its arrays are sized B*V (the upper bound), so no count is needed first.
-Sum pooling recomputes the logits in two kernels (:mod:`.kernels`).
+Sum pooling recomputes the logits in two kernels (:mod:`.sum_kernels`).
 
 Determinism: the backward uses no float atomics anywhere (integer-only sort/compaction, fixed-order reductions), so
 results are bitwise reproducible run to run; this is the only mode and needs no flag. (A scatter-add of
@@ -60,12 +61,8 @@ from ..._backend import cdiv, new_output, record_launch, tuning_configs
 from ..._triton.dot import ieee_fp32
 from ..._validation import unit_last_stride
 from ...sparse import CSR, ELL, dense_to_ell, sparse_matmul
-from .kernels import (
-    splade_fwd_combine_kernel,
-    splade_fwd_kernel,
-    splade_sum_bwd_hidden_kernel,
-    splade_sum_bwd_weight_kernel,
-)
+from .kernels import splade_fwd_combine_kernel, splade_fwd_kernel
+from .sum_kernels import splade_sum_bwd_hidden_kernel, splade_sum_bwd_weight_kernel
 
 __all__ = ["launch_splade_forward", "launch_splade_backward"]
 
@@ -277,7 +274,7 @@ def launch_splade_forward(
         POOL_MAX=pooling == "max",
         HAS_BIAS=bias is not None,
         HAS_MASK=kmask is not None,
-        MASK_SCALES=mask_scales,
+        MASK_SCALES=1 if mask_scales else 0,
         SAVE_AUX=keep_aux,
         SINGLE_PASS=single_pass,
         PERSISTENT=cfg.persistent,
@@ -288,6 +285,46 @@ def launch_splade_forward(
         num_stages=cfg.num_stages,
     )
     record_launch("splade_fwd_kernel")
+    if mask_scales:  # pass 2 (kernels.py): the tiles whose kept positions differ in weight, at a tile that fits
+        block_n = min(cfg.block_n, 64)
+        splade_fwd_kernel[(B * n_s_tiles * cdiv(V, block_n),)](
+            hidden,
+            weight,
+            bias_arg,
+            kmask,
+            out,
+            argmax_arg,
+            slope_arg,
+            part,
+            part_arg,
+            part_slope,
+            B,
+            S,
+            V,
+            hidden.stride(0),
+            hidden.stride(1),
+            weight.stride(0),
+            *_mask_strides(kmask),
+            n_s_tiles,
+            group_m,
+            H=H,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=cfg.block_k,
+            POOL_MAX=True,
+            HAS_BIAS=bias is not None,
+            HAS_MASK=True,
+            MASK_SCALES=2,
+            SAVE_AUX=keep_aux,
+            SINGLE_PASS=single_pass,
+            PERSISTENT=False,
+            USE_TMA=False,
+            IEEE_FP32=ieee_fp32(hidden.dtype),
+            NATIVE_NAN_MAX=not _backend.INTERPRET,
+            num_warps=4,
+            num_stages=cfg.num_stages,
+        )
+        record_launch("splade_fwd_kernel:weighted_tiles")
     if not single_pass:
         block_v = 128 if _backend.INTERPRET else 1024
         splade_fwd_combine_kernel[(B * cdiv(V, block_v),)](
@@ -393,7 +430,7 @@ def _max_backward(grad, hidden, weight, bias, mask, argmax, slope, need_hidden, 
 
 
 def _sum_backward(grad, hidden, weight, bias, mask, need_hidden, need_weight, need_bias):
-    """Sum pooling: the two logit-recomputing kernels (:mod:`.kernels`)."""
+    """Sum pooling: the two logit-recomputing kernels (:mod:`.sum_kernels`)."""
     B, S, H = hidden.shape
     V = weight.shape[0]
     kmask = _mask_for_kernel(mask)
