@@ -125,3 +125,15 @@ def test_bad_arguments():
         synthetic_llama("3B", device="meta")
     with pytest.raises(ValueError, match="mean_nnz"):
         synthetic_llama(TINY, mean_nnz=10_000.0, dtype=torch.float32, device="cpu")
+
+
+@pytest.mark.parametrize("shape, layers, params", [("SparseLM-1.5B", 28, 1.54e9), ("SparseLM-2B", 38, 2.05e9)])
+def test_the_papers_released_shapes(shape, layers, params):
+    """The released SparseLM models' geometry: full multi-head attention, vocab 49152, tied embeddings, rope theta
+    1e5 (structure only, on the meta device)."""
+    model = synthetic_llama(shape, device="meta")
+    config = model.config
+    assert (config.num_hidden_layers, config.hidden_size, config.intermediate_size) == (layers, 2048, 5632)
+    assert config.num_attention_heads == config.num_key_value_heads == 32 and config.vocab_size == 49152
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert abs(sum(p.numel() for p in model.parameters()) - params) < 0.01e9

@@ -68,6 +68,30 @@ LLAMA_SHAPES: dict[str, dict] = {
         vocab_size=32000,
         max_position_embeddings=4096,
     ),
+    # The TwELL paper's released SparseLM-1.5B: full multi-head attention, tied embeddings, rope theta 1e5.
+    "SparseLM-1.5B": dict(
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=28,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=49152,
+        max_position_embeddings=2048,
+        rope_theta=1e5,
+        tie_word_embeddings=True,
+    ),
+    # SparseLM-2B: SparseLM-1.5B's width, 38 layers.
+    "SparseLM-2B": dict(
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=38,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=49152,
+        max_position_embeddings=2048,
+        rope_theta=1e5,
+        tie_word_embeddings=True,
+    ),
     # Llama-3-8B's geometry.
     "8B": dict(
         hidden_size=4096,
