@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 __all__ = ["LLAMA_SHAPES", "synthetic_llama", "model_gate_statistics"]
 
 LLAMA_SHAPES: dict[str, dict] = {
-    # The TwELL paper's 1.5B-class model (1.36B parameters with untied embeddings).
+    # A 1.5B-class Llama at the paper's FFN width (1.36B parameters, untied embeddings; not the released SparseLM).
     "1.5B": dict(
         hidden_size=2048,
         intermediate_size=5632,
@@ -67,30 +67,6 @@ LLAMA_SHAPES: dict[str, dict] = {
         num_key_value_heads=16,
         vocab_size=32000,
         max_position_embeddings=4096,
-    ),
-    # The TwELL paper's released SparseLM-1.5B: full multi-head attention, tied embeddings, rope theta 1e5.
-    "SparseLM-1.5B": dict(
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_hidden_layers=28,
-        num_attention_heads=32,
-        num_key_value_heads=32,
-        vocab_size=49152,
-        max_position_embeddings=2048,
-        rope_theta=1e5,
-        tie_word_embeddings=True,
-    ),
-    # SparseLM-2B: SparseLM-1.5B's width, 38 layers.
-    "SparseLM-2B": dict(
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_hidden_layers=38,
-        num_attention_heads=32,
-        num_key_value_heads=32,
-        vocab_size=49152,
-        max_position_embeddings=2048,
-        rope_theta=1e5,
-        tie_word_embeddings=True,
     ),
     # Llama-3-8B's geometry.
     "8B": dict(
@@ -103,6 +79,19 @@ LLAMA_SHAPES: dict[str, dict] = {
         max_position_embeddings=8192,
     ),
 }
+# The TwELL paper's released SparseLM-1.5B (full multi-head attention, tied embeddings, rope theta 1e5) and
+# SparseLM-2B, the same width 38 layers deep.
+LLAMA_SHAPES["SparseLM-1.5B"] = dict(
+    LLAMA_SHAPES["1.5B"],
+    num_hidden_layers=28,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    vocab_size=49152,
+    max_position_embeddings=2048,
+    rope_theta=1e5,
+    tie_word_embeddings=True,
+)
+LLAMA_SHAPES["SparseLM-2B"] = dict(LLAMA_SHAPES["SparseLM-1.5B"], num_hidden_layers=38)
 
 _ALPHA = 0.8  # weight of the shared gate direction (sets the per-token tail)
 _NEURON_SPREAD = 1.0  # log-normal sigma of the live neurons' firing probabilities (hot-10% share ~45%)
