@@ -130,8 +130,8 @@ _DENSE_UNIT_RATE = 4.1e12
 _ONE_WAVE_SPREAD_S = 14e-6
 _ONE_WAVE_ROW_RATE = 1e10
 REFERENCE_SMS = 132  # H100 and H200
-# Host time of one plain eager call per method (checks, the pick, allocations, launches), measured on a lent H200
-# host (Triton 3.6, one token, d_sae 65536, bf16): the scan 316-342 us a call (two launches, the long-row pass's
+# Host time of one plain eager call per method (checks, the pick, allocations, launches), measured on an H200
+# machine (Triton 3.6, one token, d_sae 65536, bf16): the scan 316-342 us a call (two launches, the long-row pass's
 # buffers, the 16-bit atomic sum's zeroing and cast), "fixed" 343-463 us (four launches), cuBLAS's product 72 us
 # (GPU-bound: its host part is a single dispatch). A Python loop of such calls runs at the larger of a method's host
 # and GPU times, so a plain eager call costs each method at least its host time -- one token looped eagerly took
@@ -294,7 +294,7 @@ def _cached_pick(
     deterministic: bool,
     eager: bool,
 ) -> str:
-    # The cost model is pure Python arithmetic (~15 us a call on a lent GPU host); a loop asks the same question on
+    # The cost model is pure Python arithmetic (~15 us of host time a call); a loop asks the same question on
     # every call, so the answer is memoised on the estimate rounded as _rounded does (``deterministic`` is read by
     # the model: it is part of the question).
     return _fastest_method(

@@ -180,7 +180,7 @@ def _features_by_row(top_indices: torch.Tensor, top_acts: torch.Tensor, d_sae: i
 
 # The picked features' rows alone get gather programs while the M * k picks number at most this share of d_sae
 # (see _picked_features_grad): there the programs drop 8x or more, for a memset and a copy of at most an eighth of
-# the gradient's bytes. Chosen by that count, not yet by a GPU timing (docs/sae.md).
+# the gradient's bytes. Chosen by that count, not by a GPU timing (docs/design/sae-decode.md).
 PICKED_ROWS_MAX_SHARE = 0.125
 
 
