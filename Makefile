@@ -33,12 +33,12 @@ test: $(STAMP)
 	$(if $(HAS_GPU),SPARSEFUSE_TEST_DEVICE=cuda,TRITON_INTERPRET=1) $(PY) -m pytest -n $(PYTEST_WORKERS) -q --durations=15 $(ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff format --check sparsefuse tests examples
-	$(VENV)/bin/ruff check sparsefuse tests examples
+	$(VENV)/bin/ruff format --check sparsefuse benchmarks tests examples
+	$(VENV)/bin/ruff check sparsefuse benchmarks tests examples
 
 format: $(STAMP)
-	$(VENV)/bin/ruff format sparsefuse tests examples
-	$(VENV)/bin/ruff check --fix sparsefuse tests examples
+	$(VENV)/bin/ruff format sparsefuse benchmarks tests examples
+	$(VENV)/bin/ruff check --fix sparsefuse benchmarks tests examples
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -136,7 +136,8 @@ print(sum(1 for i, m in enumerate(first[:-1]) if m and re.search(r"and Write acc
 fi
 
 # Each workload runs in its own process: what one leaves on the GPU (caches, pools) cannot starve the next one's
-# largest baselines (a combined run once ran out of memory late in the last workload's cases).
+# largest baselines (a combined run once ran out of memory late in the last workload's cases). By default the
+# package's workloads; a lab workload named (benchmarks/lab/, e.g. ffn_products) runs through python -m benchmarks.lab.
 bench_status=0
 if [ "${BENCH:-1}" != 0 ]; then
   options=() workloads=()
@@ -147,12 +148,14 @@ if [ "${BENCH:-1}" != 0 ]; then
       *) workloads+=("$1"); shift ;;
     esac
   done
+  package=$($PY -c 'from sparsefuse.bench.harness import resolve_workloads; print(" ".join(resolve_workloads([])))')
   if [ ${#workloads[@]} -eq 0 ]; then
-    read -r -a workloads <<< "$($PY -c 'from sparsefuse.bench.harness import resolve_workloads; print(" ".join(resolve_workloads([])))')"
+    read -r -a workloads <<< "$package"
   fi
   : > "$out/bench-$gpu.log"
   for workload in "${workloads[@]}"; do
-    $PY -m sparsefuse bench --out "$out" "${options[@]}" "$workload" 2>&1 | tee -a "$out/bench-$gpu.log"
+    case " $package " in *" $workload "*) cli=sparsefuse ;; *) cli=benchmarks.lab ;; esac
+    $PY -m $cli bench --out "$out" "${options[@]}" "$workload" 2>&1 | tee -a "$out/bench-$gpu.log"
     status=${PIPESTATUS[0]}
     [ "$status" -ne 0 ] && bench_status=$status
   done

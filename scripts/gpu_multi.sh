@@ -12,20 +12,15 @@
 # Usage: scripts/gpu_multi.sh OUT_DIR
 # Runs from the repository root with the machine's python3 (torch + triton preinstalled); sparsefuse from the source
 # tree, no install. As scripts/gpu_check.sh: pass SPARSEFUSE_COMMIT=$(git rev-parse --short HEAD) where the tree was
-# copied without its .git. Knobs: NGPU (default: every visible GPU), ENGINES (ddp,fsdp2),
-# SPARSEFUSE_FSDP_LAYERS_PER_UNIT (decoder layers per FSDP2 unit in the bench, default 3),
-# SPARSEFUSE_FSDP_RESHARD_AFTER_FORWARD (0 or 1, default 0: units kept gathered to the backward),
-# SPARSEFUSE_TRAIN_CUDA_GRAPH (0 or 1; unset: the library's default, which replays the patched rows' FFN steps from
-# CUDA graphs at the 1.5B shape; under FSDP2, which gathers the weights anew each step, from copies of them),
-# SPARSEFUSE_TRAIN_PIN_CPUS (0 or 1, default 0: each process on its own share of the CPUs, split by local rank),
-# SPARSEFUSE_TRAIN_SINGLE_THREAD_BACKWARD (0 or 1, default 1: the backward on the calling thread rather than
-# autograd's GPU worker thread),
-# SPARSEFUSE_TRAIN_STEPS_PER_SYNC (training steps per timed call, default 1: each step timed from an idle GPU),
-# SPARSEFUSE_TRAIN_PROFILE (0 or 1, default 0: each row's note adds its step's compute, NCCL, exposed NCCL and idle
-# time by rank, from 3 more steps under torch.profiler, and the summary the GPU-bound speed-up and scaling),
-# BENCH_ARGS (e.g. --quick: 8 layers, fewer timed steps), EXAMPLE_STEPS (150), TESTS=0 / BENCH=0 / EXAMPLE=0 to skip
-# a part, DEADLINE_S (560: the whole script stays inside a 10-minute call; a part that would pass it is cut short or
-# skipped, and says so).
+# copied without its .git. Knobs: NGPU (default: every visible GPU), ENGINES (default ddp,fsdp2: the bench's
+# --shapes picks their cases), SPARSEFUSE_TRAIN_PROFILE (0 or 1, default 0: each row's note adds its step's compute,
+# NCCL, exposed NCCL and idle time by rank, from 3 more steps under torch.profiler, and the summary the GPU-bound
+# speed-up and scaling), BENCH_ARGS (e.g. --quick: 8 layers, fewer timed steps), EXAMPLE_STEPS (150),
+# TESTS=0 / BENCH=0 / EXAMPLE=0 to skip a part, DEADLINE_S (560: the whole script stays inside a 10-minute call; a
+# part that would pass it is cut short or skipped, and says so). The lab's knobs (benchmarks/lab/train_knobs.py:
+# SPARSEFUSE_FSDP_LAYERS_PER_UNIT, SPARSEFUSE_FSDP_RESHARD_AFTER_FORWARD, SPARSEFUSE_TRAIN_CUDA_GRAPH,
+# SPARSEFUSE_TRAIN_PIN_CPUS, SPARSEFUSE_TRAIN_SINGLE_THREAD_BACKWARD, SPARSEFUSE_TRAIN_STEPS_PER_SYNC): with any of
+# them set the bench runs as python -m benchmarks.lab, which applies them.
 set -uo pipefail
 out=${1:?usage: scripts/gpu_multi.sh OUT_DIR}
 mkdir -p "$out"
@@ -91,11 +86,16 @@ if [ "${BENCH:-1}" != 0 ]; then
   # Both runs write one set (--merge) in a folder of their own; it is written out as train_multi below, so that the
   # single-GPU train set keeps its name.
   sets="$scratch/bench-multi"
-  export SPARSEFUSE_TRAIN_ENGINES=${ENGINES:-ddp,fsdp2}
+  engines=()  # the cases' shape labels end in "<engine> x<GPUs>"
+  [ -n "${ENGINES:-}" ] && engines=(--shapes " (${ENGINES//,/|}) x[0-9]+\$")
+  cli=sparsefuse
+  for knob in $($PY -c 'from benchmarks.lab.train_knobs import KNOBS; print(*KNOBS)'); do
+    [ -n "${!knob+set}" ] && cli=benchmarks.lab
+  done
   for n in $(printf '%s\n' 1 "$ngpu" | sort -nu); do
     part "bench train x$n" 200 "$log" \
-      $torchrun --nproc_per_node "$n" -m sparsefuse bench train --dtype bfloat16 --out "$sets" --merge --no-plot \
-      ${BENCH_ARGS:-}
+      $torchrun --nproc_per_node "$n" -m $cli bench train --dtype bfloat16 --out "$sets" --merge --no-plot \
+      "${engines[@]}" ${BENCH_ARGS:-}
   done
   suffix=$(case " ${BENCH_ARGS:-} " in *" --quick "*) echo -quick ;; esac)
   # the set, plus the finished cases of a run cut short (the bench keeps them in partial-<gpu>.csv)

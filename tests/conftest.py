@@ -6,6 +6,11 @@ which is why this happens at the top of conftest. Every kernel output is NaN-poi
 """
 
 import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 DEVICE = os.environ.get("SPARSEFUSE_TEST_DEVICE", "cpu")
 if DEVICE != "cuda":
@@ -62,6 +67,28 @@ def loopback_env(**extra: str) -> dict[str, str]:
     if os.path.exists("/sys/class/net/lo"):
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     return env
+
+
+def torchrun(args: list[str], log: Path, nprocs: int = 2, seconds: float = 240, **env: str) -> int | None:
+    """``torchrun --nproc_per_node nprocs`` on loopback (``env`` added to :func:`loopback_env`'s), in its own session
+    so that a timeout kills the workers too (left alive they would hold the log open and the test would wait for
+    them). None on a timeout."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nprocs)]
+    cmd += ["--master_addr", "127.0.0.1", "--master_port", str(port), *args]
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            cmd, env=loopback_env(OMP_NUM_THREADS="1", **env), stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            return proc.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return None
 
 
 @pytest.fixture

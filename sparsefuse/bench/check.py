@@ -486,7 +486,6 @@ WORKLOAD_FAMILIES: dict[str, tuple[str, ...]] = {
     "ffn": ("ffn",),
     "model": ("ffn", "llama"),  # a whole patched Llama: the FFN's kernels, the fused norms and rotary embedding
     "ffn_train": ("ffn_train",),
-    "ffn_products": ("ffn_train",),  # the training step's products one by one
     "train": ("ffn_train", "llama"),  # a whole patched Llama training: the training step's kernels and the fusions
 }
 

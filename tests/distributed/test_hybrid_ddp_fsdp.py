@@ -150,8 +150,8 @@ def _graph_steps_worker(rank: int, world: int, init: str, out_path: str) -> None
 
 
 # The CPU stand-in for CUDA graphs replays interpreted Triton kernels; in the GPU suite (no TRITON_INTERPRET) CPU
-# tensors run the torch reference, which captures nothing. On GPUs the bench's FSDP2 rows with
-# SPARSEFUSE_TRAIN_CUDA_GRAPH=1 cover the same replay (their notes say "weights copied in").
+# tensors run the torch reference, which captures nothing. On GPUs the bench's FSDP2 rows at the 1.5B shape, whose
+# FFN steps are replayed by default, cover the same replay (their notes say "weights copied in").
 @pytest.mark.skipif(
     not sparsefuse._backend.INTERPRET, reason="the CPU stand-in for CUDA graphs needs TRITON_INTERPRET=1"
 )

@@ -2,47 +2,22 @@
 processes under torchrun over gloo, a tiny synthetic Llama, DDP and FSDP2, patched (the sparse training layer's
 kernels, through the interpreter) and unpatched; and the gradient check's arithmetic on its own."""
 
+import dataclasses
 import json
 import math
-import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import types
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import DEVICE, loopback_env
+from conftest import DEVICE, torchrun
 
 pytest.importorskip("transformers")
 
-from sparsefuse.bench.workloads import train_dist, train_knobs  # noqa: E402
+from sparsefuse.bench.workloads import train_dist  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "train_bench_worker.py"
-
-
-def _torchrun(args: list[str], log: Path, nprocs: int = 2, seconds: float = 240, **env: str) -> int | None:
-    """``torchrun --nproc_per_node nprocs`` on loopback, in its own session so that a timeout kills the workers
-    too (left alive they would hold the log open and the test would wait for them). None on a timeout."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nprocs)]
-    cmd += ["--master_addr", "127.0.0.1", "--master_port", str(port), *args]
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            cmd, env=loopback_env(OMP_NUM_THREADS="1", **env), stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
-        try:
-            return proc.wait(timeout=seconds)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            return None
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -55,15 +30,7 @@ def test_train_bench_distributed_mode_two_processes(tmp_path, device):
         pytest.skip("needs 2 GPUs")
     out = tmp_path / "rows.json"
     log = tmp_path / "torchrun.log"
-    defaults = {
-        train_knobs.FSDP_UNIT_ENV: "3",
-        train_knobs.FSDP_RESHARD_ENV: "0",
-        train_knobs.CUDA_GRAPH_ENV: "0",
-        train_knobs.STEPS_ENV: "1",
-        train_knobs.PROFILE_ENV: "0",
-        train_knobs.PIN_CPUS_ENV: "0",
-    }  # whatever the caller's env says
-    returncode = _torchrun([str(WORKER), str(out), device], log, **defaults)
+    returncode = torchrun([str(WORKER), str(out), device], log, **{train_dist.PROFILE_ENV: "0"})
     assert returncode == 0, f"torchrun returned {returncode}:\n" + log.read_text()[-6000:]
     result = json.loads(out.read_text())
     assert result["world"] == 2
@@ -94,82 +61,22 @@ def test_train_bench_distributed_mode_two_processes(tmp_path, device):
         assert ddp[impl]["losses"] == pytest.approx(fsdp[impl]["losses"], rel=1e-4), impl
 
 
-def test_train_bench_fsdp2_torch_default_setup(tmp_path):
-    """SPARSEFUSE_FSDP_LAYERS_PER_UNIT=1 and SPARSEFUSE_FSDP_RESHARD_AFTER_FORWARD=1 (torch's own setup: a unit per
-    decoder layer, resharded after its forward) override the bench's defaults; the note names no setup, and each
-    model's gradients after one step still equal one process's."""
-    out, log = tmp_path / "rows.json", tmp_path / "torchrun.log"
-    env = {
-        train_knobs.ENGINES_ENV: "fsdp2",
-        train_knobs.FSDP_UNIT_ENV: "1",
-        train_knobs.FSDP_RESHARD_ENV: "1",
-        train_knobs.PROFILE_ENV: "1",  # the anatomy's collective on the CPU: no GPU kernels to tell
-        train_knobs.PIN_CPUS_ENV: "1",
-    }
-    returncode = _torchrun([str(WORKER), str(out), "cpu"], log, **env)
-    assert returncode == 0, f"torchrun returned {returncode}:\n" + log.read_text()[-6000:]
-    rows = json.loads(out.read_text())["rows"]
-    assert set(rows) == {"2L nnz=6 B=2 S=16 fsdp2 x2"}
-    for impl, row in rows["2L nnz=6 B=2 S=16 fsdp2 x2"].items():
-        assert row["note"].startswith("fsdp2, CPUs pinned: "), row["note"]  # torch's setup: no unit label
-        assert " per process, backward on the calling thread on 2x CPU" in row["note"], row["note"]
-        assert "; anatomy n/a (no GPU kernels recorded); " in row["note"], row["note"]
-        assert row["note"].endswith(": ok") and all(math.isfinite(v) for v in row["losses"]), (impl, row)
-        assert float(row["note"].split("grads vs 1 process ")[1].split()[0]) < 1e-5, (impl, row["note"])
+def test_fsdp_label_names_the_setup_unless_it_is_torchs_own(monkeypatch):
+    assert train_dist.fsdp_label() == " (3 layers per unit, no reshard after forward)"
+    assert train_dist.fsdp_label(n_layers=2) == " (2 layers per unit, no reshard after forward)"
+    torchs = dataclasses.replace(train_dist.SETUP, layers_per_unit=1, reshard_after_forward=True)
+    monkeypatch.setattr(train_dist, "SETUP", torchs)
+    assert train_dist.fsdp_label() == ""
 
 
-@pytest.mark.parametrize(
-    "name, read, default",
-    [
-        (train_knobs.FSDP_UNIT_ENV, train_knobs.fsdp_layers_per_unit, train_knobs.FSDP_LAYERS_PER_UNIT),
-        (train_knobs.STEPS_ENV, train_knobs.steps_per_sync, 1),
-    ],
-)
-def test_counts_from_env(name, read, default, monkeypatch):
-    monkeypatch.delenv(name, raising=False)
-    assert read() == default
-    monkeypatch.setenv(name, "4")
-    assert read() == 4
-    for bad in ("0", "four", "-1"):
-        monkeypatch.setenv(name, bad)
-        with pytest.raises(ValueError, match=name):
-            read()
-
-
-def test_fsdp_reshard_from_env(monkeypatch):
-    monkeypatch.delenv(train_knobs.FSDP_RESHARD_ENV, raising=False)
-    monkeypatch.delenv(train_knobs.FSDP_UNIT_ENV, raising=False)
-    assert not train_knobs.fsdp_reshard_after_forward()
-    assert train_knobs.fsdp_label() == " (3 layers per unit, no reshard after forward)"
-    assert train_knobs.fsdp_label(n_layers=2) == " (2 layers per unit, no reshard after forward)"
-    monkeypatch.setenv(train_knobs.FSDP_UNIT_ENV, "1")
-    monkeypatch.setenv(train_knobs.FSDP_RESHARD_ENV, "1")
-    assert train_knobs.fsdp_reshard_after_forward() and train_knobs.fsdp_label() == ""
-    for bad in ("", "no", "2"):
-        monkeypatch.setenv(train_knobs.FSDP_RESHARD_ENV, bad)
-        with pytest.raises(ValueError, match=train_knobs.FSDP_RESHARD_ENV):
-            train_knobs.fsdp_reshard_after_forward()
-
-
-@pytest.mark.parametrize(
-    "name, read, default",
-    [
-        (train_knobs.PROFILE_ENV, train_knobs.train_profile, False),
-        (train_knobs.CUDA_GRAPH_ENV, train_knobs.train_cuda_graph, None),  # unset: the library decides
-        (train_knobs.PIN_CPUS_ENV, train_knobs.pin_cpus, False),
-        (train_knobs.SINGLE_THREAD_BACKWARD_ENV, train_knobs.single_thread_backward, True),
-    ],
-)
-def test_flags_from_env(name, read, default, monkeypatch):
-    monkeypatch.delenv(name, raising=False)
-    assert read() is default
-    monkeypatch.setenv(name, "0")
-    assert not read()
-    monkeypatch.setenv(name, "1")
-    assert read()
-    monkeypatch.setenv(name, "on")
-    with pytest.raises(ValueError, match=name):
-        read()
+def test_train_profile_from_env(monkeypatch):
+    monkeypatch.delenv(train_dist.PROFILE_ENV, raising=False)
+    assert train_dist.train_profile() is False
+    monkeypatch.setenv(train_dist.PROFILE_ENV, "1")
+    assert train_dist.train_profile() is True
+    monkeypatch.setenv(train_dist.PROFILE_ENV, "on")
+    with pytest.raises(ValueError, match=train_dist.PROFILE_ENV):
+        train_dist.train_profile()
 
 
 def test_trainer_turns_autograd_multithreading_off_for_its_backward_when_asked():
@@ -215,23 +122,6 @@ def test_trainer_turns_autograd_multithreading_off_for_its_backward_when_asked()
     with pytest.raises(RuntimeError, match="probe"):
         Trainer(Tiny(), compiled=False, l1=False, single_thread_backward=True).step(ids)
     assert torch._C._is_multithreading_enabled()
-
-
-def test_cpu_share_splits_the_cpus_by_local_rank():
-    cpus = [0, 1, 2, 3, 4, 5, 6]
-    shares = [train_knobs.cpu_share(cpus, r, 3) for r in range(3)]
-    assert shares == [[0, 1, 2], [3, 4], [5, 6]]
-    assert [train_knobs.cpu_share([4, 9], r, 3) for r in range(3)] == [[4], [9], [4]]  # fewer CPUs than processes
-
-
-def test_engines_from_env(monkeypatch):
-    monkeypatch.delenv(train_knobs.ENGINES_ENV, raising=False)
-    assert train_knobs.engines_from_env() == ("ddp", "fsdp2")
-    monkeypatch.setenv(train_knobs.ENGINES_ENV, " fsdp2 ")
-    assert train_knobs.engines_from_env() == ("fsdp2",)
-    monkeypatch.setenv(train_knobs.ENGINES_ENV, "ddp,zero3")
-    with pytest.raises(ValueError, match="zero3"):
-        train_knobs.engines_from_env()
 
 
 def test_relative_error_and_verdict():

@@ -1,12 +1,14 @@
 """Started by ``torchrun`` in test_train_bench.py (not a test module): the ``train`` workload's distributed mode on a
 tiny synthetic Llama (fp32), on the CPU over gloo or with ``cuda`` as the second argument one GPU per process over
-NCCL; every case's implementations stepped as the harness would, and rank 0 writing what the rows would carry to
-the JSON file named by the first argument."""
+NCCL; every case's implementations (the cases whose shape label matches the third argument, a regular expression,
+as ``--shapes`` selects them) stepped as the harness would, and rank 0 writing what the rows would carry to the JSON
+file named by the first argument."""
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 
 import torch
@@ -28,7 +30,7 @@ TINY = dict(
 STEPS = 2  # per implementation: the first one after the gradient check, and one more
 
 
-def main(out_path: str, device: str = "cpu") -> int:
+def main(out_path: str, device: str = "cpu", shapes: str = "") -> int:
     train_setup.MODEL_SHAPE = TINY
     # the block step in every call: the tiny model fires 6% of its neurons, past which auto takes the dense layout
     TRAIN_CHOICE.dense_above = 1.0
@@ -36,6 +38,8 @@ def main(out_path: str, device: str = "cpu") -> int:
     options = Options(quick=True, dtypes=(torch.float32,), device=device, log=print)
     results: dict[str, dict] = {}
     for case in train.train_cases(options):
+        if not re.search(shapes, case.shape):
+            continue
         (ids,) = case.make_inputs()
         rows = results.setdefault(case.shape, {})
         for impl, fn in case.impls.items():

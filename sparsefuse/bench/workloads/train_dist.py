@@ -4,15 +4,15 @@ Launched by ``torchrun`` (``WORLD_SIZE`` and ``LOCAL_RANK`` in the environment),
 these cases instead of the single-GPU ones::
 
     torchrun --nproc_per_node 2 -m sparsefuse bench train --dtype bfloat16 --out OUT
-    SPARSEFUSE_TRAIN_ENGINES=fsdp2 torchrun --nproc_per_node 2 -m sparsefuse bench train ...
+    torchrun --nproc_per_node 2 -m sparsefuse bench train --shapes fsdp2 ...   # one engine
 
 Every process builds the same synthetic 1.5B-shape Llama (``nnz=30``, full depth; 8 layers with ``--quick``),
 takes rank 0's weights, and wraps it in ``DistributedDataParallel`` or FSDP2 (``fully_shard`` per run of 3
-decoder layers kept gathered from forward to backward, then the root); ``SPARSEFUSE_TRAIN_ENGINES`` picks the
-engines (default ``ddp,fsdp2``). Each process trains on its own micro-batch of ``B x S`` tokens (B and S as one
-GPU's rows: the global batch grows with the processes), patched (``patch_llama(train_method="hybrid")``;
-``down_layout="row"`` under FSDP2, which shards contiguous parameters only) vs unpatched, same step as on one GPU
-(AdamW at ``lr=0``). No compiled, ``no FFN`` or largest-batch rows.
+decoder layers kept gathered from forward to backward, then the root): both engines, each a case of its own, so
+``--shapes`` picks one. Each process trains on its own micro-batch of ``B x S`` tokens (B and S as one GPU's rows:
+the global batch grows with the processes), patched (``patch_llama(train_method="hybrid")``; ``down_layout="row"``
+under FSDP2, which shards contiguous parameters only) vs unpatched, same step as on one GPU (AdamW at ``lr=0``), as
+:data:`SETUP` says. No compiled, ``no FFN`` or largest-batch rows.
 
 Rows (shape label ``"<layers>L nnz=30 B=<per GPU> S=.. <engine> x<GPUs>"``, method ``wall``, rank 0's clock):
 tokens/s is per GPU (one process's tokens over the step time); the note names the GPU kind and count, the peak
@@ -39,23 +39,61 @@ import torch.distributed as dist
 from torch import nn
 
 from ...ffn.hybrid.graphed import GRAPH_EVENTS
+from ...integrations._llama import FSDP2_LAYERS_PER_UNIT, FSDP2_RESHARD_AFTER_FORWARD
 from ..harness import Case, Options, Result
 from . import train_setup as setup
 from .step_anatomy import StepAnatomy, describe, gpu_bound_ms, profile_steps
-from .train_knobs import (
-    ENGINES,
-    PROFILE_STEPS,
-    cpu_share,
-    engines_from_env,
-    fsdp_label,
-    fsdp_layers_per_unit,
-    fsdp_reshard_after_forward,
-    pin_cpus,
-    single_thread_backward,
-    steps_per_sync,
-    train_cuda_graph,
-    train_profile,
-)
+
+ENGINES = ("ddp", "fsdp2")
+PROFILE_ENV = "SPARSEFUSE_TRAIN_PROFILE"  # "1": each row's note adds its step's anatomy by rank (step_anatomy)
+PROFILE_STEPS = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """How the distributed mode's steps run: what the committed rows measured. The lab
+    (benchmarks/lab/train_knobs.py) replaces :data:`SETUP` to measure other setups."""
+
+    # FSDP2 as shard_llama_fsdp2 runs it for a patched model (units of 3 decoder layers, kept gathered from forward
+    # to backward; its docstring says why), given to the unpatched one too.
+    layers_per_unit: int = FSDP2_LAYERS_PER_UNIT
+    reshard_after_forward: bool = FSDP2_RESHARD_AFTER_FORWARD
+    # patch_llama's train_cuda_graph: None is the library's default (replay where the host would pace the step: the
+    # 1.5B shape)
+    train_cuda_graph: bool | None = None
+    # The backward on the calling thread (torch.autograd.set_multithreading_enabled(False)) rather than on
+    # autograd's per-GPU worker thread, for both models: the engines' hooks run Python in the backward, which costs
+    # less host time on the calling thread. On 2 H200s (FFN steps replayed) the patched step took 146 / 156 ms
+    # (1 / 2 GPUs) under DDP that way against 152 / 161 ms on the worker thread; under FSDP2 over 2 GPUs 162 against
+    # 171 ms (rank 0's host 128 against 149 ms a step); the unpatched steps, bound by their GPU work, did not move
+    # (DDP 198-203 ms either way, FSDP2 over one GPU 200-203 ms).
+    single_thread_backward: bool = True
+    # Training steps per timed call: the harness synchronizes around each call, so 1 times every step from an idle
+    # GPU (a loop that reads its loss each step) and more lets the host run ahead into the next step.
+    steps_per_sync: int = 1
+    note: str = ""  # words added after the engine in each row's note (the lab's CPU pinning)
+
+
+SETUP = Setup()
+
+
+def train_profile() -> bool:
+    """Whether each row's note adds the anatomy of its step by rank: ``SPARSEFUSE_TRAIN_PROFILE`` ("1" or "0",
+    default "0"; three more steps per row, under torch.profiler); ValueError naming the variable otherwise."""
+    value = os.environ.get(PROFILE_ENV, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{PROFILE_ENV} must be 0 or 1; got {value!r}")
+    return value == "1"
+
+
+def fsdp_label(n_layers: int | None = None) -> str:
+    """The FSDP2 setup in words for a row's note (empty for torch's own: one layer per unit, resharded), for a model
+    of ``n_layers`` decoder layers (a unit holds at most all of them)."""
+    per_unit = min(SETUP.layers_per_unit, n_layers or SETUP.layers_per_unit)
+    parts = [f"{per_unit} layers per unit"] if per_unit > 1 else []
+    parts += [] if SETUP.reshard_after_forward else ["no reshard after forward"]
+    return f" ({', '.join(parts)})" if parts else ""
+
 
 # DDP as docs/training.md advises for a patched model, given to the unpatched one too: fewer, larger buckets (100 MB,
 # ~27 all-reduces a step at the 1.5B shape, not ~110) and gradients that are views of them (no copy into the bucket).
@@ -94,9 +132,6 @@ def init_world(device_type: str) -> World:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    if pin_cpus() and not dist.is_initialized():
-        local_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
-        os.sched_setaffinity(0, cpu_share(sorted(os.sched_getaffinity(0)), int(os.environ["LOCAL_RANK"]), local_size))
     if not dist.is_initialized():
         if device.type == "cuda":
             dist.init_process_group("nccl", timeout=TIMEOUT, device_id=device)
@@ -129,7 +164,7 @@ def broadcast_(model: nn.Module) -> nn.Module:
 def wrap(model: nn.Module, engine: str, world: World) -> nn.Module:
     """``model`` (a transformers causal LM on ``world.device``) under ``engine``: ``"ddp"`` returns a
     ``DistributedDataParallel`` around it; ``"fsdp2"`` applies ``fully_shard`` to each run of
-    :func:`fsdp_layers_per_unit` decoder layers (with :func:`fsdp_reshard_after_forward`) and then to the root (in
+    ``SETUP.layers_per_unit`` decoder layers (with ``SETUP.reshard_after_forward``) and then to the root (in
     place: the model itself is returned, its parameters now sharded DTensors). FSDP2 needs contiguous parameters:
     patch with ``down_layout="row"``."""
     if engine == "ddp":
@@ -146,8 +181,8 @@ def wrap(model: nn.Module, engine: str, world: World) -> nn.Module:
         mesh = DeviceMesh.from_group(dist.group.WORLD, world.device.type)
         return shard_llama_fsdp2(
             model,
-            layers_per_unit=fsdp_layers_per_unit(),
-            reshard_after_forward=fsdp_reshard_after_forward(),
+            layers_per_unit=SETUP.layers_per_unit,
+            reshard_after_forward=SETUP.reshard_after_forward,
             mesh=mesh,
         )
     raise ValueError(f"engine must be one of {', '.join(ENGINES)}; got {engine!r}")
@@ -275,7 +310,7 @@ class _Engine:
                 self.events_before = dict(GRAPH_EVENTS)
                 layout = "row" if self.engine == "fsdp2" else "column"
                 model = patch_llama(
-                    model, train_method="hybrid", down_layout=layout, train_cuda_graph=train_cuda_graph()
+                    model, train_method="hybrid", down_layout=layout, train_cuda_graph=SETUP.train_cuda_graph
                 )
             ids = global_batch(model.config.vocab_size, GRAD_CHECK_BATCH * self.world.size, self.seq, seed=1)
             wrapped, self.agreement[impl] = grad_agreement(
@@ -286,7 +321,7 @@ class _Engine:
                 compiled=False,
                 l1=patched,
                 forward=wrapped,
-                single_thread_backward=single_thread_backward(),
+                single_thread_backward=SETUP.single_thread_backward,
             )
         return self.trainers[impl]
 
@@ -327,9 +362,8 @@ class _Engine:
             # FSDP2 gathers the weights into fresh storage every step: its replays read copies of them
             copied = replays["copied replay"] > 0
             engine += ", FFN steps as CUDA graphs" + (" (weights copied in)" if copied else "")
-        if pin_cpus():
-            engine += f", CPUs pinned: {len(os.sched_getaffinity(0))} per process"
-        if single_thread_backward():
+        engine += SETUP.note
+        if SETUP.single_thread_backward:
             engine += ", backward on the calling thread"
         return f"{engine} on {self.world.size}x {where}; {memory}{anatomy}; {self.agreement[impl]}"
 
@@ -376,14 +410,14 @@ _RESIDENTS: list[_Resident] = []  # released at exit, before the process group (
 
 
 def distributed_cases(options: Options, dtype: torch.dtype) -> list[Case]:
-    """The cases of one ``torchrun`` launch: per engine of :func:`engines_from_env`, the first layer count of
-    train's (QUICK with ``--quick``) at its first sparse level and first batch."""
+    """The cases of one ``torchrun`` launch: per engine, the first layer count of train's (QUICK with ``--quick``)
+    at its first sparse level and first batch."""
     from ...ffn.synthetic import synthetic_llama
 
     world = init_world("cuda" if str(options.device).startswith("cuda") else "cpu")
     layer_set, sparsities, batches = setup.QUICK if options.quick else (setup.LAYERS, setup.SPARSITIES, setup.BATCHES)
     layers, (batch, seq) = layer_set[0], batches[0]
-    steps = steps_per_sync()
+    steps = SETUP.steps_per_sync
     per_sync = f" {steps} steps/sync" if steps > 1 else ""
     nnz = next(s for s in sparsities if s is not None)
     resident = _Resident()
@@ -395,7 +429,7 @@ def distributed_cases(options: Options, dtype: torch.dtype) -> list[Case]:
         )
 
     cases = []
-    for engine in engines_from_env():
+    for engine in ENGINES:
         key = (engine, layers, nnz, batch, seq)
         models = lambda key=key, engine=engine: resident.get(key, lambda: _Engine(build, engine, world, seq, layers))  # noqa: E731
 
@@ -503,11 +537,13 @@ def summary_lines(rows: list[Result]) -> list[str]:
 
 __all__ = [
     "ENGINES",
+    "SETUP",
     "GradAgreement",
+    "Setup",
     "World",
     "broadcast_",
     "distributed_cases",
-    "engines_from_env",
+    "fsdp_label",
     "global_batch",
     "grad_agreement",
     "init_world",
@@ -516,5 +552,6 @@ __all__ = [
     "relative_error",
     "step_loss",
     "summary_lines",
+    "train_profile",
     "wrap",
 ]

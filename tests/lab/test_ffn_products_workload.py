@@ -1,12 +1,12 @@
-"""The ``ffn_products`` bench workload under the interpreter: the recorded step's products, replayed one by one,
-run the block step's kernels and give what the step itself computed."""
+"""The lab's ``ffn_products`` bench workload (benchmarks/lab/ffn_products.py) under the interpreter: the recorded
+step's products, replayed one by one, run the block step's kernels and give what the step itself computed."""
 
 import pytest
 import torch
 from helpers import interpreter_only
 
+from benchmarks.lab import ffn_products
 from sparsefuse import track_launches
-from sparsefuse.bench.workloads import ffn_products
 from sparsefuse.ffn.hybrid import hybrid_mlp
 from sparsefuse.ffn.synthetic import synthetic_ffn
 

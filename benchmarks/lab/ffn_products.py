@@ -1,5 +1,5 @@
-"""Benchmark workload ``ffn_products``: each product of the block training step on its own, against its floor and
-against the dense product it replaces.
+"""Lab workload ``ffn_products`` (``python -m benchmarks.lab bench ffn_products`` from the repository root): each
+product of the block training step on its own, against its floor and against the dense product it replaces.
 
 The step (:func:`sparsefuse.ffn.hybrid.hybrid_mlp`, ``layout="block"``) runs once on a synthetic layer (~30 gate
 non-zeros per token, the paper's heavy tail) while its sparse-core calls are recorded; each row then replays one
@@ -34,10 +34,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ...ffn.hybrid import block_step, hybrid_mlp
-from ...ffn.synthetic import synthetic_ffn
-from ..harness import Case, Options, register
-from .ffn_train import QUICK, SHAPES
+from sparsefuse.bench.check import WORKLOAD_FAMILIES
+from sparsefuse.bench.harness import Case, Options, register
+from sparsefuse.bench.workloads.ffn_train import QUICK, SHAPES
+from sparsefuse.ffn.hybrid import block_step, hybrid_mlp
+from sparsefuse.ffn.synthetic import synthetic_ffn
 
 M_TOKENS = 8192
 RECORDED = ("block_sddmm", "block_sparse_matmul", "block_ell_sddmm", "transposed_matmul")
@@ -155,6 +156,9 @@ def ffn_products_cases(options: Options) -> list[Case]:
     dtype = torch.bfloat16 if torch.bfloat16 in options.dtypes else torch.float16
     shapes = QUICK[0] if options.quick else SHAPES
     return [case for K, N in shapes for case in _cases(K, N, M_TOKENS, dtype, options.device)]
+
+
+WORKLOAD_FAMILIES["ffn_products"] = ("ffn_train",)  # without a GPU, bench checks the training step's ops instead
 
 
 __all__ = ["ffn_products_cases", "record_step"]
