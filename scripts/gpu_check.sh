@@ -7,7 +7,7 @@
 # copied over as they are: <workload>-<gpu>.{csv,md,png} per workload, gpu-tests-<gpu>.log, plus env-<gpu>.txt and
 # bench-<gpu>.log (the console output).
 # The result headers name the commit from SPARSEFUSE_COMMIT, else from git in this tree: where the tree was copied
-# without its current .git (a lent machine), pass SPARSEFUSE_COMMIT=$(git rev-parse --short HEAD) from the checkout.
+# without its current .git (a copy of the working tree), pass SPARSEFUSE_COMMIT=$(git rev-parse --short HEAD) from the checkout.
 set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUT_DIR [bench args...]}
 shift
@@ -24,7 +24,7 @@ gpu=$($PY -c 'import torch; from sparsefuse.bench.report import sanitize; print(
 } 2>&1 | tee "$out/env-$gpu.txt"
 
 # The whole suite takes over 9 minutes on one H100 with 14 workers (the SPLADE head's opcheck and float64 gradient
-# tests are the longest, ~3.5 min each: every shape compiles its kernels): on a machine lent 10 minutes a call, run
+# tests are the longest, ~3.5 min each: every shape compiles its kernels): where one call may run 10 minutes at most, run
 # it in parts with TESTS (paths or -k expressions pytest takes; TESTS=0 skips the suite), SANITIZE=0 and BENCH=0.
 # With several GPUs visible and TESTS unset, the test files are shared out over the GPUs (balanced by size, one
 # pytest per GPU side by side, PYTEST_WORKERS each), then tests/distributed runs with every GPU visible; GPUS=1
@@ -53,7 +53,7 @@ for f in files:
 print("\n".join(" ".join(s) for s in shards))
 PYTHON
 }
-# PART=K/N (TESTS unset): only the K-th of N shares of the test files, so that a machine lent 10 minutes a call runs
+# PART=K/N (TESTS unset): only the K-th of N shares of the test files, so that calls of 10 minutes at most run
 # the whole suite in N calls (PART=1/3, 2/3, 3/3 on one H200 with 16 workers).
 if [ -n "${PART:-}" ] && [ -z "${TESTS:-}" ]; then
   if ! [[ "$PART" =~ ^([0-9]+)/([0-9]+)$ ]] || [ "${BASH_REMATCH[1]}" -lt 1 ] || [ "${BASH_REMATCH[1]}" -gt "${BASH_REMATCH[2]}" ]; then

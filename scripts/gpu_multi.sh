@@ -37,7 +37,7 @@ ngpu=${NGPU:-$($PY -c 'import torch; print(torch.cuda.device_count())')}
 torchrun="$PY -m torch.distributed.run --standalone"
 deadline=${DEADLINE_S:-560}
 status=0
-# A lent machine sends back only a few files: every part logs to one file, and what is not a result (the bench's
+# OUT_DIR is kept small (a remote machine may return only a few files): every part logs to one file, and what is not a result (the bench's
 # own sets, the example's checkpoints and plots) stays in a scratch folder outside OUT_DIR.
 log="$out/gpu-multi-$gpu.log"
 scratch=$(mktemp -d)
