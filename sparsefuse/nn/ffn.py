@@ -192,7 +192,9 @@ class SparseGatedMLP(nn.Module):
 
     def __getstate__(self) -> dict:
         # copies and pickles start without the step's state (see the module docstring)
-        return {**super().__getstate__(), **_STEP_STATE, "_eager_choice": {}}
+        state = dict(self.__dict__, **_STEP_STATE, _eager_choice={})
+        state.pop("_compiled_call_impl", None)  # as nn.Module's own __getstate__ (absent from some torch versions)
+        return state
 
     def _eager_dense(self, x: torch.Tensor) -> bool:
         """Whether this call is a plain eager CUDA call for which ``auto`` runs dense (its host time is lower: a
