@@ -302,7 +302,6 @@ def load_sparse_checkpoint(
     if dtype is None:
         stored = raw.get("torch_dtype", raw.get("dtype"))
         dtype = getattr(torch, stored) if isinstance(stored, str) and hasattr(torch, stored) else torch.float32
-    config._attn_implementation = raw.get("_attn_implementation") or "eager"
 
     model_class = transformers.LlamaForCausalLM if family == "llama" else transformers.Qwen2ForCausalLM
     model = model_class._from_config(config, dtype=dtype)

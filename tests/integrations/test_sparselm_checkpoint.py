@@ -205,6 +205,11 @@ def test_patched_model_matches_a_float64_forward_of_the_stored_weights(family, g
     ref = reference_logits(stored_as(weights, dtype), ids.cpu(), gated)
     assert got.shape == (2, 8, VOCAB)
     assert_norm_close_to_reference(got, ref, lowp, dtype=dtype, name=f"{family} logits")
+    # the patched model saves as the checkpoint it came from (the column-major down_proj comes out contiguous)
+    saved = {k: v for k, v in patched.state_dict().items() if k != "lm_head.weight"}
+    safetensors_torch.save_file(saved, str(tmp_path / "resaved.safetensors"))
+    for key, value in saved.items():
+        torch.testing.assert_close(value.cpu(), weights[key].to(dtype), rtol=0, atol=0, msg=key)
 
 
 def test_patch_false_is_the_unpatched_relu_model_whatever_hidden_act_says(tmp_path):
