@@ -247,7 +247,7 @@ def launch_splade_forward(
                 part_slope = torch.empty((B * n_s_tiles, V), dtype=torch.float32, device=hidden.device)
     bias_arg = bias if bias is not None else out
     argmax_arg, slope_arg = (argmax, slope) if keep_aux else (out, out)
-    splade_fwd_kernel[grid](
+    args = (
         hidden,
         weight,
         bias_arg,
@@ -267,62 +267,42 @@ def launch_splade_forward(
         *_mask_strides(kmask),
         n_s_tiles,
         group_m,
+    )
+    constants = dict(
         H=H,
         BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
-        POOL_MAX=pooling == "max",
         HAS_BIAS=bias is not None,
-        HAS_MASK=kmask is not None,
-        MASK_SCALES=1 if mask_scales else 0,
         SAVE_AUX=keep_aux,
         SINGLE_PASS=single_pass,
-        PERSISTENT=cfg.persistent,
-        USE_TMA=cfg.tma,
         IEEE_FP32=ieee_fp32(hidden.dtype),
         NATIVE_NAN_MAX=not _backend.INTERPRET,
-        num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+    )
+    splade_fwd_kernel[grid](
+        *args,
+        **constants,
+        BLOCK_N=cfg.block_n,
+        POOL_MAX=pooling == "max",
+        HAS_MASK=kmask is not None,
+        MASK_SCALES=1 if mask_scales else 0,
+        PERSISTENT=cfg.persistent,
+        USE_TMA=cfg.tma,
+        num_warps=cfg.num_warps,
     )
     record_launch("splade_fwd_kernel")
     if mask_scales:  # pass 2 (kernels.py): the tiles whose kept positions differ in weight, at a tile that fits
         block_n = min(cfg.block_n, 64)
         splade_fwd_kernel[(B * n_s_tiles * cdiv(V, block_n),)](
-            hidden,
-            weight,
-            bias_arg,
-            kmask,
-            out,
-            argmax_arg,
-            slope_arg,
-            part,
-            part_arg,
-            part_slope,
-            B,
-            S,
-            V,
-            hidden.stride(0),
-            hidden.stride(1),
-            weight.stride(0),
-            *_mask_strides(kmask),
-            n_s_tiles,
-            group_m,
-            H=H,
-            BLOCK_M=cfg.block_m,
+            *args,
+            **constants,
             BLOCK_N=block_n,
-            BLOCK_K=cfg.block_k,
             POOL_MAX=True,
-            HAS_BIAS=bias is not None,
             HAS_MASK=True,
             MASK_SCALES=2,
-            SAVE_AUX=keep_aux,
-            SINGLE_PASS=single_pass,
             PERSISTENT=False,
             USE_TMA=False,
-            IEEE_FP32=ieee_fp32(hidden.dtype),
-            NATIVE_NAN_MAX=not _backend.INTERPRET,
             num_warps=4,
-            num_stages=cfg.num_stages,
         )
         record_launch("splade_fwd_kernel:weighted_tiles")
     if not single_pass:
