@@ -24,31 +24,35 @@ def pick_nonzeros(a, f, rank, j):
 
 
 @triton.jit
-def load_rows(w_ptr, stride_w, rows, row_mask, d, d_mask):
-    """W[rows, d] [BLOCK_R, BLOCK_D] in W's dtype; rows outside ``row_mask`` are not loaded (0)."""
-    ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_w + d[None, :]
+def load_rows(w_ptr, stride_w, rows, row_mask, d, d_mask, stride_w_col=1):
+    """W[rows, d] [BLOCK_R, BLOCK_D] in W's dtype; rows outside ``row_mask`` are not loaded (0). W's column stride
+    is 1 unless given: a unit stride (a constant, or an argument Triton specialises as 1) multiplies nothing, so a
+    row-major W's loads stay full-width; another (a transposed view read without a copy) strides each row's read,
+    its offsets in int64 (d * stride_w_col of a large transposed W passes 2**31)."""
+    ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_w + d[None, :].to(tl.int64) * stride_w_col
     return tl.load(ptrs, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
 
 
 @triton.jit
-def accumulate_rows(acc, coef, rows, row_mask, w_ptr, stride_w, d, d_mask):
+def accumulate_rows(acc, coef, rows, row_mask, w_ptr, stride_w, d, d_mask, stride_w_col=1):
     """acc [BLOCK_D] += sum_r coef[r] * W[rows[r], d] (fp32); rows outside ``row_mask`` are not loaded. The inner
-    step of every gather-accumulate (stored entries, picked non-zeros, the TwELL up/down kernel)."""
-    w = load_rows(w_ptr, stride_w, rows, row_mask, d, d_mask)  # [BLOCK_R, BLOCK_D]
+    step of every gather-accumulate (stored entries, picked non-zeros, the TwELL up/down kernel). W's column stride
+    as in :func:`load_rows`."""
+    w = load_rows(w_ptr, stride_w, rows, row_mask, d, d_mask, stride_w_col)  # [BLOCK_R, BLOCK_D]
     return acc + tl.sum(coef[:, None] * w.to(tl.float32), axis=0)
 
 
 @triton.jit
-def accumulate_nonzeros(acc, a, f, w_ptr, stride_w, d, d_mask, GROUP: tl.constexpr):
+def accumulate_nonzeros(acc, a, f, w_ptr, stride_w, d, d_mask, GROUP: tl.constexpr, stride_w_col=1):
     """acc [BLOCK_D] += sum_f a[f] * W[f, d] over a chunk of activations a [BLOCK_F] (fp32) of features f [BLOCK_F],
     loading only the W rows whose activation is non-zero: an all-zero chunk costs one load of ``a``, a chunk with n
-    non-zeros n rows of W."""
+    non-zeros n rows of W. W's column stride as in :func:`load_rows`."""
     n, rank = rank_nonzeros(a)
     if n > 0:
         for g0 in range(0, n, GROUP):
             j = g0 + tl.arange(0, GROUP)  # [GROUP]
             idx, val = pick_nonzeros(a, f, rank, j)
-            acc = accumulate_rows(acc, val, idx, j < n, w_ptr, stride_w, d, d_mask)
+            acc = accumulate_rows(acc, val, idx, j < n, w_ptr, stride_w, d, d_mask, stride_w_col)
     return acc
 
 

@@ -130,14 +130,16 @@ def sum_dense_columns(
     subsplits,
     w_ptr,
     stride_w,
+    stride_w_col,
     d,
     d_mask,
     BLOCK_S: tl.constexpr,
     GROUP: tl.constexpr,
 ):
     """(fp32 sum [BLOCK_D], any non-zero) of sub-split ``sub`` of ``subsplits`` of the dense columns [f_begin,
-    f_end) of one row (row_ptr, column stride stride_col): W rows loaded only where the activation is non-zero.
-    Also how a dense product's non-finite elements are recomputed (:mod:`.nonfinite_rows`).
+    f_end) of one row (row_ptr, column stride stride_col): W rows (row stride stride_w, column stride stride_w_col)
+    loaded only where the activation is non-zero. Also how a dense product's non-finite elements are recomputed
+    (:mod:`.nonfinite_rows`), there on the caller's W as it lies, a transposed view too.
 
     A chunk at least half non-zero (a token that fires everything) is summed in order, GROUP consecutive W rows at
     a time: no ranking and picking of its non-zeros, and the rows' addresses are known ahead, so their loads can be
@@ -164,17 +166,17 @@ def sum_dense_columns(
             rows = f0 + tl.arange(0, GROUP)  # [GROUP]
             in_chunk = rows < f0 + chunk_len
             coef = tl.load(row_ptr + rows.to(tl.int64) * stride_col, mask=in_chunk, other=0.0).to(tl.float32)
-            w = load_rows(w_ptr, stride_w, rows, coef != 0, d, d_mask)
+            w = load_rows(w_ptr, stride_w, rows, coef != 0, d, d_mask, stride_w_col)
             for g in range(GROUP, chunk_len + GROUP, GROUP):
                 rows = f0 + g + tl.arange(0, GROUP)
                 in_chunk = rows < f0 + chunk_len  # the last step loads nothing
                 coef_next = tl.load(row_ptr + rows.to(tl.int64) * stride_col, mask=in_chunk, other=0.0)
                 coef_next = coef_next.to(tl.float32)
-                w_next = load_rows(w_ptr, stride_w, rows, coef_next != 0, d, d_mask)
+                w_next = load_rows(w_ptr, stride_w, rows, coef_next != 0, d, d_mask, stride_w_col)
                 acc += tl.sum(coef[:, None] * w.to(tl.float32), axis=0)
                 coef, w = coef_next, w_next
         else:
-            acc = accumulate_nonzeros(acc, a, f, w_ptr, stride_w, d, d_mask, GROUP)
+            acc = accumulate_nonzeros(acc, a, f, w_ptr, stride_w, d, d_mask, GROUP, stride_w_col)
         f = f_next
     return acc, nnz > 0
 
@@ -303,6 +305,7 @@ def spread_long_units(
                         unit_subs,
                         w_ptr,
                         stride_w,
+                        1,  # the sparse products hand the spread pass W at unit rows (spmm: unit_rows)
                         d,
                         d_mask,
                         BLOCK_S,

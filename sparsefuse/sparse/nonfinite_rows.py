@@ -12,7 +12,10 @@ NaN or an infinity is recomputed over the tile's columns by the spread pass's su
 accumulation) and stored over it; a row whose own fired terms are not finite (a NaN activation, a fired feature's
 NaN weight row) comes out NaN / inf again. The grid is the tiles: nothing is listed or read back (CUDA-graph
 capturable, one opaque op under torch.compile), and where every element is finite the cost is one read of ``out``
-in one launch. Host side: that launch alone, no buffer.
+in one launch. Host side: that launch alone, no buffer. The weight is read where it lies, at its own row and column
+strides: a decoder tied as a transposed view of the encoder (``W_enc.T``) is not copied on every call for a pass
+that, where every element is finite, never reads it; the rare recomputation then gathers each fired row with a
+strided read instead.
 
 The rare path's cost: each program recomputes its tile's bad rows one after another, each a scan of ``a``'s row
 (``n_in`` activations) and a gather of its non-zeros' weight rows over BLOCK_D columns, by one program: where every
@@ -28,7 +31,6 @@ import triton.language as tl
 from .. import _backend
 from .._backend import Backend, backend_for, cdiv, next_power_of_2, record_launch, sm_count
 from .._jit import kernel
-from .layout import unit_rows
 from .long_rows import sum_dense_columns
 
 # A program's tile: BLOCK_D columns of out, at most MAX_BLOCK_D -- also the width its rare recomputation gathers, so
@@ -57,14 +59,15 @@ def complete_nonfinite_rows_kernel(
     stride_a,
     stride_a_col,
     stride_w,
+    stride_w_col,
     ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
     GROUP: tl.constexpr,
 ):
-    # out [M, n_out] (unit column stride) = a [M, n_in] @ w [n_in, n_out] (unit column stride) as a dense product
-    # gave it. Grid (row tiles, column blocks): the tile's rows holding a NaN or an infinity in its columns are
-    # recomputed there over a's non-zeros.
+    # out [M, n_out] (unit column stride) = a [M, n_in] @ w [n_in, n_out] (any strides) as a dense product gave it.
+    # Grid (row tiles, column blocks): the tile's rows holding a NaN or an infinity in its columns are recomputed
+    # there over a's non-zeros.
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_mask = d < n_out
@@ -79,7 +82,19 @@ def complete_nonfinite_rows_kernel(
             if tl.sum(tl.where(tl.arange(0, ROWS) == r, bad, 0), axis=0) > 0:
                 row = (tl.program_id(0) * ROWS + r).to(tl.int64)
                 acc, _ = sum_dense_columns(
-                    a_ptr + row * stride_a, stride_a_col, 0, n_in, 0, 1, w_ptr, stride_w, d, d_mask, BLOCK_S, GROUP
+                    a_ptr + row * stride_a,
+                    stride_a_col,
+                    0,
+                    n_in,
+                    0,
+                    1,
+                    w_ptr,
+                    stride_w,
+                    stride_w_col,
+                    d,
+                    d_mask,
+                    BLOCK_S,
+                    GROUP,
                 )
                 tl.store(out_ptr + row * stride_out + d, acc.to(out_ptr.dtype.element_ty), mask=d_mask)
 
@@ -97,16 +112,15 @@ def _tile(M: int, n_out: int, device: torch.device) -> tuple[int, int, int, int]
 def complete_nonfinite_rows(out: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``out`` [M, n_out] (unit column stride) = ``a`` [M, n_in] @ ``weight`` [n_in, n_out] as a dense product
     computed it, with every element that is NaN or infinite recomputed in place over ``a``'s non-zeros (see the
-    module docstring); returns ``out``. A ``weight`` without unit column stride (a transposed view) is copied for
-    the recomputation, as the sparse products copy it. The torch backend (CPU tensors without the interpreter) has
-    no such pass: the caller computes its reference there."""
+    module docstring); returns ``out``. ``weight`` is read at its own strides, a transposed view too: no copy is
+    made. The torch backend (CPU tensors without the interpreter) has no such pass: the caller computes its
+    reference there."""
     M, n_out = out.shape
     n_in = a.shape[1]
     if M == 0 or n_out == 0 or n_in == 0 or backend_for(out, a, weight) is Backend.TORCH:
         return out
     if out.stride(1) != 1 and n_out > 1:
         raise ValueError(f"complete_nonfinite_rows: out must have unit column stride; got strides {out.stride()}")
-    weight = unit_rows(weight)
     rows, block_d, block_s, group = _tile(M, n_out, out.device)
     complete_nonfinite_rows_kernel[(cdiv(M, rows), cdiv(n_out, block_d))](
         out,
@@ -119,6 +133,7 @@ def complete_nonfinite_rows(out: torch.Tensor, a: torch.Tensor, weight: torch.Te
         a.stride(0),
         a.stride(1),
         weight.stride(0),
+        weight.stride(1),
         ROWS=rows,
         BLOCK_D=block_d,
         BLOCK_S=block_s,
