@@ -3,7 +3,8 @@
 from .activations import CELU, Snake1d
 from .ffn import SparseGatedMLP
 from .norms import RMSNorm
+from .relu_mlp import SparseReluMLP
 from .sae import SparseJumpReLUSAE
 from .splade import SpladeHead
 
-__all__ = ["Snake1d", "CELU", "SparseJumpReLUSAE", "SpladeHead", "SparseGatedMLP", "RMSNorm"]
+__all__ = ["Snake1d", "CELU", "SparseJumpReLUSAE", "SpladeHead", "SparseGatedMLP", "SparseReluMLP", "RMSNorm"]

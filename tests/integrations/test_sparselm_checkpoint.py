@@ -2,6 +2,7 @@
 released fields, safetensors), random weights. The reference is this file's own float64 forward of the
 architecture (Llama / Qwen2 with ReLU MLPs), computed from the stored tensors, not from transformers."""
 
+import io
 import json
 import math
 
@@ -10,6 +11,7 @@ import torch
 from conftest import assert_backend
 
 from sparsefuse import track_launches
+from sparsefuse.nn import SparseReluMLP
 from sparsefuse.nn.ffn import SparseGatedMLP
 from sparsefuse.testing import assert_norm_close_to_reference
 
@@ -17,7 +19,6 @@ transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 from transformers.models.llama.modeling_llama import LlamaMLP  # noqa: E402
 
-from sparsefuse.integrations.sparselm import SparseReluMLP  # noqa: E402
 from sparsefuse.integrations.transformers import load_sparse_checkpoint  # noqa: E402
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, LAYERS, VOCAB = 64, 192, 4, 2, 2, 97
@@ -276,3 +277,34 @@ def test_directories_not_in_the_format_raise_naming_what_was_expected(tmp_path):
         load_sparse_checkpoint(tmp_path / "llama", bogus=1)
     with pytest.raises(TypeError, match="path"):
         load_sparse_checkpoint(3)
+
+
+def test_sparse_relu_mlp_is_a_sparsefuse_nn_module_also_named_by_the_loader():
+    from sparsefuse.integrations import sparselm
+
+    assert SparseReluMLP.__module__ == "sparsefuse.nn.relu_mlp"
+    assert sparselm.SparseReluMLP is SparseReluMLP and "SparseReluMLP" in sparselm.__all__
+
+
+def test_sparse_relu_mlp_state_dict_gives_the_column_major_down_proj_contiguous(device):
+    """Configured for the kernels, down_proj.weight is kept column-major; state_dict() (its hook) gives it
+    contiguous, as safetensors requires, under any prefix, also after a whole-module pickle round trip."""
+    mlp = SparseReluMLP(HIDDEN, INTERMEDIATE, bias=True).to(device)
+    dense = {k: v.clone() for k, v in mlp.state_dict().items()}
+    mlp.configure(method="twell")
+    weight = mlp.down_proj.weight
+    assert weight.stride(0) == 1 and not weight.is_contiguous()
+    assert mlp.state_dict(keep_vars=True)["down_proj.weight"] is weight  # the Parameter itself when asked
+    buffer = io.BytesIO()
+    torch.save(torch.nn.Sequential(mlp), buffer)
+    buffer.seek(0)
+    for model, prefix in ((mlp, ""), (torch.nn.Sequential(mlp), "0."), (torch.load(buffer, weights_only=False), "0.")):
+        state = model.state_dict()
+        assert state[prefix + "down_proj.weight"].is_contiguous()
+        for key, value in dense.items():
+            torch.testing.assert_close(state[prefix + key], value, rtol=0, atol=0, msg=key)
+    fresh = SparseReluMLP(HIDDEN, INTERMEDIATE, bias=True).to(device)
+    fresh.load_state_dict(mlp.state_dict())
+    x = torch.randn(5, HIDDEN, device=device)
+    with torch.no_grad():
+        torch.testing.assert_close(mlp(x), fresh(x))  # the kernels (configured) and the dense ops (fresh)
