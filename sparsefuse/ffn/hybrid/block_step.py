@@ -9,9 +9,11 @@ product                what it computes                                 kernel (
 =====================  ===============================================  =========================================
 gate ``x W_g^T``       dense: it finds the pattern                      cuBLAS
 up ``x W_u^T``         on the unions; gate and up kept, the gate's      ``block_sddmm(factors=True)``
-                       L1 and firing counts in the same epilogue
+                       L1 and firing counts in the same epilogue        (``l1_on="hidden"``: |h| summed on the
+                                                                        unions, :mod:`.block_l1`)
 down ``h W_d^T``       sparse rows                                      ``block_sparse_matmul``
-``dh = dy W_d``        on the unions, chain rule in the epilogue        ``block_ell_sddmm(gate=, up=)``
+``dh = dy W_d``        on the unions, chain rule in the epilogue        ``block_ell_sddmm(gate=, up=)`` (+ the
+                                                                        hidden L1 term's gradient, :mod:`.block_l1`)
 ``dx``                 two sparse operands into one output              ``block_sparse_matmul(accumulate=)``
 ``dW_u, dW_g, dW_d``   transposed, per fired (token, neuron) only       ``block_ell_transpose`` +
                                                                         ``transposed_matmul``
@@ -43,6 +45,7 @@ from ...sparse.block_pack import PackedFactors, pack_block_factors, unpack_block
 from ...sparse.block_spmm import block_sparse_matmul, heavy_first_schedule_and_offsets
 from ...sparse.compact import dense_to_row_block_pattern
 from ...sparse.sddmm import block_sddmm, factor_chunk
+from .block_l1 import add_hidden_l1_grad, block_hidden_l1
 
 
 def _on_slots(values, indices, counts, order, N, block_rows) -> BlockELL:
@@ -62,6 +65,7 @@ def _train_forward(
     tile: int,
     sort_rows: bool,
     capacity: int,
+    hidden_l1: bool = False,
 ) -> tuple[
     torch.Tensor,
     torch.Tensor,
@@ -76,18 +80,19 @@ def _train_forward(
     torch.Tensor,
 ]:
     """x2 [M, K]; w_gate, w_up, w_down_t [N, K] (w_up None, b_up None: the non-gated block ``relu(x W_g^T + b_g)
-    W_d^T + b_d``). Returns y [M, K], l1 (0-dim fp32), token counts then neuron counts [M + N] (int32), and what the
+    W_d^T + b_d``). Returns y [M, K], l1 (0-dim fp32: the gate's mean per element; ``hidden_l1``, gated only: |h|'s,
+    h = h_g * h_u), token counts then neuron counts [M + N] (int32), and what the
     backward keeps: the fired pairs' gate and up values [capacity] each (up empty without w_up) and slot codes
     [capacity] (int16) with their chunk offsets [n_blocks * n_chunks + 1] (int64), union columns [n_blocks, width]
     and sizes [n_blocks] (int32), token order [M] (int32) and the blocks' heavy-first launch order [n_blocks]
     (int32; unused with one block)."""
     return _train_forward_into(
-        x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, block_rows, tile, sort_rows, capacity, None
+        x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, block_rows, tile, sort_rows, capacity, None, hidden_l1
     )
 
 
 def _train_forward_into(
-    x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, block_rows, tile, sort_rows, capacity, y_out
+    x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, block_rows, tile, sort_rows, capacity, y_out, hidden_l1=False
 ) -> tuple[torch.Tensor, ...]:
     """:func:`_train_forward`, y written into ``y_out`` [M, K] when given (a captured step's static output)."""
     M, N = x2.shape[0], w_gate.shape[0]
@@ -120,9 +125,11 @@ def _train_forward_into(
     order = pattern.row_order
     if order is None:
         order = torch.arange(M, dtype=torch.int32, device=x2.device)
+    # the L1 term, a mean over the M x N pairs: the gate's (summed in block_sddmm's epilogue), or h's on the unions
+    l1 = block_hidden_l1(f.product.values, f.product.counts, block_rows, N) if hidden_l1 and w_up is not None else None
     return (
         y,
-        f.gate_sum,  # the L1 term: the gate's mean over the M x N pairs
+        l1 if l1 is not None else f.gate_sum,
         f.counts,  # token then neuron counts, one tensor: a custom op's outputs may not alias one another
         packed.gate,
         packed.up,
@@ -139,7 +146,7 @@ block_mlp_train_fwd_op = torch.library.custom_op("sparsefuse::block_mlp_train_fw
 
 
 @block_mlp_train_fwd_op.register_fake
-def _(x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, block_rows, tile, sort_rows, capacity):
+def _(x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, block_rows, tile, sort_rows, capacity, hidden_l1=False):
     M, N = x2.shape[0], w_gate.shape[0]
     width, n_blocks = cdiv(N, tile) * tile, cdiv(M, block_rows)
     n_chunks = cdiv(width, factor_chunk(x2.shape[1], block_rows))
@@ -179,20 +186,22 @@ def _train_backward(
     schedule: torch.Tensor,
     block_rows: int,
     bias_grads: bool,
+    hidden_l1: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx [M, K], dw_gate, dw_up, dw_down_t [N, K], db_gate, db_up [N], db_down [K]) from dy [M, K] and dl1
-    (0-dim: the loss's gradient w.r.t. the L1 term). Without ``bias_grads`` the three bias gradients are empty
-    tensors (nothing computed for them); without w_up (the non-gated block) dw_up and db_up are empty. The biases
-    are read only to recompute blocks that did not fit the packed capacity."""
+    (0-dim: the loss's gradient w.r.t. the L1 term; ``hidden_l1``: the forward's term was on h). Without
+    ``bias_grads`` the three bias gradients are empty tensors (nothing computed for them); without w_up (the
+    non-gated block) dw_up and db_up are empty. The biases are read only to recompute blocks that did not fit the
+    packed capacity."""
     kept = (packed_gate, packed_up, packed_slots, offsets, indices, counts, order, schedule)
     return _train_backward_into(
-        dy, dl1, x2, w_gate, w_up, w_down_t, b_gate, b_up, *kept, block_rows, bias_grads, None, None
+        dy, dl1, x2, w_gate, w_up, w_down_t, b_gate, b_up, *kept, block_rows, bias_grads, None, None, hidden_l1
     )
 
 
 def _train_backward_into(
     dy, dl1, x2, w_gate, w_up, w_down_t, b_gate, b_up, packed_gate, packed_up, packed_slots, offsets, indices,
-    counts, order, schedule, block_rows, bias_grads, dx_out, dw_out,
+    counts, order, schedule, block_rows, bias_grads, dx_out, dw_out, hidden_l1=False,
 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """:func:`_train_backward`, dx and the weight gradients written into ``dx_out`` [M, K] and ``dw_out`` (dw_gate,
     dw_up or None: contiguous; dw_down_t: contiguous or the transpose of a contiguous tensor; any float dtype) when
@@ -205,15 +214,19 @@ def _train_backward_into(
         packed, indices, counts, order, block_rows, chunk, x2, w_gate, b_gate, w_up, b_up
     )
     gate = _on_slots(gate_values, indices, counts, order, N, block_rows)
+    hidden_l1 = hidden_l1 and w_up is not None  # (non-gated: h is the gate, the two terms are one)
+    dl1 = dl1.reshape(1)
     d_up, d_pre = block_ell_sddmm(
         gate,
         dy,
         w_down_t,
         gate=gate_values,
         up=up_values,
-        gate_grad=dl1.reshape(1),
+        gate_grad=torch.zeros_like(dl1, dtype=torch.float32) if hidden_l1 else dl1,
         gate_grad_divisor=max(M * N, 1),
     )
+    if hidden_l1:  # |h|'s gradient on the same slots, added to both factors' gradients
+        add_hidden_l1_grad(gate_values, up_values, d_up, d_pre, counts, dl1, block_rows, M * N)
     d_pre_slots = _on_slots(d_pre, indices, counts, order, N, block_rows)
     csc = block_ell_transpose(gate, count_table=count_table)
     if dw_out is None:
@@ -273,6 +286,7 @@ def _(
     schedule,
     block_rows,
     bias_grads,
+    hidden_l1=False,
 ):
     N, K = w_gate.shape[0], w_down_t.shape[1]
     return (
@@ -293,6 +307,7 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(x2, w_gate, w_up, w_down_t, b_gate, b_up, *saved)
     ctx.has_bias = (b_gate is not None, b_up is not None, b_down is not None)
     ctx.block_rows = block_rows
+    ctx.hidden_l1 = bool(inputs[11]) if len(inputs) > 11 else False
     ctx.has_up = w_up is not None
     # The saved factors are outputs only so that the backward can have them: no loss uses them, and materialising
     # their (zero) gradients would fill two more arrays per step.
@@ -306,10 +321,12 @@ def _backward_with(backward_op, ctx, dy, dl1):
         dy = torch.zeros(x2.shape[0], w_down_t.shape[1], dtype=x2.dtype, device=x2.device)
     if dl1 is None:
         dl1 = torch.zeros((), dtype=torch.float32, device=x2.device)
-    dx, dwg, dwu, dwd, dbg, dbu, dbd = backward_op(dy, dl1, *saved, ctx.block_rows, any(ctx.has_bias))
+    dx, dwg, dwu, dwd, dbg, dbu, dbd = backward_op(
+        dy, dl1, *saved, ctx.block_rows, any(ctx.has_bias), ctx.hidden_l1
+    )  # fmt: skip
     has_g, has_u, has_d = ctx.has_bias
     dwu = dwu if ctx.has_up else None
-    return dx, dwg, dbg if has_g else None, dwu, dbu if has_u else None, dwd, dbd if has_d else None, *[None] * 4
+    return dx, dwg, dbg if has_g else None, dwu, dbu if has_u else None, dwd, dbd if has_d else None, *[None] * 5
 
 
 def _backward(ctx, dy, dl1, *unused):

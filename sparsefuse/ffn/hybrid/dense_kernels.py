@@ -2,11 +2,13 @@
 autograd). One kernel per direction, for the gated block (``HAS_UP``) and the non-gated one:
 
 * forward  ``relu_mul_stats_kernel``: pre (and up) [M, N] -> h_gate = relu(pre) (NaN kept, as ``torch.relu``), h =
-  h_gate * up, and partial statistics of the fired entries (pre > 0 or NaN) -- relu(pre)'s sum, fired counts per row
-  and per column -- summed afterwards in a fixed order (no atomics: the same result every run).
+  h_gate * up, and partial statistics of the fired entries (pre > 0 or NaN) -- relu(pre)'s sum (``HIDDEN``: |h|'s,
+  the fp32 product's), fired counts per row and per column -- summed afterwards in a fixed order (no atomics: the
+  same result every run).
   Byte floor: read pre, up and write h_gate, h (4 [M, N] arrays; 2 without up).
 * backward ``relu_mul_backward_kernel``: grad_h, h_gate (and up) -> d_up = grad_h * h_gate, d_pre = (grad_h * up +
-  gate_grad) where the gate fired, else 0, with gate_grad = grad_l1 / (M * N) the L1 term's gradient.
+  gate_grad) where the gate fired, else 0, with gate_grad = grad_l1 / (M * N) the L1 term's gradient; ``HIDDEN``
+  (the L1 term on h): grad_h + gate_grad * sign(up) in both instead (sign(h) where the gate fired).
   Byte floor: read grad_h, h_gate, up and write d_pre, d_up (5 [M, N] arrays; 3 without up).
 
 Math runs in fp32 and each output is rounded once to the inputs' dtype. float64 (gradient checks), empty tensors
@@ -54,11 +56,13 @@ def relu_mul_stats_kernel(
     N,
     chunks_per_program,
     HAS_UP: tl.constexpr,
+    HIDDEN: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
     # pre, up, gate, h [M, N] contiguous (up, h unused without HAS_UP). Program (strip, group): columns strip *
-    # BLOCK_C ..., row chunks group * chunks_per_program ... Partials: l1_part[group, strip] (fp32 sum of relu(pre)),
+    # BLOCK_C ..., row chunks group * chunks_per_program ... Partials: l1_part[group, strip] (fp32 sum of relu(pre);
+    # HIDDEN: of |relu(pre) * up|),
     # token_part[strip, rows] (fired per row within the strip), neuron_part[group, cols] (fired per column).
     strip = tl.program_id(0)
     group = tl.program_id(1)
@@ -82,8 +86,14 @@ def relu_mul_stats_kernel(
         gate = tl.where(fired, pre, 0.0)
         tl.store(gate_ptr + offsets, gate.to(gate_ptr.dtype.element_ty), mask=mask)
         if HAS_UP:
-            tl.store(h_ptr + offsets, (gate * up.to(tl.float32)).to(h_ptr.dtype.element_ty), mask=mask)
-        l1_acc += gate
+            h = gate * up.to(tl.float32)
+            tl.store(h_ptr + offsets, h.to(h_ptr.dtype.element_ty), mask=mask)
+            if HIDDEN:
+                l1_acc += tl.abs(h)
+            else:
+                l1_acc += gate
+        else:
+            l1_acc += gate
         fired = fired.to(tl.int32)
         fired_acc += fired
         tl.store(token_part_ptr + strip.to(tl.int64) * M + rows, tl.sum(fired, axis=1), mask=row_mask)
@@ -103,21 +113,27 @@ def relu_mul_backward_kernel(
     count,
     HAS_UP: tl.constexpr,
     HAS_L1: tl.constexpr,
+    HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     # grad_h, gate, up, d_pre, d_up: flat [n_elements] (up, d_up unused without HAS_UP); grad_l1: 0-dim, the loss's
-    # gradient w.r.t. l1 = sum(gate) / count (absent without HAS_L1: no L1 term in the loss).
+    # gradient w.r.t. l1 = sum(gate) / count (HIDDEN: sum(|gate * up|) / count; absent without HAS_L1: no L1 term in
+    # the loss).
     start = tl.program_id(0).to(tl.int64) * BLOCK  # int64: tensors above 2^31 elements
     offsets = tl.arange(0, BLOCK)
     mask = offsets < n_elements - start
     g = tl.load(grad_h_ptr + start + offsets, mask=mask, other=0.0).to(tl.float32)
     gate = tl.load(gate_ptr + start + offsets, mask=mask, other=0.0).to(tl.float32)
+    if HAS_L1:  # correctly rounded, as torch divides: the same gate_grad as the torch path's
+        gate_grad = tl.math.div_rn(tl.load(grad_l1_ptr).to(tl.float32), count)
     if HAS_UP:
         up = tl.load(up_ptr + start + offsets, mask=mask, other=0.0).to(tl.float32)
+        if HAS_L1 and HIDDEN:  # |h|'s gradient joins h's: sign(h) = sign(up) where the gate fired (d_up: 0 elsewhere)
+            g = g + gate_grad * tl.where(up > 0, 1.0, tl.where(up < 0, -1.0, 0.0))
         tl.store(d_up_ptr + start + offsets, (g * gate).to(d_up_ptr.dtype.element_ty), mask=mask)
         g = g * up
-    if HAS_L1:  # correctly rounded, as torch divides: the same gate_grad as the torch path's
-        g = g + tl.math.div_rn(tl.load(grad_l1_ptr).to(tl.float32), count)
+    if HAS_L1 and not (HAS_UP and HIDDEN):
+        g = g + gate_grad
     tl.store(d_pre_ptr + start + offsets, tl.where(gate != 0, g, 0.0).to(d_pre_ptr.dtype.element_ty), mask=mask)
 
 
@@ -131,14 +147,16 @@ def _exact_torch(t: torch.Tensor) -> bool:
 
 
 def _torch_stats(
-    pre: torch.Tensor, up: torch.Tensor | None
+    pre: torch.Tensor, up: torch.Tensor | None, hidden: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
     M, N = pre.shape
     compute = _backend.compute_dtype(pre.dtype)
     fired = (pre > 0) | pre.isnan()
     gate = torch.where(fired, pre, 0)
-    h = (gate.to(compute) * up.to(compute)).to(pre.dtype) if up is not None else None
-    l1 = gate.sum(dtype=l1_dtype(pre.dtype)) / max(M * N, 1)
+    h_compute = gate.to(compute) * up.to(compute) if up is not None else None
+    h = h_compute.to(pre.dtype) if up is not None else None
+    on = h_compute.abs() if hidden and up is not None else gate
+    l1 = on.sum(dtype=l1_dtype(pre.dtype)) / max(M * N, 1)
     return gate, h, l1, fired.sum(1, dtype=torch.int32), fired.sum(0, dtype=torch.int32)
 
 
@@ -155,16 +173,17 @@ def _forward_grid(M: int, N: int, element_size: int, device: torch.device) -> tu
 
 
 def relu_mul_stats(
-    pre: torch.Tensor, up: torch.Tensor | None
+    pre: torch.Tensor, up: torch.Tensor | None, hidden: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
     """pre, up [M, N] (one dtype; up None: the non-gated block) -> (h_gate = relu(pre) [M, N], h = h_gate * up [M, N]
-    (None without up), l1 = sum(h_gate) / (M * N) (0-dim fp32; float64 for float64 pre), fired count per row [M] and
-    per column [N] (int32)). New tensors throughout (a custom op's outputs alias neither inputs nor each other)."""
+    (None without up), l1 = sum(h_gate) / (M * N) (``hidden``: sum(|h|) / (M * N), of the fp32 product; 0-dim fp32,
+    float64 for float64 pre), fired count per row [M] and per column [N] (int32)). New tensors throughout (a custom
+    op's outputs alias neither inputs nor each other)."""
     M, N = pre.shape
     pre = pre.contiguous()  # on either path: the outputs are then contiguous, as the ops' fakes say
     up = up.contiguous() if up is not None else None
     if _exact_torch(pre):
-        return _torch_stats(pre, up)
+        return _torch_stats(pre, up, hidden)
     rows, block_c, per_program, groups = _forward_grid(M, N, pre.element_size(), pre.device)
     strips = cdiv(N, block_c)
     gate = new_output((M, N), pre.dtype, pre.device)
@@ -184,6 +203,7 @@ def relu_mul_stats(
         N,
         per_program,
         HAS_UP=up is not None,
+        HIDDEN=hidden,
         ROWS=rows,
         BLOCK_C=block_c,
         num_warps=FORWARD_WARPS,
@@ -194,31 +214,40 @@ def relu_mul_stats(
 
 
 def _torch_backward(
-    grad_h: torch.Tensor, grad_l1: torch.Tensor | None, gate: torch.Tensor, up: torch.Tensor | None
+    grad_h: torch.Tensor, grad_l1: torch.Tensor | None, gate: torch.Tensor, up: torch.Tensor | None, hidden: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     M, N = gate.shape
     compute = _backend.compute_dtype(gate.dtype)
     g = grad_h.to(compute)
+    gate_grad = grad_l1.to(l1_dtype(gate.dtype)) / max(M * N, 1) if grad_l1 is not None else None
+    on_h = gate_grad is not None and hidden and up is not None
+    if on_h:  # |h|'s gradient joins h's: sign(h) = sign(up) where the gate fired
+        g = g + gate_grad * torch.sign(up.to(compute))
     d_up = (g * gate.to(compute)).to(gate.dtype) if up is not None else None
     if up is not None:
         g = g * up.to(compute)
-    if grad_l1 is not None:
-        g = g + grad_l1.to(l1_dtype(gate.dtype)) / max(M * N, 1)
+    if gate_grad is not None and not on_h:
+        g = g + gate_grad
     return torch.where(gate != 0, g, 0).to(gate.dtype), d_up
 
 
 def relu_mul_backward(
-    grad_h: torch.Tensor, grad_l1: torch.Tensor | None, gate: torch.Tensor, up: torch.Tensor | None
+    grad_h: torch.Tensor,
+    grad_l1: torch.Tensor | None,
+    gate: torch.Tensor,
+    up: torch.Tensor | None,
+    hidden: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The gradients of :func:`relu_mul_stats`'s (h, l1) w.r.t. (pre, up): grad_h [M, N] (h's; the non-gated block:
     h_gate's), grad_l1 0-dim (None: the loss has no L1 term), gate = h_gate and up [M, N] as the forward returned and
     took them (up None: non-gated). Returns d_pre = (grad_h * up + grad_l1 / (M * N)) where gate != 0 (fired, NaN
-    included), else 0, and d_up = grad_h * gate (None without up), [M, N] each."""
+    included), else 0, and d_up = grad_h * gate (None without up), [M, N] each. ``hidden`` (the forward's l1 on h):
+    grad_h + grad_l1 / (M * N) * sign(up) in both products instead."""
     grad_h = grad_h.to(gate.dtype).contiguous()  # on either path, as in the forward
     gate = gate.contiguous()
     up = up.contiguous() if up is not None else None
     if _exact_torch(gate):
-        return _torch_backward(grad_h, grad_l1, gate, up)
+        return _torch_backward(grad_h, grad_l1, gate, up, hidden)
     n = gate.numel()
     d_pre = new_output(gate.shape, gate.dtype, gate.device)
     d_up = new_output(gate.shape, gate.dtype, gate.device) if up is not None else None
@@ -234,6 +263,7 @@ def relu_mul_backward(
         float(n),
         HAS_UP=up is not None,
         HAS_L1=grad_l1 is not None,
+        HIDDEN=hidden,
         BLOCK=block,
         num_warps=STREAMING_WARPS,
     )

@@ -24,6 +24,7 @@ from .choice import TRAIN_CHOICE
 from .dense import dense_step
 from .graphed import graphed_step, replays_by_default
 from .op import hybrid_mlp_fwd_op
+from .reference import L1_TERMS
 
 LAYOUTS = ("auto", "block", "dense", "hybrid")
 
@@ -32,8 +33,10 @@ TRAIN_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 class HybridMLPOutput(NamedTuple):
-    """``y`` [..., K]; ``l1`` 0-dim fp32 (differentiable): the gate activations' L1 norm per element,
-    ``sum(relu(x W_g^T + b_g)) / (M * N)``; ``token_counts`` [M] int32: gate non-zeros per token;
+    """``y`` [..., K]; ``l1`` 0-dim fp32 (differentiable): an L1 norm per element of the M x N hidden activations,
+    of the gate's ``sum(relu(x W_g^T + b_g)) / (M * N)`` (``l1_on="gate"``) or of the hidden representation's
+    ``sum(|relu(x W_g^T + b_g) * (x W_u^T + b_u)|) / (M * N)`` (``l1_on="hidden"``, the TwELL paper's eq. 2 for one
+    layer); ``token_counts`` [M] int32: gate non-zeros per token;
     ``neuron_counts`` [N] int32: tokens in which each neuron fired (0: dead in this batch)."""
 
     y: torch.Tensor
@@ -56,6 +59,7 @@ def hybrid_mlp(
     backup_rows: int | None = None,
     block_capacity: int | None = None,
     cuda_graph: bool | None = None,
+    l1_on: str = "gate",
 ) -> HybridMLPOutput:
     """Gated ReLU block ``(relu(x W_g^T + b_g) * (x W_u^T + b_u)) W_d^T + b_d`` for training: differentiable in
     every tensor argument, and what it keeps for the backward is sparse (the gate and up activations where the gate
@@ -96,13 +100,22 @@ def hybrid_mlp(
             gate weight's sparsity has been observed once, inside activation checkpointing's recompute, and
             wherever the call is not a plain eager one (torch.compile, tensor subclasses). A replayed step ignores
             ``block_capacity`` (the capacity is bucketed, see there).
+        l1_on: what ``out.l1`` is taken on. ``"gate"`` (default): the gate activations h_g = relu(x W_g^T + b_g).
+            ``"hidden"``: the hidden representation h = h_g * h_u that W_d reads, the term of the TwELL paper's
+            eq. 2; its gradient reaches x and all four weights and biases of the gate and up products, through both
+            factors. Every layout computes it where it already has h (on the fired pairs; no extra [M, N] pass in
+            the sparse layouts). Either way a mean per element, divided by M * N; the paper's released code divides
+            by M alone, so its coefficient is this one over N (docs/training.md, "The L1 term").
     Returns: :class:`HybridMLPOutput` (y, l1, per-token and per-neuron firing counts, all on the device). Under
     ``torch.autocast`` the step runs in the autocast dtype, as ``nn.Linear`` would.
-    For the L1 penalty add ``coefficient * out.l1`` to the loss: its gradient reaches the gate only where it fired.
+    For the L1 penalty add ``coefficient * out.l1`` to the loss: its gradient reaches the weights only where the
+    gate fired.
     """
+    if l1_on not in L1_TERMS:
+        raise ValueError(f"hybrid_mlp: l1_on must be one of {', '.join(map(repr, L1_TERMS))}; got {l1_on!r}")
     return _train_step(
         "hybrid_mlp", x, w_gate, b_gate, w_up, b_up, w_down, b_down, layout, width, backup_rows, block_capacity,
-        cuda_graph=cuda_graph,
+        cuda_graph=cuda_graph, hidden_l1=l1_on == "hidden",
     )  # fmt: skip
 
 
@@ -120,8 +133,8 @@ def hybrid_relu_mlp(
     """Non-gated ReLU block ``relu(x W_up^T + b_up) W_down^T + b_down`` for training, as :func:`hybrid_mlp` trains
     the gated one (same outputs: ``l1`` and the counts are those of ``relu(x W_up^T + b_up)``; names as in
     :func:`sparsefuse.twell_relu_mlp`). ``layout``: ``"auto"``, ``"block"`` or ``"dense"`` (the paper's
-    ``"hybrid"`` format exists for the gated block only; ``cuda_graph`` as there). x [..., K]; w_up [N, K]; w_down
-    [K, N]."""
+    ``"hybrid"`` format exists for the gated block only; ``cuda_graph`` as there; no ``l1_on``: the hidden
+    representation is the gate's activation itself). x [..., K]; w_up [N, K]; w_down [K, N]."""
     if layout == "hybrid":
         raise ValueError("hybrid_relu_mlp: layout must be 'auto', 'block' or 'dense'; got 'hybrid'")
     return _train_step(
@@ -145,8 +158,10 @@ def _train_step(
     block_capacity: int | None,
     gate_names: tuple[str, str] = ("w_gate", "b_gate"),
     cuda_graph: bool | None = None,
+    hidden_l1: bool = False,
 ) -> HybridMLPOutput:
-    """Both blocks' step (``w_up=None``: non-gated): arguments checked, the layout resolved and run."""
+    """Both blocks' step (``w_up=None``: non-gated): arguments checked, the layout resolved and run. ``hidden_l1``:
+    the L1 term on h = h_g * h_u (gated only)."""
     # the layout choice and the capacity are kept per gate weight: the caller's, not autocast's per-call copy
     gate = w_gate
     caller_weights = (w_gate, b_gate, w_up, b_up, w_down, b_down)  # a captured step casts inside its graphs
@@ -168,7 +183,7 @@ def _train_step(
     kernels = x2.dtype != torch.float64 and backend_for(x2) is not Backend.TORCH
     # float64 / plain CPU (non-gated), or no neuron at all: the torch ops, exact
     if layout == "dense" or (w_up is None and not kernels) or w_gate.shape[0] == 0:
-        y, l1, counts, neuron_counts = dense_step(x2, w_gate, b_gate, w_up, b_up, w_down, b_down)
+        y, l1, counts, neuron_counts = dense_step(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, hidden_l1)
         TRAIN_CHOICE.observe(gate, counts)
         return HybridMLPOutput(y.reshape(out_shape), l1, counts, neuron_counts)
     if layout == "block" and kernels:
@@ -181,6 +196,7 @@ def _train_step(
         if cuda_graph:
             graphed = graphed_step(
                 gate, x2, caller_weights, plan.block_rows, plan.tile, plan.sorts(M), warn=explicit,
+                hidden_l1=hidden_l1,
             )  # fmt: skip
             if graphed is not None:
                 y, l1, counts, neuron_counts = graphed
@@ -201,13 +217,15 @@ def _train_step(
             plan.tile,
             plan.sorts(M),
             block_capacity,
+            hidden_l1,
         )
         TRAIN_CHOICE.observe(gate, counts)
         return HybridMLPOutput(y.reshape(out_shape), l1, counts, neuron_counts)
     # weight rows at unit stride, as for the block step (the op's fake gives dW_gate, dW_up their weights' layouts)
     y, l1, *_, counts, _, _, _, neuron_counts = hybrid_mlp_fwd_op(
-        x2, unit_last_stride(w_gate), b_gate, unit_last_stride(w_up), b_up, w_down.t(), b_down, width, backup_rows
-    )
+        x2, unit_last_stride(w_gate), b_gate, unit_last_stride(w_up), b_up, w_down.t(), b_down, width, backup_rows,
+        hidden_l1,
+    )  # fmt: skip
     return HybridMLPOutput(y.reshape(out_shape), l1, counts, neuron_counts)
 
 

@@ -254,7 +254,7 @@ class GraphedBlockStep:
     w_down, b_down), None for an absent tensor; if a weight has moved since the capture (a parameter regathered at
     another address), the backward runs eagerly on the kept arrays instead of replaying. ``copied``: the graphs
     read the weights from shared static copies (:class:`_WeightCopies`), which each replay fills from ``weights``
-    first, wherever those live."""
+    first, wherever those live. ``hidden_l1``: the step's L1 term is on h (``hybrid_mlp(l1_on="hidden")``)."""
 
     def __init__(
         self,
@@ -265,12 +265,13 @@ class GraphedBlockStep:
         sort_rows: bool,
         capacity: int,
         copied: bool = False,
+        hidden_l1: bool = False,
     ) -> None:
         w_gate, b_gate, w_up, b_up, w_down, b_down = weights
         self.addresses = _addresses(weights)
         self.copies = _weight_copies(weights) if copied else None
         self.has = tuple(a is not None for a in self.addresses)
-        self.block_rows = block_rows
+        self.block_rows, self.hidden_l1 = block_rows, hidden_l1
         self.bias_grads = any(t is not None for t in (b_gate, b_up, b_down))
         self.tokens, self.grads = tokens, grads = _buffers(x2, weights)
         tokens.x.copy_(x2)  # the warm-up and the layout probe run on this call's tokens
@@ -279,7 +280,9 @@ class GraphedBlockStep:
         dev, dtype = x2.device, x2.dtype
 
         # what the forward keeps, in one flat buffer: its shapes and dtypes from a run of the step
-        probe = _train_forward(*_operands(tokens.x, weights, dtype), block_rows, tile, sort_rows, capacity)
+        probe = _train_forward(
+            *_operands(tokens.x, weights, dtype), block_rows, tile, sort_rows, capacity, hidden_l1
+        )  # fmt: skip
         self.layout, offset = [], 0
         for t in probe[3:]:
             offset = cdiv(offset, _ALIGN) * _ALIGN
@@ -298,7 +301,7 @@ class GraphedBlockStep:
         def forward_body() -> None:
             x_c, *ops = _operands(tokens.x, live(), dtype)
             _, l1, counts, *kept = _train_forward_into(
-                x_c, *ops, block_rows, tile, sort_rows, capacity, tokens.y
+                x_c, *ops, block_rows, tile, sort_rows, capacity, tokens.y, hidden_l1
             )  # fmt: skip
             grads.l1.copy_(l1)
             tokens.counts.copy_(counts)
@@ -310,7 +313,7 @@ class GraphedBlockStep:
             # dx and the weight gradients are written where the replay's caller reads them (no copy)
             *_, dbg, dbu, dbd = _train_backward_into(
                 tokens.dy, grads.dl1, x_c, wg, wu, wdt, bg, bu, *self.kept_views, block_rows, self.bias_grads,
-                tokens.dx, grads.dw,
+                tokens.dx, grads.dw, hidden_l1,
             )  # fmt: skip
             for out, g in zip(grads.db, (dbg, dbu, dbd)):
                 if out is not None:
@@ -374,8 +377,9 @@ class GraphedBlockStep:
         # dW_down^T laid out as the caller's w_down (transposed), as the replay's buffer is: no copy into its layout
         dw_out = _weight_grads(x2, wg, wu, w_down.t())
         dx, dwg, dwu, dwd, *db = _train_backward_into(
-            dy, dl1, x_c, wg, wu, wdt, bg, bu, *self._views(kept), self.block_rows, self.bias_grads, None, dw_out
-        )
+            dy, dl1, x_c, wg, wu, wdt, bg, bu, *self._views(kept), self.block_rows, self.bias_grads, None, dw_out,
+            self.hidden_l1,
+        )  # fmt: skip
         dw = [g.to(w.dtype) if w is not None else None for g, w in ((dwg, w_gate), (dwu, w_up), (dwd, w_down))]
         db = [g.to(b.dtype) if b is not None else None for g, b in zip(db, (b_gate, b_up, b_down))]
         return self._grads(dx, dw, db)
@@ -463,13 +467,15 @@ def graphed_step(
     tile: int,
     sort_rows: bool,
     warn: bool = True,
+    hidden_l1: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """The block step of one layer from its captured graphs: (y [M, K], l1, token counts [M], neuron counts [N]);
     None where the eager step must run instead (see the module docstring). ``gate``: the caller's gate weight (the
     graphs and the capacity are kept per gate weight); x2 [M, K] in the step's dtype (autocast's cast done);
     ``weights``: (w_gate, b_gate, w_up, b_up, w_down, b_down) as the caller passed them (before autocast), w_down
     [K, N]. ``warn``: say (once per layer) when a layer's weights keep moving or its shapes keep changing (for a
-    caller who asked for replays; the default choice falls back quietly)."""
+    caller who asked for replays; the default choice falls back quietly). ``hidden_l1``: l1 on h, not on the gate
+    (a capture of its own)."""
     tensors = [x2, *(t for t in weights if t is not None)]
     if (
         not torch.is_grad_enabled()
@@ -497,6 +503,7 @@ def graphed_step(
         tile,
         sort_rows,
         capacity,
+        hidden_l1,
     )
     step = layer.steps.get(key)
     # captures and replays on the tensors' GPU (a layer on cuda:1 while cuda:0 is current)
@@ -513,7 +520,9 @@ def graphed_step(
             return None
         layer.captures += 1
         with torch.no_grad(), on_device, autocast_off(x2):
-            step = GraphedBlockStep(x2.detach(), weights, block_rows, tile, sort_rows, capacity, copied)
+            step = GraphedBlockStep(
+                x2.detach(), weights, block_rows, tile, sort_rows, capacity, copied, hidden_l1
+            )  # fmt: skip
         layer.steps[key] = step
         while len(layer.steps) > GRAPHS_PER_WEIGHT:
             layer.steps.popitem(last=False)

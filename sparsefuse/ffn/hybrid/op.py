@@ -100,6 +100,7 @@ def hybrid_mlp_fwd_op(
     b_down: torch.Tensor | None,
     width: int,
     backup_rows: int,
+    hidden_l1: bool = False,
 ) -> tuple[
     torch.Tensor,
     torch.Tensor,
@@ -112,9 +113,10 @@ def hybrid_mlp_fwd_op(
     torch.Tensor,
     torch.Tensor,
 ]:
-    """x2 [M, K]; w_gate, w_up, w_down_t [N, K]. Returns y [M, K], l1 (0-dim, float32 or float64), the saved
-    Hybrid parts -- gate values, up values, indices [M, width] (int32), counts [M] (int32), gate backup, up backup
-    [R, N], backup rows [R] (int32) -- and the gate's firing count per neuron [N] (int32)."""
+    """x2 [M, K]; w_gate, w_up, w_down_t [N, K]. Returns y [M, K], l1 (0-dim, float32 or float64: the gate's mean
+    per element; ``hidden_l1``: |h|'s, h = h_g * h_u, from the Hybrid parts), the saved Hybrid parts -- gate values,
+    up values, indices [M, width] (int32), counts [M] (int32), gate backup, up backup [R, N], backup rows [R]
+    (int32) -- and the gate's firing count per neuron [N] (int32)."""
     M, N = x2.shape[0], w_gate.shape[0]
     pre = F.linear(x2, w_gate, b_gate)
     h_gate = torch.relu(pre)
@@ -133,11 +135,16 @@ def hybrid_mlp_fwd_op(
     valid = (rows >= 0)[:, None]
     g_backup = hybrid.backup
     u_backup = torch.where(valid, _rows_of(pre_up, rows), 0)
-    y = _product(_fitting(g_vals * u_vals, ell.indices, ell.counts, N), w_down_t, x2.dtype)
-    _add_rows(y, rows, F.linear(g_backup * u_backup, w_down_t.t()))
+    h_vals, h_backup = g_vals * u_vals, g_backup * u_backup
+    y = _product(_fitting(h_vals, ell.indices, ell.counts, N), w_down_t, x2.dtype)
+    _add_rows(y, rows, F.linear(h_backup, w_down_t.t()))
     if b_down is not None:
         y = y + b_down
-    l1 = h_gate.sum(dtype=_l1_dtype(x2.dtype)) / max(M * N, 1)
+    if hidden_l1:  # the ELL slots of the rows that fit (zero elsewhere) and the backup rows: every fired pair once
+        sums = h_vals.abs().sum(dtype=_l1_dtype(x2.dtype)) + h_backup.abs().sum(dtype=_l1_dtype(x2.dtype))
+        l1 = sums / max(M * N, 1)
+    else:
+        l1 = h_gate.sum(dtype=_l1_dtype(x2.dtype)) / max(M * N, 1)
     fired = torch.zeros(N + 1, dtype=torch.int32, device=x2.device)
     fired.scatter_add_(0, torch.where(used, ell.indices, N).flatten().long(), used.flatten().to(torch.int32))
     neuron_counts = fired[:N] + (g_backup != 0).sum(0, dtype=torch.int32)
@@ -145,7 +152,7 @@ def hybrid_mlp_fwd_op(
 
 
 @hybrid_mlp_fwd_op.register_fake
-def _(x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, width, backup_rows):
+def _(x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, width, backup_rows, hidden_l1=False):
     M, N = x2.shape[0], w_gate.shape[0]
     R = torch.library.get_ctx().new_dynamic_size()  # grows when more rows overflow than the backup holds
     slots = x2.new_empty(M, width)
@@ -180,9 +187,10 @@ def hybrid_mlp_bwd_op(
     g_backup: torch.Tensor,
     u_backup: torch.Tensor,
     rows: torch.Tensor,
+    hidden_l1: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dx [M, K], dw_gate, dw_up, dw_down_t [N, K], db_gate, db_up [N], db_down [K]) of the forward's
-    outputs' gradients dy [M, K] and dl1 (0-dim)."""
+    outputs' gradients dy [M, K] and dl1 (0-dim; ``hidden_l1``: the forward's term was on h)."""
     M, N = x2.shape[0], w_gate.shape[0]
     dy = dy.to(x2.dtype)
     dh = F.linear(dy, w_down_t)  # [M, N]: dy W_d
@@ -191,6 +199,10 @@ def hybrid_mlp_bwd_op(
     dh_vals = torch.where(used, dh.gather(1, indices.long()), 0)
     dh_backup = torch.where(valid, _rows_of(dh, rows), 0)
     l1_grad = (dl1.to(_l1_dtype(x2.dtype)) / max(M * N, 1)).to(x2.dtype)
+    if hidden_l1:  # |h|'s gradient joins h's (sign(h) = sign(h_u) where the gate fired; 0 elsewhere)
+        dh_vals = dh_vals + l1_grad * torch.sign(u_vals)
+        dh_backup = dh_backup + l1_grad * torch.sign(u_backup)
+        l1_grad = torch.zeros_like(l1_grad)
     du_vals, du_backup = dh_vals * g_vals, dh_backup * g_backup
     dpre_vals = torch.where(used, dh_vals * u_vals + l1_grad, 0)  # stored gate values are the fired ones
     dpre_backup = torch.where(g_backup != 0, dh_backup * u_backup + l1_grad, 0)
@@ -214,7 +226,7 @@ def hybrid_mlp_bwd_op(
 
 
 @hybrid_mlp_bwd_op.register_fake
-def _(dy, dl1, x2, w_gate, w_up, w_down_t, g_vals, u_vals, indices, counts, g_backup, u_backup, rows):
+def _(dy, dl1, x2, w_gate, w_up, w_down_t, g_vals, u_vals, indices, counts, g_backup, u_backup, rows, hidden_l1=False):
     N, K = w_gate.shape
     return (
         torch.empty_like(x2),
@@ -228,16 +240,18 @@ def _(dy, dl1, x2, w_gate, w_up, w_down_t, g_vals, u_vals, indices, counts, g_ba
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, width, backup_rows = inputs
+    x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, width, backup_rows, *hidden_l1 = inputs
     _, _, g_vals, u_vals, indices, counts, g_backup, u_backup, rows, _ = output
     ctx.save_for_backward(x2, w_gate, w_up, w_down_t, g_vals, u_vals, indices, counts, g_backup, u_backup, rows)
     ctx.has_bias = (b_gate is not None, b_up is not None, b_down is not None)
+    ctx.hidden_l1 = bool(hidden_l1 and hidden_l1[0])
 
 
 def _backward(ctx, dy, dl1, *unused):
-    dx, dwg, dwu, dwd, dbg, dbu, dbd = hybrid_mlp_bwd_op(dy, dl1, *ctx.saved_tensors)
+    dx, dwg, dwu, dwd, dbg, dbu, dbd = hybrid_mlp_bwd_op(dy, dl1, *ctx.saved_tensors, ctx.hidden_l1)
     has_g, has_u, has_d = ctx.has_bias
-    return dx, dwg, dbg if has_g else None, dwu, dbu if has_u else None, dwd, dbd if has_d else None, None, None
+    grads = (dx, dwg, dbg if has_g else None, dwu, dbu if has_u else None, dwd, dbd if has_d else None)
+    return *grads, None, None, None
 
 
 hybrid_mlp_fwd_op.register_autograd(_backward, setup_context=_setup_context)
