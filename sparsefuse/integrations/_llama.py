@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..ffn.hybrid.reference import L1_TERMS
 from ..ffn.twell import DEFAULT_COMPRESSION
 from ..nn.ffn import SparseGatedMLP
 from ..nn.norms import RMSNorm
@@ -150,12 +151,38 @@ def patched_mlps(model: nn.Module) -> list[tuple[str, SparseGatedMLP]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, SparseGatedMLP)]
 
 
-def l1_loss(model: nn.Module) -> torch.Tensor:
-    """The summed L1 term of every patched layer's last forward that needed gradients (each the gate activations'
-    mean per element, :attr:`SparseGatedMLP.last_l1`): add ``coefficient * l1_loss(model)`` to the loss after the
-    forward. A per-element mean per layer keeps a coefficient portable across batch sizes and widths; summing over
-    layers weighs every layer alike. Raises if no patched layer has run a training forward."""
-    terms = [m.last_l1 for _, m in patched_mlps(model) if m.last_l1 is not None]
+L1_LAYER_REDUCTIONS = ("sum", "mean")
+
+
+def l1_loss(model: nn.Module, *, layers: str = "sum", l1_on: str | None = None) -> torch.Tensor:
+    """The L1 term of every patched layer's last forward that needed gradients (:attr:`SparseGatedMLP.last_l1`:
+    each a mean per element, of the gate activations or, for a layer with ``l1_on="hidden"``, of the hidden
+    representation h = h_g * h_u), summed (``layers="sum"``, default) or averaged (``layers="mean"``) over those
+    layers: add ``coefficient * l1_loss(model)`` to the loss after the forward. A per-element mean per layer keeps
+    a coefficient portable across batch sizes and widths; both reductions weigh every layer alike, and the mean
+    keeps it portable across depths too.
+
+    The TwELL paper's eq. 2 is ``l1_loss(model, layers="mean", l1_on="hidden")`` on layers set to ``"hidden"``
+    (``SparseGatedMLP(l1_on="hidden")``, or ``m.l1_on = "hidden"`` for each ``m`` of :func:`patched_mlps`);
+    ``l1_on`` here only checks that every layer takes that term (ValueError naming the layers that do not). Its
+    released code divides by the tokens alone: its coefficient is this one over the intermediate size
+    (docs/training.md, "The L1 term"). Raises RuntimeError if no patched layer has run a training forward."""
+    if layers not in L1_LAYER_REDUCTIONS:
+        raise ValueError(f"sparsefuse l1_loss: layers must be 'sum' or 'mean'; got {layers!r}")
+    mlps = patched_mlps(model)
+    if l1_on is not None:
+        if l1_on not in L1_TERMS:
+            raise ValueError(
+                f"sparsefuse l1_loss: l1_on must be one of {', '.join(map(repr, L1_TERMS))}; got {l1_on!r}"
+            )
+        other = [name for name, m in mlps if m.l1_on != l1_on]
+        if other:
+            raise ValueError(
+                f"sparsefuse l1_loss(l1_on={l1_on!r}): {len(other)} patched layers take their L1 term on something "
+                f"else (first: {other[0]!r}); set each layer's l1_on to {l1_on!r} before the forward (for _, m in "
+                f"patched_mlps(model): m.l1_on = {l1_on!r})"
+            )
+    terms = [m.last_l1 for _, m in mlps if m.last_l1 is not None]
     if not terms:
         raise RuntimeError(
             "sparsefuse l1_loss: no patched SparseGatedMLP has run a forward with gradients since its last forward "
@@ -163,7 +190,8 @@ def l1_loss(model: nn.Module) -> torch.Tensor:
             "activation checkpointing use use_reentrant=False: the reentrant kind runs the forward without "
             "gradients, so no differentiable L1 term exists until its backward)"
         )
-    return torch.stack([t.float() for t in terms]).sum()
+    total = torch.stack([t.float() for t in terms]).sum()
+    return total / len(terms) if layers == "mean" else total
 
 
 def release_step(model: nn.Module) -> None:

@@ -40,6 +40,7 @@ from torch.nn.modules import module as _torch_module
 from .._auto import SparsityMonitor, observable, sampled_nonzero_stats
 from .._validation import FLOAT_DTYPES
 from ..ffn.hybrid import hybrid_mlp, sparsity_stats
+from ..ffn.hybrid.reference import L1_TERMS
 from ..ffn.twell import DEFAULT_COMPRESSION, METHODS, twell_down_layout, twell_mlp
 from ..ffn.twell.auto import ESTIMATES, eager_runs_dense
 from ..ffn.twell.launch import STATS_TOKENS
@@ -68,6 +69,7 @@ class SparseGatedMLP(nn.Module):
         train_width: int = DEFAULT_HYBRID_WIDTH,
         down_layout: str = "column",
         train_cuda_graph: bool | None = None,
+        l1_on: str = "gate",
         device=None,
         dtype=None,
     ) -> None:
@@ -86,6 +88,7 @@ class SparseGatedMLP(nn.Module):
             train_method=train_method,
             down_layout=down_layout,
             train_cuda_graph=train_cuda_graph,
+            l1_on=l1_on,
         )
         self._register_state_dict_hook(_contiguous_down_weight)
         self.last_l1: torch.Tensor | None = None  # the last training step's L1 term (differentiable)
@@ -104,9 +107,12 @@ class SparseGatedMLP(nn.Module):
         train_method: str = "dense",
         down_layout: str = "column",
         train_cuda_graph: bool | None = None,
+        l1_on: str | None = None,
     ) -> None:
         """Set how the module runs (the constructor's keywords; what :func:`patch_llama` on a patched model calls),
-        re-laying ``down_proj.weight`` out in place where ``down_layout`` changes."""
+        re-laying ``down_proj.weight`` out in place where ``down_layout`` changes. ``l1_on``: what :attr:`last_l1`
+        is taken on, ``"gate"`` or ``"hidden"`` (:func:`~sparsefuse.ffn.hybrid.hybrid_mlp`'s ``l1_on``; the
+        attribute of that name may also be set directly); None keeps the module's choice."""
         if method not in METHODS:
             raise ValueError(f"SparseGatedMLP: method must be one of {', '.join(METHODS)}; got {method!r}")
         if train_method not in TRAIN_METHODS:
@@ -120,6 +126,9 @@ class SparseGatedMLP(nn.Module):
         # hybrid training: replay the step from CUDA graphs captured per input shape (hybrid_mlp's cuda_graph:
         # None lets it decide by the layer's size)
         self.train_cuda_graph = train_cuda_graph
+        if l1_on is not None:
+            _check_l1_on(l1_on)
+            self.l1_on = l1_on
         self.relayout_down_proj()
 
     @torch.no_grad()
@@ -184,10 +193,20 @@ class SparseGatedMLP(nn.Module):
             self._record_step(h_gate)
         return self.down_proj(h_gate * self.up_proj(x))
 
-    def _record_step(self, h_gate: torch.Tensor) -> None:
-        """The dense step's L1 term (the gate activations' mean per element) and firing counts."""
+    def _record_step(self, h_gate: torch.Tensor, h: torch.Tensor | None = None) -> None:
+        """The dense step's L1 term (the mean per element of the gate activations, or with ``l1_on="hidden"`` of
+        |h|, h = h_gate * up) and firing counts."""
         fired = (h_gate > 0).reshape(-1, h_gate.shape[-1])
-        self.last_l1 = h_gate.sum(dtype=torch.float32) / max(h_gate.numel(), 1)
+        _check_l1_on(self.l1_on)
+        if self.l1_on == "hidden":
+            if h is None:
+                raise ValueError(
+                    "SparseGatedMLP(l1_on='hidden'): a forward that calls the submodules (one of them hooked or not "
+                    "a plain nn.Linear / nn.ReLU) records the gate term only; use l1_on='gate' for this module"
+                )
+            self.last_l1 = h.abs().sum(dtype=torch.float32) / max(h.numel(), 1)
+        else:
+            self.last_l1 = h_gate.sum(dtype=torch.float32) / max(h_gate.numel(), 1)
         self._last_counts = (fired.sum(1, dtype=torch.int32), fired.sum(0, dtype=torch.int32))
 
     def __getstate__(self) -> dict:
@@ -251,12 +270,14 @@ class SparseGatedMLP(nn.Module):
                 b_down=down.bias,
                 width=self.train_width,
                 cuda_graph=self.train_cuda_graph,
+                l1_on=self.l1_on,
             )
             self.last_l1, self._last_counts = out.l1, (out.token_counts, out.neuron_counts)
             return out.y
         h_gate = torch.relu(F.linear(x, gate.weight, gate.bias))
-        self._record_step(h_gate)
-        return F.linear(h_gate * F.linear(x, up.weight, up.bias), down.weight, down.bias)
+        h = h_gate * F.linear(x, up.weight, up.bias)
+        self._record_step(h_gate, h)
+        return F.linear(h, down.weight, down.bias)
 
     def sparsity_report(self, group: torch.distributed.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
         """The last training step's gate statistics as device scalars (reading them is the caller's sync): mean,
@@ -278,6 +299,11 @@ class SparseGatedMLP(nn.Module):
             f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
             f"compression={self.compression}, method={self.method!r}, train_method={self.train_method!r}"
         )
+
+
+def _check_l1_on(l1_on: str) -> None:
+    if l1_on not in L1_TERMS:
+        raise ValueError(f"SparseGatedMLP: l1_on must be one of {', '.join(map(repr, L1_TERMS))}; got {l1_on!r}")
 
 
 def _has_hooks(module: nn.Module) -> bool:
