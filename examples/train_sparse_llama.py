@@ -24,7 +24,10 @@ each training, so a run cut short keeps what it finished):
 
 The MLPs are patched with :func:`sparsefuse.integrations.transformers.patch_llama` (``--train-method`` dense or
 hybrid, ``--cuda-graph`` to replay the hybrid step from CUDA graphs); the L1 term is
-:func:`sparsefuse.integrations.transformers.l1_loss` (each layer's per-element mean, summed over layers).
+:func:`sparsefuse.integrations.transformers.l1_loss`: each layer's per-element mean of its gate activations, summed
+over layers, or with ``--l1-on hidden`` the TwELL paper's eq. 2, the per-element mean of |h| (h = gate * up)
+averaged over layers, whose default coefficient is the paper's 2e-5 in its released code's per-token normalisation:
+2e-5 * intermediate size per element (docs/training.md, "The L1 term").
 """
 
 from __future__ import annotations
@@ -37,6 +40,10 @@ import time
 from pathlib import Path
 
 import torch
+
+# The paper's recommended coefficient, on the released code's per-token term (|h| summed over the N neurons, divided
+# by the tokens M); the per-element term here takes it times N.
+PAPER_L1_PER_TOKEN = 2e-5
 
 SIZES = {
     # hidden, intermediate, layers, heads, context, batch, steps, learning rate, corpus bytes (the small run reads
@@ -78,10 +85,11 @@ def build_model(
     seed: int,
     down_layout: str = "column",
     cuda_graph: bool | None = None,
+    l1_on: str = "gate",
 ) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from sparsefuse.integrations.transformers import patch_llama
+    from sparsefuse.integrations.transformers import patch_llama, patched_mlps
 
     torch.manual_seed(seed)
     config = LlamaConfig(
@@ -96,7 +104,10 @@ def build_model(
         tie_word_embeddings=True,
     )
     model = LlamaForCausalLM(config).to(device)
-    return patch_llama(model, train_method=train_method, down_layout=down_layout, train_cuda_graph=cuda_graph)
+    model = patch_llama(model, train_method=train_method, down_layout=down_layout, train_cuda_graph=cuda_graph)
+    for _, mlp in patched_mlps(model):
+        mlp.l1_on = l1_on  # what each layer's L1 term is taken on: its gate activations or its hidden h
+    return model
 
 
 def _shard(model: torch.nn.Module, engine: str, device: torch.device) -> torch.nn.Module:
@@ -163,7 +174,11 @@ def train(cfg: dict, data: torch.Tensor, l1: float, args: argparse.Namespace, de
         raise ValueError(f"--distributed: the batch ({cfg['batch']}) must divide among {world} processes")
     layout = "row" if args.distributed and args.engine == "fsdp2" else "column"
     replay = {"auto": None, "on": True, "off": False}[args.cuda_graph]
-    model = build_model(cfg, device, args.train_method, args.seed, down_layout=layout, cuda_graph=replay)
+    model = build_model(
+        cfg, device, args.train_method, args.seed, down_layout=layout, cuda_graph=replay, l1_on=args.l1_on
+    )
+    # the paper's eq. 2 averages its layers' terms; the gate term is summed over them, as l1_loss does by default
+    layers = "mean" if args.l1_on == "hidden" else "sum"
     inner = model
     if args.distributed:
         model = _shard(model, args.engine, device)
@@ -182,7 +197,7 @@ def train(cfg: dict, data: torch.Tensor, l1: float, args: argparse.Namespace, de
         t0 = time.perf_counter()
         with autocast:
             out = model(ids, labels=ids)
-            loss = out.loss + coef * l1_loss(inner)
+            loss = out.loss + coef * l1_loss(inner, layers=layers)
         opt.zero_grad(set_to_none=True)
         # DDP's and FSDP2's hooks run their Python in the backward faster on this thread than on autograd's GPU
         # worker thread (docs/training.md, "Several GPUs")
@@ -251,8 +266,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--l1",
         type=lambda text: [float(v) for v in text.split(",")],
-        default=[0.3],
-        help="L1 coefficients of the per-element term, comma-separated: one run each (default 0.3)",
+        default=None,
+        help="L1 coefficients of the per-element term, comma-separated: one run each (default 0.3 on the gate; with "
+        f"--l1-on hidden the paper's {PAPER_L1_PER_TOKEN:g} per token, i.e. {PAPER_L1_PER_TOKEN:g} * intermediate "
+        "size per element)",
+    )
+    parser.add_argument(
+        "--l1-on",
+        choices=("gate", "hidden"),
+        default="gate",
+        help="the L1 term: the gate activations' (summed over layers) or the paper's eq. 2 on h = gate * up "
+        "(averaged over layers)",
     )
     parser.add_argument("--train-method", choices=("dense", "hybrid"), default="dense")
     parser.add_argument(
@@ -287,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg["steps"] = args.steps
     if args.batch is not None:
         cfg["batch"] = args.batch
+    if args.l1 is None:
+        args.l1 = [0.3] if args.l1_on == "gate" else [PAPER_L1_PER_TOKEN * cfg["inter"]]
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.distributed:
