@@ -4,11 +4,13 @@ Functional API (mirrors ``torch.nn.functional``): :func:`snake`, :func:`celu`, :
 :func:`topk_decode`, :func:`jumprelu_encode`, :func:`topk_encode`, :func:`splade_pool`, :func:`twell_mlp`,
 :func:`twell_relu_mlp`, :func:`rms_norm`.
 Modules: :mod:`sparsefuse.nn`. Integrations with model libraries: :mod:`sparsefuse.integrations`.
-Which path a call takes: :func:`backend_for` (``"triton"``, ``"interpreter"`` or ``"torch"``).
+Which path a call takes: :func:`backend_for` (``"triton"``, ``"interpreter"`` or ``"torch"``). Which method
+``method="auto"`` picks and why: :func:`explain`; its knobs: :func:`planning`.
 """
 
 from . import nn  # noqa: F401  (sparsefuse.nn: drop-in modules)
 from ._backend import Backend, backend_for, track_launches
+from ._plan import Explanation, explain, planning
 from .activations.celu import celu, celu_
 from .activations.snake import snake
 from .ffn import twell_mlp, twell_relu_mlp
@@ -19,6 +21,9 @@ from .splade import splade_pool
 __version__ = "0.1.0"
 
 __all__ = [
+    "explain",
+    "Explanation",
+    "planning",
     "snake",
     "celu",
     "celu_",

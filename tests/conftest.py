@@ -103,25 +103,37 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture
+def plan():
+    """``plan(**changes)``: :func:`sparsefuse.planning` with these changes for the rest of the test (the planner's
+    knobs are steered this way, never by patching a module constant)."""
+    import contextlib
+
+    from sparsefuse import planning
+
+    with contextlib.ExitStack() as stack:
+        yield lambda **changes: stack.enter_context(planning(**changes))
+
+
 @pytest.fixture(autouse=True)
-def _fixed_decode_runs_its_format(monkeypatch):
-    """sparse_decode(method="fixed") runs the scan kernel up to FIXED_SCAN_ROWS tokens, and the interpreter's
-    batches are all that small: the tests of the fixed-capacity path keep it at every batch. The routing itself is
-    tested with the threshold restored (tests/sae/test_sae_decode_auto.py)."""
-    import sparsefuse.sae.decode.functional as decode
+def _fresh_planners():
+    """Every test starts with no memoised pick, estimate or warm-up left by another."""
+    from sparsefuse._plan.planner import _PLANNERS
 
-    monkeypatch.setattr(decode, "FIXED_SCAN_ROWS", 0)
+    for planner in _PLANNERS.values():
+        planner.clear()
 
 
 @pytest.fixture(autouse=True)
-def _training_steps_launch_eagerly(monkeypatch):
+def _training_steps_launch_eagerly():
     """hybrid_mlp's default replays a GPU layer's block step from CUDA graphs (CPU tensors never): the tests of the
-    eager step count its launches on either device, so the default's choice is pinned to the eager step here. The
-    tests of replays ask for them (``cuda_graph=True``) or patch the choice back
+    eager step count its launches on either device, so the default's choice is pinned to the eager step here (no
+    layer is small enough to replay). The tests of replays ask for them (``cuda_graph=True``) or set the knob
     (tests/ffn/test_hybrid_graphed.py tests the choice itself)."""
-    import sparsefuse.ffn.hybrid.functional as functional
+    from sparsefuse import planning
 
-    monkeypatch.setattr(functional, "replays_by_default", lambda x2, n_neurons: False)
+    with planning(hybrid_mlp={"replay_max_gate_flop": -1.0}):
+        yield
 
 
 @pytest.fixture

@@ -448,7 +448,7 @@ OPS: dict[str, OpCheck] = {
     "celu fwd+bwd": OpCheck("celu", _celu_fwd_bwd, [(3, 1001)], [((1 << 20) + 7,)]),
     # (B, F, D, L0)
     "sae decode scan": OpCheck("sae_decode", _sae_decode("scan"), _DECODE_SMALL, _DECODE_FULL),
-    # past 256 tokens: below, "fixed" may run the scan (sparse_decode's FIXED_SCAN_ROWS)
+    # also past 256 tokens, where a gather launch takes more than one wave
     "sae decode fixed": OpCheck(
         "sae_decode", _sae_decode("fixed"), _DECODE_SMALL, [*_DECODE_FULL, (320, 65536, 768, 64)]
     ),

@@ -3,7 +3,6 @@ and only the fired rows of the up and down projections are read. See :mod:`spars
 sparse inputs for tests and benchmarks: :mod:`sparsefuse.ffn.synthetic`."""
 
 from .twell import (
-    COST_MODEL,
     DEFAULT_COMPRESSION,
     BlockPlan,
     CostModel,
@@ -31,7 +30,6 @@ __all__ = [
     "torch_relu_mlp",
     "SparsityMonitor",
     "CostModel",
-    "COST_MODEL",
     "predicted_times",
     "predicted_block_time",
     "BlockPlan",

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _torch_module
 
-from .._auto import SparsityMonitor, observable, sampled_nonzero_stats
+from .._plan import SparsityMonitor, decided, explaining, observable, sampled_nonzero_stats
 from .._validation import FLOAT_DTYPES
 from ..ffn.hybrid import hybrid_mlp, sparsity_stats
 from ..ffn.hybrid.reference import L1_TERMS
@@ -152,6 +152,8 @@ class SparseGatedMLP(nn.Module):
         if self._runs_submodules(x):
             return self._submodule_forward(x, wants_grad)
         if wants_grad:
+            if self.train_method == "dense":  # (the sparse step's layout is hybrid_mlp's planner's to explain)
+                decided("twell_mlp", "dense", "a gradient is wanted: train_method='dense'", "autograd")
             return self._train_forward(x)
         if self.method == "auto" and x.is_cuda and self._eager_dense(x):
             return self._dense_forward(x)
@@ -222,7 +224,7 @@ class SparseGatedMLP(nn.Module):
         is kept per (tokens, dtype) until the next sample of the gate's sparsity. False for the call that makes
         that answer (it goes through :func:`twell_mlp`, which makes the estimate on a new weight and warms up the
         kernels a later capture will run), and for compiled or captured calls (they always go through it)."""
-        if not observable(x) or x.shape[-1] != self.hidden_size:
+        if not observable(x) or x.shape[-1] != self.hidden_size or explaining():
             return False
         weight = self.gate_proj.weight
         if self._eager_choice_weight is not weight:  # a new gate weight has its own estimate

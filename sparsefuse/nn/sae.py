@@ -49,8 +49,8 @@ class SparseJumpReLUSAE(nn.Module):
         return pre.masked_fill_(pre <= self.threshold.clamp(min=0), 0)  # inference: one in-place pass
 
     def decode(self, feature_acts: torch.Tensor) -> torch.Tensor:
-        method = "fixed" if self.max_l0 is not None else "auto"
-        return sparse_decode(feature_acts, self.W_dec, method=method, max_l0=self.max_l0) + self.b_dec
+        # max_l0: the width of "fixed" where auto picks it (the planner weighs it against the scan and cuBLAS)
+        return sparse_decode(feature_acts, self.W_dec, max_l0=self.max_l0) + self.b_dec
 
     def forward(self, x: torch.Tensor, *, return_feature_acts: bool = False):
         params = (x, self.W_enc, self.b_enc, self.threshold, self.W_dec, self.b_dec)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from .._auto import SparsityMonitor, sampled_nonzero_stats
+from .._plan import SparsityMonitor, sampled_nonzero_stats
 from .block_grad import block_ell_sddmm, block_ell_transpose, transposed_matmul
 from .block_pack import PackedFactors, pack_block_factors, spilled_blocks, unpack_block_factors
 from .block_spmm import block_sparse_matmul

@@ -20,7 +20,7 @@ TINY = dict(
 )
 
 
-def test_train_workload_steps_patched_and_unpatched(monkeypatch, device):
+def test_train_workload_steps_patched_and_unpatched(monkeypatch, device, plan):
     monkeypatch.setattr(train_setup, "MODEL_SHAPE", TINY)
     monkeypatch.setattr(train_setup, "QUICK", ((2,), (6.0,), [(2, 16)]))
     options = Options(quick=True, dtypes=(torch.float32,), device=str(device), log=lambda _: None)
@@ -50,12 +50,10 @@ def test_train_workload_steps_patched_and_unpatched(monkeypatch, device):
     # the patched model again, its FFN steps replayed from captured graphs as the default replays them on a GPU at
     # this layer size (CPU tensors replay only when told; under the interpreter a replay re-runs the captured
     # function), then with replays off for the "no replay" row's steps only
-    import sparsefuse.ffn.hybrid.functional as functional
     from sparsefuse.ffn.hybrid import graphed
-    from sparsefuse.ffn.hybrid.choice import TRAIN_CHOICE
 
-    monkeypatch.setattr(TRAIN_CHOICE, "dense_above", 1.0)  # the tiny model fires ~6%: keep the block step
-    monkeypatch.setattr(functional, "replays_by_default", lambda x2, n_neurons: True)
+    # the tiny model fires ~6%: keep the block step; every layer replays, as a GPU's small layer would
+    plan(context="eager", hybrid_mlp={"dense_above": 1.0, "replay_max_gate_flop": float("inf")})
     replays = graphed.GRAPH_EVENTS["replay"]
     for _ in range(2):
         replayed_loss = float(case.impls["patched"](ids))

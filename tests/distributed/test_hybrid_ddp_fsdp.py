@@ -126,10 +126,11 @@ def _graph_steps_worker(rank: int, world: int, init: str, out_path: str) -> None
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
 
+        from sparsefuse import planning
         from sparsefuse.ffn.hybrid import graphed
-        from sparsefuse.ffn.hybrid.choice import TRAIN_CHOICE
 
-        TRAIN_CHOICE.dense_above = 1.0  # the block step (the one that replays) at this small layer's firing
+        planning(hybrid_mlp={"dense_above": 1.0}).__enter__()  # the block step (the one that replays) at this
+        # small layer's firing, for the rest of this worker process
         mlp = _module(train_cuda_graph=True)
         model = fully_shard(mlp, mesh=DeviceMesh.from_group(dist.group.WORLD, "cpu"), reshard_after_forward=False)
         x, target = _batch()

@@ -14,10 +14,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-from sparsefuse import backend_for, track_launches
+from sparsefuse import backend_for, planning, track_launches
 from sparsefuse.bench.harness import Options
 from sparsefuse.bench.workloads import train, train_setup
-from sparsefuse.ffn.hybrid.choice import TRAIN_CHOICE
 
 TINY = dict(
     hidden_size=32,
@@ -33,7 +32,11 @@ STEPS = 2  # per implementation: the first one after the gradient check, and one
 def main(out_path: str, device: str = "cpu", shapes: str = "") -> int:
     train_setup.MODEL_SHAPE = TINY
     # the block step in every call: the tiny model fires 6% of its neurons, past which auto takes the dense layout
-    TRAIN_CHOICE.dense_above = 1.0
+    with planning(hybrid_mlp={"dense_above": 1.0}):
+        return _main(out_path, device, shapes)
+
+
+def _main(out_path: str, device: str, shapes: str) -> int:
     train_setup.QUICK = ((2,), (6.0,), [(2, 16)])
     options = Options(quick=True, dtypes=(torch.float32,), device=device, log=print)
     results: dict[str, dict] = {}

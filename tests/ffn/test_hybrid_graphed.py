@@ -326,56 +326,63 @@ def test_cuda_graph_step_on_the_gpu_equals_the_eager_step(autocast):
 
 
 def test_the_default_replays_by_layer_size_and_falls_back_quietly(device, monkeypatch):
-    """cuda_graph=None replays CUDA layers whose gate product is at most REPLAY_MAX_GATE_FLOP (the 1.5B layer, not
-    the 8B one) and never CPU tensors; where it replays it gives the eager step's results, falls back to the eager
-    step past the capture limit without the warning an explicit cuda_graph=True gets, and leaves a given
-    block_capacity to the eager step."""
-    from types import SimpleNamespace
-
-    import sparsefuse.ffn.hybrid.functional as functional
+    """cuda_graph=None replays plain eager CUDA calls of layers whose gate product is at most the knob
+    replay_max_gate_flop (the 1.5B layer, not the 8B one) and never CPU tensors; where it replays it gives the eager
+    step's results, falls back to the eager step past the capture limit without the warning an explicit
+    cuda_graph=True gets, and leaves a given block_capacity to the eager step."""
+    from sparsefuse import planning
+    from sparsefuse.ffn.hybrid.choice import TrainKnobs
     from sparsefuse.sparse.block_pack import spilled_blocks
 
-    def on_gpu(rows, features):
-        return SimpleNamespace(is_cuda=True, shape=(rows, features))
+    def on_gpu(rows, features):  # priced as a plain eager CUDA call below
+        return torch.empty(rows, features, device="meta")
 
-    assert graphed.replays_by_default(on_gpu(8192, 2048), 5632) and graphed.replays_by_default(
-        on_gpu(16384, 2048), 5632
-    )
-    assert not graphed.replays_by_default(on_gpu(8192, 4096), 14336)
-    assert not graphed.replays_by_default(SimpleNamespace(is_cuda=False, shape=(8, 8)), 8)
-    with monkeypatch.context() as traced:  # a call torch.compile traces: the eager step's op, whatever the size
-        traced.setattr(torch.compiler, "is_compiling", lambda: True)
-        assert not graphed.replays_by_default(on_gpu(8192, 2048), 5632)
+    with planning(context="eager", hybrid_mlp={"replay_max_gate_flop": TrainKnobs().replay_max_gate_flop}):
+        assert graphed.replays_by_default(on_gpu(8192, 2048), 5632)
+        assert graphed.replays_by_default(on_gpu(16384, 2048), 5632)
+        assert not graphed.replays_by_default(on_gpu(8192, 4096), 14336)
+        with planning(context=None):
+            assert not graphed.replays_by_default(torch.empty(8, 8), 8)  # a CPU tensor
+        with monkeypatch.context() as traced:  # a call torch.compile traces: the eager step's op, whatever the size
+            traced.setattr(torch.compiler, "is_compiling", lambda: True)
+            assert not graphed.replays_by_default(on_gpu(8192, 2048), 5632)
 
-    monkeypatch.setattr(functional, "replays_by_default", lambda x2, n_neurons: True)  # as a GPU's small layer
+    # every layer replays, on the CPU too, as a GPU's small layer would
     monkeypatch.setattr(graphed, "CAPTURE_LIMIT", 1)
-    leaves = _leaves(M, K, N, torch.float32, device, False, seed=9)
-    dy = torch.randn(M, K, device=device)
-    _grads(leaves, dy, 0.0)  # observed (the eager step)
-    before = _events()
-    out, grads = _grads(leaves, dy, 0.0)  # captured and replayed
-    assert graphed.GRAPH_EVENTS["replay"] == before.get("replay", 0) + 1
-    _check(leaves, dy, 0.0, out, grads)
-    ragged = [leaves[0][: M - 2].detach().requires_grad_(), *leaves[1:]]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a new shape past the limit: the eager step, quietly
-        out, grads = _grads(ragged, dy[: M - 2], 0.0)
-    _check(ragged, dy[: M - 2], 0.0, out, grads)
-    assert graphed.GRAPH_EVENTS["replay"] == before.get("replay", 0) + 1
-    spilled = int(spilled_blocks(device))
-    out, grads = _grads(leaves, dy, 0.0, block_capacity=0)  # the eager step, every block recomputed
-    assert int(spilled_blocks(device)) > spilled and graphed.GRAPH_EVENTS["replay"] == before.get("replay", 0) + 1
-    _check(leaves, dy, 0.0, out, grads)
+    with planning(context="eager", hybrid_mlp={"replay_max_gate_flop": float("inf")}):
+        leaves = _leaves(M, K, N, torch.float32, device, False, seed=9)
+        dy = torch.randn(M, K, device=device)
+        _grads(leaves, dy, 0.0)  # observed (the eager step)
+        before = _events()
+        out, grads = _grads(leaves, dy, 0.0)  # captured and replayed
+        assert graphed.GRAPH_EVENTS["replay"] == before.get("replay", 0) + 1
+        _check(leaves, dy, 0.0, out, grads)
+        ragged = [leaves[0][: M - 2].detach().requires_grad_(), *leaves[1:]]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a new shape past the limit: the eager step, quietly
+            out, grads = _grads(ragged, dy[: M - 2], 0.0)
+        _check(ragged, dy[: M - 2], 0.0, out, grads)
+        assert graphed.GRAPH_EVENTS["replay"] == before.get("replay", 0) + 1
+        spilled = int(spilled_blocks(device))
+        out, grads = _grads(leaves, dy, 0.0, block_capacity=0)  # the eager step, every block recomputed
+        assert int(spilled_blocks(device)) > spilled and graphed.GRAPH_EVENTS["replay"] == before.get("replay", 0) + 1
+        _check(leaves, dy, 0.0, out, grads)
 
 
 @pytest.mark.gpu
-def test_the_default_replays_a_15b_layer_on_the_gpu_as_the_eager_step(monkeypatch):
+def test_the_default_replays_a_15b_layer_on_the_gpu_as_the_eager_step():
     """The default call (cuda_graph=None, the library's own choice, not the tests' pin) at the 1.5B layer shape and
     8192 tokens: it captures once it has observed the layer, then replays, and gives the eager step's results."""
-    import sparsefuse.ffn.hybrid.functional as functional
+    from sparsefuse import planning
+    from sparsefuse.ffn.hybrid.choice import TrainKnobs
+
+    with planning(hybrid_mlp={"replay_max_gate_flop": TrainKnobs().replay_max_gate_flop}):
+        _default_replays_a_15b_layer()
+
+
+def _default_replays_a_15b_layer():
     from sparsefuse.ffn.synthetic import synthetic_ffn
 
-    monkeypatch.setattr(functional, "replays_by_default", graphed.replays_by_default)
     ffn = synthetic_ffn(2048, 5632, dtype=torch.bfloat16, device="cuda", seed=4)
     leaves = [ffn.make_input(8192, 30.0).requires_grad_()]
     leaves += [w.clone().requires_grad_() for w in (ffn.w_gate, ffn.w_up, ffn.w_down)]
@@ -426,7 +433,7 @@ def test_the_captured_capacity_grows_at_once_and_shrinks_only_by_a_factor_of_fou
     monkeypatch.setitem(TRAIN_CHOICE._monitors, w, [est, 0])
     seen = []
     for need in (10.0, 11.0, 14.0, 30.0, 12.0, 5.0, 3.0, 1000.0):
-        est.value = need / TRAIN_CHOICE.capacity_margin
+        est.value = need / TRAIN_CHOICE.knobs.capacity_margin
         seen.append(TRAIN_CHOICE.bucketed_capacity(w, 8) // 8)
     # 10 -> 16, held through 11 and 14; 30 -> 32, held at 12; 5 is under a quarter of 32: 8, held at 3; then capped
     # at every pair (M N)

@@ -158,14 +158,13 @@ def test_block_step_recomputes_blocks_past_the_kept_capacity(capacity, device):
     assert (spilled == 0) if capacity is None else (spilled >= 1), spilled
 
 
-def test_block_step_keeps_only_the_fired_pairs(device, monkeypatch):
+def test_block_step_keeps_only_the_fired_pairs(device, monkeypatch, plan):
     """After one observed step, the block step keeps the gate and up values where the gate fired, to 1.25x the
     non-zeros seen (no [M, width] array): here under a twentieth of what the dense block keeps (mostly the unions'
     column lists), with no block spilled."""
-    from sparsefuse.ffn.hybrid.choice import TRAIN_CHOICE
     from sparsefuse.sparse.block_pack import spilled_blocks
 
-    monkeypatch.setattr(TRAIN_CHOICE, "capacity_quantum", 64)  # the default rounds small layers up to all of it
+    plan(hybrid_mlp={"capacity_quantum": 64})  # the default rounds small layers up to all of it
     # compiled blocks are 64 rows (16 interpreted): a wider layer keeps their unions as small a share of it
     N = 512 if device.type == "cpu" else 4096
     ffn = synthetic_ffn(64, N, dtype=torch.float32, device=device, seed=4)
@@ -267,12 +266,11 @@ def test_block_step_with_strided_weights_and_biases(capacity, device):
     _check(leaves, dy, 0.3, out, grads)
 
 
-def test_block_step_under_checkpointing_keeps_its_capacity(device, monkeypatch):
+def test_block_step_under_checkpointing_keeps_its_capacity(device, monkeypatch, plan):
     """Activation checkpointing re-runs the forward inside the backward: it takes the capacity (and layout) of the
     forward it recomputes, though the estimate moved in between, so the saved tensors keep their shapes."""
-    from sparsefuse.ffn.hybrid.choice import TRAIN_CHOICE
 
-    monkeypatch.setattr(TRAIN_CHOICE, "capacity_quantum", 64)
+    plan(hybrid_mlp={"capacity_quantum": 64})
     leaves = _leaves(64, 16, 80, torch.float32, device, False, seed=13)[:4]
     dy = torch.randn(64, 16, device=device)
 

@@ -17,8 +17,9 @@ class _Seen:
         return self.per_token
 
 
-def test_capacity_follows_the_non_zeros_seen(monkeypatch):
-    choice = TrainChoice(capacity_quantum=64)
+def test_capacity_follows_the_non_zeros_seen(monkeypatch, plan):
+    plan(hybrid_mlp={"capacity_quantum": 64})
+    choice = TrainChoice()
     a, b = torch.nn.Parameter(torch.zeros(512, 8)), torch.nn.Parameter(torch.zeros(512, 8))
     assert choice.capacity(a, 100) == 100 * 512  # nothing seen yet: every pair
     assert choice.compiled_per_token == 0

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from conftest import DEVICE, assert_backend
 
-from sparsefuse import track_launches
+from sparsefuse import planning, track_launches
 from sparsefuse.ffn import (
     SparsityMonitor,
     predicted_times,
@@ -23,7 +23,6 @@ from sparsefuse.ffn import (
     twell_to_ell,
     twell_up_down,
 )
-from sparsefuse.ffn import twell as twell_module
 from sparsefuse.ffn.synthetic import gate_statistics, synthetic_ffn
 from sparsefuse.ffn.twell import auto as twell_auto
 from sparsefuse.ffn.twell import functional as twell_functional
@@ -282,10 +281,13 @@ def test_auto_counts_host_time_only_for_eager_calls():
     assert twell_auto.auto_method(8192, *shape, eager=True) == twell_auto.auto_method(8192, *shape, eager=False)
 
 
-def test_auto_uses_the_estimate_and_the_monitor(device, monkeypatch):
+def test_auto_uses_the_estimate_and_the_monitor(device):
     # Tiny shapes always favour twell in the cost model; slow its gathers so that a dense hint flips the decision.
-    monkeypatch.setattr(twell_module.COST_MODEL, "gather_bytes_per_s", 5e10)
-    monkeypatch.setattr(twell_module.COST_MODEL, "min_s", 0.0)
+    with planning(twell_mlp={"gather_bytes_per_s": 5e10, "min_s": 0.0}):
+        _auto_uses_the_estimate_and_the_monitor(device)
+
+
+def _auto_uses_the_estimate_and_the_monitor(device):
     K, N = 32, 64
     ffn = synthetic_ffn(K, N, dtype=torch.float32, device=device, seed=5)
     x = ffn.make_input(24, 4.0)
@@ -470,16 +472,19 @@ def test_opcheck_and_fullgraph_compile(device):
     )
     with track_launches() as launched:
         y = fn(x, w_gate, w_up, w_down)
-    # auto without an estimate under compile: the prior's pick for this shape, frozen at trace time, no sync
-    prior = twell_auto._prior_pick(3, 24, 40, torch.float32)
-    assert launched["twell_up_down_fwd_kernel"] == (prior == "twell"), (prior, launched)
+    # auto without an estimate under compile: decided inside the op when the graph runs, from the gate weight's
+    # estimate counted then (no prior frozen into the graph)
+    monitor = twell_auto.ESTIMATES.monitor(w_gate)
+    assert monitor is not None, "the compiled call did not observe the weight"
+    pick = twell_auto.auto_method(3, 24, 40, monitor.mean_nnz, torch.float32)
+    assert launched["twell_up_down_fwd_kernel"] == (pick == "twell"), (pick, launched)
     ref = torch_twell_mlp(x, w_gate, w_up, w_down, b_gate)
     assert_close_to_reference(y, ref, torch_lowp_mlp(x, w_gate, w_up, w_down, b_gate))
 
 
-def test_compiled_auto_follows_the_eager_estimate(device, monkeypatch):
-    """A compiled graph takes the pick of the estimate that eager calls left for the gate weight (random weights:
-    half the neurons fire, so dense), frozen at trace time: no sync and no guard on the estimate."""
+def test_compiled_auto_follows_the_eager_estimate(device):
+    """A compiled graph takes the pick of the gate weight's estimate, decided when the graph runs (random
+    weights: half the neurons fire, so dense): no guard on the estimate, so no recompile as it drifts."""
     w_gate, w_up, w_down, _, _, _ = mlp_weights(24, 40, torch.float32, device, bias=False)
     x = torch.randn(3, 24, device=device)
     twell_mlp(x, w_gate, w_up, w_down, tile=16, compression=2)  # eager: the estimate (~20 of 40 fire)
@@ -490,13 +495,12 @@ def test_compiled_auto_follows_the_eager_estimate(device, monkeypatch):
         y = fn(x, w_gate, w_up, w_down)
     assert launched["twell_up_down_fwd_kernel"] == 0 and launched["twell_gate_fwd_kernel"] == 0, launched
     assert_close_to_reference(y, torch_twell_mlp(x, w_gate, w_up, w_down), torch_lowp_mlp(x, w_gate, w_up, w_down))
-    # with the hint, the cost model's pick is a constant of the graph too (evaluated at trace time, not traced;
-    # stubbed: at this size the model picks dense)
-    monkeypatch.setattr(twell_auto, "_cached_auto_method", lambda M, K, N, nnz, dtype, eager: "twell")
+    # with the hint, the cost model's pick is a constant of the graph (evaluated at trace time, not traced; here
+    # with times that make twell the pick, where the model picks dense at this size)
     torch._dynamo.reset()
     hinted = torch.compile(lambda *a: twell_mlp(*a, tile=16, compression=2, expected_nnz=2.0), fullgraph=True,
                            backend=backend)  # fmt: skip
-    with track_launches() as launched:
+    with planning(twell_mlp={"measured_s": {"twell": 1e-6, "dense": 1.0}}), track_launches() as launched:
         y = hinted(x, w_gate, w_up, w_down)
     assert launched["twell_up_down_fwd_kernel"] == 1, launched
     assert_close_to_reference(y, torch_twell_mlp(x, w_gate, w_up, w_down), torch_lowp_mlp(x, w_gate, w_up, w_down))

@@ -210,14 +210,13 @@ def test_patched_bf16_llama_gpu(device):
     assert_norm_close_to_reference(patched, ref64, unpatched, name="logits")
 
 
-def test_patched_llama_replays_its_hybrid_steps_from_graphs(device, monkeypatch):
+def test_patched_llama_replays_its_hybrid_steps_from_graphs(device, monkeypatch, plan):
     """patch_llama(train_cuda_graph=True): after a first (observing) step every layer's FFN step replays its
     capture, with the gradients of the same model stepped eagerly (under the interpreter a capture re-runs)."""
     from sparsefuse.ffn.hybrid import graphed
-    from sparsefuse.ffn.hybrid.choice import TRAIN_CHOICE
     from sparsefuse.integrations.transformers import l1_loss, patched_mlps
 
-    monkeypatch.setattr(TRAIN_CHOICE, "dense_above", 1.0)  # the tiny model fires widely: keep the block step
+    plan(hybrid_mlp={"dense_above": 1.0})  # the tiny model fires widely: keep the block step
     torch.manual_seed(3)
     model = transformers.LlamaForCausalLM(tiny_config(mlp_bias=True)).to(device)
     sparsify_gates(model, -1.0)

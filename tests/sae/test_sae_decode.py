@@ -333,9 +333,11 @@ def test_sparse_jumprelu_sae_module(device):
         sae.threshold.fill_(0.9)  # a sparse code (a few dozen features per token)
         sae.b_dec.normal_()
     x = torch.randn(6, 48, device=device)
-    with torch.no_grad(), track_launches() as launched:
+    # max_l0 is the width of "fixed" where the planner picks it (here made to): ELL rows, then the overflowed ones
+    fixed_fastest = {"dense_below_d_sae": 256, "measured_s": {"scan": 2.0, "fixed": 1.0, "dense": 3.0}}
+    with torch.no_grad(), sparsefuse.planning(sparse_decode=fixed_fastest), track_launches() as launched:
         recon, acts = sae(x, return_feature_acts=True)
-    assert launched["gather_accumulate_kernel"] == 2  # the ELL rows, then the overflowed rows' scan
+    assert launched["gather_accumulate_kernel"] == 2 and launched["row_bits_kernel"] == 1, dict(launched)
     p = {k: v.detach().double() for k, v in sae.state_dict().items()}
     pre = (x.double() - p["b_dec"]) @ p["W_enc"] + p["b_enc"]
     ref_acts = torch.relu(pre) * (pre > p["threshold"])

@@ -25,14 +25,13 @@ eager, and the worst auto/eager ratio) for the report.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from ...ffn import COST_MODEL, SparsityMonitor, predicted_block_time, predicted_times, twell_gate, twell_mlp
+from ...ffn import CostModel, SparsityMonitor, predicted_block_time, predicted_times, twell_gate, twell_mlp
 from ...ffn.synthetic import synthetic_ffn
 from ..harness import Case, Options, Result, register
 
@@ -50,7 +49,7 @@ SKIP_TWELL_ABOVE = 8.0  # predicted twell / dense ratio above which the forced-t
 # The skip's prediction leaves out auto's heavy-tail factor (which grows with the batch, and keeps auto off twell past
 # small batches): from HEAVY_PASS_MIN_TOKENS tokens the heavy tokens get their own launch, and the forced-twell rows
 # there are what shows how far it is from the best method.
-_SKIP_MODEL = dataclasses.replace(COST_MODEL, tail_tokens=math.inf)
+_SKIP_MODEL = CostModel(tail_tokens=math.inf)
 
 
 def eager_ffn(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """How ``hybrid_mlp(layout="auto")`` runs a step: the sparse block step while the gate is sparse, plain dense ops
-once it is not (the start of training, before L1 has made it sparse), decided on the host without a sync.
+once it is not (the start of training, before L1 has made it sparse), decided on the host without a sync by the
+planner (:mod:`sparsefuse._plan`: its knobs are :class:`TrainKnobs`, ``sparsefuse.explain`` reports the pick).
 
 The firing fraction comes from a :class:`~sparsefuse._auto.SparsityMonitor` per gate weight: every call hands it
 the step's non-zero count (a copy to pinned memory that completes in the background), and the next calls read the
@@ -11,28 +12,60 @@ non-zeros seen on the weight's last observed call, with a margin."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..._auto import SparsityMonitor
+from ..._plan import Knobs, Planner, SparsityMonitor, Variant, decided
 
 
-@dataclass
-class TrainChoice:
+@dataclasses.dataclass(frozen=True)
+class TrainKnobs(Knobs):
     """``dense_above``: the fraction of (token, neuron) pairs firing above which the dense step beats the block
     step. The block step's products on the pattern (the weight gradients gather one row of x and of dy per fired
     pair) grow with the firing while the dense step's do not. Measured on an H100 at 8192 tokens (GPU time, the
     host kept ahead; synthetic gates), the block step costs 0.67 / 0.78 / 0.96 / 1.15x the dense step at 0.52 /
     0.69 / 0.96 / 1.29% firing at the 1.5B layer shape, and 0.37 / 0.61 / 0.74 / 0.93 / 1.20x at 0.20 / 0.51 /
-    0.69 / 0.95 / 1.36% at the 8B one: the two cross at ~1.0% at both; 0.9% keeps a margin."""
+    0.69 / 0.95 / 1.36% at the 8B one: the two cross at ~1.0% at both; 0.9% keeps a margin. The planner prices the
+    block step at ``firing / dense_above`` times the dense one's (its matmuls' time: 3 forward, 6 backward).
+
+    ``replay_max_gate_flop``: ``cuda_graph=None`` replays a CUDA layer's block step whose gate product 2 M K N is at
+    most this many FLOPs. An eager block step costs its host ~2.3-2.7 ms (16 Triton launches at ~31 us each on an
+    H200 machine, their Python, autograd); its GPU time is ~1.6 ms at the 1.5B layer shape (8192 tokens, gate
+    product 1.9e11) and ~3.9 ms at the 8B one (9.6e11): below the line the host paces the eager step and a replay
+    frees it; above it the GPU does, and a replay would add only its copies (~0.3 ms at 8B)."""
 
     dense_above: float = 0.009
     observe_every: int = 16  # calls between observations once an estimate exists (each costs a few launches)
     capacity_margin: float = 1.25  # kept pairs per non-zero last seen: batches vary by a few percent
     capacity_quantum: int = 1 << 16  # capacities rounded up to this many pairs, so the allocator reuses blocks
+    replay_max_gate_flop: float = 5e11
+    matmul_flops_per_s: float = 600e12  # the dense step's nominal rate (explain's seconds; the ratio decides)
+
+
+def _dense_step_s(question: tuple, per_token: float, knobs: TrainKnobs) -> float:
+    M, K, N = question[:3]
+    return 9 * 2.0 * M * K * N / knobs.matmul_flops_per_s
+
+
+def _block_step_s(question: tuple, per_token: float, knobs: TrainKnobs) -> float:
+    return _dense_step_s(question, per_token, knobs) * per_token / max(question[2], 1) / knobs.dense_above
+
+
+PLANNER = Planner(
+    "hybrid_mlp",
+    (Variant("block", _block_step_s), Variant("dense", _dense_step_s)),
+    TrainKnobs(),
+    prior=lambda question, knobs: 0.0,  # nothing observed: the block step (its capacity keeps every pair)
+)
+
+
+@dataclasses.dataclass
+class TrainChoice:
+    """The per-gate-weight record of the training step: its firing monitor, the layout the planner picks from it
+    and the capacity the block step keeps (knobs: :class:`TrainKnobs`, via ``sparsefuse.planning(hybrid_mlp=...)``)."""
 
     def __post_init__(self) -> None:
         # gate weight -> [firing monitor, calls]
@@ -59,18 +92,25 @@ class TrainChoice:
         entry = self._monitors.get(w_gate)
         return entry[0].estimate() if entry is not None else None
 
-    def choose(self, w_gate: torch.Tensor) -> str:
-        """``"block"`` or ``"dense"`` for the next step with this gate weight. While torch.compile traces, the
-        per-weight estimate is not read (a traced read of it would break the graph): the compiled call takes the
-        most recent eager choice (:attr:`last`, guarded: a later change of it recompiles), so run one eager step
-        before compiling, as for inference."""
+    @property
+    def knobs(self) -> TrainKnobs:
+        return PLANNER.knobs
+
+    def choose(self, w_gate: torch.Tensor, question: tuple) -> str:
+        """``"block"`` or ``"dense"`` for the next step with this gate weight (``question``: M, K, N, dtype),
+        priced by GPU time (a step's host time is not what decides). While torch.compile traces, the per-weight
+        estimate is not read (a traced read of it would break the graph), and unlike an inference op the step
+        cannot decide inside an op when the graph runs (the two layouts save different tensors for the backward):
+        the compiled call takes the most recent eager choice (:attr:`last`, guarded: a later change of it
+        recompiles), so run one eager step before compiling, as for inference."""
         if torch.compiler.is_compiling():
             return self.last
         frozen = self._frozen_value(w_gate, "layout")
         if frozen is not None:
+            decided(PLANNER.op, frozen, "a checkpointed forward's recompute: the layout of its first forward")
             return frozen
-        firing = self.firing(w_gate)
-        self.last = "dense" if firing is not None and firing > self.dense_above else "block"
+        entry = self._monitors.get(w_gate)
+        self.last, _ = PLANNER.choose(question, "graph", monitor=None if entry is None else entry[0])
         self._freeze(w_gate, "layout", self.last)
         return self.last
 
@@ -92,7 +132,7 @@ class TrainChoice:
             return
         entry = self._entry(w_gate)
         monitor, entry[1] = entry[0], entry[1] + 1
-        due = entry[1] % self.observe_every == 0
+        due = entry[1] % self.knobs.observe_every == 0
         if monitor.accepts and (monitor.mean_nnz is None or due):
             total = token_counts.sum(dtype=torch.int64).reshape(1)
             monitor.observe(torch.cat([total, total.new_full((1,), token_counts.shape[0])]))
@@ -121,8 +161,8 @@ class TrainChoice:
         need = self._need_per_token(w_gate)
         capacity = full
         if need is not None:
-            wanted = need * M
-            capacity = min(full, self.capacity_quantum * max(1, math.ceil(wanted / self.capacity_quantum)))
+            wanted, quantum = need * M, self.knobs.capacity_quantum
+            capacity = min(full, quantum * max(1, math.ceil(wanted / quantum)))
             self._per_token_buckets[w_gate] = _power_of_two_above(need)
             # over the weights alive now (a freed layer's need drops out with it)
             self.compiled_per_token = max(self._per_token_buckets.values())
@@ -148,7 +188,7 @@ class TrainChoice:
         """``capacity_margin`` times the non-zeros per token last observed for this gate weight (None before the
         first observation)."""
         per_token = self._per_token(w_gate)
-        return None if per_token is None else self.capacity_margin * per_token
+        return None if per_token is None else self.knobs.capacity_margin * per_token
 
 
 def _power_of_two_above(need: float) -> int:

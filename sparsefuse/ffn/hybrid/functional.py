@@ -9,6 +9,7 @@ from typing import NamedTuple
 import torch
 
 from ..._backend import Backend, backend_for
+from ..._plan import decided
 from ..._validation import (
     autocast_operands,
     check_ffn_mlp,
@@ -67,7 +68,7 @@ def hybrid_mlp(
 
     Args:
         layout: how the step runs. ``"auto"`` (default): ``"block"`` while the gate is sparse, ``"dense"`` once
-            more than :data:`~sparsefuse.ffn.hybrid.choice.TRAIN_CHOICE` ``.dense_above`` of it fires, from the
+            more than ``dense_above`` of it fires (:class:`~sparsefuse.ffn.hybrid.choice.TrainKnobs`), from the
             firing seen on this weight's earlier calls (no host sync). ``"block"``: tokens in blocks of 64
             (sorted by firing count from 8192 tokens), each block's union of fired neurons; tensor cores
             throughout, never overflows, no host sync (CUDA-graph capturable). ``"dense"``: cuBLAS products and one
@@ -90,16 +91,15 @@ def hybrid_mlp(
             weights, never dropped;
             :func:`sparsefuse.sparse.block_pack.spilled_blocks` counts them.
         cuda_graph: (``"block"``, CUDA) replay the step from two CUDA graphs captured per layer and input shape
-            (:mod:`sparsefuse.ffn.hybrid.graphed`): the host's cost of a layer's step drops from ~15 kernel
-            launches and their Python to two replays and a few copies. Same kernels, same results. ``None``
-            (default): replay where the host would otherwise pace the step -- CUDA tensors, no ``block_capacity``
-            given, and a layer whose gate product is at most
-            :data:`~sparsefuse.ffn.hybrid.graphed.REPLAY_MAX_GATE_FLOP` (the 1.5B layer shape up to 16384
-            tokens, not the 8B one, whose GPU time already exceeds an eager step's host time and would only gain
-            the replay's copies). ``True``: replay at any size; ``False``: never. The eager step runs until the
-            gate weight's sparsity has been observed once, inside activation checkpointing's recompute, and
-            wherever the call is not a plain eager one (torch.compile, tensor subclasses). A replayed step ignores
-            ``block_capacity`` (the capacity is bucketed, see there).
+            (:mod:`sparsefuse.ffn.hybrid.graphed`): the host's cost of a layer's step drops from ~15 kernel launches and
+            their Python to two replays and a few copies. Same kernels, same results. ``None`` (default): replay where
+            the host would otherwise pace the step -- CUDA tensors, no ``block_capacity`` given, and a layer whose gate
+            product is at most the knob ``replay_max_gate_flop`` (:class:`~sparsefuse.ffn.hybrid.choice.TrainKnobs`: the
+            1.5B layer shape up to 16384 tokens, not the 8B one, whose GPU time already exceeds an eager step's host
+            time and would only gain the replay's copies). ``True``: replay at any size; ``False``: never. The eager
+            step runs until the gate weight's sparsity has been observed once, inside activation checkpointing's
+            recompute, and wherever the call is not a plain eager one (torch.compile, tensor subclasses). A replayed
+            step ignores ``block_capacity`` (the capacity is bucketed, see there).
         l1_on: what ``out.l1`` is taken on. ``"gate"`` (default): the gate activations h_g = relu(x W_g^T + b_g).
             ``"hidden"``: the hidden representation h = h_g * h_u that W_d reads, the term of the TwELL paper's
             eq. 2; its gradient reaches x and all four weights and biases of the gate and up products, through both
@@ -179,7 +179,9 @@ def _train_step(
         backup_rows = math.ceil(M / 8)
     out_shape = (*x.shape[:-1], w_down.shape[0])
     if layout == "auto":
-        layout = TRAIN_CHOICE.choose(gate)
+        layout = TRAIN_CHOICE.choose(gate, (M, x2.shape[1], w_gate.shape[0], x2.dtype))
+    else:
+        decided("hybrid_mlp", layout, f"layout={layout!r} given", "explicit")
     kernels = x2.dtype != torch.float64 and backend_for(x2) is not Backend.TORCH
     # float64 / plain CPU (non-gated), or no neuron at all: the torch ops, exact
     if layout == "dense" or (w_up is None and not kernels) or w_gate.shape[0] == 0:

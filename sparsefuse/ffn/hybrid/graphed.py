@@ -56,10 +56,11 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..._backend import Backend, backend_for, cdiv, new_output, new_output_layout_like, plain_eager_call
+from ..._plan import call_context
 from ..._validation import autocast_off, unit_last_stride
 from ...sparse.layout import unit_rows
 from .block_step import _train_backward_into, _train_forward, _train_forward_into, _weight_grads
-from .choice import TRAIN_CHOICE, _in_backward
+from .choice import PLANNER, TRAIN_CHOICE, _in_backward
 
 # Captures kept per gate weight (input shapes, capacities); the least recently used is dropped past this.
 GRAPHS_PER_WEIGHT = 4
@@ -70,12 +71,6 @@ CAPTURE_LIMIT = 8
 # replays read copies of them instead (warned once): an engine that regathers parameters every step (FSDP2's
 # all-gather into fresh storage) would otherwise take a capture per step, each costing more than the step it replaces.
 MOVE_LIMIT = 1
-# hybrid_mlp's default (cuda_graph=None) replays a layer whose gate product 2 M K N is at most this many FLOPs. An
-# eager block step costs its host ~2.3-2.7 ms (16 Triton launches at ~31 us each on an H200 machine, their
-# Python, autograd); its GPU time is ~1.6 ms at the 1.5B layer shape (8192 tokens, gate product 1.9e11) and ~3.9 ms
-# at the 8B one (9.6e11): below the line the host paces the eager step and a replay frees it; above it the GPU
-# does, and a replay would add only its copies (x and dy in, y, dx and the weight gradients out: ~0.3 ms at 8B).
-REPLAY_MAX_GATE_FLOP = 5e11
 # How many times the graphs have been captured and replayed (forward replays; "copied replay": those of a step
 # reading copied weights), and backwards that ran eagerly because a weight had moved since its forward; for tests
 # and logs.
@@ -451,12 +446,14 @@ def _weights_keep_moving(layer: _LayerGraphs, addresses: tuple[int | None, ...],
 
 def replays_by_default(x2: torch.Tensor, n_neurons: int) -> bool:
     """Whether ``hybrid_mlp(cuda_graph=None)`` replays the block step of x2 [M, K] through a gate of ``n_neurons``
-    rows: CUDA tensors whose gate product is at most :data:`REPLAY_MAX_GATE_FLOP` (where the host paces the eager
-    step). CPU tensors (the interpreter's emulated graphs included) run the eager step, and so does a call being
-    traced by torch.compile (decided before the size is read: no guard on a dynamic token count)."""
-    if torch.compiler.is_compiling() or not x2.is_cuda:
+    rows: plain eager CUDA calls whose gate product is at most the knob ``replay_max_gate_flop``
+    (:class:`.choice.TrainKnobs`: where the host paces the eager step). CPU tensors (the interpreter's emulated
+    graphs included) run the eager step, and so does a call being traced by torch.compile (decided before the size
+    is read: no guard on a dynamic token count); ``sparsefuse.planning(context="eager")`` prices any call as a plain
+    CUDA one."""
+    if call_context(x2) != "eager":  # a CPU tensor, a capture, or torch.compile tracing
         return False
-    return 2 * x2.shape[0] * x2.shape[1] * n_neurons <= REPLAY_MAX_GATE_FLOP
+    return 2 * x2.shape[0] * x2.shape[1] * n_neurons <= PLANNER.knobs.replay_max_gate_flop
 
 
 def graphed_step(

@@ -45,10 +45,8 @@ auto.py (cost model, estimate), op.py (torch.library ops), functional.py (public
 """
 
 # Names with "X as X" are importable from here but are not part of __all__.
-from ..._auto import SparsityMonitor
-from .auto import AUTO_MARGIN as AUTO_MARGIN
-from .auto import COST_MODEL, CostModel, predicted_block_time, predicted_times
-from .auto import PROBE_TOKENS as PROBE_TOKENS
+from ..._plan import SparsityMonitor
+from .auto import CostModel, predicted_block_time, predicted_times
 from .block import BLOCK_PLAN as BLOCK_PLAN
 from .block import BlockPlan
 from .functional import (
@@ -84,7 +82,6 @@ __all__ = [
     "twell_down_layout",
     "SparsityMonitor",
     "CostModel",
-    "COST_MODEL",
     "predicted_times",
     "predicted_block_time",
     "BlockPlan",

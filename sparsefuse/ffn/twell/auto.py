@@ -1,41 +1,29 @@
-"""``method="auto"`` of the gated block: predicted seconds per method (:class:`CostModel`) for the batch's mean
-gate non-zeros per token, and where that mean comes from.
+"""``method="auto"`` of the gated block, declared for the planner (:mod:`sparsefuse._plan`): predicted seconds per
+method (:class:`CostModel`, its rates and thresholds being the op's knobs) for the batch's mean gate non-zeros per
+token.
 
-The estimate is, first available: ``expected_nnz``; an explicit :class:`~sparsefuse._auto.SparsityMonitor`'s
-running estimate; the per-gate-weight :data:`ESTIMATES` cache, whose first observable call on a weight computes the
-gate of <= :data:`PROBE_TOKENS` sampled tokens densely and reads the count (the one host sync of that weight's
-life), and which later folds in a new sample every few calls without a sync. Under torch.compile tracing the pick of
-the cached estimate is frozen into the graph (:func:`_traced_pick`); under CUDA-graph capture the cached estimate is
-read as it stands. With nothing observed yet, the call assumes the sparse regime (:data:`PRIOR_FIRING`).
+The planner's ladder gives that mean: ``expected_nnz``; the caller's :class:`~sparsefuse._plan.SparsityMonitor`;
+the per-gate-weight estimate, whose first observable call on a weight computes the gate of <= ``probe_tokens``
+sampled tokens densely and reads the count (the one host sync of that weight's life), and which later folds in a
+new sample every few calls without a sync; with nothing observed, the sparse regime the kernels are for
+(``prior_firing``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from ..._auto import (
-    EstimateCache,
-    GraphWarmUp,
-    SparsityMonitor,
-    device_scalar,
-    launched_from_python,
-    observable,
-    pick_fastest,
-    with_host_floor,
-)
 from ..._backend import cdiv
+from ..._plan import Knobs, Planner, SparsityMonitor, Variant, call_context, device_scalar, observable
 from .launch import auto_tile
 
-PROBE_TOKENS = 64  # tokens whose gate the auto probe computes densely
 
-
-@dataclasses.dataclass
-class CostModel:
+@dataclasses.dataclass(frozen=True)
+class CostModel(Knobs):
     """Rates for the auto decision, fitted to an H200 run of the ffn grid (1.5B and 8B shapes, bf16, synthetic
     heavy-tailed sparsity, 1-256 tokens): with these every pick of twell or dense there is within 5% of the faster
     one but one (8B shape, 64 tokens, 8 non-zeros: twell, 9% slower than dense); twell up to ~128 non-zeros at 16
@@ -73,11 +61,18 @@ class CostModel:
     # machine's CPU at one token: cuBLAS's three matmuls and two elementwise ops 67 us, the two TwELL kernels with
     # their launch plans 176 us. A decode step in eager mode is host-bound, so there a method costs at least its
     # host time (under CUDA-graph capture and torch.compile tracing these terms are left out).
-    host_dense_s: float = 65e-6
-    host_twell_s: float = 175e-6
-
-
-COST_MODEL = CostModel()
+    host_s: dict = dataclasses.field(default_factory=lambda: {"twell": 175e-6, "dense": 65e-6})
+    # From a full GPU's worth of tokens (2 x SMs) up, auto takes twell only for a predicted win of at least this
+    # much: there the model's twell time is off by up to ~35% either way near the crossover (the heavy tail's serial
+    # chains are not modelled), and one wrong pick cost 26% (M=2048, 8B layer, 8 non-zeros). Below that the model
+    # errs only on the pessimistic side (predicted 0.81-0.90 of dense, measured 0.55-0.87), so no margin.
+    margin: float = 0.92
+    # With nothing observed, auto assumes this fraction of the gate fires (~1.5%: 88 of 5632, the sparse regime the
+    # kernels are built for) and picks by the cost model for the batch size: the fused kernels for a few tokens, the
+    # row-block path for thousands, dense between -- never the fused path on a large batch, where a wrong guess is
+    # a cliff (12x dense at 2048 tokens), while block's worst case is ~1.5x dense.
+    prior_firing: float = 1.0 / 64
+    probe_tokens: int = 64  # tokens whose gate the estimate's probe computes densely
 
 
 def _matmul_s(M: int, K: int, N: int, elem: int, fp32: bool, cm: CostModel) -> float:
@@ -94,7 +89,7 @@ def predicted_times(
     W_down row -- at the gather rate scaled by how full the GPU is, but never faster than reading the distinct rows
     touched from DRAM once (an overflowed tile's fired columns are walked like stored entries, from the gate's
     pre-activations)."""
-    cm = cost_model or COST_MODEL
+    cm = cost_model or PLANNER.knobs
     elem = torch.finfo(dtype).bits // 8
     fp32 = dtype == torch.float32
     gate = _matmul_s(M, K, N, elem, fp32, cm)
@@ -128,7 +123,7 @@ def predicted_block_time(
     unions), and the up and down products on the unions. A block's union is estimated as if neurons fired
     independently and uniformly, ``N * (1 - (1 - nnz / N) ** block_rows)`` -- an over-estimate for real layers,
     whose hot neurons are shared (the synthetic FFN at 30 non-zeros: 22% of N measured, 29% estimated)."""
-    cm = cost_model or COST_MODEL
+    cm = cost_model or PLANNER.knobs
     elem = torch.finfo(dtype).bits // 8
     fp32 = dtype == torch.float32
     gate = _matmul_s(M, K, N, elem, fp32, cm)
@@ -141,52 +136,53 @@ def predicted_block_time(
     return gate + products + traffic + 4 * cm.launch_s
 
 
-# From a full GPU's worth of tokens (2 x SMs) up, auto takes twell only for a predicted win of at least this much:
-# there the model's twell time is off by up to ~35% either way near the crossover (the heavy tail's serial chains are
-# not modelled), and one wrong pick cost 26% (M=2048, 8B layer, 8 non-zeros). Below that the model errs only on the
-# pessimistic side (predicted 0.81-0.90 of dense, measured 0.55-0.87), so no margin.
-AUTO_MARGIN = 0.92
+def _twell_s(question: tuple, mean_nnz: float, cm: CostModel) -> float:
+    M, K, N, dtype = question
+    return predicted_times(M, K, N, mean_nnz, dtype, cm)[0]
+
+
+def _block_s(question: tuple, mean_nnz: float, cm: CostModel) -> float | None:
+    M, K, N, dtype = question
+    if M < cm.block_min_tokens:  # fewer row blocks than fill the GPU (and GPU time under the host time)
+        return None
+    return predicted_block_time(M, K, N, mean_nnz, dtype, cm)
+
+
+def _dense_s(question: tuple, mean_nnz: float, cm: CostModel) -> float:
+    M, K, N, dtype = question
+    return predicted_times(M, K, N, mean_nnz, dtype, cm)[1]
+
+
+def _empty_batch(question: tuple, cm: CostModel) -> tuple[str, str] | None:
+    M = question[0]
+    return ("dense", "an empty batch: nothing to count, nothing to gain") if isinstance(M, int) and M == 0 else None
+
+
+PLANNER = Planner(
+    "twell_mlp",
+    (Variant("twell", _twell_s), Variant("block", _block_s), Variant("dense", _dense_s)),  # a tie goes to twell
+    CostModel(),
+    prior=lambda question, cm: cm.prior_firing * question[2],
+    rule=_empty_batch,
+    margin=lambda question, cm: cm.margin if question[0] >= 2 * cm.n_sms else 1.0,
+)
+ESTIMATES = PLANNER.estimates  # per gate weight: the default call's estimate
 
 
 def auto_method(M: int, K: int, N: int, mean_nnz: float, dtype: torch.dtype, eager: bool = False) -> str:
     """The method auto runs for ``mean_nnz`` gate non-zeros per token: the fastest predicted of twell, block (from
     ``block_min_tokens``) and dense, a sparse one only if it beats dense by the margin. ``eager``: the call runs
     from Python, not inside a CUDA graph or a compiled graph, so each method costs at least its host time."""
-    cm = COST_MODEL
-    twell, dense = predicted_times(M, K, N, mean_nnz, dtype)
-    predicted = {"twell": twell}  # first: a tie with block goes to twell
-    if M >= cm.block_min_tokens:  # where the GPU time of every method exceeds its host time
-        predicted["block"] = predicted_block_time(M, K, N, mean_nnz, dtype)
-    predicted["dense"] = dense
-    if eager:
-        predicted = with_host_floor(predicted, {"twell": cm.host_twell_s, "dense": cm.host_dense_s})
-    return pick_fastest(predicted, baseline="dense", margin=AUTO_MARGIN if M >= 2 * cm.n_sms else 1.0)
-
-
-@functools.lru_cache(maxsize=4096)
-def _cached_auto_method(M: int, K: int, N: int, mean_nnz: float, dtype: torch.dtype, eager: bool) -> str:
-    # The cost model is pure Python arithmetic (tens of microseconds); a decode loop asks the same question every
-    # step, so the answer is memoised on the estimate rounded to a tenth of a non-zero.
-    return auto_method(M, K, N, mean_nnz, dtype, eager)
-
-
-@torch.compiler.assume_constant_result
-def _traced_auto_method(M: int, K: int, N: int, mean_nnz: float, dtype: torch.dtype, eager: bool) -> str:
-    """:func:`_cached_auto_method` as torch.compile sees it (an ``expected_nnz`` given): evaluated once at trace
-    time and baked into the graph as a constant, not traced."""
-    return _cached_auto_method(M, K, N, mean_nnz, dtype, eager)
+    return PLANNER.pick((M, K, N, dtype), round(float(mean_nnz), 1), eager)
 
 
 def probe_stats(x2: torch.Tensor, w_gate: torch.Tensor, b_gate: torch.Tensor | None) -> torch.Tensor:
-    """[2] int64 (gate non-zeros, tokens) over <= PROBE_TOKENS evenly spaced tokens of x2 [M >= 1, K], the gate
-    computed densely for those tokens only; no sync."""
+    """[2] int64 (gate non-zeros, tokens) over <= ``probe_tokens`` evenly spaced tokens of x2 [M >= 1, K], the
+    gate computed densely for those tokens only; no sync."""
     M = x2.shape[0]
-    rows = torch.linspace(0, M - 1, min(M, PROBE_TOKENS), device=x2.device).long()
+    rows = torch.linspace(0, M - 1, min(M, PLANNER.knobs.probe_tokens), device=x2.device).long()
     fired = (F.linear(x2[rows], w_gate, b_gate) > 0).sum(dtype=torch.int64)
     return torch.stack([fired, device_scalar(rows.numel(), x2.device)])
-
-
-ESTIMATES = EstimateCache()  # per gate weight: the default call's estimate
 
 
 def eager_runs_dense(w_gate: torch.Tensor, M: int, dtype: torch.dtype) -> bool | None:
@@ -196,10 +192,7 @@ def eager_runs_dense(w_gate: torch.Tensor, M: int, dtype: torch.dtype) -> bool |
     if monitor is None or monitor.mean_nnz is None:
         return None
     N, K = w_gate.shape
-    return _cached_auto_method(M, K, N, round(monitor.mean_nnz, 1), dtype, True) == "dense"
-
-
-GRAPH_WARM_UP = GraphWarmUp()  # per (M, K, N, dtype): the in-graph pick run once where an eager call differed
+    return auto_method(M, K, N, monitor.mean_nnz, dtype, True) == "dense"
 
 
 def resolve_method(
@@ -208,57 +201,22 @@ def resolve_method(
     b_gate: torch.Tensor | None,
     expected_nnz: float | None,
     monitor: SparsityMonitor | None,
-    warm_up: Callable[[str], object] = lambda method: None,
+    warm_up: Callable[[str], object] | None = None,
+    at_run_time: bool = False,
 ) -> str:
-    """What ``method="auto"`` runs for x2 [M, K] and w_gate [N, K] (see the module docstring for the estimate).
-
-    An eager call may run dense where the same call inside a CUDA graph would run the sparse kernels (the host time
-    term). The usual way into a graph is to call eagerly first and then capture, and a capture cannot compile or
-    tune a kernel; so the first time that happens for a shape, ``warm_up(method)`` runs the in-graph pick once."""
+    """What ``method="auto"`` runs for x2 [M, K] and w_gate [N, K] (``"auto"`` itself while torch.compile traces
+    without ``expected_nnz``: the op decides when the graph runs, ``at_run_time``). ``warm_up(method)``: runs the
+    in-graph pick once where an eager call picks another (see :mod:`sparsefuse._plan.planner`)."""
     M, K = x2.shape
-    estimate = expected_nnz
-    if estimate is None and not torch.compiler.is_compiling():
-        if monitor is not None:
-            estimate = monitor.estimate()
-        if estimate is None and M > 0:
-            estimate = ESTIMATES.estimate(w_gate, lambda: probe_stats(x2, w_gate, b_gate), observable(x2))
-    if estimate is not None:
-        eager = launched_from_python(x2)
-        key = (M, K, w_gate.shape[0], round(float(estimate), 1), x2.dtype)
-        pick = _traced_auto_method if torch.compiler.is_compiling() else _cached_auto_method
-        method = pick(*key, eager)
-        if eager:
-            in_graph = _cached_auto_method(*key, False)
-            GRAPH_WARM_UP((M, K, w_gate.shape[0], x2.dtype), method, in_graph, lambda: warm_up(in_graph))
-        return method
-    if torch.compiler.is_compiling() and isinstance(M, int) and M > 0:
-        return _traced_pick(w_gate, M, K, w_gate.shape[0], x2.dtype)
-    if isinstance(M, int) and M > 0:
-        # Nothing can be read (a capture before any observation): assume the sparse regime the kernels are for.
-        return _prior_pick(M, K, w_gate.shape[0], x2.dtype)
-    if M != 0:
-        return "twell"  # a symbolic batch size under tracing: the fused kernels take any M
-    return "dense"  # an empty batch: nothing to count, nothing to gain
-
-
-# With nothing observed, auto assumes this fraction of the gate fires (~1.5%: 88 of 5632, the sparse regime the
-# kernels are built for) and picks by the cost model for the batch size: the fused kernels for a few tokens, the
-# row-block path for thousands, dense between -- never the fused path on a large batch, where a wrong guess is a
-# cliff (12x dense at 2048 tokens), while block's worst case is ~1.5x dense.
-PRIOR_FIRING = 1.0 / 64
-
-
-def _prior_pick(M: int, K: int, N: int, dtype: torch.dtype) -> str:
-    return _cached_auto_method(M, K, N, round(PRIOR_FIRING * N, 1), dtype, False)
-
-
-@torch.compiler.assume_constant_result
-def _traced_pick(w_gate: torch.Tensor, M: int, K: int, N: int, dtype: torch.dtype) -> str:
-    """The pick frozen into a compiled graph: evaluated once at trace time from the estimate the eager calls left
-    for this gate weight (``twell`` when there is none), and not guarded on, so a drifting estimate never recompiles
-    the graph. Compile after a warm-up call for the pick to follow the model's sparsity (without one, the pick of
-    :data:`PRIOR_FIRING`)."""
-    monitor = ESTIMATES.monitor(w_gate)
-    if monitor is None or monitor.mean_nnz is None:
-        return _prior_pick(M, K, N, dtype)
-    return _cached_auto_method(M, K, N, round(monitor.mean_nnz, 1), dtype, False)
+    method, _ = PLANNER.choose(
+        (M, K, w_gate.shape[0], x2.dtype),
+        call_context(x2),
+        given=expected_nnz,
+        monitor=monitor,
+        weight=w_gate,
+        stats=lambda: probe_stats(x2, w_gate, b_gate),
+        can_observe=observable(x2) and M > 0,
+        warm_up=None if warm_up is None else lambda method, estimate: warm_up(method),
+        at_run_time=at_run_time,
+    )
+    return method

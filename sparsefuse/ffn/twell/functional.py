@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ... import _backend
-from ..._auto import SparsityMonitor
+from ..._plan import AUTO, SparsityMonitor, decided
 from ..._validation import (
     check_ffn_bias,
     check_ffn_expected_nnz,
@@ -191,8 +191,11 @@ def twell_mlp(
     x2, w_up, w_down_t = _mlp_layout(op, x, w_up, w_down)
     out_shape = (*x.shape[:-1], w_down.shape[0])
     if _needs_grad(x, w_gate, w_up, w_down, b_gate, b_up, b_down):
+        decided(op, "dense", "autograd needs a gradient: the sparse kernels are inference-only", "autograd")
         return dense_mlp(x2, w_gate, b_gate, w_up, b_up, w_down_t.t(), b_down).reshape(out_shape)
-    if method == "auto":
+    if method != AUTO:
+        decided(op, method, f"method={method!r} given", "explicit")
+    else:
         method = resolve_method(
             x2,
             w_gate,
@@ -207,7 +210,7 @@ def twell_mlp(
     with_stats = monitor is not None and not torch.compiler.is_compiling() and monitor.accepts
     args = (x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile or 0, compression, method, with_stats)
     # Plain eager inference skips the dispatcher (tens of microseconds per call: it matters for decode batches).
-    fast = _backend.bypass_dispatcher(*(t for t in args[:7] if t is not None))
+    fast = method != AUTO and _backend.bypass_dispatcher(*(t for t in args[:7] if t is not None))
     y, stats = launch_mlp(*args) if fast else twell_mlp_op(*args)
     if with_stats:
         monitor.observe(stats)

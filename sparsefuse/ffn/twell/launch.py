@@ -11,8 +11,8 @@ import torch.nn.functional as F
 import triton
 
 from ... import _backend
-from ..._auto import device_scalar, sampled_nonzero_stats
 from ..._backend import Backend, backend_for, cdiv, new_output, next_power_of_2, record_launch, sm_count
+from ..._plan import device_scalar, sampled_nonzero_stats
 from ..._triton.dot import ieee_fp32
 from ...sparse.formats import ELL, TwELL
 from ...sparse.spmm import sparse_matmul

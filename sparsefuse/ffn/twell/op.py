@@ -84,9 +84,10 @@ def twell_mlp_op(
     method: str,
     with_stats: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    # The functional API passes a resolved method; "auto" from a direct caller is resolved here the same way.
+    # "auto" reaches the op from a graph compiled without an estimate (and from direct callers): decided now, with
+    # real tensors, as the planner decides an eager call or a capture.
     if method == "auto":
-        method = resolve_method(x, w_gate, b_gate, None, None)
+        method = resolve_method(x, w_gate, b_gate, None, None, at_run_time=True)
     return launch_mlp(x, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile, compression, method, with_stats)
 
 

@@ -1,14 +1,7 @@
 """Sparse SAE decode (see :mod:`.functional`); its ``method="auto"`` cost model in :mod:`.auto`."""
 
 from . import auto
-from .auto import (
-    AUTO_DENSE_BELOW_D_SAE,
-    AUTO_MARGIN,
-    AUTO_OBSERVE_EVERY,
-    AUTO_SAMPLE_ROWS,
-    AUTO_WIDTH_PER_L0,
-    DEFAULT_MAX_L0,
-)
+from .auto import DEFAULT_MAX_L0, DecodeKnobs
 from .functional import METHODS, sparse_decode, topk_decode
 from .op import sparse_decode_backward_op, sparse_decode_op
 from .reference import torch_sparse_decode
@@ -21,10 +14,6 @@ __all__ = [
     "sparse_decode_backward_op",
     "METHODS",
     "DEFAULT_MAX_L0",
-    "AUTO_DENSE_BELOW_D_SAE",
-    "AUTO_SAMPLE_ROWS",
-    "AUTO_OBSERVE_EVERY",
-    "AUTO_MARGIN",
-    "AUTO_WIDTH_PER_L0",
+    "DecodeKnobs",
     "auto",
 ]

@@ -57,31 +57,18 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from statistics import NormalDist
 
 import torch
 
-from ..._auto import (
-    EstimateCache,
-    GraphWarmUp,
-    launched_from_python,
-    observable,
-    pick_fastest,
-    sampled_row_stats,
-    with_host_floor,
-)
 from ..._backend import cdiv, dram_bandwidth, next_power_of_2, sm_count
+from ..._plan import EstimateCache, Knobs, Planner, Variant, call_context, decided, observable, sampled_row_stats
 from ...sparse.long_rows import ONE_WAVE_LONG_ENTRIES, ONE_WAVE_PROGRAMS_PER_SM, long_row_threshold
 from ...sparse.scan import scan_splits, splits_by_atomics
 from ...sparse.spmm import SCAN_BLOCK_F, gather_block_d, scan_block_d
 
 DEFAULT_MAX_L0 = 256
-AUTO_DENSE_BELOW_D_SAE = 4096
-AUTO_SAMPLE_ROWS = 64  # rows whose non-zeros are counted for the estimate
-AUTO_OBSERVE_EVERY = 8  # eager calls per (sync-free) observation
-AUTO_MARGIN = 0.9  # a sparse method must be predicted this much faster: the model's error on the grid is ~10%
-AUTO_WIDTH_PER_L0 = 4  # auto's "fixed" width: this many times the mean L0, at least DEFAULT_MAX_L0
 # Effective rates, least-squares fits (in log time) to H200 and H100 timings, stated for the H200's DRAM bandwidth
 # (REFERENCE_BANDWIDTH): bytes/s per activation element size (fp32 rows are scanned with fewer, wider loads).
 REFERENCE_BANDWIDTH = 4.8e12
@@ -130,18 +117,25 @@ _DENSE_UNIT_RATE = 4.1e12
 _ONE_WAVE_SPREAD_S = 14e-6
 _ONE_WAVE_ROW_RATE = 1e10
 REFERENCE_SMS = 132  # H100 and H200
-# Host time of one plain eager call per method (checks, the pick, allocations, launches), measured on an H200
-# machine (Triton 3.6, one token, d_sae 65536, bf16): the scan 316-342 us a call (two launches, the long-row pass's
-# buffers, the 16-bit atomic sum's zeroing and cast), "fixed" 343-463 us (four launches), cuBLAS's product 72 us
-# (GPU-bound: its host part is a single dispatch). A Python loop of such calls runs at the larger of a method's host
-# and GPU times, so a plain eager call costs each method at least its host time -- one token looped eagerly took
-# 5-8x cuBLAS's time through the sparse kernels, which CUDA-graph replay runs 5x faster than cuBLAS. Under
-# CUDA-graph capture and torch.compile tracing these terms are left out (as the FFN's auto does). Set at the low
-# end of what was measured: a host that is faster still keeps the sparse kernels where they win on the GPU.
-_HOST_S = {"scan": 250e-6, "fixed": 300e-6, "dense": 30e-6}
 
-_ESTIMATES = EstimateCache(observe_every=AUTO_OBSERVE_EVERY)  # per W_dec: dies with the decoder
-GRAPH_WARM_UP = GraphWarmUp()  # per shape and dtypes: the in-graph pick run once where an eager call differed
+
+@dataclass(frozen=True)
+class DecodeKnobs(Knobs):
+    """The knobs of ``sparse_decode``'s auto (the cost model's fitted rates are the module's constants)."""
+
+    margin: float = 0.9  # a sparse method must be predicted this much faster: the model's error on the grid is ~10%
+    # Host time of one plain eager call per method (checks, the pick, allocations, launches), measured on an H200
+    # machine (Triton 3.6, one token, d_sae 65536, bf16): the scan 316-342 us a call (two launches, the long-row pass's
+    # buffers, the 16-bit atomic sum's zeroing and cast), "fixed" 343-463 us (four launches), cuBLAS's product 72 us
+    # (GPU-bound: its host part is a single dispatch). A Python loop of such calls runs at the larger of a method's host
+    # and GPU times, so a plain eager call costs each method at least its host time -- one token looped eagerly took
+    # 5-8x cuBLAS's time through the sparse kernels, which CUDA-graph replay runs 5x faster than cuBLAS. Under
+    # CUDA-graph capture and torch.compile tracing these terms are left out (as the FFN's auto does). Set at the low
+    # end of what was measured: a host that is faster still keeps the sparse kernels where they win on the GPU.
+    host_s: dict = field(default_factory=lambda: {"scan": 250e-6, "fixed": 300e-6, "dense": 30e-6})
+    dense_below_d_sae: int = 4096  # smaller dictionaries: cuBLAS, whatever the L0
+    sample_rows: int = 64  # rows whose non-zeros are counted for the estimate
+    width_per_l0: int = 4  # auto's "fixed" width: this many times the mean L0, at least DEFAULT_MAX_L0
 
 
 @dataclass(frozen=True)
@@ -172,8 +166,9 @@ def _long_rows_in_batch(M: int, long_share: float) -> float:
     """Long tokens expected in a batch of M from their share of the sampled rows: the first one a sample holds is
     taken for a lone token (the first of a batch, which the evenly spaced sample always includes, is the typical
     one), any further ones as a share of the batch."""
-    n = min(M, AUTO_SAMPLE_ROWS)
-    return n * long_share + (M - n) * max(0.0, long_share - 1.0 / AUTO_SAMPLE_ROWS)
+    sampled = PLANNER.knobs.sample_rows
+    n = min(M, sampled)
+    return n * long_share + (M - n) * max(0.0, long_share - 1.0 / sampled)
 
 
 def _share_above(threshold: float, mean: float, cv: float) -> float:
@@ -256,6 +251,51 @@ def _predicted_seconds(
     return {"scan": scan, "fixed": fixed, "dense": dense}
 
 
+def _question(
+    M: int, d_sae: int, d_model: int, acts_dtype: torch.dtype, w_dtype: torch.dtype, bandwidth: float, sms: int
+) -> tuple:
+    return (M, d_sae, d_model, acts_dtype, w_dtype, bandwidth, sms, torch.are_deterministic_algorithms_enabled())
+
+
+@functools.lru_cache(maxsize=1024)
+def _predicted_for(question: tuple, l0: L0Estimate) -> dict[str, float]:
+    # the three variants share one evaluation of the model (``deterministic``, read by it, is in the question)
+    M, d_sae, d_model, acts_dtype, w_dtype, bandwidth, sms, _ = question
+    return _predicted_seconds(
+        M, d_sae, d_model, l0.mean, acts_dtype, w_dtype, bandwidth, cv=l0.cv, long_share=l0.long_share,
+        long_l0=l0.long_l0, sms=sms,
+    )  # fmt: skip
+
+
+def _variant(name: str) -> Variant:
+    return Variant(name, lambda question, l0, knobs: _predicted_for(question, l0)[name])
+
+
+def _small_dictionary(question: tuple, knobs: DecodeKnobs) -> tuple[str, str] | None:
+    if question[1] < knobs.dense_below_d_sae:
+        return "dense", f"d_sae < {knobs.dense_below_d_sae}: cuBLAS's product of so few features is as fast"
+    return None
+
+
+def _rounded(l0: L0Estimate) -> L0Estimate:
+    """The estimate at the resolution the pick is memoised at: a tenth of a non-zero, a hundredth of the coefficient
+    of variation, a thousandth of the long tokens' share, a whole long L0."""
+    return L0Estimate(round(l0.mean, 1), round(l0.cv, 2), round(l0.long_share, 3), float(round(l0.long_l0)))
+
+
+PLANNER = Planner(
+    "sparse_decode",
+    (_variant("scan"), _variant("fixed"), _variant("dense")),
+    DecodeKnobs(),
+    estimates=EstimateCache(observe_every=8),  # per W_dec: dies with the decoder; a sample every 8th eager call
+    from_per_row=L0Estimate.from_per_row,
+    from_given=L0Estimate,
+    rounded=_rounded,
+    prior=lambda question, knobs: L0Estimate(question[1] / 1024),  # SAE-like sparsity, with nothing observed
+    rule=_small_dictionary,
+)
+
+
 def _fastest_method(
     M: int,
     d_sae: int,
@@ -266,114 +306,21 @@ def _fastest_method(
     bandwidth: float = REFERENCE_BANDWIDTH,
     *,
     eager: bool = False,
-    **spread: float,
+    cv: float = 0.0,
+    long_share: float = 0.0,
+    long_l0: float = 0.0,
+    sms: int = REFERENCE_SMS,
 ) -> str:
-    """auto's pick: the faster sparse method if predicted at least 1 - AUTO_MARGIN faster than cuBLAS, else dense.
-    ``eager``: a plain call from Python (not captured, not traced), where each method costs at least its host time
-    (``_HOST_S``). ``spread``: the keywords of :func:`_predicted_seconds` past the mean (cv, long_share, long_l0,
-    sms)."""
-    predicted = _predicted_seconds(M, d_sae, d_model, mean_l0, acts_dtype, w_dtype, bandwidth, **spread)
-    if eager:
-        predicted = with_host_floor(predicted, _HOST_S)
-    return pick_fastest(predicted, margin=AUTO_MARGIN)
-
-
-@functools.lru_cache(maxsize=4096)
-def _cached_pick(
-    M: int,
-    d_sae: int,
-    d_model: int,
-    mean: float,
-    cv: float,
-    long_share: float,
-    long_l0: float,
-    acts_dtype: torch.dtype,
-    w_dtype: torch.dtype,
-    bandwidth: float,
-    sms: int,
-    deterministic: bool,
-    eager: bool,
-) -> str:
-    # The cost model is pure Python arithmetic (~15 us of host time a call); a loop asks the same question on
-    # every call, so the answer is memoised on the estimate rounded as _rounded does (``deterministic`` is read by
-    # the model: it is part of the question).
-    return _fastest_method(
-        M, d_sae, d_model, mean, acts_dtype, w_dtype, bandwidth, eager=eager, cv=cv, long_share=long_share,
-        long_l0=long_l0, sms=sms,
-    )  # fmt: skip
-
-
-@torch.compiler.assume_constant_result
-def _traced_pick(*question) -> str:
-    """:func:`_cached_pick` as torch.compile sees it: evaluated once at trace time (its arguments are shapes,
-    dtypes and numbers) and baked into the graph as a constant, not traced."""
-    return _cached_pick(*question)
-
-
-def _rounded(l0: L0Estimate) -> tuple[float, float, float, float]:
-    """The estimate at the resolution the pick is memoised at: a tenth of a non-zero, a hundredth of the coefficient
-    of variation, a thousandth of the long tokens' share, a whole long L0."""
-    return round(l0.mean, 1), round(l0.cv, 2), round(l0.long_share, 3), float(round(l0.long_l0))
-
-
-# "fixed" of few rows takes its two passes only where few tokens overflow its width: past it a token is read whole
-FIXED_OVERFLOW_SHARE = 0.05
-
-
-def few_rows_fixed_method(
-    acts: torch.Tensor,
-    W_dec: torch.Tensor,
-    width: int,
-    expected_l0: float | None,
-    decoder: torch.Tensor | None = None,
-) -> str:
-    """What ``method="fixed"`` (width ``width``, no ``validate``) runs for acts [M, d_sae] of few rows: its two
-    passes ("fixed") where the cost model predicts them faster than the one-pass scan, at most
-    FIXED_OVERFLOW_SHARE of the ordinary tokens (their L0 taken as log-normal) overflow the width and the sample
-    holds no long token, else "scan" (the same sums without a capacity; also whenever nothing is known of the L0:
-    under torch.compile tracing without ``expected_l0``, or before a new decoder's first sample has arrived --
-    "fixed" never waits for one: no host sync). Long tokens overflow any width, and the two passes read W_dec once
-    per such token, where the scan's spread units of several long tokens share their reads through L2: two full
-    bf16 tokens among 256 took the two passes 204 us and the scan 142 (H200), and a sample of 64 of 256 rows can
-    miss all but one of them."""
-    if expected_l0 is not None:
-        l0 = L0Estimate(expected_l0)
-    else:
-        l0 = _estimated_l0(acts, W_dec if decoder is None else decoder, sync_free=True)
-    if l0 is None or l0.long_share > 0 or _share_above(width, l0.mean, l0.cv) > FIXED_OVERFLOW_SHARE:
-        return "scan"
-    args, keywords = _model_inputs(acts, W_dec, l0)
-    predicted = _predicted_seconds(*args, **keywords)
-    return "fixed" if predicted["fixed"] < predicted["scan"] else "scan"
-
-
-def _model_inputs(acts: torch.Tensor, W_dec: torch.Tensor, l0: L0Estimate) -> tuple[tuple, dict]:
-    """The cost model's arguments for acts [M, d_sae] @ W_dec [d_sae, d_model] on their device (positional,
-    keywords), as :func:`_predicted_seconds` and :func:`_fastest_method` take them."""
-    (M, d_sae), d_model = acts.shape, W_dec.shape[1]
-    bandwidth = dram_bandwidth(acts.device) or REFERENCE_BANDWIDTH
-    sms = sm_count(acts.device) if acts.is_cuda else REFERENCE_SMS
-    return (M, d_sae, d_model, l0.mean, acts.dtype, W_dec.dtype, bandwidth), dict(
-        cv=l0.cv, long_share=l0.long_share, long_l0=l0.long_l0, sms=sms
-    )
+    """The planner's pick by the cost model alone (no rule) for these shapes and this L0: the faster sparse method
+    if predicted at least 1 - margin faster than cuBLAS, else dense. ``eager``: a plain call from Python, where
+    each method costs at least its host time."""
+    question = _question(M, d_sae, d_model, acts_dtype, w_dtype, bandwidth, sms)
+    return PLANNER.pick(question, _rounded(L0Estimate(mean_l0, cv, long_share, long_l0)), eager)
 
 
 def _auto_width(mean_l0: float, d_sae: int) -> int:
-    return min(d_sae, max(DEFAULT_MAX_L0, next_power_of_2(max(1, math.ceil(AUTO_WIDTH_PER_L0 * mean_l0)))))
-
-
-def _estimated_l0(acts: torch.Tensor, decoder: torch.Tensor, sync_free: bool = False) -> L0Estimate | None:
-    """The per-token L0 from the decoder's estimate, fed by this call when it is eager (see module docstring); None
-    when nothing is known (compile tracing, a capture without a warm-up call; with ``sync_free``, a new decoder's
-    first calls, until their sample has arrived)."""
-    d_sae = acts.shape[1]
-    per_row = _ESTIMATES.estimate_per_row(
-        decoder,
-        lambda: sampled_row_stats(acts, AUTO_SAMPLE_ROWS, long_row_threshold(d_sae)),
-        observable(acts) and acts.shape[0] > 0,
-        sync_free,
-    )
-    return None if per_row is None else L0Estimate.from_per_row(per_row)
+    width = next_power_of_2(max(1, math.ceil(PLANNER.knobs.width_per_l0 * mean_l0)))
+    return min(d_sae, max(DEFAULT_MAX_L0, width))
 
 
 def resolve_method(
@@ -383,34 +330,35 @@ def resolve_method(
     max_l0: int | None,
     expected_l0: float | None,
     decoder: torch.Tensor | None = None,
-    warm_up: Callable[[str, int], object] = lambda method, width: None,
+    warm_up: Callable[[str, int], object] | None = None,
+    at_run_time: bool = False,
 ) -> tuple[str, int]:
-    """(method, ELL width) for acts [M, d_sae], W_dec [d_sae, d_model]: ``method`` itself unless it is "auto".
-    ``decoder``: the tensor the estimate is kept for, the caller's W_dec where ``W_dec`` is its autocast copy.
-    An eager call may pick cuBLAS where the same call captured in a CUDA graph would pick a sparse kernel (the host
-    time terms); the first time that happens for a shape, ``warm_up(method, width)`` runs the in-graph pick once."""
-    d_sae = acts.shape[1]
+    """(method, ELL width) for acts [M, d_sae], W_dec [d_sae, d_model]: ``method`` itself unless it is "auto"
+    (``"auto"`` while torch.compile traces without ``expected_l0``: the op decides when the graph runs,
+    ``at_run_time``). ``decoder``: the tensor the estimate is kept for, the caller's W_dec where ``W_dec`` is its
+    autocast copy. ``warm_up(method, width)`` runs the in-graph pick once where an eager call picks another (see
+    :mod:`sparsefuse._plan.planner`). Auto's "fixed" is ``width_per_l0`` times the mean L0 wide (at least 256)
+    unless ``max_l0`` is given."""
+    (M, d_sae), d_model = acts.shape, W_dec.shape[1]
     width = max_l0 if max_l0 is not None else min(DEFAULT_MAX_L0, d_sae)
-    if method == "auto":
-        if d_sae < AUTO_DENSE_BELOW_D_SAE:
-            method = "dense"
-        else:
-            if expected_l0 is not None:
-                l0 = L0Estimate(expected_l0)
-            else:
-                l0 = _estimated_l0(acts, W_dec if decoder is None else decoder)
-                if l0 is None:
-                    l0 = L0Estimate(d_sae / 1024)  # SAE-like sparsity, assumed where nothing was observed
-            (M, _, d_model, _, acts_dtype, w_dtype, bandwidth), keywords = _model_inputs(acts, W_dec, l0)
-            question = (int(M), d_sae, d_model, *_rounded(l0), acts_dtype, w_dtype, bandwidth, keywords["sms"])
-            deterministic = torch.are_deterministic_algorithms_enabled()
-            eager = launched_from_python(acts)
-            pick = _traced_pick if torch.compiler.is_compiling() else _cached_pick
-            method = pick(*question, deterministic, eager)
-            if max_l0 is None:
-                width = _auto_width(l0.mean, d_sae)
-            if eager:
-                in_graph = _cached_pick(*question, deterministic, False)
-                shape = (M, d_sae, d_model, acts_dtype, w_dtype)
-                GRAPH_WARM_UP(shape, method, in_graph, lambda: warm_up(in_graph, width))
-    return method, width
+    if method != "auto":
+        decided("sparse_decode", method, f"method={method!r} given", "explicit")
+        return method, width
+
+    def width_at(l0: L0Estimate | None) -> int:
+        return width if max_l0 is not None or l0 is None else _auto_width(l0.mean, d_sae)
+
+    bandwidth = dram_bandwidth(acts.device) or REFERENCE_BANDWIDTH
+    sms = sm_count(acts.device) if acts.is_cuda else REFERENCE_SMS
+    weight = W_dec if decoder is None else decoder
+    method, l0 = PLANNER.choose(
+        _question(M, d_sae, d_model, acts.dtype, W_dec.dtype, bandwidth, sms),
+        call_context(acts),
+        given=expected_l0,
+        weight=weight,
+        stats=lambda: sampled_row_stats(acts, PLANNER.knobs.sample_rows, long_row_threshold(d_sae)),
+        can_observe=observable(acts) and M > 0,
+        warm_up=None if warm_up is None else lambda method, l0: warm_up(method, width_at(l0)),
+        at_run_time=at_run_time,
+    )
+    return method, width_at(l0)

@@ -10,14 +10,10 @@ Methods (all built on the shared core in :mod:`sparsefuse.sparse`):
 * ``"fixed"`` -- compact into ELL of width ``max_l0`` (no host sync: a bitmask pass over the activations, then
   the bits are placed), gather-accumulate; a token that fired more than ``max_l0`` features is recomputed from its
   dense row on the device, so the result is always complete.
-  ``validate=True`` instead raises ``ValueError`` naming the largest count (one sync). Up to
-  ``FIXED_SCAN_ROWS`` tokens (without ``validate``) it runs the scan kernel instead -- the same sums (in another
-  rounding order, and split rows added by fp32 atomics unless ``torch.use_deterministic_algorithms(True)``),
-  without a capacity -- unless auto's cost model, from the same sync-free estimate of the L0, predicts the two
-  passes faster, at most 5% of the tokens over ``max_l0`` and no long token in its sample (each costs the two
-  passes a read of W_dec, where the scan's long units share theirs). On an H200 at 32 tokens the two passes took
-  0.9-1.35x the scan's time in bf16 and 1.5-2.1x in fp32; at 256 tokens 0.61x at a constant L0 in bf16, 0.85x in
-  fp32, up to 1.07x with the L0s spread and 1.5x with a full token.
+  ``validate=True`` instead raises ``ValueError`` naming the largest count (one sync). An explicit
+  ``method="fixed"`` always runs these two passes; with few tokens the scan is often faster (on an H200 at 32
+  tokens the two passes took 0.9-1.35x the scan's time in bf16 and 1.5-2.1x in fp32; at 256 tokens 0.61x at a
+  constant L0 in bf16, 0.85x in fp32), which ``"auto"`` weighs for you.
 * ``"exact"`` -- compact into exact-size CSR (one sync to size it), gather-accumulate.
 * ``"dense"`` -- ``torch.matmul`` (cuBLAS).
 * ``"auto"`` -- ``"dense"`` for small dictionaries, else the fastest of the others by a cost model at the
@@ -56,7 +52,6 @@ from . import auto
 from .op import ACTS_GRADS, decode_forward, sparse_decode_op, topk_decode_forward, topk_decode_op
 
 METHODS = ("auto", "scan", "fixed", "exact", "dense")
-FIXED_SCAN_ROWS = 256  # tokens up to which method="fixed" (no validate) may run the scan: auto.few_rows_fixed_method
 
 
 def sparse_decode(
@@ -99,9 +94,7 @@ def sparse_decode(
         raise ValueError(f"sparse_decode: acts_grad must be one of {', '.join(ACTS_GRADS)}; got {acts_grad!r}")
     out_dtype = out_dtype or torch.promote_types(feature_acts.dtype, W_dec.dtype)  # (result_type: not traceable)
     acts = flat_rows(feature_acts)
-    if method == "fixed" and not validate and acts.shape[0] <= FIXED_SCAN_ROWS:
-        width = max_l0 if max_l0 is not None else min(auto.DEFAULT_MAX_L0, W_dec.shape[0])
-        method = auto.few_rows_fixed_method(acts, W_dec, width, expected_l0, decoder)
+    given_width = max_l0
     method, max_l0 = auto.resolve_method(
         method,
         acts,
@@ -111,7 +104,9 @@ def sparse_decode(
         decoder,
         warm_up=lambda m, width: decode_forward(acts, W_dec, m, width, False, out_dtype),
     )
-    if _backend.bypass_dispatcher(acts, W_dec):  # no autograd, tracing or mode: the op's dispatch adds only host time
+    if method == "auto":  # traced by torch.compile: the op decides when the graph runs (0: auto's width)
+        max_l0 = given_width or 0
+    if method != "auto" and _backend.bypass_dispatcher(acts, W_dec):  # a plain eager call: the dispatch is host time
         out = decode_forward(acts, W_dec, method, max_l0, bool(validate), out_dtype)
     else:
         out = sparse_decode_op(acts, W_dec, method, max_l0, bool(validate), out_dtype, acts_grad)

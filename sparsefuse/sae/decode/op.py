@@ -24,6 +24,7 @@ from ..._backend import Backend, backend_for, on_tensor_device
 from ...sparse import CSR, ELL, dense_to_csr, dense_to_ell, matmul_skip_zeros, sparse_matmul
 from ...sparse.nonfinite_rows import complete_nonfinite_rows
 from ...sparse.sddmm import sampled_dot_dense_pattern, sampled_dot_rows
+from .auto import resolve_method
 from .reference import torch_sparse_decode
 
 ACTS_GRADS = ("sparse", "full")
@@ -32,7 +33,11 @@ ACTS_GRADS = ("sparse", "full")
 def decode_forward(
     acts: torch.Tensor, W_dec: torch.Tensor, method: str, max_l0: int, validate: bool, out_dtype: torch.dtype
 ) -> torch.Tensor:
-    """The op's forward, also called directly for a plain eager call: acts [M, d_sae] -> [M, d_model]."""
+    """The op's forward, also called directly for a plain eager call: acts [M, d_sae] -> [M, d_model]. ``"auto"``
+    (from a graph compiled without ``expected_l0``; ``max_l0`` 0 for auto's width) is decided here, with real
+    tensors, as the planner decides an eager call or a capture."""
+    if method == "auto":
+        method, max_l0 = resolve_method("auto", acts, W_dec, max_l0 or None, None, at_run_time=True)
     if backend_for(acts, W_dec) is Backend.TORCH:
         # the dense products of the core's torch paths would turn a zero activation of a NaN row into NaN
         if method == "fixed" and validate:

@@ -1,20 +1,17 @@
-"""The one ``method="auto"`` mechanism of every op that chooses between a sparse kernel and a dense one.
+"""What the planner knows of a tensor's sparsity, kept without a host sync.
 
-An op's ``auto`` is two parts: a **cost model** (the op's own ``auto.py``: predicted seconds per method from the
-shapes, dtypes and the mean non-zeros per row) and an **estimate of that mean**, kept here. :func:`pick_fastest`
-turns the predictions into a choice; :class:`EstimateCache` keeps one :class:`SparsityMonitor` per weight tensor, so
-the default call of an op on the same layer pays at most one host sync in its life (its first eager call) and none
-after.
-
-A choice between a sparse kernel and cuBLAS depends on how many features fire per token, which lives on the GPU.
+A choice between a sparse kernel and cuBLAS depends on how many features fire per row, which lives on the GPU.
 Reading it costs a host sync per call and is impossible inside a CUDA-graph capture. Instead each call may hand a
-[2] int64 device tensor (non-zeros, rows counted) to a :class:`SparsityMonitor`, which copies it to pinned host
-memory without blocking and folds it into a running estimate on a later call, once it has arrived.
+[2] int64 device tensor (non-zeros, rows counted) -- or longer, with further sums over those rows -- to a
+:class:`SparsityMonitor`, which copies it to pinned host memory without blocking and folds it into a running
+estimate on a later call, once it has arrived. :class:`EstimateCache` keeps one monitor per weight tensor, so the
+default call of an op on the same layer pays at most one host sync in its life (its first eager call) and none
+after.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -135,32 +132,26 @@ def observable(t: torch.Tensor) -> bool:
 class EstimateCache:
     """Per-weight running estimates of the mean non-zeros per row, fed without a host sync.
 
-    ``estimate(weight, stats)``: ``weight`` keys the estimate (the decoder or the gate weight; the entry dies with
-    it); ``stats`` is a zero-argument callable returning the [2] int64 device tensor (non-zeros, rows) of the current
-    call's input, called only when an observation is due. The first observable call with a new weight counts its
-    sample on the host (the one sync of that weight's life); later calls read the monitor, which folds in new
-    samples once they have arrived. Samples are taken every ``observe_every`` calls at first, then ever more rarely
-    (the gap doubles with the calls made, up to ``max_every``): a layer's sparsity moves slowly, and each sample
-    costs a few launches of host time that a host-bound decode loop would otherwise pay every few steps. Under
-    compile tracing, fake tensors or CUDA-graph capture it only reads (None when nothing was ever observed)."""
+    ``estimate_per_row(weight, stats, can_observe)``: ``weight`` keys the estimate (the decoder or the gate weight; the
+    entry dies with it); ``stats`` is a zero-argument callable returning the [2] int64 device tensor (non-zeros, rows)
+    of the current call's input, called only when an observation is due. The first observable call with a new weight
+    counts its sample on the host (the one sync of that weight's life); later calls read the monitor, which folds in new
+    samples once they have arrived. Samples are taken every ``observe_every`` calls at first, then ever more rarely (the
+    gap doubles with the calls made, up to ``max_every``): a layer's sparsity moves slowly, and each sample costs a few
+    launches of host time that a host-bound decode loop would otherwise pay every few steps. Under compile tracing, fake
+    tensors or CUDA-graph capture it only reads (None when nothing was ever observed)."""
 
     def __init__(self, observe_every: int = 8, max_every: int = 256) -> None:
         self.observe_every, self.max_every = observe_every, max_every
         self._entries: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight -> [SparsityMonitor, calls, next_at]
 
-    def estimate(self, weight: torch.Tensor, stats: Callable[[], torch.Tensor], can_observe: bool) -> float | None:
-        return self._read(weight, stats, can_observe, lambda monitor: monitor.mean_nnz)
-
     def estimate_per_row(
-        self, weight: torch.Tensor, stats: Callable[[], torch.Tensor], can_observe: bool, sync_free: bool = False
+        self, weight: torch.Tensor, stats: Callable[[], torch.Tensor], can_observe: bool
     ) -> tuple[float, ...] | None:
-        """:meth:`estimate` for stats longer than [2]: every element's running average per row counted
-        (:attr:`SparsityMonitor.per_row`), as read before this call's own observation. ``sync_free``: a new
-        weight's first sample is observed like the later ones (None until it has arrived), not counted on the
-        host."""
-        return self._read(weight, stats, can_observe, lambda monitor: monitor.per_row, sync_free)
-
-    def _read(self, weight, stats, can_observe, value_of, sync_free=False):
+        """The weight's running averages per row counted (:attr:`SparsityMonitor.per_row`; the first element is
+        the mean non-zeros per row), as read before this call's own observation; None when nothing is known.
+        ``stats``: a zero-argument callable giving the [2] (or longer) int64 device tensor of this call's sample,
+        called only when an observation is due; ``can_observe``: whether this call's values may be looked at."""
         if torch.compiler.is_compiling() or type(weight) not in (torch.Tensor, torch.nn.Parameter):
             return None
         entry = self._entries.get(weight)
@@ -168,15 +159,12 @@ class EstimateCache:
             if not can_observe:
                 return None
             monitor = SparsityMonitor()
-            if sync_free:
-                monitor.observe(stats())
-            else:
-                monitor.update(*(float(v) for v in stats().tolist()))  # the one sync
+            monitor.update(*(float(v) for v in stats().tolist()))  # the one sync
             self._entries[weight] = [monitor, 0, self.observe_every]
-            return value_of(monitor)
+            return monitor.per_row
         monitor = entry[0]
         monitor.estimate()
-        value = value_of(monitor)
+        value = monitor.per_row
         if can_observe:
             entry[1] += 1
             if entry[1] >= entry[2] and monitor.accepts:
@@ -209,55 +197,3 @@ class EstimateCache:
 
     def clear(self) -> None:
         self._entries = WeakIdKeyDictionary()
-
-
-def pick_fastest(predicted: dict[str, float], *, baseline: str = "dense", margin: float = 1.0) -> str:
-    """The method with the smallest predicted time, but ``baseline`` unless that method is predicted at least
-    ``margin`` times the baseline's time (``margin`` < 1 asks a sparse method to win clearly where the cost model's
-    error is known to be large)."""
-    best = baseline
-    for method, seconds in predicted.items():  # a plain loop, not min(key=...): torch.compile traces it
-        if method != baseline and (best == baseline or seconds < predicted[best]):
-            best = method
-    if best == baseline or predicted[best] < margin * predicted[baseline]:
-        return best
-    return baseline
-
-
-# A plain eager call -- a loop of them, as a decode loop makes -- runs at the larger of each method's host time
-# (checks, the pick, allocations, launches) and its GPU time; a CUDA-graph replay or a compiled graph pays the GPU time
-# alone. So auto prices a method at ``max(gpu, host)`` in plain eager calls and at its GPU time otherwise, and the two
-# can pick differently for the same shape: the eager call may take cuBLAS (one dispatch) where its capture would take
-# a sparse kernel of several launches.
-
-
-def launched_from_python(t: torch.Tensor) -> bool:
-    """Whether a call on ``t`` makes real launches from Python (a CUDA tensor, not captured, not traced): the calls
-    whose host time a loop pays."""
-    return t.is_cuda and observable(t)
-
-
-def with_host_floor(predicted: Mapping[str, float], host_s: Mapping[str, float]) -> dict[str, float]:
-    """``predicted`` GPU seconds per method, each raised to at least that method's host seconds (0 where
-    ``host_s`` has none): what a plain eager call costs."""
-    return {method: max(seconds, host_s.get(method, 0.0)) for method, seconds in predicted.items()}
-
-
-class GraphWarmUp:
-    """Runs the in-graph pick of a shape once where a plain eager call picked something else.
-
-    The usual way into a CUDA graph is an eager call, then the capture, which picks by GPU time alone; a capture
-    cannot compile or tune a Triton kernel, so the first eager call of a shape whose in-graph pick differs from its
-    own runs that pick once (its result discarded). ``shape`` keys the shape (no estimate in it: one warm-up per
-    method a shape can take, not one per estimate)."""
-
-    def __init__(self) -> None:
-        self._ready: set[tuple] = set()
-
-    def __call__(self, shape: tuple[Hashable, ...], eager_pick: str, in_graph_pick: str, run: Callable[[], object]):
-        if in_graph_pick != eager_pick and (*shape, in_graph_pick) not in self._ready:
-            self._ready.add((*shape, in_graph_pick))
-            run()
-
-    def clear(self) -> None:
-        self._ready.clear()

@@ -1,0 +1,48 @@
+"""How every op that has more than one method chooses one: the estimates it keeps without a host sync
+(:mod:`.estimates`), its knobs in one config object (:mod:`.config`), and the planner that owns the ladder, the
+execution contexts, memoisation, warm-up and :func:`explain` (:mod:`.planner`). An op declares its variants in its
+own ``auto.py``; nothing else in the package picks a method."""
+
+from .config import Knobs, PlanConfig, planning
+from .estimates import (
+    EstimateCache,
+    SparsityMonitor,
+    device_scalar,
+    observable,
+    sampled_nonzero_stats,
+    sampled_row_stats,
+)
+from .planner import (
+    AUTO,
+    Explanation,
+    Planner,
+    Variant,
+    call_context,
+    decided,
+    explain,
+    explaining,
+    pick_fastest,
+    planner,
+)
+
+__all__ = [
+    "AUTO",
+    "EstimateCache",
+    "Explanation",
+    "Knobs",
+    "PlanConfig",
+    "Planner",
+    "SparsityMonitor",
+    "Variant",
+    "call_context",
+    "decided",
+    "device_scalar",
+    "explain",
+    "explaining",
+    "observable",
+    "pick_fastest",
+    "planner",
+    "planning",
+    "sampled_nonzero_stats",
+    "sampled_row_stats",
+]
