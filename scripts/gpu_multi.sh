@@ -13,14 +13,14 @@
 # Runs from the repository root with the machine's python3 (torch + triton preinstalled); sparsefuse from the source
 # tree, no install. As scripts/gpu_check.sh: pass SPARSEFUSE_COMMIT=$(git rev-parse --short HEAD) where the tree was
 # copied without its .git. Knobs: NGPU (default: every visible GPU), ENGINES (default ddp,fsdp2: the bench's
-# --shapes picks their cases), SPARSEFUSE_TRAIN_PROFILE (0 or 1, default 0: each row's note adds its step's compute,
-# NCCL, exposed NCCL and idle time by rank, from 3 more steps under torch.profiler, and the summary the GPU-bound
-# speed-up and scaling), BENCH_ARGS (e.g. --quick: 8 layers, fewer timed steps), EXAMPLE_STEPS (150),
+# --shapes picks their cases), BENCH_ARGS (e.g. --quick: 8 layers, fewer timed steps), EXAMPLE_STEPS (150),
 # TESTS=0 / BENCH=0 / EXAMPLE=0 to skip a part, DEADLINE_S (560: the whole script stays inside a 10-minute call; a
 # part that would pass it is cut short or skipped, and says so). The lab's knobs (benchmarks/lab/train_knobs.py:
 # SPARSEFUSE_FSDP_LAYERS_PER_UNIT, SPARSEFUSE_FSDP_RESHARD_AFTER_FORWARD, SPARSEFUSE_TRAIN_CUDA_GRAPH,
-# SPARSEFUSE_TRAIN_PIN_CPUS, SPARSEFUSE_TRAIN_SINGLE_THREAD_BACKWARD, SPARSEFUSE_TRAIN_STEPS_PER_SYNC): with any of
-# them set the bench runs as python -m benchmarks.lab, which applies them.
+# SPARSEFUSE_TRAIN_PIN_CPUS, SPARSEFUSE_TRAIN_SINGLE_THREAD_BACKWARD, SPARSEFUSE_TRAIN_STEPS_PER_SYNC, and
+# SPARSEFUSE_TRAIN_PROFILE: each row's note adds its step's compute, NCCL, exposed NCCL and idle time by rank, from 3
+# more steps under torch.profiler, and the summary the GPU-bound speed-up and scaling): with any of them set the
+# bench runs as python -m benchmarks.lab, which applies them.
 set -uo pipefail
 out=${1:?usage: scripts/gpu_multi.sh OUT_DIR}
 mkdir -p "$out"

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import triton
 
+from ._plan import config as _plan_config
+
 __all__ = [
     "Backend",
     "backend_for",
@@ -200,7 +202,7 @@ def _caller_stacklevel() -> int:
 # SNAC call small activations dozens of times per step and are host-bound, so in plain eager inference the
 # functional API calls the launcher directly. Anything that needs the dispatcher -- autograd, torch.compile/export
 # tracing, tensor subclasses (FakeTensor, DTensor), dispatch modes, functorch transforms -- still goes through the op.
-EAGER_FAST_PATH: bool = os.environ.get("SPARSEFUSE_EAGER_FAST_PATH", "1") != "0"
+# (sparsefuse.planning(eager_fast_path=False) sends every call through its op.)
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -236,7 +238,7 @@ def plain_eager_call(*tensors: torch.Tensor) -> bool:
     """True for a plain eager call on plain tensors: no torch.compile/export tracing, no tensor subclass (FakeTensor,
     DTensor), no dispatch mode, no functorch transform. Such a call may skip the torch.library dispatcher; autograd
     can then be served by a ``torch.autograd.Function`` around the same implementation."""
-    if not EAGER_FAST_PATH or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or not _plan_config.CONFIG.eager_fast_path:
         return False
     if any(type(t) not in _PLAIN_TENSOR_TYPES for t in tensors):
         return False

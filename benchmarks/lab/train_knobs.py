@@ -30,7 +30,18 @@ STEPS_ENV = "SPARSEFUSE_TRAIN_STEPS_PER_SYNC"
 PIN_CPUS_ENV = "SPARSEFUSE_TRAIN_PIN_CPUS"
 # "1" or "0": the backward on the calling thread or on autograd's worker thread (train_dist.Setup says why "1")
 SINGLE_THREAD_BACKWARD_ENV = "SPARSEFUSE_TRAIN_SINGLE_THREAD_BACKWARD"
-KNOBS = (FSDP_UNIT_ENV, FSDP_RESHARD_ENV, CUDA_GRAPH_ENV, STEPS_ENV, PIN_CPUS_ENV, SINGLE_THREAD_BACKWARD_ENV)
+# "1": each distributed row's note adds its step's compute, NCCL and idle time by rank (three more steps under
+# torch.profiler: sparsefuse/bench/workloads/step_anatomy.py)
+PROFILE_ENV = "SPARSEFUSE_TRAIN_PROFILE"
+KNOBS = (
+    FSDP_UNIT_ENV,
+    FSDP_RESHARD_ENV,
+    CUDA_GRAPH_ENV,
+    STEPS_ENV,
+    PIN_CPUS_ENV,
+    SINGLE_THREAD_BACKWARD_ENV,
+    PROFILE_ENV,
+)
 
 
 def fsdp_layers_per_unit() -> int:
@@ -88,6 +99,12 @@ def train_cuda_graph() -> bool | None:
     return _flag_from_env(CUDA_GRAPH_ENV, False)
 
 
+def train_profile() -> bool:
+    """Whether each distributed row's note adds its step's anatomy by rank: ``SPARSEFUSE_TRAIN_PROFILE`` ("1" or
+    "0", default "0")."""
+    return _flag_from_env(PROFILE_ENV, False)
+
+
 def cpu_share(cpus: list[int], local_rank: int, local_size: int) -> list[int]:
     """Local rank ``local_rank``'s share of ``cpus`` split among ``local_size`` processes: consecutive runs of
     near-equal length (the first ones one longer), at least one CPU each (shared round-robin past one per process)."""
@@ -107,6 +124,7 @@ def setup_from_env() -> train_dist.Setup:
         train_cuda_graph=train_cuda_graph(),
         single_thread_backward=single_thread_backward(),
         steps_per_sync=steps_per_sync(),
+        profile=train_profile(),
     )
 
 

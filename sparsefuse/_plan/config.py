@@ -35,12 +35,15 @@ class Knobs:
 
 @dataclasses.dataclass(frozen=True)
 class PlanConfig:
-    """Every op's knobs (``ops``: op name -> its :class:`Knobs` subclass) and ``context``: None to read each call's
+    """Every op's knobs (``ops``: op name -> its :class:`Knobs` subclass); ``context``: None to read each call's
     execution context from its tensors, or ``"eager"`` / ``"graph"`` to price every call that is not being traced as
-    if it ran there (a CPU test of what a CUDA call would pick)."""
+    if it ran there (a CPU test of what a CUDA call would pick); ``eager_fast_path``: whether a plain eager call
+    (no autograd, tracing, subclass or mode) may call its launcher directly instead of the ``torch.library`` op --
+    tens of microseconds of host time less per call, the same kernels (False: always through the op)."""
 
     ops: Mapping[str, Knobs] = dataclasses.field(default_factory=dict)
     context: str | None = None
+    eager_fast_path: bool = True
     version: int = 0  # bumped on every change: part of the planner's memo key
 
     def knobs(self, op: str) -> Knobs:
@@ -61,7 +64,9 @@ def current() -> PlanConfig:
     return CONFIG
 
 
-def _changed(config: PlanConfig, context: object, ops: Mapping[str, Mapping | Knobs]) -> PlanConfig:
+def _changed(
+    config: PlanConfig, context: object, eager_fast_path: object, ops: Mapping[str, Mapping | Knobs]
+) -> PlanConfig:
     changed = dict(config.ops)
     for op, change in ops.items():
         if op not in changed:
@@ -78,21 +83,30 @@ def _changed(config: PlanConfig, context: object, ops: Mapping[str, Mapping | Kn
             raise TypeError(f"planning: {op}= must be a mapping of knob values or a Knobs; got {type(change).__name__}")
     if context is not ... and context is not None and context not in CONTEXTS[:2]:
         raise ValueError(f"planning: context must be one of {', '.join(CONTEXTS[:2])} or None; got {context!r}")
+    if eager_fast_path is not ... and not isinstance(eager_fast_path, bool):
+        raise TypeError(f"planning: eager_fast_path must be a bool; got {type(eager_fast_path).__name__}")
     _VERSIONS[0] += 1
     return dataclasses.replace(
-        config, ops=changed, context=config.context if context is ... else context, version=_VERSIONS[0]
+        config,
+        ops=changed,
+        context=config.context if context is ... else context,
+        eager_fast_path=config.eager_fast_path if eager_fast_path is ... else eager_fast_path,
+        version=_VERSIONS[0],
     )
 
 
 @contextlib.contextmanager
-def planning(*, context: str | None = ..., **ops: Mapping | Knobs) -> Iterator[PlanConfig]:  # type: ignore[assignment]
+def planning(
+    *, context: str | None = ..., eager_fast_path: bool = ..., **ops: Mapping | Knobs  # type: ignore[assignment]
+) -> Iterator[PlanConfig]:
     """Change the planner's knobs inside a ``with`` block (restored on exit), e.g.
     ``with sparsefuse.planning(sparse_decode={"margin": 1.0}): ...`` or ``planning(twell_mlp={"measured_s":
     {"twell": 20e-6, "dense": 35e-6}})``. ``context``: price every call as if it ran in that context (see
-    :class:`PlanConfig`). Yields the config in force."""
+    :class:`PlanConfig`); ``eager_fast_path=False``: every call through its ``torch.library`` op. Yields the config
+    in force."""
     global CONFIG
     saved = CONFIG
-    CONFIG = _changed(CONFIG, context, ops)
+    CONFIG = _changed(CONFIG, context, eager_fast_path, ops)
     try:
         yield CONFIG
     finally:

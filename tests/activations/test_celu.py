@@ -116,12 +116,11 @@ def test_inplace_autograd_rules(device):
 
 
 @pytest.mark.parametrize("fast_path", [True, False], ids=["launcher", "op"])
-def test_inplace_bumps_the_version_counter_like_torch(fast_path, device, monkeypatch):
+def test_inplace_bumps_the_version_counter_like_torch(fast_path, device, monkeypatch, plan):
     """A graph that saved x must not backpropagate through celu_'s overwrite of it: PyTorch raises there, whether
     the graph saved x itself or a view sharing its storage, and whether celu_ ran under no_grad or not."""
-    from sparsefuse import _backend
 
-    monkeypatch.setattr(_backend, "EAGER_FAST_PATH", fast_path)
+    plan(eager_fast_path=fast_path)
     for no_grad in (False, True):
         for region in (slice(None), slice(2, 6)):
             x = randn((8,), torch.float32, device)

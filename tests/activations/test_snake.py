@@ -355,15 +355,15 @@ def test_gpu_above_int32_elements(device):
             assert_close_to_reference(y[:, c : c + 1, sl], *reference(xs, alpha[c : c + 1]))
 
 
-def test_eager_fast_path_and_dispatcher_path_agree(device, monkeypatch):
+def test_eager_fast_path_and_dispatcher_path_agree(device, monkeypatch, plan):
     """Plain eager inference skips the torch.library dispatcher; tracing and fake tensors must still use the op."""
     import sparsefuse._backend as backend
 
     x, alpha = make_inputs((2, 3, 70), torch.float32, device)
     fast = sparsefuse.snake(x, alpha)
-    monkeypatch.setattr(backend, "EAGER_FAST_PATH", False)
+    plan(eager_fast_path=False)
     assert torch.equal(fast, sparsefuse.snake(x, alpha))
-    monkeypatch.setattr(backend, "EAGER_FAST_PATH", True)
+    plan(eager_fast_path=True)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode() as mode:

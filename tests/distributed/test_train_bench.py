@@ -30,7 +30,7 @@ def test_train_bench_distributed_mode_two_processes(tmp_path, device):
         pytest.skip("needs 2 GPUs")
     out = tmp_path / "rows.json"
     log = tmp_path / "torchrun.log"
-    returncode = torchrun([str(WORKER), str(out), device], log, **{train_dist.PROFILE_ENV: "0"})
+    returncode = torchrun([str(WORKER), str(out), device], log)
     assert returncode == 0, f"torchrun returned {returncode}:\n" + log.read_text()[-6000:]
     result = json.loads(out.read_text())
     assert result["world"] == 2
@@ -67,16 +67,6 @@ def test_fsdp_label_names_the_setup_unless_it_is_torchs_own(monkeypatch):
     torchs = dataclasses.replace(train_dist.SETUP, layers_per_unit=1, reshard_after_forward=True)
     monkeypatch.setattr(train_dist, "SETUP", torchs)
     assert train_dist.fsdp_label() == ""
-
-
-def test_train_profile_from_env(monkeypatch):
-    monkeypatch.delenv(train_dist.PROFILE_ENV, raising=False)
-    assert train_dist.train_profile() is False
-    monkeypatch.setenv(train_dist.PROFILE_ENV, "1")
-    assert train_dist.train_profile() is True
-    monkeypatch.setenv(train_dist.PROFILE_ENV, "on")
-    with pytest.raises(ValueError, match=train_dist.PROFILE_ENV):
-        train_dist.train_profile()
 
 
 def test_trainer_turns_autograd_multithreading_off_for_its_backward_when_asked():

@@ -229,10 +229,9 @@ def test_dense_step_compiles_without_graph_breaks(gated, device):
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("gated", [True, False])
-def test_eager_dense_step_skips_the_dispatcher_with_the_same_results(gated, bias, device, monkeypatch):
+def test_eager_dense_step_skips_the_dispatcher_with_the_same_results(gated, bias, device, monkeypatch, plan):
     # plain eager calls run the dense ops' code as an autograd.Function (less host time); the torch.library ops
     # (what torch.compile traces) must give bit-identical outputs and gradients, with the same two kernels
-    from sparsefuse import _backend
     from sparsefuse.ffn.hybrid import dense
 
     leaves = _dense_leaves(50, 16, 96, torch.float16, device, gated, seed=15, bias=bias)
@@ -244,7 +243,7 @@ def test_eager_dense_step_skips_the_dispatcher_with_the_same_results(gated, bias
     monkeypatch.setattr(eager_fn, "forward", counted)
     runs = []
     for fast in (True, False):
-        monkeypatch.setattr(_backend, "EAGER_FAST_PATH", fast)
+        plan(eager_fast_path=fast)
         with track_launches() as launched:
             y, l1, *counts = _dense_fn(gated)(*leaves)
             grads = torch.autograd.grad((y * dy).sum() + 0.2 * l1, used)

@@ -326,10 +326,9 @@ def test_block_layout_is_deterministic(device):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_eager_step_skips_the_dispatcher_with_the_same_results(bias, device, monkeypatch):
+def test_eager_step_skips_the_dispatcher_with_the_same_results(bias, device, monkeypatch, plan):
     # plain eager calls run the ops' code as an autograd.Function (less host time); the torch.library ops (what
     # torch.compile traces) must give bit-identical outputs and gradients
-    from sparsefuse import _backend
     from sparsefuse.ffn.hybrid import block_step
 
     leaves = _leaves(80, 16, 96, torch.float16, device, bias, seed=9)
@@ -339,7 +338,7 @@ def test_eager_step_skips_the_dispatcher_with_the_same_results(bias, device, mon
     monkeypatch.setattr(block_step._EagerTrainStep, "forward", counted)
     fast_out, fast = _run(leaves, dy, coef=0.2, layout="block", block_capacity=10**6)
     assert calls == [1]
-    monkeypatch.setattr(_backend, "EAGER_FAST_PATH", False)
+    plan(eager_fast_path=False)
     op_out, through_op = _run(leaves, dy, coef=0.2, layout="block", block_capacity=10**6)
     assert calls == [1]
     for a, b in zip((*fast_out, *fast), (*op_out, *through_op)):

@@ -17,8 +17,6 @@ PACKAGE_VARIABLES = {
     "SPARSEFUSE_FAST_LAUNCH",  # docs/design/host-overhead.md
     "SPARSEFUSE_FAST_INTERPRETER",  # docs/architecture.md
     "SPARSEFUSE_COMMIT",  # scripts/gpu_check.sh, scripts/gpu_multi.sh
-    "SPARSEFUSE_TRAIN_PROFILE",  # docs/training.md
-    "SPARSEFUSE_EAGER_FAST_PATH",  # sparsefuse/_backend.py: "0" turns the eager fast path off
     "SPARSEFUSE_POISON_OUTPUTS",  # tests/conftest.py turns it on
 }
 

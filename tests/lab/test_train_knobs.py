@@ -33,7 +33,7 @@ def test_train_bench_fsdp2_torch_default_setup(tmp_path):
     env = {
         train_knobs.FSDP_UNIT_ENV: "1",
         train_knobs.FSDP_RESHARD_ENV: "1",
-        train_dist.PROFILE_ENV: "1",  # the anatomy's collective on the CPU: no GPU kernels to tell
+        train_knobs.PROFILE_ENV: "1",  # the anatomy's collective on the CPU: no GPU kernels to tell
         train_knobs.PIN_CPUS_ENV: "1",
     }
     returncode = torchrun([str(WORKER), str(out), "cpu", "fsdp2"], log, **env)
@@ -105,6 +105,7 @@ def test_fsdp_reshard_from_env(monkeypatch):
         (train_knobs.CUDA_GRAPH_ENV, train_knobs.train_cuda_graph, None),  # unset: the library decides
         (train_knobs.PIN_CPUS_ENV, train_knobs.pin_cpus, False),
         (train_knobs.SINGLE_THREAD_BACKWARD_ENV, train_knobs.single_thread_backward, True),
+        (train_knobs.PROFILE_ENV, train_knobs.train_profile, False),
     ],
 )
 def test_flags_from_env(name, read, default, monkeypatch):

@@ -94,7 +94,7 @@ def test_float64_gradcheck(device):
     assert launched["rms_norm_fwd_kernel"] >= 1 and launched["rms_norm_bwd_kernel"] >= 1
 
 
-def test_eager_path_and_op_path_agree_bitwise(device, monkeypatch):
+def test_eager_path_and_op_path_agree_bitwise(device, monkeypatch, plan):
     x = make((7, 50), torch.float32, device)
     w = make((50,), torch.float32, device)
     g = make((7, 50), torch.float32, device)
@@ -105,13 +105,13 @@ def test_eager_path_and_op_path_agree_bitwise(device, monkeypatch):
         return (y, *torch.autograd.grad(y, (xr, wr), g))
 
     eager = run()
-    monkeypatch.setattr(sparsefuse._backend, "EAGER_FAST_PATH", False)
+    plan(eager_fast_path=False)
     through_op = run()
     for a, b in zip(eager, through_op):
         assert torch.equal(a, b)
 
 
-def test_eager_backward_makes_no_gradient_for_rstd(device, monkeypatch):
+def test_eager_backward_makes_no_gradient_for_rstd(device, monkeypatch, plan):
     """The eager twin's backward gets no materialised zero gradient for the per-row 1/rms it returns beside y (a
     kernel and its host time per norm per step), and a y that took no part in the loss gives no gradient at all."""
     import sparsefuse.norms.rmsnorm.op as rms_op
@@ -132,7 +132,7 @@ def test_eager_backward_makes_no_gradient_for_rstd(device, monkeypatch):
         def backward(ctx, grad):
             return None
 
-    monkeypatch.setattr(sparsefuse._backend, "EAGER_FAST_PATH", True)
+    plan(eager_fast_path=True)
     monkeypatch.setattr(rms_op, "_backward_with", spy)
     x = make((5, 32), torch.float32, device).requires_grad_()
     w = make((32,), torch.float32, device).requires_grad_()
@@ -269,12 +269,11 @@ def test_from_module_refuses_a_wrapped_norm():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_weight", [False, True])
-def test_host_bound_route_is_llama_rmsnorm_formula(dtype, with_weight, device, monkeypatch):
+def test_host_bound_route_is_llama_rmsnorm_formula(dtype, with_weight, device, plan):
     """The route of small plain eager inference calls on CUDA (torch's native RMSNorm, then the weight) computes
-    LlamaRMSNorm's formula: forced here so that it runs on any device, against the float64 reference."""
-    import sparsefuse.norms.rmsnorm.functional as functional
-
-    monkeypatch.setattr(functional, "_host_bound_inference", lambda x2, weight: True)
+    LlamaRMSNorm's formula: every call priced as a plain eager CUDA one here, so that it runs on any device, against
+    the float64 reference."""
+    plan(context="eager")
     x = make((3, 7, 48), dtype, device)
     w = make((48,), torch.float32 if dtype == torch.bfloat16 else dtype, device, 1.0) if with_weight else None
     with torch.no_grad(), track_launches() as launched:

@@ -12,7 +12,6 @@ from transformers.models.llama.configuration_llama import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf_apply_rotary_pos_emb
 
-import sparsefuse._backend as backend
 from sparsefuse import track_launches
 from sparsefuse.rotary import (
     apply_rotary_pos_emb,
@@ -207,7 +206,7 @@ def test_cos_sin_requiring_grad_take_the_differentiable_formula(device):
     assert_close_to_reference(q_out, r_q)
 
 
-def test_eager_path_and_op_path_agree_bitwise(device, monkeypatch):
+def test_eager_path_and_op_path_agree_bitwise(device, monkeypatch, plan):
     """The launcher (inference) and the autograd.Function (training) that plain eager calls take give the op's
     numbers exactly."""
     q, k = make_qk(2, 5, 4, 2, 48, torch.bfloat16, device)
@@ -221,7 +220,7 @@ def test_eager_path_and_op_path_agree_bitwise(device, monkeypatch):
         return (*apply_rotary_pos_emb(q, k, cos, sin), *outs, *torch.autograd.grad(outs, (qr, kr), (gq, gk)))
 
     eager = run("EagerRotary")
-    monkeypatch.setattr(backend, "EAGER_FAST_PATH", False)
+    plan(eager_fast_path=False)
     through_op = run("sparsefuse_rotary_fwd")
     direct = (*rotary_fwd_op(q, k, cos, sin, 1), *rotary_bwd_op(gq, gk, cos, sin, 1, torch.bfloat16))
     for a, b in zip(eager, through_op):

@@ -1,8 +1,8 @@
 """Where a distributed training step's GPU time goes: compute kernels, collectives, and the part of the collectives
 that no compute kernel overlaps (what the step waits on), from the kernel intervals torch.profiler records.
 
-``bench train`` in its distributed mode adds this to each row's note when ``SPARSEFUSE_TRAIN_PROFILE=1``: a row's
-time alone cannot tell exposed communication from a slower rank (every all-reduce waits for the slowest one: its
+``bench train`` in its distributed mode adds this to each row's note where ``Setup.profile`` is on (a lab knob): a
+row's time alone cannot tell exposed communication from a slower rank (every all-reduce waits for the slowest one: its
 GPU work, or its host) or from a host that cannot keep up (GPU idle). The summary of those rows reads the words back
 (:func:`gpu_bound_ms`) for the step's GPU-bound time, which a host's pace moves much less.
 """

@@ -45,7 +45,6 @@ from . import train_setup as setup
 from .step_anatomy import StepAnatomy, describe, gpu_bound_ms, profile_steps
 
 ENGINES = ("ddp", "fsdp2")
-PROFILE_ENV = "SPARSEFUSE_TRAIN_PROFILE"  # "1": each row's note adds its step's anatomy by rank (step_anatomy)
 PROFILE_STEPS = 3
 
 
@@ -72,18 +71,12 @@ class Setup:
     # GPU (a loop that reads its loss each step) and more lets the host run ahead into the next step.
     steps_per_sync: int = 1
     note: str = ""  # words added after the engine in each row's note (the lab's CPU pinning)
+    # each row's note adds the anatomy of its step by rank (step_anatomy: three more steps per row, under
+    # torch.profiler); the lab turns it on
+    profile: bool = False
 
 
 SETUP = Setup()
-
-
-def train_profile() -> bool:
-    """Whether each row's note adds the anatomy of its step by rank: ``SPARSEFUSE_TRAIN_PROFILE`` ("1" or "0",
-    default "0"; three more steps per row, under torch.profiler); ValueError naming the variable otherwise."""
-    value = os.environ.get(PROFILE_ENV, "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"{PROFILE_ENV} must be 0 or 1; got {value!r}")
-    return value == "1"
 
 
 def fsdp_label(n_layers: int | None = None) -> str:
@@ -356,7 +349,7 @@ class _Engine:
         engine = self.engine
         if engine == "fsdp2":
             engine += fsdp_label(self.layers)
-        anatomy = f"; {self.anatomy(impl)}" if train_profile() and impl in self.last_ids else ""
+        anatomy = f"; {self.anatomy(impl)}" if SETUP.profile and impl in self.last_ids else ""
         replays = {k: GRAPH_EVENTS[k] - self.events_before.get(k, 0) for k in ("replay", "copied replay")}
         if impl == "patched" and replays["replay"] > 0:
             # FSDP2 gathers the weights into fresh storage every step: its replays read copies of them
@@ -475,7 +468,7 @@ def summary_lines(rows: list[Result]) -> list[str]:
     """Markdown for the distributed rows: per case, engine and GPU count, tokens/s per GPU of each implementation,
     the patched speed-up, and the scaling efficiency (tokens/s per GPU at N over that at 1 GPU, same case and
     engine: needs the 1-GPU rows in the same set), and where the rows carry a step anatomy
-    (``SPARSEFUSE_TRAIN_PROFILE=1``) the speed-up and scaling of the GPU-bound step time as well (on a host that
+    (``Setup.profile``, a lab knob) the speed-up and scaling of the GPU-bound step time as well (on a host that
     falls behind its GPU the wall-clock ratios move with the host's pace); then each patched row's note. Nothing
     without such rows."""
     runs: dict[tuple[str, str], dict[int, dict[str, Result]]] = {}
@@ -552,6 +545,5 @@ __all__ = [
     "relative_error",
     "step_loss",
     "summary_lines",
-    "train_profile",
     "wrap",
 ]

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from ... import _backend
+from ..._plan import call_context
 from ..._validation import CELU_DTYPES, check_float, check_same_device, check_scalar, describe, unit_last_stride
 from .launch import rms_norm_forward
 from .op import EagerRMSNorm, rms_norm_fwd_op
@@ -51,13 +52,15 @@ NATIVE_ROW_MULTIPLE = 8
 
 
 def _host_bound_inference(x2: torch.Tensor, weight: torch.Tensor | None) -> bool:
-    if not NATIVE_FUSED or not x2.is_cuda or not 0 < x2.numel() * x2.element_size() <= NATIVE_EAGER_MAX_BYTES:
+    """Whether this call takes torch's native kernel: small plain eager inference calls on CUDA (priced as such:
+    ``sparsefuse.planning(context="eager")`` makes any untraced call one), where one dispatch beats two launches."""
+    if not NATIVE_FUSED or not 0 < x2.numel() * x2.element_size() <= NATIVE_EAGER_MAX_BYTES:
         return False
     if torch.is_grad_enabled() and (x2.requires_grad or (weight is not None and weight.requires_grad)):
         return False
     # eager first: torch.compile cannot trace data_ptr() arithmetic (a graph break on CUDA)
     tensors = (x2,) if weight is None else (x2, weight)
-    if not _backend.plain_eager_call(*tensors) or torch.cuda.is_current_stream_capturing():
+    if not _backend.plain_eager_call(*tensors) or call_context(x2) != "eager":
         return False
     return not (x2.shape[1] % NATIVE_ROW_MULTIPLE or not x2.is_contiguous() or x2.data_ptr() % 16)
 
