@@ -7,6 +7,8 @@ twell_mlp reject" finds it here and nowhere else."""
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 from typing import Any
 
 import torch
@@ -559,6 +561,26 @@ def check_ffn_expected_nnz(op: str, expected_nnz: object) -> None:
         isinstance(expected_nnz, bool) or not isinstance(expected_nnz, (int, float)) or not expected_nnz >= 0
     ):
         raise ValueError(f"{op}: expected_nnz must be a non-negative number; got {expected_nnz!r}")
+
+
+def check_ffn_activation(
+    op: str, activation: object, threshold: object, activations: tuple[str, ...] = ("relu", "fatrelu", "drelu")
+) -> float:
+    """A gated block's gate activation (one of ``activations``) and its firing threshold: a finite number >= 0,
+    non-zero only for ``"fatrelu"``. Returns the threshold as a float."""
+    if not isinstance(activation, str):
+        raise TypeError(f"{op}: activation must be a str ({', '.join(map(repr, activations))}); got {activation!r}")
+    if activation not in activations:
+        raise ValueError(f"{op}: activation must be one of {', '.join(map(repr, activations))}; got {activation!r}")
+    if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real):
+        raise TypeError(f"{op}: threshold must be a Python float, got {type(threshold).__name__}")
+    if not math.isfinite(threshold) or threshold < 0:
+        raise ValueError(f"{op}: threshold must be a finite number >= 0; got {threshold!r}")
+    if threshold != 0 and activation != "fatrelu":
+        raise ValueError(
+            f"{op}: threshold={threshold!r} applies to activation='fatrelu' only; got activation={activation!r}"
+        )
+    return float(threshold)
 
 
 def check_ffn_mlp(

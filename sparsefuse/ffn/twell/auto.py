@@ -7,6 +7,13 @@ the per-gate-weight estimate, whose first observable call on a weight computes t
 sampled tokens densely and reads the count (the one host sync of that weight's life), and which later folds in a
 new sample every few calls without a sync; with nothing observed, the sparse regime the kernels are for
 (``prior_firing``).
+
+The gate activations are priced as ReLU, at the count of gates that fire (the estimate counts entries above
+FATReLU's threshold). For FATReLU that is the same work, plus, on the block path only, one in-place pass over the
+[M, N] pre-activations that the model leaves out. dReLU compacts and forms unions on the gate alone, as ReLU does; its
+TwELL path loads no W_down row where the up product is <= 0 (about half of the fired gates on random and synthetic
+weights), so the model over-predicts its gathers by up to a quarter, which errs toward dense; its block and dense
+paths add a pass over their [M, N] products, also left out.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import torch.nn.functional as F
 from ..._backend import cdiv
 from ..._plan import Knobs, Planner, SparsityMonitor, Variant, call_context, device_scalar, observable
 from .launch import auto_tile
+from .reference import threshold_in
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,12 +184,14 @@ def auto_method(M: int, K: int, N: int, mean_nnz: float, dtype: torch.dtype, eag
     return PLANNER.pick((M, K, N, dtype), round(float(mean_nnz), 1), eager)
 
 
-def probe_stats(x2: torch.Tensor, w_gate: torch.Tensor, b_gate: torch.Tensor | None) -> torch.Tensor:
-    """[2] int64 (gate non-zeros, tokens) over <= ``probe_tokens`` evenly spaced tokens of x2 [M >= 1, K], the
-    gate computed densely for those tokens only; no sync."""
+def probe_stats(
+    x2: torch.Tensor, w_gate: torch.Tensor, b_gate: torch.Tensor | None, threshold: float = 0.0
+) -> torch.Tensor:
+    """[2] int64 (gate non-zeros: entries > ``threshold``, tokens) over <= ``probe_tokens`` evenly spaced tokens of
+    x2 [M >= 1, K], the gate computed densely for those tokens only; no sync."""
     M = x2.shape[0]
     rows = torch.linspace(0, M - 1, min(M, PLANNER.knobs.probe_tokens), device=x2.device).long()
-    fired = (F.linear(x2[rows], w_gate, b_gate) > 0).sum(dtype=torch.int64)
+    fired = (F.linear(x2[rows], w_gate, b_gate) > threshold_in(x2.dtype, threshold)).sum(dtype=torch.int64)
     return torch.stack([fired, device_scalar(rows.numel(), x2.device)])
 
 
@@ -203,10 +213,12 @@ def resolve_method(
     monitor: SparsityMonitor | None,
     warm_up: Callable[[str], object] | None = None,
     at_run_time: bool = False,
+    threshold: float = 0.0,
 ) -> str:
     """What ``method="auto"`` runs for x2 [M, K] and w_gate [N, K] (``"auto"`` itself while torch.compile traces
     without ``expected_nnz``: the op decides when the graph runs, ``at_run_time``). ``warm_up(method)``: runs the
-    in-graph pick once where an eager call picks another (see :mod:`sparsefuse._plan.planner`)."""
+    in-graph pick once where an eager call picks another (see :mod:`sparsefuse._plan.planner`). ``threshold``:
+    FATReLU's, so the estimate counts the gates that fire (> threshold)."""
     M, K = x2.shape
     method, _ = PLANNER.choose(
         (M, K, w_gate.shape[0], x2.dtype),
@@ -214,7 +226,7 @@ def resolve_method(
         given=expected_nnz,
         monitor=monitor,
         weight=w_gate,
-        stats=lambda: probe_stats(x2, w_gate, b_gate),
+        stats=lambda: probe_stats(x2, w_gate, b_gate, threshold),
         can_observe=observable(x2) and M > 0,
         warm_up=None if warm_up is None else lambda method, estimate: warm_up(method),
         at_run_time=at_run_time,

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from ... import _backend
 from ..._plan import AUTO, SparsityMonitor, decided
 from ..._validation import (
+    check_ffn_activation,
     check_ffn_bias,
     check_ffn_expected_nnz,
     check_ffn_geometry,
@@ -27,7 +28,7 @@ from ...sparse.formats import ELL, TwELL
 from .auto import resolve_method
 from .launch import DEFAULT_COMPRESSION, launch_mlp, launch_relu_mlp, launch_to_ell
 from .op import twell_gate_op, twell_mlp_op, twell_relu_mlp_op, twell_to_ell_op, twell_up_down_op
-from .reference import dense_mlp
+from .reference import ACTIVATIONS, dense_mlp
 
 METHODS = ("auto", "twell", "block", "dense")
 
@@ -78,18 +79,22 @@ def twell_gate(
     *,
     tile: int = 256,
     compression: int = DEFAULT_COMPRESSION,
+    threshold: float = 0.0,
 ) -> TwELL:
-    """Kernel 1 alone: ``relu(x @ w^T + b)`` straight into TwELL (no dense [M, N] activations in memory).
+    """Kernel 1 alone: ``relu(x @ w^T + b)`` straight into TwELL (no dense [M, N] activations in memory); with a
+    ``threshold`` > 0, FATReLU: the pre-activations > threshold, unshifted.
 
     Args:
         x: [..., K] float32/float16/bfloat16.
         w: [N, K] (``nn.Linear`` weight, any strides), x's dtype; b: optional [N].
         tile: columns per tile, a power of two in [16, 1024]; compression: tile // compression slots per tile.
+        threshold: a finite number >= 0 (0: ReLU).
     Returns: TwELL of shape [M, N] (M = x.numel() // K) with exact per-tile counts (overflowed tiles flagged).
     Inference-only.
     """
     op = "twell_gate"
     check_ffn_geometry(op, tile, compression)
+    threshold = check_ffn_activation(op, "fatrelu", threshold, ACTIVATIONS)
     check_tensor(op, "w", w)
     if w.dim() != 2:
         raise ValueError(f"{op}: w must be [N, K] (nn.Linear layout); got {describe(w)}")
@@ -99,7 +104,7 @@ def twell_gate(
         check_ffn_bias(op, "b", b, w.shape[0], x)
     check_same_device(op, x=x, w=w, **({"b": b} if b is not None else {}))
     x2 = unit_last_stride(flat_rows(x))
-    values, indices, counts = twell_gate_op(x2, w, b, tile, compression)
+    values, indices, counts = twell_gate_op(x2, w, b, tile, compression, threshold)
     return TwELL(values, indices, counts, w.shape[0], tile, compression)
 
 
@@ -113,11 +118,15 @@ def twell_up_down(
     b_gate: torch.Tensor | None = None,
     b_up: torch.Tensor | None = None,
     b_down: torch.Tensor | None = None,
+    activation: str = "relu",
+    threshold: float = 0.0,
 ) -> torch.Tensor:
     """Kernel 2 alone: ``(h_g * (x @ w_up^T + b_up)) @ w_down^T + b_down`` for gate activations ``h_g`` given as
     TwELL (from :func:`twell_gate` on ``w_gate``/``b_gate``, which are read only to recompute overflowed tiles).
-    Shapes as :func:`twell_mlp`; returns [..., K]. Inference-only."""
+    Shapes, ``activation`` and ``threshold`` as :func:`twell_mlp` (the threshold the TwELL was packed with);
+    returns [..., K]. Inference-only."""
     op = "twell_up_down"
+    threshold = check_ffn_activation(op, activation, threshold, ACTIVATIONS)
     check_ffn_mlp(op, x, w_gate, b_gate, w_up, b_up, w_down, b_down)
     x2, w_up, w_down_t = _mlp_layout(op, x, w_up, w_down)
     if not isinstance(twell, TwELL) or twell.shape != (x2.shape[0], w_gate.shape[0]):
@@ -141,6 +150,8 @@ def twell_up_down(
         b_down,
         twell.tile,
         twell.compression,
+        activation,
+        threshold,
     )
     return y.reshape(*x.shape[:-1], w_down.shape[0])
 
@@ -159,9 +170,13 @@ def twell_mlp(
     method: str = "auto",
     expected_nnz: float | None = None,
     monitor: SparsityMonitor | None = None,
+    activation: str = "relu",
+    threshold: float = 0.0,
 ) -> torch.Tensor:
     """Gated ReLU feed-forward block ``(relu(x W_gate^T + b_gate) * (x W_up^T + b_up)) W_down^T + b_down`` (a
     transformers ``LlamaMLP`` with ``hidden_act="relu"``), skipping the up/down rows of gate activations that are 0.
+    With ``activation="fatrelu"`` the gate is ``g if g > threshold else 0``; with ``"drelu"`` the up product is
+    ``relu(x W_up^T + b_up)`` as well.
 
     Args:
         x: [..., K] float32/float16/bfloat16 (K = hidden size).
@@ -179,12 +194,20 @@ def twell_mlp(
             kept per ``w_gate`` tensor (its first call counts a probe of <= 64 tokens: one host sync in the weight's
             life; later calls do not sync).
         monitor: a :class:`SparsityMonitor` updated by this call (without a sync) from all the batch's tokens.
+        activation: the gate activation: "relu"; "fatrelu" (ProSparse-Llama-2, MiniCPM-S), a neuron firing where its
+            gate pre-activation g > ``threshold`` with the value g itself; "drelu" (TurboSparse, Bamboo),
+            ``relu(gate) * relu(up)``, so a neuron contributes only where both fire.
+        threshold: FATReLU's, a finite number >= 0 (0 is ReLU); only with ``activation="fatrelu"``. Each method
+            compares the pre-activation it holds (fp32 in the fused kernel, x's dtype from cuBLAS) with it exactly;
+            a pre-activation within rounding of the threshold may fire on one method and not another.
     Returns: [..., K] in x's dtype; fp32 accumulation. When autograd needs a gradient the dense computation runs
     (differentiable); the sparse kernels are inference-only.
     """
     op = "twell_mlp"
     if method not in METHODS:
         raise ValueError(f"{op}: method must be one of {', '.join(METHODS)}; got {method!r}")
+    threshold = check_ffn_activation(op, activation, threshold, ACTIVATIONS)
+    gate = (activation, threshold)
     check_ffn_geometry(op, tile, compression)
     check_ffn_expected_nnz(op, expected_nnz)
     check_ffn_mlp(op, x, w_gate, b_gate, w_up, b_up, w_down, b_down)
@@ -192,7 +215,7 @@ def twell_mlp(
     out_shape = (*x.shape[:-1], w_down.shape[0])
     if _needs_grad(x, w_gate, w_up, w_down, b_gate, b_up, b_down):
         decided(op, "dense", "autograd needs a gradient: the sparse kernels are inference-only", "autograd")
-        return dense_mlp(x2, w_gate, b_gate, w_up, b_up, w_down_t.t(), b_down).reshape(out_shape)
+        return dense_mlp(x2, w_gate, b_gate, w_up, b_up, w_down_t.t(), b_down, *gate).reshape(out_shape)
     if method != AUTO:
         decided(op, method, f"method={method!r} given", "explicit")
     else:
@@ -203,12 +226,13 @@ def twell_mlp(
             expected_nnz,
             monitor,
             warm_up=lambda m: launch_mlp(
-                x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile or 0, compression, m, False
+                x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile or 0, compression, m, False, *gate
             ),
+            threshold=threshold,
         )
     # Counting costs a few launches: only when the monitor would take the count (none in flight, not capturing).
     with_stats = monitor is not None and not torch.compiler.is_compiling() and monitor.accepts
-    args = (x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile or 0, compression, method, with_stats)
+    args = (x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile or 0, compression, method, with_stats, *gate)
     # Plain eager inference skips the dispatcher (tens of microseconds per call: it matters for decode batches).
     fast = method != AUTO and _backend.bypass_dispatcher(*(t for t in args[:7] if t is not None))
     y, stats = launch_mlp(*args) if fast else twell_mlp_op(*args)

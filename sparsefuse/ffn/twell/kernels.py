@@ -36,12 +36,14 @@ def twell_gate_fwd_kernel(
     GROUP_M: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     IEEE_FP32: tl.constexpr,
+    threshold=0.0,
     pre_ptr=None,
     stride_pre=0,
     STORE_PRE: tl.constexpr = False,
 ):
     # x [M, K] (unit column stride), w [N, K] (nn.Linear layout, any strides), b [N];
-    # out: values/indices [M, n_tiles * SLOTS], counts [M, n_tiles] int32 (true counts)
+    # out: values/indices [M, n_tiles * SLOTS], counts [M, n_tiles] int32 (true counts) of the entries > threshold
+    # (0: ReLU; > 0: FATReLU, the values kept unshifted)
     # STORE_PRE: the pre-activations of every overflowed (token, tile) also go to pre [M, N] (x's dtype, written
     # nowhere else), which the up/down kernel then reads for those tiles instead of recomputing them by a GEMV over
     # TILE rows of w: one program's serial chain per overflowed tile otherwise (a token firing 727 of 5632 among
@@ -70,8 +72,9 @@ def twell_gate_fwd_kernel(
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     count = _pack_tile(
-        acc, rows, row_mask, cols, col_mask, tile, values_ptr, indices_ptr, counts_ptr, n_tiles, SLOTS, BLOCK_M
-    )
+        acc, rows, row_mask, cols, col_mask, tile, values_ptr, indices_ptr, counts_ptr, n_tiles, threshold, SLOTS,
+        BLOCK_M,
+    )  # fmt: skip
     if STORE_PRE:
         over = row_mask & (count > SLOTS)  # [BLOCK_M]
         tl.store(
@@ -91,6 +94,7 @@ def twell_pack_kernel(
     N,
     n_tiles,
     stride_pm,
+    threshold,
     TILE: tl.constexpr,
     SLOTS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -110,18 +114,29 @@ def twell_pack_kernel(
         mask=row_mask[:, None] & col_mask[None, :],
         other=0.0,
     )  # [BLOCK_M, TILE]
-    _pack_tile(pre, rows, row_mask, cols, col_mask, tile, values_ptr, indices_ptr, counts_ptr, n_tiles, SLOTS, BLOCK_M)
+    _pack_tile(
+        pre, rows, row_mask, cols, col_mask, tile, values_ptr, indices_ptr, counts_ptr, n_tiles, threshold, SLOTS,
+        BLOCK_M,
+    )  # fmt: skip
+
+
+@triton.jit
+def _fires(pre, threshold):
+    """Where a gate fires: pre-activation > threshold (a value on the fp32 grid: the host passes
+    :func:`~sparsefuse.ffn.twell.reference.threshold_in`, so the compare is exact in any precision), or NaN (it
+    propagates)."""
+    return (pre > threshold) | (pre != pre)
 
 
 @triton.jit
 def _pack_tile(
-    pre, rows, row_mask, cols, col_mask, tile, values_ptr, indices_ptr, counts_ptr, n_tiles,
+    pre, rows, row_mask, cols, col_mask, tile, values_ptr, indices_ptr, counts_ptr, n_tiles, threshold,
     SLOTS: tl.constexpr, BLOCK_M: tl.constexpr,
 ):  # fmt: skip
-    """ReLU + TwELL packing of the pre-activations ``pre`` [BLOCK_M, TILE] of (rows, tile): values/indices at
-    [row, tile * SLOTS + slot], counts [M, n_tiles] int32 (true counts). NaN counts as fired (it propagates).
-    Returns the counts [BLOCK_M]."""
-    fired = ((pre > 0) | (pre != pre)) & row_mask[:, None] & col_mask[None, :]  # [BLOCK_M, TILE]
+    """ReLU (FATReLU for a threshold > 0) + TwELL packing of the pre-activations ``pre`` [BLOCK_M, TILE] of (rows,
+    tile): the entries > threshold at [row, tile * SLOTS + slot] of values/indices, counts [M, n_tiles] int32 (true
+    counts). NaN counts as fired (it propagates). Returns the counts [BLOCK_M]."""
+    fired = _fires(pre, threshold) & row_mask[:, None] & col_mask[None, :]  # [BLOCK_M, TILE]
     fired_i = fired.to(tl.int32)
     rank = tl.cumsum(fired_i, axis=1) - 1  # slot of each fired column within its tile row
     row_base = rows.to(tl.int64) * (n_tiles * SLOTS) + tile * SLOTS  # [BLOCK_M]
@@ -192,12 +207,15 @@ def _recompute_overflowed_tiles(
     GATED: tl.constexpr,
     pre_row_ptr=None,
     HAS_PRE: tl.constexpr = False,
+    threshold=0.0,
+    UP_RELU: tl.constexpr = False,
 ):
     """acc += the contribution of every overflowed tile t in [t_begin, t_end) of ``row``, recomputed from x: the
-    activation ``a = relu(x . W_a[n] + b_a)`` (W_a = W_gate, or W_up for the non-gated block) over the tile's
-    columns, BLOCK_C at a time from column c_begin every c_step (0 and BLOCK_C: the whole tile; programs that share
-    a token's tiles take interleaved chunks), times ``x . W_up[n] + b_up`` when GATED, times row n of W_down^T.
-    Only rows that fired are loaded from W_up / W_down. Meant for rare (token, tile) pairs.
+    activation ``a = x . W_a[n] + b_a`` where it exceeds ``threshold`` (0: ReLU), else 0 (W_a = W_gate, or W_up for
+    the non-gated block) over the tile's columns, BLOCK_C at a time from column c_begin every c_step (0 and
+    BLOCK_C: the whole tile; programs that share a token's tiles take interleaved chunks), times ``u = x . W_up[n]
+    + b_up`` when GATED (``relu(u)`` with UP_RELU: dReLU), times row n of W_down^T. Only rows whose coefficient is
+    non-zero are loaded from W_down (and only fired ones from W_up). Meant for rare (token, tile) pairs.
     HAS_PRE: the pre-activations are read from the row's dense pre-activations (``pre_row_ptr``: the gate GEMM's
     output row, bias included), else recomputed by a GEMV over TILE rows of W_a."""
     for t in range(t_begin, t_end):
@@ -211,12 +229,14 @@ def _recompute_overflowed_tiles(
                     pre = _pre_activations(
                         x_row_ptr, wa_ptr, ba_ptr, cols, col_mask, K, stride_wa_n, stride_wa_k, BLOCK_C, BLOCK_K, HAS_BA
                     )
-                fired = col_mask & ((pre > 0) | (pre != pre))
+                fired = col_mask & _fires(pre, threshold)
                 coef = tl.where(fired, pre, 0.0)
                 if GATED:
                     u = row_dots(x_row_ptr, wu_ptr, cols, fired, K, stride_wu, 1, BLOCK_C, BLOCK_K)
                     if HAS_BU:
                         u += tl.load(bu_ptr + cols, mask=fired, other=0.0).to(tl.float32)
+                    if UP_RELU:
+                        fired = fired & ((u > 0) | (u != u))
                     coef = tl.where(fired, coef * u, 0.0)
                 # down projection of the fired columns PICK at a time: [PICK, BLOCK_D] tiles, no wider than the main
                 # loop's, so this rare path does not raise the kernel's register count (and cut its occupancy)
@@ -227,8 +247,8 @@ def _recompute_overflowed_tiles(
 @triton.jit
 def _overflowed_tiles_from_pre(
     acc, x, row, counts_ptr, t_begin, t_end, n_tiles, j_begin, j_step, pre_row_ptr, wu_ptr, stride_wu, bu_ptr,
-    wd_ptr, stride_wd, d, d_mask, N, TILE: tl.constexpr, SLOTS: tl.constexpr, BLOCK_J: tl.constexpr,
-    HAS_BU: tl.constexpr,
+    wd_ptr, stride_wd, d, d_mask, N, threshold, TILE: tl.constexpr, SLOTS: tl.constexpr, BLOCK_J: tl.constexpr,
+    HAS_BU: tl.constexpr, UP_RELU: tl.constexpr,
 ):  # fmt: skip
     """acc [BLOCK_D] += every overflowed tile t in [t_begin, t_end) of ``row``, its pre-activations read from the
     gate GEMM's output row (``pre_row_ptr``): the fired columns are ranked and walked BLOCK_J at a time like stored
@@ -239,30 +259,35 @@ def _overflowed_tiles_from_pre(
             cols = t * TILE + tl.arange(0, TILE)  # [TILE]
             col_mask = cols < N
             pre = tl.load(pre_row_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-            h = tl.where(col_mask & ((pre > 0) | (pre != pre)), pre, 0.0)  # ReLU; NaN propagates
+            h = tl.where(col_mask & _fires(pre, threshold), pre, 0.0)  # (FAT)ReLU; NaN propagates
             n, rank = rank_nonzeros(h)
             for j0 in range(j_begin, n, j_step):
                 j = j0 + tl.arange(0, BLOCK_J)  # [BLOCK_J]
                 j_mask = j < n
                 idx, h_gate = pick_nonzeros(h, cols, rank, j)
                 acc = _up_down_step(
-                    acc, x, idx, h_gate, j_mask, wu_ptr, stride_wu, bu_ptr, wd_ptr, stride_wd, d, d_mask, HAS_BU
-                )
+                    acc, x, idx, h_gate, j_mask, wu_ptr, stride_wu, bu_ptr, wd_ptr, stride_wd, d, d_mask, HAS_BU,
+                    UP_RELU,
+                )  # fmt: skip
     return acc
 
 
 @triton.jit
 def _up_down_step(
-    acc, x, n, h_gate, j_mask, wu_ptr, stride_wu, bu_ptr, wd_ptr, stride_wd, d, d_mask, HAS_BU: tl.constexpr
+    acc, x, n, h_gate, j_mask, wu_ptr, stride_wu, bu_ptr, wd_ptr, stride_wd, d, d_mask, HAS_BU: tl.constexpr,
+    UP_RELU: tl.constexpr,
 ):  # fmt: skip
     """One step of kernel 2 over BLOCK_J fired neurons n [BLOCK_J] of a token with gate values h_gate: u = x . W_up[n]
-    (+ b_up[n]), a whole W_up row against x [BLOCK_D] in registers, then acc [BLOCK_D] += h_gate * u * W_down^T[n]."""
+    (+ b_up[n]), a whole W_up row against x [BLOCK_D] in registers, then acc [BLOCK_D] += h_gate * u * W_down^T[n].
+    UP_RELU (dReLU): relu(u) instead of u, and the W_down rows of the neurons whose u <= 0 are not loaded."""
     w_up = tl.load(
         wu_ptr + n[:, None].to(tl.int64) * stride_wu + d[None, :], mask=j_mask[:, None] & d_mask[None, :], other=0.0
     )  # [BLOCK_J, BLOCK_D]
     u = tl.sum(w_up.to(tl.float32) * x[None, :], axis=1)  # [BLOCK_J]
     if HAS_BU:
         u += tl.load(bu_ptr + n, mask=j_mask, other=0.0).to(tl.float32)
+    if UP_RELU:
+        j_mask = j_mask & ((u > 0) | (u != u))  # NaN propagates
     return accumulate_rows(acc, tl.where(j_mask, h_gate * u, 0.0), n, j_mask, wd_ptr, stride_wd, d, d_mask)
 
 
@@ -314,6 +339,8 @@ def twell_up_down_fwd_kernel(
     pre_ptr=None,
     stride_pre=0,
     HAS_PRE: tl.constexpr = False,
+    threshold=0.0,
+    UP_RELU: tl.constexpr = False,
 ):
     # TwELL of h_g: values/indices [M, n_tiles * SLOTS], counts [M, n_tiles]; x [M, K] (unit column stride);
     # wg [N, K] (any strides; read only for overflowed tiles); wu [N, K] and wd = W_down^T [N, K] with unit column
@@ -326,7 +353,8 @@ def twell_up_down_fwd_kernel(
     # heavy_rows [heavy_count [0]], which splits each over more programs; its partials are indexed by the token's
     # place in that list (part_row), not by the token.
     # HAS_PRE: pre [M, N] holds the gate's dense pre-activations (its GEMM's output): overflowed tiles read them
-    # instead of a GEMV over the gate.
+    # instead of a GEMV over the gate. threshold: where an overflowed tile's gate fires (> threshold: FATReLU; 0:
+    # ReLU), as kernel 1 packed it. UP_RELU: dReLU's relu on the up product (W_down rows skipped where it is <= 0).
     p = tl.program_id(0)
     if HEAVY_PASS:
         if p >= tl.load(heavy_count_ptr):
@@ -368,7 +396,7 @@ def twell_up_down_fwd_kernel(
         n = tl.load(indices_ptr + slot, mask=j_mask, other=0)  # [BLOCK_J] neuron ids
         h_gate = tl.load(values_ptr + slot, mask=j_mask, other=0.0).to(tl.float32)
         acc = _up_down_step(
-            acc, x, n, h_gate, j_mask, wu_ptr, stride_wu, bu_ptr, wd_ptr, stride_wd, d, d_mask, HAS_B_UP
+            acc, x, n, h_gate, j_mask, wu_ptr, stride_wu, bu_ptr, wd_ptr, stride_wd, d, d_mask, HAS_B_UP, UP_RELU
         )
     if HEAVY_PASS:
         # the listed tokens with an overflowed tile come first (heavy_count[1] of them); each split of such a token
@@ -386,7 +414,8 @@ def twell_up_down_fwd_kernel(
         if HAS_PRE:
             acc = _overflowed_tiles_from_pre(
                 acc, x, row, counts_ptr, r_begin, r_end, n_tiles, j_begin, j_step, pre_ptr + row * stride_pre,
-                wu_ptr, stride_wu, bu_ptr, wd_ptr, stride_wd, d, d_mask, N, TILE, SLOTS, BLOCK_J, HAS_B_UP,
+                wu_ptr, stride_wu, bu_ptr, wd_ptr, stride_wd, d, d_mask, N, threshold, TILE, SLOTS, BLOCK_J, HAS_B_UP,
+                UP_RELU,
             )  # fmt: skip
         else:
             acc = _recompute_overflowed_tiles(
@@ -420,6 +449,8 @@ def twell_up_down_fwd_kernel(
                 HAS_B_GATE,
                 HAS_B_UP,
                 True,
+                threshold=threshold,
+                UP_RELU=UP_RELU,
             )
     if n_splits > 1:
         last, acc = sum_split_partials(

@@ -25,6 +25,7 @@ from .kernels import (
     twell_to_ell_kernel,
     twell_up_down_fwd_kernel,
 )
+from .reference import gate_activation, threshold_in
 
 DEFAULT_COMPRESSION = 8  # slots = tile / 8: 32 slots per 256-column tile (the paper's setting)
 STATS_TOKENS = 256  # tokens whose non-zeros the dense and block paths count for a SparsityMonitor
@@ -199,9 +200,9 @@ def _opt(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return t.to(dtype) if t is not None else None
 
 
-def _complete_dense(twell: TwELL, x2, w_act, b_act, compute: torch.dtype) -> torch.Tensor:
+def _complete_dense(twell: TwELL, x2, w_act, b_act, compute: torch.dtype, threshold: float = 0.0) -> torch.Tensor:
     """Torch fallback: the dense activations, stored entries where the tile fits, recomputed where it overflowed."""
-    recomputed = torch.relu(F.linear(x2.to(compute), w_act.to(compute), _opt(b_act, compute)))
+    recomputed = gate_activation(F.linear(x2.to(compute), w_act.to(compute), _opt(b_act, compute)), threshold)
     over = twell.overflowed().repeat_interleave(twell.tile, dim=1)[:, : twell.n_cols]
     clean = TwELL(
         twell.values,
@@ -221,9 +222,11 @@ def launch_gate(
     tile: int,
     compression: int,
     keep_pre: bool = False,
+    threshold: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Kernel 1: TwELL (values [M, n_tiles * slots], indices int32 likewise, counts [M, n_tiles] int32) of
-    ``relu(x2 w^T + b)``; w [N, K] any strides. Fourth: the pre-activations ``x2 w^T + b`` [M, N] for the second
+    ``relu(x2 w^T + b)`` (with a ``threshold`` > 0, FATReLU: the entries > threshold, unshifted); w [N, K] any
+    strides. Fourth: the pre-activations ``x2 w^T + b`` [M, N] for the second
     kernel's overflowed tiles: all of them where the gate ran as cuBLAS's GEMM and a packing pass (from
     GATE_GEMM_MIN_TOKENS tokens); below that, with ``keep_pre``, those of the overflowed tiles only (the fused
     kernel writes nothing else there); else None."""
@@ -234,7 +237,7 @@ def launch_gate(
         _backend.warn_reference_once("twell_gate")
         compute = _backend.compute_dtype(x2.dtype)
         pre = F.linear(x2.to(compute), w.to(compute), b.to(compute) if b is not None else None)
-        t = TwELL.from_dense(torch.relu(pre).to(x2.dtype), tile, compression)
+        t = TwELL.from_dense(gate_activation(pre, threshold).to(x2.dtype), tile, compression)
         return t.values, t.indices, t.counts, None
     values = new_output((M, n_tiles * slots), x2.dtype, x2.device)  # poisoned under test: every slot is written
     indices = torch.empty(M, n_tiles * slots, dtype=torch.int32, device=x2.device)
@@ -245,7 +248,7 @@ def launch_gate(
         pre = F.linear(x2, w, b)  # [M, N]: cuBLAS's GEMM, then a packing pass over it
         block_m = 16 if _backend.INTERPRET else PACK_BLOCK_M
         twell_pack_kernel[(cdiv(M, block_m) * n_tiles,)](
-            pre, values, indices, counts, M, N, n_tiles, pre.stride(0),
+            pre, values, indices, counts, M, N, n_tiles, pre.stride(0), threshold_in(torch.float32, threshold),
             TILE=tile, SLOTS=slots, BLOCK_M=block_m, num_warps=PACK_WARPS,
         )  # fmt: skip
         record_launch("twell_pack_kernel")
@@ -271,6 +274,7 @@ def launch_gate(
         SLOTS=slots,
         HAS_BIAS=b is not None,
         IEEE_FP32=ieee_fp32(x2.dtype),
+        threshold=threshold_in(torch.float32, threshold),
         **({} if pre is None else dict(pre_ptr=pre, stride_pre=pre.stride(0), STORE_PRE=True)),
     )
     record_launch("twell_gate_fwd_kernel")
@@ -296,10 +300,13 @@ def launch_up_down(
     tile: int,
     compression: int,
     pre: torch.Tensor | None = None,
+    activation: str = "relu",
+    threshold: float = 0.0,
 ) -> torch.Tensor:
     """Kernel 2: y [M, K] = (h_g * (x2 w_up^T + b_up)) w_down_t + b_down for h_g given as TwELL; overflowed tiles
     read their pre-activations from ``pre`` [M, N] (x2 w_gate^T + b_gate, unit column stride) when given, else
-    recompute them from w_gate/b_gate."""
+    recompute them from w_gate/b_gate, firing above ``threshold`` as kernel 1 packed them. ``activation="drelu"``:
+    relu on the up product, and no W_down row read where it is <= 0."""
     M, K = x2.shape
     N = w_up.shape[0]
     y = new_output((M, K), x2.dtype, x2.device)
@@ -309,8 +316,9 @@ def launch_up_down(
         _backend.warn_reference_once("twell_up_down")
         compute = _backend.compute_dtype(x2.dtype)
         twell = TwELL(values, indices, counts, N, tile, compression)
-        h_gate = _complete_dense(twell, x2, w_gate, b_gate, compute)
-        h = h_gate * F.linear(x2.to(compute), w_up.to(compute), _opt(b_up, compute))
+        h_gate = _complete_dense(twell, x2, w_gate, b_gate, compute, threshold)
+        up = F.linear(x2.to(compute), w_up.to(compute), _opt(b_up, compute))
+        h = h_gate * (torch.relu(up) if activation == "drelu" else up)
         return y.copy_(F.linear(h, w_down_t.t().to(compute), _opt(b_down, compute)))
     n_tiles, slots = cdiv(N, tile), tile // compression
     plan = _up_down_plan(M, K, n_tiles, x2.device)
@@ -318,6 +326,7 @@ def launch_up_down(
     order = heavy_first_order(counts, slots, plan.block_j) if plan.ordered else counts
     operands = (values, indices, counts, order, x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, y)
     options = dict(tile=tile, slots=slots, n_tiles=n_tiles, plan=plan, **_pre_args(pre))
+    options.update(threshold=threshold_in(torch.float32, threshold), UP_RELU=activation == "drelu")
     if heavy_pass:
         splits = _heavy_splits(M, n_tiles)
         cap = min(M, max(1, HEAVY_PARTIAL_BYTES // (splits * K * 4)))
@@ -490,28 +499,44 @@ def _no_stats(x2: torch.Tensor, with_stats: bool) -> torch.Tensor:
 
 
 def launch_mlp(
-    x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile: int, compression: int, method: str, with_stats: bool
+    x2,
+    w_gate,
+    b_gate,
+    w_up,
+    b_up,
+    w_down_t,
+    b_down,
+    tile: int,
+    compression: int,
+    method: str,
+    with_stats: bool,
+    activation: str = "relu",
+    threshold: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gated block by a resolved ``method`` ("twell", "block" or "dense"; tile 0: the default). Returns
-    (y [M, K], stats): stats is the [2] int64 (gate non-zeros, tokens counted) for a SparsityMonitor when
-    ``with_stats``, else an empty tensor."""
+    """The gated block by a resolved ``method`` ("twell", "block" or "dense"; tile 0: the default) with the gate
+    ``activation`` ("relu", "fatrelu" firing above ``threshold``, "drelu"). Returns (y [M, K], stats): stats is the
+    [2] int64 (gate non-zeros, tokens counted) for a SparsityMonitor when ``with_stats``, else an empty tensor."""
     M = x2.shape[0]
     if method == "dense":
-        h_gate = torch.relu(F.linear(x2, w_gate, b_gate))
-        y = F.linear(h_gate * F.linear(x2, w_up, b_up), w_down_t.t(), b_down)
+        h_gate = gate_activation(F.linear(x2, w_gate, b_gate), threshold)
+        up = F.linear(x2, w_up, b_up)
+        y = F.linear(h_gate * (up.relu_() if activation == "drelu" else up), w_down_t.t(), b_down)
         if not with_stats or M == 0:
             return y, _no_stats(x2, with_stats)
         return y, sampled_nonzero_stats(h_gate, STATS_TOKENS, positive=True)
     if method == "block":
-        y, pre = launch_block_mlp(x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down)
+        y, pre = launch_block_mlp(
+            x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, activation=activation, threshold=threshold
+        )
         if not with_stats or M == 0:
             return y, _no_stats(x2, with_stats)
         return y, sampled_nonzero_stats(pre, STATS_TOKENS, positive=True)
     tile = tile or auto_tile(M, w_gate.shape[0], compression)
-    values, indices, counts, pre = launch_gate(x2, w_gate, b_gate, tile, compression, keep_pre=True)
+    values, indices, counts, pre = launch_gate(x2, w_gate, b_gate, tile, compression, True, threshold)
     y = launch_up_down(
-        values, indices, counts, x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile, compression, pre
-    )
+        values, indices, counts, x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile, compression, pre,
+        activation, threshold,
+    )  # fmt: skip
     if not with_stats:
         return y, _no_stats(x2, with_stats)
     return y, torch.stack([counts.sum(dtype=torch.int64), device_scalar(M, x2.device)])

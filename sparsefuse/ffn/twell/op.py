@@ -27,13 +27,13 @@ def _no_context(ctx, inputs, output) -> None:
 @torch.library.custom_op("sparsefuse::twell_gate", mutates_args=())
 @on_tensor_device
 def twell_gate_op(
-    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tile: int, compression: int
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tile: int, compression: int, threshold: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return launch_gate(x, w, b, tile, compression)[:3]
+    return launch_gate(x, w, b, tile, compression, threshold=threshold)[:3]
 
 
 @twell_gate_op.register_fake
-def _(x, w, b, tile, compression):
+def _(x, w, b, tile, compression, threshold=0.0):
     # -(-a // b), not _backend.cdiv: under dynamic shapes w.shape[0] is a SymInt, and cdiv's (a + b - 1) // b form
     # fails opcheck's dynamic-shape test (unhashable SymInt) where this one traces
     M, n_tiles = x.shape[0], -(-w.shape[0] // tile)
@@ -60,12 +60,20 @@ def twell_up_down_op(
     b_down: torch.Tensor | None,
     tile: int,
     compression: int,
+    activation: str = "relu",
+    threshold: float = 0.0,
 ) -> torch.Tensor:
-    return launch_up_down(values, indices, counts, x, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile, compression)
+    return launch_up_down(
+        values, indices, counts, x, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile, compression, None,
+        activation, threshold,
+    )  # fmt: skip
 
 
 @twell_up_down_op.register_fake
-def _(values, indices, counts, x, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile, compression):
+def _(
+    values, indices, counts, x, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile, compression, activation="relu",
+    threshold=0.0,
+):  # fmt: skip
     return x.new_empty(x.shape)
 
 
@@ -83,16 +91,23 @@ def twell_mlp_op(
     compression: int,
     method: str,
     with_stats: bool,
+    activation: str = "relu",
+    threshold: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # "auto" reaches the op from a graph compiled without an estimate (and from direct callers): decided now, with
     # real tensors, as the planner decides an eager call or a capture.
     if method == "auto":
-        method = resolve_method(x, w_gate, b_gate, None, None, at_run_time=True)
-    return launch_mlp(x, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile, compression, method, with_stats)
+        method = resolve_method(x, w_gate, b_gate, None, None, at_run_time=True, threshold=threshold)
+    return launch_mlp(
+        x, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile, compression, method, with_stats, activation, threshold
+    )
 
 
 @twell_mlp_op.register_fake
-def _(x, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile, compression, method, with_stats):
+def _(
+    x, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile, compression, method, with_stats, activation="relu",
+    threshold=0.0,
+):  # fmt: skip
     return x.new_empty((x.shape[0], w_down_t.shape[1])), x.new_empty((2 if with_stats else 0,), dtype=torch.int64)
 
 
