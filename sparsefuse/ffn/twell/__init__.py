@@ -26,6 +26,10 @@ only). The result is exact whatever the sparsity, with no host sync. From ``HEAV
 tokens (an overflowed tile, or many entries) are listed on the device and split over more programs by a second
 launch of kernel 2 (:mod:`.heavy_kernels`).
 
+Other gates of the ReLU family (``activation=``, :mod:`.reference`): FATReLU fires where the gate pre-activation
+exceeds a threshold (kernel 1 packs those entries, kernel 2 recomputes overflowed tiles with the same test); dReLU
+multiplies by ``relu(x . W_up[n] + b_up)``, and kernel 2 skips the W_down rows where that is 0.
+
 Non-gated block (``y = relu(x @ W_up^T + b_up) @ W_down^T + b_down``): kernel 1 on W_up, ``twell_to_ell_kernel``
 packs the TwELL rows into ELL on the device, the shared :func:`sparsefuse.sparse.sparse_matmul` runs, and
 ``twell_overflow_down_kernel`` adds the overflowed tiles' terms in place.
@@ -69,6 +73,7 @@ from .op import twell_gate_op as twell_gate_op
 from .op import twell_mlp_op as twell_mlp_op
 from .op import twell_relu_mlp_op as twell_relu_mlp_op
 from .op import twell_up_down_op as twell_up_down_op
+from .reference import ACTIVATIONS as ACTIVATIONS
 from .reference import torch_relu_mlp, torch_twell_mlp
 
 __all__ = [
