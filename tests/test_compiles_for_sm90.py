@@ -258,6 +258,10 @@ def _exercise_ops(dtype: torch.dtype, ffn: bool) -> None:
         leaves = [t.detach().clone().requires_grad_() for t in (xf, w_up, w_down)]
         out = hybrid_relu_mlp(*leaves, b_up=r(N, grad=True), layout=layout)
         (out.y.float().sum() + out.l1).backward()
+    for layout in ("block", "dense"):  # the L1 term on h
+        leaves = [t.detach().clone().requires_grad_() for t in (xf, w_gate, w_up, w_down)]
+        out = hybrid_mlp(*leaves, b_gate=r(N, grad=True), layout=layout, l1_on="hidden")
+        (out.y.float().sum() + out.l1).backward()
     # one row block: no schedule launch, so the pack sums its own offsets
     leaves = [t.detach().clone().requires_grad_() for t in (xf[:8], w_gate, w_up, w_down)]
     out = hybrid_mlp(*leaves, layout="block")

@@ -97,7 +97,10 @@ def _changed(
 
 @contextlib.contextmanager
 def planning(
-    *, context: str | None = ..., eager_fast_path: bool = ..., **ops: Mapping | Knobs  # type: ignore[assignment]
+    *,
+    context: str | None = ...,
+    eager_fast_path: bool = ...,
+    **ops: Mapping | Knobs,  # type: ignore[assignment]
 ) -> Iterator[PlanConfig]:
     """Change the planner's knobs inside a ``with`` block (restored on exit), e.g.
     ``with sparsefuse.planning(sparse_decode={"margin": 1.0}): ...`` or ``planning(twell_mlp={"measured_s":

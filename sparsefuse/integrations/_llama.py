@@ -66,6 +66,7 @@ def is_relu_llama_mlp(module: nn.Module) -> bool:
 
 def _replacement(mlp: nn.Module, options: dict) -> SparseGatedMLP:
     gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+    options = {**options, "l1_on": options.get("l1_on") or "gate"}
     fused = SparseGatedMLP(gate.in_features, gate.out_features, bias=gate.bias is not None, device="meta", **options)
     # the modules themselves, not copies: their Parameters (tied weights), their hooks and their state_dict keys
     fused.gate_proj, fused.up_proj, fused.down_proj, fused.act_fn = gate, up, down, mlp.act_fn
@@ -80,19 +81,22 @@ def patch_llama(
     compression: int = DEFAULT_COMPRESSION,
     tile: int | None = None,
     method: str = "auto",
-    train_method: str = "dense",
+    train_method: str = "auto",
     down_layout: str = "column",
     fuse: bool = True,
     train_cuda_graph: bool | None = None,
+    l1_on: str | None = None,
 ) -> nn.Module:
-    """Replace every ReLU ``LlamaMLP`` inside ``model`` (in place) with :class:`sparsefuse.nn.SparseGatedMLP`
-    (inference by ``method``; forwards that need gradients by ``train_method``: "dense" or "hybrid", the sparse
-    training step, replayed from CUDA graphs per ``train_cuda_graph`` (default: where the host would pace it): see
-    :func:`sparsefuse.ffn.hybrid.hybrid_mlp` ``cuda_graph``;
-    ``down_layout="row"`` keeps ``down_proj.weight`` contiguous, for FSDP2), and with ``fuse`` every
-    ``LlamaRMSNorm`` with :class:`sparsefuse.nn.RMSNorm` and the attention's rotary embedding with
-    :func:`sparsefuse.rotary.apply_rotary_pos_emb` (the same computations in one kernel each way; :func:`fuse_norms`,
-    :func:`fuse_rotary`).
+    """Replace every ReLU ``LlamaMLP`` inside ``model`` (in place) with :class:`sparsefuse.nn.SparseGatedMLP` (inference
+    by ``method``; forwards that need gradients by ``train_method``: "auto" -- the dense ops until the gate's firing is
+    counted, then the sparse training step where the planner predicts it faster --, "dense", or "hybrid", the sparse
+    training step always, replayed from CUDA graphs per ``train_cuda_graph`` (default: where the host would pace it):
+    see :func:`sparsefuse.ffn.hybrid.hybrid_mlp` ``cuda_graph``; ``down_layout="row"`` keeps ``down_proj.weight``
+    contiguous, for FSDP2), and with ``fuse`` every ``LlamaRMSNorm`` with :class:`sparsefuse.nn.RMSNorm` and the
+    attention's rotary embedding with :func:`sparsefuse.rotary.apply_rotary_pos_emb` (the same computations in one
+    kernel each way; :func:`fuse_norms`, :func:`fuse_rotary`). ``l1_on``: what each module's ``last_l1`` is taken
+    on, ``"gate"`` or ``"hidden"`` (the paper's h = h_g * h_u; :func:`l1_loss`); None: ``"gate"`` for a new
+    module, an already patched one keeps its own.
 
     Patching a patched model again is not an error: its :class:`SparseGatedMLP` modules take this call's options
     (the same options: nothing changes). Returns the model (or, if ``model`` itself is a ReLU LlamaMLP, its
@@ -105,6 +109,7 @@ def patch_llama(
         train_method=train_method,
         down_layout=down_layout,
         train_cuda_graph=train_cuda_graph,
+        l1_on=l1_on,
     )
     if is_relu_llama_mlp(model):
         return _replacement(model, options)

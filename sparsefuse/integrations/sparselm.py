@@ -63,7 +63,7 @@ _EXPECTED = (
     "a directory holding config.json (architectures SparseLlamaForCausalLM / SparseQwen2ForCausalLM, model_type "
     "llama_sparse_relu / qwen2_sparse_relu) and model.safetensors or model.safetensors.index.json with its shards"
 )
-_PATCH_OPTIONS = ("compression", "tile", "method", "train_method", "down_layout", "fuse", "train_cuda_graph")
+_PATCH_OPTIONS = ("compression", "tile", "method", "train_method", "down_layout", "fuse", "train_cuda_graph", "l1_on")
 
 
 def _read_config(path: Path) -> tuple[str, dict[str, Any]]:

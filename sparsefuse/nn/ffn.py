@@ -7,12 +7,13 @@ W_down^T is contiguous; ``load_state_dict`` copies into that layout, ``.to()`` p
 it as is. ``method="auto"`` decides from the estimate of the non-zeros per token that :func:`twell_mlp` keeps per gate
 weight (one host sync in the weight's life, then sync-free samples ever more rarely). A plain eager call for which
 that choice is dense runs the dense ops directly, at ``LlamaMLP``'s host cost; :attr:`SparseGatedMLP.monitor`
-reads the estimate. Inference uses the sparse
-kernels. When autograd needs gradients, ``train_method`` decides: ``"dense"`` (default) runs ``LlamaMLP``'s ops,
-``"hybrid"`` the sparse training step (:func:`sparsefuse.ffn.hybrid.hybrid_mlp`); both leave the step's L1 term in
-:attr:`SparseGatedMLP.last_l1` and its firing statistics in :meth:`SparseGatedMLP.sparsity_report`;
-``train_cuda_graph`` (hybrid_mlp's ``cuda_graph``; default None: where the host would pace the step) replays the
-hybrid step from CUDA graphs.
+reads the estimate. Inference uses the sparse kernels. When autograd needs gradients, ``train_method`` decides:
+``"auto"`` (default) runs ``LlamaMLP``'s ops until the gate's firing has been counted (by those ops, without a sync) and
+then whichever step the planner predicts faster -- the sparse step once the gate is sparse (below ~1% firing), the dense
+ops before; ``"dense"`` always ``LlamaMLP``'s ops; ``"hybrid"`` always the sparse training step
+(:func:`sparsefuse.ffn.hybrid.hybrid_mlp`); all leave the step's L1 term in :attr:`SparseGatedMLP.last_l1` and its
+firing statistics in :meth:`SparseGatedMLP.sparsity_report`; ``train_cuda_graph`` (hybrid_mlp's ``cuda_graph``; default
+None: where the host would pace the step) replays the hybrid step from CUDA graphs.
 ``down_layout="row"`` keeps ``down_proj.weight`` row-major (contiguous), as FSDP2's ``fully_shard`` requires of
 the parameters it shards; the sparse kernels then copy W_down^T once per call.
 
@@ -40,6 +41,7 @@ from torch.nn.modules import module as _torch_module
 from .._plan import SparsityMonitor, decided, explaining, observable, sampled_nonzero_stats
 from .._validation import FLOAT_DTYPES
 from ..ffn.hybrid import hybrid_mlp, sparsity_stats
+from ..ffn.hybrid.choice import TRAIN_CHOICE
 from ..ffn.hybrid.reference import L1_TERMS
 from ..ffn.twell import DEFAULT_COMPRESSION, METHODS, twell_down_layout, twell_mlp
 from ..ffn.twell.auto import ESTIMATES, eager_runs_dense
@@ -47,7 +49,7 @@ from ..ffn.twell.launch import STATS_TOKENS
 from ..sparse.compact import DEFAULT_HYBRID_WIDTH
 
 # How a forward that needs gradients runs: "dense" (LlamaMLP's ops) or "hybrid" (the sparse training step).
-TRAIN_METHODS = ("dense", "hybrid")
+TRAIN_METHODS = ("auto", "dense", "hybrid")
 # What a forward leaves for the step or for later calls; a copy or a pickle of the module starts without it.
 _STEP_STATE = {"last_l1": None, "_eager_choice_weight": None}
 
@@ -65,7 +67,7 @@ class SparseGatedMLP(nn.Module):
         compression: int = DEFAULT_COMPRESSION,
         tile: int | None = None,
         method: str = "auto",
-        train_method: str = "dense",
+        train_method: str = "auto",
         train_width: int = DEFAULT_HYBRID_WIDTH,
         down_layout: str = "column",
         train_cuda_graph: bool | None = None,
@@ -92,6 +94,7 @@ class SparseGatedMLP(nn.Module):
         )
         self._register_state_dict_hook(_contiguous_down_weight)
         self.last_l1: torch.Tensor | None = None  # the last training step's L1 term (differentiable)
+        self._sparse_training = False  # train_method="auto": whether the latest eager step ran the sparse step
         self._last_counts: tuple[torch.Tensor, torch.Tensor] | None = None  # (per token, per neuron) firing counts
         self._eager_choice: dict[tuple[int, torch.dtype], bool] = {}  # (tokens, dtype) -> auto runs dense
         self._eager_choice_weight: torch.Tensor | None = None  # the gate weight those choices were made for
@@ -153,7 +156,7 @@ class SparseGatedMLP(nn.Module):
             return self._submodule_forward(x, wants_grad)
         if wants_grad:
             if self.train_method == "dense":  # (the sparse step's layout is hybrid_mlp's planner's to explain)
-                decided("twell_mlp", "dense", "a gradient is wanted: train_method='dense'", "autograd")
+                decided("twell_mlp", "dense", "a gradient is wanted: train_method='dense'", "explicit")
             return self._train_forward(x)
         if self.method == "auto" and x.is_cuda and self._eager_dense(x):
             return self._dense_forward(x)
@@ -191,21 +194,17 @@ class SparseGatedMLP(nn.Module):
         its hooks run) in LlamaMLP's order; a forward with gradients records the step's L1 term and counts from
         the activations as the hooks left them."""
         h_gate = self.act_fn(self.gate_proj(x))
+        h = h_gate * self.up_proj(x)
         if wants_grad:
-            self._record_step(h_gate)
-        return self.down_proj(h_gate * self.up_proj(x))
+            self._record_step(h_gate, h)
+        return self.down_proj(h)
 
-    def _record_step(self, h_gate: torch.Tensor, h: torch.Tensor | None = None) -> None:
+    def _record_step(self, h_gate: torch.Tensor, h: torch.Tensor) -> None:
         """The dense step's L1 term (the mean per element of the gate activations, or with ``l1_on="hidden"`` of
         |h|, h = h_gate * up) and firing counts."""
         fired = (h_gate > 0).reshape(-1, h_gate.shape[-1])
         _check_l1_on(self.l1_on)
         if self.l1_on == "hidden":
-            if h is None:
-                raise ValueError(
-                    "SparseGatedMLP(l1_on='hidden'): a forward that calls the submodules (one of them hooked or not "
-                    "a plain nn.Linear / nn.ReLU) records the gate term only; use l1_on='gate' for this module"
-                )
             self.last_l1 = h.abs().sum(dtype=torch.float32) / max(h.numel(), 1)
         else:
             self.last_l1 = h_gate.sum(dtype=torch.float32) / max(h_gate.numel(), 1)
@@ -261,7 +260,7 @@ class SparseGatedMLP(nn.Module):
         dense block as ``LlamaMLP`` does. Either way :attr:`last_l1` holds the step's L1 term and
         :meth:`sparsity_report` its firing statistics."""
         gate, up, down = self.gate_proj, self.up_proj, self.down_proj
-        if self.train_method == "hybrid":
+        if self.train_method == "hybrid" or (self.train_method == "auto" and self._trains_sparse(x)):
             out = hybrid_mlp(
                 x,
                 gate.weight,
@@ -279,7 +278,18 @@ class SparseGatedMLP(nn.Module):
         h_gate = torch.relu(F.linear(x, gate.weight, gate.bias))
         h = h_gate * F.linear(x, up.weight, up.bias)
         self._record_step(h_gate, h)
+        if self.train_method == "auto":
+            TRAIN_CHOICE.observe(gate.weight, self._last_counts[0])  # sync-free, now and then
         return F.linear(h, down.weight, down.bias)
+
+    def _trains_sparse(self, x: torch.Tensor) -> bool:
+        """``train_method="auto"``: whether this step runs the sparse step (see the module docstring). A traced
+        call takes the latest eager step's answer (guarded: a change recompiles, as ``hybrid_mlp``'s layout does)."""
+        if torch.compiler.is_compiling():
+            return self._sparse_training
+        question = (x.numel() // max(x.shape[-1], 1), self.hidden_size, self.intermediate_size, x.dtype)
+        self._sparse_training = TRAIN_CHOICE.choose_for_module(self.gate_proj.weight, question) == "block"
+        return self._sparse_training
 
     def sparsity_report(self, group: torch.distributed.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
         """The last training step's gate statistics as device scalars (reading them is the caller's sync): mean,

@@ -463,7 +463,7 @@ def test_module_trains_with_either_method_and_reports(train_method, device):
     report = mlp.sparsity_report()
     fired = (F.linear(x.detach().reshape(-1, 16), g.weight, g.bias) > 0).sum(1).float()
     assert float(report["mean_nnz"]) == pytest.approx(float(fired.mean()))
-    with pytest.raises(ValueError, match="train_method must be one of dense, hybrid"):
+    with pytest.raises(ValueError, match="train_method must be one of auto, dense, hybrid"):
         SparseGatedMLP(16, 48, train_method="sparse")
 
 

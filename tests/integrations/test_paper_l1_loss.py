@@ -72,8 +72,8 @@ def test_l1_loss_checks_the_term_and_the_reduction(device):
 
 
 def test_module_option_and_the_submodule_path(device):
-    """``SparseGatedMLP(l1_on=...)`` is checked; a forward that must call the submodules (a hook on one) cannot
-    record the hidden term and says so rather than recording the gate's."""
+    """``SparseGatedMLP(l1_on=...)`` is checked; a forward that must call the submodules (a hook on one) records the
+    hidden term from h as the hooks left it; ``patch_llama(l1_on=...)`` sets every layer."""
     with pytest.raises(ValueError, match="l1_on must be one of"):
         SparseGatedMLP(16, 32, l1_on="up")
     mlp = SparseGatedMLP(16, 32, l1_on="hidden").to(device)
@@ -81,6 +81,11 @@ def test_module_option_and_the_submodule_path(device):
     mlp(x)
     h = torch.relu(mlp.gate_proj(x)) * mlp.up_proj(x)
     torch.testing.assert_close(mlp.last_l1, h.abs().sum() / h.numel())
-    mlp.up_proj.register_forward_hook(lambda m, a, o: None)
-    with pytest.raises(ValueError, match="records the gate term only"):
-        mlp(x)
+    mlp.up_proj.register_forward_hook(lambda m, a, o: 2 * o)  # the hook's output is what h is made of
+    mlp(x)
+    torch.testing.assert_close(mlp.last_l1, 2 * h.abs().sum() / h.numel())
+    model, _ = _models(device)
+    patch_llama(model, l1_on="hidden")
+    assert all(m.l1_on == "hidden" for _, m in patched_mlps(model))
+    patch_llama(model)  # None: each layer keeps its own
+    assert all(m.l1_on == "hidden" for _, m in patched_mlps(model))

@@ -114,6 +114,22 @@ class TrainChoice:
         self._freeze(w_gate, "layout", self.last)
         return self.last
 
+    def choose_for_module(self, w_gate: torch.Tensor, question: tuple) -> str:
+        """What a module's ``train_method="auto"`` runs for its next step (``question``: M, K, N, dtype): the dense
+        step until the gate's firing has been observed (the dense step counts it: :meth:`observe`; a block step
+        without an estimate would keep every (token, neuron) pair for its backward), then the planner's pick. Kept
+        for a checkpointed forward's recompute, as :meth:`choose` is."""
+        frozen = self._frozen_value(w_gate, "module")
+        if frozen is not None:
+            return frozen
+        if self.firing(w_gate) is None:
+            decided(PLANNER.op, "dense", "nothing observed yet: the dense step counts the gate's firing", "prior")
+            method = "dense"
+        else:
+            method = self.choose(w_gate, question)
+        self._freeze(w_gate, "module", method)
+        return method
+
     def _frozen_value(self, w_gate: torch.Tensor, key: str):
         """Inside a backward (a checkpointed forward being recomputed): the value the weight's forward took."""
         if not _in_backward() or type(w_gate) not in (torch.Tensor, torch.nn.Parameter):
