@@ -29,9 +29,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .._validation import check_ffn_activation
 from ..ffn.hybrid.reference import L1_TERMS
 from ..ffn.twell import DEFAULT_COMPRESSION
-from ..nn.ffn import SparseGatedMLP
+from ..nn.ffn import FATReLU, SparseGatedMLP
 from ..nn.norms import RMSNorm
 from ._llama_rotary import fuse_rotary
 
@@ -40,6 +41,7 @@ __all__ = [
     "fuse_norms",
     "fuse_rotary",
     "is_relu_llama_mlp",
+    "sparse_gate",
     "l1_loss",
     "sparsity_report",
     "patched_mlps",
@@ -53,23 +55,58 @@ FSDP2_LAYERS_PER_UNIT = 3
 FSDP2_RESHARD_AFTER_FORWARD = False
 
 
+def _gated_mlp_classes() -> tuple[type, ...]:
+    """transformers' gated MLP classes of the Llama family (same module tree): Llama, Mistral, Qwen2."""
+    import importlib
+
+    found = []
+    for family, name in (("llama", "LlamaMLP"), ("mistral", "MistralMLP"), ("qwen2", "Qwen2MLP")):
+        try:
+            found.append(getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), name))
+        except (ImportError, AttributeError):
+            continue
+    return tuple(found)
+
+
+def _fatrelu_threshold(act: nn.Module | None) -> float | None:
+    """The threshold of a FATReLU activation module (sparsefuse's, ``nn.Threshold(t, 0)``, or a model's own class
+    named FATReLU with a ``threshold`` attribute), else None."""
+    if isinstance(act, nn.Threshold):
+        return float(act.threshold) if act.value == 0 and act.threshold >= 0 else None
+    if isinstance(act, FATReLU) or "fatrelu" in type(act).__name__.lower():
+        threshold = getattr(act, "threshold", None)
+        return float(threshold) if isinstance(threshold, (int, float)) and threshold >= 0 else None
+    return None
+
+
+def sparse_gate(module: nn.Module, activation: str | None = None) -> tuple[str, float] | None:
+    """``(activation, threshold)`` of a transformers gated MLP (Llama, Mistral, Qwen2) whose gate the kernels run:
+    ``act_fn`` ReLU ("relu", or "drelu" when ``activation="drelu"`` says its up product is ReLU'd too: the module
+    tree cannot tell) or FATReLU ("fatrelu" and its threshold); None for anything else (SiLU, GELU, a patched
+    module)."""
+    if isinstance(module, SparseGatedMLP) or not isinstance(module, _gated_mlp_classes()):
+        return None
+    act = getattr(module, "act_fn", None)
+    if isinstance(act, nn.ReLU):
+        return ("drelu", 0.0) if activation == "drelu" else ("relu", 0.0)
+    threshold = _fatrelu_threshold(act)
+    return None if threshold is None else ("fatrelu", threshold)
+
+
 def is_relu_llama_mlp(module: nn.Module) -> bool:
-    """True for a transformers ``LlamaMLP`` whose activation is ReLU."""
-    from transformers.models.llama.modeling_llama import LlamaMLP
-
-    return (
-        isinstance(module, LlamaMLP)
-        and isinstance(getattr(module, "act_fn", None), nn.ReLU)
-        and not isinstance(module, SparseGatedMLP)
-    )
+    """True for a transformers gated MLP (Llama, Mistral, Qwen2) whose activation is ReLU."""
+    return sparse_gate(module) == ("relu", 0.0)
 
 
-def _replacement(mlp: nn.Module, options: dict) -> SparseGatedMLP:
+def _replacement(mlp: nn.Module, options: dict, gate_kind: tuple[str, float]) -> SparseGatedMLP:
     gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
-    options = {**options, "l1_on": options.get("l1_on") or "gate"}
+    activation, threshold = gate_kind
+    options = {**options, "l1_on": options.get("l1_on") or "gate", "activation": activation, "threshold": threshold}
     fused = SparseGatedMLP(gate.in_features, gate.out_features, bias=gate.bias is not None, device="meta", **options)
     # the modules themselves, not copies: their Parameters (tied weights), their hooks and their state_dict keys
-    fused.gate_proj, fused.up_proj, fused.down_proj, fused.act_fn = gate, up, down, mlp.act_fn
+    fused.gate_proj, fused.up_proj, fused.down_proj = gate, up, down
+    if type(mlp.act_fn) is type(fused.act_fn) and _fatrelu_threshold(mlp.act_fn) in (None, threshold):
+        fused.act_fn = mlp.act_fn  # its own module (hooks included); another gate module becomes sparsefuse's
     fused.relayout_down_proj()
     fused.train(mlp.training)
     return fused
@@ -86,6 +123,8 @@ def patch_llama(
     fuse: bool = True,
     train_cuda_graph: bool | None = None,
     l1_on: str | None = None,
+    activation: str | None = None,
+    threshold: float | None = None,
 ) -> nn.Module:
     """Replace every ReLU ``LlamaMLP`` inside ``model`` (in place) with :class:`sparsefuse.nn.SparseGatedMLP` (inference
     by ``method``; forwards that need gradients by ``train_method``: "auto" -- the dense ops until the gate's firing is
@@ -96,7 +135,10 @@ def patch_llama(
     attention's rotary embedding with :func:`sparsefuse.rotary.apply_rotary_pos_emb` (the same computations in one
     kernel each way; :func:`fuse_norms`, :func:`fuse_rotary`). ``l1_on``: what each module's ``last_l1`` is taken
     on, ``"gate"`` or ``"hidden"`` (the paper's h = h_g * h_u; :func:`l1_loss`); None: ``"gate"`` for a new
-    module, an already patched one keeps its own.
+    module, an already patched one keeps its own. ``activation``: each MLP's gate as its ``act_fn`` says when None
+    (ReLU; FATReLU -- ``nn.Threshold(t, 0)``, :class:`sparsefuse.nn.FATReLU`, or a model's own FATReLU class with a
+    ``threshold``); ``"drelu"`` for dReLU models (TurboSparse, Bamboo: ReLU on the up product too, which the module
+    tree cannot show); ``"relu"`` / ``"fatrelu"`` (with ``threshold``) to set every layer's gate.
 
     Patching a patched model again is not an error: its :class:`SparseGatedMLP` modules take this call's options
     (the same options: nothing changes). Returns the model (or, if ``model`` itself is a ReLU LlamaMLP, its
@@ -111,19 +153,32 @@ def patch_llama(
         train_cuda_graph=train_cuda_graph,
         l1_on=l1_on,
     )
-    if is_relu_llama_mlp(model):
-        return _replacement(model, options)
+    if activation is not None:
+        threshold = check_ffn_activation("patch_llama", activation, 0.0 if threshold is None else threshold)
+    elif threshold is not None:
+        raise ValueError(f"patch_llama: threshold={threshold!r} needs activation='fatrelu'")
+
+    def gate_of(child: nn.Module) -> tuple[str, float] | None:
+        found = sparse_gate(child, activation)
+        if found is None or activation is None or activation == "drelu":
+            return found
+        return activation, threshold  # an explicit gate: relu, or a FATReLU threshold for every layer
+
+    kind = gate_of(model)
+    if kind is not None:
+        return _replacement(model, options, kind)
     found = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if is_relu_llama_mlp(child):
-                setattr(parent, name, _replacement(child, options))
+            kind = gate_of(child)
+            if kind is not None:
+                setattr(parent, name, _replacement(child, options, kind))
                 found += 1
             elif isinstance(child, SparseGatedMLP):
-                child.configure(**options)
+                child.configure(**options, activation=activation, threshold=threshold)
                 found += 1
     if isinstance(model, SparseGatedMLP):
-        model.configure(**options)
+        model.configure(**options, activation=activation, threshold=threshold)
         return model
     if found == 0:
         act = getattr(getattr(model, "config", None), "hidden_act", None)

@@ -39,19 +39,35 @@ from torch import nn
 from torch.nn.modules import module as _torch_module
 
 from .._plan import SparsityMonitor, decided, explaining, observable, sampled_nonzero_stats
-from .._validation import FLOAT_DTYPES
+from .._validation import FLOAT_DTYPES, check_ffn_activation
 from ..ffn.hybrid import hybrid_mlp, sparsity_stats
 from ..ffn.hybrid.choice import TRAIN_CHOICE
 from ..ffn.hybrid.reference import L1_TERMS
 from ..ffn.twell import DEFAULT_COMPRESSION, METHODS, twell_down_layout, twell_mlp
 from ..ffn.twell.auto import ESTIMATES, eager_runs_dense
 from ..ffn.twell.launch import STATS_TOKENS
+from ..ffn.twell.reference import gate_activation
 from ..sparse.compact import DEFAULT_HYBRID_WIDTH
 
 # How a forward that needs gradients runs: "dense" (LlamaMLP's ops) or "hybrid" (the sparse training step).
 TRAIN_METHODS = ("auto", "dense", "hybrid")
 # What a forward leaves for the step or for later calls; a copy or a pickle of the module starts without it.
 _STEP_STATE = {"last_l1": None, "_eager_choice_weight": None}
+
+
+class FATReLU(nn.Module):
+    """The FATReLU gate (ProSparse, MiniCPM-S): ``g`` where ``g > threshold``, 0 elsewhere (the value unshifted);
+    what a :class:`SparseGatedMLP` with ``activation="fatrelu"`` holds as its ``act_fn``."""
+
+    def __init__(self, threshold: float) -> None:
+        super().__init__()
+        self.threshold = threshold
+
+    def forward(self, g: torch.Tensor) -> torch.Tensor:
+        return gate_activation(g, self.threshold)
+
+    def extra_repr(self) -> str:
+        return f"threshold={self.threshold}"
 
 
 class SparseGatedMLP(nn.Module):
@@ -72,6 +88,8 @@ class SparseGatedMLP(nn.Module):
         down_layout: str = "column",
         train_cuda_graph: bool | None = None,
         l1_on: str = "gate",
+        activation: str = "relu",
+        threshold: float = 0.0,
         device=None,
         dtype=None,
     ) -> None:
@@ -81,7 +99,8 @@ class SparseGatedMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, **kw)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, **kw)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, **kw)
-        self.act_fn = nn.ReLU()  # LlamaMLP's module tree: a hook on act_fn sees the gate activations
+        self.act_fn: nn.Module = nn.ReLU()  # LlamaMLP's module tree: a hook on act_fn sees the gate activations
+        self.activation, self.threshold = "relu", 0.0
         self.train_width = train_width
         self.configure(
             compression=compression,
@@ -91,6 +110,8 @@ class SparseGatedMLP(nn.Module):
             down_layout=down_layout,
             train_cuda_graph=train_cuda_graph,
             l1_on=l1_on,
+            activation=activation,
+            threshold=threshold,
         )
         self._register_state_dict_hook(_contiguous_down_weight)
         self.last_l1: torch.Tensor | None = None  # the last training step's L1 term (differentiable)
@@ -107,15 +128,19 @@ class SparseGatedMLP(nn.Module):
         compression: int = DEFAULT_COMPRESSION,
         tile: int | None = None,
         method: str = "auto",
-        train_method: str = "dense",
+        train_method: str = "auto",
         down_layout: str = "column",
         train_cuda_graph: bool | None = None,
         l1_on: str | None = None,
+        activation: str | None = None,
+        threshold: float | None = None,
     ) -> None:
         """Set how the module runs (the constructor's keywords; what :func:`patch_llama` on a patched model calls),
         re-laying ``down_proj.weight`` out in place where ``down_layout`` changes. ``l1_on``: what :attr:`last_l1`
         is taken on, ``"gate"`` or ``"hidden"`` (:func:`~sparsefuse.ffn.hybrid.hybrid_mlp`'s ``l1_on``; the
-        attribute of that name may also be set directly); None keeps the module's choice."""
+        attribute of that name may also be set directly); None keeps the module's choice. ``activation`` /
+        ``threshold``: the gate (:func:`~sparsefuse.ffn.twell_mlp`'s: "relu", "fatrelu" with its threshold, "drelu");
+        None keeps the module's; a new one sets :attr:`act_fn` to its module (:class:`FATReLU` or ``nn.ReLU``)."""
         if method not in METHODS:
             raise ValueError(f"SparseGatedMLP: method must be one of {', '.join(METHODS)}; got {method!r}")
         if train_method not in TRAIN_METHODS:
@@ -132,6 +157,12 @@ class SparseGatedMLP(nn.Module):
         if l1_on is not None:
             _check_l1_on(l1_on)
             self.l1_on = l1_on
+        if activation is not None or threshold is not None:
+            activation = self.activation if activation is None else activation
+            threshold = check_ffn_activation("SparseGatedMLP", activation, 0.0 if threshold is None else threshold)
+            if (activation, threshold) != (self.activation, self.threshold):
+                self.activation, self.threshold = activation, threshold
+                self.act_fn = FATReLU(threshold) if activation == "fatrelu" else nn.ReLU()
         self.relayout_down_proj()
 
     @torch.no_grad()
@@ -171,6 +202,8 @@ class SparseGatedMLP(nn.Module):
             compression=self.compression,
             tile=self.tile,
             method=self.method,
+            activation=self.activation,
+            threshold=self.threshold,
         )
 
     def _runs_submodules(self, x: torch.Tensor) -> bool:
@@ -183,7 +216,7 @@ class SparseGatedMLP(nn.Module):
             (self.gate_proj, nn.Linear),
             (self.up_proj, nn.Linear),
             (self.down_proj, nn.Linear),
-            (self.act_fn, nn.ReLU),
+            (self.act_fn, FATReLU if self.activation == "fatrelu" else nn.ReLU),
         ):
             if type(module) is not plain or _has_hooks(module):
                 return True
@@ -194,7 +227,7 @@ class SparseGatedMLP(nn.Module):
         its hooks run) in LlamaMLP's order; a forward with gradients records the step's L1 term and counts from
         the activations as the hooks left them."""
         h_gate = self.act_fn(self.gate_proj(x))
-        h = h_gate * self.up_proj(x)
+        h = h_gate * self._up(self.up_proj(x), self.act_fn)
         if wants_grad:
             self._record_step(h_gate, h)
         return self.down_proj(h)
@@ -246,13 +279,20 @@ class SparseGatedMLP(nn.Module):
         device for the gate weight's estimate (no sync) and the cached eager choices are dropped, so they follow
         the sparsity."""
         gate, up, down = self.gate_proj, self.up_proj, self.down_proj
-        h = torch.relu(F.linear(x, gate.weight, gate.bias))
+        h = gate_activation(F.linear(x, gate.weight, gate.bias), self.threshold)
         self._eager_calls += 1
         if self._eager_calls >= self._next_sample:
             ESTIMATES.observe(gate.weight, sampled_nonzero_stats(h.reshape(-1, h.shape[-1]), STATS_TOKENS))
             self._next_sample = ESTIMATES.next_sample_at(self._eager_calls)
             self._eager_choice.clear()
-        return F.linear(h * F.linear(x, up.weight, up.bias), down.weight, down.bias)
+        return F.linear(h * self._up(F.linear(x, up.weight, up.bias)), down.weight, down.bias)
+
+    def _up(self, u: torch.Tensor, act: nn.Module | None = None) -> torch.Tensor:
+        """The up product as the gate multiplies it: ReLU'd for dReLU (by ``act``, the module's own act_fn where
+        the submodules are called), as is otherwise."""
+        if self.activation != "drelu":
+            return u
+        return torch.relu(u) if act is None else act(u)
 
     def _train_forward(self, x: torch.Tensor) -> torch.Tensor:
         """A forward whose gradients are wanted: ``train_method="hybrid"`` runs the sparse training step
@@ -260,7 +300,14 @@ class SparseGatedMLP(nn.Module):
         dense block as ``LlamaMLP`` does. Either way :attr:`last_l1` holds the step's L1 term and
         :meth:`sparsity_report` its firing statistics."""
         gate, up, down = self.gate_proj, self.up_proj, self.down_proj
-        if self.train_method == "hybrid" or (self.train_method == "auto" and self._trains_sparse(x)):
+        if self.train_method == "hybrid" and self.activation != "relu":
+            raise ValueError(
+                f"SparseGatedMLP(train_method='hybrid'): the sparse training step takes ReLU gates only; got "
+                f"activation={self.activation!r} (train_method='auto' or 'dense' trains it with the dense ops)"
+            )
+        if self.train_method == "hybrid" or (
+            self.train_method == "auto" and self.activation == "relu" and self._trains_sparse(x)
+        ):
             out = hybrid_mlp(
                 x,
                 gate.weight,
@@ -275,8 +322,8 @@ class SparseGatedMLP(nn.Module):
             )
             self.last_l1, self._last_counts = out.l1, (out.token_counts, out.neuron_counts)
             return out.y
-        h_gate = torch.relu(F.linear(x, gate.weight, gate.bias))
-        h = h_gate * F.linear(x, up.weight, up.bias)
+        h_gate = gate_activation(F.linear(x, gate.weight, gate.bias), self.threshold)
+        h = h_gate * self._up(F.linear(x, up.weight, up.bias))
         self._record_step(h_gate, h)
         if self.train_method == "auto":
             TRAIN_CHOICE.observe(gate.weight, self._last_counts[0])  # sync-free, now and then
@@ -310,6 +357,7 @@ class SparseGatedMLP(nn.Module):
         return (
             f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
             f"compression={self.compression}, method={self.method!r}, train_method={self.train_method!r}"
+            + ("" if self.activation == "relu" else f", activation={self.activation!r}, threshold={self.threshold}")
         )
 
 

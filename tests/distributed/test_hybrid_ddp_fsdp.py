@@ -129,22 +129,22 @@ def _graph_steps_worker(rank: int, world: int, init: str, out_path: str) -> None
         from sparsefuse import planning
         from sparsefuse.ffn.hybrid import graphed
 
-        planning(hybrid_mlp={"dense_above": 1.0}).__enter__()  # the block step (the one that replays) at this
-        # small layer's firing, for the rest of this worker process
-        mlp = _module(train_cuda_graph=True)
-        model = fully_shard(mlp, mesh=DeviceMesh.from_group(dist.group.WORLD, "cpu"), reshard_after_forward=False)
-        x, target = _batch()
-        part = slice(rank * M // world, (rank + 1) * M // world)
-        for _ in range(4):
-            for p in mlp.parameters():
-                p.grad = None
-            _loss(model(x[part]), target[part], mlp.last_l1).backward()
-        grads = {name: p.grad.full_tensor().detach().clone() for name, p in mlp.named_parameters()}
-        if rank == 0:
-            # keyed by the gathered gate weight (a Parameter FSDP2 keeps, its storage moved), not the sharded one
-            moves = max(layer.moves for layer in graphed._LAYERS.values())
-            events = {k: graphed.GRAPH_EVENTS[k] for k in ("capture", "copied replay")}
-            torch.save({"grads": grads, "events": events, "moves": moves}, out_path)
+        # the block step (the one that replays) at this small layer's firing
+        with planning(hybrid_mlp={"dense_above": 1.0}):
+            mlp = _module(train_cuda_graph=True)
+            model = fully_shard(mlp, mesh=DeviceMesh.from_group(dist.group.WORLD, "cpu"), reshard_after_forward=False)
+            x, target = _batch()
+            part = slice(rank * M // world, (rank + 1) * M // world)
+            for _ in range(4):
+                for p in mlp.parameters():
+                    p.grad = None
+                _loss(model(x[part]), target[part], mlp.last_l1).backward()
+            grads = {name: p.grad.full_tensor().detach().clone() for name, p in mlp.named_parameters()}
+            if rank == 0:
+                # keyed by the gathered gate weight (a Parameter FSDP2 keeps, its storage moved), not the sharded one
+                moves = max(layer.moves for layer in graphed._LAYERS.values())
+                events = {k: graphed.GRAPH_EVENTS[k] for k in ("capture", "copied replay")}
+                torch.save({"grads": grads, "events": events, "moves": moves}, out_path)
         gc.collect()
     finally:
         dist.destroy_process_group()
