@@ -23,6 +23,9 @@ Kept for the backward: x, the gate and up values where the gate fired, packed pa
 with a 2-byte slot code each (:func:`~sparsefuse.sparse.block_pack.pack_block_factors`: 6 bytes per non-zero at
 bf16, not the [M, width] layout the products walk), the unions' column lists and the token order -- no
 pre-activation, no product h. A block past the capacity is recomputed in the backward, never dropped.
+
+FATReLU and dReLU gates (``activation``, ``threshold``): a few passes on the unions' slots around these products,
+:mod:`.block_gates`.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ from ...sparse.block_pack import PackedFactors, pack_block_factors, unpack_block
 from ...sparse.block_spmm import block_sparse_matmul, heavy_first_schedule_and_offsets
 from ...sparse.compact import dense_to_row_block_pattern
 from ...sparse.sddmm import block_sddmm, factor_chunk
+from ..twell.reference import threshold_in
+from .block_gates import drelu_forward, drelu_up_grad, fix_unpacked
 from .block_l1 import add_hidden_l1_grad, block_hidden_l1
 
 
@@ -66,6 +71,8 @@ def _train_forward(
     sort_rows: bool,
     capacity: int,
     hidden_l1: bool = False,
+    activation: str = "relu",
+    threshold: float = 0.0,
 ) -> tuple[
     torch.Tensor,
     torch.Tensor,
@@ -85,18 +92,23 @@ def _train_forward(
     backward keeps: the fired pairs' gate and up values [capacity] each (up empty without w_up) and slot codes
     [capacity] (int16) with their chunk offsets [n_blocks * n_chunks + 1] (int64), union columns [n_blocks, width]
     and sizes [n_blocks] (int32), token order [M] (int32) and the blocks' heavy-first launch order [n_blocks]
-    (int32; unused with one block)."""
+    (int32; unused with one block). ``activation``, ``threshold``: the gated block's gate (``hybrid_mlp``'s); the
+    counts and the kept pairs are the gate's firing."""
     return _train_forward_into(
-        x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, block_rows, tile, sort_rows, capacity, None, hidden_l1
-    )
+        x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, block_rows, tile, sort_rows, capacity, None, hidden_l1,
+        activation, threshold,
+    )  # fmt: skip
 
 
 def _train_forward_into(
-    x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, block_rows, tile, sort_rows, capacity, y_out, hidden_l1=False
-) -> tuple[torch.Tensor, ...]:
+    x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, block_rows, tile, sort_rows, capacity, y_out, hidden_l1=False,
+    activation="relu", threshold=0.0,
+) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """:func:`_train_forward`, y written into ``y_out`` [M, K] when given (a captured step's static output)."""
     M, N = x2.shape[0], w_gate.shape[0]
     pre = F.linear(x2, w_gate, b_gate)
+    if activation == "fatrelu" and threshold > 0:  # FATReLU's values: the core's ReLU then keeps them as they are
+        F.threshold(pre, threshold_in(pre.dtype, threshold), 0.0, inplace=True)
     pattern = dense_to_row_block_pattern(pre, tile, block_rows, relu=True, sort_rows=sort_rows)
     f = block_sddmm(
         pattern,
@@ -110,6 +122,8 @@ def _train_forward_into(
         sum_scale=1.0 / max(M * N, 1),
         column_counts=False,
     )
+    if activation == "drelu" and w_up is not None:
+        drelu_forward(f.up.values, f.product.values, f.product.counts, block_rows)
     # The down product here and the backward's dx products walk the same unions: their heavy-first launch order is
     # found once and kept (4 bytes a block). One block has nothing to order: zeros stand in, and no product reads them.
     # The same launch sums the blocks' non-zeros into where each block's chunks' pairs start in the packed arrays.
@@ -146,7 +160,8 @@ block_mlp_train_fwd_op = torch.library.custom_op("sparsefuse::block_mlp_train_fw
 
 
 @block_mlp_train_fwd_op.register_fake
-def _(x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, block_rows, tile, sort_rows, capacity, hidden_l1=False):
+def _(x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, block_rows, tile, sort_rows, capacity, hidden_l1=False,
+      activation="relu", threshold=0.0):  # fmt: skip
     M, N = x2.shape[0], w_gate.shape[0]
     width, n_blocks = cdiv(N, tile) * tile, cdiv(M, block_rows)
     n_chunks = cdiv(width, factor_chunk(x2.shape[1], block_rows))
@@ -187,21 +202,25 @@ def _train_backward(
     block_rows: int,
     bias_grads: bool,
     hidden_l1: bool = False,
+    activation: str = "relu",
+    threshold: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx [M, K], dw_gate, dw_up, dw_down_t [N, K], db_gate, db_up [N], db_down [K]) from dy [M, K] and dl1
     (0-dim: the loss's gradient w.r.t. the L1 term; ``hidden_l1``: the forward's term was on h). Without
     ``bias_grads`` the three bias gradients are empty tensors (nothing computed for them); without w_up (the
     non-gated block) dw_up and db_up are empty. The biases are read only to recompute blocks that did not fit the
-    packed capacity."""
+    packed capacity. ``activation``, ``threshold``: the forward's gate."""
     kept = (packed_gate, packed_up, packed_slots, offsets, indices, counts, order, schedule)
     return _train_backward_into(
-        dy, dl1, x2, w_gate, w_up, w_down_t, b_gate, b_up, *kept, block_rows, bias_grads, None, None, hidden_l1
-    )
+        dy, dl1, x2, w_gate, w_up, w_down_t, b_gate, b_up, *kept, block_rows, bias_grads, None, None, hidden_l1,
+        activation, threshold,
+    )  # fmt: skip
 
 
 def _train_backward_into(
     dy, dl1, x2, w_gate, w_up, w_down_t, b_gate, b_up, packed_gate, packed_up, packed_slots, offsets, indices,
-    counts, order, schedule, block_rows, bias_grads, dx_out, dw_out, hidden_l1=False,
+    counts, order, schedule, block_rows, bias_grads, dx_out, dw_out, hidden_l1=False, activation="relu",
+    threshold=0.0,
 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """:func:`_train_backward`, dx and the weight gradients written into ``dx_out`` [M, K] and ``dw_out`` (dw_gate,
     dw_up or None: contiguous; dw_down_t: contiguous or the transpose of a contiguous tensor; any float dtype) when
@@ -213,6 +232,8 @@ def _train_backward_into(
     gate_values, up_values, count_table = unpack_block_factors(
         packed, indices, counts, order, block_rows, chunk, x2, w_gate, b_gate, w_up, b_up
     )
+    # a block recomputed past the capacity: the core's ReLU factors made the gate's
+    fix_unpacked(gate_values, up_values, indices, counts, count_table, block_rows, activation, threshold)
     gate = _on_slots(gate_values, indices, counts, order, N, block_rows)
     hidden_l1 = hidden_l1 and w_up is not None  # (non-gated: h is the gate, the two terms are one)
     dl1 = dl1.reshape(1)
@@ -227,6 +248,8 @@ def _train_backward_into(
     )
     if hidden_l1:  # |h|'s gradient on the same slots, added to both factors' gradients
         add_hidden_l1_grad(gate_values, up_values, d_up, d_pre, counts, dl1, block_rows, M * N)
+    if activation == "drelu" and w_up is not None:  # relu's slope on the up factor
+        drelu_up_grad(up_values, d_up, counts, block_rows)
     d_pre_slots = _on_slots(d_pre, indices, counts, order, N, block_rows)
     csc = block_ell_transpose(gate, count_table=count_table)
     if dw_out is None:
@@ -287,6 +310,8 @@ def _(
     block_rows,
     bias_grads,
     hidden_l1=False,
+    activation="relu",
+    threshold=0.0,
 ):
     N, K = w_gate.shape[0], w_down_t.shape[1]
     return (
@@ -308,6 +333,8 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.has_bias = (b_gate is not None, b_up is not None, b_down is not None)
     ctx.block_rows = block_rows
     ctx.hidden_l1 = bool(inputs[11]) if len(inputs) > 11 else False
+    ctx.activation = inputs[12] if len(inputs) > 12 else "relu"
+    ctx.threshold = inputs[13] if len(inputs) > 13 else 0.0
     ctx.has_up = w_up is not None
     # The saved factors are outputs only so that the backward can have them: no loss uses them, and materialising
     # their (zero) gradients would fill two more arrays per step.
@@ -322,11 +349,11 @@ def _backward_with(backward_op, ctx, dy, dl1):
     if dl1 is None:
         dl1 = torch.zeros((), dtype=torch.float32, device=x2.device)
     dx, dwg, dwu, dwd, dbg, dbu, dbd = backward_op(
-        dy, dl1, *saved, ctx.block_rows, any(ctx.has_bias), ctx.hidden_l1
+        dy, dl1, *saved, ctx.block_rows, any(ctx.has_bias), ctx.hidden_l1, ctx.activation, ctx.threshold
     )  # fmt: skip
     has_g, has_u, has_d = ctx.has_bias
     dwu = dwu if ctx.has_up else None
-    return dx, dwg, dbg if has_g else None, dwu, dbu if has_u else None, dwd, dbd if has_d else None, *[None] * 5
+    return dx, dwg, dbg if has_g else None, dwu, dbu if has_u else None, dwd, dbd if has_d else None, *[None] * 7
 
 
 def _backward(ctx, dy, dl1, *unused):

@@ -7,6 +7,8 @@ everything between them is one elementwise op each way:
   ``sparsefuse::relu_mul_l1_backward``, both products' chain rule with the L1 gradient folded in, in one pass;
 * non-gated: ``sparsefuse::relu_l1`` (pre) -> (h, l1, counts) and ``sparsefuse::relu_l1_backward``.
 
+FATReLU and dReLU gates (``activation``, ``threshold``: as ``hybrid_mlp``'s) run in the same two passes.
+
 So the step costs what the dense block costs (fewer elementwise passes, in fact: plain torch runs relu, mul and
 three backward passes), not that plus separate sum, compare and count passes. Kernels: :mod:`.dense_kernels`.
 
@@ -36,15 +38,21 @@ def _check_pair(pre: torch.Tensor, up: torch.Tensor) -> None:
 # --- gated: relu(pre) * up -----------------------------------------------------------------------------------------
 
 
+def _gate_args(activation: str, threshold: float) -> tuple[float, bool]:
+    """(the firing threshold, whether up is relu'd) of a gate activation."""
+    return (threshold if activation == "fatrelu" else 0.0), activation == "drelu"
+
+
 @on_tensor_device
 def _gated_forward(
-    pre: torch.Tensor, up: torch.Tensor, hidden: bool = False
+    pre: torch.Tensor, up: torch.Tensor, hidden: bool = False, activation: str = "relu", threshold: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """pre (the gate's pre-activations), up [M, N] -> (h_gate = relu(pre) [M, N] (NaN kept), h = h_gate * up [M, N]
     (fp32 product, rounded once), l1 = sum(h_gate) / (M * N) (``hidden``: sum(|h|) / (M * N); 0-dim fp32, float64
-    for float64 inputs), fired count per row [M] and per column [N] (int32; fired: pre > 0 or NaN))."""
+    for float64 inputs), fired count per row [M] and per column [N] (int32; fired: pre > 0 or NaN)). FATReLU:
+    fired where pre > threshold, h_gate = pre there; dReLU: h = h_gate * relu(up), counts of the gate's firing."""
     _check_pair(pre, up)
-    gate, h, l1, token_counts, neuron_counts = relu_mul_stats(pre, up, hidden)
+    gate, h, l1, token_counts, neuron_counts = relu_mul_stats(pre, up, hidden, *_gate_args(activation, threshold))
     return gate, h, l1, token_counts, neuron_counts
 
 
@@ -57,7 +65,7 @@ relu_mul_l1_op = torch.library.custom_op("sparsefuse::relu_mul_l1", _gated_forwa
 
 
 @relu_mul_l1_op.register_fake
-def _(pre, up, hidden=False):
+def _(pre, up, hidden=False, activation="relu", threshold=0.0):
     M, N = pre.shape
     counts = lambda n: torch.empty(n, dtype=torch.int32, device=pre.device)  # noqa: E731
     l1 = torch.empty((), dtype=l1_dtype(pre.dtype), device=pre.device)
@@ -66,25 +74,32 @@ def _(pre, up, hidden=False):
 
 @on_tensor_device
 def _gated_backward(
-    grad_h: torch.Tensor, grad_l1: torch.Tensor | None, gate: torch.Tensor, up: torch.Tensor, hidden: bool = False
+    grad_h: torch.Tensor,
+    grad_l1: torch.Tensor | None,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    hidden: bool = False,
+    activation: str = "relu",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(d_pre, d_up) [M, N] from grad_h [M, N] (h's gradient), grad_l1 (0-dim, l1's; None: no L1 term in the loss)
     and the forward's h_gate and up [M, N]: d_up = grad_h * h_gate, d_pre = (grad_h * up + grad_l1 / (M * N)) where
-    h_gate != 0, else 0 (``hidden``: grad_h + grad_l1 / (M * N) * sign(up) in both)."""
-    return relu_mul_backward(grad_h, grad_l1, gate, up, hidden)
+    h_gate != 0, else 0 (``hidden``: grad_h + grad_l1 / (M * N) * sign(up) in both; dReLU: relu(up) for up, d_up
+    zero where up <= 0; FATReLU's threshold is in h_gate already)."""
+    return relu_mul_backward(grad_h, grad_l1, gate, up, hidden, activation == "drelu")
 
 
 relu_mul_l1_backward_op = torch.library.custom_op("sparsefuse::relu_mul_l1_backward", _gated_backward, mutates_args=())
 
 
 @relu_mul_l1_backward_op.register_fake
-def _(grad_h, grad_l1, gate, up, hidden=False):
+def _(grad_h, grad_l1, gate, up, hidden=False, activation="relu"):
     return _contiguous_like(gate), _contiguous_like(gate)
 
 
 def _gated_setup(ctx, inputs, output) -> None:
     ctx.save_for_backward(output[0], inputs[1])  # h_gate, up: what torch's relu and mul would keep
     ctx.hidden = inputs[2] if len(inputs) > 2 else False
+    ctx.activation = inputs[3] if len(inputs) > 3 else "relu"
     ctx.mark_non_differentiable(output[0], output[3], output[4])
     # The loss may use h or l1 alone: the absent gradient stays None (no [M, N] of zeros, no zero L1 term).
     ctx.set_materialize_grads(False)
@@ -96,11 +111,11 @@ def _gated_backward_with(backward, ctx, grad_h, grad_l1):
         if grad_l1 is None:
             return None, None
         grad_h = torch.zeros_like(gate)  # only the L1 term reached the loss
-    return backward(grad_h, grad_l1, gate, up, ctx.hidden)
+    return backward(grad_h, grad_l1, gate, up, ctx.hidden, ctx.activation)
 
 
 def _gated_op_backward(ctx, grad_gate, grad_h, grad_l1, *unused):
-    return *_gated_backward_with(relu_mul_l1_backward_op, ctx, grad_h, grad_l1), None
+    return *_gated_backward_with(relu_mul_l1_backward_op, ctx, grad_h, grad_l1), None, None, None
 
 
 relu_mul_l1_op.register_autograd(_gated_op_backward, setup_context=_gated_setup)
@@ -177,9 +192,9 @@ class _EagerReluMulL1(torch.autograd.Function):
     """``relu_mul_l1_op`` with its autograd rule, the same implementations, without the dispatcher."""
 
     @staticmethod
-    def forward(ctx, pre, up, hidden):
-        output = _without_autocast(_gated_forward, pre, up, hidden)
-        _gated_setup(ctx, (pre, up, hidden), output)
+    def forward(ctx, pre, up, hidden, activation, threshold):
+        output = _without_autocast(_gated_forward, pre, up, hidden, activation, threshold)
+        _gated_setup(ctx, (pre, up, hidden, activation, threshold), output)
         return output
 
     @staticmethod
@@ -187,7 +202,7 @@ class _EagerReluMulL1(torch.autograd.Function):
     def backward(ctx, grad_gate, grad_h, grad_l1, *unused):
         # traced (compiled autograd over an eager forward): the opaque op, which Dynamo does not step into
         backward = relu_mul_l1_backward_op if torch.compiler.is_compiling() else _gated_backward
-        return *_gated_backward_with(backward, ctx, grad_h, grad_l1), None
+        return *_gated_backward_with(backward, ctx, grad_h, grad_l1), None, None, None
 
 
 class _EagerReluL1(torch.autograd.Function):
@@ -207,14 +222,14 @@ class _EagerReluL1(torch.autograd.Function):
 
 
 def relu_mul_l1(
-    pre: torch.Tensor, up: torch.Tensor, hidden: bool = False
+    pre: torch.Tensor, up: torch.Tensor, hidden: bool = False, activation: str = "relu", threshold: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:data:`relu_mul_l1_op` with its autograd (h and l1 differentiable; h_gate and the counts not): through the
     op where the dispatcher is needed, as an ``autograd.Function`` around the same code in a plain eager call.
-    ``hidden``: l1 on h rather than on h_gate."""
+    ``hidden``: l1 on h rather than on h_gate; ``activation``, ``threshold``: the gate (``hybrid_mlp``'s)."""
     if plain_eager_call(pre, up):
-        return _EagerReluMulL1.apply(pre, up, hidden)
-    return relu_mul_l1_op(pre, up, hidden)
+        return _EagerReluMulL1.apply(pre, up, hidden, activation, threshold)
+    return relu_mul_l1_op(pre, up, hidden, activation, threshold)
 
 
 def relu_l1(pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -233,13 +248,16 @@ def dense_step(
     w_down: torch.Tensor,
     b_down: torch.Tensor | None,
     hidden: bool = False,
+    activation: str = "relu",
+    threshold: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The step with cuBLAS products (autograd through them): x2 [M, K], w_gate, w_up [N, K], w_down [K, N], biases
     [N], [N], [K] -> (y [M, K], l1 (0-dim; ``hidden``: on h), token counts [M], neuron counts [N]). ``w_up=None``:
-    the non-gated block ``relu(x W_g^T + b_g) W_d^T + b_d``."""
+    the non-gated block ``relu(x W_g^T + b_g) W_d^T + b_d``. ``activation``, ``threshold``: the gated block's gate."""
     pre = F.linear(x2, w_gate, b_gate)
     if w_up is None:
         h, l1, token_counts, neuron_counts = relu_l1(pre)
     else:
-        _, h, l1, token_counts, neuron_counts = relu_mul_l1(pre, F.linear(x2, w_up, b_up), hidden)
+        up = F.linear(x2, w_up, b_up)
+        _, h, l1, token_counts, neuron_counts = relu_mul_l1(pre, up, hidden, activation, threshold)
     return F.linear(h, w_down, b_down), l1, token_counts, neuron_counts

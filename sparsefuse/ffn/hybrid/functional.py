@@ -12,6 +12,7 @@ from ..._backend import Backend, backend_for
 from ..._plan import decided
 from ..._validation import (
     autocast_operands,
+    check_ffn_activation,
     check_ffn_mlp,
     check_optional_count,
     check_positive_int,
@@ -20,6 +21,7 @@ from ..._validation import (
 )
 from ...sparse.compact import DEFAULT_HYBRID_WIDTH
 from ..twell.block import block_plan
+from ..twell.reference import ACTIVATIONS
 from .block_step import block_mlp_train_fwd
 from .choice import TRAIN_CHOICE
 from .dense import dense_step
@@ -38,7 +40,8 @@ class HybridMLPOutput(NamedTuple):
     of the gate's ``sum(relu(x W_g^T + b_g)) / (M * N)`` (``l1_on="gate"``) or of the hidden representation's
     ``sum(|relu(x W_g^T + b_g) * (x W_u^T + b_u)|) / (M * N)`` (``l1_on="hidden"``, the TwELL paper's eq. 2 for one
     layer); ``token_counts`` [M] int32: gate non-zeros per token;
-    ``neuron_counts`` [N] int32: tokens in which each neuron fired (0: dead in this batch)."""
+    ``neuron_counts`` [N] int32: tokens in which each neuron fired (0: dead in this batch). With a FATReLU or dReLU
+    gate, h_g is that gate's activation (:func:`hybrid_mlp`'s ``activation``) and the counts are its firing."""
 
     y: torch.Tensor
     l1: torch.Tensor
@@ -61,6 +64,8 @@ def hybrid_mlp(
     block_capacity: int | None = None,
     cuda_graph: bool | None = None,
     l1_on: str = "gate",
+    activation: str = "relu",
+    threshold: float = 0.0,
 ) -> HybridMLPOutput:
     """Gated ReLU block ``(relu(x W_g^T + b_g) * (x W_u^T + b_u)) W_d^T + b_d`` for training: differentiable in
     every tensor argument, and what it keeps for the backward is sparse (the gate and up activations where the gate
@@ -106,6 +111,17 @@ def hybrid_mlp(
             factors. Every layout computes it where it already has h (on the fired pairs; no extra [M, N] pass in
             the sparse layouts). Either way a mean per element, divided by M * N; the paper's released code divides
             by M alone, so its coefficient is this one over N (docs/training.md, "The L1 term").
+        activation: the gate activation, as :func:`sparsefuse.twell_mlp`'s. ``"relu"`` (default); ``"fatrelu"``:
+            h_g = g where the gate pre-activation g > ``threshold``, else 0 (the value unshifted; its gradient 1
+            where it fired, 0 elsewhere); ``"drelu"``: h = relu(g) * relu(x W_u^T + b_u), a neuron contributing only
+            where both fire (gradients through both relus). The L1 term's ``"gate"`` is the mean of h_g (FATReLU's
+            values above the threshold; dReLU's relu(g)), ``"hidden"`` that of |h|, h the product W_d reads. The
+            counts are the gate's firing (h_g != 0; for dReLU the gate alone, whatever up does): what the sparse
+            layouts walk and keep, and what sizes ``block_capacity`` -- dReLU keeps the gate's pattern because the
+            gate's L1 term has a gradient wherever the gate fired. Every layout, the replayed step included.
+        threshold: FATReLU's, a finite number >= 0 (0 is ReLU); only with ``activation="fatrelu"``. Each layout
+            compares the pre-activation it holds in x's dtype with it exactly (a recomputed block's, rounded as the
+            forward's, too).
     Returns: :class:`HybridMLPOutput` (y, l1, per-token and per-neuron firing counts, all on the device). Under
     ``torch.autocast`` the step runs in the autocast dtype, as ``nn.Linear`` would.
     For the L1 penalty add ``coefficient * out.l1`` to the loss: its gradient reaches the weights only where the
@@ -113,9 +129,10 @@ def hybrid_mlp(
     """
     if l1_on not in L1_TERMS:
         raise ValueError(f"hybrid_mlp: l1_on must be one of {', '.join(map(repr, L1_TERMS))}; got {l1_on!r}")
+    threshold = check_ffn_activation("hybrid_mlp", activation, threshold, ACTIVATIONS)
     return _train_step(
         "hybrid_mlp", x, w_gate, b_gate, w_up, b_up, w_down, b_down, layout, width, backup_rows, block_capacity,
-        cuda_graph=cuda_graph, hidden_l1=l1_on == "hidden",
+        cuda_graph=cuda_graph, hidden_l1=l1_on == "hidden", gate_act=(activation, threshold),
     )  # fmt: skip
 
 
@@ -134,7 +151,8 @@ def hybrid_relu_mlp(
     the gated one (same outputs: ``l1`` and the counts are those of ``relu(x W_up^T + b_up)``; names as in
     :func:`sparsefuse.twell_relu_mlp`). ``layout``: ``"auto"``, ``"block"`` or ``"dense"`` (the paper's
     ``"hybrid"`` format exists for the gated block only; ``cuda_graph`` as there; no ``l1_on``: the hidden
-    representation is the gate's activation itself). x [..., K]; w_up [N, K]; w_down [K, N]."""
+    representation is the gate's activation itself; ReLU only, no ``activation``: the FATReLU and dReLU models
+    are gated). x [..., K]; w_up [N, K]; w_down [K, N]."""
     if layout == "hybrid":
         raise ValueError("hybrid_relu_mlp: layout must be 'auto', 'block' or 'dense'; got 'hybrid'")
     return _train_step(
@@ -159,9 +177,10 @@ def _train_step(
     gate_names: tuple[str, str] = ("w_gate", "b_gate"),
     cuda_graph: bool | None = None,
     hidden_l1: bool = False,
+    gate_act: tuple[str, float] = ("relu", 0.0),
 ) -> HybridMLPOutput:
     """Both blocks' step (``w_up=None``: non-gated): arguments checked, the layout resolved and run. ``hidden_l1``:
-    the L1 term on h = h_g * h_u (gated only)."""
+    the L1 term on h = h_g * h_u (gated only); ``gate_act``: (activation, threshold), checked (gated only)."""
     # the layout choice and the capacity are kept per gate weight: the caller's, not autocast's per-call copy
     gate = w_gate
     caller_weights = (w_gate, b_gate, w_up, b_up, w_down, b_down)  # a captured step casts inside its graphs
@@ -185,7 +204,9 @@ def _train_step(
     kernels = x2.dtype != torch.float64 and backend_for(x2) is not Backend.TORCH
     # float64 / plain CPU (non-gated), or no neuron at all: the torch ops, exact
     if layout == "dense" or (w_up is None and not kernels) or w_gate.shape[0] == 0:
-        y, l1, counts, neuron_counts = dense_step(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, hidden_l1)
+        y, l1, counts, neuron_counts = dense_step(
+            x2, w_gate, b_gate, w_up, b_up, w_down, b_down, hidden_l1, *gate_act
+        )  # fmt: skip
         TRAIN_CHOICE.observe(gate, counts)
         return HybridMLPOutput(y.reshape(out_shape), l1, counts, neuron_counts)
     if layout == "block" and kernels:
@@ -198,7 +219,7 @@ def _train_step(
         if cuda_graph:
             graphed = graphed_step(
                 gate, x2, caller_weights, plan.block_rows, plan.tile, plan.sorts(M), warn=explicit,
-                hidden_l1=hidden_l1,
+                hidden_l1=hidden_l1, activation=gate_act,
             )  # fmt: skip
             if graphed is not None:
                 y, l1, counts, neuron_counts = graphed
@@ -220,13 +241,14 @@ def _train_step(
             plan.sorts(M),
             block_capacity,
             hidden_l1,
+            *gate_act,
         )
         TRAIN_CHOICE.observe(gate, counts)
         return HybridMLPOutput(y.reshape(out_shape), l1, counts, neuron_counts)
     # weight rows at unit stride, as for the block step (the op's fake gives dW_gate, dW_up their weights' layouts)
     y, l1, *_, counts, _, _, _, neuron_counts = hybrid_mlp_fwd_op(
         x2, unit_last_stride(w_gate), b_gate, unit_last_stride(w_up), b_up, w_down.t(), b_down, width, backup_rows,
-        hidden_l1,
+        hidden_l1, *gate_act,
     )  # fmt: skip
     return HybridMLPOutput(y.reshape(out_shape), l1, counts, neuron_counts)
 

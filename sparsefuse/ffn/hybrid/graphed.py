@@ -249,7 +249,8 @@ class GraphedBlockStep:
     w_down, b_down), None for an absent tensor; if a weight has moved since the capture (a parameter regathered at
     another address), the backward runs eagerly on the kept arrays instead of replaying. ``copied``: the graphs
     read the weights from shared static copies (:class:`_WeightCopies`), which each replay fills from ``weights``
-    first, wherever those live. ``hidden_l1``: the step's L1 term is on h (``hybrid_mlp(l1_on="hidden")``)."""
+    first, wherever those live. ``hidden_l1``: the step's L1 term is on h (``hybrid_mlp(l1_on="hidden")``);
+    ``gate``: (activation, threshold), the step's gate."""
 
     def __init__(
         self,
@@ -261,12 +262,13 @@ class GraphedBlockStep:
         capacity: int,
         copied: bool = False,
         hidden_l1: bool = False,
+        gate: tuple[str, float] = ("relu", 0.0),
     ) -> None:
         w_gate, b_gate, w_up, b_up, w_down, b_down = weights
         self.addresses = _addresses(weights)
         self.copies = _weight_copies(weights) if copied else None
         self.has = tuple(a is not None for a in self.addresses)
-        self.block_rows, self.hidden_l1 = block_rows, hidden_l1
+        self.block_rows, self.hidden_l1, self.gate = block_rows, hidden_l1, gate
         self.bias_grads = any(t is not None for t in (b_gate, b_up, b_down))
         self.tokens, self.grads = tokens, grads = _buffers(x2, weights)
         tokens.x.copy_(x2)  # the warm-up and the layout probe run on this call's tokens
@@ -276,7 +278,7 @@ class GraphedBlockStep:
 
         # what the forward keeps, in one flat buffer: its shapes and dtypes from a run of the step
         probe = _train_forward(
-            *_operands(tokens.x, weights, dtype), block_rows, tile, sort_rows, capacity, hidden_l1
+            *_operands(tokens.x, weights, dtype), block_rows, tile, sort_rows, capacity, hidden_l1, *gate
         )  # fmt: skip
         self.layout, offset = [], 0
         for t in probe[3:]:
@@ -296,7 +298,7 @@ class GraphedBlockStep:
         def forward_body() -> None:
             x_c, *ops = _operands(tokens.x, live(), dtype)
             _, l1, counts, *kept = _train_forward_into(
-                x_c, *ops, block_rows, tile, sort_rows, capacity, tokens.y, hidden_l1
+                x_c, *ops, block_rows, tile, sort_rows, capacity, tokens.y, hidden_l1, *gate
             )  # fmt: skip
             grads.l1.copy_(l1)
             tokens.counts.copy_(counts)
@@ -308,7 +310,7 @@ class GraphedBlockStep:
             # dx and the weight gradients are written where the replay's caller reads them (no copy)
             *_, dbg, dbu, dbd = _train_backward_into(
                 tokens.dy, grads.dl1, x_c, wg, wu, wdt, bg, bu, *self.kept_views, block_rows, self.bias_grads,
-                tokens.dx, grads.dw, hidden_l1,
+                tokens.dx, grads.dw, hidden_l1, *gate,
             )  # fmt: skip
             for out, g in zip(grads.db, (dbg, dbu, dbd)):
                 if out is not None:
@@ -373,7 +375,7 @@ class GraphedBlockStep:
         dw_out = _weight_grads(x2, wg, wu, w_down.t())
         dx, dwg, dwu, dwd, *db = _train_backward_into(
             dy, dl1, x_c, wg, wu, wdt, bg, bu, *self._views(kept), self.block_rows, self.bias_grads, None, dw_out,
-            self.hidden_l1,
+            self.hidden_l1, *self.gate,
         )  # fmt: skip
         dw = [g.to(w.dtype) if w is not None else None for g, w in ((dwg, w_gate), (dwu, w_up), (dwd, w_down))]
         db = [g.to(b.dtype) if b is not None else None for g, b in zip(db, (b_gate, b_up, b_down))]
@@ -465,6 +467,7 @@ def graphed_step(
     sort_rows: bool,
     warn: bool = True,
     hidden_l1: bool = False,
+    activation: tuple[str, float] = ("relu", 0.0),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """The block step of one layer from its captured graphs: (y [M, K], l1, token counts [M], neuron counts [N]);
     None where the eager step must run instead (see the module docstring). ``gate``: the caller's gate weight (the
@@ -472,7 +475,7 @@ def graphed_step(
     ``weights``: (w_gate, b_gate, w_up, b_up, w_down, b_down) as the caller passed them (before autocast), w_down
     [K, N]. ``warn``: say (once per layer) when a layer's weights keep moving or its shapes keep changing (for a
     caller who asked for replays; the default choice falls back quietly). ``hidden_l1``: l1 on h, not on the gate
-    (a capture of its own)."""
+    (a capture of its own). ``activation``: the gate, (activation, threshold) (a capture of its own each)."""
     tensors = [x2, *(t for t in weights if t is not None)]
     if (
         not torch.is_grad_enabled()
@@ -501,6 +504,7 @@ def graphed_step(
         sort_rows,
         capacity,
         hidden_l1,
+        activation,
     )
     step = layer.steps.get(key)
     # captures and replays on the tensors' GPU (a layer on cuda:1 while cuda:0 is current)
@@ -518,7 +522,7 @@ def graphed_step(
         layer.captures += 1
         with torch.no_grad(), on_device, autocast_off(x2):
             step = GraphedBlockStep(
-                x2.detach(), weights, block_rows, tile, sort_rows, capacity, copied, hidden_l1
+                x2.detach(), weights, block_rows, tile, sort_rows, capacity, copied, hidden_l1, activation
             )  # fmt: skip
         layer.steps[key] = step
         while len(layer.steps) > GRAPHS_PER_WEIGHT:

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from ..._backend import empty_layout_like, on_tensor_device
 from ...sparse import ELL, dense_to_hybrid, sparse_matmul, torch_sparse_matmul
+from ..twell.reference import gate_activation
 
 REBUILDS = {"calls": 0, "rebuilt": 0}  # forward calls, and those whose backup had to grow (every layer of this process)
 
@@ -101,6 +102,8 @@ def hybrid_mlp_fwd_op(
     width: int,
     backup_rows: int,
     hidden_l1: bool = False,
+    activation: str = "relu",
+    threshold: float = 0.0,
 ) -> tuple[
     torch.Tensor,
     torch.Tensor,
@@ -116,10 +119,12 @@ def hybrid_mlp_fwd_op(
     """x2 [M, K]; w_gate, w_up, w_down_t [N, K]. Returns y [M, K], l1 (0-dim, float32 or float64: the gate's mean
     per element; ``hidden_l1``: |h|'s, h = h_g * h_u, from the Hybrid parts), the saved Hybrid parts -- gate values,
     up values, indices [M, width] (int32), counts [M] (int32), gate backup, up backup [R, N], backup rows [R]
-    (int32) -- and the gate's firing count per neuron [N] (int32)."""
+    (int32) -- and the gate's firing count per neuron [N] (int32). ``activation``, ``threshold``: the gate
+    (``hybrid_mlp``'s): FATReLU's values above the threshold are the format's non-zeros; dReLU's up values are
+    relu'd (the gate's firing is kept)."""
     M, N = x2.shape[0], w_gate.shape[0]
     pre = F.linear(x2, w_gate, b_gate)
-    h_gate = torch.relu(pre)
+    h_gate = gate_activation(pre, threshold if activation == "fatrelu" else 0.0)
     hybrid = dense_to_hybrid(h_gate, width, backup_rows)
     REBUILDS["calls"] += 1
     if M and backup_rows < M:
@@ -130,6 +135,8 @@ def hybrid_mlp_fwd_op(
     ell, rows = hybrid.ell, hybrid.backup_rows
     used = _slots_used(ell.counts, width)
     pre_up = F.linear(x2, w_up, b_up)
+    if activation == "drelu":
+        pre_up = torch.relu(pre_up)
     g_vals = torch.where(used, ell.values, 0)
     u_vals = torch.where(used, pre_up.gather(1, ell.indices.long()), 0)
     valid = (rows >= 0)[:, None]
@@ -152,7 +159,8 @@ def hybrid_mlp_fwd_op(
 
 
 @hybrid_mlp_fwd_op.register_fake
-def _(x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, width, backup_rows, hidden_l1=False):
+def _(x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, width, backup_rows, hidden_l1=False, activation="relu",
+      threshold=0.0):  # fmt: skip
     M, N = x2.shape[0], w_gate.shape[0]
     R = torch.library.get_ctx().new_dynamic_size()  # grows when more rows overflow than the backup holds
     slots = x2.new_empty(M, width)
@@ -188,9 +196,11 @@ def hybrid_mlp_bwd_op(
     u_backup: torch.Tensor,
     rows: torch.Tensor,
     hidden_l1: bool = False,
+    activation: str = "relu",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dx [M, K], dw_gate, dw_up, dw_down_t [N, K], db_gate, db_up [N], db_down [K]) of the forward's
-    outputs' gradients dy [M, K] and dl1 (0-dim; ``hidden_l1``: the forward's term was on h)."""
+    outputs' gradients dy [M, K] and dl1 (0-dim; ``hidden_l1``: the forward's term was on h; ``activation``: the
+    forward's gate -- dReLU's up values are relu'd, so dh_u is zero where they are)."""
     M, N = x2.shape[0], w_gate.shape[0]
     dy = dy.to(x2.dtype)
     dh = F.linear(dy, w_down_t)  # [M, N]: dy W_d
@@ -203,7 +213,10 @@ def hybrid_mlp_bwd_op(
         dh_vals = dh_vals + l1_grad * torch.sign(u_vals)
         dh_backup = dh_backup + l1_grad * torch.sign(u_backup)
         l1_grad = torch.zeros_like(l1_grad)
-    du_vals, du_backup = dh_vals * g_vals, dh_backup * g_backup
+    g_up_vals, g_up_backup = g_vals, g_backup  # dh_u = dh * h_g (dReLU: times relu's slope, up > 0)
+    if activation == "drelu":
+        g_up_vals, g_up_backup = torch.where(u_vals > 0, g_vals, 0), torch.where(u_backup > 0, g_backup, 0)
+    du_vals, du_backup = dh_vals * g_up_vals, dh_backup * g_up_backup
     dpre_vals = torch.where(used, dh_vals * u_vals + l1_grad, 0)  # stored gate values are the fired ones
     dpre_backup = torch.where(g_backup != 0, dh_backup * u_backup + l1_grad, 0)
     dx = _product(_fitting(du_vals, indices, counts, N), w_up, x2.dtype)
@@ -226,7 +239,8 @@ def hybrid_mlp_bwd_op(
 
 
 @hybrid_mlp_bwd_op.register_fake
-def _(dy, dl1, x2, w_gate, w_up, w_down_t, g_vals, u_vals, indices, counts, g_backup, u_backup, rows, hidden_l1=False):
+def _(dy, dl1, x2, w_gate, w_up, w_down_t, g_vals, u_vals, indices, counts, g_backup, u_backup, rows, hidden_l1=False,
+      activation="relu"):  # fmt: skip
     N, K = w_gate.shape
     return (
         torch.empty_like(x2),
@@ -240,18 +254,19 @@ def _(dy, dl1, x2, w_gate, w_up, w_down_t, g_vals, u_vals, indices, counts, g_ba
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, width, backup_rows, *hidden_l1 = inputs
+    x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, width, backup_rows, *flags = inputs
     _, _, g_vals, u_vals, indices, counts, g_backup, u_backup, rows, _ = output
     ctx.save_for_backward(x2, w_gate, w_up, w_down_t, g_vals, u_vals, indices, counts, g_backup, u_backup, rows)
     ctx.has_bias = (b_gate is not None, b_up is not None, b_down is not None)
-    ctx.hidden_l1 = bool(hidden_l1 and hidden_l1[0])
+    ctx.hidden_l1 = bool(flags and flags[0])
+    ctx.activation = flags[1] if len(flags) > 1 else "relu"
 
 
 def _backward(ctx, dy, dl1, *unused):
-    dx, dwg, dwu, dwd, dbg, dbu, dbd = hybrid_mlp_bwd_op(dy, dl1, *ctx.saved_tensors, ctx.hidden_l1)
+    dx, dwg, dwu, dwd, dbg, dbu, dbd = hybrid_mlp_bwd_op(dy, dl1, *ctx.saved_tensors, ctx.hidden_l1, ctx.activation)
     has_g, has_u, has_d = ctx.has_bias
     grads = (dx, dwg, dbg if has_g else None, dwu, dbu if has_u else None, dwd, dbd if has_d else None)
-    return *grads, None, None, None
+    return *grads, None, None, None, None, None
 
 
 hybrid_mlp_fwd_op.register_autograd(_backward, setup_context=_setup_context)
