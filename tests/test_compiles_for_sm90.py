@@ -266,6 +266,13 @@ def _exercise_ops(dtype: torch.dtype, ffn: bool) -> None:
     leaves = [t.detach().clone().requires_grad_() for t in (xf[:8], w_gate, w_up, w_down)]
     out = hybrid_mlp(*leaves, layout="block")
     (out.y.float().sum() + out.l1).backward()
+    # FATReLU and dReLU gates: the block step's passes on the unions, the dense passes' gate variants
+    for layout in ("block", "dense"):
+        for activation, threshold, l1_on in (("fatrelu", 0.1, "gate"), ("drelu", 0.0, "hidden")):
+            leaves = [t.detach().clone().requires_grad_() for t in (xf, w_gate, w_up, w_down)]
+            gate = {"activation": activation, "threshold": threshold, "l1_on": l1_on}
+            out = hybrid_mlp(*leaves, b_gate=r(N, grad=True), layout=layout, **gate)
+            (out.y.float().sum() + out.l1).backward()
 
 
 def _compile(specs: list[dict[str, Any]], tmp_path: Path) -> list[dict[str, Any]]:
