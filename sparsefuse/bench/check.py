@@ -485,6 +485,7 @@ WORKLOAD_FAMILIES: dict[str, tuple[str, ...]] = {
     "splade_sum": ("splade",),
     "ffn": ("ffn",),
     "model": ("ffn", "llama"),  # a whole patched Llama: the FFN's kernels, the fused norms and rotary embedding
+    "generate": ("ffn", "llama"),  # the same model's generate
     "ffn_train": ("ffn_train",),
     "train": ("ffn_train", "llama"),  # a whole patched Llama training: the training step's kernels and the fusions
 }

@@ -8,12 +8,12 @@ from ._llama import (
     fuse_norms,
     fuse_rotary,
     is_relu_llama_mlp,
-    sparse_gate,
     l1_loss,
     patch_llama,
     patched_mlps,
     release_step,
     shard_llama_fsdp2,
+    sparse_gate,
     sparsity_report,
 )
 from .sparselm import load_sparse_checkpoint
