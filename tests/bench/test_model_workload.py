@@ -67,7 +67,7 @@ def test_cases_are_listed_without_building_models(monkeypatch, quick):
     assert len(cases) == scenarios * len(hows)
     parts = [workload.parse_shape(c.shape) for c in cases]
     assert all(parts) and [p["how"] for p in parts[: len(hows)]] == list(hows)
-    assert {p["model"] for p in parts} == ({"1.5B"} if quick else {"1.5B", "8B"})
+    assert {p["model"] for p in parts} == ({"SparseLM-1.5B"} if quick else {"SparseLM-1.5B", "8B"})
     assert {p["sparsity"] for p in parts} == ({"nnz=30"} if quick else {"nnz=30", "dense"})
     for case, p in zip(cases, parts):
         assert case.dtype == torch.bfloat16 and set(case.impls) == {"unpatched", "patched"}

@@ -1,11 +1,12 @@
 """Benchmark workload ``model``: a whole sparse ReLU Llama with :func:`sparsefuse.integrations.transformers.patch_llama`
 against the same model unpatched, in prefill and in decode.
 
-Models: :func:`sparsefuse.ffn.synthetic.synthetic_llama` at the 1.5B shape (hidden 2048, FFN 5632, 24 layers) and
-the 8B shape (hidden 4096, FFN 14336, 32 layers, 8 KV heads), SDPA attention, bf16 (the first requested dtype when
-``--dtype`` excludes bf16), each with ~30 gate non-zeros per token (``nnz=30``, heavy-tailed as in a trained sparse
-model) and with plain random weights (``dense``, ~50% firing: what the patch costs when the FFN is not sparse). The
-patched model is a deep copy of the unpatched one (same weights); only one pair is alive at a time.
+Models: :func:`sparsefuse.ffn.synthetic.synthetic_llama` at the TwELL paper's SparseLM-1.5B shape (hidden 2048, FFN
+5632, 28 layers, 32 KV heads, vocab 49152, tied embeddings) and the 8B shape (hidden 4096, FFN 14336, 32 layers, 8 KV
+heads), SDPA attention, bf16 (the first requested dtype when ``--dtype`` excludes bf16), each with ~30 gate non-zeros
+per token (``nnz=30``, heavy-tailed as in a trained sparse model) and with plain random weights (``dense``, ~50% firing:
+what the patch costs when the FFN is not sparse). The patched model is a deep copy of the unpatched one (same weights);
+only one pair is alive at a time.
 
 Scenarios (``shape`` label ``"<model> <sparsity> <phase> B=.. S=.. <timing>"``):
 
@@ -29,7 +30,7 @@ unpatched time / patched time):
 
 :func:`summary` joins them: FFN share = FFN time (unpatched) / whole-model time (unpatched) and the Amdahl bound
 ``1 / (1 - share + share / ffn_speedup)``; :func:`plot` draws tokens/s per prefill shape and against the decode
-batch. ``--quick``: 1.5B, nnz=30, prefill (4, 2048), decode B in {1, 8}, eager and graph.
+batch. ``--quick``: SparseLM-1.5B, nnz=30, prefill (4, 2048), decode B in {1, 8}, eager and graph.
 
 ``--checkpoint PATH`` benches a trained model instead (a ``{"config", "state_dict"}`` file such as the training
 example's ``model-l1.pt``: sparsity learned, not synthesised), sparsity label ``learned``, fed what it was trained on
@@ -51,13 +52,13 @@ import torch
 
 from ..harness import Case, Options, Result, register
 
-MODELS = ("1.5B", "8B")
+MODELS = ("SparseLM-1.5B", "8B")
 SPARSITIES: tuple[float | None, ...] = (30.0, None)  # mean gate non-zeros per token; None: plain random weights
 PREFILL: list[tuple[int, int]] = [(1, 512), (4, 2048), (16, 2048)]  # (batch, sequence)
 DECODE_BATCHES = [1, 8, 32]
 CONTEXT = 512  # tokens already in the KV cache of a decode step
 METHODS = ("eager", "graph", "compile")
-QUICK_MODELS, QUICK_SPARSITIES = ("1.5B",), (30.0,)
+QUICK_MODELS, QUICK_SPARSITIES = ("SparseLM-1.5B",), (30.0,)
 QUICK_PREFILL, QUICK_DECODE_BATCHES, QUICK_METHODS = [(4, 2048)], [1, 8], ("eager", "graph")
 IMPLS = ("unpatched", "patched")
 

@@ -2,12 +2,13 @@
 sparse training layer (:func:`sparsefuse.integrations.transformers.patch_llama` with ``train_method="hybrid"``)
 against the same model unpatched, eager and compiled.
 
-Models: :func:`sparsefuse.ffn.synthetic.synthetic_llama` at the 1.5B shape (hidden 2048, FFN 5632) at full depth
-(24 layers) and at 8 layers, bf16, SDPA attention, in train mode; ``nnz=30`` (~30 gate non-zeros per token,
-heavy-tailed, as in a model trained with L1) and ``dense`` (plain random weights, ~50% firing: the start of
-training). The patched model is a deep copy of the unpatched one. The step: ``loss = LM loss (+ 2e-5 * the L1 term
-of every patched layer)``, ``backward``, fused ``AdamW.step`` with ``lr=0`` (all the optimizer's work, weights
-unchanged, so the gates keep their sparsity over the timed steps), ``zero_grad(set_to_none=False)``.
+Models: :func:`sparsefuse.ffn.synthetic.synthetic_llama` at the TwELL paper's SparseLM-1.5B shape (hidden 2048, FFN
+5632, full multi-head attention) at full depth (28 layers) and at 8 layers, bf16, SDPA attention, in train mode;
+``nnz=30`` (~30 gate non-zeros per token, heavy-tailed, as in a model trained with L1) and ``dense`` (plain random
+weights, ~50% firing: the start of training). The patched model is a deep copy of the unpatched one. The step: ``loss =
+LM loss (+ 2e-5 * the L1 term of every patched layer)``, ``backward``, fused ``AdamW.step`` with ``lr=0`` (all the
+optimizer's work, weights unchanged, so the gates keep their sparsity over the timed steps),
+``zero_grad(set_to_none=False)``.
 
 Rows (shape label ``"<layers>L <sparsity> B=.. S=.."``; speed-up = unpatched eager time / row time):
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-MODEL_SHAPE: str | dict = "1.5B"  # a synthetic_llama shape (tests use a tiny dict)
-LAYERS = (24, 8)  # full depth, and a depth where compiling is affordable
+MODEL_SHAPE: str | dict = "SparseLM-1.5B"  # a synthetic_llama shape: the paper's (tests use a tiny dict)
+LAYERS = (28, 8)  # full depth, and a depth where compiling is affordable
 SPARSITIES: tuple[float | None, ...] = (30.0, None)
 BATCHES: list[tuple[int, int]] = [(4, 2048)]
 L1_COEFFICIENT = 2e-5  # the TwELL paper's
