@@ -300,14 +300,7 @@ class SparseGatedMLP(nn.Module):
         dense block as ``LlamaMLP`` does. Either way :attr:`last_l1` holds the step's L1 term and
         :meth:`sparsity_report` its firing statistics."""
         gate, up, down = self.gate_proj, self.up_proj, self.down_proj
-        if self.train_method == "hybrid" and self.activation != "relu":
-            raise ValueError(
-                f"SparseGatedMLP(train_method='hybrid'): the sparse training step takes ReLU gates only; got "
-                f"activation={self.activation!r} (train_method='auto' or 'dense' trains it with the dense ops)"
-            )
-        if self.train_method == "hybrid" or (
-            self.train_method == "auto" and self.activation == "relu" and self._trains_sparse(x)
-        ):
+        if self.train_method == "hybrid" or (self.train_method == "auto" and self._trains_sparse(x)):
             out = hybrid_mlp(
                 x,
                 gate.weight,
@@ -319,6 +312,8 @@ class SparseGatedMLP(nn.Module):
                 width=self.train_width,
                 cuda_graph=self.train_cuda_graph,
                 l1_on=self.l1_on,
+                activation=self.activation,
+                threshold=self.threshold,
             )
             self.last_l1, self._last_counts = out.l1, (out.token_counts, out.neuron_counts)
             return out.y

@@ -89,8 +89,29 @@ def test_patched_model_matches_the_float64_forward_of_its_gate(family, gate, dev
         assert launched["twell_up_down_fwd_kernel"] == 1, dict(launched)
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
     ids = torch.randint(0, 97, (2, 6), device=device)
-    model(ids, labels=ids).loss.backward()  # trains (dense ops: the sparse step takes ReLU gates only)
+    model(ids, labels=ids).loss.backward()  # trains: the dense ops until the firing is counted
     assert all(m.gate_proj.weight.grad is not None for m in patched)
+
+
+@pytest.mark.parametrize("gate, threshold", [("fatrelu", 0.0625 + 1 / 128), ("drelu", 0.0)])
+def test_the_sparse_training_step_takes_the_gate(gate, threshold, device):
+    """train_method="hybrid": the block step with the module's gate gives the dense ops' gradients."""
+    torch.manual_seed(1)
+    dense = SparseGatedMLP(16, 48, activation=gate, threshold=threshold, train_method="dense").to(device)
+    with torch.no_grad():
+        for p in dense.parameters():
+            p.copy_(_grid(p))
+    sparse = SparseGatedMLP(16, 48, activation=gate, threshold=threshold, train_method="hybrid").to(device)
+    sparse.load_state_dict(dense.state_dict())
+    x = _grid(torch.randn(24, 16, device=device))
+    grads = []
+    for mlp in (dense, sparse):
+        with track_launches() as launched:
+            (mlp(x) ** 2).sum().backward()
+        assert ("block_sddmm_kernel" in launched) == (mlp is sparse), dict(launched)
+        grads.append([p.grad for p in mlp.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 
 
 def test_module_gates_configure_and_refuse_what_cannot_apply(device):
@@ -104,8 +125,5 @@ def test_module_gates_configure_and_refuse_what_cannot_apply(device):
         SparseGatedMLP(16, 32, activation="relu", threshold=0.5)
     with pytest.raises(ValueError, match="activation must be one of"):
         SparseGatedMLP(16, 32, activation="gelu")
-    hybrid = SparseGatedMLP(16, 32, activation="drelu", train_method="hybrid").to(device)
-    with pytest.raises(ValueError, match="takes ReLU gates only"):
-        hybrid(torch.randn(3, 16, device=device, requires_grad=True))
     with pytest.raises(ValueError, match="needs activation='fatrelu'"):
         patch_llama(transformers.LlamaForCausalLM(tiny_config()), threshold=0.1)

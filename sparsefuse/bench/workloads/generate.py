@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..harness import Case, Options, register
-from .model import IMPLS, _ModelPair, _synthetic_llama, uniform_token_ids
+from .model import _ModelPair, _synthetic_llama, peer, uniform_token_ids, whole_model_impls
 
 SCENARIOS = [("SparseLM-1.5B", 1), ("SparseLM-1.5B", 8), ("SparseLM-1.5B", 32), ("8B", 1)]  # (model, batch)
 QUICK_SCENARIOS = [("SparseLM-1.5B", 1), ("SparseLM-1.5B", 8)]
@@ -85,9 +85,9 @@ class _Generations:
         return self.tokens[impl]
 
     def note(self, impl: str) -> str:
-        if impl == "unpatched" or not {"patched", "unpatched"} <= set(self.tokens):
+        if impl == "unpatched" or not {impl, "unpatched"} <= set(self.tokens):
             return ""
-        at = first_divergence(self.tokens["patched"], self.tokens["unpatched"])
+        at = first_divergence(self.tokens[impl], self.tokens["unpatched"])
         return "greedy tokens equal the unpatched model's" if at is None else f"greedy tokens first differ at {at}"
 
 
@@ -108,7 +108,11 @@ def generate_cases(options: Options) -> list[Case]:
         options.log(f"generate: skipped (sparsefuse.ffn.synthetic.synthetic_llama is unavailable: {exc})")
         return []
     dtype = torch.bfloat16 if torch.bfloat16 in options.dtypes else options.dtypes[0]
-    pair = _ModelPair(lambda shape, mean_nnz: build_llama(shape, mean_nnz=mean_nnz, dtype=dtype, device=options.device))
+    impls = whole_model_impls(options.device)
+    pair = _ModelPair(
+        lambda shape, mean_nnz: build_llama(shape, mean_nnz=mean_nnz, dtype=dtype, device=options.device),
+        liger="liger" in impls,
+    )
     runs = _Generations(pair)
     new_tokens = QUICK_NEW_TOKENS if options.quick else NEW_TOKENS
     cases = []
@@ -121,9 +125,11 @@ def generate_cases(options: Options) -> list[Case]:
                 unpatched = pair.get(key)["unpatched"]
                 return (uniform_token_ids(unpatched, (batch, PROMPT), torch.Generator().manual_seed(seed)),)
 
-            impls = {
-                impl: (lambda prompt, impl=impl, key=key, how=how: runs.run(key, impl, how, prompt, new_tokens))
-                for impl in IMPLS
+            calls = {
+                impl: peer(
+                    impl, lambda prompt, impl=impl, key=key, how=how: runs.run(key, impl, how, prompt, new_tokens)
+                )
+                for impl in impls
             }
             cases.append(
                 Case(
@@ -135,7 +141,7 @@ def generate_cases(options: Options) -> list[Case]:
                     flops=0,
                     ceiling="none",
                     make_inputs=make_inputs,
-                    impls=impls,
+                    impls=calls,
                     method="wall",
                     rotate=False,
                     eager_impl="unpatched",

@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 from ..harness import Case, Options, Result, register
+from . import liger_peer
 
 MODELS = ("SparseLM-1.5B", "8B")
 SPARSITIES: tuple[float | None, ...] = (30.0, None)  # mean gate non-zeros per token; None: plain random weights
@@ -61,6 +62,13 @@ METHODS = ("eager", "graph", "compile")
 QUICK_MODELS, QUICK_SPARSITIES = ("SparseLM-1.5B",), (30.0,)
 QUICK_PREFILL, QUICK_DECODE_BATCHES, QUICK_METHODS = [(4, 2048)], [1, 8], ("eager", "graph")
 IMPLS = ("unpatched", "patched")
+
+
+def whole_model_impls(device: str) -> tuple[str, ...]:
+    """The whole-model rows: unpatched, patched, and Liger-Kernel's fused norms and rotary where it is installed and
+    can run (a CUDA device): the dense peer an LLM user already runs (:mod:`.liger_peer`)."""
+    return IMPLS + (("liger",) if str(device).startswith("cuda") and liger_peer.available() else ())
+
 
 _SHAPE = re.compile(
     r"^(?P<model>\S+) (?P<sparsity>\S+) (?P<phase>prefill|decode) B=(?P<batch>\d+)(?: S=(?P<seq>\d+))? (?P<how>\S+)$"
@@ -94,12 +102,18 @@ class _ModelPair:
     another key frees this pair first (two 8B pairs do not fit on an 80 GB GPU beside each other). Compiled
     wrappers are kept here too, so that they are freed with their model."""
 
-    def __init__(self, build: Callable[[str, float | None], torch.nn.Module], text: torch.Tensor | None = None) -> None:
-        self.build = build
+    def __init__(
+        self, build: Callable[[str, float | None], torch.nn.Module], text: torch.Tensor | None = None, liger=False
+    ) -> None:
+        self.build, self.liger = build, liger  # liger: build Liger-Kernel's copy too (row "liger")
         self.text = text  # [T] uint8 corpus the model was trained on (byte vocabulary), or None: random tokens
         self.key: tuple[str, float | None] | None = None
         self.models: dict[str, torch.nn.Module] = {}
         self.compiled: dict[tuple[str, str], Callable[..., Any]] = {}
+
+    @property
+    def impls(self) -> tuple[str, ...]:
+        return IMPLS + (("liger",) if self.liger else ())
 
     def get(self, key: tuple[str, float | None]) -> dict[str, torch.nn.Module]:
         if key != self.key:
@@ -111,6 +125,8 @@ class _ModelPair:
 
             model = self.build(*key).eval()
             self.models = {"unpatched": model, "patched": patch_llama(copy.deepcopy(model))}
+            if self.liger:
+                self.models["liger"] = liger_peer.liger_copy(model)
             self.key = key
         return self.models
 
@@ -237,6 +253,11 @@ def run_mlps(model: torch.nn.Module, inputs: Sequence[torch.Tensor]) -> list[tor
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def peer(impl: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """An implementation's call, with Liger's rotary embedding in force for the Liger row's (:mod:`.liger_peer`)."""
+    return liger_peer.liger_call(fn) if impl == "liger" else fn
+
+
 def _case(label: str, dtype: torch.dtype, how: str, tokens: int, make_inputs, impls) -> Case:
     return Case(
         workload="model",
@@ -306,7 +327,8 @@ def _scenario_cases(
             return mlp_inputs(model, lambda: state.step(model))
 
     cases = [
-        _case(label, dtype, how, tokens, make_inputs, {impl: whole(impl, how) for impl in IMPLS}) for how in methods
+        _case(label, dtype, how, tokens, make_inputs, {impl: peer(impl, whole(impl, how)) for impl in pair.impls})
+        for how in methods
     ]
     ffn = {impl: (lambda *xs, impl=impl: run_mlps(pair.get(key)[impl], xs)) for impl in IMPLS}
     cases.append(_case(label, dtype, "FFN", tokens, make_ffn_inputs, ffn))
@@ -397,7 +419,7 @@ def model_cases(options: Options) -> list[Case]:
         def build(shape: str, mean_nnz: float | str | None) -> torch.nn.Module:
             return build_llama(shape, mean_nnz=mean_nnz, dtype=dtype, device=options.device)
 
-    pair = _ModelPair(build, text)
+    pair = _ModelPair(build, text, liger="liger" in whole_model_impls(options.device))
     methods = QUICK_METHODS if quick else METHODS
     cases: list[Case] = []
     for model in models:  # cases of one model pair stay together: it is built once

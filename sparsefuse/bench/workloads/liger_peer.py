@@ -1,0 +1,66 @@
+"""Liger-Kernel as a peer row of the whole-model workloads: what an LLM user would run instead of patch_llama.
+
+``liger_copy(model)`` returns a deep copy of an unpatched Llama with Liger's fused RMSNorm on its own norm modules,
+and ``liger_call(fn)`` wraps a call of it so that Liger's rotary embedding is in force for that call only.
+``apply_liger_kernel_to_llama`` patches transformers' module globals (the RMSNorm class, ``apply_rotary_pos_emb``)
+for every model of the process; the rows compare models side by side in one process, so those globals are put back
+at once and the rotary function is swapped in only around the Liger model's own calls -- the unpatched and patched
+rows run exactly what they run without Liger installed. SwiGLU is off (the models are ReLU), and so is the fused
+linear cross entropy (inference rows: no loss).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+_GLOBALS = ("apply_rotary_pos_emb", "LlamaRMSNorm")
+
+
+def available() -> bool:
+    """Whether Liger-Kernel can be imported (it needs a CUDA build of Triton to run)."""
+    try:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def _globals_kept() -> Iterator[Any]:
+    from transformers.models.llama import modeling_llama
+
+    saved = {name: getattr(modeling_llama, name) for name in _GLOBALS}
+    try:
+        yield modeling_llama
+    finally:
+        for name, value in saved.items():
+            setattr(modeling_llama, name, value)
+
+
+def liger_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of ``model`` whose RMSNorm modules run Liger's kernel (instance-level; globals untouched)."""
+    from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+    peer = copy.deepcopy(model)
+    with _globals_kept():
+        apply_liger_kernel_to_llama(
+            rope=False, rms_norm=True, swiglu=False, cross_entropy=False, fused_linear_cross_entropy=False, model=peer
+        )
+    return peer
+
+
+def liger_call(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with Liger's rotary embedding installed in transformers' Llama module for the call's duration."""
+    from liger_kernel.transformers.rope import liger_rotary_pos_emb
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with _globals_kept() as modeling_llama:
+            modeling_llama.apply_rotary_pos_emb = liger_rotary_pos_emb
+            return fn(*args, **kwargs)
+
+    return call
