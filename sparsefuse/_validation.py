@@ -572,9 +572,10 @@ def check_ffn_activation(
         raise TypeError(f"{op}: activation must be a str ({', '.join(map(repr, activations))}); got {activation!r}")
     if activation not in activations:
         raise ValueError(f"{op}: activation must be one of {', '.join(map(repr, activations))}; got {activation!r}")
-    if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real):
+    if isinstance(threshold, bool) or not isinstance(threshold, (numbers.Real, torch.SymFloat)):
         raise TypeError(f"{op}: threshold must be a Python float, got {type(threshold).__name__}")
-    if not math.isfinite(threshold) or threshold < 0:
+    # one chained comparison (NaN fails it): a threshold torch.compile made dynamic is guarded on, not a graph break
+    if not 0 <= threshold < math.inf:
         raise ValueError(f"{op}: threshold must be a finite number >= 0; got {threshold!r}")
     if threshold != 0 and activation != "fatrelu":
         raise ValueError(
