@@ -1,6 +1,7 @@
 """A gated ReLU feed-forward block whose parameters (and state_dict keys) are transformers' ``LlamaMLP``'s.
 
-``forward(x) = down_proj(relu(gate_proj(x)) * up_proj(x))``, run by :func:`sparsefuse.ffn.twell_mlp`: the gate
+``forward(x) = down_proj(relu(gate_proj(x)) * up_proj(x))`` (``activation="fatrelu"``: the gate fires above
+``threshold``; ``"drelu"``: the up product is ReLU'd too), run by :func:`sparsefuse.ffn.twell_mlp`: the gate
 matmul writes TwELL and only the fired rows of up_proj / down_proj are read. ``down_proj.weight`` keeps its
 [hidden, intermediate] shape but is stored column-major (``stride(0) == 1``) so that each neuron's row of
 W_down^T is contiguous; ``load_state_dict`` copies into that layout, ``.to()`` preserves it, and ``F.linear`` reads
