@@ -33,6 +33,8 @@ def fake_liger(monkeypatch):
                                     fused_linear_cross_entropy=True, model=None):  # fmt: skip
         if rope:
             modeling_llama.apply_rotary_pos_emb = _liger_rope
+        if fused_linear_cross_entropy:  # as older versions do: the class's forward, for every model
+            modeling_llama.LlamaForCausalLM.forward = _lce_forward
         if rms_norm:
             modeling_llama.LlamaRMSNorm = type("LigerRMSNorm", (torch.nn.Module,), {})
             for module in model.modules() if model is not None else ():
@@ -44,14 +46,32 @@ def fake_liger(monkeypatch):
     api.apply_liger_kernel_to_llama = apply_liger_kernel_to_llama
     rope = types.ModuleType("liger_kernel.transformers.rope")
     rope.liger_rotary_pos_emb = _liger_rope
+    llama = types.ModuleType("liger_kernel.transformers.model.llama")
+    llama.lce_forward = _lce_forward
     for name, module in (
         ("liger_kernel", package),
         ("liger_kernel.transformers", api),
         ("liger_kernel.transformers.rope", rope),
+        ("liger_kernel.transformers.model", types.ModuleType("liger_kernel.transformers.model")),
+        ("liger_kernel.transformers.model.llama", llama),
     ):
         monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(modeling_llama.LlamaForCausalLM, "forward", modeling_llama.LlamaForCausalLM.forward)
     monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", modeling_llama.apply_rotary_pos_emb)
     monkeypatch.setattr(modeling_llama, "LlamaRMSNorm", modeling_llama.LlamaRMSNorm)
+
+
+def _lce_forward(self, *args, **kwargs):
+    return "liger loss"
+
+
+def test_the_training_copy_binds_the_fused_loss_to_itself_only(fake_liger):
+    forward = modeling_llama.LlamaForCausalLM.forward
+    base = _tiny()
+    peer = liger_peer.liger_training_copy(base)
+    assert modeling_llama.LlamaForCausalLM.forward is forward  # the class put back
+    assert peer(torch.zeros(1, 2, dtype=torch.long)) == "liger loss"
+    assert base(torch.zeros(1, 2, dtype=torch.long)) != "liger loss"
 
 
 def _tiny() -> torch.nn.Module:
@@ -75,6 +95,6 @@ def test_the_liger_copy_patches_itself_only(fake_liger):
     with torch.no_grad():
         base(ids)
         assert _liger_rope.calls == before  # the unpatched model keeps transformers' rotary function
-        model.peer("liger", lambda: peer(ids))()
+        liger_peer.peer("liger compile", lambda: peer(ids))()
         assert _liger_rope.calls == before + 1  # one attention layer, Liger's rotary function
     assert modeling_llama.apply_rotary_pos_emb is rope

@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from ..harness import Case, Options, register
-from .model import _ModelPair, _synthetic_llama, peer, uniform_token_ids, whole_model_impls
+from .liger_peer import peer
+from .model import _ModelPair, _synthetic_llama, uniform_token_ids, whole_model_impls
 
 SCENARIOS = [("SparseLM-1.5B", 1), ("SparseLM-1.5B", 8), ("SparseLM-1.5B", 32), ("8B", 1)]  # (model, batch)
 QUICK_SCENARIOS = [("SparseLM-1.5B", 1), ("SparseLM-1.5B", 8)]

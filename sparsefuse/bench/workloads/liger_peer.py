@@ -18,7 +18,17 @@ from typing import Any
 
 import torch
 
-_GLOBALS = ("apply_rotary_pos_emb", "LlamaRMSNorm")
+_GLOBALS = ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaForCausalLM.forward")
+
+
+def peer(impl: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A row's call, with Liger's rotary embedding in force for the Liger rows' (``"liger"``, ``"liger compile"``)."""
+    return liger_call(fn) if impl.startswith("liger") else fn
+
+
+def runs_on(device: str) -> bool:
+    """Whether the Liger rows apply: Liger-Kernel installed, and a CUDA device to run its kernels."""
+    return str(device).startswith("cuda") and available()
 
 
 def available() -> bool:
@@ -34,12 +44,19 @@ def available() -> bool:
 def _globals_kept() -> Iterator[Any]:
     from transformers.models.llama import modeling_llama
 
-    saved = {name: getattr(modeling_llama, name) for name in _GLOBALS}
+    saved = {name: _get(modeling_llama, name) for name in _GLOBALS}
     try:
         yield modeling_llama
     finally:
         for name, value in saved.items():
-            setattr(modeling_llama, name, value)
+            owner, _, attr = name.rpartition(".")
+            setattr(_get(modeling_llama, owner) if owner else modeling_llama, attr, value)
+
+
+def _get(module: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        module = getattr(module, part)
+    return module
 
 
 def liger_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -51,6 +68,24 @@ def liger_copy(model: torch.nn.Module) -> torch.nn.Module:
         apply_liger_kernel_to_llama(
             rope=False, rms_norm=True, swiglu=False, cross_entropy=False, fused_linear_cross_entropy=False, model=peer
         )
+    return peer
+
+
+def liger_training_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """:func:`liger_copy` for training: also Liger's fused linear cross entropy (the loss without the [tokens,
+    vocab] logits), as a trainer applies it, bound to this copy's own ``forward``."""
+    from types import MethodType
+
+    from liger_kernel.transformers import apply_liger_kernel_to_llama
+    from liger_kernel.transformers.model.llama import lce_forward
+
+    peer = copy.deepcopy(model)
+    with _globals_kept():
+        apply_liger_kernel_to_llama(
+            rope=False, rms_norm=True, swiglu=False, cross_entropy=False, fused_linear_cross_entropy=True, model=peer
+        )
+    if "forward" not in peer.__dict__:  # a version that patched the class alone: the copy's own method instead
+        peer.forward = MethodType(lce_forward, peer)
     return peer
 
 

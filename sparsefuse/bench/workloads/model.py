@@ -67,7 +67,7 @@ IMPLS = ("unpatched", "patched")
 def whole_model_impls(device: str) -> tuple[str, ...]:
     """The whole-model rows: unpatched, patched, and Liger-Kernel's fused norms and rotary where it is installed and
     can run (a CUDA device): the dense peer an LLM user already runs (:mod:`.liger_peer`)."""
-    return IMPLS + (("liger",) if str(device).startswith("cuda") and liger_peer.available() else ())
+    return IMPLS + (("liger",) if liger_peer.runs_on(device) else ())
 
 
 _SHAPE = re.compile(
@@ -253,11 +253,6 @@ def run_mlps(model: torch.nn.Module, inputs: Sequence[torch.Tensor]) -> list[tor
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def peer(impl: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """An implementation's call, with Liger's rotary embedding in force for the Liger row's (:mod:`.liger_peer`)."""
-    return liger_peer.liger_call(fn) if impl == "liger" else fn
-
-
 def _case(label: str, dtype: torch.dtype, how: str, tokens: int, make_inputs, impls) -> Case:
     return Case(
         workload="model",
@@ -327,7 +322,14 @@ def _scenario_cases(
             return mlp_inputs(model, lambda: state.step(model))
 
     cases = [
-        _case(label, dtype, how, tokens, make_inputs, {impl: peer(impl, whole(impl, how)) for impl in pair.impls})
+        _case(
+            label,
+            dtype,
+            how,
+            tokens,
+            make_inputs,
+            {impl: liger_peer.peer(impl, whole(impl, how)) for impl in pair.impls},
+        )
         for how in methods
     ]
     ffn = {impl: (lambda *xs, impl=impl: run_mlps(pair.get(key)[impl], xs)) for impl in IMPLS}

@@ -23,6 +23,9 @@ Rows (shape label ``"<layers>L <sparsity> B=.. S=.."``; speed-up = unpatched eag
                          ``fuse_rotary``; dense FFN): how much of ``patched``'s gain is not the FFN's (at full
                          depth on GPUs of >= 100 GiB only: a fourth resident model and its AdamW state)
 * ``patched compile``    its forward under ``torch.compile`` after one eager step (8 layers only)
+* ``liger``, ``liger compile``  where Liger-Kernel is installed: the unpatched model with Liger's fused RMSNorm,
+                         rotary embedding and fused linear cross entropy (its globals in force for its own steps
+                         only: :mod:`.liger_peer`), eager and compiled; where ``fused only`` runs (a further model)
 * ``no FFN``             the unpatched model with every MLP's forward replaced by zeros (its weights still in
                          AdamW): the FFN's share of the step is ``1 - no FFN / unpatched``, by subtraction
 
@@ -48,7 +51,9 @@ from collections.abc import Callable
 import torch
 
 from ..harness import Case, Options, Result, register
+from . import liger_peer
 from . import train_setup as setup
+from .liger_peer import peer
 
 FUSED_ONLY_MIN_GIB = 100  # GPU memory the full-depth "fused only" row needs beside the other three models
 LARGEST_BATCH_CAP = 128  # micro-batches tried at most (sequences)
@@ -86,6 +91,8 @@ class _Models:
                 fuse_rotary(model)
             elif impl == "no FFN":
                 model = _without_ffn(copy.deepcopy(self._base()))
+            elif impl.startswith("liger"):
+                model = liger_peer.liger_training_copy(self._base())
             else:
                 model = self._base()
             self.trainers[impl] = setup.Trainer(model, compiled=impl.endswith("compile"), l1=impl.startswith("patched"))
@@ -258,7 +265,13 @@ def _case(models: _Models, key: tuple[int, float | None], batch: int, seq: int, 
     compiled = ["unpatched compile", "patched compile"] if layers <= 8 else []
     # each row's model lives with its AdamW state (16 bytes a parameter): a fourth 24-layer model fits 141 GB, not 80
     fused = ["fused only"] if layers <= 8 or _gpu_gib() >= FUSED_ONLY_MIN_GIB else []
-    impls = ["unpatched", "patched", "patched no replay", *fused, *compiled, "no FFN"]
+    # Liger-Kernel, the dense peer trainers run (where installed; at full depth where a further model fits too)
+    liger = (
+        ["liger", *(["liger compile"] if compiled else [])]
+        if fused and liger_peer.runs_on("cuda" if torch.cuda.is_available() else "cpu")
+        else []
+    )
+    impls = ["unpatched", "patched", "patched no replay", *fused, *liger, *compiled, "no FFN"]
 
     def make_inputs() -> tuple[torch.Tensor]:
         model = models.get(key, "unpatched").model
@@ -274,7 +287,7 @@ def _case(models: _Models, key: tuple[int, float | None], batch: int, seq: int, 
         flops=0,
         ceiling="none",
         make_inputs=make_inputs,
-        impls={impl: (lambda ids, impl=impl: models.get(key, impl).step(ids)) for impl in impls},
+        impls={impl: peer(impl, lambda ids, impl=impl: models.get(key, impl).step(ids)) for impl in impls},
         method="eager",
         rotate=False,
         eager_impl="unpatched",
