@@ -241,13 +241,8 @@ def _exercise_ops(dtype: torch.dtype, ffn: bool) -> None:
         sparsefuse.twell_relu_mlp(xf[:tokens], w_up, w_down, method="twell")  # "twell" or "dense" only
     gate = sparsefuse.ffn.twell_gate(xf[:15], w_gate)
     sparsefuse.ffn.twell_up_down(gate, xf[:15], w_gate, w_up, w_down)
-    from sparsefuse.ffn.twell import launch as twell_launch
-
-    saved, twell_launch.HEAVY_PASS_MIN_TOKENS = twell_launch.HEAVY_PASS_MIN_TOKENS, 16  # the heavy tokens' launches
-    try:
+    with sparsefuse.planning(twell_mlp={"heavy_pass_min_tokens": 16}):  # the heavy tokens' launches
         sparsefuse.twell_mlp(xf[:16], w_gate, w_up, w_down, b_gate=r(N), method="twell")
-    finally:
-        twell_launch.HEAVY_PASS_MIN_TOKENS = saved
     sparsefuse.twell_mlp(xf, w_gate, w_up, w_down, b_gate=r(N), method="block")
     for layout in ("block", "hybrid", "dense"):
         leaves = [t.detach().clone().requires_grad_() for t in (xf, w_gate, w_up, w_down)]

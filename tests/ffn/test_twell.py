@@ -26,7 +26,6 @@ from sparsefuse.ffn import (
 from sparsefuse.ffn.synthetic import gate_statistics, synthetic_ffn
 from sparsefuse.ffn.twell import auto as twell_auto
 from sparsefuse.ffn.twell import functional as twell_functional
-from sparsefuse.ffn.twell.launch import GATE_GEMM_MIN_TOKENS, HEAVY_PASS_MIN_TOKENS
 from sparsefuse.sparse.formats import TwELL
 from sparsefuse.testing import assert_close_to_reference
 
@@ -34,10 +33,11 @@ DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" 
 
 
 def gated_launches_ok(launched, M: int) -> bool:
-    """One gate launch (the fused kernel, or from GATE_GEMM_MIN_TOKENS tokens the packing pass over cuBLAS's GEMM),
-    and one up/down launch -- two from HEAVY_PASS_MIN_TOKENS tokens (the heavy tokens' own)."""
-    up_down = 2 if M >= HEAVY_PASS_MIN_TOKENS else 1
-    fused = M < GATE_GEMM_MIN_TOKENS
+    """One gate launch (the fused kernel, or from gate_gemm_min_tokens tokens the packing pass over cuBLAS's GEMM),
+    and one up/down launch -- two from heavy_pass_min_tokens tokens (the heavy tokens' own)."""
+    knobs = twell_auto.PLANNER.knobs
+    up_down = 2 if M >= knobs.heavy_pass_min_tokens else 1
+    fused = M < knobs.gate_gemm_min_tokens
     gate_ok = launched["twell_gate_fwd_kernel"] == int(fused) and launched["twell_pack_kernel"] == int(not fused)
     return gate_ok and launched["twell_up_down_fwd_kernel"] == up_down
 
@@ -106,8 +106,9 @@ def test_gate_kernel_is_exact_on_integer_data(M, K, N, tile, compression, dtype,
     assert_backend(x)
     with track_launches() as launched:
         twell = twell_gate(x, w, b, tile=tile, compression=compression)
-    # from GATE_GEMM_MIN_TOKENS tokens: cuBLAS's GEMM, then the packing pass
-    assert launched["twell_pack_kernel" if M >= GATE_GEMM_MIN_TOKENS else "twell_gate_fwd_kernel"] == 1, launched
+    # from gate_gemm_min_tokens tokens: cuBLAS's GEMM, then the packing pass
+    gemm = M >= twell_auto.PLANNER.knobs.gate_gemm_min_tokens
+    assert launched["twell_pack_kernel" if gemm else "twell_gate_fwd_kernel"] == 1, launched
     ref = TwELL.from_dense(torch.relu(x.double() @ w.double().t() + b.double()).to(dtype).cpu(), tile, compression)
     assert twell.overflowed().any() == ref.overflowed().any()
     for name in ("counts", "indices", "values"):  # unused slots too: (index 0, value 0), never the NaN poison

@@ -16,7 +16,7 @@ from sparsefuse import track_launches
 from sparsefuse.ffn import torch_twell_mlp, twell_gate, twell_mlp, twell_up_down
 from sparsefuse.ffn.synthetic import synthetic_ffn
 from sparsefuse.ffn.twell import auto as twell_auto
-from sparsefuse.ffn.twell.launch import GATE_GEMM_MIN_TOKENS
+from sparsefuse.ffn.twell.auto import PLANNER as TWELL_PLANNER
 from sparsefuse.ffn.twell.reference import threshold_in
 from sparsefuse.sparse.formats import TwELL
 from sparsefuse.testing import assert_close_to_reference
@@ -69,7 +69,7 @@ def check(y, x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, **gat
 
 def kernels_ran(launched, method: str, M: int) -> bool:
     if method == "twell":
-        gate = "twell_gate_fwd_kernel" if M < GATE_GEMM_MIN_TOKENS else "twell_pack_kernel"
+        gate = "twell_gate_fwd_kernel" if M < TWELL_PLANNER.knobs.gate_gemm_min_tokens else "twell_pack_kernel"
         return launched[gate] == 1 and launched["twell_up_down_fwd_kernel"] >= 1
     if method == "block":
         return launched["block_sddmm_kernel"] == 1 and launched["block_ell_matmul_kernel"] == 1
@@ -85,7 +85,7 @@ def kernels_ran(launched, method: str, M: int) -> bool:
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("activation", GATES)
 def test_gates_match_float64_reference(activation, method, dtype, device):
-    """Odd K and N, batches 1..33 (the fused gate kernel below GATE_GEMM_MIN_TOKENS tokens, cuBLAS's GEMM and the
+    """Odd K and N, batches 1..33 (the fused gate kernel below gate_gemm_min_tokens tokens, cuBLAS's GEMM and the
     packing pass from it), biases; random weights fire about half the gate, so most 16-column tiles overflow their
     4 slots, and in the 33-token batch one token fires every neuron and one none."""
     K, N = 37, 83
@@ -106,13 +106,11 @@ def test_gates_match_float64_reference(activation, method, dtype, device):
 
 
 @pytest.mark.parametrize("activation", ["fatrelu", "drelu"])
-def test_gates_on_synthetic_sparsity_and_heavy_tokens(activation, device, monkeypatch):
+def test_gates_on_synthetic_sparsity_and_heavy_tokens(activation, device, plan):
     """Realistic sparsity (stored entries, few overflowed tiles), and the heavy tokens' second launch (from 8 tokens
     here): both kernel-2 launches and the sorted row blocks (from 64 tokens under the interpreter)."""
-    from sparsefuse.ffn.twell import launch
 
-    monkeypatch.setattr(launch, "HEAVY_PASS_MIN_TOKENS", 8)
-    monkeypatch.setattr(launch, "HEAVY_SPLITS", 3)
+    plan(twell_mlp={"heavy_pass_min_tokens": 8, "heavy_splits": 3})
     ffn = synthetic_ffn(48, 100, dtype=torch.float32, device=device, seed=2)
     x = ffn.make_input(70, 12.0)
     x[3] *= 4.0  # a heavier token

@@ -1,4 +1,4 @@
-"""Heavy tokens of the TwELL up/down kernel: ordered first within the main launch, and from HEAVY_PASS_MIN_TOKENS
+"""Heavy tokens of the TwELL up/down kernel: ordered first within the main launch, and from heavy_pass_min_tokens
 tokens listed in token order and split over more programs by a second launch; overflowed tiles read from the gate
 GEMM's pre-activations. Interpreter: fp16/fp32."""
 
@@ -24,14 +24,12 @@ def test_heavy_first_order_is_a_permutation(device):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("cap_bytes", [64 << 20, 1])  # every heavy token split further; one only (cap 1)
-def test_heavy_tokens_split_by_a_second_launch(cap_bytes, dtype, device, monkeypatch):
-    """From HEAVY_PASS_MIN_TOKENS tokens the heavy ones (many entries or an overflowed tile) leave the main launch
+def test_heavy_tokens_split_by_a_second_launch(cap_bytes, dtype, device, plan):
+    """From heavy_pass_min_tokens tokens the heavy ones (many entries or an overflowed tile) leave the main launch
     for a second one that splits each over more programs; past the cap they stay in the main launch."""
     from sparsefuse.ffn.twell import launch
 
-    monkeypatch.setattr(launch, "HEAVY_PASS_MIN_TOKENS", 8)
-    monkeypatch.setattr(launch, "HEAVY_SPLITS", 3)
-    monkeypatch.setattr(launch, "HEAVY_PARTIAL_BYTES", cap_bytes)
+    plan(twell_mlp={"heavy_pass_min_tokens": 8, "heavy_splits": 3, "heavy_partial_bytes": cap_bytes})
     M, K, N, tile, compression = 21, 40, 70, 32, 4
     w_gate, w_up, w_down, b_gate, b_up, b_down = mlp_weights(K, N, dtype, device, bias=True)
     x = (torch.randn(M, K) * 0.5).to(device=device, dtype=dtype)
@@ -65,12 +63,12 @@ def test_heavy_tokens_split_by_a_second_launch(cap_bytes, dtype, device, monkeyp
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("gate", ["gemm", "fused"])
-def test_overflowed_tiles_read_from_the_gate_pre_activations(gate, dtype, device, monkeypatch):
+def test_overflowed_tiles_read_from_the_gate_pre_activations(gate, dtype, device, plan):
     """Where the gate runs as a GEMM and a packing pass, its dense pre-activations stay for the up/down kernel, whose
     overflowed tiles read them instead of a GEMV over the gate; the fused gate kernel keeps none (the GEMV)."""
     from sparsefuse.ffn.twell import launch
 
-    monkeypatch.setattr(launch, "GATE_GEMM_MIN_TOKENS", 1 if gate == "gemm" else 1 << 30)
+    plan(twell_mlp={"gate_gemm_min_tokens": 1 if gate == "gemm" else 1 << 30})
     M, K, N, tile, compression = 19, 40, 90, 32, 4  # tiles of 32, 32 and 26 columns, 8 slots each
     w_gate, w_up, w_down, b_gate, b_up, b_down = mlp_weights(K, N, dtype, device, bias=True)
     x = (torch.randn(M, K) * 0.5).to(device=device, dtype=dtype)
@@ -104,23 +102,26 @@ def test_overflowed_tiles_read_from_the_gate_pre_activations(gate, dtype, device
 
 
 @pytest.mark.parametrize("seed", range(16))
-def test_heavy_launch_and_gate_paths_fuzz(seed, device, monkeypatch):
+def test_heavy_launch_and_gate_paths_fuzz(seed, device, plan):
     """Seeded random batches through the heavy launch and both gate paths (the fused kernel, or a GEMM whose
     pre-activations the overflowed tiles read) at interpreter sizes: per-token firing from none to every column
     (tiles over their slots, whole rows firing), random split counts and list caps, biases or not; every output
     element of the gated and the non-gated block against the float64 reference."""
-    from sparsefuse.ffn.twell import launch
 
     g = torch.Generator().manual_seed(seed)
 
     def pick(options):
         return options[int(torch.randint(len(options), (), generator=g))]
 
-    monkeypatch.setattr(launch, "HEAVY_PASS_MIN_TOKENS", pick([1, 4, 16]))
-    monkeypatch.setattr(launch, "HEAVY_SPLITS", pick([1, 2, 3, 5]))
-    monkeypatch.setattr(launch, "HEAVY_SPLITS_TOKENS", pick([1, 8, 1024]))
-    monkeypatch.setattr(launch, "HEAVY_PARTIAL_BYTES", pick([1, 4096, 64 << 20]))
-    monkeypatch.setattr(launch, "GATE_GEMM_MIN_TOKENS", pick([1, 4, 1 << 30]))
+    plan(
+        twell_mlp={
+            "heavy_pass_min_tokens": pick([1, 4, 16]),
+            "heavy_splits": pick([1, 2, 3, 5]),
+            "heavy_splits_tokens": pick([1, 8, 1024]),
+            "heavy_partial_bytes": pick([1, 4096, 64 << 20]),
+            "gate_gemm_min_tokens": pick([1, 4, 1 << 30]),
+        }
+    )
     dtype = pick([torch.float32, torch.float16])
     M, K, N = int(torch.randint(1, 41, (), generator=g)), pick([8, 40, 72]), pick([16, 70, 130])
     tile, compression = pick([16, 32]), pick([2, 4, 8])
@@ -155,13 +156,14 @@ def test_heavy_launch_and_gate_paths_fuzz(seed, device, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_fused_gate_keeps_the_overflowed_tiles_pre_activations(dtype, device):
-    """Below GATE_GEMM_MIN_TOKENS the fused gate kernel writes the pre-activations of its overflowed (token, tile)
+    """Below gate_gemm_min_tokens the fused gate kernel writes the pre-activations of its overflowed (token, tile)
     pairs, and of nothing else (the buffer stays poisoned there), and the up/down kernel reads those instead of a
     GEMV over the gate: a token of many non-zeros among few no longer costs a serial GEMV per overflowed tile."""
-    from sparsefuse.ffn.twell.launch import GATE_GEMM_MIN_TOKENS, launch_gate
+    from sparsefuse.ffn.twell.auto import PLANNER
+    from sparsefuse.ffn.twell.launch import launch_gate
 
     M, K, N, tile, compression = 5, 40, 70, 32, 4
-    assert M < GATE_GEMM_MIN_TOKENS
+    assert M < PLANNER.knobs.gate_gemm_min_tokens
     w_gate, w_up, w_down, b_gate, b_up, b_down = mlp_weights(K, N, dtype, device, bias=True)
     x = (torch.randn(M, K) * 0.5).to(device=device, dtype=dtype)
     x[:, 0] = 2.0  # most tokens fire little ...

@@ -20,7 +20,7 @@ from sparsefuse.integrations._llama import fuse_norms, patch_llama  # noqa: E402
 
 
 def twell_launches(launched) -> tuple[int, int]:
-    """(gate launches -- the fused kernel or, from GATE_GEMM_MIN_TOKENS tokens, the packing pass after cuBLAS's
+    """(gate launches -- the fused kernel or, from gate_gemm_min_tokens tokens, the packing pass after cuBLAS's
     GEMM --, up/down launches)."""
     return launched["twell_gate_fwd_kernel"] + launched["twell_pack_kernel"], launched["twell_up_down_fwd_kernel"]
 

@@ -47,8 +47,8 @@ QUICK_GRID: dict[tuple[int, int], tuple[list[int], list[int]]] = {(2048, 5632): 
 TARGET_NNZ = 32  # the x used by the dense rows (their time does not depend on it)
 SKIP_TWELL_ABOVE = 8.0  # predicted twell / dense ratio above which the forced-twell row is left out
 # The skip's prediction leaves out auto's heavy-tail factor (which grows with the batch, and keeps auto off twell past
-# small batches): from HEAVY_PASS_MIN_TOKENS tokens the heavy tokens get their own launch, and the forced-twell rows
-# there are what shows how far it is from the best method.
+# small batches): from ``heavy_pass_min_tokens`` tokens (a twell_mlp knob) the heavy tokens get their own launch,
+# and the forced-twell rows there are what shows how far it is from the best method.
 _SKIP_MODEL = CostModel(tail_tokens=math.inf)
 
 

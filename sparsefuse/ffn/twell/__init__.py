@@ -8,7 +8,7 @@ Gated block (Llama-style, ``nn.Linear`` weight layouts, ``K`` = hidden size, ``N
 
 Two steps (inference, :mod:`.kernels`):
 
-1. The gate, as TwELL (see :class:`sparsefuse.sparse.TwELL`): from ``GATE_GEMM_MIN_TOKENS`` tokens cuBLAS's GEMM
+1. The gate, as TwELL (see :class:`sparsefuse.sparse.TwELL`): from ``gate_gemm_min_tokens`` tokens cuBLAS's GEMM
    ``x @ W_gate^T`` and ``twell_pack_kernel`` over its output; below, ``twell_gate_fwd_kernel``, a ``tl.dot`` tile
    of [BLOCK_M tokens, TILE columns] whose epilogue packs it (the dense gate never reaches memory, but the rank's
    scan on the tensor-core accumulator's layout is slow past small batches). Either way one program owns a whole
@@ -21,8 +21,8 @@ Two steps (inference, :mod:`.kernels`):
 Overflow is never silent: a (token, tile) with more non-zeros than its ``TILE / C`` slots is flagged by its count;
 kernel 2 skips that tile's stored entries and computes the whole tile: from the gate GEMM's pre-activation row (its
 [M, N] output, kept for the call), whose fired columns it walks like stored entries, or below
-``GATE_GEMM_MIN_TOKENS`` tokens recomputed from ``x`` and ``W_gate`` (a GEMV over TILE columns for that token
-only). The result is exact whatever the sparsity, with no host sync. From ``HEAVY_PASS_MIN_TOKENS`` tokens the heavy
+``gate_gemm_min_tokens`` tokens recomputed from ``x`` and ``W_gate`` (a GEMV over TILE columns for that token
+only). The result is exact whatever the sparsity, with no host sync. From ``heavy_pass_min_tokens`` tokens the heavy
 tokens (an overflowed tile, or many entries) are listed on the device and split over more programs by a second
 launch of kernel 2 (:mod:`.heavy_kernels`).
 

@@ -81,6 +81,24 @@ class CostModel(Knobs):
     # a cliff (12x dense at 2048 tokens), while block's worst case is ~1.5x dense.
     prior_firing: float = 1.0 / 64
     probe_tokens: int = 64  # tokens whose gate the estimate's probe computes densely
+    # How the "twell" method runs its launches (read by launch.py):
+    # From this many tokens the gate is cuBLAS's GEMM and a packing pass (twell_pack_kernel) instead of the fused
+    # kernel, whose packing epilogue runs on the tensor-core accumulator's register layout (a scan along each tile
+    # row costs several layout conversions through shared memory there): H200, bf16, 1.5B layer, the fused kernel
+    # took 31 / 174 / 623 us at 256 / 2048 / 8192 tokens against cuBLAS's 11 / 62 / 241 for the GEMM alone (the GEMM
+    # and packing pass: 16 / 86 / 354). Its dense pre-activations also stay for the up/down kernel, whose overflowed
+    # tiles read them instead of a GEMV over the gate (16 tokens of ~512 non-zeros: 184 -> 72 us). Below 16 tokens
+    # the fused kernel (one launch, 64-column tiles) is ~1 us faster where nothing overflows, the common decode case.
+    gate_gemm_min_tokens: int = 16
+    # From this many tokens the heaviest are taken out of the main launch (up to a cap) and split over
+    # ``heavy_splits`` programs each by a second launch: a token's entries and its overflowed tiles (each a whole
+    # tile's columns) are otherwise walked by its own one or two programs, and the heaviest sets the launch's length
+    # (H200, 1.5B layer, heavy tail: 2048 tokens of mean 32 non-zeros, 20 overflowed tiles recomputed by GEMVs, took
+    # 10x the dense block).
+    heavy_pass_min_tokens: int = 128
+    heavy_splits: int = 16  # programs per heavy token, up to heavy_splits_tokens tokens; fewer past it, down to 4
+    heavy_splits_tokens: int = 1024
+    heavy_partial_bytes: int = 64 << 20  # the heavy launch's fp32 partials [tokens, splits, K], at most
 
 
 def _matmul_s(M: int, K: int, N: int, elem: int, fp32: bool, cm: CostModel) -> float:

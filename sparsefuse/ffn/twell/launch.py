@@ -13,6 +13,7 @@ import triton
 from ... import _backend
 from ..._backend import Backend, backend_for, cdiv, new_output, next_power_of_2, record_launch, sm_count
 from ..._plan import device_scalar, sampled_nonzero_stats
+from ..._plan.config import current as current_config
 from ..._triton.dot import ieee_fp32
 from ...sparse.formats import ELL, TwELL
 from ...sparse.spmm import sparse_matmul
@@ -72,14 +73,6 @@ _twell_gate_kernel = triton.autotune(
 )(twell_gate_fwd_kernel)
 
 
-# From this many tokens the gate is cuBLAS's GEMM and a packing pass (twell_pack_kernel) instead of the fused kernel,
-# whose packing epilogue runs on the tensor-core accumulator's register layout (a scan along each tile row costs
-# several layout conversions through shared memory there): H200, bf16, 1.5B layer, the fused kernel took 31 / 174 /
-# 623 us at 256 / 2048 / 8192 tokens against cuBLAS's 11 / 62 / 241 for the GEMM alone (the GEMM and packing pass:
-# 16 / 86 / 354). Its dense pre-activations also stay for the up/down kernel, whose overflowed tiles read them
-# instead of a GEMV over the gate (16 tokens of ~512 non-zeros: 184 -> 72 us). Below 16 tokens the fused kernel
-# (one launch, 64-column tiles) is ~1 us faster where nothing overflows, the common decode case.
-GATE_GEMM_MIN_TOKENS = 16
 # tokens per packing program, and its warps (H200: the fastest of 8-64 tokens x 2-8 warps at 256-8192 tokens)
 PACK_BLOCK_M = 8
 PACK_WARPS = 4
@@ -92,14 +85,10 @@ def auto_tile(M: int, N: int, compression: int) -> int:
     return max(tile, next_power_of_2(compression))
 
 
-# From this many tokens the heaviest are taken out of the main launch (up to a cap) and split over HEAVY_SPLITS
-# programs each by a second launch: a token's entries and its overflowed tiles (each a whole tile's columns) are
-# otherwise walked by its own one or two programs, and the heaviest sets the launch's length (H200, 1.5B layer,
-# heavy tail: 2048 tokens of mean 32 non-zeros, 20 overflowed tiles recomputed by GEMVs, took 10x the dense block).
-HEAVY_PASS_MIN_TOKENS = 128
-HEAVY_SPLITS = 16  # programs per heavy token, up to HEAVY_SPLITS_TOKENS tokens; fewer past it, down to 4
-HEAVY_SPLITS_TOKENS = 1024
-HEAVY_PARTIAL_BYTES = 64 << 20  # the heavy launch's fp32 partials [tokens, splits, K], at most
+def _knobs():
+    """twell_mlp's knobs in force (:class:`.auto.CostModel`: the gate's and the heavy pass's thresholds too)."""
+    return current_config().knobs("twell_mlp")
+
 
 
 def _output_block(M: int, K: int, device: torch.device) -> int:
@@ -168,7 +157,8 @@ def _heavy_splits(M: int, n_tiles: int) -> int:
     """Programs per heavy token in the heavy launch: many where the batch is small (a heavy token would set the
     launch's length), fewer as the batch grows and the other tokens fill the GPU; more splits also mean fewer
     tokens fit the partials' budget."""
-    return max(1, min(n_tiles, HEAVY_SPLITS, max(4, HEAVY_SPLITS * HEAVY_SPLITS_TOKENS // M)))
+    k = _knobs()
+    return max(1, min(n_tiles, k.heavy_splits, max(4, k.heavy_splits * k.heavy_splits_tokens // M)))
 
 
 def heavy_tokens(
@@ -228,7 +218,7 @@ def launch_gate(
     ``relu(x2 w^T + b)`` (with a ``threshold`` > 0, FATReLU: the entries > threshold, unshifted); w [N, K] any
     strides. Fourth: the pre-activations ``x2 w^T + b`` [M, N] for the second
     kernel's overflowed tiles: all of them where the gate ran as cuBLAS's GEMM and a packing pass (from
-    GATE_GEMM_MIN_TOKENS tokens); below that, with ``keep_pre``, those of the overflowed tiles only (the fused
+    ``gate_gemm_min_tokens`` tokens); below that, with ``keep_pre``, those of the overflowed tiles only (the fused
     kernel writes nothing else there); else None."""
     M, K = x2.shape
     N = w.shape[0]
@@ -244,7 +234,7 @@ def launch_gate(
     counts = torch.empty(M, n_tiles, dtype=torch.int32, device=x2.device)
     if M == 0:
         return values, indices, counts, None
-    if M >= GATE_GEMM_MIN_TOKENS:
+    if M >= _knobs().gate_gemm_min_tokens:
         pre = F.linear(x2, w, b)  # [M, N]: cuBLAS's GEMM, then a packing pass over it
         block_m = 16 if _backend.INTERPRET else PACK_BLOCK_M
         twell_pack_kernel[(cdiv(M, block_m) * n_tiles,)](
@@ -322,14 +312,14 @@ def launch_up_down(
         return y.copy_(F.linear(h, w_down_t.t().to(compute), _opt(b_down, compute)))
     n_tiles, slots = cdiv(N, tile), tile // compression
     plan = _up_down_plan(M, K, n_tiles, x2.device)
-    heavy_pass = M >= HEAVY_PASS_MIN_TOKENS
+    heavy_pass = M >= _knobs().heavy_pass_min_tokens
     order = heavy_first_order(counts, slots, plan.block_j) if plan.ordered else counts
     operands = (values, indices, counts, order, x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, y)
     options = dict(tile=tile, slots=slots, n_tiles=n_tiles, plan=plan, **_pre_args(pre))
     options.update(threshold=threshold_in(torch.float32, threshold), UP_RELU=activation == "drelu")
     if heavy_pass:
         splits = _heavy_splits(M, n_tiles)
-        cap = min(M, max(1, HEAVY_PARTIAL_BYTES // (splits * K * 4)))
+        cap = min(M, max(1, _knobs().heavy_partial_bytes // (splits * K * 4)))
         heavy_rows, heavy_count, taken = heavy_tokens(counts, slots, plan.block_j, cap)
         heavy = dict(heavy_count_ptr=heavy_count, heavy_rows_ptr=heavy_rows, taken_ptr=taken)
         _launch_up_down_kernel(*operands, M, plan.n_splits, **options, ordered=plan.ordered, **heavy, SKIP_HEAVY=True)
