@@ -99,7 +99,9 @@ def test_patched_and_unpatched_compute_the_same_logits(tiny, monkeypatch, method
     pairs: list[workload._ModelPair] = []
     make_pair = workload._ModelPair
     monkeypatch.setattr(
-        workload, "_ModelPair", lambda build, text=None, liger=False: pairs.append(make_pair(build, text, liger)) or pairs[-1]
+        workload,
+        "_ModelPair",
+        lambda build, text=None, liger=False: pairs.append(make_pair(build, text, liger)) or pairs[-1],
     )
     cases = harness.WORKLOADS["model"](Options(quick=True, device=str(device), dtypes=(torch.float32,)))
     assert len(cases) == 9 and all(c.dtype == torch.float32 for c in cases)
