@@ -90,7 +90,6 @@ def _knobs():
     return current_config().knobs("twell_mlp")
 
 
-
 def _output_block(M: int, K: int, device: torch.device) -> int:
     """Output slice per program of the overflow kernel: the whole row (weight rows read once per token) unless the
     batch is too small to fill the GPU, then split so that there are >= 2 programs per SM."""
