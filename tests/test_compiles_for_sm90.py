@@ -253,15 +253,15 @@ def _exercise_ops(dtype: torch.dtype, ffn: bool) -> None:
         leaves = [t.detach().clone().requires_grad_() for t in (xf, w_up, w_down)]
         out = hybrid_relu_mlp(*leaves, b_up=r(N, grad=True), layout=layout)
         (out.y.float().sum() + out.l1).backward()
-    for layout in ("block", "dense"):  # the L1 term on h
-        leaves = [t.detach().clone().requires_grad_() for t in (xf, w_gate, w_up, w_down)]
-        out = hybrid_mlp(*leaves, b_gate=r(N, grad=True), layout=layout, l1_on="hidden")
-        (out.y.float().sum() + out.l1).backward()
     # one row block: no schedule launch, so the pack sums its own offsets
     leaves = [t.detach().clone().requires_grad_() for t in (xf[:8], w_gate, w_up, w_down)]
     out = hybrid_mlp(*leaves, layout="block")
     (out.y.float().sum() + out.l1).backward()
-    # FATReLU and dReLU gates: the block step's passes on the unions, the dense passes' gate variants
+    # FATReLU and dReLU gates: the block step's passes on the unions, the dense passes' gate variants, and the L1
+    # term on h (with dReLU); 16-bit only -- elementwise passes over the unions, whose fp32 specialisations differ
+    # only in their loads' and stores' types
+    if dtype != torch.float16:
+        return
     for layout in ("block", "dense"):
         for activation, threshold, l1_on in (("fatrelu", 0.1, "gate"), ("drelu", 0.0, "hidden")):
             leaves = [t.detach().clone().requires_grad_() for t in (xf, w_gate, w_up, w_down)]
