@@ -214,6 +214,14 @@ class Planner:
             )
         return method
 
+    def kept_pick(self, weight: torch.Tensor, question: Any, eager: bool) -> str | None:
+        """The pick for ``question`` at the estimate already kept for ``weight`` (None before one exists), without
+        observing anything: a dictionary lookup and the memo, for a caller's host path that skips the op."""
+        monitor = self.estimates.monitor(weight)
+        if monitor is None or monitor.per_row is None:
+            return None
+        return self.pick(question, self.rounded(self.from_per_row(monitor.per_row)), eager)
+
     def estimate(
         self,
         question: Any,

@@ -216,11 +216,9 @@ def probe_stats(
 def eager_runs_dense(w_gate: torch.Tensor, M: int, dtype: torch.dtype) -> bool | None:
     """Whether an eager CUDA call of M tokens on this gate weight would run dense by its current estimate (None
     when none exists yet): a dictionary lookup, for callers that can then skip the functional API's checks."""
-    monitor = ESTIMATES.monitor(w_gate)
-    if monitor is None or monitor.mean_nnz is None:
-        return None
     N, K = w_gate.shape
-    return auto_method(M, K, N, monitor.mean_nnz, dtype, True) == "dense"
+    pick = PLANNER.kept_pick(w_gate, (M, K, N, dtype), eager=True)
+    return None if pick is None else pick == "dense"
 
 
 def resolve_method(
