@@ -3,7 +3,7 @@
 execution contexts, memoisation, warm-up and :func:`explain` (:mod:`.planner`). An op declares its variants in its
 own ``auto.py``; nothing else in the package picks a method."""
 
-from .config import Knobs, PlanConfig, planning
+from .config import KnobGroup, Knobs, PlanConfig, planning
 from .estimates import (
     EstimateCache,
     SparsityMonitor,
@@ -29,6 +29,7 @@ __all__ = [
     "AUTO",
     "EstimateCache",
     "Explanation",
+    "KnobGroup",
     "Knobs",
     "PlanConfig",
     "Planner",
