@@ -75,7 +75,10 @@ def test_planning_changes_knobs_for_a_block_only_and_names_what_exists():
         assert config.knobs("twell_mlp").margin == 0.5 and config.context == "eager"
         assert twell_auto.PLANNER.knobs.margin == 0.5
     assert twell_auto.PLANNER.knobs.margin == before.knobs("twell_mlp").margin and plan_config.current().context is None
-    with pytest.raises(ValueError, match="nothing named 'nope' has knobs; knob groups: .*sparse_decode, twell_mlp"):
+    with planning(sparse_core={"max_grid_y": 3}) as config:  # a launcher's group, not a method choice
+        assert config.knobs("sparse_core").max_grid_y == 3
+    assert plan_config.current().knobs("sparse_core").max_grid_y == 65535
+    with pytest.raises(ValueError, match="nothing named 'nope' has knobs; knob groups: .*sparse_core, sparse_decode"):
         with planning(nope={}):
             pass
     with pytest.raises(ValueError, match="sparse_decode has no knob among \\['wdith'\\].*width_per_l0"):

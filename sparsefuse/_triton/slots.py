@@ -6,16 +6,15 @@ import torch
 import triton
 import triton.language as tl
 
-# Element offsets below this fit in int32. A kernel whose every offset does takes 32-bit arithmetic for them: a
-# [64, 128] tile's offsets then hold 32 registers a thread instead of 64, which keeps a tensor-core epilogue from
-# spilling.
-OFFSETS_32_LIMIT = 2**31
+from .limits import limits
 
 
 def offsets_fit_32(*tensors: torch.Tensor) -> bool:
     """Whether every element offset of these tensors (each with a unit last stride, read as rows of ``stride(0)``)
-    is below :data:`OFFSETS_32_LIMIT`: the ``OFFSETS_32`` constexpr of the kernels that gather their rows."""
-    return all(t.shape[0] * t.stride(0) < OFFSETS_32_LIMIT for t in tensors if t.dim() > 0)
+    is below the knob ``offsets_32_limit`` (:class:`.limits.SparseCoreLimits`: 2**31): the ``OFFSETS_32``
+    constexpr of the kernels that gather their rows."""
+    limit = limits().offsets_32_limit
+    return all(t.shape[0] * t.stride(0) < limit for t in tensors if t.dim() > 0)
 
 
 @triton.jit
@@ -40,7 +39,7 @@ def block_slots(
     the union's columns there [BLOCK_C] (0 where masked; loaded only with ``LOAD_COLS``, else p); the rows within the
     block [BLOCK_ROWS], their matrix rows (through ``order`` with ``HAS_ORDER``, else the slot rows) and which exist;
     the [BLOCK_ROWS, BLOCK_C] mask and each slot's offset in the [M, width] arrays, int64 (int32 with ``OFFSETS_32``,
-    for a caller that checked M * width against :data:`OFFSETS_32_LIMIT`). Loads happen only where
+    for a caller that checked M * width with :func:`offsets_fit_32`). Loads happen only where
     the flags ask, so a kernel that needs neither columns nor rows (or needs them on one branch only) reads nothing
     here."""
     p = chunk * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C]

@@ -21,7 +21,8 @@ from .. import _backend
 from .._backend import Backend, backend_for, cdiv, new_output, record_launch
 from .._jit import kernel
 from .._triton.dot import dot_accumulate, gathered_rows_dot, ieee_fp32
-from .._triton.slots import OFFSETS_32_LIMIT, block_slots, offsets_fit_32
+from .._triton.limits import limits
+from .._triton.slots import block_slots, offsets_fit_32
 from .._validation import check_out, unit_last_stride
 from .block_spmm import heavy_first_schedule
 from .formats import BlockCSC, BlockELL
@@ -260,8 +261,8 @@ def _column_prefix_sums(table: torch.Tensor, src: torch.Tensor, row_zero: bool) 
 
 
 def _index_dtype(largest: int) -> torch.dtype:
-    """int32 for indices below ``largest`` where it fits, else int64."""
-    return torch.int32 if largest < OFFSETS_32_LIMIT else torch.int64
+    """int32 for indices below ``largest`` where it fits (below 2**31), else int64."""
+    return torch.int32 if largest < 2**31 else torch.int64
 
 
 def block_ell_transpose(
@@ -484,7 +485,6 @@ def _entry_rows(rows_ptr, order_ptr, e, flat, last, width, HAS_ROWS: tl.constexp
 # 64 or 128 features, 8 or 32 columns a group, 2 or 4 stages, or a register cap were 7-60% slower. Two products
 # (the non-gated step's dW and dW_d) run best at 2 stages (725 us at 8B, 321 at 1.5B), one at 3 (371 and 165 us).
 TRANSPOSED_CONFIG = {1: (16, 32, 256, 8, 3, None), 2: (16, 32, 256, 8, 2, None), 3: (16, 32, 256, 8, 3, None)}
-TRANSPOSED_SCHEDULED_GROUPS = 8192  # column groups up to which they are launched heaviest first
 
 
 def transposed_matmul(
@@ -549,10 +549,11 @@ def transposed_matmul(
     # Column groups are launched by decreasing entry count (longest first: hot neurons' groups hold 4-5x the mean
     # entries), and a group's feature blocks side by side, so that the rows they gather are read whole while
     # they are in L2: 1.43x on a 1.5B model layer's entries (H200), order-only, the sums unchanged.
-    # The order costs one launch comparing every group with every other: past TRANSPOSED_SCHEDULED_GROUPS groups
-    # (N > 131072) the grid is long enough for its tail not to matter, and the natural order is taken.
+    # The order costs one launch comparing every group with every other: past the knob transposed_scheduled_groups
+    # (8192 groups: N > 131072) the grid is long enough for its tail not to matter, and the natural order is taken.
     n_groups = cdiv(N, block_n)
-    schedule = heavy_first_schedule(csc.offsets, group=block_n) if n_groups <= TRANSPOSED_SCHEDULED_GROUPS else None
+    scheduled = n_groups <= limits().transposed_scheduled_groups
+    schedule = heavy_first_schedule(csc.offsets, group=block_n) if scheduled else None
     transposed_matmul_kernel[(n_groups * cdiv(D, block_d),)](
         csc.src,
         csc.offsets,

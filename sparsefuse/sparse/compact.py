@@ -28,11 +28,9 @@ import triton.language as tl
 from .. import _backend
 from .._backend import Backend, backend_for, cdiv, new_output, next_power_of_2, record_launch, sm_count
 from .._jit import kernel
+from .._triton.limits import limits
 from .._validation import check_dense, check_rows, check_twell_geometry, unit_last_stride
 from .formats import CSR, ELL, IN_ELL, SPILLED, Hybrid, RowBlockPattern
-
-MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension; row_bits_kernel's programs loop past it
-MANY_ROWS_PER_SM = 8  # rows per SM from which the compaction walks its rows' words in small blocks
 
 
 @triton.jit
@@ -148,7 +146,7 @@ def _bits_to_sparse(
     M, n_words = bits.shape
     if _backend.INTERPRET:
         block_w, warps = 8, 4
-    elif mode != _MODE_CSR.value and M >= MANY_ROWS_PER_SM * sm_count(bits.device):
+    elif mode != _MODE_CSR.value and M >= limits().many_rows_per_sm * sm_count(bits.device):
         # Many waves: the walk is bound by its instructions (each round of set bits runs over every word of the
         # block, and at SAE sparsity nearly all words are zero), so small blocks of one warp: at 4096 rows of 2048
         # words, 31 us against 52 with 1024 words and 4 warps and a load per round (H200). Not for CSR, which places
@@ -303,7 +301,7 @@ def _row_bits(dense: torch.Tensor, relu: bool) -> torch.Tensor:
     rows, block_c = (2, 64) if _backend.INTERPRET else (8, 512)  # 4 warps (measured on an H200)
     block_c = min(block_c, max(32, next_power_of_2(N)))
     bits = new_output((M, n_words), torch.int32, dense.device)  # poisoned under test
-    row_bits_kernel[(cdiv(N, block_c), min(cdiv(M, rows), MAX_GRID_Y))](
+    row_bits_kernel[(cdiv(N, block_c), min(cdiv(M, rows), limits().max_grid_y))](
         dense, bits, M, N, n_words, dense.stride(0), ROWS=rows, BLOCK_C=block_c, RELU=relu, num_warps=4
     )
     record_launch("row_bits_kernel")

@@ -39,6 +39,7 @@ import triton.language as tl
 from .. import _backend
 from .._backend import cdiv, next_power_of_2, sm_count
 from .._triton.gather import accumulate_nonzeros, accumulate_rows, load_rows, sum_split_partials
+from .._triton.limits import limits
 from .dense_units import DENSE_UNIT_ROWS, dense_tiles
 
 # The row formats the gather kernel reads (a constexpr of its launches).
@@ -85,11 +86,6 @@ SPREAD_PARTIAL_BYTES = 16 << 20  # the sub-splits' fp32 partial buffer, at most
 # about twice an SAE token's typical L0). So one token of 500 features among 256 (log-normal L0) is spread like
 # an overflowed one instead of holding the launch for 30 steps.
 ONE_WAVE_LONG_ENTRIES = 128
-# One-warp gather programs resident per SM, about: the ELL/CSR gather at 128-256 columns takes 64-70 registers a
-# thread (sm_90, Triton 3.6), so 28 fit an SM's registers (sm_90 allows 32 blocks). At 512 fp32 columns it takes
-# 114 (17 fit), but those blocks are used only where rows x blocks pass 8 programs per SM, and launches of 17-28
-# programs per SM (fp32, D=768: ~1100-1800 rows) are taken for one wave though they run in two: left approximate.
-ONE_WAVE_PROGRAMS_PER_SM = 28
 
 
 def long_row_threshold(columns: int) -> int:
@@ -99,9 +95,10 @@ def long_row_threshold(columns: int) -> int:
 
 def stored_row_threshold(columns: int, programs: int, device: torch.device) -> int:
     """Stored entries past which a row of ``columns`` columns is long in a launch of ``programs`` programs: also
-    past ONE_WAVE_LONG_ENTRIES where those programs fit one wave."""
+    past ONE_WAVE_LONG_ENTRIES where those programs fit one wave (the knob ``one_wave_programs_per_sm`` of
+    :class:`~sparsefuse._triton.limits.SparseCoreLimits` per SM)."""
     threshold = long_row_threshold(columns)
-    if programs <= ONE_WAVE_PROGRAMS_PER_SM * sm_count(device, interpreted=2):
+    if programs <= limits().one_wave_programs_per_sm * sm_count(device, interpreted=2):
         threshold = min(threshold, ONE_WAVE_LONG_ENTRIES)
     return threshold
 

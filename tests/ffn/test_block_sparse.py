@@ -16,7 +16,6 @@ from sparsefuse.sparse import (
     RowBlockPattern,
     block_sddmm,
     block_sparse_matmul,
-    compact,
     dense_to_row_block_pattern,
     torch_block_sddmm,
 )
@@ -94,11 +93,11 @@ def test_count_order_matches_reference(M, group, sample, relu, device):
         assert bool((counts[:-1] * 4 >= counts[1:] * 3 - 3).all())  # decreasing up to a quarter octave
 
 
-def test_row_bits_programs_loop_past_the_grid_limit(monkeypatch, device):
-    # Past MAX_GRID_Y row chunks each bits program takes several; shrink the limit so a small batch exercises that.
+def test_row_bits_programs_loop_past_the_grid_limit(plan, device):
+    # Past max_grid_y row chunks each bits program takes several; shrink the limit so a small batch exercises that.
     pre = sparse_pre(53, 70, device)
     ref = dense_to_row_block_pattern(pre, 32, 16, relu=True, sort_rows=True)
-    monkeypatch.setattr(compact, "MAX_GRID_Y", 3)
+    plan(sparse_core={"max_grid_y": 3})
     looped = dense_to_row_block_pattern(pre, 32, 16, relu=True, sort_rows=True)
     assert_backend(pre)
     assert torch.equal(looped.row_order, ref.row_order) and torch.equal(looped.counts, ref.counts)

@@ -116,18 +116,16 @@ def test_backward_products_match_float64(dtype, sort_rows, device):
     _check(40, 24, 100, dtype, device, sort_rows)  # N past a whole tile, M past whole blocks
 
 
-def test_weight_gradients_do_not_depend_on_the_launch_order(device, monkeypatch):
-    # past TRANSPOSED_SCHEDULED_GROUPS column groups the groups launch in their natural order: the same sums, bit
+def test_weight_gradients_do_not_depend_on_the_launch_order(device, plan):
+    # past transposed_scheduled_groups column groups the groups launch in their natural order: the same sums, bit
     # for bit (each column's terms are added in one fixed order either way), and no schedule launch
-    from sparsefuse.sparse import block_grad
-
     x, wu, wd, bias, pre, f = _factors(40, 24, 100, torch.float32, device, True)
     csc = block_ell_transpose(f.gate, f.column_counts)
     args = (csc, x, f.gate.values, f.up.values)
     with track_launches() as launched:
         scheduled, sums = transposed_matmul(*args, mode="two", bias=True)
     assert launched["heavy_first_schedule_kernel"] == 1
-    monkeypatch.setattr(block_grad, "TRANSPOSED_SCHEDULED_GROUPS", 0)
+    plan(sparse_core={"transposed_scheduled_groups": 0})
     with track_launches() as launched:
         natural, natural_sums = transposed_matmul(*args, mode="two", bias=True)
     assert launched["heavy_first_schedule_kernel"] == 0 and launched["transposed_matmul_kernel"] == 1
@@ -136,12 +134,10 @@ def test_weight_gradients_do_not_depend_on_the_launch_order(device, monkeypatch)
 
 
 @pytest.mark.parametrize("K", [24, 64])  # features past the interpreter's 32-wide tile: ragged, and whole tiles
-def test_weight_gradients_take_every_row_path(K, device, monkeypatch):
+def test_weight_gradients_take_every_row_path(K, device, plan):
     """The transposed products gather each entry's row from the transposition's stored matrix rows; a BlockCSC
     without them finds the row through the row order, and past 2**31 element offsets the gathers use 64-bit
     offsets: the same sums bit for bit (the same terms in the same order)."""
-    from sparsefuse._triton import slots
-
     x, wu, wd, bias, pre, f = _factors(40, K, 100, torch.float32, device, True)
     csc = block_ell_transpose(f.gate, f.column_counts)
     nnz = int(csc.offsets[-1])
@@ -153,18 +149,17 @@ def test_weight_gradients_take_every_row_path(K, device, monkeypatch):
     looked_up, looked_up_sums = transposed_matmul(
         dataclasses.replace(csc, rows=None), x, f.gate.values, f.up.values, **kwargs
     )
-    monkeypatch.setattr(slots, "OFFSETS_32_LIMIT", 0)
+    plan(sparse_core={"offsets_32_limit": 0})
     wide, wide_sums = transposed_matmul(csc, x, f.gate.values, f.up.values, **kwargs)
     for got, sums in ((looked_up, looked_up_sums), (wide, wide_sums)):
         for a, b in zip((*want, *want_sums), (*got, *sums)):
             assert torch.equal(a, b)
 
 
-def test_sampled_products_take_both_offset_widths(device, monkeypatch):
+def test_sampled_products_take_both_offset_widths(device, plan):
     """The sampled products (the forward's up product with its statistics, the backward's dh with the chain rule)
     use 32-bit element offsets while every offset fits and 64-bit ones past 2**31: the same values bit for bit on
     every slot a block lists, and the same statistics."""
-    from sparsefuse._triton import slots
 
     def run():
         x, wu, wd, bias, pre, f = _factors(40, 40, 100, torch.float32, device, True)
@@ -175,7 +170,7 @@ def test_sampled_products_take_both_offset_widths(device, monkeypatch):
         return f, (f.product.values, f.gate.values, f.up.values, d_up, d_gate)
 
     narrow, narrow_values = run()
-    monkeypatch.setattr(slots, "OFFSETS_32_LIMIT", 0)
+    plan(sparse_core={"offsets_32_limit": 0})
     with track_launches() as launched:
         wide, wide_values = run()
     assert launched["block_sddmm_kernel"] == 1 and launched["block_ell_sddmm_kernel"] == 1

@@ -123,13 +123,13 @@ def test_long_rows_of_one_list_take_sub_splits_by_their_entries(fmt, device, lis
 
 @pytest.mark.parametrize("one_wave, threshold, n_long", [(True, 128, 2), (False, 200, 0)])
 def test_stored_rows_past_128_entries_are_long_where_the_launch_is_one_wave(
-    one_wave, threshold, n_long, device, listed, monkeypatch
+    one_wave, threshold, n_long, device, listed, plan
 ):
     """At 12800 columns a stored row is long from 200 entries (1 in 64); where the launch's programs all fit one
     wave (4 rows) it is long past 128 entries too: a 180-entry token among short ones is spread instead of holding
     the whole launch. One wave is taken as 4 programs per SM here (the GPU's 28 would make the other case ~60 rows,
     a minute under the interpreter): two rows more than that are not one wave."""
-    monkeypatch.setattr(long_rows, "ONE_WAVE_PROGRAMS_PER_SM", 4)
+    plan(sparse_core={"one_wave_programs_per_sm": 4})
     m = 4 if one_wave else 4 * sm_count(torch.device(device), interpreted=2) + 2
     a = sparse_rows(m, 12800, [180, 3, 150, 40], device=device)
     w = torch.randn(12800, 24, device=device) / 8

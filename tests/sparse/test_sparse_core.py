@@ -56,12 +56,10 @@ def test_compaction_of_wide_rows_placed_by_many_programs(device):
 
 
 @pytest.mark.parametrize("rows_per_sm", [0, 10**9], ids=["small-blocks", "wide-blocks"])
-def test_compaction_block_sizes_place_the_same_entries(rows_per_sm, device, monkeypatch):
+def test_compaction_block_sizes_place_the_same_entries(rows_per_sm, device, plan):
     """The compaction walks words in small blocks of one warp once rows fill many waves, else in wide blocks: both
     place every entry (on a GPU; the interpreter runs one small block size)."""
-    from sparsefuse.sparse import compact
-
-    monkeypatch.setattr(compact, "MANY_ROWS_PER_SM", rows_per_sm)
+    plan(sparse_core={"many_rows_per_sm": rows_per_sm})
     dense = sparse_rows(4, 5000, [0, 40, 300, 5000], device=device)
     ell, csr = dense_to_ell(dense, width=64), dense_to_csr(dense)
     ref_ell = ELL.from_dense(dense, 64)

@@ -64,7 +64,8 @@ import torch
 
 from ..._backend import cdiv, dram_bandwidth, next_power_of_2, sm_count
 from ..._plan import EstimateCache, Knobs, Planner, Variant, call_context, decided, observable, sampled_row_stats
-from ...sparse.long_rows import ONE_WAVE_LONG_ENTRIES, ONE_WAVE_PROGRAMS_PER_SM, long_row_threshold
+from ..._triton.limits import limits
+from ...sparse.long_rows import ONE_WAVE_LONG_ENTRIES, long_row_threshold
 from ...sparse.scan import scan_splits, splits_by_atomics
 from ...sparse.spmm import SCAN_BLOCK_F, gather_block_d, scan_block_d
 
@@ -205,10 +206,15 @@ def _predicted_seconds(
     long_share: float = 0.0,
     long_l0: float = 0.0,
     sms: int = REFERENCE_SMS,
+    one_wave_programs_per_sm: int | None = None,
 ) -> dict[str, float]:
     """The cost model (see module docstring): predicted seconds per method on a device of DRAM ``bandwidth``
     (bytes/s) and ``sms`` SMs. ``mean_l0``, ``cv``: of the ordinary tokens; ``long_share``, ``long_l0``: the long
-    tokens' share of the sampled rows and their mean L0 (see :class:`L0Estimate`)."""
+    tokens' share of the sampled rows and their mean L0 (see :class:`L0Estimate`). ``one_wave_programs_per_sm``:
+    the gather programs per SM a launch of one wave holds, as the launcher reads it (default: the sparse core's knob
+    in force, :class:`~sparsefuse._triton.limits.SparseCoreLimits`)."""
+    if one_wave_programs_per_sm is None:
+        one_wave_programs_per_sm = limits().one_wave_programs_per_sm
     e_a, e_w = acts_dtype.itemsize, w_dtype.itemsize
     scale = bandwidth / REFERENCE_BANDWIDTH
     n_long = _long_rows_in_batch(M, long_share) if long_share > 0 else 0.0
@@ -235,7 +241,7 @@ def _predicted_seconds(
         mean_l0 / 16 * _FIXED_GATHER_STEP_S + math.ceil(d_sae / 32768) * _FIXED_WORDS_CHUNK_S,
     )
     fixed += n_long * long_l0 * d_model * e_w / _FIXED_LONG_RATE.get(e_a, 2.5e12)
-    if M * cdiv(d_model, gather_block_d(M, d_model, sms, e_w)) <= ONE_WAVE_PROGRAMS_PER_SM * sms:
+    if M * cdiv(d_model, gather_block_d(M, d_model, sms, e_w)) <= one_wave_programs_per_sm * sms:
         # one wave: the gather lasts as long as its longest row, and rows past ONE_WAVE_LONG_ENTRIES entries are
         # spread by a second launch -- a cost paid once any row gets there, then a little more per row
         over = ordinary * _share_above(ONE_WAVE_LONG_ENTRIES, mean_l0, cv)
@@ -258,17 +264,20 @@ def _question(
 
 
 @functools.lru_cache(maxsize=1024)
-def _predicted_for(question: tuple, l0: L0Estimate) -> dict[str, float]:
-    # the three variants share one evaluation of the model (``deterministic``, read by it, is in the question)
+def _predicted_for(question: tuple, l0: L0Estimate, one_wave_programs_per_sm: int) -> dict[str, float]:
+    # the three variants share one evaluation of the model (``deterministic``, read by it, is in the question; the
+    # sparse core's knob it reads is an argument, so that a change of it is not answered from the cache)
     M, d_sae, d_model, acts_dtype, w_dtype, bandwidth, sms, _ = question
     return _predicted_seconds(
         M, d_sae, d_model, l0.mean, acts_dtype, w_dtype, bandwidth, cv=l0.cv, long_share=l0.long_share,
-        long_l0=l0.long_l0, sms=sms,
+        long_l0=l0.long_l0, sms=sms, one_wave_programs_per_sm=one_wave_programs_per_sm,
     )  # fmt: skip
 
 
 def _variant(name: str) -> Variant:
-    return Variant(name, lambda question, l0, knobs: _predicted_for(question, l0)[name])
+    return Variant(
+        name, lambda question, l0, knobs: _predicted_for(question, l0, limits().one_wave_programs_per_sm)[name]
+    )
 
 
 def _small_dictionary(question: tuple, knobs: DecodeKnobs) -> tuple[str, str] | None:
