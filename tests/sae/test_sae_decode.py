@@ -170,13 +170,13 @@ def test_topk_decode_gradients_match_the_dense_products(M, k, F, D, hot, dtype, 
 
 @pytest.mark.parametrize("picked_rows", [True, False])
 @pytest.mark.parametrize("M, k, F, D, hot", [(9, 6, 400, 40, (3,)), (1, 1, 64, 8, ()), (0, 3, 64, 8, ())])
-def test_topk_weight_gradient_by_picked_rows_and_by_all_rows(M, k, F, D, hot, picked_rows, device, monkeypatch):
+def test_topk_weight_gradient_by_picked_rows_and_by_all_rows(M, k, F, D, hot, picked_rows, device, plan):
     """Both ways to W_dec's gradient (a row per picked feature and a memset of the rest, or a row per feature) give
     the float64 product, a feature every token picked (a long row, spread) included. The gather's output starts as
     NaN under the tests (new_output's poison), so a picked row left unwritten would show."""
     from sparsefuse.sae.decode import op as decode_op
 
-    monkeypatch.setattr(decode_op, "PICKED_ROWS_MAX_SHARE", float("inf") if picked_rows else 0.0)
+    plan(sparse_decode={"picked_rows_max_share": float("inf") if picked_rows else 0.0})
     idx, vals, w = _topk_inputs(M, k, F, D, torch.float32, device, seed=7, hot=hot)
     grad_out = torch.randn(M, D, device=device)
     if M and k:  # the backward op's schema, fake and strides on this way too

@@ -122,7 +122,8 @@ REFERENCE_SMS = 132  # H100 and H200
 
 @dataclass(frozen=True)
 class DecodeKnobs(Knobs):
-    """The knobs of ``sparse_decode``'s auto (the cost model's fitted rates are the module's constants)."""
+    """The knobs of ``sparse_decode``'s auto (the cost model's fitted rates are the module's constants), and of
+    ``topk_decode``'s backward: ``picked_rows_max_share``."""
 
     margin: float = 0.9  # a sparse method must be predicted this much faster: the model's error on the grid is ~10%
     # Host time of one plain eager call per method (checks, the pick, allocations, launches), measured on an H200
@@ -137,6 +138,11 @@ class DecodeKnobs(Knobs):
     dense_below_d_sae: int = 4096  # smaller dictionaries: cuBLAS, whatever the L0
     sample_rows: int = 64  # rows whose non-zeros are counted for the estimate
     width_per_l0: int = 4  # auto's "fixed" width: this many times the mean L0, at least DEFAULT_MAX_L0
+    # topk_decode's W_dec gradient gives gather programs to the picked features' rows alone (and one memset to the
+    # rest) while the M * k picks number at most this share of d_sae, else to all d_sae rows: there the programs
+    # drop 8x or more, for a memset and a copy of at most an eighth of the gradient's bytes. Chosen by that count,
+    # not by a GPU timing (docs/design/sae-decode.md).
+    picked_rows_max_share: float = 0.125
 
 
 @dataclass(frozen=True)

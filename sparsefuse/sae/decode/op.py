@@ -24,7 +24,7 @@ from ..._backend import Backend, backend_for, on_tensor_device
 from ...sparse import CSR, ELL, dense_to_csr, dense_to_ell, matmul_skip_zeros, sparse_matmul
 from ...sparse.nonfinite_rows import complete_nonfinite_rows
 from ...sparse.sddmm import sampled_dot_dense_pattern, sampled_dot_rows
-from .auto import resolve_method
+from .auto import PLANNER, resolve_method
 from .reference import torch_sparse_decode
 
 ACTS_GRADS = ("sparse", "full")
@@ -183,12 +183,6 @@ def _features_by_row(top_indices: torch.Tensor, top_acts: torch.Tensor, d_sae: i
     return CSR(top_acts.reshape(-1)[order].contiguous(), tokens, offsets, M)
 
 
-# The picked features' rows alone get gather programs while the M * k picks number at most this share of d_sae
-# (see _picked_features_grad): there the programs drop 8x or more, for a memset and a copy of at most an eighth of
-# the gradient's bytes. Chosen by that count, not by a GPU timing (docs/design/sae-decode.md).
-PICKED_ROWS_MAX_SHARE = 0.125
-
-
 def _picked_features_grad(
     top_indices: torch.Tensor, top_acts: torch.Tensor, grad_out: torch.Tensor, d_sae: int, out_dtype: torch.dtype
 ) -> torch.Tensor:
@@ -219,8 +213,9 @@ def _picked_features_grad(
 def _topk_weight_grad(
     top_indices: torch.Tensor, top_acts: torch.Tensor, grad_out: torch.Tensor, d_sae: int, out_dtype: torch.dtype
 ) -> torch.Tensor:
-    """acts^T grad_out [d_sae, d_model]: by the picked features' rows where they are few, else by all d_sae rows."""
-    if top_acts.numel() <= PICKED_ROWS_MAX_SHARE * d_sae:
+    """acts^T grad_out [d_sae, d_model]: by the picked features' rows where they are few (at most the knob
+    ``picked_rows_max_share`` of d_sae: :class:`.auto.DecodeKnobs`), else by all d_sae rows."""
+    if top_acts.numel() <= PLANNER.knobs.picked_rows_max_share * d_sae:
         return _picked_features_grad(top_indices, top_acts, grad_out, d_sae, out_dtype)
     by_feature = _features_by_row(top_indices, top_acts, d_sae)
     return sparse_matmul(by_feature, grad_out, out_dtype=out_dtype, spread_long_rows=True)
