@@ -10,6 +10,7 @@ import torch.utils.checkpoint
 from conftest import assert_backend
 from test_hybrid_train import _check, _leaves, _relu_leaves
 
+from sparsefuse._plan.config import current
 from sparsefuse.ffn.hybrid import graphed, hybrid_mlp, hybrid_relu_mlp
 
 M, K, N = 40, 32, 80
@@ -85,8 +86,8 @@ def test_interleaved_forwards_and_accumulated_gradients(device):
         torch.testing.assert_close(p.grad, expected[0][i + 1] + expected[1][i + 1], rtol=1e-5, atol=1e-6)
 
 
-def test_new_shapes_and_moved_weights_capture_anew_and_old_captures_are_dropped(device, monkeypatch):
-    monkeypatch.setattr(graphed, "GRAPHS_PER_WEIGHT", 2)
+def test_new_shapes_and_moved_weights_capture_anew_and_old_captures_are_dropped(device, plan):
+    plan(hybrid_mlp={"graphs_per_weight": 2})
     leaves = _leaves(M, K, N, torch.float32, device, False, seed=5)
     dy = torch.randn(M, K, device=device)
     _grads(leaves, dy, 0.0)
@@ -107,13 +108,13 @@ def test_new_shapes_and_moved_weights_capture_anew_and_old_captures_are_dropped(
     out, grads = _grads(short, dy[: M // 2], 0.0, cuda_graph=True)
     assert captures() == start + 3
     _check(short, dy[: M // 2], 0.0, out, grads)
-    assert len(graphed._LAYERS[leaves[1]].steps) == graphed.GRAPHS_PER_WEIGHT
+    assert len(graphed._LAYERS[leaves[1]].steps) == 2
 
 
-def test_a_layer_captured_too_often_runs_eagerly(device, monkeypatch):
+def test_a_layer_captured_too_often_runs_eagerly(device, plan):
     """A new token count every step (ragged batches): after the capture limit the eager step runs, with one
     warning, and its results stay right."""
-    monkeypatch.setattr(graphed, "CAPTURE_LIMIT", 2)
+    plan(hybrid_mlp={"capture_limit": 2})
     leaves = _leaves(M, K, N, torch.float32, device, False, seed=8)
     dy = torch.randn(M, K, device=device)
     _grads(leaves, dy, 0.0)
@@ -169,17 +170,18 @@ def _moved_until_copied(leaves, dy, kept):
     _grads(leaves, dy, 0.0)  # the gate's first observation
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for i in range(graphed.MOVE_LIMIT + 2):  # the first addresses, MOVE_LIMIT moves captured in place, one more
+        # the first addresses, move_limit moves captured in place, one more
+        for i in range(current().knobs("hybrid_mlp").move_limit + 2):
             kept.append([leaves[0], leaves[1], (leaves[2].detach() * (2 - i / 4)).requires_grad_(), *leaves[3:]])
             _grads(kept[-1], dy, 0.0, cuda_graph=True)
     assert [key[2] for key in graphed._LAYERS[leaves[1]].steps] == [graphed._COPIED]
 
 
-def test_two_layers_share_the_weight_copies_and_each_replay_fills_them(device, monkeypatch):
+def test_two_layers_share_the_weight_copies_and_each_replay_fills_them(device, plan):
     """Two layers of one shape replaying copied weights share the static copies: forwards of both, then one
     backward through both (the second layer's backward first): each forward and each backward fills the copies with
     its own layer's weights, so the gradients are the eager steps'."""
-    monkeypatch.setattr(graphed, "MOVE_LIMIT", 0)  # copied from the first move on: one capture fewer per layer
+    plan(hybrid_mlp={"move_limit": 0})  # copied from the first move on: one capture fewer per layer
     dy = torch.randn(M, K, device=device)
     kept, layers = [], []
     for seed in (11, 12):
@@ -325,7 +327,7 @@ def test_cuda_graph_step_on_the_gpu_equals_the_eager_step(autocast):
         assert torch.equal(a, b)
 
 
-def test_the_default_replays_by_layer_size_and_falls_back_quietly(device, monkeypatch):
+def test_the_default_replays_by_layer_size_and_falls_back_quietly(device, monkeypatch, plan):
     """cuda_graph=None replays plain eager CUDA calls of layers whose gate product is at most the knob
     replay_max_gate_flop (the 1.5B layer, not the 8B one) and never CPU tensors; where it replays it gives the eager
     step's results, falls back to the eager step past the capture limit without the warning an explicit
@@ -348,7 +350,7 @@ def test_the_default_replays_by_layer_size_and_falls_back_quietly(device, monkey
             assert not graphed.replays_by_default(on_gpu(8192, 2048), 5632)
 
     # every layer replays, on the CPU too, as a GPU's small layer would
-    monkeypatch.setattr(graphed, "CAPTURE_LIMIT", 1)
+    plan(hybrid_mlp={"capture_limit": 1})
     with planning(context="eager", hybrid_mlp={"replay_max_gate_flop": float("inf")}):
         leaves = _leaves(M, K, N, torch.float32, device, False, seed=9)
         dy = torch.randn(M, K, device=device)

@@ -35,7 +35,15 @@ class TrainKnobs(Knobs):
     most this many FLOPs. An eager block step costs its host ~2.3-2.7 ms (16 Triton launches at ~31 us each on an
     H200 machine, their Python, autograd); its GPU time is ~1.6 ms at the 1.5B layer shape (8192 tokens, gate
     product 1.9e11) and ~3.9 ms at the 8B one (9.6e11): below the line the host paces the eager step and a replay
-    frees it; above it the GPU does, and a replay would add only its copies (~0.3 ms at 8B)."""
+    frees it; above it the GPU does, and a replay would add only its copies (~0.3 ms at 8B).
+
+    How a replayed step keeps its captures (:mod:`.graphed`): ``graphs_per_weight``, the captures kept per gate
+    weight (input shapes, capacities), the least recently used dropped past it; ``capture_limit``, the captures a
+    gate weight may take in its life: past it its input shapes keep changing (ragged batches), and its steps run
+    eagerly (warned once); ``move_limit``, the times a layer's weights may be found at new addresses (a model moved
+    to another device or dtype once) before its replays read copies of them instead (warned once): an engine that
+    regathers parameters every step (FSDP2's all-gather into fresh storage) would otherwise take a capture per
+    step, each costing more than the step it replaces."""
 
     dense_above: float = 0.009
     observe_every: int = 16  # calls between observations once an estimate exists (each costs a few launches)
@@ -43,6 +51,9 @@ class TrainKnobs(Knobs):
     capacity_quantum: int = 1 << 16  # capacities rounded up to this many pairs, so the allocator reuses blocks
     replay_max_gate_flop: float = 5e11
     matmul_flops_per_s: float = 600e12  # the dense step's nominal rate (explain's seconds; the ratio decides)
+    graphs_per_weight: int = 4
+    capture_limit: int = 8
+    move_limit: int = 1
 
 
 def _dense_step_s(question: tuple, per_token: float, knobs: TrainKnobs) -> float:

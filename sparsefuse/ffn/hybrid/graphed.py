@@ -19,7 +19,7 @@ How it stays correct:
   optimizer's in-place update is seen; a parameter moved or replaced once is a new key and a new capture). Casts for
   ``torch.autocast`` happen inside the graphs.
 * **Weights that keep moving are copied in**: a layer whose weights turn up at new addresses more than
-  ``MOVE_LIMIT`` times (FSDP2 gathers each unit's parameters into fresh storage every step) is captured once more
+  ``move_limit`` times (FSDP2 gathers each unit's parameters into fresh storage every step) is captured once more
   reading its weights from static copies, shared by every layer of those shapes, which each forward and backward
   replay fills first: two weight copies per layer and step (69 MB each for bf16 weights at the 1.5B layer shape,
   ~0.05 ms each on an H100 by its bandwidth, a row-major w_down's by a tiled transpose at about the same rate;
@@ -33,8 +33,9 @@ How it stays correct:
   torch.compile or with tensor subclasses. A weight that moved between forward and backward (a parameter regathered
   at another address) gets its backward run eagerly on the kept arrays; an in-place change to a weight in between
   raises, as in the eager step.
-* **Where a replay cannot pay, the eager step runs**: a layer past ``CAPTURE_LIMIT`` captures (input shapes that
-  keep changing) runs eagerly for good.
+* **Where a replay cannot pay, the eager step runs**: a layer past ``capture_limit`` captures (input shapes that
+  keep changing) runs eagerly for good. These limits, and the captures kept per gate weight, are knobs of
+  ``hybrid_mlp`` (:class:`.choice.TrainKnobs`).
 * **What it costs**: the shared pool keeps the step's temporaries for good, where the eager step hands them back to
   the caching allocator between layers (+2.3 GB reserved in a 24-layer 1.5B-shape model at 4 x 2048 tokens).
 
@@ -62,15 +63,6 @@ from ...sparse.layout import unit_rows
 from .block_step import _train_backward_into, _train_forward, _train_forward_into, _weight_grads
 from .choice import PLANNER, TRAIN_CHOICE, _in_backward
 
-# Captures kept per gate weight (input shapes, capacities); the least recently used is dropped past this.
-GRAPHS_PER_WEIGHT = 4
-# Captures a gate weight may take in its life: past this its input shapes keep changing (ragged batches), and its
-# steps run eagerly (warned once).
-CAPTURE_LIMIT = 8
-# Times a layer's weights may be found at new addresses (a model moved to another device or dtype once) before its
-# replays read copies of them instead (warned once): an engine that regathers parameters every step (FSDP2's
-# all-gather into fresh storage) would otherwise take a capture per step, each costing more than the step it replaces.
-MOVE_LIMIT = 1
 # How many times the graphs have been captured and replayed (forward replays; "copied replay": those of a step
 # reading copied weights), and backwards that ran eagerly because a weight had moved since its forward; for tests
 # and logs.
@@ -428,12 +420,13 @@ def _addresses(weights: tuple) -> tuple[int | None, ...]:
 
 
 def _weights_keep_moving(layer: _LayerGraphs, addresses: tuple[int | None, ...], warn: bool = True) -> bool:
-    """Whether this layer's weights (at ``addresses`` now) have been found at new addresses more than
-    :data:`MOVE_LIMIT` times (each move would be a new capture): then its steps replay a capture that reads copies
+    """Whether this layer's weights (at ``addresses`` now) have been found at new addresses more than the knob
+    ``move_limit`` times (each move would be a new capture): then its steps replay a capture that reads copies
     of the weights (warned once)."""
+    move_limit = PLANNER.knobs.move_limit
     if layer.addresses is not None and layer.addresses != addresses:
         layer.moves += 1
-        if layer.moves == MOVE_LIMIT + 1:
+        if layer.moves == move_limit + 1:
             layer.steps.clear()  # its in-place captures, buffers and pool memory are not replayed again
             if warn:
                 warnings.warn(
@@ -443,7 +436,7 @@ def _weights_keep_moving(layer: _LayerGraphs, addresses: tuple[int | None, ...],
                     stacklevel=5,
                 )
     layer.addresses = addresses
-    return layer.moves > MOVE_LIMIT
+    return layer.moves > move_limit
 
 
 def replays_by_default(x2: torch.Tensor, n_neurons: int) -> bool:
@@ -510,8 +503,9 @@ def graphed_step(
     # captures and replays on the tensors' GPU (a layer on cuda:1 while cuda:0 is current)
     on_device = torch.cuda.device(x2.device) if x2.is_cuda else contextlib.nullcontext()
     if step is None:
-        if layer.captures >= CAPTURE_LIMIT:
-            if layer.captures == CAPTURE_LIMIT and warn:
+        knobs = PLANNER.knobs
+        if layer.captures >= knobs.capture_limit:
+            if layer.captures == knobs.capture_limit and warn:
                 warnings.warn(
                     f"sparsefuse hybrid_mlp(cuda_graph=True): a layer's step was captured {layer.captures} times "
                     "(its input shape keeps changing); it runs eagerly from now on",
@@ -525,7 +519,7 @@ def graphed_step(
                 x2.detach(), weights, block_rows, tile, sort_rows, capacity, copied, hidden_l1, activation
             )  # fmt: skip
         layer.steps[key] = step
-        while len(layer.steps) > GRAPHS_PER_WEIGHT:
+        while len(layer.steps) > knobs.graphs_per_weight:
             layer.steps.popitem(last=False)
     layer.steps.move_to_end(key)
     with on_device:
