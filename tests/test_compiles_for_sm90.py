@@ -30,7 +30,6 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import pytest
 import torch
@@ -164,7 +163,6 @@ def _sparse_rows(rows: int, features: int, l0s: list[int], dtype: torch.dtype) -
 
 def _exercise_ops(dtype: torch.dtype, ffn: bool) -> None:
     """Small calls of every public op (results unchecked: the other tests check them; bf16 runs here too)."""
-    from sparsefuse.activations.snake import launch as snake_launch
     from sparsefuse.ffn.hybrid import hybrid_mlp, hybrid_relu_mlp
     from sparsefuse.sae import jumprelu_sae_forward
 
@@ -174,7 +172,7 @@ def _exercise_ops(dtype: torch.dtype, ffn: bool) -> None:
     x = r(2, 8, 64)
     sparsefuse.snake(x, r(8).abs() + 0.5)
     sparsefuse.snake(x, r(8).abs() + 0.5, fast_sin=True)
-    with mock.patch.object(snake_launch, "FLAT_FORWARD", False):  # the row kernel (GPU: huge or strided x)
+    with sparsefuse.planning(snake={"flat_forward": False}):  # the row kernel (GPU: huge or strided x)
         sparsefuse.snake(x, r(8).abs() + 0.5)
     sparsefuse.snake(r(2, 8, 64, grad=True), r(8).abs().add(0.5).requires_grad_()).sum().backward()
     sparsefuse.celu(x)
@@ -209,11 +207,11 @@ def _exercise_ops(dtype: torch.dtype, ffn: bool) -> None:
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         sparsefuse.splade_pool(h, w, r(96, grad=True), mask, pooling=pooling).sum().backward()
     # the fused Llama pieces: RMSNorm with and without a weight, rows whole and chunked; rotary with GQA heads
-    from sparsefuse.norms.rmsnorm import launch as rms_launch
+    from sparsefuse.norms.rmsnorm.launch import RMSNormKnobs
     from sparsefuse.rotary import apply_rotary_pos_emb
 
-    for single_max in (rms_launch.SINGLE_MAX, 16):
-        with mock.patch.object(rms_launch, "SINGLE_MAX", single_max), mock.patch.object(rms_launch, "CHUNK", 16):
+    for single_max in (RMSNormKnobs().single_max, 16):
+        with sparsefuse.planning(rms_norm={"single_max": single_max, "chunk": 16}):
             sparsefuse.rms_norm(r(6, 48, grad=True), 48, r(48, grad=True)).float().sum().backward()
             sparsefuse.rms_norm(r(6, 48, grad=True), 48).float().sum().backward()
     q, k = r(2, 5, 4, 64, grad=True), r(2, 5, 2, 64, grad=True)  # [B, S, H, hd] storage, as Llama's projections

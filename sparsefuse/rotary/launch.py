@@ -21,20 +21,34 @@ multiply, add) through ~5x these bytes: measured 12-13x slower than this kernel 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .. import _backend
 from .._backend import Backend, backend_for, compute_dtype, new_output_layout_like, next_power_of_2, record_launch
+from .._plan.config import KnobGroup, current, register_knobs
 from .kernels import rotary_bwd_kernel, rotary_fwd_kernel
 from .reference import torch_apply_rotary_pos_emb, torch_rotary_backward
 
-# Elements of one half-row tile [BLOCK_H, HALF_PAD] a program holds per (unrolled) step, 16 a thread. Measured on an
-# H200 with CUDA-graph replay, bf16, q and k transposed views as Llama passes them: tiles of 512, 1024 and 2048
-# elements over 2, 4 and 8 warps at (B, S, H, H_kv, hd) = (4, 2048, 32, 8, 128), (8, 2048, 32, 4, 64),
-# (1, 8192, 64, 8, 128) and (2, 2048, 40, 40, 80); this rule was the best or within 2% of it at every shape: 3.4-4.0
-# TB/s of reads and writes where a device copy reaches 4.2 (Inductor's kernel for transformers' formula: 3.9 TB/s at
-# the first shape, 0.4-0.9 TB/s at the other three).
-TILE = 2048
+
+@dataclasses.dataclass(frozen=True)
+class RotaryKnobs(KnobGroup):
+    """How the rotary kernels tile their heads (registered as ``"rotary"``; read at each launch).
+
+    ``tile``: elements of one half-row tile [BLOCK_H, HALF_PAD] a program holds per (unrolled) step over the heads,
+    16 a thread (its warps follow from it). Measured on an H200 with CUDA-graph replay, bf16, q and k transposed
+    views as Llama passes them: tiles of 512, 1024 and 2048 elements over 2, 4 and 8 warps at (B, S, H, H_kv, hd) =
+    (4, 2048, 32, 8, 128), (8, 2048, 32, 4, 64), (1, 8192, 64, 8, 128) and (2, 2048, 40, 40, 80); this rule was the
+    best or within 2% of it at every shape: 3.4-4.0 TB/s of reads and writes where a device copy reaches 4.2
+    (Inductor's kernel for transformers' formula: 3.9 TB/s at the first shape, 0.4-0.9 TB/s at the other three).
+    Tests lower it to cover heads looped over several steps with partial tails."""
+
+    tile: int = 2048
+
+
+register_knobs("rotary", RotaryKnobs())
+
 ELEMENTS_PER_THREAD = 16
 WARPS: int | None = None  # a fixed count (benchmarks), else from the tile
 
@@ -58,9 +72,9 @@ def _warps(tile: int) -> int:
     return max(1, min(8, tile // (32 * ELEMENTS_PER_THREAD)))
 
 
-def _head_block(n_heads: int, half_pad: int) -> int:
-    """Heads a loop step covers: all of them where they fit in a TILE, else the most that do."""
-    return max(1, min(next_power_of_2(max(n_heads, 1)), TILE // half_pad))
+def _head_block(n_heads: int, half_pad: int, tile: int) -> int:
+    """Heads a loop step covers: all of them where they fit in a ``tile``, else the most that do."""
+    return max(1, min(next_power_of_2(max(n_heads, 1)), tile // half_pad))
 
 
 def _rotate_into(
@@ -96,7 +110,8 @@ def _rotate_into(
     half_pad = next_power_of_2(half)
     fp64 = compute_dtype(torch.promote_types(torch.promote_types(q.dtype, cos.dtype), q_out.dtype)) == torch.float64
     kernel = rotary_bwd_kernel if backward else rotary_fwd_kernel
-    block_hq = _head_block(H, half_pad)
+    tile = current().knobs("rotary").tile
+    block_hq = _head_block(H, half_pad, tile)
     kernel[(B * S,)](
         q,
         k,
@@ -116,7 +131,7 @@ def _rotate_into(
         H_KV=H_kv,
         HALF=half,
         BLOCK_HQ=block_hq,
-        BLOCK_HK=_head_block(H_kv, half_pad),
+        BLOCK_HK=_head_block(H_kv, half_pad, tile),
         HALF_PAD=half_pad,
         num_warps=_warps(block_hq * half_pad),
     )

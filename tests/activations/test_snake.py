@@ -27,10 +27,10 @@ def forward_launches(launched) -> int:
 
 
 @pytest.fixture(params=["flat", "rows"])
-def forward_path(request, monkeypatch):
+def forward_path(request, plan):
     """Run a test through both forward kernels: a contiguous x takes the flat one."""
     if request.param == "rows":
-        monkeypatch.setattr(snake_launch, "FLAT_FORWARD", False)
+        plan(snake={"flat_forward": False})
     return request.param
 
 
@@ -126,10 +126,9 @@ def test_backward_matches_float64_reference(shape, dtype, alpha_shape, fast_sin,
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rows_past_a_grid_slice(dtype, device, monkeypatch):
+def test_rows_past_a_grid_slice(dtype, device, plan):
     """More rows than grid y holds: the rest go to further slices along grid z, the last one overhanging."""
-    monkeypatch.setattr(snake_launch, "ROWS_PER_SLICE", 4)
-    monkeypatch.setattr(snake_launch, "FLAT_FORWARD", False)
+    plan(snake={"rows_per_slice": 4, "flat_forward": False})
     x, alpha = make_inputs((3, 5, 70), dtype, device)  # 15 rows: slices of 4, 4, 4, 3
     with track_launches() as launched:
         y = sparsefuse.snake(x, alpha)
@@ -247,10 +246,9 @@ def test_nan_and_inf_propagate_like_the_reference(device):
     assert torch.allclose(y[finite].double().cpu(), ref[finite].cpu(), rtol=1e-6)
 
 
-def test_wide_index_path(device, monkeypatch):
+def test_wide_index_path(device, plan):
     """The int64 per-element offset path (taken for rows above 2^31 elements) computes the same values."""
-    monkeypatch.setattr(snake_launch, "_INT32_LIMIT", 64)
-    monkeypatch.setattr(snake_launch, "FLAT_FORWARD", False)
+    plan(snake={"offsets_32_max": 64, "flat_forward": False})
     x, alpha = make_inputs((2, 3, 300), torch.float16, device)
     y = sparsefuse.snake(x, alpha)
     assert_close_to_reference(y, *reference(x, alpha))

@@ -26,11 +26,10 @@ def lowp_llama(x, weight, eps):
 
 
 @pytest.fixture(params=[False, True], ids=["rows-in-registers", "chunked-rows"])
-def chunked(request, monkeypatch):
-    """Both kernel paths at test sizes: rows held whole, and rows walked in chunks (SINGLE_MAX lowered)."""
+def chunked(request, plan):
+    """Both kernel paths at test sizes: rows held whole, and rows walked in chunks (single_max lowered)."""
     if request.param:
-        monkeypatch.setattr(rms_launch, "SINGLE_MAX", 16)
-        monkeypatch.setattr(rms_launch, "CHUNK", 16)
+        plan(rms_norm={"single_max": 16, "chunk": 16})
     return request.param
 
 

@@ -15,7 +15,6 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf_
 from sparsefuse import track_launches
 from sparsefuse.rotary import (
     apply_rotary_pos_emb,
-    launch,
     rotary_bwd_op,
     rotary_fwd_op,
     torch_apply_rotary_pos_emb,
@@ -98,9 +97,9 @@ def test_backward_matches_float64_reference(hd, storage, unsqueeze_dim, dtype, d
         assert_close_to_reference(grad, ref, lowp)
 
 
-def test_head_blocks_loop_with_partial_tails(device, monkeypatch):
-    """More heads than one loop step holds (TILE lowered), head counts that are not powers of two."""
-    monkeypatch.setattr(launch, "TILE", 64)  # hd 48: HALF_PAD 32, two heads a step
+def test_head_blocks_loop_with_partial_tails(device, plan):
+    """More heads than one loop step holds (the tile lowered), head counts that are not powers of two."""
+    plan(rotary={"tile": 64})  # hd 48: HALF_PAD 32, two heads a step
     for H, H_kv in ((5, 3), (7, 0), (0, 2)):
         q, k = make_qk(2, 3, H, H_kv, 48, torch.float32, device)
         cos, sin = make_cos_sin(1, 3, 48, torch.float32, device)

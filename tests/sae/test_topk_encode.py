@@ -12,7 +12,6 @@ from conftest import DEVICE, assert_backend
 from helpers import assert_valid_topk, pre_activations_and_bound
 
 from sparsefuse import track_launches
-from sparsefuse.sae.topk import keys as topk_keys
 from sparsefuse.sae.topk import topk_encode, topk_encode_op, torch_topk_encode
 from sparsefuse.testing import accumulation_allowance, assert_close_to_reference
 
@@ -86,8 +85,8 @@ def test_batch_dims_noncontiguous_inputs_and_empty_batch(device):
     assert empty_indices.shape == empty_acts.shape == (0, 10)
 
 
-def test_large_k_runs_the_chunked_torch_path(device, monkeypatch):
-    monkeypatch.setattr(topk_keys, "TORCH_CHUNK", 256)  # several chunks to merge
+def test_large_k_runs_the_chunked_torch_path(device, plan):
+    plan(topk_encode={"torch_chunk": 256})  # several chunks to merge
     x, w, b_enc, b_dec, _ = make_inputs(3, 16, 1100, torch.float32, device)
     with track_launches() as launched:
         indices, acts = topk_encode(x, w, b_enc, 600, b_dec=b_dec)  # k rounds up to 1024 > MAX_KERNEL_K

@@ -20,7 +20,7 @@ from .kernels import (
     snake_fwd_flat_kernel,
     snake_fwd_kernel,
 )
-from .launch import FLAT_FORWARD, ROWS_PER_SLICE, division_magic  # launch reads its own: patch them there
+from .launch import SnakeKnobs, division_magic
 from .op import snake_backward_op, snake_op
 from .reference import torch_snake, torch_snake_backward
 
@@ -35,8 +35,7 @@ __all__ = [
     "snake_fwd_flat_kernel",
     "snake_bwd_kernel",
     "division_magic",
-    "FLAT_FORWARD",
-    "ROWS_PER_SLICE",
+    "SnakeKnobs",
     "SIN_ACCURATE",
     "SIN_FAST",
     "SIN_LIBDEVICE",

@@ -9,6 +9,8 @@ device-to-device copy bandwidth.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ... import _backend
@@ -22,6 +24,7 @@ from ..._backend import (
     record_launch,
     streaming_block,
 )
+from ..._plan.config import KnobGroup, current, register_knobs
 from ..._validation import unit_last_stride
 from .kernels import (
     ALPHA_DIRECT,
@@ -37,20 +40,41 @@ from .kernels import (
 )
 from .reference import torch_snake, torch_snake_backward
 
-_INT32_LIMIT = 2**31 - 1
-FLAT_FORWARD = True  # a contiguous x below 2^31 elements takes the flat forward kernel (tests turn it off)
-# Forward launches follow _backend.streaming_block (measured, not autotuned). The flat kernel matched or beat the row
-# kernel's best at 13 of the 14 bench cases on an H200; at fp32 1x256x15104 a 16 KB row tile is 5% ahead, but the
-# same tile trails by 5% at the large shapes.
+
+@dataclasses.dataclass(frozen=True)
+class SnakeKnobs(KnobGroup):
+    """Which of snake's kernels and grids a launch takes (registered as ``"snake"``; read at each launch).
+
+    ``flat_forward``: a contiguous x below 2^31 elements takes the flat forward kernel (runs of the flattened x,
+    launches sized by ``_backend.streaming_block``, measured rather than autotuned), else the row kernel. The flat
+    kernel matched or beat the row kernel's best at 13 of the 14 bench cases on an H200; at fp32 1x256x15104 a 16 KB
+    row tile is 5% ahead, but the same tile trails by 5% at the large shapes. False: the row kernel always (tests;
+    what huge or strided inputs take).
+
+    ``rows_per_slice``: rows of the row kernels' grid along y, at most (CUDA caps grid y and z at 65535; x at
+    2^31 - 1); further rows go to further slices along z.
+
+    ``offsets_32_max``: the kernels compute a row's element offsets in int32 while its length times its time
+    stride, plus 8192 of slack for the last block's overhang, is at most this (int32's largest), else in int64
+    (row bases are int64 always); the flat kernel takes only an x of fewer elements than this less the slack.
+    Tests lower it to cover the int64 offsets at small sizes."""
+
+    flat_forward: bool = True
+    rows_per_slice: int = 65535
+    offsets_32_max: int = 2**31 - 1
+
+
+register_knobs("snake", SnakeKnobs())
+
 _INTERPRET_ROW_BLOCK, _INTERPRET_FLAT_BLOCK = 64, 128  # CPU tests: several programs and ragged tails at small shapes
-ROWS_PER_SLICE = 65535  # CUDA caps grid y and z at 65535 (x at 2^31 - 1)
 _PARTIALS_MIN_PROGRAMS = 2048
 _PARTIALS_MIN_PROGRAMS_INTERPRETED = 64  # CPU tests cover both finishes
 
 
-def _row_grid(n_rows: int, n_time_blocks: int) -> tuple[int, int, int]:
-    """(time blocks, rows in a slice, row slices): rows past ROWS_PER_SLICE go to further slices along grid z."""
-    return (n_time_blocks, min(n_rows, ROWS_PER_SLICE), cdiv(n_rows, ROWS_PER_SLICE))
+def _row_grid(n_rows: int, n_time_blocks: int, rows_per_slice: int) -> tuple[int, int, int]:
+    """(time blocks, rows in a slice, row slices): rows past ``rows_per_slice`` go to further slices along grid
+    z."""
+    return (n_time_blocks, min(n_rows, rows_per_slice), cdiv(n_rows, rows_per_slice))
 
 
 def _forward_block_t(T: int, element_size: int) -> int:
@@ -70,9 +94,9 @@ def _flat_run(T: int, element_size: int) -> tuple[int, bool]:
     return (run, True) if 2 * run >= vector else (vector, False)
 
 
-def _wide_index(*tensors: torch.Tensor) -> bool:
+def _wide_index(offsets_32_max: int, *tensors: torch.Tensor) -> bool:
     # Per-element time offsets use int32 unless a row (or its stride) can exceed int32; row bases are always int64.
-    return any(t.shape[2] * max(t.stride(2), 1) + 8192 > _INT32_LIMIT for t in tensors)
+    return any(t.shape[2] * max(t.stride(2), 1) + 8192 > offsets_32_max for t in tensors)
 
 
 def division_magic(divisor: int) -> tuple[int, int]:
@@ -126,7 +150,8 @@ def snake_forward(x: torch.Tensor, alpha: torch.Tensor, eps: float, fast_sin: bo
         return torch_snake(x.to(compute), alpha.to(compute), eps).to(x.dtype)
     x = unit_last_stride(x)
     mode = _sin_mode(x.dtype, fast_sin)
-    if FLAT_FORWARD and x.is_contiguous() and x.numel() < _INT32_LIMIT - 8192:
+    knobs: SnakeKnobs = current().knobs("snake")
+    if knobs.flat_forward and x.is_contiguous() and x.numel() < knobs.offsets_32_max - 8192:
         n = x.numel()
         block = streaming_block(n, x.element_size(), x.device, _INTERPRET_FLAT_BLOCK)
         run, shares_channel = _flat_run(T, x.element_size())
@@ -148,12 +173,12 @@ def snake_forward(x: torch.Tensor, alpha: torch.Tensor, eps: float, fast_sin: bo
         record_launch("snake_fwd_flat_kernel")
         return y
     block_t = _forward_block_t(T, x.element_size())
-    snake_fwd_kernel[_row_grid(B * C, cdiv(T, block_t))](
+    snake_fwd_kernel[_row_grid(B * C, cdiv(T, block_t), knobs.rows_per_slice)](
         x,
         alpha,
         y,
         B * C,
-        ROWS_PER_SLICE,
+        knobs.rows_per_slice,
         C,
         *division_magic(C),
         T,
@@ -162,7 +187,7 @@ def snake_forward(x: torch.Tensor, alpha: torch.Tensor, eps: float, fast_sin: bo
         eps,
         BLOCK_T=block_t,
         SIN_MODE=mode,
-        WIDE_INDEX=_wide_index(x),
+        WIDE_INDEX=_wide_index(knobs.offsets_32_max, x),
         num_warps=STREAMING_WARPS,
     )
     record_launch("snake_fwd_kernel")
@@ -197,7 +222,8 @@ def snake_backward(
         partial = torch.empty(n_programs, dtype=_backend.compute_dtype(x.dtype), device=x.device)
     if need_alpha_grad and finish == ALPHA_LAST_ARRIVER.value:
         arrivals = torch.zeros(C, dtype=torch.int32, device=x.device)
-    snake_bwd_kernel[_row_grid(B * C, n_time_blocks)](
+    knobs: SnakeKnobs = current().knobs("snake")
+    snake_bwd_kernel[_row_grid(B * C, n_time_blocks, knobs.rows_per_slice)](
         grad_y,
         x,
         alpha,
@@ -207,7 +233,7 @@ def snake_backward(
         arrivals,
         B * n_time_blocks,
         B * C,
-        ROWS_PER_SLICE,
+        knobs.rows_per_slice,
         C,
         *division_magic(C),
         T,
@@ -218,7 +244,7 @@ def snake_backward(
         eps,
         BLOCK_T=block_t,
         SIN_MODE=_sin_mode(x.dtype, fast_sin),
-        WIDE_INDEX=_wide_index(x, grad_y),
+        WIDE_INDEX=_wide_index(knobs.offsets_32_max, x, grad_y),
         NEED_ALPHA_GRAD=need_alpha_grad,
         ALPHA_FINISH=finish,
         num_warps=num_warps,

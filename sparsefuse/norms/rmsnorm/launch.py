@@ -8,17 +8,31 @@ gradients (a few MB at most) and their sum. transformers' ``LlamaRMSNorm`` runs 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ... import _backend
 from ..._backend import Backend, backend_for, cdiv, compute_dtype, new_output, next_power_of_2, record_launch, sm_count
+from ..._plan.config import KnobGroup, current, register_knobs
 from .kernels import rms_norm_bwd_kernel, rms_norm_fwd_kernel
 from .reference import torch_rms_norm, torch_rms_norm_backward, torch_rms_norm_rstd
 
-# Rows up to this many elements stay in registers (one read of x); longer rows are walked in chunks of
-# CHUNK elements twice. Tests lower it to cover the chunked path at small sizes.
-SINGLE_MAX = 8192
-CHUNK = 4096
+
+@dataclasses.dataclass(frozen=True)
+class RMSNormKnobs(KnobGroup):
+    """Which of RMSNorm's kernel paths a launch takes (registered as ``"rms_norm"``; read at each launch).
+
+    ``single_max``: rows up to this many elements stay in registers (one read of x); longer rows are walked in
+    chunks twice (once for the sum of squares, once to scale). ``chunk``: the elements of such a chunk (the smaller of
+    it and ``single_max``, rounded up to a power of two). Tests lower both to cover the chunked path at small sizes."""
+
+    single_max: int = 8192
+    chunk: int = 4096
+
+
+register_knobs("rms_norm", RMSNormKnobs())
+
 TILE = 8192  # elements a program holds (BLOCK_M rows of BLOCK_D): memory-bound, ~32 fp32 values a thread
 WARPS = 8
 PROGRAMS_PER_SM = 4  # backward programs: each keeps one [D] weight-gradient share
@@ -26,8 +40,9 @@ PROGRAMS_PER_SM = 4  # backward programs: each keeps one [D] weight-gradient sha
 
 def _blocks(D: int) -> tuple[bool, int, int]:
     """(SINGLE, BLOCK_M, BLOCK_D) for rows of D elements."""
-    single = D <= SINGLE_MAX
-    block_d = next_power_of_2(D) if single else next_power_of_2(min(CHUNK, SINGLE_MAX))
+    knobs: RMSNormKnobs = current().knobs("rms_norm")
+    single = D <= knobs.single_max
+    block_d = next_power_of_2(D) if single else next_power_of_2(min(knobs.chunk, knobs.single_max))
     return single, max(1, min(16, TILE // block_d)), block_d
 
 

@@ -3,7 +3,7 @@
 from .._encoder_tile import encoder_pre_tile, sae_input
 from .functional import ACTIVATIONS, topk_encode
 from .kernels import EMPTY_KEY, topk_encode_fwd_kernel
-from .keys import TORCH_CHUNK
+from .keys import TopKEncodeKnobs
 from .launch import MAX_KERNEL_K
 from .op import topk_encode_op
 from .reference import torch_topk_encode
@@ -15,7 +15,7 @@ __all__ = [
     "topk_encode_fwd_kernel",
     "ACTIVATIONS",
     "MAX_KERNEL_K",
-    "TORCH_CHUNK",
+    "TopKEncodeKnobs",
     "EMPTY_KEY",
     "encoder_pre_tile",
     "sae_input",

@@ -6,12 +6,28 @@ A (value, feature) pair is one int64 key: the float32 value's order-preserving i
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..._backend import compute_dtype
+from ..._plan.config import KnobGroup, current, register_knobs
 from .._encoder_tile import sae_input
 
-TORCH_CHUNK = 4096  # features per step of the chunked torch path
+
+@dataclasses.dataclass(frozen=True)
+class TopKEncodeKnobs(KnobGroup):
+    """The TopK encode's torch path (registered as ``"topk_encode"``; read at each call of it).
+
+    ``torch_chunk``: features per step of the chunked torch path (for k past the kernel's registers, and the torch
+    backend): it holds M * (k + torch_chunk) keys at a time, where the whole pre-activations would be M * d_sae.
+    Tests lower it to merge several chunks at small sizes."""
+
+    torch_chunk: int = 4096
+
+
+register_knobs("topk_encode", TopKEncodeKnobs())
+
 _LOW_MASK = 0x7FFFFFFF
 _NAN_ORDERED = 0x7FC00000  # above +inf's image 0x7F800000
 
@@ -39,13 +55,14 @@ def _topk_keys_torch(
     feature_scale: torch.Tensor | None,
     k: int,
 ) -> torch.Tensor:
-    """The kernel's selection in plain torch, TORCH_CHUNK features at a time (memory: M * (k + chunk) keys).
-    Returns the k best keys per row, sorted decreasing."""
+    """The kernel's selection in plain torch, the knob ``torch_chunk`` features at a time (:class:`TopKEncodeKnobs`;
+    memory: M * (k + chunk) keys). Returns the k best keys per row, sorted decreasing."""
     dtype = compute_dtype(x2.dtype)
     sae_in = sae_input(x2, b_dec).to(dtype)
+    chunk = current().knobs("topk_encode").torch_chunk
     best = None
-    for f0 in range(0, W_enc.shape[1], TORCH_CHUNK):
-        f1 = min(f0 + TORCH_CHUNK, W_enc.shape[1])
+    for f0 in range(0, W_enc.shape[1], chunk):
+        f1 = min(f0 + chunk, W_enc.shape[1])
         pre = sae_in @ W_enc[:, f0:f1].to(dtype) + b_enc[f0:f1].to(dtype)
         if feature_scale is not None:
             pre = pre * feature_scale[f0:f1].to(dtype)
