@@ -16,16 +16,20 @@ floor in that time would take.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import torch
 import torch.nn.functional as F
 
 from sparsefuse.ffn.synthetic import synthetic_ffn
+from sparsefuse.ffn.twell import launch
 from sparsefuse.ffn.twell.launch import auto_tile, launch_gate, launch_mlp, launch_up_down
 
 MEAN_NNZ = 30.0
 COMPRESSION = 8
+TILES = (None, 16, 32, 128)  # auto's tile, then others: whether a narrower tile streams the gate faster
+SPLITS = (None, 4, 8, 16, 32)  # the up/down kernel's programs per token: auto's, then fewer (less to reduce)
 
 
 def graph_us(fn, layers: int, reps: int = 50) -> float:
@@ -68,12 +72,16 @@ def copy_bytes_per_s() -> float:
     return 2 * a.numel() * 10 / (start.elapsed_time(end) * 1e-3)
 
 
-def probe(M: int, ffns: list, bw: float) -> str:
-    """One line: the four rows at M tokens (see the module docstring)."""
+def probe(M: int, ffns: list, bw: float, tile: int | None = None, splits: int | None = None) -> str:
+    """One line: the four rows at M tokens (see the module docstring), the TwELL tile ``tile`` and the up/down
+    kernel's ``splits`` per token (default: auto's)."""
+    planned = launch._up_down_plan
+    if splits is not None:
+        launch._up_down_plan = lambda *a: dataclasses.replace(planned(*a), n_splits=min(splits, a[2]))
     layers, (N, K) = len(ffns), ffns[0].w_gate.shape
     xs = [f.make_input(M, MEAN_NNZ, seed=100 + i) for i, f in enumerate(ffns)]
     w = [(f.w_gate, f.w_up, f.w_down.t()) for f in ffns]  # w_down_t [N, K], rows contiguous
-    tile = auto_tile(M, N, COMPRESSION)
+    tile = tile or auto_tile(M, N, COMPRESSION)
     gates = [launch_gate(xs[i], w[i][0], None, tile, COMPRESSION, True) for i in range(layers)]
     fired = [(xs[i] @ w[i][0].t() > 0) for i in range(layers)]
     nnz = sum(int(f.sum()) for f in fired) / (layers * M)
@@ -94,12 +102,15 @@ def probe(M: int, ffns: list, bw: float) -> str:
         v, ix, c, pre = gates[i]
         launch_up_down(v, ix, c, xs[i], w[i][0], None, w[i][1], None, w[i][2], None, tile, COMPRESSION, pre)
 
-    times = {
-        name: graph_us(fn, layers) for name, fn in dict(dense=dense, twell=twell, gate=gate, up_down=up_down).items()
-    }
+    try:
+        fns = dict(dense=dense, twell=twell, gate=gate, up_down=up_down)
+        times = {name: graph_us(fn, layers) for name, fn in fns.items()}
+    finally:
+        launch._up_down_plan = planned
     floor_us = floor / bw * 1e6
     return (
-        f"M={M:2d} tile={tile} nnz/token={nnz:.1f} union={union:.0f} floor {floor / 1e6:.1f} MB = {floor_us:.1f} us"
+        f"M={M:2d} tile={tile} splits={splits or 'auto'} nnz/token={nnz:.1f} union={union:.0f}"
+        + f" floor {floor / 1e6:.1f} MB = {floor_us:.1f} us"
         + " | "
         + "  ".join(f"{k} {v:.1f} us" for k, v in times.items())
         + f" | twell {times['dense'] / times['twell']:.2f}x dense, {floor_us / times['twell']:.0%} of floor;"
@@ -112,7 +123,10 @@ def main(K: int = 2048, N: int = 5632, layers: int = 28) -> None:
     print(f"copy {bw / 1e12:.2f} TB/s  K={K} N={N} layers={layers}  {torch.cuda.get_device_name()}", flush=True)
     ffns = [synthetic_ffn(K, N, device="cuda", seed=i) for i in range(layers)]
     for M in (1, 8, 32):
-        print(probe(M, ffns, bw), flush=True)
+        for tile in TILES:
+            print(probe(M, ffns, bw, tile), flush=True)
+        for splits in SPLITS[1:]:
+            print(probe(M, ffns, bw, None, splits), flush=True)
 
 
 if __name__ == "__main__":
