@@ -7,7 +7,7 @@ launchers (and the cost model), :mod:`.op` the torch.library ops and :mod:`.func
 """
 
 from .functional import ROTARY_DTYPES, apply_rotary_pos_emb, check_rotary_args
-from .kernels import rotary_bwd_kernel, rotary_fwd_kernel
+from .kernels import rotary_kernel
 from .op import rotary_bwd_op, rotary_fwd_op
 from .reference import rotate_half, torch_apply_rotary_pos_emb, torch_rotary_backward
 
@@ -20,6 +20,5 @@ __all__ = [
     "rotate_half",
     "torch_apply_rotary_pos_emb",
     "torch_rotary_backward",
-    "rotary_fwd_kernel",
-    "rotary_bwd_kernel",
+    "rotary_kernel",
 ]

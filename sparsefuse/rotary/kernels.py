@@ -1,6 +1,6 @@
 """Rotary position embedding's Triton kernels: one program per token (b, s) rotates every head of q and then of k,
 loading that token's cos and sin once. The forward and backward are the same rotation with different sine terms
-(see :func:`_rotate_token`), each one launch for both tensors.
+(``BACKWARD``), each one launch of :func:`rotary_kernel` for both tensors.
 
 All tensors arrive as 4-D [B, heads, S, hd] strided tensors (the launcher passes the strides of that view), cos and
 sin as [B, S, hd] with stride 0 over a broadcast dim, so a transposed view of a [B, S, H, hd] tensor is read and
@@ -56,8 +56,8 @@ def _rotate_heads(
         tl.store(y_ptr + y_off + HALF * stride_yd, y2.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _rotate_token(
+@kernel
+def rotary_kernel(
     q_ptr,
     k_ptr,
     q_out_ptr,
@@ -96,7 +96,9 @@ def _rotate_token(
     BLOCK_HK: tl.constexpr,
     HALF_PAD: tl.constexpr,
 ):
-    # q, q_out: [B, H, S, 2 * HALF]; k, k_out: [B, H_KV, S, 2 * HALF]; cos, sin: [B, S, 2 * HALF] (any strides).
+    # q, q_out: [B, H, S, 2 * HALF]; k, k_out: [B, H_KV, S, 2 * HALF]; cos, sin: [B, S, 2 * HALF] (any strides);
+    # grid (B * S,). Forward: q_out, k_out = x * cos + rotate_half(x) * sin. BACKWARD: q, k hold the gradients g of
+    # the outputs, and q_out, k_out get g * cos + rotate_half^T(g * sin).
     # HALF is a constexpr: the second half's address is then known to be as aligned as the first (vector loads
     # for hd = 80, say), and for a power-of-two hd the dim mask folds away.
     COMPUTE: tl.constexpr = tl.float64 if FP64 else tl.float32
@@ -155,166 +157,4 @@ def _rotate_token(
         HALF,
         BLOCK_HK,
         HALF_PAD,
-    )
-
-
-@kernel
-def rotary_fwd_kernel(
-    q_ptr,
-    k_ptr,
-    q_out_ptr,
-    k_out_ptr,
-    cos_ptr,
-    sin_ptr,
-    S,
-    stride_qb,
-    stride_qh,
-    stride_qs,
-    stride_qd,
-    stride_kb,
-    stride_kh,
-    stride_ks,
-    stride_kd,
-    stride_qob,
-    stride_qoh,
-    stride_qos,
-    stride_qod,
-    stride_kob,
-    stride_koh,
-    stride_kos,
-    stride_kod,
-    stride_cb,
-    stride_cs,
-    stride_cd,
-    stride_sb,
-    stride_ss,
-    stride_sd,
-    FP64: tl.constexpr,
-    H: tl.constexpr,
-    H_KV: tl.constexpr,
-    HALF: tl.constexpr,
-    BLOCK_HQ: tl.constexpr,
-    BLOCK_HK: tl.constexpr,
-    HALF_PAD: tl.constexpr,
-):
-    # q, k [B, heads, S, hd] -> q_out, k_out = x * cos + rotate_half(x) * sin; grid (B * S,)
-    _rotate_token(
-        q_ptr,
-        k_ptr,
-        q_out_ptr,
-        k_out_ptr,
-        cos_ptr,
-        sin_ptr,
-        S,
-        stride_qb,
-        stride_qh,
-        stride_qs,
-        stride_qd,
-        stride_kb,
-        stride_kh,
-        stride_ks,
-        stride_kd,
-        stride_qob,
-        stride_qoh,
-        stride_qos,
-        stride_qod,
-        stride_kob,
-        stride_koh,
-        stride_kos,
-        stride_kod,
-        stride_cb,
-        stride_cs,
-        stride_cd,
-        stride_sb,
-        stride_ss,
-        stride_sd,
-        BACKWARD=False,
-        FP64=FP64,
-        H=H,
-        H_KV=H_KV,
-        HALF=HALF,
-        BLOCK_HQ=BLOCK_HQ,
-        BLOCK_HK=BLOCK_HK,
-        HALF_PAD=HALF_PAD,
-    )
-
-
-@kernel
-def rotary_bwd_kernel(
-    q_ptr,
-    k_ptr,
-    q_out_ptr,
-    k_out_ptr,
-    cos_ptr,
-    sin_ptr,
-    S,
-    stride_qb,
-    stride_qh,
-    stride_qs,
-    stride_qd,
-    stride_kb,
-    stride_kh,
-    stride_ks,
-    stride_kd,
-    stride_qob,
-    stride_qoh,
-    stride_qos,
-    stride_qod,
-    stride_kob,
-    stride_koh,
-    stride_kos,
-    stride_kod,
-    stride_cb,
-    stride_cs,
-    stride_cd,
-    stride_sb,
-    stride_ss,
-    stride_sd,
-    FP64: tl.constexpr,
-    H: tl.constexpr,
-    H_KV: tl.constexpr,
-    HALF: tl.constexpr,
-    BLOCK_HQ: tl.constexpr,
-    BLOCK_HK: tl.constexpr,
-    HALF_PAD: tl.constexpr,
-):
-    # grad_q, grad_k [B, heads, S, hd] -> their grads g * cos + rotate_half^T(g * sin) into q_out, k_out; grid (B * S,)
-    _rotate_token(
-        q_ptr,
-        k_ptr,
-        q_out_ptr,
-        k_out_ptr,
-        cos_ptr,
-        sin_ptr,
-        S,
-        stride_qb,
-        stride_qh,
-        stride_qs,
-        stride_qd,
-        stride_kb,
-        stride_kh,
-        stride_ks,
-        stride_kd,
-        stride_qob,
-        stride_qoh,
-        stride_qos,
-        stride_qod,
-        stride_kob,
-        stride_koh,
-        stride_kos,
-        stride_kod,
-        stride_cb,
-        stride_cs,
-        stride_cd,
-        stride_sb,
-        stride_ss,
-        stride_sd,
-        BACKWARD=True,
-        FP64=FP64,
-        H=H,
-        H_KV=H_KV,
-        HALF=HALF,
-        BLOCK_HQ=BLOCK_HQ,
-        BLOCK_HK=BLOCK_HK,
-        HALF_PAD=HALF_PAD,
     )

@@ -28,7 +28,7 @@ import torch
 from .. import _backend
 from .._backend import Backend, backend_for, compute_dtype, new_output_layout_like, next_power_of_2, record_launch
 from .._plan.config import KnobGroup, current, register_knobs
-from .kernels import rotary_bwd_kernel, rotary_fwd_kernel
+from .kernels import rotary_kernel
 from .reference import torch_apply_rotary_pos_emb, torch_rotary_backward
 
 
@@ -109,10 +109,9 @@ def _rotate_into(
     half = hd // 2
     half_pad = next_power_of_2(half)
     fp64 = compute_dtype(torch.promote_types(torch.promote_types(q.dtype, cos.dtype), q_out.dtype)) == torch.float64
-    kernel = rotary_bwd_kernel if backward else rotary_fwd_kernel
     tile = current().knobs("rotary").tile
     block_hq = _head_block(H, half_pad, tile)
-    kernel[(B * S,)](
+    rotary_kernel[(B * S,)](
         q,
         k,
         q_out,
@@ -126,6 +125,7 @@ def _rotate_into(
         *_heads_strides(k_out, unsqueeze_dim),
         *_broadcast_strides(cos),
         *_broadcast_strides(sin),
+        BACKWARD=backward,
         FP64=fp64,
         H=H,
         H_KV=H_kv,
@@ -135,7 +135,7 @@ def _rotate_into(
         HALF_PAD=half_pad,
         num_warps=_warps(block_hq * half_pad),
     )
-    record_launch("rotary_bwd_kernel" if backward else "rotary_fwd_kernel")
+    record_launch("rotary_bwd_kernel" if backward else "rotary_fwd_kernel")  # one kernel, counted per direction
 
 
 def rotary_forward(
