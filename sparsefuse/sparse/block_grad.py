@@ -22,7 +22,7 @@ from .._backend import Backend, backend_for, cdiv, new_output, record_launch
 from .._jit import kernel
 from .._triton.dot import dot_accumulate, gathered_rows_dot, ieee_fp32
 from .._triton.limits import limits
-from .._triton.slots import block_slots, offsets_fit_32
+from .._triton.slots import block_slots, load_slots, offsets_fit_32, store_slots, union_chunk
 from .._validation import check_out, unit_last_stride
 from .block_spmm import heavy_first_schedule
 from .formats import BlockCSC, BlockELL
@@ -64,10 +64,8 @@ def block_ell_sddmm_kernel(
     #   out2 = (acc * up + gate_grad) where gate != 0     (gradient w.r.t. the gate's pre-activation)
     # Without HAS_UP (a non-gated layer: h = gate) only out2, with up = 1. OFFSETS_32: every element offset of a, b
     # and the [M, width] arrays fits in int32.
-    chunk = tl.program_id(0)
-    block = tl.program_id(1)
-    count = tl.load(counts_ptr + block)
-    if chunk * BLOCK_C < count:
+    chunk, block, count, live = union_chunk(counts_ptr, BLOCK_C)
+    if live:
         _, p_mask, cols, _, rows, row_mask, mask, offsets = block_slots(
             indices_ptr, order_ptr, block, chunk, count, M, width, BLOCK_ROWS, BLOCK_C, True, HAS_ORDER, OFFSETS_32
         )
@@ -78,17 +76,17 @@ def block_ell_sddmm_kernel(
         acc = tl.zeros([BLOCK_ROWS, BLOCK_C], dtype=tl.float32)
         acc = gathered_rows_dot(acc, a_rows_ptr, row_mask, b_cols_ptr, p_mask, D, BLOCK_D, IEEE_FP32)
         if GATED:
-            gate = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+            gate = load_slots(gate_ptr, offsets, mask)
             gate_grad = tl.math.div_rn(tl.load(gate_grad_ptr).to(tl.float32), gate_grad_divisor)
             if HAS_UP:
-                up = tl.load(up_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-                tl.store(out_ptr + offsets, (acc * gate).to(out_ptr.dtype.element_ty), mask=mask)
+                up = load_slots(up_ptr, offsets, mask)
+                store_slots(out_ptr, offsets, acc * gate, mask)
                 d_gate = tl.where(gate != 0, acc * up + gate_grad, 0.0)
             else:
                 d_gate = tl.where(gate != 0, acc + gate_grad, 0.0)
-            tl.store(out2_ptr + offsets, d_gate.to(out2_ptr.dtype.element_ty), mask=mask)
+            store_slots(out2_ptr, offsets, d_gate, mask)
         else:
-            tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
+            store_slots(out_ptr, offsets, acc, mask)
 
 
 def _sddmm_blocks() -> tuple[int, int, int, int, int | None]:
@@ -194,10 +192,8 @@ def block_csc_kernel(
     # the column's entries in the blocks before, and its flat slot index row * width + slot is written to src there
     # and its matrix row (order[row] with HAS_ORDER) to rows -- every position once: no atomics, the same layout
     # every run.
-    chunk = tl.program_id(0)
-    block = tl.program_id(1)
-    count = tl.load(counts_ptr + block)
-    if chunk * BLOCK_C < count:
+    chunk, block, count, live = union_chunk(counts_ptr, BLOCK_C)
+    if live:
         _, p_mask, cols, _, rows, _, mask, flat = block_slots(
             indices_ptr, order_ptr, block, chunk, count, M, width, BLOCK_ROWS, BLOCK_C, True, HAS_ORDER and FILL
         )  # [BLOCK_ROWS, BLOCK_C] flat slot indices

@@ -29,7 +29,7 @@ from .. import _backend
 from .._backend import Backend, backend_for, cdiv, new_output, record_launch
 from .._jit import kernel
 from .._triton.dot import gathered_rows_dot, ieee_fp32
-from .._triton.slots import block_slots
+from .._triton.slots import block_slots, union_chunk
 from .._validation import unit_last_stride
 from .sddmm import BlockFactors
 
@@ -241,11 +241,9 @@ def block_unpack_kernel(
     # up = x[rows] @ w_up[cols]^T + b_up (x [M, K], weights [N, K]). Either way the gate's non-zeros per column of
     # the chunk (NaN counts, as the transpose counts them) go to column_counts[blk, cols] ([n_blocks, N], any
     # integer dtype; left untouched elsewhere).
-    chunk = tl.program_id(0)
-    block = tl.program_id(1)
+    chunk, block, count, live = union_chunk(counts_ptr, BLOCK_C)
     n_chunks = tl.num_programs(0)
-    count = tl.load(counts_ptr + block)
-    if chunk * BLOCK_C < count:
+    if live:
         p, p_mask, cols, _, rows, row_mask, mask, dst = block_slots(
             indices_ptr, order_ptr, block, chunk, count, M, width, BLOCK_ROWS, BLOCK_C, True, HAS_ORDER
         )

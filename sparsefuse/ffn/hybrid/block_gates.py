@@ -24,7 +24,7 @@ import triton.language as tl
 from ... import _backend
 from ..._backend import cdiv, record_launch
 from ..._jit import kernel
-from ..._triton.slots import block_slots, offsets_fit_32
+from ..._triton.slots import block_slots, load_slots, offsets_fit_32, slot_offsets, store_slots, union_chunk
 from ..twell.reference import threshold_in
 
 # Union slots per program: a [block_rows, BLOCK_C] elementwise tile, as :mod:`.block_l1`'s
@@ -46,18 +46,14 @@ def block_drelu_forward_kernel(
 ):
     # up (the up factor), values (h = gate * up, rounded once) [M, width] on BlockELL slots, updated in place:
     # up <- relu(up), h <- 0 where up <= 0. counts [n_blocks]: the union sizes. Program (chunk, blk).
-    chunk = tl.program_id(0)
-    block = tl.program_id(1)
-    count = tl.load(counts_ptr + block)
-    if chunk * BLOCK_C < count:
-        _, _, _, _, _, _, mask, flat = block_slots(
-            counts_ptr, counts_ptr, block, chunk, count, M, width, BLOCK_ROWS, BLOCK_C, False, False, OFFSETS_32
-        )
-        up = tl.load(up_ptr + flat, mask=mask, other=0.0)  # [BLOCK_ROWS, BLOCK_C]
-        h = tl.load(values_ptr + flat, mask=mask, other=0.0)
-        off = up.to(tl.float32) <= 0
-        tl.store(up_ptr + flat, tl.where(off, 0.0, up.to(tl.float32)).to(up_ptr.dtype.element_ty), mask=mask)
-        tl.store(values_ptr + flat, tl.where(off, 0.0, h.to(tl.float32)).to(values_ptr.dtype.element_ty), mask=mask)
+    chunk, block, count, live = union_chunk(counts_ptr, BLOCK_C)
+    if live:
+        mask, flat = slot_offsets(block, chunk, count, M, width, BLOCK_ROWS, BLOCK_C, OFFSETS_32)
+        up = load_slots(up_ptr, flat, mask)  # [BLOCK_ROWS, BLOCK_C]
+        h = load_slots(values_ptr, flat, mask)
+        off = up <= 0
+        store_slots(up_ptr, flat, tl.where(off, 0.0, up), mask)
+        store_slots(values_ptr, flat, tl.where(off, 0.0, h), mask)
 
 
 @kernel
@@ -81,23 +77,21 @@ def block_gate_fix_kernel(
     # FAT: gate <- 0 where 0 < gate <= threshold (fp32: the largest value of the dtype <= FATReLU's), and the count
     # table [n_blocks + 1, N] (int64, block b's non-zeros per column in row b + 1) less the values zeroed. UP_RELU:
     # up <- relu(up).
-    chunk = tl.program_id(0)
-    block = tl.program_id(1)
-    count = tl.load(counts_ptr + block)
-    if chunk * BLOCK_C < count:
+    chunk, block, count, live = union_chunk(counts_ptr, BLOCK_C)
+    if live:
         _, p_mask, cols, _, _, _, mask, flat = block_slots(
-            indices_ptr, counts_ptr, block, chunk, count, M, width, BLOCK_ROWS, BLOCK_C, FAT, False, OFFSETS_32
+            indices_ptr, None, block, chunk, count, M, width, BLOCK_ROWS, BLOCK_C, FAT, False, OFFSETS_32
         )
         if FAT:
-            gate = tl.load(gate_ptr + flat, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_ROWS, BLOCK_C]
+            gate = load_slots(gate_ptr, flat, mask)  # [BLOCK_ROWS, BLOCK_C]
             drop = (gate != 0) & (gate <= threshold) & mask
-            tl.store(gate_ptr + flat, tl.where(drop, 0.0, gate).to(gate_ptr.dtype.element_ty), mask=mask)
+            store_slots(gate_ptr, flat, tl.where(drop, 0.0, gate), mask)
             at = table_ptr + (block + 1).to(tl.int64) * N + cols  # [BLOCK_C]: a union's columns are distinct
             dropped = tl.sum(drop.to(tl.int64), axis=0)
             tl.store(at, tl.load(at, mask=p_mask, other=0) - dropped, mask=p_mask)
         if UP_RELU:
-            up = tl.load(up_ptr + flat, mask=mask, other=0.0).to(tl.float32)
-            tl.store(up_ptr + flat, tl.where(up <= 0, 0.0, up).to(up_ptr.dtype.element_ty), mask=mask)
+            up = load_slots(up_ptr, flat, mask)
+            store_slots(up_ptr, flat, tl.where(up <= 0, 0.0, up), mask)
 
 
 @kernel
@@ -112,16 +106,12 @@ def block_drelu_grad_kernel(
     OFFSETS_32: tl.constexpr,
 ):
     # up (relu'd), d_up [M, width] on BlockELL slots: d_up <- 0 where up <= 0 (NaN included), in place.
-    chunk = tl.program_id(0)
-    block = tl.program_id(1)
-    count = tl.load(counts_ptr + block)
-    if chunk * BLOCK_C < count:
-        _, _, _, _, _, _, mask, flat = block_slots(
-            counts_ptr, counts_ptr, block, chunk, count, M, width, BLOCK_ROWS, BLOCK_C, False, False, OFFSETS_32
-        )
-        up = tl.load(up_ptr + flat, mask=mask, other=0.0).to(tl.float32)
-        d_up = tl.load(d_up_ptr + flat, mask=mask, other=0.0).to(tl.float32)
-        tl.store(d_up_ptr + flat, tl.where(up > 0, d_up, 0.0).to(d_up_ptr.dtype.element_ty), mask=mask)
+    chunk, block, count, live = union_chunk(counts_ptr, BLOCK_C)
+    if live:
+        mask, flat = slot_offsets(block, chunk, count, M, width, BLOCK_ROWS, BLOCK_C, OFFSETS_32)
+        up = load_slots(up_ptr, flat, mask)
+        d_up = load_slots(d_up_ptr, flat, mask)
+        store_slots(d_up_ptr, flat, tl.where(up > 0, d_up, 0.0), mask)
 
 
 def _grid(values: torch.Tensor, counts: torch.Tensor) -> tuple[int, tuple[int, int]] | None:

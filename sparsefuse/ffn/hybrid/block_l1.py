@@ -20,7 +20,7 @@ import triton.language as tl
 from ... import _backend
 from ..._backend import cdiv, new_output, record_launch
 from ..._jit import kernel
-from ..._triton.slots import block_slots, offsets_fit_32
+from ..._triton.slots import load_slots, offsets_fit_32, slot_offsets, store_slots, union_chunk
 
 # Union slots per program: a [block_rows, BLOCK_C] elementwise tile (64 x 64 at 4 warps: 32 values a thread)
 BLOCK_C = 64
@@ -42,15 +42,11 @@ def block_abs_sum_kernel(
 ):
     # values [M, width] on BlockELL slots (slot rows), counts [n_blocks]: the union sizes. Program (chunk, blk):
     # part[blk * n_chunks + chunk] = scale * sum(|values|) over the block's listed slots in the chunk (0 past them).
-    chunk = tl.program_id(0)
-    block = tl.program_id(1)
-    count = tl.load(counts_ptr + block)
+    chunk, block, count, live = union_chunk(counts_ptr, BLOCK_C)
     at = block * tl.num_programs(0) + chunk
-    if chunk * BLOCK_C < count:
-        _, _, _, _, _, _, mask, flat = block_slots(
-            counts_ptr, counts_ptr, block, chunk, count, M, width, BLOCK_ROWS, BLOCK_C, False, False, OFFSETS_32
-        )
-        v = tl.load(values_ptr + flat, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_ROWS, BLOCK_C]
+    if live:
+        mask, flat = slot_offsets(block, chunk, count, M, width, BLOCK_ROWS, BLOCK_C, OFFSETS_32)
+        v = load_slots(values_ptr, flat, mask)  # [BLOCK_ROWS, BLOCK_C]
         tl.store(part_ptr + at, tl.sum(tl.sum(tl.abs(v), axis=1), axis=0) * scale)
     else:
         tl.store(part_ptr + at, 0.0)
@@ -73,23 +69,19 @@ def block_hidden_l1_grad_kernel(
 ):
     # gate, up (the forward's factors), d_up, d_pre (h's chain rule, updated in place) [M, width] on the same
     # BlockELL slots; grad: 1 element, the loss's gradient w.r.t. l1 = sum(|gate * up|) / divisor.
-    chunk = tl.program_id(0)
-    block = tl.program_id(1)
-    count = tl.load(counts_ptr + block)
-    if chunk * BLOCK_C < count:
-        _, _, _, _, _, _, mask, flat = block_slots(
-            counts_ptr, counts_ptr, block, chunk, count, M, width, BLOCK_ROWS, BLOCK_C, False, False, OFFSETS_32
-        )
+    chunk, block, count, live = union_chunk(counts_ptr, BLOCK_C)
+    if live:
+        mask, flat = slot_offsets(block, chunk, count, M, width, BLOCK_ROWS, BLOCK_C, OFFSETS_32)
         c = tl.math.div_rn(tl.load(grad_ptr).to(tl.float32), divisor)  # correctly rounded, as torch divides
-        gate = tl.load(gate_ptr + flat, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(up_ptr + flat, mask=mask, other=0.0).to(tl.float32)
-        d_up = tl.load(d_up_ptr + flat, mask=mask, other=0.0).to(tl.float32)
-        d_pre = tl.load(d_pre_ptr + flat, mask=mask, other=0.0).to(tl.float32)
+        gate = load_slots(gate_ptr, flat, mask)
+        up = load_slots(up_ptr, flat, mask)
+        d_up = load_slots(d_up_ptr, flat, mask)
+        d_pre = load_slots(d_pre_ptr, flat, mask)
         sign = tl.where(up > 0, 1.0, tl.where(up < 0, -1.0, 0.0))
         d_up += c * sign * gate  # 0 where the gate did not fire
         d_pre += tl.where(gate != 0, c * tl.abs(up), 0.0)
-        tl.store(d_up_ptr + flat, d_up.to(d_up_ptr.dtype.element_ty), mask=mask)
-        tl.store(d_pre_ptr + flat, d_pre.to(d_pre_ptr.dtype.element_ty), mask=mask)
+        store_slots(d_up_ptr, flat, d_up, mask)
+        store_slots(d_pre_ptr, flat, d_pre, mask)
 
 
 def _block_c() -> int:
