@@ -96,6 +96,10 @@ class CostModel(Knobs):
     # (H200, 1.5B layer, heavy tail: 2048 tokens of mean 32 non-zeros, 20 overflowed tiles recomputed by GEMVs, took
     # 10x the dense block).
     heavy_pass_min_tokens: int = 128
+    # Kernel 2's programs per token below a full wave of tokens: each split writes a partial row that the last to
+    # finish sums, so past a few fired rows per split the partials cost more than they spread (a one-token step of
+    # the SparseLM-1.5B shape on an H100: 6.6 us at 16 splits, 12.2 us at one split per 64-column tile, 88)
+    max_splits: int = 16
     heavy_splits: int = 16  # programs per heavy token, up to heavy_splits_tokens tokens; fewer past it, down to 4
     heavy_splits_tokens: int = 1024
     heavy_partial_bytes: int = 64 << 20  # the heavy launch's fp32 partials [tokens, splits, K], at most

@@ -115,12 +115,12 @@ class _UpDownPlan:
 def _up_down_plan(M: int, K: int, n_tiles: int, device: torch.device) -> _UpDownPlan:
     """Kernel 2's launch, measured on an H200: 4 entries per step with ~64 weight elements per thread per tile; one
     program per token once the batch fills the GPU (the heavy ones first), otherwise each token's tiles split over
-    enough programs to fill it."""
+    enough programs to fill it, at most ``max_splits``."""
     block_d = next_power_of_2(max(K, 1))
     block_j = 4 if block_d <= 16384 else max(1, 65536 // block_d)
     num_warps = min(32, max(4, block_j * block_d // 2048))
     wave = 2 * sm_count(device)
-    n_splits = 1 if M >= wave else min(n_tiles, cdiv(wave, max(M, 1)))
+    n_splits = 1 if M >= wave else min(n_tiles, cdiv(wave, max(M, 1)), _knobs().max_splits)
     block_c, block_k = (16, 64) if _backend.INTERPRET else (8, 1024)
     return _UpDownPlan(block_d, block_j, num_warps, n_splits, M >= wave, block_c, block_k)
 
