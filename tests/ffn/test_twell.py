@@ -212,6 +212,24 @@ def test_separate_kernels_match_the_fused_call(shift, device):
         assert_close_to_reference(fused, ref, lowp)
 
 
+@pytest.mark.parametrize("max_splits", [1, 3])
+def test_up_down_splits_follow_the_max_splits_knob(max_splits, device, plan):
+    """Kernel 2 splits a small batch's tokens over at most ``max_splits`` programs each (the fp32 partials summed in
+    order by the last), and the result matches the float64 reference."""
+    from sparsefuse.ffn.twell.launch import _up_down_plan
+
+    w_gate, w_up, w_down, *_ = mlp_weights(32, 96, torch.float32, device, seed=5)
+    x = torch.randn(2, 32, device=device)
+    x[:, 0] = -0.3  # most tiles hold several fired neurons
+    ref, lowp = torch_twell_mlp(x, w_gate, w_up, w_down), torch_lowp_mlp(x, w_gate, w_up, w_down)
+    plan(twell_mlp={"max_splits": max_splits})
+    assert _up_down_plan(2, 32, 6, x.device).n_splits == min(6, max_splits)
+    with track_launches() as launched:
+        y = twell_mlp(x, w_gate, w_up, w_down, tile=16, compression=4, method="twell")
+    assert launched["twell_up_down_fwd_kernel"] == 1
+    assert_close_to_reference(y, ref, lowp)
+
+
 def test_row_major_down_weight_is_copied_with_a_warning(device):
     w_gate, w_up, w_down, *_ = mlp_weights(24, 48, torch.float32, device)
     x = torch.randn(5, 24, device=device)
