@@ -247,22 +247,40 @@ class Planner:
                     return self.rounded(self.from_per_row(per_row)), "observed"
         return self.rounded(self.prior(question, self.knobs)), "prior"
 
+    def resolve(
+        self,
+        method: str,
+        question: Any,
+        call: torch.Tensor,
+        *,
+        warm_up: Callable[[str, Any], object] | None = None,
+        at_run_time: bool = False,
+        **sources: Any,
+    ) -> tuple[str, Any]:
+        """What a call asking for ``method`` runs: an explicit method itself (recorded for :func:`explain`, never
+        another), ``"auto"`` by :meth:`choose` in the context of the call's tensor ``call`` (its first dimension
+        the rows; a call with none, or one whose values may not be looked at, observes nothing). ``sources``: the
+        estimate's (:meth:`estimate`). Returns (method, the rounded estimate; None where none was used)."""
+        if method != AUTO:
+            decided(self.op, method, f"method={method!r} given", "explicit")
+            return method, None
+        sources.setdefault("can_observe", observable(call) and call.shape[0] > 0)
+        return self.choose(question, call_context(call), warm_up=warm_up, at_run_time=at_run_time, **sources)
+
     def choose(
         self,
         question: Any,
         context: str,
         *,
-        given: float | None = None,
-        monitor: SparsityMonitor | None = None,
-        weight: torch.Tensor | None = None,
-        stats: Callable[[], torch.Tensor] | None = None,
-        can_observe: bool = False,
         warm_up: Callable[[str, Any], object] | None = None,
         at_run_time: bool = False,
+        **sources: Any,
     ) -> tuple[str, Any]:
         """(method, the rounded estimate it was picked at; None where no estimate was used) for ``question`` in
-        ``context`` (:func:`call_context`). Returns ``"auto"`` while torch.compile traces without a ``given``
-        estimate: the op decides when the graph runs (``at_run_time=True`` there, where it never defers)."""
+        ``context`` (:func:`call_context`); ``sources``: the estimate's, as :meth:`estimate` takes them. Returns
+        ``"auto"`` while torch.compile traces without a ``given`` estimate: the op decides when the graph runs
+        (``at_run_time=True`` there, where it never defers)."""
+        given = sources.get("given")
         rule = self.rule(question, self.knobs)
         if rule is not None:
             decided(self.op, rule[0], rule[1])
@@ -277,9 +295,7 @@ class Planner:
             if not _constant_question(question, given):
                 return AUTO, None  # a symbolic size: decided when the graph runs
             return _traced_pick(self.op, question, float(given)), self.rounded(self.from_given(given))
-        estimate, source = self.estimate(
-            question, context, given=given, monitor=monitor, weight=weight, stats=stats, can_observe=can_observe
-        )
+        estimate, source = self.estimate(question, context, **sources)
         eager = context == "eager"
         method = self.pick(question, estimate, eager)
         if _EXPLAINING[0] and not torch.compiler.is_compiling():

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..._backend import cdiv
-from ..._plan import Knobs, Planner, SparsityMonitor, Variant, call_context, device_scalar, observable
+from ..._plan import Knobs, Planner, SparsityMonitor, Variant, device_scalar
 from .launch import auto_tile
 from .reference import threshold_in
 
@@ -226,6 +226,7 @@ def eager_runs_dense(w_gate: torch.Tensor, M: int, dtype: torch.dtype) -> bool |
 
 
 def resolve_method(
+    method: str,
     x2: torch.Tensor,
     w_gate: torch.Tensor,
     b_gate: torch.Tensor | None,
@@ -235,20 +236,21 @@ def resolve_method(
     at_run_time: bool = False,
     threshold: float = 0.0,
 ) -> str:
-    """What ``method="auto"`` runs for x2 [M, K] and w_gate [N, K] (``"auto"`` itself while torch.compile traces
-    without ``expected_nnz``: the op decides when the graph runs, ``at_run_time``). ``warm_up(method)``: runs the
-    in-graph pick once where an eager call picks another (see :mod:`sparsefuse._plan.planner`). ``threshold``:
-    FATReLU's, so the estimate counts the gates that fire (> threshold)."""
+    """What a call asking for ``method`` runs on x2 [M, K] and w_gate [N, K] (:meth:`Planner.resolve`: an explicit
+    method itself; ``"auto"`` by the planner, and ``"auto"`` itself while torch.compile traces without
+    ``expected_nnz``: the op decides when the graph runs, ``at_run_time``). This op's share of the choice is its
+    question and its sample: the gate of <= ``probe_tokens`` tokens, counting what fires above FATReLU's
+    ``threshold``. ``warm_up(method)``: runs the in-graph pick once where an eager call picks another."""
     M, K = x2.shape
-    method, _ = PLANNER.choose(
+    picked, _ = PLANNER.resolve(
+        method,
         (M, K, w_gate.shape[0], x2.dtype),
-        call_context(x2),
+        x2,
         given=expected_nnz,
         monitor=monitor,
         weight=w_gate,
         stats=lambda: probe_stats(x2, w_gate, b_gate, threshold),
-        can_observe=observable(x2) and M > 0,
         warm_up=None if warm_up is None else lambda method, estimate: warm_up(method),
         at_run_time=at_run_time,
     )
-    return method
+    return picked

@@ -216,20 +216,18 @@ def twell_mlp(
     if _needs_grad(x, w_gate, w_up, w_down, b_gate, b_up, b_down):
         decided(op, "dense", "autograd needs a gradient: the sparse kernels are inference-only", "autograd")
         return dense_mlp(x2, w_gate, b_gate, w_up, b_up, w_down_t.t(), b_down, *gate).reshape(out_shape)
-    if method != AUTO:
-        decided(op, method, f"method={method!r} given", "explicit")
-    else:
-        method = resolve_method(
-            x2,
-            w_gate,
-            b_gate,
-            expected_nnz,
-            monitor,
-            warm_up=lambda m: launch_mlp(
-                x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile or 0, compression, m, False, *gate
-            ),
-            threshold=threshold,
-        )
+    method = resolve_method(
+        method,
+        x2,
+        w_gate,
+        b_gate,
+        expected_nnz,
+        monitor,
+        warm_up=lambda m: launch_mlp(
+            x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile or 0, compression, m, False, *gate
+        ),
+        threshold=threshold,
+    )
     # Counting costs a few launches: only when the monitor would take the count (none in flight, not capturing).
     with_stats = monitor is not None and not torch.compiler.is_compiling() and monitor.accepts
     args = (x2, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile or 0, compression, method, with_stats, *gate)

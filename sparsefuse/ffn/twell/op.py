@@ -97,7 +97,7 @@ def twell_mlp_op(
     # "auto" reaches the op from a graph compiled without an estimate (and from direct callers): decided now, with
     # real tensors, as the planner decides an eager call or a capture.
     if method == "auto":
-        method = resolve_method(x, w_gate, b_gate, None, None, at_run_time=True, threshold=threshold)
+        method = resolve_method("auto", x, w_gate, b_gate, None, None, at_run_time=True, threshold=threshold)
     return launch_mlp(
         x, w_gate, b_gate, w_up, b_up, w_down_t, b_down, tile, compression, method, with_stats, activation, threshold
     )

@@ -63,7 +63,7 @@ from statistics import NormalDist
 import torch
 
 from ..._backend import cdiv, dram_bandwidth, next_power_of_2, sm_count
-from ..._plan import EstimateCache, Knobs, Planner, Variant, call_context, decided, observable, sampled_row_stats
+from ..._plan import EstimateCache, Knobs, Planner, Variant, sampled_row_stats
 from ..._triton.limits import limits
 from ...sparse.long_rows import ONE_WAVE_LONG_ENTRIES, long_row_threshold
 from ...sparse.scan import scan_splits, splits_by_atomics
@@ -356,9 +356,6 @@ def resolve_method(
     unless ``max_l0`` is given."""
     (M, d_sae), d_model = acts.shape, W_dec.shape[1]
     width = max_l0 if max_l0 is not None else min(DEFAULT_MAX_L0, d_sae)
-    if method != "auto":
-        decided("sparse_decode", method, f"method={method!r} given", "explicit")
-        return method, width
 
     def width_at(l0: L0Estimate | None) -> int:
         return width if max_l0 is not None or l0 is None else _auto_width(l0.mean, d_sae)
@@ -366,13 +363,13 @@ def resolve_method(
     bandwidth = dram_bandwidth(acts.device) or REFERENCE_BANDWIDTH
     sms = sm_count(acts.device) if acts.is_cuda else REFERENCE_SMS
     weight = W_dec if decoder is None else decoder
-    method, l0 = PLANNER.choose(
+    method, l0 = PLANNER.resolve(
+        method,
         _question(M, d_sae, d_model, acts.dtype, W_dec.dtype, bandwidth, sms),
-        call_context(acts),
+        acts,
         given=expected_l0,
         weight=weight,
         stats=lambda: sampled_row_stats(acts, PLANNER.knobs.sample_rows, long_row_threshold(d_sae)),
-        can_observe=observable(acts) and M > 0,
         warm_up=None if warm_up is None else lambda method, l0: warm_up(method, width_at(l0)),
         at_run_time=at_run_time,
     )
