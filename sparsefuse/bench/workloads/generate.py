@@ -26,7 +26,7 @@ import torch
 
 from ..harness import Case, Options, register
 from .liger_peer import peer
-from .model import _ModelPair, _synthetic_llama, uniform_token_ids, whole_model_impls
+from .model import _ModelPair, _synthetic_llama, uniform_token_ids, whole_model_case, whole_model_impls
 
 SCENARIOS = [("SparseLM-1.5B", 1), ("SparseLM-1.5B", 8), ("SparseLM-1.5B", 32), ("8B", 1)]  # (model, batch)
 QUICK_SCENARIOS = [("SparseLM-1.5B", 1), ("SparseLM-1.5B", 8)]
@@ -132,23 +132,11 @@ def generate_cases(options: Options) -> list[Case]:
                 )
                 for impl in impls
             }
+            label = f"{model} nnz={MEAN_NNZ:g} generate B={batch} P={PROMPT} N={new_tokens}"
+            tokens = batch * new_tokens
             cases.append(
-                Case(
-                    workload="generate",
-                    shape=f"{model} nnz={MEAN_NNZ:g} generate B={batch} P={PROMPT} N={new_tokens} {how}",
-                    dtype=dtype,
-                    direction="fwd",
-                    bytes_moved=0,
-                    flops=0,
-                    ceiling="none",
-                    make_inputs=make_inputs,
-                    impls=calls,
-                    method="wall",
-                    rotate=False,
-                    eager_impl="unpatched",
-                    compile_impl=None,
-                    tokens=batch * new_tokens,
-                    impl_note=runs.note,
+                whole_model_case(
+                    label, dtype, how, tokens, make_inputs, calls, "generate", method="wall", impl_note=runs.note
                 )
             )
     return cases

@@ -253,9 +253,22 @@ def run_mlps(model: torch.nn.Module, inputs: Sequence[torch.Tensor]) -> list[tor
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _case(label: str, dtype: torch.dtype, how: str, tokens: int, make_inputs, impls) -> Case:
+def whole_model_case(
+    label: str,
+    dtype: torch.dtype,
+    how: str,
+    tokens: int,
+    make_inputs,
+    impls,
+    workload: str = "model",
+    method: str | None = None,
+    **extra: Any,
+) -> Case:
+    """A whole-model case (``model``, ``generate``): rows per implementation against the unpatched model, no byte
+    or FLOP floor, one input set (the weights are what is read). ``method``: the harness's timing, by default
+    plain calls for ``eager``/``compile`` and a CUDA graph otherwise."""
     return Case(
-        workload="model",
+        workload=workload,
         shape=f"{label} {how}",
         dtype=dtype,
         direction="fwd",
@@ -264,11 +277,12 @@ def _case(label: str, dtype: torch.dtype, how: str, tokens: int, make_inputs, im
         ceiling="none",
         make_inputs=make_inputs,
         impls=impls,
-        method="eager" if how in ("eager", "compile") else "graph",
-        rotate=False,  # the weights are what is read; one input set
+        method=method or ("eager" if how in ("eager", "compile") else "graph"),
+        rotate=False,
         eager_impl="unpatched",
         compile_impl=None,
         tokens=tokens,
+        **extra,
     )
 
 
@@ -322,7 +336,7 @@ def _scenario_cases(
             return mlp_inputs(model, lambda: state.step(model))
 
     cases = [
-        _case(
+        whole_model_case(
             label,
             dtype,
             how,
@@ -333,7 +347,7 @@ def _scenario_cases(
         for how in methods
     ]
     ffn = {impl: (lambda *xs, impl=impl: run_mlps(pair.get(key)[impl], xs)) for impl in IMPLS}
-    cases.append(_case(label, dtype, "FFN", tokens, make_ffn_inputs, ffn))
+    cases.append(whole_model_case(label, dtype, "FFN", tokens, make_ffn_inputs, ffn))
     return cases
 
 
