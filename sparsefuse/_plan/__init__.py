@@ -11,6 +11,7 @@ from .estimates import (
     observable,
     sampled_nonzero_stats,
     sampled_row_stats,
+    sampled_rows,
 )
 from .planner import (
     AUTO,
@@ -46,4 +47,5 @@ __all__ = [
     "planning",
     "sampled_nonzero_stats",
     "sampled_row_stats",
+    "sampled_rows",
 ]

@@ -22,7 +22,7 @@ def device_scalar(value: int, device: torch.device) -> torch.Tensor:
     return torch.full((), value, dtype=torch.int64, device=device)
 
 
-def _sampled_rows(t: torch.Tensor, max_rows: int) -> torch.Tensor:
+def sampled_rows(t: torch.Tensor, max_rows: int) -> torch.Tensor:
     """<= ``max_rows`` evenly spaced rows of ``t`` [M, n] (M >= 1), the first and the last included."""
     M = t.shape[0]
     return t[torch.linspace(0, M - 1, min(M, max_rows), device=t.device).long()]
@@ -31,7 +31,7 @@ def _sampled_rows(t: torch.Tensor, max_rows: int) -> torch.Tensor:
 def sampled_nonzero_stats(t: torch.Tensor, max_rows: int, positive: bool = False) -> torch.Tensor:
     """[2] int64 (non-zeros, rows) over <= ``max_rows`` evenly spaced rows of ``t`` [M, n] (M >= 1), without a sync.
     ``positive``: count entries > 0 (pre-activations of a ReLU) instead of entries != 0 (NaN counts as fired)."""
-    sample = _sampled_rows(t, max_rows)
+    sample = sampled_rows(t, max_rows)
     fired = sample > 0 if positive else sample != 0
     return torch.stack([fired.sum(dtype=torch.int64), device_scalar(sample.shape[0], t.device)])
 
@@ -42,7 +42,7 @@ def sampled_row_stats(t: torch.Tensor, max_rows: int, long_above: int) -> torch.
     when it holds more than ``long_above`` non-zeros. For a cost model that needs the spread of the per-row count
     (its second moment) and the few rows far denser than the rest, which would swamp a plain mean. A
     :class:`SparsityMonitor` keeps each element per row counted (:attr:`SparsityMonitor.per_row`)."""
-    sample = _sampled_rows(t, max_rows)
+    sample = sampled_rows(t, max_rows)
     counts = (sample != 0).sum(dim=1, dtype=torch.int64)
     long = counts > long_above
     ordinary = torch.where(long, 0, counts)

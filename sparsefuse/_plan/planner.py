@@ -247,9 +247,15 @@ class Planner:
                     return self.rounded(self.from_per_row(per_row)), "observed"
         return self.rounded(self.prior(question, self.knobs)), "prior"
 
+    def explicit(self, method: str) -> str:
+        """A method the caller named: it runs, never another (recorded for :func:`explain`). Callers check for it
+        before building ``auto``'s question, so that an explicit call pays nothing for the planner."""
+        if _EXPLAINING[0]:
+            decided(self.op, method, f"method={method!r} given", "explicit")
+        return method
+
     def resolve(
         self,
-        method: str,
         question: Any,
         call: torch.Tensor,
         *,
@@ -257,13 +263,9 @@ class Planner:
         at_run_time: bool = False,
         **sources: Any,
     ) -> tuple[str, Any]:
-        """What a call asking for ``method`` runs: an explicit method itself (recorded for :func:`explain`, never
-        another), ``"auto"`` by :meth:`choose` in the context of the call's tensor ``call`` (its first dimension
+        """``"auto"``'s method by :meth:`choose` in the context of the call's tensor ``call`` (its first dimension
         the rows; a call with none, or one whose values may not be looked at, observes nothing). ``sources``: the
         estimate's (:meth:`estimate`). Returns (method, the rounded estimate; None where none was used)."""
-        if method != AUTO:
-            decided(self.op, method, f"method={method!r} given", "explicit")
-            return method, None
         sources.setdefault("can_observe", observable(call) and call.shape[0] > 0)
         return self.choose(question, call_context(call), warm_up=warm_up, at_run_time=at_run_time, **sources)
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..._backend import cdiv
-from ..._plan import Knobs, Planner, SparsityMonitor, Variant, device_scalar
+from ..._plan import AUTO, Knobs, Planner, SparsityMonitor, Variant, device_scalar, sampled_rows
 from .launch import auto_tile
 from .reference import threshold_in
 
@@ -211,10 +211,9 @@ def probe_stats(
 ) -> torch.Tensor:
     """[2] int64 (gate non-zeros: entries > ``threshold``, tokens) over <= ``probe_tokens`` evenly spaced tokens of
     x2 [M >= 1, K], the gate computed densely for those tokens only; no sync."""
-    M = x2.shape[0]
-    rows = torch.linspace(0, M - 1, min(M, PLANNER.knobs.probe_tokens), device=x2.device).long()
-    fired = (F.linear(x2[rows], w_gate, b_gate) > threshold_in(x2.dtype, threshold)).sum(dtype=torch.int64)
-    return torch.stack([fired, device_scalar(rows.numel(), x2.device)])
+    rows = sampled_rows(x2, PLANNER.knobs.probe_tokens)
+    fired = (F.linear(rows, w_gate, b_gate) > threshold_in(x2.dtype, threshold)).sum(dtype=torch.int64)
+    return torch.stack([fired, device_scalar(rows.shape[0], x2.device)])
 
 
 def eager_runs_dense(w_gate: torch.Tensor, M: int, dtype: torch.dtype) -> bool | None:
@@ -241,9 +240,10 @@ def resolve_method(
     ``expected_nnz``: the op decides when the graph runs, ``at_run_time``). This op's share of the choice is its
     question and its sample: the gate of <= ``probe_tokens`` tokens, counting what fires above FATReLU's
     ``threshold``. ``warm_up(method)``: runs the in-graph pick once where an eager call picks another."""
+    if method != AUTO:
+        return PLANNER.explicit(method)
     M, K = x2.shape
     picked, _ = PLANNER.resolve(
-        method,
         (M, K, w_gate.shape[0], x2.dtype),
         x2,
         given=expected_nnz,

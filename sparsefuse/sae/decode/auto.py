@@ -63,7 +63,7 @@ from statistics import NormalDist
 import torch
 
 from ..._backend import cdiv, dram_bandwidth, next_power_of_2, sm_count
-from ..._plan import EstimateCache, Knobs, Planner, Variant, sampled_row_stats
+from ..._plan import AUTO, EstimateCache, Knobs, Planner, Variant, sampled_row_stats
 from ..._triton.limits import limits
 from ...sparse.long_rows import ONE_WAVE_LONG_ENTRIES, long_row_threshold
 from ...sparse.scan import scan_splits, splits_by_atomics
@@ -356,6 +356,8 @@ def resolve_method(
     unless ``max_l0`` is given."""
     (M, d_sae), d_model = acts.shape, W_dec.shape[1]
     width = max_l0 if max_l0 is not None else min(DEFAULT_MAX_L0, d_sae)
+    if method != AUTO:
+        return PLANNER.explicit(method), width
 
     def width_at(l0: L0Estimate | None) -> int:
         return width if max_l0 is not None or l0 is None else _auto_width(l0.mean, d_sae)
@@ -364,7 +366,6 @@ def resolve_method(
     sms = sm_count(acts.device) if acts.is_cuda else REFERENCE_SMS
     weight = W_dec if decoder is None else decoder
     method, l0 = PLANNER.resolve(
-        method,
         _question(M, d_sae, d_model, acts.dtype, W_dec.dtype, bandwidth, sms),
         acts,
         given=expected_l0,
