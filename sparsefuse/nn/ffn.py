@@ -307,6 +307,8 @@ class SparseGatedMLP(nn.Module):
                 gate.weight,
                 up.weight,
                 down.weight,
+                # auto has just picked the block step: hybrid_mlp need not ask the planner again
+                layout="block" if self.train_method == "auto" else "auto",
                 b_gate=gate.bias,
                 b_up=up.bias,
                 b_down=down.bias,
