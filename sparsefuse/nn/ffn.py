@@ -35,7 +35,6 @@ column-major weight: what safetensors and other writers require; ``keep_vars=Tru
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _torch_module
 
@@ -47,7 +46,7 @@ from ..ffn.hybrid.reference import L1_TERMS
 from ..ffn.twell import DEFAULT_COMPRESSION, METHODS, twell_down_layout, twell_mlp
 from ..ffn.twell.auto import ESTIMATES, eager_runs_dense
 from ..ffn.twell.launch import STATS_TOKENS
-from ..ffn.twell.reference import gate_activation
+from ..ffn.twell.reference import dense_gated, gate_activation
 from ..sparse.compact import DEFAULT_HYBRID_WIDTH
 
 # How a forward that needs gradients runs: "dense" (LlamaMLP's ops) or "hybrid" (the sparse training step).
@@ -279,21 +278,25 @@ class SparseGatedMLP(nn.Module):
         per-weight estimates' schedule, :meth:`EstimateCache.next_sample_at`) the gate activations are counted on the
         device for the gate weight's estimate (no sync) and the cached eager choices are dropped, so they follow
         the sparsity."""
-        gate, up, down = self.gate_proj, self.up_proj, self.down_proj
-        h = gate_activation(F.linear(x, gate.weight, gate.bias), self.threshold)
+        y, h_gate, _ = self._dense(x)
         self._eager_calls += 1
         if self._eager_calls >= self._next_sample:
-            ESTIMATES.observe(gate.weight, sampled_nonzero_stats(h.reshape(-1, h.shape[-1]), STATS_TOKENS))
+            stats = sampled_nonzero_stats(h_gate.reshape(-1, h_gate.shape[-1]), STATS_TOKENS)
+            ESTIMATES.observe(self.gate_proj.weight, stats)
             self._next_sample = ESTIMATES.next_sample_at(self._eager_calls)
             self._eager_choice.clear()
-        return F.linear(h * self._up(F.linear(x, up.weight, up.bias)), down.weight, down.bias)
+        return y
 
-    def _up(self, u: torch.Tensor, act: nn.Module | None = None) -> torch.Tensor:
-        """The up product as the gate multiplies it: ReLU'd for dReLU (by ``act``, the module's own act_fn where
-        the submodules are called), as is otherwise."""
-        if self.activation != "drelu":
-            return u
-        return torch.relu(u) if act is None else act(u)
+    def _dense(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(y, gate activations, h) of the dense block (:func:`~sparsefuse.ffn.twell.reference.dense_gated`)."""
+        gate, up, down = self.gate_proj, self.up_proj, self.down_proj
+        weights = (gate.weight, gate.bias, up.weight, up.bias, down.weight, down.bias)
+        return dense_gated(x, *weights, self.activation, self.threshold)
+
+    def _up(self, u: torch.Tensor, act: nn.Module) -> torch.Tensor:
+        """The up product as the gate multiplies it where the submodules are called: ReLU'd by the module's own
+        ``act`` for dReLU (its hooks run), as is otherwise."""
+        return act(u) if self.activation == "drelu" else u
 
     def _train_forward(self, x: torch.Tensor) -> torch.Tensor:
         """A forward whose gradients are wanted: ``train_method="hybrid"`` runs the sparse training step
@@ -320,12 +323,11 @@ class SparseGatedMLP(nn.Module):
             )
             self.last_l1, self._last_counts = out.l1, (out.token_counts, out.neuron_counts)
             return out.y
-        h_gate = gate_activation(F.linear(x, gate.weight, gate.bias), self.threshold)
-        h = h_gate * self._up(F.linear(x, up.weight, up.bias))
+        y, h_gate, h = self._dense(x)
         self._record_step(h_gate, h)
         if self.train_method == "auto":
             TRAIN_CHOICE.observe(gate.weight, self._last_counts[0])  # sync-free, now and then
-        return F.linear(h, down.weight, down.bias)
+        return y
 
     def _trains_sparse(self, x: torch.Tensor) -> bool:
         """``train_method="auto"``: whether this step runs the sparse step (see the module docstring). A traced

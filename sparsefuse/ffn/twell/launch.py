@@ -26,7 +26,7 @@ from .kernels import (
     twell_to_ell_kernel,
     twell_up_down_fwd_kernel,
 )
-from .reference import gate_activation, threshold_in
+from .reference import dense_gated, gate_activation, threshold_in
 
 DEFAULT_COMPRESSION = 8  # slots = tile / 8: 32 slots per 256-column tile (the paper's setting)
 STATS_TOKENS = 256  # tokens whose non-zeros the dense and block paths count for a SparsityMonitor
@@ -507,9 +507,7 @@ def launch_mlp(
     [2] int64 (gate non-zeros, tokens counted) for a SparsityMonitor when ``with_stats``, else an empty tensor."""
     M = x2.shape[0]
     if method == "dense":
-        h_gate = gate_activation(F.linear(x2, w_gate, b_gate), threshold)
-        up = F.linear(x2, w_up, b_up)
-        y = F.linear(h_gate * (up.relu_() if activation == "drelu" else up), w_down_t.t(), b_down)
+        y, h_gate, _ = dense_gated(x2, w_gate, b_gate, w_up, b_up, w_down_t.t(), b_down, activation, threshold)
         if not with_stats or M == 0:
             return y, _no_stats(x2, with_stats)
         return y, sampled_nonzero_stats(h_gate, STATS_TOKENS, positive=True)

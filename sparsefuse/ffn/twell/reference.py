@@ -73,10 +73,20 @@ def torch_relu_mlp(x, w_up, w_down, b_up=None, b_down=None) -> torch.Tensor:
     return _linear64(torch.relu(_linear64(x2, w_up, b_up)), w_down, b_down).reshape(*x.shape[:-1], w_down.shape[0])
 
 
+def dense_gated(
+    x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation: str = "relu", threshold: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gated block in x's dtype with cuBLAS (three matmuls), as ``LlamaMLP`` runs it: x [..., K], w_down
+    [K, N]. Returns (y [..., K], the gate's activations [..., N], h = gate * up [..., N]; dReLU: up ReLU'd) --
+    the last two for callers that count the firing or keep the hidden term."""
+    h_gate = gate_activation(F.linear(x, w_gate, b_gate), threshold)
+    up = F.linear(x, w_up, b_up)
+    h = h_gate * (up.relu_() if activation == "drelu" else up)
+    return F.linear(h, w_down, b_down), h_gate, h
+
+
 def dense_mlp(
     x2, w_gate, b_gate, w_up, b_up, w_down, b_down, activation: str = "relu", threshold: float = 0.0
 ) -> torch.Tensor:
     """The gated block in x's dtype with cuBLAS (three matmuls); x2 [M, K], w_down [K, N] -> [M, K]."""
-    gate = gate_activation(F.linear(x2, w_gate, b_gate), threshold)
-    up = F.linear(x2, w_up, b_up)
-    return F.linear(gate * (torch.relu(up) if activation == "drelu" else up), w_down, b_down)
+    return dense_gated(x2, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, threshold)[0]
