@@ -21,16 +21,11 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from ... import _backend
-from ..._backend import cdiv, record_launch
+from ..._backend import record_launch
 from ..._jit import kernel
 from ..._triton.slots import block_slots, load_slots, offsets_fit_32, slot_offsets, store_slots, union_chunk
 from ..twell.reference import threshold_in
-
-# Union slots per program: a [block_rows, BLOCK_C] elementwise tile, as :mod:`.block_l1`'s
-BLOCK_C = 64
-WARPS = 4
-_INTERPRET_BLOCK_C = 16  # the interpreter: several chunks per union in small CPU tests
+from .block_l1 import WARPS, slot_pass_grid
 
 
 @kernel
@@ -114,19 +109,10 @@ def block_drelu_grad_kernel(
         store_slots(d_up_ptr, flat, tl.where(up > 0, d_up, 0.0), mask)
 
 
-def _grid(values: torch.Tensor, counts: torch.Tensor) -> tuple[int, tuple[int, int]] | None:
-    """(BLOCK_C, grid) of a pass over the union slots of values [M, width], or None when there is none."""
-    M, width = values.shape
-    if M == 0 or counts.shape[0] == 0 or width == 0:
-        return None
-    block_c = _INTERPRET_BLOCK_C if _backend.INTERPRET else BLOCK_C
-    return block_c, (cdiv(width, block_c), counts.shape[0])
-
-
 def drelu_forward(up: torch.Tensor, values: torch.Tensor, counts: torch.Tensor, block_rows: int) -> None:
     """dReLU's factors from the core's ReLU ones, in place: up [M, width] <- relu(up), h [M, width] <- 0 where
     up <= 0, on the BlockELL slots of ``counts`` [n_blocks] (``block_rows`` slot rows each)."""
-    launch = _grid(up, counts)
+    launch = slot_pass_grid(up, counts)
     if launch is None:
         return
     block_c, grid = launch
@@ -151,7 +137,7 @@ def fix_unpacked(
     step made the gate's, in place: a block recomputed past the capacity came back with the core's ReLU gate and raw
     up factor (kept blocks are unchanged by this)."""
     fat, up_relu = activation == "fatrelu" and threshold > 0, activation == "drelu" and up is not None
-    launch = _grid(gate, counts)
+    launch = slot_pass_grid(gate, counts)
     if launch is None or not (fat or up_relu):
         return
     block_c, grid = launch
@@ -167,7 +153,7 @@ def fix_unpacked(
 def drelu_up_grad(up: torch.Tensor, d_up: torch.Tensor, counts: torch.Tensor, block_rows: int) -> None:
     """dReLU's dh_u: ``d_up`` [M, width] (dh * gate, from the core's backward) zeroed where the relu'd up factor
     ``up`` is not > 0, in place, on the BlockELL slots of ``counts``."""
-    launch = _grid(up, counts)
+    launch = slot_pass_grid(up, counts)
     if launch is None:
         return
     block_c, grid = launch

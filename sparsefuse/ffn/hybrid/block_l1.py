@@ -84,21 +84,26 @@ def block_hidden_l1_grad_kernel(
         store_slots(d_pre_ptr, flat, d_pre, mask)
 
 
-def _block_c() -> int:
-    return _INTERPRET_BLOCK_C if _backend.INTERPRET else BLOCK_C
+def slot_pass_grid(values: torch.Tensor, counts: torch.Tensor) -> tuple[int, tuple[int, int]] | None:
+    """(BLOCK_C, grid) of an elementwise pass over the union slots of values [M, width] whose blocks list
+    ``counts`` [n_blocks] columns each, or None when there is none (the L1 passes here, the gate passes of
+    :mod:`.block_gates`)."""
+    M, width = values.shape
+    if M == 0 or counts.shape[0] == 0 or width == 0:
+        return None
+    block_c = _INTERPRET_BLOCK_C if _backend.INTERPRET else BLOCK_C
+    return block_c, (cdiv(width, block_c), counts.shape[0])
 
 
 def block_hidden_l1(values: torch.Tensor, counts: torch.Tensor, block_rows: int, n_cols: int) -> torch.Tensor:
     """``sum(|h|) / (M * n_cols)`` (0-dim fp32) for h given as values [M, width] on BlockELL slots whose blocks of
     ``block_rows`` slot rows list ``counts`` [n_blocks] columns each (the values past a block's count are not read)."""
-    M, width = values.shape
-    n_blocks = counts.shape[0]
-    if M == 0 or n_blocks == 0 or width == 0:
+    launch = slot_pass_grid(values, counts)
+    if launch is None:
         return torch.zeros((), dtype=torch.float32, device=values.device)
-    block_c = _block_c()
-    chunks = cdiv(width, block_c)
-    part = new_output((n_blocks * chunks,), torch.float32, values.device)
-    block_abs_sum_kernel[(chunks, n_blocks)](
+    (block_c, grid), (M, width) = launch, values.shape
+    part = new_output((grid[0] * grid[1],), torch.float32, values.device)
+    block_abs_sum_kernel[grid](
         values,
         counts,
         part,
@@ -127,12 +132,11 @@ def add_hidden_l1_grad(
     """Adds the gradient of ``l1 = sum(|gate * up|) / divisor`` (``dl1``: the loss's gradient w.r.t. it, 1 element)
     to ``d_up`` and ``d_pre`` in place: ``c * sign(up) * gate`` and ``c * |up|`` where ``gate != 0``, ``c = dl1 /
     divisor``. All four [M, width] on the BlockELL slots of ``counts`` [n_blocks] (``block_rows`` slot rows each)."""
-    M, width = gate.shape
-    n_blocks = counts.shape[0]
-    if M == 0 or n_blocks == 0 or width == 0:
+    launch = slot_pass_grid(gate, counts)
+    if launch is None:
         return
-    block_c = _block_c()
-    block_hidden_l1_grad_kernel[(cdiv(width, block_c), n_blocks)](
+    (block_c, grid), (M, width) = launch, gate.shape
+    block_hidden_l1_grad_kernel[grid](
         gate,
         up,
         d_up,
