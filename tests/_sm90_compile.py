@@ -67,13 +67,17 @@ def compile_one(spec: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def gpu_variants(spec: dict[str, Any]) -> list[dict[str, Any]]:
+def gpu_variants(spec: dict[str, Any], every_config: bool) -> list[dict[str, Any]]:
     """An autotuned kernel's recorded launch ran the interpreter's single config (small tiles that no GPU run
-    takes): one spec per GPU config instead, each config's meta-parameters and warps/stages put in. Imported here,
-    without TRITON_INTERPRET, the autotuner holds the GPU configs. Other kernels: the spec itself."""
+    takes): one spec per GPU config instead, each config's meta-parameters and warps/stages put in -- every config
+    for the first spec of a (kernel, argument types, constexprs), only the first config for the specs that differ
+    from it only in alignment attributes (a config that compiles with one alignment compiles with another; each
+    alignment still compiles once). Imported here, without TRITON_INTERPRET, the autotuner holds the GPU configs.
+    Other kernels: the spec itself."""
     configs = getattr(getattr(importlib.import_module(spec["module"]), spec["name"]), "configs", None)
     if not configs:
         return [spec]
+    configs = configs if every_config else configs[:1]
     names = _kernel(spec["module"], spec["name"]).arg_names
     variants = []
     for config in configs:
@@ -100,8 +104,16 @@ def main(spec_path: str, out_path: str, claims: str) -> None:
     knobs.nvidia.dump_ptxas_log = True
     with open(spec_path, "rb") as f:
         specs = pickle.load(f)
+    first_of_kind = {}
+    for i, spec in enumerate(specs):
+        kind = repr((spec["module"], spec["name"], spec["signature"], sorted(spec["constexprs"].items())))
+        first_of_kind.setdefault(kind, i)
+    firsts = set(first_of_kind.values())
     results = [
-        compile_one(variant) for i, spec in enumerate(specs) if _claim(claims, i) for variant in gpu_variants(spec)
+        compile_one(variant)
+        for i, spec in enumerate(specs)
+        if _claim(claims, i)
+        for variant in gpu_variants(spec, every_config=i in firsts)
     ]
     with open(out_path, "w") as f:
         json.dump(results, f)
