@@ -141,12 +141,12 @@ class EstimateCache:
     launches of host time that a host-bound decode loop would otherwise pay every few steps. Under compile tracing, fake
     tensors or CUDA-graph capture it only reads (None when nothing was ever observed)."""
 
-    def __init__(self, observe_every: int = 8, max_every: int = 256) -> None:
-        self.observe_every, self.max_every = observe_every, max_every
+    def __init__(self, observe_every: int = 8, max_every: int = 256, momentum: float = 0.5) -> None:
+        self.observe_every, self.max_every, self.momentum = observe_every, max_every, momentum
         self._entries: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight -> [SparsityMonitor, calls, next_at]
 
     def estimate_per_row(
-        self, weight: torch.Tensor, stats: Callable[[], torch.Tensor], can_observe: bool
+        self, weight: torch.Tensor, stats: Callable[[], torch.Tensor] | None, can_observe: bool
     ) -> tuple[float, ...] | None:
         """The weight's running averages per row counted (:attr:`SparsityMonitor.per_row`; the first element is
         the mean non-zeros per row), as read before this call's own observation; None when nothing is known.
@@ -158,7 +158,7 @@ class EstimateCache:
         if entry is None:
             if not can_observe:
                 return None
-            monitor = SparsityMonitor()
+            monitor = SparsityMonitor(self.momentum)
             monitor.update(*(float(v) for v in stats().tolist()))  # the one sync
             self._entries[weight] = [monitor, 0, self.observe_every]
             return monitor.per_row
@@ -189,6 +189,20 @@ class EstimateCache:
         if entry[0].accepts:
             entry[0].observe(stats)
         return True
+
+    def feed(self, weight: torch.Tensor, stats: Callable[[], torch.Tensor], every: int) -> None:
+        """Count ``weight``'s calls and hand its monitor ``stats()`` (as :meth:`observe` takes it) on the first call
+        and every ``every`` calls after, without a sync even on the first: for a caller that computes the counts
+        anyway and runs without an estimate until one arrives (the training step). Skipped while a sample is in
+        flight; the caller skips calls whose values may not be looked at."""
+        entry = self._entries.get(weight)
+        if entry is None:
+            entry = self._entries[weight] = [SparsityMonitor(self.momentum), 0, 0]
+        monitor = entry[0]
+        entry[1] += 1
+        if entry[1] >= entry[2] and monitor.accepts:
+            monitor.observe(stats())
+            entry[2] = entry[1] + every
 
     def monitor(self, weight: torch.Tensor) -> SparsityMonitor | None:
         """The monitor kept for ``weight`` (None before its first observed call)."""

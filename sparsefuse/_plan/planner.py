@@ -241,8 +241,8 @@ class Planner:
                 monitor.estimate()
                 if monitor.per_row is not None:
                     return self.rounded(self.from_per_row(monitor.per_row)), "monitor"
-            if weight is not None and stats is not None:
-                per_row = self.estimates.estimate_per_row(weight, stats, can_observe)
+            if weight is not None:  # without ``stats``: the weight's estimate is read, never observed
+                per_row = self.estimates.estimate_per_row(weight, stats, can_observe and stats is not None)
                 if per_row is not None:
                     return self.rounded(self.from_per_row(per_row)), "observed"
         return self.rounded(self.prior(question, self.knobs)), "prior"

@@ -421,21 +421,14 @@ def test_captures_after_every_earlier_graph_is_gone():
     assert graphed.GRAPH_EVENTS["capture"] >= 3
 
 
-def test_the_captured_capacity_grows_at_once_and_shrinks_only_by_a_factor_of_four(monkeypatch):
+def test_the_captured_capacity_grows_at_once_and_shrinks_only_by_a_factor_of_four(plan):
     from sparsefuse.ffn.hybrid.choice import TRAIN_CHOICE
 
-    class Estimate:
-        value = 10.0
-
-        def estimate(self):
-            return self.value
-
+    plan(hybrid_mlp={"capacity_margin": 1.0, "observe_every": 1})
     w = torch.zeros(1000, 4)
-    est = Estimate()
-    monkeypatch.setitem(TRAIN_CHOICE._monitors, w, [est, 0])
     seen = []
-    for need in (10.0, 11.0, 14.0, 30.0, 12.0, 5.0, 3.0, 1000.0):
-        est.value = need / TRAIN_CHOICE.knobs.capacity_margin
+    for need in (10.0, 11.0, 14.0, 30.0, 12.0, 5.0, 3.0, 1000.0):  # each step's firing per token, observed
+        TRAIN_CHOICE.observe(w, torch.full((8,), need, dtype=torch.int32))
         seen.append(TRAIN_CHOICE.bucketed_capacity(w, 8) // 8)
     # 10 -> 16, held through 11 and 14; 30 -> 32, held at 12; 5 is under a quarter of 32: 8, held at 3; then capped
     # at every pair (M N)

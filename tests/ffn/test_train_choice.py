@@ -4,17 +4,13 @@ calls' largest per-token need rounded up to a power of two, so that its guard ch
 
 import torch
 
-from sparsefuse.ffn.hybrid.choice import TrainChoice
+from sparsefuse.ffn.hybrid.choice import PLANNER, TrainChoice
 
 
-class _Seen:
-    """A firing monitor whose estimate is a given mean of non-zeros per token."""
-
-    def __init__(self, per_token: float) -> None:
-        self.per_token = per_token
-
-    def estimate(self) -> float:
-        return self.per_token
+def _seen(weight: torch.Tensor, per_token: float) -> None:
+    """Hand the planner's estimate for ``weight`` a step of 100 tokens firing ``per_token`` neurons each (on the CPU
+    the monitor folds it in at once; every call is an observation)."""
+    PLANNER.estimates.feed(weight, lambda: torch.tensor([round(per_token * 100), 100]), every=1)
 
 
 def test_capacity_follows_the_non_zeros_seen(monkeypatch, plan):
@@ -23,16 +19,29 @@ def test_capacity_follows_the_non_zeros_seen(monkeypatch, plan):
     a, b = torch.nn.Parameter(torch.zeros(512, 8)), torch.nn.Parameter(torch.zeros(512, 8))
     assert choice.capacity(a, 100) == 100 * 512  # nothing seen yet: every pair
     assert choice.compiled_per_token == 0
-    choice._monitors[a] = [_Seen(10.0), 0]
+    _seen(a, 10.0)
     assert choice.capacity(a, 100) == 1280  # 1.25 * 10 * 100 = 1250, rounded up to 64s
     assert choice.compiled_per_token == 16  # 12.5 per token -> 16
-    choice._monitors[b] = [_Seen(30.0), 0]
+    _seen(b, 30.0)
     assert choice.capacity(b, 100) == 3776  # 3750 -> 3776
     assert choice.compiled_per_token == 64  # the largest weight's 37.5 -> 64
-    choice._monitors[b] = [_Seen(3.0), 0]
+    _seen(b, 3.0)
     choice.capacity(b, 100)
     assert choice.compiled_per_token == 16  # b now needs 4; a still 16
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert choice.capacity(a, 100) == 1600 and choice.capacity(b, 7) == 112  # 16 per token, any weight
     choice.compiled_per_token = 0
     assert choice.capacity(a, 100) == 100 * 512
+
+
+def test_training_estimates_live_in_the_planner(plan):
+    """The step's firing counts feed the hybrid planner's per-weight estimate: the first step and every
+    ``observe_every``-th after are observed, and the planner's ``clear`` forgets them."""
+    plan(hybrid_mlp={"observe_every": 3})
+    choice, w = TrainChoice(), torch.nn.Parameter(torch.zeros(512, 8))
+    assert choice.firing(w) is None
+    for step, fired in enumerate((10, 20, 30, 40, 50)):  # steps 0 and 3 are observed
+        choice.observe(w, torch.full((4,), fired, dtype=torch.int32))
+        assert choice.firing(w) == (10 if step < 3 else 40) / 512
+    PLANNER.clear()
+    assert choice.firing(w) is None

@@ -2,8 +2,9 @@
 once it is not (the start of training, before L1 has made it sparse), decided on the host without a sync by the
 planner (:mod:`sparsefuse._plan`: its knobs are :class:`TrainKnobs`, ``sparsefuse.explain`` reports the pick).
 
-The firing fraction comes from a :class:`~sparsefuse._auto.SparsityMonitor` per gate weight: every call hands it
-the step's non-zero count (a copy to pinned memory that completes in the background), and the next calls read the
+The firing fraction is the planner's estimate for the gate weight (its :class:`~sparsefuse._plan.EstimateCache`,
+which :meth:`sparsefuse._plan.Planner.clear` forgets): every ``observe_every`` calls the step hands it the non-zero
+count it computed anyway (a copy to pinned memory that completes in the background), and the next calls read the
 last count that has arrived. The first call of a weight has no estimate and takes the sparse step; a call traced by
 torch.compile takes the most recent eager choice.
 
@@ -18,7 +19,7 @@ import math
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..._plan import Knobs, Planner, SparsityMonitor, Variant, decided
+from ..._plan import EstimateCache, Knobs, Planner, Variant, decided
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +71,7 @@ PLANNER = Planner(
     (Variant("block", _block_step_s), Variant("dense", _dense_step_s)),
     TrainKnobs(),
     prior=lambda question, knobs: 0.0,  # nothing observed: the block step (its capacity keeps every pair)
+    estimates=EstimateCache(momentum=0.0),  # the latest count: L1 moves the firing from step to step
 )
 
 
@@ -79,8 +81,6 @@ class TrainChoice:
     and the capacity the block step keeps (knobs: :class:`TrainKnobs`, via ``sparsefuse.planning(hybrid_mlp=...)``)."""
 
     def __post_init__(self) -> None:
-        # gate weight -> [firing monitor, calls]
-        self._monitors: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._graph_buckets: WeakIdKeyDictionary = WeakIdKeyDictionary()  # gate weight -> pairs per token captured
         # gate weight -> {"layout": ..., "capacity": ...}: what its latest forward outside a backward took, which a
         # forward re-run inside a backward (activation checkpointing's recompute) takes again, so the recomputed
@@ -100,8 +100,8 @@ class TrainChoice:
 
     def _per_token(self, w_gate: torch.Tensor) -> float | None:
         """The last observed firing neurons per token for this gate weight (None before its first observation)."""
-        entry = self._monitors.get(w_gate)
-        return entry[0].estimate() if entry is not None else None
+        monitor = PLANNER.estimates.monitor(w_gate)
+        return monitor.estimate() if monitor is not None else None
 
     @property
     def knobs(self) -> TrainKnobs:
@@ -120,8 +120,7 @@ class TrainChoice:
         if frozen is not None:
             decided(PLANNER.op, frozen, "a checkpointed forward's recompute: the layout of its first forward")
             return frozen
-        entry = self._monitors.get(w_gate)
-        self.last, _ = PLANNER.choose(question, "graph", monitor=None if entry is None else entry[0])
+        self.last, _ = PLANNER.choose(question, "graph", weight=w_gate)
         self._freeze(w_gate, "layout", self.last)
         return self.last
 
@@ -157,18 +156,12 @@ class TrainChoice:
         still in flight)."""
         if torch.compiler.is_compiling() or type(w_gate) not in (torch.Tensor, torch.nn.Parameter) or _in_backward():
             return
-        entry = self._entry(w_gate)
-        monitor, entry[1] = entry[0], entry[1] + 1
-        due = entry[1] % self.knobs.observe_every == 0
-        if monitor.accepts and (monitor.mean_nnz is None or due):
-            total = token_counts.sum(dtype=torch.int64).reshape(1)
-            monitor.observe(torch.cat([total, total.new_full((1,), token_counts.shape[0])]))
 
-    def _entry(self, w_gate: torch.Tensor) -> list:
-        entry = self._monitors.get(w_gate)
-        if entry is None:
-            entry = self._monitors[w_gate] = [SparsityMonitor(momentum=0.0), 0]
-        return entry
+        def stats() -> torch.Tensor:
+            total = token_counts.sum(dtype=torch.int64).reshape(1)
+            return torch.cat([total, total.new_full((1,), token_counts.shape[0])])
+
+        PLANNER.estimates.feed(w_gate, stats, self.knobs.observe_every)
 
     def capacity(self, w_gate: torch.Tensor, M: int) -> int:
         """Fired (token, neuron) pairs the block step keeps for its backward at M tokens: ``capacity_margin`` times

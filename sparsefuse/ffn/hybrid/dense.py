@@ -39,8 +39,8 @@ def _check_pair(pre: torch.Tensor, up: torch.Tensor) -> None:
 
 
 def _gate_args(activation: str, threshold: float) -> tuple[float, bool]:
-    """(the firing threshold, whether up is relu'd) of a gate activation."""
-    return (threshold if activation == "fatrelu" else 0.0), activation == "drelu"
+    """(the firing threshold, whether up is relu'd) of a gate activation (checked: non-zero for FATReLU only)."""
+    return threshold, activation == "drelu"
 
 
 @on_tensor_device

@@ -124,7 +124,7 @@ def hybrid_mlp_fwd_op(
     relu'd (the gate's firing is kept)."""
     M, N = x2.shape[0], w_gate.shape[0]
     pre = F.linear(x2, w_gate, b_gate)
-    h_gate = gate_activation(pre, threshold if activation == "fatrelu" else 0.0)
+    h_gate = gate_activation(pre, threshold)  # (checked: non-zero for FATReLU only)
     hybrid = dense_to_hybrid(h_gate, width, backup_rows)
     REBUILDS["calls"] += 1
     if M and backup_rows < M:
