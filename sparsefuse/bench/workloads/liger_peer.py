@@ -74,19 +74,26 @@ def liger_copy(model: torch.nn.Module) -> torch.nn.Module:
 def liger_training_copy(model: torch.nn.Module) -> torch.nn.Module:
     """:func:`liger_copy` for training: also Liger's fused linear cross entropy (the loss without the [tokens,
     vocab] logits), as a trainer applies it, bound to this copy's own ``forward``."""
+    return with_liger_loss(copy.deepcopy(model), rms_norm=True)
+
+
+def with_liger_loss(model: torch.nn.Module, rms_norm: bool = False) -> torch.nn.Module:
+    """``model`` itself with Liger's fused linear cross entropy bound to its own ``forward`` (globals untouched):
+    for a patched model (``patch_llama`` fuses the norms and rotary itself), the loss alone; ``rms_norm``: Liger's
+    RMSNorm on its norm modules too."""
     from types import MethodType
 
     from liger_kernel.transformers import apply_liger_kernel_to_llama
     from liger_kernel.transformers.model.llama import lce_forward
 
-    peer = copy.deepcopy(model)
     with _globals_kept():
         apply_liger_kernel_to_llama(
-            rope=False, rms_norm=True, swiglu=False, cross_entropy=False, fused_linear_cross_entropy=True, model=peer
-        )
-    if "forward" not in peer.__dict__:  # a version that patched the class alone: the copy's own method instead
-        peer.forward = MethodType(lce_forward, peer)
-    return peer
+            rope=False, rms_norm=rms_norm, swiglu=False, cross_entropy=False, fused_linear_cross_entropy=True,
+            model=model,
+        )  # fmt: skip
+    if "forward" not in model.__dict__:  # a version that patched the class alone: the model's own method instead
+        model.forward = MethodType(lce_forward, model)
+    return model
 
 
 def liger_call(fn: Callable[..., Any]) -> Callable[..., Any]:

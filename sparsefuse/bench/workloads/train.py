@@ -26,6 +26,9 @@ Rows (shape label ``"<layers>L <sparsity> B=.. S=.."``; speed-up = unpatched eag
 * ``liger``, ``liger compile``  where Liger-Kernel is installed: the unpatched model with Liger's fused RMSNorm,
                          rotary embedding and fused linear cross entropy (its globals in force for its own steps
                          only: :mod:`.liger_peer`), eager and compiled; where ``fused only`` runs (a further model)
+* ``patched + liger loss``  the patched model with Liger's fused linear cross entropy as its loss (no [tokens,
+                         vocab] logits kept; norms and rotary still patch_llama's), where the Liger rows run: the two
+                         composed, as a trainer would run them
 * ``no FFN``             the unpatched model with every MLP's forward replaced by zeros (its weights still in
                          AdamW): the FFN's share of the step is ``1 - no FFN / unpatched``, by subtraction
 
@@ -83,6 +86,8 @@ class _Models:
             if impl.startswith("patched"):
                 base = self._base() if alone else copy.deepcopy(self._base())
                 model = patch_llama(base, train_method="hybrid")
+                if impl.endswith("liger loss"):
+                    model = liger_peer.with_liger_loss(model)
             elif impl == "fused only":
                 from ...integrations.transformers import fuse_norms, fuse_rotary
 
@@ -267,7 +272,7 @@ def _case(models: _Models, key: tuple[int, float | None], batch: int, seq: int, 
     fused = ["fused only"] if layers <= 8 or _gpu_gib() >= FUSED_ONLY_MIN_GIB else []
     # Liger-Kernel, the dense peer trainers run (where installed; at full depth where a further model fits too)
     liger = (
-        ["liger", *(["liger compile"] if compiled else [])]
+        ["liger", *(["liger compile"] if compiled else []), "patched + liger loss"]
         if fused and liger_peer.runs_on("cuda" if torch.cuda.is_available() else "cpu")
         else []
     )
