@@ -34,9 +34,11 @@ class Knobs(KnobGroup):
     method's host and GPU times, so an eager call is priced at ``max(gpu, host)``. ``measured_s``: seconds per
     method to use in place of the cost model's predictions (times measured on your own GPU) for the methods it
     names, or your own cost model: a function ``(question, estimate) -> {method: seconds}`` (the op's question
-    tuple of shapes and dtypes, and its rounded estimate)."""
+    tuple of shapes and dtypes, and its rounded estimate). ``observe_every``: calls between the first samples of a
+    weight's running estimate (the gap then doubles: :class:`~.estimates.EstimateCache`)."""
 
     margin: float = 1.0
+    observe_every: int = 8
     host_s: Mapping[str, float] = dataclasses.field(default_factory=dict)
     measured_s: Mapping[str, float] | Callable[[Any, Any], Mapping[str, float]] | None = None
 

@@ -142,8 +142,19 @@ class EstimateCache:
     tensors or CUDA-graph capture it only reads (None when nothing was ever observed)."""
 
     def __init__(self, observe_every: int = 8, max_every: int = 256, momentum: float = 0.5) -> None:
-        self.observe_every, self.max_every, self.momentum = observe_every, max_every, momentum
+        self.max_every, self.momentum = max_every, momentum
+        self._observe_every: Callable[[], int] = lambda: observe_every
         self._entries: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight -> [SparsityMonitor, calls, next_at]
+
+    @property
+    def observe_every(self) -> int:
+        """Calls between a weight's first samples (the gap then doubles up to ``max_every``)."""
+        return self._observe_every()
+
+    def follow(self, observe_every: Callable[[], int]) -> None:
+        """Read ``observe_every`` from this callable at each use (a planner's knob: :func:`~.config.planning` steers
+        it)."""
+        self._observe_every = observe_every
 
     def estimate_per_row(
         self, weight: torch.Tensor, stats: Callable[[], torch.Tensor] | None, can_observe: bool
@@ -190,9 +201,9 @@ class EstimateCache:
             entry[0].observe(stats)
         return True
 
-    def feed(self, weight: torch.Tensor, stats: Callable[[], torch.Tensor], every: int) -> None:
+    def feed(self, weight: torch.Tensor, stats: Callable[[], torch.Tensor]) -> None:
         """Count ``weight``'s calls and hand its monitor ``stats()`` (as :meth:`observe` takes it) on the first call
-        and every ``every`` calls after, without a sync even on the first: for a caller that computes the counts
+        and every ``observe_every`` calls after, without a sync even on the first: for a caller that computes the counts
         anyway and runs without an estimate until one arrives (the training step). Skipped while a sample is in
         flight; the caller skips calls whose values may not be looked at."""
         entry = self._entries.get(weight)
@@ -202,7 +213,7 @@ class EstimateCache:
         entry[1] += 1
         if entry[1] >= entry[2] and monitor.accepts:
             monitor.observe(stats())
-            entry[2] = entry[1] + every
+            entry[2] = entry[1] + self.observe_every
 
     def monitor(self, weight: torch.Tensor) -> SparsityMonitor | None:
         """The monitor kept for ``weight`` (None before its first observed call)."""

@@ -168,6 +168,7 @@ class Planner:
     ) -> None:
         self.op, self.variants, self.baseline = op, variants, baseline
         self.estimates = estimates if estimates is not None else EstimateCache()
+        self.estimates.follow(lambda: self.knobs.observe_every)
         self.from_per_row, self.from_given, self.rounded = from_per_row, from_given, rounded
         self.prior, self.rule, self.margin = prior, rule, margin
         self._memo: dict[tuple, str] = {}

@@ -162,11 +162,10 @@ def test_division_magic_numbers():
 
 
 @pytest.mark.parametrize("finish", ["last_arriver", "partials"])
-def test_alpha_gradient_is_bitwise_reproducible(finish, device, monkeypatch):
+def test_alpha_gradient_is_bitwise_reproducible(finish, device, plan):
     """No float atomics: the same inputs give the same bits, whatever order the programs ran in; each way of
     finishing alpha's sum (in the kernel, or in a second launch) matches the float64 reference."""
-    mode = {"last_arriver": snake_kernels.ALPHA_LAST_ARRIVER, "partials": snake_kernels.ALPHA_PARTIALS}[finish]
-    monkeypatch.setattr(snake_launch, "_alpha_finish", lambda n_programs, n_channels: mode.value)
+    plan(snake={"partials_min_programs": 1 if finish == "partials" else 2**31})
     x, alpha = make_inputs((3, 4, 500), torch.float32, device)
     grad = torch.randn_like(x)
     results = []

@@ -4,13 +4,15 @@ calls' largest per-token need rounded up to a power of two, so that its guard ch
 
 import torch
 
+from sparsefuse import planning
 from sparsefuse.ffn.hybrid.choice import PLANNER, TrainChoice
 
 
 def _seen(weight: torch.Tensor, per_token: float) -> None:
     """Hand the planner's estimate for ``weight`` a step of 100 tokens firing ``per_token`` neurons each (on the CPU
     the monitor folds it in at once; every call is an observation)."""
-    PLANNER.estimates.feed(weight, lambda: torch.tensor([round(per_token * 100), 100]), every=1)
+    with planning(hybrid_mlp={"observe_every": 1}):
+        PLANNER.estimates.feed(weight, lambda: torch.tensor([round(per_token * 100), 100]))
 
 
 def test_capacity_follows_the_non_zeros_seen(monkeypatch, plan):

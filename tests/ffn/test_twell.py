@@ -326,13 +326,13 @@ def _auto_uses_the_estimate_and_the_monitor(device):
     assert monitor.estimate() == pytest.approx(gate_statistics(counts)["mean"], rel=0.05)
 
 
-def test_auto_default_call_syncs_once_in_the_weights_life(device, monkeypatch):
+def test_auto_default_call_syncs_once_in_the_weights_life(device, monkeypatch, plan):
     # Without expected_nnz or a monitor, the first call on a gate weight counts a probe on the host (the one sync);
     # later calls read the cached estimate, and every observe_every-th one feeds a new probe through the monitor.
     probes = []
     real_probe = twell_auto.probe_stats
     monkeypatch.setattr(twell_auto, "probe_stats", lambda *a: probes.append(a[0].shape[0]) or real_probe(*a))
-    monkeypatch.setattr(twell_auto.ESTIMATES, "observe_every", 2)
+    plan(twell_mlp={"observe_every": 2})
     K, N = 32, 64
     ffn = synthetic_ffn(K, N, dtype=torch.float32, device=device, seed=6)
     x = ffn.make_input(24, 4.0)

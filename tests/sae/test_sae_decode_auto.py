@@ -141,7 +141,7 @@ def test_auto_measures_each_decoder_once_then_follows_it_without_syncs(device, s
     w = torch.randn(512, 8, device=device)
     _auto_decode(sparse_rows(2, 512, [3], device=device), w, "gather_accumulate_kernel")  # first call: counted, 3
     dense_ish = sparse_rows(6, 512, [25], device=device)  # not long (the long-row threshold of 512 columns: 32)
-    for _ in range(auto.PLANNER.estimates.observe_every - 1):  # the estimate (3) holds until the next observation
+    for _ in range(auto.PLANNER.knobs.observe_every - 1):  # the estimate (3) holds until the next observation
         _auto_decode(dense_ish, w, "gather_accumulate_kernel")
     _auto_decode(dense_ish, w, "gather_accumulate_kernel")  # observes 25 (on the CPU folded at once)
     _auto_decode(dense_ish, w, None)  # estimate (3 + 25) / 2: cuBLAS

@@ -187,7 +187,7 @@ def test_forward_matches_float64_reference(B, S, H, V, bias, mask, pooling, dtyp
 
 
 @pytest.mark.parametrize("persistent, tma", [(False, False), (True, False), (False, True), (True, True)])
-def test_every_forward_schedule(persistent, tma, monkeypatch, device):
+def test_every_forward_schedule(persistent, tma, plan, device):
     """The config rule picks TMA + persistent for inference and one tile per program with pointer loads for the
     training forward; force each (schedule, loads) pair for both: sequences over several tiles (partials + combine
     kernel) and within one tile, a vocabulary tail, padding, max with and without the saved argmax, and sum."""
@@ -195,8 +195,8 @@ def test_every_forward_schedule(persistent, tma, monkeypatch, device):
 
     if device.type == "cuda" and tma and torch.cuda.get_device_capability(device)[0] != 9:
         pytest.skip("TMA loads are used on Hopper only")
-    config = launch._FwdConfig(16, 32, 16, num_warps=4, num_stages=1, persistent=persistent, tma=tma)
-    monkeypatch.setattr(launch, "_fwd_config", lambda hidden, weight, save_aux: config)
+    config = launch.FwdConfig(16, 32, 16, num_warps=4, num_stages=1, persistent=persistent, tma=tma)
+    plan(splade={"fwd_config": config})
     for B, S in [(3, 40), (2, 9)]:
         hidden, weight, bias, mask = make_inputs(B, S, 32, 70, torch.float16, device)
         assert launch._tma_eligible(hidden, weight) or not tma

@@ -54,9 +54,9 @@ def separate_weighted_maxima(hidden, weight, bias, mask, rounds=50):
     return weight
 
 
-def force_schedule(monkeypatch, persistent, tma):
-    config = launch._FwdConfig(16, 32, 16, num_warps=4, num_stages=1, persistent=persistent, tma=tma)
-    monkeypatch.setattr(launch, "_fwd_config", lambda hidden, weight, save_aux: config)
+def force_schedule(plan, persistent, tma):
+    config = launch.FwdConfig(16, 32, 16, num_warps=4, num_stages=1, persistent=persistent, tma=tma)
+    plan(splade={"fwd_config": config})
 
 
 def test_a_half_mask_halves_the_max_pooled_scores(device):
@@ -73,12 +73,12 @@ def test_a_half_mask_halves_the_max_pooled_scores(device):
     "persistent, tma", [(False, False), (True, False), (False, True), (True, True)], ids=["tile", "pers", "tma", "both"]
 )
 @pytest.mark.parametrize("S", [40, 9], ids=["combine", "single"])
-def test_every_schedule_weighs_scores_by_the_mask(S, persistent, tma, pooling, monkeypatch, device):
+def test_every_schedule_weighs_scores_by_the_mask(S, persistent, tma, pooling, plan, device):
     """Each forward schedule (sequences over several tiles, with the combine kernel, and within one), with and
     without the saved argmax, and both backwards; mask values 0, 0.25, 0.5, 1."""
     if device.type == "cuda" and tma and torch.cuda.get_device_capability(device)[0] != 9:
         pytest.skip("TMA loads are used on Hopper only")
-    force_schedule(monkeypatch, persistent, tma)
+    force_schedule(plan, persistent, tma)
     hidden, weight, bias, mask = inputs_with_mask(3, S, 32, 70, torch.float16, device, torch.float32)
     assert launch._tma_eligible(hidden, weight) or not tma
     with track_launches() as launched:

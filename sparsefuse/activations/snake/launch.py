@@ -57,18 +57,21 @@ class SnakeKnobs(KnobGroup):
     ``offsets_32_max``: the kernels compute a row's element offsets in int32 while its length times its time
     stride, plus 8192 of slack for the last block's overhang, is at most this (int32's largest), else in int64
     (row bases are int64 always); the flat kernel takes only an x of fewer elements than this less the slack.
-    Tests lower it to cover the int64 offsets at small sizes."""
+    Tests lower it to cover the int64 offsets at small sizes.
+
+    ``partials_min_programs``: backward grids of at least this many programs finish alpha's gradient by partials and
+    a second launch, smaller ones in the kernel (:func:`_alpha_finish`); None: 2048 (64 under the interpreter, so
+    the CPU tests cover both finishes)."""
 
     flat_forward: bool = True
     rows_per_slice: int = 65535
     offsets_32_max: int = 2**31 - 1
+    partials_min_programs: int | None = None
 
 
 register_knobs("snake", SnakeKnobs())
 
 _INTERPRET_ROW_BLOCK, _INTERPRET_FLAT_BLOCK = 64, 128  # CPU tests: several programs and ragged tails at small shapes
-_PARTIALS_MIN_PROGRAMS = 2048
-_PARTIALS_MIN_PROGRAMS_INTERPRETED = 64  # CPU tests cover both finishes
 
 
 def _row_grid(n_rows: int, n_time_blocks: int, rows_per_slice: int) -> tuple[int, int, int]:
@@ -132,7 +135,8 @@ def _alpha_finish(n_programs: int, n_channels: int) -> int:
     wait, finish in the kernel."""
     if n_programs == n_channels:
         return ALPHA_DIRECT.value
-    if n_programs >= (_PARTIALS_MIN_PROGRAMS_INTERPRETED if _backend.INTERPRET else _PARTIALS_MIN_PROGRAMS):
+    least = current().knobs("snake").partials_min_programs
+    if n_programs >= (least if least is not None else 64 if _backend.INTERPRET else 2048):
         return ALPHA_PARTIALS.value
     return ALPHA_LAST_ARRIVER.value
 

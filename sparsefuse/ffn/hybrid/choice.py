@@ -161,7 +161,7 @@ class TrainChoice:
             total = token_counts.sum(dtype=torch.int64).reshape(1)
             return torch.cat([total, total.new_full((1,), token_counts.shape[0])])
 
-        PLANNER.estimates.feed(w_gate, stats, self.knobs.observe_every)
+        PLANNER.estimates.feed(w_gate, stats)
 
     def capacity(self, w_gate: torch.Tensor, M: int) -> int:
         """Fired (token, neuron) pairs the block step keeps for its backward at M tokens: ``capacity_margin`` times

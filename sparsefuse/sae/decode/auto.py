@@ -302,7 +302,7 @@ PLANNER = Planner(
     "sparse_decode",
     (_variant("scan"), _variant("fixed"), _variant("dense")),
     DecodeKnobs(),
-    estimates=EstimateCache(observe_every=8),  # per W_dec: dies with the decoder; a sample every 8th eager call
+    estimates=EstimateCache(),  # per W_dec: dies with the decoder; samples every observe_every-th eager call
     from_per_row=L0Estimate.from_per_row,
     from_given=L0Estimate,
     rounded=_rounded,

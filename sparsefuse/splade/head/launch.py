@@ -58,6 +58,7 @@ import triton.language as tl
 
 from ... import _backend
 from ..._backend import cdiv, new_output, record_launch, tuning_configs
+from ..._plan.config import KnobGroup, current, register_knobs
 from ..._triton.dot import ieee_fp32
 from ..._validation import unit_last_stride
 from ...sparse import CSR, ELL, dense_to_ell, sparse_matmul
@@ -99,7 +100,7 @@ def _mask_strides(kmask: torch.Tensor | None) -> tuple[int, int]:
 
 
 @dataclasses.dataclass(frozen=True)
-class _FwdConfig:
+class FwdConfig:
     """Tile shape and schedule of splade_fwd_kernel (chosen by :func:`_fwd_config`)."""
 
     block_m: int  # sequence positions of one batch row per tile
@@ -148,19 +149,35 @@ def _tma_eligible(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def _fwd_config(hidden: torch.Tensor, weight: torch.Tensor, save_aux: bool) -> _FwdConfig:
-    """The forward's config rule (module docstring). Under the interpreter the same rule with small tiles, so the
-    CPU tests run the TMA + persistent kernel for inference and the pointer-load kernel with SAVE_AUX."""
+@dataclasses.dataclass(frozen=True)
+class SpladeKnobs(KnobGroup):
+    """The SPLADE head's forward schedule (registered as ``"splade"``; read at each launch). ``fwd_config``: a
+    :class:`FwdConfig` in place of the rule of :func:`_fwd_config` (tests run every schedule and load path at
+    small tiles); TMA loads need inputs the rule would accept (:func:`_tma_eligible`)."""
+
+    fwd_config: FwdConfig | None = None
+
+
+register_knobs("splade", SpladeKnobs())
+
+
+def _fwd_config(hidden: torch.Tensor, weight: torch.Tensor, save_aux: bool) -> FwdConfig:
+    """The forward's config rule (module docstring), unless the knobs give one. Under the interpreter the same rule
+    with small tiles, so the CPU tests run the TMA + persistent kernel for inference and the pointer-load kernel
+    with SAVE_AUX."""
+    forced = current().knobs("splade").fwd_config
+    if forced is not None:
+        return forced
     tma = not save_aux and _tma_eligible(hidden, weight)
     if _backend.INTERPRET:
-        return _FwdConfig(16, 32, 16, num_warps=4, num_stages=1, persistent=tma, tma=tma)
+        return FwdConfig(16, 32, 16, num_warps=4, num_stages=1, persistent=tma, tma=tma)
     block_m = 64 if hidden.shape[1] <= 64 else 128  # short sequences (queries): half the masked rows
     if tma:  # measured best for inference on an H200
-        return _FwdConfig(block_m, 256, 64, num_warps=8, num_stages=3, persistent=True, tma=True)
+        return FwdConfig(block_m, 256, 64, num_warps=8, num_stages=3, persistent=True, tma=True)
     if hidden.dtype == torch.float32:
-        return _FwdConfig(64, 128, 32, num_warps=4, num_stages=3)
+        return FwdConfig(64, 128, 32, num_warps=4, num_stages=3)
     big_smem = _device_info(_cuda_index(hidden.device))[2] >= 128 << 10
-    return _FwdConfig(block_m, 128, 64, num_warps=4, num_stages=3 if big_smem else 2)  # measured best with SAVE_AUX
+    return FwdConfig(block_m, 128, 64, num_warps=4, num_stages=3 if big_smem else 2)  # measured best with SAVE_AUX
 
 
 # --- TMA scratch allocator ----------------------------------------------------------------------------------------
