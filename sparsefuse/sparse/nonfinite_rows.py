@@ -29,7 +29,7 @@ import torch
 import triton.language as tl
 
 from .. import _backend
-from .._backend import Backend, backend_for, cdiv, next_power_of_2, record_launch, sm_count
+from .._backend import cdiv, next_power_of_2, record_launch, sm_count
 from .._jit import kernel
 from .long_rows import sum_dense_columns
 
@@ -113,11 +113,11 @@ def complete_nonfinite_rows(out: torch.Tensor, a: torch.Tensor, weight: torch.Te
     """``out`` [M, n_out] (unit column stride) = ``a`` [M, n_in] @ ``weight`` [n_in, n_out] as a dense product
     computed it, with every element that is NaN or infinite recomputed in place over ``a``'s non-zeros (see the
     module docstring); returns ``out``. ``weight`` is read at its own strides, a transposed view too: no copy is
-    made. The torch backend (CPU tensors without the interpreter) has no such pass: the caller computes its
-    reference there."""
+    made. Triton backends only (CUDA tensors, or the interpreter's): on the torch backend the caller computes its
+    reference instead, where no such pass is needed."""
     M, n_out = out.shape
     n_in = a.shape[1]
-    if M == 0 or n_out == 0 or n_in == 0 or backend_for(out, a, weight) is Backend.TORCH:
+    if M == 0 or n_out == 0 or n_in == 0:
         return out
     if out.stride(1) != 1 and n_out > 1:
         raise ValueError(f"complete_nonfinite_rows: out must have unit column stride; got strides {out.stride()}")
