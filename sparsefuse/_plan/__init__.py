@@ -1,6 +1,6 @@
 """How every op that has more than one method chooses one: the estimates it keeps without a host sync
 (:mod:`.estimates`), its knobs in one config object (:mod:`.config`), and the planner that owns the ladder, the
-execution contexts, memoisation, warm-up and :func:`explain` (:mod:`.planner`). An op declares its variants in its
+execution contexts, memoisation, warm-up and :func:`explain` (:mod:`.planner`). An op declares its cost model in its
 own ``auto.py``; nothing else in the package picks a method."""
 
 from .config import KnobGroup, Knobs, PlanConfig, planning
@@ -17,7 +17,6 @@ from .planner import (
     AUTO,
     Explanation,
     Planner,
-    Variant,
     call_context,
     decided,
     explain,
@@ -35,7 +34,6 @@ __all__ = [
     "PlanConfig",
     "Planner",
     "SparsityMonitor",
-    "Variant",
     "call_context",
     "decided",
     "device_scalar",

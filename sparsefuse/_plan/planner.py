@@ -1,8 +1,9 @@
 """The planner: the one place that decides which method an op's ``method="auto"`` runs, and says why.
 
-An op declares its methods as :class:`Variant` s (a name and its predicted GPU seconds for a question; None where
-the method does not apply), a baseline (cuBLAS), its knobs (:mod:`.config`), what it assumes with nothing observed
-(its prior) and the rules that decide without costs. The :class:`Planner` owns the rest, for every op alike:
+An op declares one cost model (``predict(question, estimate, knobs)``: the predicted GPU seconds of each method that
+applies, in the order that breaks ties), a baseline (cuBLAS), its knobs (:mod:`.config`), what it assumes with
+nothing observed (its prior) and the rules that decide without costs. The :class:`Planner` owns the rest, for every
+op alike:
 
 * **the estimate ladder** -- first available: the value the caller gave (``expected_nnz`` / ``expected_l0``); the
   caller's own :class:`~.estimates.SparsityMonitor`; the running estimate kept per weight tensor
@@ -56,15 +57,6 @@ def call_context(t: torch.Tensor) -> str:
     if forced is not None:
         return forced
     return "eager" if t.is_cuda and observable(t) else "graph"
-
-
-@dataclasses.dataclass(frozen=True)
-class Variant:
-    """One method of an op: ``gpu_s(question, estimate, knobs)`` -> predicted GPU seconds, None where it does not
-    apply."""
-
-    name: str
-    gpu_s: Callable[[Any, Any, Any], float | None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,17 +136,19 @@ _MEMO_SIZE = 4096
 
 
 class Planner:
-    """One op's ``auto``: its variants, baseline and knobs, and the shared ladder (see the module docstring).
+    """One op's ``auto``: its cost model, baseline and knobs, and the shared ladder (see the module docstring).
 
-    ``from_per_row``: the op's estimate from a monitor's per-row averages; ``from_given``: from the number a caller
-    gave; ``rounded``: the estimate at the resolution picks are memoised at (hashable); ``prior(question, knobs)``:
-    the estimate with nothing observed; ``rule(question, knobs)``: ``(method, reason)`` where a rule decides
-    without costs, else None; ``margin(question, knobs)``: the margin of that question (default: the knobs')."""
+    ``predict(question, estimate, knobs)``: ``{method: predicted GPU seconds}`` over the methods that apply (the
+    first listed wins a tie); ``from_per_row``: the op's estimate from a monitor's per-row averages; ``from_given``:
+    from the number a caller gave; ``rounded``: the estimate at the resolution picks are memoised at (hashable);
+    ``prior(question, knobs)``: the estimate with nothing observed; ``rule(question, knobs)``: ``(method, reason)``
+    where a rule decides without costs, else None; ``margin(question, knobs)``: the margin of that question
+    (default: the knobs')."""
 
     def __init__(
         self,
         op: str,
-        variants: tuple[Variant, ...],
+        predict: Callable[[Any, Any, Any], Mapping[str, float]],
         knobs: Knobs,
         *,
         baseline: str = "dense",
@@ -166,7 +160,7 @@ class Planner:
         rule: Callable[[Any, Any], tuple[str, str] | None] = lambda question, knobs: None,
         margin: Callable[[Any, Any], float] = lambda question, knobs: knobs.margin,
     ) -> None:
-        self.op, self.variants, self.baseline = op, variants, baseline
+        self.op, self.predict, self.baseline = op, predict, baseline
         self.estimates = estimates if estimates is not None else EstimateCache()
         self.estimates.follow(lambda: self.knobs.observe_every)
         self.from_per_row, self.from_given, self.rounded = from_per_row, from_given, rounded
@@ -184,11 +178,7 @@ class Planner:
         """GPU seconds per method that applies to ``question`` at ``estimate`` (the knobs' ``measured_s`` in place
         of the cost model's for the methods it names)."""
         knobs = self.knobs
-        predicted = {}
-        for variant in self.variants:
-            seconds = variant.gpu_s(question, estimate, knobs)
-            if seconds is not None:
-                predicted[variant.name] = seconds
+        predicted = dict(self.predict(question, estimate, knobs))
         measured = knobs.measured_s(question, estimate) if callable(knobs.measured_s) else knobs.measured_s
         if measured:
             predicted.update({m: s for m, s in measured.items() if m in predicted})

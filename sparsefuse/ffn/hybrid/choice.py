@@ -19,7 +19,7 @@ import math
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..._plan import EstimateCache, Knobs, Planner, Variant, decided
+from ..._plan import EstimateCache, Knobs, Planner, decided
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,18 +57,16 @@ class TrainKnobs(Knobs):
     move_limit: int = 1
 
 
-def _dense_step_s(question: tuple, per_token: float, knobs: TrainKnobs) -> float:
+def _predict(question: tuple, per_token: float, knobs: TrainKnobs) -> dict[str, float]:
+    """The block step at ``firing / dense_above`` times the dense step's time (its matmuls': 3 forward, 6 backward)."""
     M, K, N = question[:3]
-    return 9 * 2.0 * M * K * N / knobs.matmul_flops_per_s
-
-
-def _block_step_s(question: tuple, per_token: float, knobs: TrainKnobs) -> float:
-    return _dense_step_s(question, per_token, knobs) * per_token / max(question[2], 1) / knobs.dense_above
+    dense = 9 * 2.0 * M * K * N / knobs.matmul_flops_per_s
+    return {"block": dense * per_token / max(N, 1) / knobs.dense_above, "dense": dense}
 
 
 PLANNER = Planner(
     "hybrid_mlp",
-    (Variant("block", _block_step_s), Variant("dense", _dense_step_s)),
+    _predict,
     TrainKnobs(),
     prior=lambda question, knobs: 0.0,  # nothing observed: the block step (its capacity keeps every pair)
     estimates=EstimateCache(momentum=0.0),  # the latest count: L1 moves the firing from step to step

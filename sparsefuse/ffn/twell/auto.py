@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..._backend import cdiv
-from ..._plan import AUTO, Knobs, Planner, SparsityMonitor, Variant, device_scalar, sampled_rows
+from ..._plan import AUTO, Knobs, Planner, SparsityMonitor, device_scalar, sampled_rows
 from .launch import auto_tile
 from .reference import threshold_in
 
@@ -166,21 +166,15 @@ def predicted_block_time(
     return gate + products + traffic + 4 * cm.launch_s
 
 
-def _twell_s(question: tuple, mean_nnz: float, cm: CostModel) -> float:
+def _predict(question: tuple, mean_nnz: float, cm: CostModel) -> dict[str, float]:
+    """Each method's predicted seconds at ``question`` (M, K, N, dtype); ``"block"`` from ``block_min_tokens``
+    tokens (fewer row blocks would not fill the GPU, and their GPU time is under the host time). A tie goes to
+    ``"twell"``."""
     M, K, N, dtype = question
-    return predicted_times(M, K, N, mean_nnz, dtype, cm)[0]
-
-
-def _block_s(question: tuple, mean_nnz: float, cm: CostModel) -> float | None:
-    M, K, N, dtype = question
-    if M < cm.block_min_tokens:  # fewer row blocks than fill the GPU (and GPU time under the host time)
-        return None
-    return predicted_block_time(M, K, N, mean_nnz, dtype, cm)
-
-
-def _dense_s(question: tuple, mean_nnz: float, cm: CostModel) -> float:
-    M, K, N, dtype = question
-    return predicted_times(M, K, N, mean_nnz, dtype, cm)[1]
+    twell, dense = predicted_times(M, K, N, mean_nnz, dtype, cm)
+    if M < cm.block_min_tokens:
+        return {"twell": twell, "dense": dense}
+    return {"twell": twell, "block": predicted_block_time(M, K, N, mean_nnz, dtype, cm), "dense": dense}
 
 
 def _empty_batch(question: tuple, cm: CostModel) -> tuple[str, str] | None:
@@ -190,7 +184,7 @@ def _empty_batch(question: tuple, cm: CostModel) -> tuple[str, str] | None:
 
 PLANNER = Planner(
     "twell_mlp",
-    (Variant("twell", _twell_s), Variant("block", _block_s), Variant("dense", _dense_s)),  # a tie goes to twell
+    _predict,
     CostModel(),
     prior=lambda question, cm: cm.prior_firing * question[2],
     rule=_empty_batch,

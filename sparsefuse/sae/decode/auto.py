@@ -54,7 +54,6 @@ long-row pass (:mod:`sparsefuse.sparse.long_rows`).
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -63,7 +62,7 @@ from statistics import NormalDist
 import torch
 
 from ..._backend import cdiv, dram_bandwidth, next_power_of_2, sm_count
-from ..._plan import AUTO, EstimateCache, Knobs, Planner, Variant, sampled_row_stats
+from ..._plan import AUTO, EstimateCache, Knobs, Planner, sampled_row_stats
 from ..._triton.limits import limits
 from ...sparse.long_rows import ONE_WAVE_LONG_ENTRIES, long_row_threshold
 from ...sparse.scan import scan_splits, splits_by_atomics
@@ -269,21 +268,13 @@ def _question(
     return (M, d_sae, d_model, acts_dtype, w_dtype, bandwidth, sms, torch.are_deterministic_algorithms_enabled())
 
 
-@functools.lru_cache(maxsize=1024)
-def _predicted_for(question: tuple, l0: L0Estimate, one_wave_programs_per_sm: int) -> dict[str, float]:
-    # the three variants share one evaluation of the model (``deterministic``, read by it, is in the question; the
-    # sparse core's knob it reads is an argument, so that a change of it is not answered from the cache)
+def _predict(question: tuple, l0: L0Estimate, knobs: DecodeKnobs) -> dict[str, float]:
+    # ``deterministic``, which the model reads, is in the question
     M, d_sae, d_model, acts_dtype, w_dtype, bandwidth, sms, _ = question
     return _predicted_seconds(
         M, d_sae, d_model, l0.mean, acts_dtype, w_dtype, bandwidth, cv=l0.cv, long_share=l0.long_share,
-        long_l0=l0.long_l0, sms=sms, one_wave_programs_per_sm=one_wave_programs_per_sm,
+        long_l0=l0.long_l0, sms=sms, one_wave_programs_per_sm=limits().one_wave_programs_per_sm,
     )  # fmt: skip
-
-
-def _variant(name: str) -> Variant:
-    return Variant(
-        name, lambda question, l0, knobs: _predicted_for(question, l0, limits().one_wave_programs_per_sm)[name]
-    )
 
 
 def _small_dictionary(question: tuple, knobs: DecodeKnobs) -> tuple[str, str] | None:
@@ -300,7 +291,7 @@ def _rounded(l0: L0Estimate) -> L0Estimate:
 
 PLANNER = Planner(
     "sparse_decode",
-    (_variant("scan"), _variant("fixed"), _variant("dense")),
+    _predict,
     DecodeKnobs(),
     estimates=EstimateCache(),  # per W_dec: dies with the decoder; samples every observe_every-th eager call
     from_per_row=L0Estimate.from_per_row,
