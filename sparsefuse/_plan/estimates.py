@@ -28,11 +28,14 @@ def sampled_rows(t: torch.Tensor, max_rows: int) -> torch.Tensor:
     return t[torch.linspace(0, M - 1, min(M, max_rows), device=t.device).long()]
 
 
-def sampled_nonzero_stats(t: torch.Tensor, max_rows: int, positive: bool = False) -> torch.Tensor:
+def sampled_nonzero_stats(
+    t: torch.Tensor, max_rows: int, positive: bool = False, threshold: float = 0.0
+) -> torch.Tensor:
     """[2] int64 (non-zeros, rows) over <= ``max_rows`` evenly spaced rows of ``t`` [M, n] (M >= 1), without a sync.
-    ``positive``: count entries > 0 (pre-activations of a ReLU) instead of entries != 0 (NaN counts as fired)."""
+    ``positive``: count entries > ``threshold`` (pre-activations of a ReLU at 0, of a FATReLU above) instead of
+    entries != 0 (NaN counts as fired)."""
     sample = sampled_rows(t, max_rows)
-    fired = sample > 0 if positive else sample != 0
+    fired = sample > threshold if positive else sample != 0
     return torch.stack([fired.sum(dtype=torch.int64), device_scalar(sample.shape[0], t.device)])
 
 

@@ -235,12 +235,15 @@ def block_unpack_kernel(
     HAS_B_UP: tl.constexpr,
     HAS_UP: tl.constexpr,
     IEEE_FP32: tl.constexpr,
+    threshold=0.0,
+    UP_RELU: tl.constexpr = False,
 ):
     # The inverse of block_pack_kernel into gate, up [M, width]: the chunk's slots zeroed, then its pairs written.
-    # A block past the capacity is recomputed instead: gate = relu(round(x[rows] @ w_gate[cols]^T + b_gate)),
-    # up = x[rows] @ w_up[cols]^T + b_up (x [M, K], weights [N, K]). Either way the gate's non-zeros per column of
-    # the chunk (NaN counts, as the transpose counts them) go to column_counts[blk, cols] ([n_blocks, N], any
-    # integer dtype; left untouched elsewhere).
+    # A block past the capacity is recomputed instead: gate = round(x[rows] @ w_gate[cols]^T + b_gate) where it is
+    # > threshold (0: ReLU; FATReLU's above) or NaN, else 0; up = x[rows] @ w_up[cols]^T + b_up (x [M, K], weights
+    # [N, K]), relu'd with UP_RELU (dReLU; NaN kept): the gate and up factors the forward kept. Either way the
+    # gate's non-zeros per column of the chunk (NaN counts, as the transpose counts them) go to
+    # column_counts[blk, cols] ([n_blocks, N], any integer dtype; left untouched elsewhere).
     chunk, block, count, live = union_chunk(counts_ptr, BLOCK_C)
     n_chunks = tl.num_programs(0)
     if live:
@@ -279,10 +282,12 @@ def block_unpack_kernel(
                 acc_g += tl.load(b_gate_ptr + cols, mask=p_mask, other=0.0).to(tl.float32)[None, :]
             if HAS_B_UP:
                 acc_u += tl.load(b_up_ptr + cols, mask=p_mask, other=0.0).to(tl.float32)[None, :]
-            pre = acc_g.to(gate_ptr.dtype.element_ty)  # rounded as the forward's gate product was
-            gate = tl.where((pre > 0) | (pre != pre), pre, 0.0).to(gate_ptr.dtype.element_ty)
+            pre = acc_g.to(gate_ptr.dtype.element_ty).to(tl.float32)  # rounded as the forward's gate product was
+            gate = tl.where((pre > threshold) | (pre != pre), pre, 0.0).to(gate_ptr.dtype.element_ty)
             tl.store(gate_ptr + dst, gate, mask=mask)
             if HAS_UP:
+                if UP_RELU:
+                    acc_u = tl.where((acc_u > 0) | (acc_u != acc_u), acc_u, 0.0)
                 tl.store(up_ptr + dst, acc_u.to(up_ptr.dtype.element_ty), mask=mask)
         fired = ((gate != 0) & mask).to(tl.int32)
         tl.store(column_counts_ptr + block.to(tl.int64) * N + cols, tl.sum(fired, axis=0), mask=p_mask)
@@ -300,12 +305,16 @@ def unpack_block_factors(
     b_gate: torch.Tensor | None,
     w_up: torch.Tensor | None,
     b_up: torch.Tensor | None,
+    *,
+    threshold: float = 0.0,
+    up_relu: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """(gate, up [M, width] on the BlockELL slots of ``indices`` [n_blocks, width] / ``counts`` / ``order``, count
     table) from :func:`pack_block_factors`' arrays (packed with chunks of ``chunk`` slots), in their dtype: zeros on
     the unions' slots where the gate did not fire. Blocks past the capacity are recomputed from x [M, K] and the
-    weights [N, K] (biases [N] or None). One launch and a fill, no host sync. ``w_up=None`` (a non-gated layer,
-    packed without an up factor): up is None.
+    weights [N, K] (biases [N] or None), with the gate the forward's :func:`~sparsefuse.sparse.block_sddmm` took
+    (``threshold``, ``up_relu``: its FATReLU and dReLU). One launch and a fill, no host sync. ``w_up=None`` (a
+    non-gated layer, packed without an up factor): up is None.
 
     The table is what :func:`~sparsefuse.sparse.block_ell_transpose` takes as ``count_table``: [n_blocks + 1, N]
     int64, the gate's non-zeros of block b per column in row b + 1 and zeros in row 0, counted from the values laid
@@ -344,7 +353,7 @@ def unpack_block_factors(
         M, N, K, width, packed.gate.shape[0], x.stride(0), w_gate.stride(0), w_up.stride(0) if has_up else 0,
         BLOCK_ROWS=block_rows, BLOCK_C=chunk, BLOCK_K=block_k, SCATTER=scatter, HAS_ORDER=order is not None,
         HAS_B_GATE=b_gate is not None, HAS_B_UP=b_up is not None, HAS_UP=has_up, IEEE_FP32=ieee_fp32(x.dtype),
-        num_warps=warps, num_stages=stages,
+        threshold=float(threshold), UP_RELU=up_relu and has_up, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     record_launch("block_unpack_kernel")
     return gate, up, table

@@ -34,12 +34,13 @@ from .formats import CSR, ELL, IN_ELL, SPILLED, Hybrid, RowBlockPattern
 
 
 @triton.jit
-def _is_nonzero(v, RELU: tl.constexpr):
-    """Non-zero test of the compaction kernels; with RELU, of relu(v) (v > 0), for pre-activations. NaN counts.
-    Compared in fp32: the interpreter compares bf16 by its bit pattern, so -0.0 would count and -1 be > 0."""
+def _is_nonzero(v, RELU: tl.constexpr, threshold=0.0):
+    """Non-zero test of the compaction kernels; with RELU, of a gate of pre-activations: v > threshold (0: ReLU's;
+    FATReLU's above). NaN counts. Compared in fp32: the interpreter compares bf16 by its bit pattern, so -0.0 would
+    count and -1 be > 0."""
     v = v.to(tl.float32)
     if RELU:
-        return (v > 0) | (v != v)
+        return (v > threshold) | (v != v)
     return v != 0
 
 
@@ -222,14 +223,15 @@ def _bitwise_or(a, b):
 
 @kernel
 def row_bits_kernel(
-    dense_ptr, bits_ptr, M, N, n_words, stride_row, ROWS: tl.constexpr, BLOCK_C: tl.constexpr, RELU: tl.constexpr
-):
-    # dense [M, N] -> bits [M, n_words] int32 (bit c % 32 of word c // 32 set where column c is non-zero; BLOCK_C a
-    # multiple of 32). Grid (column chunks, row chunks): one [ROWS, BLOCK_C] load per program, so even a few
-    # thousand rows give enough loads in flight (a program looping over whole rows had too few; a 1-D grid of the
-    # same programs ran 15% slower on an H200). Past 65535 row chunks (grid y's limit) programs take several.
-    # Row counts are popcounts of these words (row_keys_kernel, bits_to_sparse_kernel): counting here as well made
-    # this pass 2.7 TB/s instead of 3.5 on the FFN's pre-activations (H200).
+    dense_ptr, bits_ptr, M, N, n_words, stride_row, ROWS: tl.constexpr, BLOCK_C: tl.constexpr, RELU: tl.constexpr,
+    threshold=0.0,
+):  # fmt: skip
+    # dense [M, N] -> bits [M, n_words] int32 (bit c % 32 of word c // 32 set where column c is non-zero, or with
+    # RELU above threshold; BLOCK_C a multiple of 32). Grid (column chunks, row chunks): one [ROWS, BLOCK_C] load per
+    # program, so even a few thousand rows give enough loads in flight (a program looping over whole rows had too
+    # few; a 1-D grid of the same programs ran 15% slower on an H200). Past 65535 row chunks (grid y's limit)
+    # programs take several. Row counts are popcounts of these words (row_keys_kernel, bits_to_sparse_kernel):
+    # counting here as well made this pass 2.7 TB/s instead of 3.5 on the FFN's pre-activations (H200).
     chunk = tl.program_id(0)
     lane = tl.arange(0, 32)
     for row_chunk in range(tl.program_id(1), tl.cdiv(M, ROWS), tl.num_programs(1)):
@@ -241,7 +243,7 @@ def row_bits_kernel(
             mask=row_mask[:, None] & (cols[None, :] < N),
             other=0.0,
         )
-        fired = _is_nonzero(v, RELU).to(tl.int32)  # [ROWS, BLOCK_C]
+        fired = _is_nonzero(v, RELU, threshold).to(tl.int32)  # [ROWS, BLOCK_C]
         words = tl.reduce(tl.reshape(fired, [ROWS, BLOCK_C // 32, 32]) << lane[None, None, :], 2, _bitwise_or)
         w = chunk * (BLOCK_C // 32) + tl.arange(0, BLOCK_C // 32)
         tl.store(
@@ -293,16 +295,26 @@ def row_block_union_kernel(
     tl.store(counts_ptr + block * n_tiles + tile, tl.sum(in_union, axis=0))
 
 
-def _row_bits(dense: torch.Tensor, relu: bool) -> torch.Tensor:
-    """bits [M, ceil(N / 32)] int32 of ``dense`` [M, N] (of relu(dense) when ``relu``) from one row_bits_kernel
-    launch: the one pass over ``dense``."""
+def _row_bits(dense: torch.Tensor, relu: bool, threshold: float = 0.0) -> torch.Tensor:
+    """bits [M, ceil(N / 32)] int32 of ``dense`` [M, N] (with ``relu``: of its entries > ``threshold``) from one
+    row_bits_kernel launch: the one pass over ``dense``."""
     M, N = dense.shape
     n_words = cdiv(N, 32)
     rows, block_c = (2, 64) if _backend.INTERPRET else (8, 512)  # 4 warps (measured on an H200)
     block_c = min(block_c, max(32, next_power_of_2(N)))
     bits = new_output((M, n_words), torch.int32, dense.device)  # poisoned under test
     row_bits_kernel[(cdiv(N, block_c), min(cdiv(M, rows), limits().max_grid_y))](
-        dense, bits, M, N, n_words, dense.stride(0), ROWS=rows, BLOCK_C=block_c, RELU=relu, num_warps=4
+        dense,
+        bits,
+        M,
+        N,
+        n_words,
+        dense.stride(0),
+        ROWS=rows,
+        BLOCK_C=block_c,
+        RELU=relu,
+        threshold=float(threshold),
+        num_warps=4,
     )
     record_launch("row_bits_kernel")
     return bits
@@ -412,18 +424,20 @@ def _group_rank(bits: torch.Tensor, n_sample: int, group: int) -> torch.Tensor:
     return order
 
 
-def count_order(dense: torch.Tensor, n_sample: int, relu: bool = False, group: int = SORT_GROUP) -> torch.Tensor:
+def count_order(
+    dense: torch.Tensor, n_sample: int, relu: bool = False, group: int = SORT_GROUP, threshold: float = 0.0
+) -> torch.Tensor:
     """[M] int32 row order: within each ``group`` consecutive rows of ``dense`` [M, N], the rows by decreasing count
-    of non-zeros (of relu(dense) when ``relu``) among their first ``n_sample`` columns, bucketed four buckets per
-    octave, stable within a bucket: heavy rows first. Three Triton launches (bitmask, keys, rank), no host sync;
-    reads ``dense`` once."""
+    of non-zeros (with ``relu``: of entries > ``threshold``, NaN included) among their first ``n_sample`` columns,
+    bucketed four buckets per octave, stable within a bucket: heavy rows first. Three Triton launches (bitmask,
+    keys, rank), no host sync; reads ``dense`` once."""
     M = dense.shape[0]
     if backend_for(dense) is Backend.TORCH or M == 0:
         if M:
             _backend.warn_reference_once("count_order")
         fired = dense[:, :n_sample]
-        return torch_count_order((fired > 0) | fired.isnan() if relu else fired != 0, group)
-    return _group_rank(_row_bits(dense, relu), n_sample, group)
+        return torch_count_order((fired > threshold) | fired.isnan() if relu else fired != 0, group)
+    return _group_rank(_row_bits(dense, relu, threshold), n_sample, group)
 
 
 def dense_to_row_block_pattern(
@@ -432,10 +446,12 @@ def dense_to_row_block_pattern(
     block_rows: int,
     *,
     relu: bool = False,
+    threshold: float = 0.0,
     sort_rows: bool = False,
     sort_sample: int | None = None,
 ) -> RowBlockPattern:
-    """The :class:`RowBlockPattern` of ``dense`` [M, N] (of ``relu(dense)`` when ``relu``: pre-activations).
+    """The :class:`RowBlockPattern` of ``dense`` [M, N] (of ``relu(dense)`` when ``relu``: pre-activations; with a
+    ``threshold`` too, of its entries above it, FATReLU's gate, the caller passing it on ``dense``'s dtype grid).
 
     With ``sort_rows`` the rows are first ordered by :func:`count_order` -- heavy rows first within each group of
     :data:`SORT_GROUP` rows, counted over the first ``sort_sample`` columns (default: all) -- so tokens of similar
@@ -455,12 +471,12 @@ def dense_to_row_block_pattern(
     n_sample = N if sort_sample is None else min(N, sort_sample)
     n_tiles, n_blocks = cdiv(N, tile), cdiv(M, block_rows)
     if backend_for(dense) is Backend.TORCH or M == 0:
-        order = count_order(dense, n_sample, relu) if sort_rows else None
+        order = count_order(dense, n_sample, relu, threshold=threshold) if sort_rows else None
         if M:
             _backend.warn_reference_once(op)
-        fired = (dense > 0) | dense.isnan() if relu else dense != 0
+        fired = (dense > threshold) | dense.isnan() if relu else dense != 0
         return RowBlockPattern.from_dense(fired.to(torch.uint8), tile, block_rows, order)
-    bits = _row_bits(dense, relu)
+    bits = _row_bits(dense, relu, threshold)
     order = _group_rank(bits, n_sample, SORT_GROUP) if sort_rows else None
     indices = torch.empty(n_blocks, n_tiles * tile, dtype=torch.int32, device=dense.device)
     union_counts = torch.empty(n_blocks, n_tiles, dtype=torch.int32, device=dense.device)

@@ -207,9 +207,12 @@ def block_sddmm_kernel(
     HAS_B: tl.constexpr,
     IEEE_FP32: tl.constexpr,
     OFFSETS_32: tl.constexpr,
+    threshold=0.0,
+    UP_RELU: tl.constexpr = False,
 ):
     # Pattern (RowBlockPattern): indices [n_blocks, width], counts [n_blocks, n_tiles] (width = n_tiles * TILE),
-    # order [M] int32 (block rows -> matrix rows). scale [M, N] dense (relu'd when RELU); a [M, D], b [N, D] (unit
+    # order [M] int32 (block rows -> matrix rows). scale [M, N] dense (with RELU kept where > threshold or NaN, 0
+    # elsewhere: ReLU at 0, FATReLU above); UP_RELU: the product (+ bias) relu'd, NaN kept. a [M, D], b [N, D] (unit
     # column strides), bias [N]. Out: BlockELL values [M, width] (slot rows), indices [n_blocks, width], counts
     # [n_blocks]. Grid (chunks, row blocks): program (c, blk) computes compacted union slots
     # [c * BLOCK_C, (c + 1) * BLOCK_C) of its block -- the tiles' unions laid end to end, so a chunk spans tiles and
@@ -258,11 +261,13 @@ def block_sddmm_kernel(
             acc = tl.full([BLOCK_ROWS, BLOCK_C], 1.0, dtype=tl.float32)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=p_mask, other=0.0).to(tl.float32)[None, :]
+        if UP_RELU:
+            acc = tl.where((acc > 0) | (acc != acc), acc, 0.0)
         scale = tl.load(scale_ptr + row_at[:, None] * stride_scale + col_at[None, :], mask=mask, other=0.0).to(
             tl.float32
         )
         if RELU:
-            scale = tl.where((scale > 0) | (scale != scale), scale, 0.0)
+            scale = tl.where((scale > threshold) | (scale != scale), scale, 0.0)
         tl.store(out_values_ptr + out_offsets, (scale * acc).to(out_values_ptr.dtype.element_ty), mask=mask)
         if FACTORS:
             if HAS_B:  # without a product the values already are the gate factor
@@ -292,15 +297,20 @@ def torch_block_sddmm(
     b: torch.Tensor | None,
     bias: torch.Tensor | None = None,
     relu: bool = False,
+    threshold: float = 0.0,
+    up_relu: bool = False,
 ) -> torch.Tensor:
-    """Reference: the dense [M, N] ``pattern * relu?(scale) * (a @ b^T + bias)`` in float64 (no product when b is
-    None)."""
+    """Reference: the dense [M, N] ``pattern * gate(scale) * up(a @ b^T + bias)`` in float64 (no product when b is
+    None), gate(s) = s where s > threshold (or NaN) with ``relu``, else s; up(u) = relu(u) (NaN kept) with
+    ``up_relu``, else u."""
     prod = a.double() @ b.double().t() if b is not None else torch.ones((), dtype=torch.float64, device=scale.device)
     if bias is not None:
         prod = prod + bias.double()
+    if up_relu:
+        prod = torch.where((prod > 0) | prod.isnan(), prod, 0.0)
     s = scale.double()
     if relu:
-        s = torch.where((s > 0) | s.isnan(), s, 0.0)
+        s = torch.where((s > threshold) | s.isnan(), s, 0.0)
     return pattern.to_mask() * s * prod
 
 
@@ -355,6 +365,8 @@ def block_sddmm(
     bias: torch.Tensor | None = None,
     *,
     relu: bool = False,
+    threshold: float = 0.0,
+    up_relu: bool = False,
     out_dtype: torch.dtype | None = None,
     factors: bool = False,
     sum_scale: float = 1.0,
@@ -374,7 +386,13 @@ def block_sddmm(
     caller that needs only the token and neuron counts saves their fill.
 
     ``b=None`` (and no bias): no product, just ``relu?(scale)`` on the unions -- a non-gated layer's activation;
-    with ``factors`` the gate is then the product itself and ``up`` is None."""
+    with ``factors`` the gate is then the product itself and ``up`` is None.
+
+    The other gates, in the same pass: ``threshold`` (with ``relu``) keeps the scale where it exceeds it (FATReLU's
+    values, unshifted; the caller passes it on the scale dtype's grid), ``up_relu`` relus the product (+ bias)
+    before it multiplies the gate and is stored as ``up`` (dReLU); NaN is kept by both."""
+    if up_relu and b is None:
+        raise ValueError("block_sddmm: up_relu needs the product's b")
     a = unit_last_stride(a)
     b = unit_last_stride(b) if b is not None else None
     bias = unit_last_stride(bias) if bias is not None else None  # read at unit stride
@@ -433,7 +451,7 @@ def block_sddmm(
         if factors:
             raise NotImplementedError("block_sddmm(factors=True) runs on the GPU or the Triton interpreter")
         _backend.warn_reference_once("block_sddmm")
-        dense = torch_block_sddmm(pattern, scale, a, b, bias, relu).to(out_dtype)
+        dense = torch_block_sddmm(pattern, scale, a, b, bias, relu, threshold, up_relu).to(out_dtype)
         for blk in range(n_blocks):
             cols = pattern.block_columns(blk)
             slots = slice(blk * pattern.block_rows, min(M, (blk + 1) * pattern.block_rows))
@@ -479,6 +497,8 @@ def block_sddmm(
         HAS_B=b is not None,
         IEEE_FP32=ieee_fp32(a.dtype),
         OFFSETS_32=offsets_fit_32(scale, a, values, *((b,) if b is not None else ())),
+        threshold=float(threshold),
+        UP_RELU=up_relu,
         num_warps=warps,
         num_stages=stages,
         **({"maxnreg": max_registers} if max_registers else {}),

@@ -254,3 +254,29 @@ def test_block_method_real_shapes_gpu(M, K, N, mean_nnz, dtype, device):
     ref = torch_twell_mlp(x[rows], ffn.w_gate, ffn.w_up, ffn.w_down)
     lowp = F.linear(torch.relu(F.linear(x[rows], ffn.w_gate)) * F.linear(x[rows], ffn.w_up), ffn.w_down)
     assert_close_to_reference(y[rows], ref, lowp)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_block_sddmm_takes_fatrelu_and_drelu_gates(dtype, device):
+    """``threshold``: the unions and the kept gate are the entries above it (FATReLU's, unshifted), as the float64
+    reference has them; ``up_relu``: the product is relu'd before it multiplies the gate (dReLU), NaN kept."""
+    M, N, D, tile, threshold = 37, 70, 40, 32, 0.5
+    pre = sparse_pre(M, N, device, dtype)
+    g = torch.Generator().manual_seed(2)
+    a = torch.randn(M, D, generator=g).to(device=device, dtype=dtype)
+    b = (torch.randn(N, D, generator=g) / D**0.5).to(device=device, dtype=dtype)
+    fat = dense_to_row_block_pattern(pre, tile, 16, relu=True, threshold=threshold, sort_rows=True)
+    relu = dense_to_row_block_pattern(pre, tile, 16, relu=True, sort_rows=True)
+    fired = (pre > threshold) | pre.isnan()
+    assert bool((fat.to_mask().bool() | ~fired).all())  # every pair above the threshold lies in its block's union
+    assert fat.union_sizes().sum() < relu.union_sizes().sum()  # FATReLU's unions are smaller than ReLU's
+    for up_relu in (False, True):
+        h = block_sddmm(fat, pre, a, b, relu=True, threshold=threshold, up_relu=up_relu)
+        ref = torch_block_sddmm(fat, pre, a, b, relu=True, threshold=threshold, up_relu=up_relu)
+        up = F.linear(a.float(), b.float())
+        lowp = torch.where(fired, pre.float(), 0.0).to(dtype) * (up.relu() if up_relu else up).to(dtype)
+        rows = torch.arange(M, device=device) != 3  # row 3's NaN: compared apart
+        clean = lambda t: t.nan_to_num(nan=0.0)  # noqa: E731
+        assert_close_to_reference(clean(h.to_dense())[rows], clean(ref)[rows], clean(lowp * fat.to_mask())[rows])
+        assert bool(h.to_dense()[3].isnan().any())
+        assert bool((h.to_dense()[rows] < 0).any()) != up_relu  # the gate is positive: h's sign is up's

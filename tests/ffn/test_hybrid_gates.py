@@ -141,8 +141,8 @@ def test_reference_is_torch_autograd_in_float64(activation, threshold, l1_on):
 
 
 LAUNCHES = {
-    ("block", "fatrelu"): {"block_gate_fix_kernel": 1},
-    ("block", "drelu"): {"block_drelu_forward_kernel": 1, "block_gate_fix_kernel": 1, "block_drelu_grad_kernel": 1},
+    ("block", "fatrelu"): {"block_sddmm_kernel": 1, "block_unpack_kernel": 1, "block_drelu_grad_kernel": 0},
+    ("block", "drelu"): {"block_sddmm_kernel": 1, "block_unpack_kernel": 1, "block_drelu_grad_kernel": 1},
     ("dense", "fatrelu"): {"relu_mul_stats_kernel": 1, "relu_mul_backward_kernel": 1},
     ("dense", "drelu"): {"relu_mul_stats_kernel": 1, "relu_mul_backward_kernel": 1},
     ("hybrid", "fatrelu"): {"gather_accumulate_kernel": 3},

@@ -24,8 +24,9 @@ with a 2-byte slot code each (:func:`~sparsefuse.sparse.block_pack.pack_block_fa
 bf16, not the [M, width] layout the products walk), the unions' column lists and the token order -- no
 pre-activation, no product h. A block past the capacity is recomputed in the backward, never dropped.
 
-FATReLU and dReLU gates (``activation``, ``threshold``): a few passes on the unions' slots around these products,
-:mod:`.block_gates`.
+FATReLU and dReLU gates (``activation``, ``threshold``) ride in the same kernels (the gate's threshold where the
+unions are found, the product's and the unpack's epilogues); dReLU's backward adds one pass on the unions' slots
+(:mod:`.block_gates`).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from ...sparse.block_spmm import block_sparse_matmul, heavy_first_schedule_and_o
 from ...sparse.compact import dense_to_row_block_pattern
 from ...sparse.sddmm import block_sddmm, factor_chunk
 from ..twell.reference import threshold_in
-from .block_gates import drelu_forward, drelu_up_grad, fix_unpacked
+from .block_gates import drelu_up_grad
 from .block_l1 import add_hidden_l1_grad, block_hidden_l1
 
 
@@ -107,9 +108,8 @@ def _train_forward_into(
     """:func:`_train_forward`, y written into ``y_out`` [M, K] when given (a captured step's static output)."""
     M, N = x2.shape[0], w_gate.shape[0]
     pre = F.linear(x2, w_gate, b_gate)
-    if activation == "fatrelu" and threshold > 0:  # FATReLU's values: the core's ReLU then keeps them as they are
-        F.threshold(pre, threshold_in(pre.dtype, threshold), 0.0, inplace=True)
-    pattern = dense_to_row_block_pattern(pre, tile, block_rows, relu=True, sort_rows=sort_rows)
+    fires_above = threshold_in(pre.dtype, threshold)  # (0 but for FATReLU: the arguments were checked)
+    pattern = dense_to_row_block_pattern(pre, tile, block_rows, relu=True, threshold=fires_above, sort_rows=sort_rows)
     f = block_sddmm(
         pattern,
         pre,
@@ -117,13 +117,13 @@ def _train_forward_into(
         w_up,
         b_up,
         relu=True,
+        threshold=fires_above,
+        up_relu=activation == "drelu" and w_up is not None,
         out_dtype=x2.dtype,
         factors=True,
         sum_scale=1.0 / max(M * N, 1),
         column_counts=False,
     )
-    if activation == "drelu" and w_up is not None:
-        drelu_forward(f.up.values, f.product.values, f.product.counts, block_rows)
     # The down product here and the backward's dx products walk the same unions: their heavy-first launch order is
     # found once and kept (4 bytes a block). One block has nothing to order: zeros stand in, and no product reads them.
     # The same launch sums the blocks' non-zeros into where each block's chunks' pairs start in the packed arrays.
@@ -230,10 +230,9 @@ def _train_backward_into(
     chunk = factor_chunk(x2.shape[1], block_rows)  # as the forward's block_sddmm chunked the unions
     packed = PackedFactors(packed_gate, packed_up, packed_slots, offsets, chunk)
     gate_values, up_values, count_table = unpack_block_factors(
-        packed, indices, counts, order, block_rows, chunk, x2, w_gate, b_gate, w_up, b_up
-    )
-    # a block recomputed past the capacity: the core's ReLU factors made the gate's
-    fix_unpacked(gate_values, up_values, indices, counts, count_table, block_rows, activation, threshold)
+        packed, indices, counts, order, block_rows, chunk, x2, w_gate, b_gate, w_up, b_up,
+        threshold=threshold_in(x2.dtype, threshold), up_relu=activation == "drelu",
+    )  # fmt: skip
     gate = _on_slots(gate_values, indices, counts, order, N, block_rows)
     hidden_l1 = hidden_l1 and w_up is not None  # (non-gated: h is the gate, the two terms are one)
     dl1 = dl1.reshape(1)

@@ -68,26 +68,27 @@ def launch_block_mlp(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated block through row-block unions (tensor cores throughout):
 
-    1. ``pre = x W_gate^T + b_gate`` by cuBLAS (dense [M, N] in x's dtype, as the dense block has it); FATReLU
-       (``threshold > 0``): its entries <= threshold zeroed in place, one pass over it;
+    1. ``pre = x W_gate^T + b_gate`` by cuBLAS (dense [M, N] in x's dtype, as the dense block has it);
     2. :func:`sparsefuse.sparse.dense_to_row_block_pattern`: per block of ``block_rows`` tokens and tile of columns,
-       the union of the columns where ``pre > 0`` (large batches: tokens sorted by non-zero count first);
-    3. :func:`sparsefuse.sparse.block_sddmm`: ``h = relu(pre) * (x W_up^T + b_up)`` on the unions only (BlockELL,
-       rounded to x's dtype as the dense block rounds h); dReLU: ``relu(h)``, which is ``relu(pre) * relu(up)``
-       exactly since ``relu(pre) >= 0`` (a pass over h's values; the unions stay the gate's);
+       the union of the columns where the gate fires, ``pre > threshold`` (0 but for FATReLU; large batches: tokens
+       sorted by non-zero count first);
+    3. :func:`sparsefuse.sparse.block_sddmm`: ``h = gate(pre) * (x W_up^T + b_up)`` on the unions only (BlockELL,
+       rounded to x's dtype as the dense block rounds h); dReLU relus the up product in the same epilogue (the
+       unions stay the gate's);
     4. :func:`sparsefuse.sparse.block_sparse_matmul`: ``y = h W_down^T + b_down``.
 
     x2 [M, K]; w_gate, w_up [N, K]; w_down_t [N, K]. The up and down products cost the dense ones times the unions'
-    share of N. Returns (y [M, K], pre [M, N]: its positive entries are the fired gates)."""
+    share of N. Returns (y [M, K], pre [M, N]: its entries above the threshold are the fired gates)."""
     plan = plan or block_plan(w_gate.shape[0])
     pre = F.linear(x2, w_gate, b_gate)
-    if threshold > 0:
-        F.threshold_(pre, threshold_in(pre.dtype, threshold), 0.0)
+    fires_above = threshold_in(pre.dtype, threshold)
     M, N = pre.shape
     pattern = dense_to_row_block_pattern(
-        pre, plan.tile, plan.block_rows, relu=True, sort_rows=plan.sorts(M), sort_sample=plan.sort_sample(N)
-    )
-    h = block_sddmm(pattern, pre, x2, w_up, b_up, relu=True, out_dtype=x2.dtype)
-    if activation == "drelu":
-        h.values.relu_()
+        pre, plan.tile, plan.block_rows, relu=True, threshold=fires_above, sort_rows=plan.sorts(M),
+        sort_sample=plan.sort_sample(N),
+    )  # fmt: skip
+    h = block_sddmm(
+        pattern, pre, x2, w_up, b_up, relu=True, threshold=fires_above, up_relu=activation == "drelu",
+        out_dtype=x2.dtype,
+    )  # fmt: skip
     return block_sparse_matmul(h, w_down_t, bias=b_down, out_dtype=x2.dtype), pre

@@ -517,7 +517,7 @@ def launch_mlp(
         )
         if not with_stats or M == 0:
             return y, _no_stats(x2, with_stats)
-        return y, sampled_nonzero_stats(pre, STATS_TOKENS, positive=True)
+        return y, sampled_nonzero_stats(pre, STATS_TOKENS, positive=True, threshold=threshold_in(pre.dtype, threshold))
     tile = tile or auto_tile(M, w_gate.shape[0], compression)
     values, indices, counts, pre = launch_gate(x2, w_gate, b_gate, tile, compression, True, threshold)
     y = launch_up_down(
