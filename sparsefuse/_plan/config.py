@@ -35,7 +35,8 @@ class Knobs(KnobGroup):
     method to use in place of the cost model's predictions (times measured on your own GPU) for the methods it
     names, or your own cost model: a function ``(question, estimate) -> {method: seconds}`` (the op's question
     tuple of shapes and dtypes, and its rounded estimate). ``observe_every``: calls between the first samples of a
-    weight's running estimate (the gap then doubles: :class:`~.estimates.EstimateCache`)."""
+    weight's running estimate (the op's :class:`~.estimates.EstimateCache` follows it; inference ops double the gap
+    as calls accumulate, the training step keeps it fixed)."""
 
     margin: float = 1.0
     observe_every: int = 8
@@ -66,7 +67,7 @@ _VERSIONS = [0]
 
 
 def register_knobs(op: str, knobs: KnobGroup) -> None:
-    """Declare ``op``'s default knobs (called once, where the op declares its variants or its launcher)."""
+    """Declare ``op``'s default knobs (called once, where the op declares its cost model or its launcher)."""
     global CONFIG
     CONFIG = dataclasses.replace(CONFIG, ops={**CONFIG.ops, op: knobs})
 

@@ -155,8 +155,8 @@ class EstimateCache:
         return self._observe_every()
 
     def follow(self, observe_every: Callable[[], int]) -> None:
-        """Read ``observe_every`` from this callable at each use (a planner's knob: :func:`~.config.planning` steers
-        it)."""
+        """Read ``observe_every`` from this callable at each use, in place of the constructor's: a
+        :class:`~.planner.Planner` makes its cache follow its op's knob (:func:`~.config.planning` steers it)."""
         self._observe_every = observe_every
 
     def estimate_per_row(

@@ -101,12 +101,14 @@ def test_the_liger_copy_patches_itself_only(fake_liger):
 
 
 def test_the_patched_row_takes_ligers_loss_only(fake_liger):
-    """``patched + liger loss``: the fused loss bound to the patched model, its norms left as patch_llama made them."""
+    """``patched + liger loss``: the fused loss bound to the patched model for the step only, its norms left as
+    patch_llama made them."""
     from sparsefuse.integrations.transformers import patch_llama
 
     patched = patch_llama(_tiny())
     norms = [type(m) for m in patched.modules() if "RMSNorm" in type(m).__name__]
-    assert liger_peer.with_liger_loss(patched) is patched
-    assert patched(torch.zeros(1, 2, dtype=torch.long)) == "liger loss"
+    ids = torch.zeros(1, 2, dtype=torch.long)
+    with liger_peer.liger_loss(patched):
+        assert patched(ids) == "liger loss"
+    assert patched(ids) != "liger loss" and "forward" not in patched.__dict__
     assert [type(m) for m in patched.modules() if "RMSNorm" in type(m).__name__] == norms
-    assert not any(getattr(m, "liger", False) for m in patched.modules())

@@ -180,8 +180,8 @@ def test_hidden_l1_term_on_every_layout(layout, activation, threshold, device):
 @pytest.mark.parametrize("capacity", [0, 400])
 @pytest.mark.parametrize("activation, threshold", GATES)
 def test_block_step_recomputes_past_the_capacity(activation, threshold, capacity, l1_on, device):
-    """Blocks past the kept capacity are recomputed in the backward with the core's ReLU: FATReLU's values at or
-    below the threshold are zeroed there (and taken off the weight gradients' count table), dReLU's up relu'd."""
+    """Blocks past the kept capacity are recomputed in the backward with the forward's gate: FATReLU's values at
+    or below the threshold left out (and out of the weight gradients' count table), dReLU's up relu'd."""
     leaves = _leaves(M, K, N, torch.float32, device, True, seed=44)
     dy = torch.randn(M, K, device=device)
     out, grads = _run(leaves, dy, COEF, activation, threshold, l1_on, layout="block", block_capacity=capacity)

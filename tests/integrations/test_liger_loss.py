@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.mark.parametrize("train_method", ["dense", "hybrid"])
 def test_patched_model_trains_with_ligers_fused_loss(train_method, device, monkeypatch):
-    # Liger replaces LlamaForCausalLM.forward for every model, as well as this one's: put it back afterwards
+    # some Liger versions set LlamaForCausalLM.forward for every model, as well as this one's: put it back after
     monkeypatch.setattr(modeling_llama.LlamaForCausalLM, "forward", modeling_llama.LlamaForCausalLM.forward)
     torch.manual_seed(5)
     base = transformers.LlamaForCausalLM(tiny_config(mlp_bias=True)).to(device)

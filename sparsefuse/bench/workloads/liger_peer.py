@@ -5,8 +5,8 @@ and ``liger_call(fn)`` wraps a call of it so that Liger's rotary embedding is in
 ``apply_liger_kernel_to_llama`` patches transformers' module globals (the RMSNorm class, ``apply_rotary_pos_emb``)
 for every model of the process; the rows compare models side by side in one process, so those globals are put back
 at once and the rotary function is swapped in only around the Liger model's own calls -- the unpatched and patched
-rows run exactly what they run without Liger installed. SwiGLU is off (the models are ReLU), and so is the fused
-linear cross entropy (inference rows: no loss).
+rows run exactly what they run without Liger installed. SwiGLU is off (the models are ReLU); the training rows take
+Liger's fused linear cross entropy (:func:`liger_training_copy`, and :func:`liger_loss` on the patched model).
 """
 
 from __future__ import annotations
@@ -74,26 +74,35 @@ def liger_copy(model: torch.nn.Module) -> torch.nn.Module:
 def liger_training_copy(model: torch.nn.Module) -> torch.nn.Module:
     """:func:`liger_copy` for training: also Liger's fused linear cross entropy (the loss without the [tokens,
     vocab] logits), as a trainer applies it, bound to this copy's own ``forward``."""
-    return with_liger_loss(copy.deepcopy(model), rms_norm=True)
-
-
-def with_liger_loss(model: torch.nn.Module, rms_norm: bool = False) -> torch.nn.Module:
-    """``model`` itself with Liger's fused linear cross entropy bound to its own ``forward`` (globals untouched):
-    for a patched model (``patch_llama`` fuses the norms and rotary itself), the loss alone; ``rms_norm``: Liger's
-    RMSNorm on its norm modules too."""
     from types import MethodType
 
     from liger_kernel.transformers import apply_liger_kernel_to_llama
     from liger_kernel.transformers.model.llama import lce_forward
 
+    peer = copy.deepcopy(model)
     with _globals_kept():
         apply_liger_kernel_to_llama(
-            rope=False, rms_norm=rms_norm, swiglu=False, cross_entropy=False, fused_linear_cross_entropy=True,
-            model=model,
-        )  # fmt: skip
-    if "forward" not in model.__dict__:  # a version that patched the class alone: the model's own method instead
-        model.forward = MethodType(lce_forward, model)
-    return model
+            rope=False, rms_norm=True, swiglu=False, cross_entropy=False, fused_linear_cross_entropy=True, model=peer
+        )
+    if "forward" not in peer.__dict__:  # a version that patched the class alone: the copy's own method instead
+        peer.forward = MethodType(lce_forward, peer)
+    return peer
+
+
+@contextlib.contextmanager
+def liger_loss(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """``model`` (a patched Llama: its norms and rotary are patch_llama's) with Liger's fused linear cross entropy as
+    its forward for the block's duration, as ``apply_liger_kernel_to_llama(fused_linear_cross_entropy=True,
+    model=model)`` binds it, and its own forward again afterwards: the same model and optimizer serve both rows."""
+    from types import MethodType
+
+    from liger_kernel.transformers.model.llama import lce_forward
+
+    model.forward = MethodType(lce_forward, model)
+    try:
+        yield model
+    finally:
+        del model.forward
 
 
 def liger_call(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -26,9 +26,9 @@ Rows (shape label ``"<layers>L <sparsity> B=.. S=.."``; speed-up = unpatched eag
 * ``liger``, ``liger compile``  where Liger-Kernel is installed: the unpatched model with Liger's fused RMSNorm,
                          rotary embedding and fused linear cross entropy (its globals in force for its own steps
                          only: :mod:`.liger_peer`), eager and compiled; where ``fused only`` runs (a further model)
-* ``patched + liger loss``  the patched model with Liger's fused linear cross entropy as its loss (no [tokens,
-                         vocab] logits kept; norms and rotary still patch_llama's), where the Liger rows run: the two
-                         composed, as a trainer would run them
+* ``patched + liger loss``  the patched model and optimizer with Liger's fused linear cross entropy as the loss (no
+                         [tokens, vocab] logits kept; norms and rotary still patch_llama's), where the Liger rows
+                         run: the two composed, as a trainer would run them
 * ``no FFN``             the unpatched model with every MLP's forward replaced by zeros (its weights still in
                          AdamW): the FFN's share of the step is ``1 - no FFN / unpatched``, by subtraction
 
@@ -80,14 +80,14 @@ class _Models:
             self.key = key
         if impl == "patched no replay":  # the patched model and optimizer, its FFN steps launched eagerly
             return _Unreplayed(self.get(key, "patched", alone))
+        if impl == "patched + liger loss":  # the same, its loss Liger's fused linear cross entropy
+            return _WithLigerLoss(self.get(key, "patched", alone))
         if impl not in self.trainers:
             from ...integrations.transformers import patch_llama
 
             if impl.startswith("patched"):
                 base = self._base() if alone else copy.deepcopy(self._base())
                 model = patch_llama(base, train_method="hybrid")
-                if impl.endswith("liger loss"):
-                    model = liger_peer.with_liger_loss(model)
             elif impl == "fused only":
                 from ...integrations.transformers import fuse_norms, fuse_rotary
 
@@ -130,6 +130,18 @@ class _Unreplayed:
         finally:
             for m, value in zip(layers, chosen):
                 m.train_cuda_graph = value
+
+
+class _WithLigerLoss:
+    """A patched trainer stepped with Liger's fused linear cross entropy as its model's loss (one model and optimizer
+    for both rows, as :class:`_Unreplayed`)."""
+
+    def __init__(self, trainer: setup.Trainer) -> None:
+        self.trainer = trainer
+
+    def step(self, ids: torch.Tensor) -> torch.Tensor:
+        with liger_peer.liger_loss(self.trainer.model):
+            return self.trainer.step(ids)
 
 
 def _gpu_gib() -> float:

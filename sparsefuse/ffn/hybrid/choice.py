@@ -75,8 +75,9 @@ PLANNER = Planner(
 
 @dataclasses.dataclass
 class TrainChoice:
-    """The per-gate-weight record of the training step: its firing monitor, the layout the planner picks from it
-    and the capacity the block step keeps (knobs: :class:`TrainKnobs`, via ``sparsefuse.planning(hybrid_mlp=...)``)."""
+    """The per-gate-weight record of the training step: the layout the planner picks from the weight's firing
+    estimate and the capacity the block step keeps (knobs: :class:`TrainKnobs`, via
+    ``sparsefuse.planning(hybrid_mlp=...)``)."""
 
     def __post_init__(self) -> None:
         self._graph_buckets: WeakIdKeyDictionary = WeakIdKeyDictionary()  # gate weight -> pairs per token captured
