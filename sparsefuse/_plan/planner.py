@@ -167,6 +167,7 @@ class Planner:
         self.prior, self.rule, self.margin = prior, rule, margin
         self._memo: dict[tuple, str] = {}
         self._warmed: set[tuple] = set()
+        self._on_clear: list[Callable[[], None]] = []
         register_knobs(op, knobs)
         _PLANNERS[op] = self
 
@@ -316,10 +317,17 @@ class Planner:
         return Explanation(self.op, method, reason, context, source, estimate, predicted, priced, margin, in_graph)
 
     def clear(self) -> None:
-        """Forget every estimate, memoised pick and warm-up (tests; a model whose weights were replaced)."""
+        """Forget every estimate, memoised pick and warm-up (tests; a model whose weights were replaced), and what
+        the op keeps beside them (:meth:`on_clear`)."""
         self.estimates.clear()
         self._memo.clear()
         self._warmed.clear()
+        for forget in self._on_clear:
+            forget()
+
+    def on_clear(self, forget: Callable[[], None]) -> None:
+        """Have :meth:`clear` call ``forget`` too: for an op's own records derived from the estimates."""
+        self._on_clear.append(forget)
 
 
 def _constant_question(question: Any, given: float | None) -> bool:

@@ -47,3 +47,17 @@ def test_training_estimates_live_in_the_planner(plan):
         assert choice.firing(w) == (10 if step < 3 else 40) / 512
     PLANNER.clear()
     assert choice.firing(w) is None
+
+
+def test_the_planners_clear_resets_the_training_record(plan):
+    """What the shared record derives from the estimates (the compiled calls' capacity, the captured buckets) goes
+    with them."""
+    from sparsefuse.ffn.hybrid.choice import TRAIN_CHOICE
+
+    plan(hybrid_mlp={"capacity_quantum": 1})
+    w = torch.nn.Parameter(torch.zeros(512, 8))
+    _seen(w, 10.0)
+    assert TRAIN_CHOICE.bucketed_capacity(w, 4) == 4 * 16 and TRAIN_CHOICE.capacity(w, 4) < 4 * 512
+    assert TRAIN_CHOICE.compiled_per_token == 16
+    PLANNER.clear()
+    assert TRAIN_CHOICE.compiled_per_token == 0 and TRAIN_CHOICE.bucketed_capacity(w, 4) is None

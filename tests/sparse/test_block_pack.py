@@ -197,3 +197,36 @@ def test_nan_gates_are_kept_as_fired(device):
     ours, ref = _filled(gate, f, 40).cpu(), _filled(f.gate.values, f, 40).cpu()
     assert int(ours.isnan().sum()) == 3 and torch.equal(ours.nan_to_num(7.0), ref.nan_to_num(7.0))
     assert int(table.sum()) == stored
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_recompute_takes_the_forwards_fatrelu_and_drelu_gate(dtype, device):
+    """A block recomputed past the capacity comes back with the gate the forward kept: FATReLU's values above the
+    threshold alone (and counted so), dReLU's up relu'd -- as the copied blocks have them."""
+    M, K, N, threshold = 40, 24, 96, 0.25
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(M, K, generator=g).to(device=device, dtype=dtype)
+    wg, wu = ((torch.randn(N, K, generator=g) / K**0.5).to(device=device, dtype=dtype) for _ in range(2))
+    pre = F.linear(x, wg)
+    pattern = dense_to_row_block_pattern(pre, 64, 16, relu=True, threshold=threshold)
+    f = block_sddmm(
+        pattern, pre, x, wu, relu=True, threshold=threshold, up_relu=True, out_dtype=dtype, factors=True,
+        column_counts=True,
+    )  # fmt: skip
+    kept = _filled(f.gate.values, f, M).cpu()
+    assert bool((kept == 0).logical_or(kept > threshold).all()) and bool((kept > threshold).any())
+    unpacked = []
+    for capacity in (int(f.block_nnz.sum()), 0):  # every block copied, then every block recomputed
+        packed = pack_block_factors(f, capacity)
+        gate, up, table = unpack_block_factors(
+            packed, f.gate.indices, f.gate.counts, f.gate.row_order, 16, f.chunk, x, wg, None, wu, None,
+            threshold=threshold, up_relu=True,
+        )  # fmt: skip
+        unpacked.append((_filled(gate, f, M).cpu(), _filled(up, f, M).cpu(), table.cpu()))
+    (g_copy, u_copy, t_copy), (g_re, u_re, t_re) = unpacked
+    assert torch.equal(g_re != 0, g_copy != 0) and torch.equal(t_re, t_copy)
+    assert torch.equal(t_copy[1:], f.column_counts.cpu().long())
+    torch.testing.assert_close(g_re, g_copy, rtol=1e-3, atol=1e-3)
+    fired = g_copy != 0
+    assert bool((u_re[fired] >= 0).all()) and bool((u_re[fired] == 0).any())  # relu'd, some up <= 0
+    torch.testing.assert_close(u_re[fired], u_copy[fired], rtol=1e-3, atol=1e-3)

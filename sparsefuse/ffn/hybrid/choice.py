@@ -80,6 +80,10 @@ class TrainChoice:
     ``sparsefuse.planning(hybrid_mlp=...)``)."""
 
     def __post_init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every weight's captured bucket, frozen choices and compiled capacity (the planner's ``clear``)."""
         self._graph_buckets: WeakIdKeyDictionary = WeakIdKeyDictionary()  # gate weight -> pairs per token captured
         # gate weight -> {"layout": ..., "capacity": ...}: what its latest forward outside a backward took, which a
         # forward re-run inside a backward (activation checkpointing's recompute) takes again, so the recomputed
@@ -222,3 +226,4 @@ def _in_backward() -> bool:
 
 
 TRAIN_CHOICE = TrainChoice()
+PLANNER.on_clear(TRAIN_CHOICE.reset)
