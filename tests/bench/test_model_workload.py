@@ -62,7 +62,11 @@ def test_model_workload_is_registered():
 def test_cases_are_listed_without_building_models(monkeypatch, quick):
     monkeypatch.setattr(sparsefuse.ffn.synthetic, "synthetic_llama", _never_built, raising=False)
     cases = harness.WORKLOADS["model"](Options(quick=quick, device="cpu"))
-    hows = ("eager", "graph", "FFN") if quick else ("eager", "graph", "compile", "FFN")
+    hows = (
+        ("eager", "graph", "FFN", "FFN-eager")
+        if quick
+        else ("eager", "graph", "compile", "FFN", "FFN-eager", "FFN-compile")
+    )
     scenarios = 3 if quick else 2 * 2 * (3 + 3)  # (models x sparsities) x (prefill shapes + decode batches)
     assert len(cases) == scenarios * len(hows)
     parts = [workload.parse_shape(c.shape) for c in cases]
@@ -72,7 +76,7 @@ def test_cases_are_listed_without_building_models(monkeypatch, quick):
     for case, p in zip(cases, parts):
         assert case.dtype == torch.bfloat16 and set(case.impls) == {"unpatched", "patched"}
         assert case.eager_impl == "unpatched" and case.compile_impl is None and not case.rotate
-        assert case.method == ("eager" if p["how"] in ("eager", "compile") else "graph")
+        assert case.method == ("eager" if p["how"] in ("eager", "compile", "FFN-eager", "FFN-compile") else "graph")
         assert case.tokens == int(p["batch"]) * (int(p["seq"]) if p["phase"] == "prefill" else 1)
     quick_shapes = {(p["phase"], p["batch"], p["seq"]) for p in parts}
     if quick:
@@ -104,7 +108,7 @@ def test_patched_and_unpatched_compute_the_same_logits(tiny, monkeypatch, method
         lambda build, text=None, liger=False: pairs.append(make_pair(build, text, liger)) or pairs[-1],
     )
     cases = harness.WORKLOADS["model"](Options(quick=True, device=str(device), dtypes=(torch.float32,)))
-    assert len(cases) == 9 and all(c.dtype == torch.float32 for c in cases)
+    assert len(cases) == 12 and all(c.dtype == torch.float32 for c in cases)
     for case in cases:
         inputs = case.make_inputs()
         with track_launches() as launched:
@@ -118,7 +122,7 @@ def test_patched_and_unpatched_compute_the_same_logits(tiny, monkeypatch, method
         for u, p in zip(unpatched, patched):
             torch.testing.assert_close(p, u, rtol=1e-4, atol=1e-4, msg=case.shape)
         parts = workload.parse_shape(case.shape)
-        if parts["how"] == "FFN":
+        if parts["how"].startswith("FFN"):
             assert len(unpatched) == 2  # one output per layer
             continue
         batch = int(parts["batch"])
@@ -147,7 +151,7 @@ def test_a_saved_model_is_benched_on_the_text_it_was_trained_on(tiny, tmp_path, 
     options = Options(quick=True, device=str(device), dtypes=(torch.float32,), checkpoint=str(path))
     cases = harness.WORKLOADS["model"](options)
     parts = [workload.parse_shape(c.shape) for c in cases]
-    assert {(p["model"], p["sparsity"]) for p in parts} == {("model-l1", "learned")} and len(cases) == 9
+    assert {(p["model"], p["sparsity"]) for p in parts} == {("model-l1", "learned")} and len(cases) == 12
     case = next(c for c, p in zip(cases, parts) if p["phase"] == "prefill" and p["how"] == "eager")
     (ids,) = case.make_inputs()
     text = workload.stdlib_text(16 << 20)
@@ -213,3 +217,31 @@ def test_a_set_measured_in_parts_is_plotted_and_rewritten_from_its_csv(tmp_path)
     first = paths[1].read_text()
     assert report.rewrite_from_csv(paths[0]) == paths
     assert paths[1].read_text() == first and "## Whole model: patched vs unpatched" in first
+
+
+def test_each_row_takes_the_ffn_rows_of_its_own_timing():
+    """An `eager` row's FFN share and ratio come from the `FFN-eager` rows where they exist (the `FFN` rows, in one
+    CUDA graph, otherwise); the `graph` row keeps the `FFN` rows."""
+    rows = _fake_rows()
+    label = "1.5B nnz=30 prefill B=4 S=2048"
+    for impl, us in (("unpatched", 700.0), ("patched", 500.0)):
+        rows.append(
+            Result(
+                "model",
+                f"{label} FFN-eager",
+                "bfloat16",
+                "fwd",
+                impl,
+                method="eager",
+                median_us=us,
+                tokens_per_s=8192 / (us * 1e-6),
+                peak_mb=10.0,
+                eager_impl="unpatched",
+            )  # fmt: skip
+        )
+    lines = [line for line in workload.summary(rows) if line.startswith(f"| {label} |")]
+    eager = next(line for line in lines if "| eager |" in line)
+    graph = next(line for line in lines if "| graph |" in line)
+    assert eager.endswith("| 70% | 1.40x | 1.25x |")  # 700 / 1000; 700 / 500; 1 / (0.3 + 0.7 / 1.4)
+    assert graph.endswith("| 67% | 2.00x | 1.50x |")
+    assert not any("FFN-eager |" in line for line in lines)  # FFN rows are not rows of the table

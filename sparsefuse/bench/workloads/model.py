@@ -27,8 +27,11 @@ unpatched time / patched time):
 * ``FFN``      every layer's MLP on that layer's real input (captured by hooks during one unpatched forward of the
                same scenario), all layers in one CUDA graph: the model's FFN time. Cheaper than the profiler, and
                on the same inputs for both rows, so its speed-up is the FFN's own ratio.
+* ``FFN-eager``, ``FFN-compile``  the same MLP calls timed as the ``eager`` and ``compile`` rows are (plain calls;
+               under torch.compile in that row's mode): the FFN's share and ratio in each timing mode.
 
-:func:`summary` joins them: FFN share = FFN time (unpatched) / whole-model time (unpatched) and the Amdahl bound
+:func:`summary` joins them: FFN share = FFN time (unpatched) / whole-model time (unpatched), each row against the
+FFN row of its own timing, and the Amdahl bound
 ``1 / (1 - share + share / ffn_speedup)``; :func:`plot` draws tokens/s per prefill shape and against the decode
 batch. ``--quick``: SparseLM-1.5B, nnz=30, prefill (4, 2048), decode B in {1, 8}, eager and graph.
 
@@ -137,6 +140,15 @@ class _ModelPair:
             return uniform_token_ids(model, shape, generator)
         starts = torch.randint(0, self.text.numel() - seq, (batch, 1), generator=generator)
         return self.text[starts + torch.arange(seq)].long().to(model.device)
+
+    def compile_ffn(self, key: tuple[str, float | None], impl: str, mode: str) -> Callable[..., Any]:
+        """Every layer's MLP (:func:`run_mlps`) under torch.compile: the ``FFN-compile`` rows."""
+        model = self.get(key)[impl]
+        if (impl, "FFN " + mode) not in self.compiled:
+            self.compiled[(impl, "FFN " + mode)] = torch.compile(
+                lambda *xs: run_mlps(model, xs), mode=None if mode == "default" else mode
+            )
+        return self.compiled[(impl, "FFN " + mode)]
 
     def compile(self, key: tuple[str, float | None], impl: str, mode: str) -> Callable[..., Any]:
         """The model under torch.compile, as a user compiles it: straight away, no eager call first (the patched
@@ -346,9 +358,20 @@ def _scenario_cases(
         )
         for how in methods
     ]
-    ffn = {impl: (lambda *xs, impl=impl: run_mlps(pair.get(key)[impl], xs)) for impl in IMPLS}
-    cases.append(whole_model_case(label, dtype, "FFN", tokens, make_ffn_inputs, ffn))
+    # the FFN alone in every timing of the whole-model rows (its share and ratio in that mode): in one CUDA graph
+    # ("FFN"), plain calls ("FFN-eager") and compiled ("FFN-compile")
+    mode = "default" if phase == "prefill" else "reduce-overhead"
+    for how in ("graph", *(h for h in methods if h != "graph")):
+        if how == "compile":
+            ffn = {impl: (lambda *xs, impl=impl: pair.compile_ffn(key, impl, mode)(*xs)) for impl in IMPLS}
+        else:
+            ffn = {impl: (lambda *xs, impl=impl: run_mlps(pair.get(key)[impl], xs)) for impl in IMPLS}
+        name = "FFN" if how == "graph" else f"FFN-{how}"
+        cases.append(whole_model_case(label, dtype, name, tokens, make_ffn_inputs, ffn, method=_FFN_TIMING[how]))
     return cases
+
+
+_FFN_TIMING = {"graph": "graph", "eager": "eager", "compile": "eager"}  # the harness's timing of each FFN row
 
 
 def load_checkpoint(path: Path, dtype: torch.dtype, device: str, config_only: bool = False) -> Any:
@@ -474,9 +497,10 @@ def summary(rows: Sequence[Result]) -> list[str]:
     lines = []
     for (label, how, impl), r in times.items():
         patched = times.get((label, how, "patched"))
-        if impl != "unpatched" or how == "FFN" or patched is None:
+        if impl != "unpatched" or how.startswith("FFN") or patched is None:
             continue
-        ffn_u, ffn_p = times.get((label, "FFN", "unpatched")), times.get((label, "FFN", "patched"))
+        ffn_how = "FFN" if how == "graph" or (label, f"FFN-{how}", "unpatched") not in times else f"FFN-{how}"
+        ffn_u, ffn_p = times.get((label, ffn_how, "unpatched")), times.get((label, ffn_how, "patched"))
         share = ffn_u.median_us / r.median_us if ffn_u else math.nan
         ffn_speedup = ffn_u.median_us / ffn_p.median_us if ffn_u and ffn_p else math.nan
         bound = 1 / (1 - share + share / ffn_speedup) if share < 1 else math.nan
@@ -491,9 +515,10 @@ def summary(rows: Sequence[Result]) -> list[str]:
     return [
         "## Whole model: patched vs unpatched",
         "",
-        "Speed-up: unpatched time / patched time. FFN share: every layer's MLP on its real input, unpatched, in one "
-        "CUDA graph (the `FFN` rows) / the unpatched whole-model time of that row; against an `eager` time it is "
-        "smaller, the host's share being larger. FFN speed-up: unpatched / patched `FFN` rows. Amdahl bound: "
+        "Speed-up: unpatched time / patched time. FFN share: every layer's MLP on its real input, unpatched, timed "
+        "as that row is (`FFN` in one CUDA graph, `FFN-eager` as plain calls, `FFN-compile` compiled) / the "
+        "unpatched whole-model time of that row. FFN speed-up: unpatched / patched FFN rows of that timing. "
+        "Amdahl bound: "
         "1 / (1 - share + share / FFN speed-up), the whole-model speed-up that FFN speed-up allows. Peak MB: "
         "allocator high-water mark of one call above what was allocated before it (weights and KV cache excluded).",
         "",
@@ -516,7 +541,7 @@ def plot(rows: Sequence[Result], meta: dict[str, str], path: Path) -> bool:
     groups: dict[tuple[str, str], dict[str, list[tuple[dict[str, str], Result]]]] = {}
     for r in rows:
         parts = parse_shape(r.shape) if r.status == "ok" and math.isfinite(r.tokens_per_s) else None
-        if parts and parts["how"] != "FFN":
+        if parts and not parts["how"].startswith("FFN"):
             groups.setdefault((parts["model"], parts["sparsity"]), {}).setdefault(parts["phase"], []).append((parts, r))
     if not groups:
         return False
