@@ -245,3 +245,20 @@ def test_each_row_takes_the_ffn_rows_of_its_own_timing():
     assert eager.endswith("| 70% | 1.40x | 1.25x |")  # 700 / 1000; 700 / 500; 1 / (0.3 + 0.7 / 1.4)
     assert graph.endswith("| 67% | 2.00x | 1.50x |")
     assert not any("FFN-eager |" in line for line in lines)  # FFN rows are not rows of the table
+
+
+def test_the_compiled_ffn_rows_compute_the_eager_ones(tiny, monkeypatch, device):
+    """`FFN-compile`: every layer's MLP under torch.compile gives the plain calls' outputs, patched and unpatched."""
+    monkeypatch.setattr(workload, "QUICK_METHODS", ("eager", "compile"))
+    cases = harness.WORKLOADS["model"](Options(quick=True, device=str(device), dtypes=(torch.float32,)))
+    by_how = {}
+    for case in cases:
+        parts = workload.parse_shape(case.shape)
+        if parts["phase"] == "prefill" and parts["how"].startswith("FFN"):
+            by_how[parts["how"]] = case
+    assert set(by_how) == {"FFN", "FFN-eager", "FFN-compile"} and by_how["FFN-compile"].method == "eager"
+    inputs = by_how["FFN-compile"].make_inputs()
+    for impl in ("unpatched", "patched"):
+        compiled, plain = by_how["FFN-compile"].impls[impl](*inputs), by_how["FFN-eager"].impls[impl](*inputs)
+        for c, p in zip(compiled, plain, strict=True):
+            torch.testing.assert_close(c, p, rtol=1e-4, atol=1e-4, msg=impl)
