@@ -17,6 +17,7 @@ import collections
 import contextlib
 import enum
 import functools
+import math
 import os
 import sys
 import warnings
@@ -161,6 +162,29 @@ def backend_for(*tensors: torch.Tensor) -> Backend:
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The precision kernels (and the torch fallback) compute in: float64 for float64 inputs, else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# (significand bits, frexp exponent of the smallest normal, largest finite) of the dtypes the kernels take
+_FORMATS = {
+    torch.float32: (24, -125, torch.finfo(torch.float32).max),
+    torch.float16: (11, -13, torch.finfo(torch.float16).max),
+    torch.bfloat16: (8, -125, torch.finfo(torch.bfloat16).max),
+}
+
+
+def threshold_in(dtype: torch.dtype, threshold: float) -> float:
+    """The largest value of ``dtype`` that is <= ``threshold`` (>= 0): for every value v of that dtype, ``v >
+    threshold_in(dtype, t)`` compared in the dtype's arithmetic is ``v > t`` exactly. torch compares a half-precision
+    tensor with a Python float after rounding the float to the tensor's dtype (to nearest), and Triton rounds a float
+    argument to fp32, so every path passes this instead: each then fires exactly where the pre-activation it holds
+    exceeds the threshold. Pure Python (torch.compile traces it as constants)."""
+    if threshold <= 0 or dtype not in _FORMATS:
+        return threshold
+    bits, min_exponent, largest = _FORMATS[dtype]
+    if threshold >= largest:
+        return largest
+    spacing = max(math.frexp(threshold)[1], min_exponent) - bits  # the dtype's grid step near the threshold: 2**spacing
+    return math.ldexp(math.floor(math.ldexp(threshold, -spacing)), spacing)
 
 
 # The op that warned first (empty until then). One warning per process, not one per op: the fallback is one fact

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .. import _backend
-from .._backend import Backend, backend_for, cdiv, new_output, record_launch
+from .._backend import Backend, backend_for, cdiv, new_output, record_launch, threshold_in
 from .._jit import kernel
 from .._triton.dot import gathered_rows_dot, ieee_fp32
 from .._triton.slots import block_slots, union_chunk
@@ -338,6 +338,8 @@ def unpack_block_factors(
         )
     dtype, device = packed.gate.dtype, packed.gate.device
     has_up = w_up is not None
+    if up_relu and not has_up:
+        raise ValueError("unpack_block_factors: up_relu needs the up factor's w_up")
     gate = new_output((M, width), dtype, device)
     up = new_output((M, width), dtype, device) if has_up else None
     table = torch.zeros(n_blocks + 1, N, dtype=torch.int64, device=device)
@@ -353,7 +355,7 @@ def unpack_block_factors(
         M, N, K, width, packed.gate.shape[0], x.stride(0), w_gate.stride(0), w_up.stride(0) if has_up else 0,
         BLOCK_ROWS=block_rows, BLOCK_C=chunk, BLOCK_K=block_k, SCATTER=scatter, HAS_ORDER=order is not None,
         HAS_B_GATE=b_gate is not None, HAS_B_UP=b_up is not None, HAS_UP=has_up, IEEE_FP32=ieee_fp32(x.dtype),
-        threshold=float(threshold), UP_RELU=up_relu and has_up, num_warps=warps, num_stages=stages,
+        threshold=threshold_in(dtype, threshold), UP_RELU=up_relu, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     record_launch("block_unpack_kernel")
     return gate, up, table

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .. import _backend
-from .._backend import Backend, backend_for, cdiv, new_output, next_power_of_2, record_launch, sm_count
+from .._backend import Backend, backend_for, cdiv, new_output, next_power_of_2, record_launch, sm_count, threshold_in
 from .._jit import kernel
 from .._triton.limits import limits
 from .._validation import check_dense, check_rows, check_twell_geometry, unit_last_stride
@@ -432,6 +432,7 @@ def count_order(
     bucketed four buckets per octave, stable within a bucket: heavy rows first. Three Triton launches (bitmask,
     keys, rank), no host sync; reads ``dense`` once."""
     M = dense.shape[0]
+    threshold = threshold_in(dense.dtype, threshold)  # one firing point on both backends (torch's compare rounds)
     if backend_for(dense) is Backend.TORCH or M == 0:
         if M:
             _backend.warn_reference_once("count_order")
@@ -451,7 +452,7 @@ def dense_to_row_block_pattern(
     sort_sample: int | None = None,
 ) -> RowBlockPattern:
     """The :class:`RowBlockPattern` of ``dense`` [M, N] (of ``relu(dense)`` when ``relu``: pre-activations; with a
-    ``threshold`` too, of its entries above it, FATReLU's gate, the caller passing it on ``dense``'s dtype grid).
+    ``threshold`` too, of its entries above it: FATReLU's gate, exactly, in any dtype).
 
     With ``sort_rows`` the rows are first ordered by :func:`count_order` -- heavy rows first within each group of
     :data:`SORT_GROUP` rows, counted over the first ``sort_sample`` columns (default: all) -- so tokens of similar
@@ -468,6 +469,7 @@ def dense_to_row_block_pattern(
     ):
         raise ValueError(f"{op}: sort_sample must be a positive int or None; got {sort_sample!r}")
     M, N = dense.shape
+    threshold = threshold_in(dense.dtype, threshold)  # one firing point on both backends (torch's compare rounds)
     n_sample = N if sort_sample is None else min(N, sort_sample)
     n_tiles, n_blocks = cdiv(N, tile), cdiv(M, block_rows)
     if backend_for(dense) is Backend.TORCH or M == 0:

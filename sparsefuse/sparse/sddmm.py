@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .. import _backend
-from .._backend import Backend, backend_for, cdiv, new_output, next_power_of_2, record_launch
+from .._backend import Backend, backend_for, cdiv, new_output, next_power_of_2, record_launch, threshold_in
 from .._jit import kernel
 from .._triton.dot import gathered_rows_dot, ieee_fp32
 from .._triton.gather import pick_nonzeros, rank_nonzeros
@@ -389,7 +389,7 @@ def block_sddmm(
     with ``factors`` the gate is then the product itself and ``up`` is None.
 
     The other gates, in the same pass: ``threshold`` (with ``relu``) keeps the scale where it exceeds it (FATReLU's
-    values, unshifted; the caller passes it on the scale dtype's grid), ``up_relu`` relus the product (+ bias)
+    values, unshifted, compared exactly in the scale's dtype), ``up_relu`` relus the product (+ bias)
     before it multiplies the gate and is stored as ``up`` (dReLU); NaN is kept by both."""
     if up_relu and b is None:
         raise ValueError("block_sddmm: up_relu needs the product's b")
@@ -399,6 +399,7 @@ def block_sddmm(
     if b is None and bias is not None:
         raise ValueError("block_sddmm: a bias needs the product's b")
     scale = unit_last_stride(scale)
+    threshold = threshold_in(scale.dtype, threshold)  # one firing point on both backends (torch's compare rounds)
     M, N = pattern.shape
     n_blocks, n_tiles = pattern.counts.shape
     width, D = n_tiles * pattern.tile, a.shape[1]

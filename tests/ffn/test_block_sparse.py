@@ -280,3 +280,24 @@ def test_block_sddmm_takes_fatrelu_and_drelu_gates(dtype, device):
         assert_close_to_reference(clean(h.to_dense())[rows], clean(ref)[rows], clean(lowp * fat.to_mask())[rows])
         assert bool(h.to_dense()[3].isnan().any())
         assert bool((h.to_dense()[rows] < 0).any()) != up_relu  # the gate is positive: h's sign is up's
+
+
+def test_an_off_grid_threshold_fires_alike_on_both_backends(device, monkeypatch):
+    """A FATReLU threshold between two bf16 values (0.3): the kernels compare in fp32, torch's fallback rounds the
+    float to bf16 first (0.30078125); the core takes the threshold onto the dtype's grid, so both fire exactly where
+    the value exceeds 0.3."""
+    from sparsefuse.sparse import compact
+
+    above, below = 0.30078125, 0.298828125  # bf16's neighbours of 0.3
+    pre = torch.full((20, 40), -1.0)
+    pre[::3, ::4], pre[1::3, 1::4] = above, below  # columns apart: a union column is an "above" one
+    pre = pre.to(device=device, dtype=torch.bfloat16)
+    kernels = dense_to_row_block_pattern(pre, 32, 16, relu=True, threshold=0.3)
+    assert_backend(pre)
+    monkeypatch.setattr(compact, "backend_for", lambda *tensors: compact.Backend.TORCH)
+    reference = dense_to_row_block_pattern(pre, 32, 16, relu=True, threshold=0.3)
+    fired = (pre.float() > 0.3).cpu()
+    for pattern in (kernels, reference):
+        mask = pattern.to_mask().bool().cpu()
+        assert bool((mask | ~fired).all()) and not bool((mask & (pre.float() == below).cpu()).any()), pattern
+    assert torch.equal(kernels.union_sizes().cpu(), reference.union_sizes().cpu())

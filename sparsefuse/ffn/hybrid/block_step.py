@@ -49,7 +49,6 @@ from ...sparse.block_pack import PackedFactors, pack_block_factors, unpack_block
 from ...sparse.block_spmm import block_sparse_matmul, heavy_first_schedule_and_offsets
 from ...sparse.compact import dense_to_row_block_pattern
 from ...sparse.sddmm import block_sddmm, factor_chunk
-from ..twell.reference import threshold_in
 from .block_gates import drelu_up_grad
 from .block_l1 import add_hidden_l1_grad, block_hidden_l1
 
@@ -108,8 +107,8 @@ def _train_forward_into(
     """:func:`_train_forward`, y written into ``y_out`` [M, K] when given (a captured step's static output)."""
     M, N = x2.shape[0], w_gate.shape[0]
     pre = F.linear(x2, w_gate, b_gate)
-    fires_above = threshold_in(pre.dtype, threshold)  # (0 but for FATReLU: the arguments were checked)
-    pattern = dense_to_row_block_pattern(pre, tile, block_rows, relu=True, threshold=fires_above, sort_rows=sort_rows)
+    # (threshold: 0 but for FATReLU, as the arguments were checked)
+    pattern = dense_to_row_block_pattern(pre, tile, block_rows, relu=True, threshold=threshold, sort_rows=sort_rows)
     f = block_sddmm(
         pattern,
         pre,
@@ -117,7 +116,7 @@ def _train_forward_into(
         w_up,
         b_up,
         relu=True,
-        threshold=fires_above,
+        threshold=threshold,
         up_relu=activation == "drelu" and w_up is not None,
         out_dtype=x2.dtype,
         factors=True,
@@ -231,7 +230,7 @@ def _train_backward_into(
     packed = PackedFactors(packed_gate, packed_up, packed_slots, offsets, chunk)
     gate_values, up_values, count_table = unpack_block_factors(
         packed, indices, counts, order, block_rows, chunk, x2, w_gate, b_gate, w_up, b_up,
-        threshold=threshold_in(x2.dtype, threshold), up_relu=activation == "drelu",
+        threshold=threshold, up_relu=activation == "drelu" and w_up is not None,
     )  # fmt: skip
     gate = _on_slots(gate_values, indices, counts, order, N, block_rows)
     hidden_l1 = hidden_l1 and w_up is not None  # (non-gated: h is the gate, the two terms are one)

@@ -14,7 +14,6 @@ from ..._backend import next_power_of_2
 from ...sparse.block_spmm import block_sparse_matmul
 from ...sparse.compact import dense_to_row_block_pattern
 from ...sparse.sddmm import block_sddmm
-from .reference import threshold_in
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,14 +80,13 @@ def launch_block_mlp(
     share of N. Returns (y [M, K], pre [M, N]: its entries above the threshold are the fired gates)."""
     plan = plan or block_plan(w_gate.shape[0])
     pre = F.linear(x2, w_gate, b_gate)
-    fires_above = threshold_in(pre.dtype, threshold)
     M, N = pre.shape
     pattern = dense_to_row_block_pattern(
-        pre, plan.tile, plan.block_rows, relu=True, threshold=fires_above, sort_rows=plan.sorts(M),
+        pre, plan.tile, plan.block_rows, relu=True, threshold=threshold, sort_rows=plan.sorts(M),
         sort_sample=plan.sort_sample(N),
     )  # fmt: skip
     h = block_sddmm(
-        pattern, pre, x2, w_up, b_up, relu=True, threshold=fires_above, up_relu=activation == "drelu",
+        pattern, pre, x2, w_up, b_up, relu=True, threshold=threshold, up_relu=activation == "drelu",
         out_dtype=x2.dtype,
     )  # fmt: skip
     return block_sparse_matmul(h, w_down_t, bias=b_down, out_dtype=x2.dtype), pre
