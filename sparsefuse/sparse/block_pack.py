@@ -29,6 +29,7 @@ from .. import _backend
 from .._backend import Backend, backend_for, cdiv, new_output, record_launch, threshold_in
 from .._jit import kernel
 from .._triton.dot import gathered_rows_dot, ieee_fp32
+from .._triton.gates import fires, relu_keep_nan
 from .._triton.slots import block_slots, union_chunk
 from .._validation import unit_last_stride
 from .sddmm import BlockFactors
@@ -283,11 +284,11 @@ def block_unpack_kernel(
             if HAS_B_UP:
                 acc_u += tl.load(b_up_ptr + cols, mask=p_mask, other=0.0).to(tl.float32)[None, :]
             pre = acc_g.to(gate_ptr.dtype.element_ty).to(tl.float32)  # rounded as the forward's gate product was
-            gate = tl.where((pre > threshold) | (pre != pre), pre, 0.0).to(gate_ptr.dtype.element_ty)
+            gate = tl.where(fires(pre, threshold), pre, 0.0).to(gate_ptr.dtype.element_ty)
             tl.store(gate_ptr + dst, gate, mask=mask)
             if HAS_UP:
                 if UP_RELU:
-                    acc_u = tl.where((acc_u > 0) | (acc_u != acc_u), acc_u, 0.0)
+                    acc_u = relu_keep_nan(acc_u)
                 tl.store(up_ptr + dst, acc_u.to(up_ptr.dtype.element_ty), mask=mask)
         fired = ((gate != 0) & mask).to(tl.int32)
         tl.store(column_counts_ptr + block.to(tl.int64) * N + cols, tl.sum(fired, axis=0), mask=p_mask)

@@ -28,6 +28,7 @@ import triton.language as tl
 from .. import _backend
 from .._backend import Backend, backend_for, cdiv, new_output, next_power_of_2, record_launch, sm_count, threshold_in
 from .._jit import kernel
+from .._triton.gates import fires
 from .._triton.limits import limits
 from .._validation import check_dense, check_rows, check_twell_geometry, unit_last_stride
 from .formats import CSR, ELL, IN_ELL, SPILLED, Hybrid, RowBlockPattern
@@ -35,13 +36,11 @@ from .formats import CSR, ELL, IN_ELL, SPILLED, Hybrid, RowBlockPattern
 
 @triton.jit
 def _is_nonzero(v, RELU: tl.constexpr, threshold=0.0):
-    """Non-zero test of the compaction kernels; with RELU, of a gate of pre-activations: v > threshold (0: ReLU's;
-    FATReLU's above). NaN counts. Compared in fp32: the interpreter compares bf16 by its bit pattern, so -0.0 would
-    count and -1 be > 0."""
-    v = v.to(tl.float32)
+    """Non-zero test of the compaction kernels; with RELU, where a gate of pre-activations fires (:func:`fires`).
+    NaN counts. Compared in fp32: the interpreter compares bf16 by its bit pattern, so -0.0 would count."""
     if RELU:
-        return (v > threshold) | (v != v)
-    return v != 0
+        return fires(v, threshold)
+    return v.to(tl.float32) != 0
 
 
 _MODE_COUNT = tl.constexpr(0)

@@ -21,6 +21,7 @@ from .. import _backend
 from .._backend import Backend, backend_for, cdiv, new_output, next_power_of_2, record_launch, threshold_in
 from .._jit import kernel
 from .._triton.dot import gathered_rows_dot, ieee_fp32
+from .._triton.gates import fires, relu_keep_nan
 from .._triton.gather import pick_nonzeros, rank_nonzeros
 from .._triton.slots import block_slots, offsets_fit_32
 from .._validation import unit_last_stride
@@ -262,12 +263,12 @@ def block_sddmm_kernel(
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=p_mask, other=0.0).to(tl.float32)[None, :]
         if UP_RELU:
-            acc = tl.where((acc > 0) | (acc != acc), acc, 0.0)
+            acc = relu_keep_nan(acc)
         scale = tl.load(scale_ptr + row_at[:, None] * stride_scale + col_at[None, :], mask=mask, other=0.0).to(
             tl.float32
         )
         if RELU:
-            scale = tl.where((scale > threshold) | (scale != scale), scale, 0.0)
+            scale = tl.where(fires(scale, threshold), scale, 0.0)
         tl.store(out_values_ptr + out_offsets, (scale * acc).to(out_values_ptr.dtype.element_ty), mask=mask)
         if FACTORS:
             if HAS_B:  # without a product the values already are the gate factor

@@ -25,6 +25,7 @@ import triton.language as tl
 from ... import _backend
 from ..._backend import STREAMING_WARPS, Backend, backend_for, cdiv, new_output, record_launch, streaming_block
 from ..._jit import kernel
+from ..._triton.gates import fires, relu_keep_nan
 from ..twell.reference import threshold_in
 
 # Forward tiles: a program walks a strip of BLOCK_C columns down a group of rows, ROWS at a time. BLOCK_C is one
@@ -86,15 +87,14 @@ def relu_mul_stats_kernel(
         pre = tl.load(pre_ptr + offsets, mask=mask, other=0.0)
         if HAS_UP:
             up = tl.load(up_ptr + offsets, mask=mask, other=0.0)
-        # compared in fp32 (exact for every input dtype): the interpreter compares bf16 by its raw bits
         pre = pre.to(tl.float32)
-        fired = (pre > threshold) | (pre != pre)
+        fired = fires(pre, threshold)
         gate = tl.where(fired, pre, 0.0)
         tl.store(gate_ptr + offsets, gate.to(gate_ptr.dtype.element_ty), mask=mask)
         if HAS_UP:
             up = up.to(tl.float32)
-            if UP_RELU:  # NaN kept, as torch.relu keeps it
-                up = tl.where(up <= 0, 0.0, up)
+            if UP_RELU:
+                up = relu_keep_nan(up)
             h = gate * up
             tl.store(h_ptr + offsets, h.to(h_ptr.dtype.element_ty), mask=mask)
             if HIDDEN:

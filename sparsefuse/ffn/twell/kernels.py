@@ -8,6 +8,7 @@ import triton.language as tl
 
 from ..._jit import kernel
 from ..._triton.dot import dot_accumulate
+from ..._triton.gates import fires
 from ..._triton.gather import accumulate_nonzeros, accumulate_rows, pick_nonzeros, rank_nonzeros, sum_split_partials
 from ..._triton.schedule import grouped_tile_coords
 from ...sparse.sddmm import row_dots
@@ -121,14 +122,6 @@ def twell_pack_kernel(
 
 
 @triton.jit
-def _fires(pre, threshold):
-    """Where a gate fires: pre-activation > threshold (a value on the fp32 grid: the host passes
-    :func:`~sparsefuse.ffn.twell.reference.threshold_in`, so the compare is exact in any precision), or NaN (it
-    propagates)."""
-    return (pre > threshold) | (pre != pre)
-
-
-@triton.jit
 def _pack_tile(
     pre, rows, row_mask, cols, col_mask, tile, values_ptr, indices_ptr, counts_ptr, n_tiles, threshold,
     SLOTS: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -136,7 +129,7 @@ def _pack_tile(
     """ReLU (FATReLU for a threshold > 0) + TwELL packing of the pre-activations ``pre`` [BLOCK_M, TILE] of (rows,
     tile): the entries > threshold at [row, tile * SLOTS + slot] of values/indices, counts [M, n_tiles] int32 (true
     counts). NaN counts as fired (it propagates). Returns the counts [BLOCK_M]."""
-    fired = _fires(pre, threshold) & row_mask[:, None] & col_mask[None, :]  # [BLOCK_M, TILE]
+    fired = fires(pre, threshold) & row_mask[:, None] & col_mask[None, :]  # [BLOCK_M, TILE]
     fired_i = fired.to(tl.int32)
     rank = tl.cumsum(fired_i, axis=1) - 1  # slot of each fired column within its tile row
     row_base = rows.to(tl.int64) * (n_tiles * SLOTS) + tile * SLOTS  # [BLOCK_M]
@@ -229,7 +222,7 @@ def _recompute_overflowed_tiles(
                     pre = _pre_activations(
                         x_row_ptr, wa_ptr, ba_ptr, cols, col_mask, K, stride_wa_n, stride_wa_k, BLOCK_C, BLOCK_K, HAS_BA
                     )
-                fired = col_mask & _fires(pre, threshold)
+                fired = col_mask & fires(pre, threshold)
                 coef = tl.where(fired, pre, 0.0)
                 if GATED:
                     u = row_dots(x_row_ptr, wu_ptr, cols, fired, K, stride_wu, 1, BLOCK_C, BLOCK_K)
@@ -259,7 +252,7 @@ def _overflowed_tiles_from_pre(
             cols = t * TILE + tl.arange(0, TILE)  # [TILE]
             col_mask = cols < N
             pre = tl.load(pre_row_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-            h = tl.where(col_mask & _fires(pre, threshold), pre, 0.0)  # (FAT)ReLU; NaN propagates
+            h = tl.where(col_mask & fires(pre, threshold), pre, 0.0)  # (FAT)ReLU; NaN propagates
             n, rank = rank_nonzeros(h)
             for j0 in range(j_begin, n, j_step):
                 j = j0 + tl.arange(0, BLOCK_J)  # [BLOCK_J]
