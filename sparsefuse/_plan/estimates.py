@@ -213,6 +213,7 @@ class EstimateCache:
         if entry is None:
             entry = self._entries[weight] = [SparsityMonitor(self.momentum), 0, 0]
         monitor = entry[0]
+        monitor.estimate()  # the last sample folded in, if it has arrived: the monitor then accepts the next
         entry[1] += 1
         if entry[1] >= entry[2] and monitor.accepts:
             monitor.observe(stats())

@@ -239,11 +239,12 @@ class Planner:
                     return self.rounded(self.from_per_row(per_row)), "observed"
         return self.rounded(self.prior(question, self.knobs)), "prior"
 
-    def explicit(self, method: str) -> str:
-        """A method the caller named: it runs, never another (recorded for :func:`explain`). Callers check for it
-        before building ``auto``'s question, so that an explicit call pays nothing for the planner."""
+    def explicit(self, method: str, argument: str = "method") -> str:
+        """A method the caller named (in ``argument``): it runs, never another (recorded for :func:`explain`).
+        Callers check for it before building ``auto``'s question, so that an explicit call pays nothing for the
+        planner."""
         if _EXPLAINING[0]:
-            decided(self.op, method, f"method={method!r} given", "explicit")
+            decided(self.op, method, f"{argument}={method!r} given", "explicit")
         return method
 
     def resolve(

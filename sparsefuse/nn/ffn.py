@@ -120,7 +120,7 @@ class SparseGatedMLP(nn.Module):
         self._eager_choice: dict[tuple[int, torch.dtype], bool] = {}  # (tokens, dtype) -> auto runs dense
         self._eager_choice_weight: torch.Tensor | None = None  # the gate weight those choices were made for
         # dense eager calls made; the count at which the next sample of the gate's sparsity is taken
-        self._eager_calls, self._next_sample = 0, ESTIMATES.observe_every
+        self._eager_calls, self._next_sample = 0, None  # None: the knob's observe_every, read at the first call
 
     def configure(
         self,
@@ -280,6 +280,8 @@ class SparseGatedMLP(nn.Module):
         the sparsity."""
         y, h_gate, _ = self._dense(x)
         self._eager_calls += 1
+        if self._next_sample is None:
+            self._next_sample = ESTIMATES.observe_every
         if self._eager_calls >= self._next_sample:
             stats = sampled_nonzero_stats(h_gate.reshape(-1, h_gate.shape[-1]), STATS_TOKENS)
             ESTIMATES.observe(self.gate_proj.weight, stats)

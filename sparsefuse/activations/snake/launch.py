@@ -128,14 +128,13 @@ def _backward_config(T: int) -> tuple[int, int]:
     return min(2048, max(256, next_power_of_2(T))), 4
 
 
-def _alpha_finish(n_programs: int, n_channels: int) -> int:
+def _alpha_finish(n_programs: int, n_channels: int, least: int | None) -> int:
     """How the backward completes alpha's gradient. Large grids write partials and sum them in a second launch:
     in one launch, each program would wait for its partial's release and the channel counter's round trip before it
     can retire (measured on the H200: ~20% of the bf16 backward). Small grids, where a launch costs more than that
     wait, finish in the kernel."""
     if n_programs == n_channels:
         return ALPHA_DIRECT.value
-    least = current().knobs("snake").partials_min_programs
     if n_programs >= (least if least is not None else 64 if _backend.INTERPRET else 2048):
         return ALPHA_PARTIALS.value
     return ALPHA_LAST_ARRIVER.value
@@ -216,7 +215,8 @@ def snake_backward(
     block_t, num_warps = _backward_config(T)
     n_time_blocks = cdiv(T, block_t)
     n_programs = B * C * n_time_blocks
-    finish = _alpha_finish(n_programs, C)
+    knobs: SnakeKnobs = current().knobs("snake")
+    finish = _alpha_finish(n_programs, C, knobs.partials_min_programs)
     if need_alpha_grad:
         grad_alpha = new_output((C,), alpha.dtype, x.device)
     else:  # the kernel's alpha branch is compiled out
@@ -226,7 +226,6 @@ def snake_backward(
         partial = torch.empty(n_programs, dtype=_backend.compute_dtype(x.dtype), device=x.device)
     if need_alpha_grad and finish == ALPHA_LAST_ARRIVER.value:
         arrivals = torch.zeros(C, dtype=torch.int32, device=x.device)
-    knobs: SnakeKnobs = current().knobs("snake")
     snake_bwd_kernel[_row_grid(B * C, n_time_blocks, knobs.rows_per_slice)](
         grad_y,
         x,

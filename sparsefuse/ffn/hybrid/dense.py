@@ -38,11 +38,6 @@ def _check_pair(pre: torch.Tensor, up: torch.Tensor) -> None:
 # --- gated: relu(pre) * up -----------------------------------------------------------------------------------------
 
 
-def _gate_args(activation: str, threshold: float) -> tuple[float, bool]:
-    """(the firing threshold, whether up is relu'd) of a gate activation (checked: non-zero for FATReLU only)."""
-    return threshold, activation == "drelu"
-
-
 @on_tensor_device
 def _gated_forward(
     pre: torch.Tensor, up: torch.Tensor, hidden: bool = False, activation: str = "relu", threshold: float = 0.0
@@ -52,7 +47,7 @@ def _gated_forward(
     for float64 inputs), fired count per row [M] and per column [N] (int32; fired: pre > 0 or NaN)). FATReLU:
     fired where pre > threshold, h_gate = pre there; dReLU: h = h_gate * relu(up), counts of the gate's firing."""
     _check_pair(pre, up)
-    gate, h, l1, token_counts, neuron_counts = relu_mul_stats(pre, up, hidden, *_gate_args(activation, threshold))
+    gate, h, l1, token_counts, neuron_counts = relu_mul_stats(pre, up, hidden, threshold, activation == "drelu")
     return gate, h, l1, token_counts, neuron_counts
 
 

@@ -9,7 +9,6 @@ from typing import NamedTuple
 import torch
 
 from ..._backend import Backend, backend_for
-from ..._plan import decided
 from ..._validation import (
     autocast_operands,
     check_ffn_activation,
@@ -23,7 +22,7 @@ from ...sparse.compact import DEFAULT_HYBRID_WIDTH
 from ..twell.block import block_plan
 from ..twell.reference import ACTIVATIONS
 from .block_step import block_mlp_train_fwd
-from .choice import TRAIN_CHOICE
+from .choice import PLANNER, TRAIN_CHOICE
 from .dense import dense_step
 from .graphed import graphed_step, replays_by_default
 from .op import hybrid_mlp_fwd_op
@@ -200,7 +199,7 @@ def _train_step(
     if layout == "auto":
         layout = TRAIN_CHOICE.choose(gate, (M, x2.shape[1], w_gate.shape[0], x2.dtype))
     else:
-        decided("hybrid_mlp", layout, f"layout={layout!r} given", "explicit")
+        PLANNER.explicit(layout, "layout")
     kernels = x2.dtype != torch.float64 and backend_for(x2) is not Backend.TORCH
     # float64 / plain CPU (non-gated), or no neuron at all: the torch ops, exact
     if layout == "dense" or (w_up is None and not kernels) or w_gate.shape[0] == 0:

@@ -172,9 +172,10 @@ def _predict(question: tuple, mean_nnz: float, cm: CostModel) -> dict[str, float
     ``"twell"``."""
     M, K, N, dtype = question
     twell, dense = predicted_times(M, K, N, mean_nnz, dtype, cm)
-    if M < cm.block_min_tokens:
-        return {"twell": twell, "dense": dense}
-    return {"twell": twell, "block": predicted_block_time(M, K, N, mean_nnz, dtype, cm), "dense": dense}
+    predicted = {"twell": twell}
+    if M >= cm.block_min_tokens:
+        predicted["block"] = predicted_block_time(M, K, N, mean_nnz, dtype, cm)
+    return predicted | {"dense": dense}
 
 
 def _empty_batch(question: tuple, cm: CostModel) -> tuple[str, str] | None:

@@ -167,6 +167,8 @@ def _fwd_config(hidden: torch.Tensor, weight: torch.Tensor, save_aux: bool) -> F
     with SAVE_AUX."""
     forced = current().knobs("splade").fwd_config
     if forced is not None:
+        if forced.tma and not _tma_eligible(hidden, weight):
+            raise ValueError(f"planning(splade=...): fwd_config {forced} takes TMA loads these inputs cannot take")
         return forced
     tma = not save_aux and _tma_eligible(hidden, weight)
     if _backend.INTERPRET:
