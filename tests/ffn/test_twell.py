@@ -213,11 +213,23 @@ def test_separate_kernels_match_the_fused_call(shift, device):
 
 
 @pytest.mark.parametrize("max_splits", [1, 3])
-def test_up_down_splits_follow_the_max_splits_knob(max_splits, device, plan):
+def test_up_down_splits_follow_the_max_splits_knob(max_splits, device, plan, monkeypatch):
     """Kernel 2 splits a small batch's tokens over at most ``max_splits`` programs each (the fp32 partials summed in
     order by the last), and the result matches the float64 reference."""
+    import inspect
+
+    from sparsefuse.ffn.twell import launch
     from sparsefuse.ffn.twell.launch import _up_down_plan
 
+    launched_splits = []
+    real = launch._launch_up_down_kernel
+    signature = inspect.signature(real)
+
+    def spy(*args, **kwargs):
+        launched_splits.append(signature.bind(*args, **kwargs).arguments["n_splits"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(launch, "_launch_up_down_kernel", spy)
     w_gate, w_up, w_down, *_ = mlp_weights(32, 96, torch.float32, device, seed=5)
     x = torch.randn(2, 32, device=device)
     x[:, 0] = -0.3  # most tiles hold several fired neurons
@@ -226,7 +238,7 @@ def test_up_down_splits_follow_the_max_splits_knob(max_splits, device, plan):
     assert _up_down_plan(2, 32, 6, x.device).n_splits == min(6, max_splits)
     with track_launches() as launched:
         y = twell_mlp(x, w_gate, w_up, w_down, tile=16, compression=4, method="twell")
-    assert launched["twell_up_down_fwd_kernel"] == 1
+    assert launched["twell_up_down_fwd_kernel"] == 1 and launched_splits == [min(6, max_splits)]
     assert_close_to_reference(y, ref, lowp)
 
 

@@ -98,11 +98,15 @@ def liger_loss(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
 
     from liger_kernel.transformers.model.llama import lce_forward
 
+    had, own = "forward" in model.__dict__, model.__dict__.get("forward")
     model.forward = MethodType(lce_forward, model)
     try:
         yield model
     finally:
-        del model.forward
+        if had:
+            model.forward = own
+        else:
+            del model.forward
 
 
 def liger_call(fn: Callable[..., Any]) -> Callable[..., Any]:

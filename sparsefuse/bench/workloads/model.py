@@ -141,22 +141,15 @@ class _ModelPair:
         starts = torch.randint(0, self.text.numel() - seq, (batch, 1), generator=generator)
         return self.text[starts + torch.arange(seq)].long().to(model.device)
 
-    def compile_ffn(self, key: tuple[str, float | None], impl: str, mode: str) -> Callable[..., Any]:
-        """Every layer's MLP (:func:`run_mlps`) under torch.compile: the ``FFN-compile`` rows."""
-        model = self.get(key)[impl]
-        if (impl, "FFN " + mode) not in self.compiled:
-            self.compiled[(impl, "FFN " + mode)] = torch.compile(
-                lambda *xs: run_mlps(model, xs), mode=None if mode == "default" else mode
-            )
-        return self.compiled[(impl, "FFN " + mode)]
-
-    def compile(self, key: tuple[str, float | None], impl: str, mode: str) -> Callable[..., Any]:
+    def compile(self, key: tuple[str, float | None], impl: str, mode: str, ffn: bool = False) -> Callable[..., Any]:
         """The model under torch.compile, as a user compiles it: straight away, no eager call first (the patched
-        FFN decides its method when the compiled graph runs, from each layer's firing counted then)."""
-        models = self.get(key)
-        if (impl, mode) not in self.compiled:
-            self.compiled[(impl, mode)] = torch.compile(models[impl], mode=None if mode == "default" else mode)
-        return self.compiled[(impl, mode)]
+        FFN decides its method when the compiled graph runs, from each layer's firing counted then); with ``ffn``,
+        every layer's MLP (:func:`run_mlps`, the ``FFN-compile`` rows) instead."""
+        model = self.get(key)[impl]
+        if (impl, mode, ffn) not in self.compiled:
+            target = (lambda *xs: run_mlps(model, xs)) if ffn else model
+            self.compiled[(impl, mode, ffn)] = torch.compile(target, mode=None if mode == "default" else mode)
+        return self.compiled[(impl, mode, ffn)]
 
 
 def _params(fn: Callable[..., Any]) -> set[str]:
@@ -278,7 +271,7 @@ def whole_model_case(
 ) -> Case:
     """A whole-model case (``model``, ``generate``): rows per implementation against the unpatched model, no byte
     or FLOP floor, one input set (the weights are what is read). ``method``: the harness's timing, by default
-    plain calls for ``eager``/``compile`` and a CUDA graph otherwise."""
+    plain calls for ``eager``/``compile`` (and their ``FFN-`` rows) and a CUDA graph otherwise."""
     return Case(
         workload=workload,
         shape=f"{label} {how}",
@@ -289,7 +282,7 @@ def whole_model_case(
         ceiling="none",
         make_inputs=make_inputs,
         impls=impls,
-        method=method or ("eager" if how in ("eager", "compile") else "graph"),
+        method=method or ("eager" if how.removeprefix("FFN-") in ("eager", "compile") else "graph"),
         rotate=False,
         eager_impl="unpatched",
         compile_impl=None,
@@ -314,6 +307,7 @@ def _scenario_cases(
     def generator() -> torch.Generator:
         return torch.Generator().manual_seed(seed)
 
+    mode = "default" if phase == "prefill" else "reduce-overhead"  # torch.compile's, for the compiled rows
     if phase == "prefill":
         tokens = batch * seq
 
@@ -323,7 +317,7 @@ def _scenario_cases(
 
         def whole(impl: str, how: str) -> Callable[..., Any]:
             if how == "compile":
-                return lambda ids: prefill_logits(pair.get(key)[impl], ids, pair.compile(key, impl, "default"))
+                return lambda ids: prefill_logits(pair.get(key)[impl], ids, pair.compile(key, impl, mode))
             return lambda ids: prefill_logits(pair.get(key)[impl], ids)
 
         def make_ffn_inputs() -> tuple[torch.Tensor, ...]:
@@ -339,7 +333,7 @@ def _scenario_cases(
 
         def whole(impl: str, how: str) -> Callable[..., Any]:
             if how == "compile":
-                return lambda state: state.step(pair.compile(key, impl, "reduce-overhead"))
+                return lambda state: state.step(pair.compile(key, impl, mode))
             return lambda state: state.step(pair.get(key)[impl])
 
         def make_ffn_inputs() -> tuple[torch.Tensor, ...]:
@@ -360,18 +354,14 @@ def _scenario_cases(
     ]
     # the FFN alone in every timing of the whole-model rows (its share and ratio in that mode): in one CUDA graph
     # ("FFN"), plain calls ("FFN-eager") and compiled ("FFN-compile")
-    mode = "default" if phase == "prefill" else "reduce-overhead"
     for how in ("graph", *(h for h in methods if h != "graph")):
         if how == "compile":
-            ffn = {impl: (lambda *xs, impl=impl: pair.compile_ffn(key, impl, mode)(*xs)) for impl in IMPLS}
+            ffn = {impl: (lambda *xs, impl=impl: pair.compile(key, impl, mode, ffn=True)(*xs)) for impl in IMPLS}
         else:
             ffn = {impl: (lambda *xs, impl=impl: run_mlps(pair.get(key)[impl], xs)) for impl in IMPLS}
         name = "FFN" if how == "graph" else f"FFN-{how}"
-        cases.append(whole_model_case(label, dtype, name, tokens, make_ffn_inputs, ffn, method=_FFN_TIMING[how]))
+        cases.append(whole_model_case(label, dtype, name, tokens, make_ffn_inputs, ffn))
     return cases
-
-
-_FFN_TIMING = {"graph": "graph", "eager": "eager", "compile": "eager"}  # the harness's timing of each FFN row
 
 
 def load_checkpoint(path: Path, dtype: torch.dtype, device: str, config_only: bool = False) -> Any:
@@ -499,7 +489,7 @@ def summary(rows: Sequence[Result]) -> list[str]:
         patched = times.get((label, how, "patched"))
         if impl != "unpatched" or how.startswith("FFN") or patched is None:
             continue
-        ffn_how = "FFN" if how == "graph" or (label, f"FFN-{how}", "unpatched") not in times else f"FFN-{how}"
+        ffn_how = f"FFN-{how}" if (label, f"FFN-{how}", "unpatched") in times else "FFN"
         ffn_u, ffn_p = times.get((label, ffn_how, "unpatched")), times.get((label, ffn_how, "patched"))
         share = ffn_u.median_us / r.median_us if ffn_u else math.nan
         ffn_speedup = ffn_u.median_us / ffn_p.median_us if ffn_u and ffn_p else math.nan

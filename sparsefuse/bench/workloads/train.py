@@ -46,10 +46,12 @@ GPU each; rows tagged with the engine and the GPU count): :mod:`.train_dist`.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -79,9 +81,9 @@ class _Models:
                 torch.cuda.empty_cache()
             self.key = key
         if impl == "patched no replay":  # the patched model and optimizer, its FFN steps launched eagerly
-            return _Unreplayed(self.get(key, "patched", alone))
+            return _Varied(self.get(key, "patched", alone), _no_replay)
         if impl == "patched + liger loss":  # the same, its loss Liger's fused linear cross entropy
-            return _WithLigerLoss(self.get(key, "patched", alone))
+            return _Varied(self.get(key, "patched", alone), liger_peer.liger_loss)
         if impl not in self.trainers:
             from ...integrations.transformers import patch_llama
 
@@ -111,37 +113,32 @@ class _Models:
         return self.trainers["base"]
 
 
-class _Unreplayed:
-    """A patched trainer stepped with its sparse FFN layers' ``train_cuda_graph`` off (one model and optimizer for
-    both rows: a fourth resident 24-layer model would not fit an 80 GB GPU)."""
+class _Varied:
+    """A patched trainer stepped inside ``context(model)``: one model and optimizer for the patched row and its
+    variants (a fourth resident 24-layer model would not fit an 80 GB GPU)."""
 
-    def __init__(self, trainer: setup.Trainer) -> None:
-        self.trainer = trainer
-
-    def step(self, ids: torch.Tensor) -> torch.Tensor:
-        from ...nn import SparseGatedMLP
-
-        layers = [m for m in self.trainer.model.modules() if isinstance(m, SparseGatedMLP)]
-        chosen = [m.train_cuda_graph for m in layers]
-        for m in layers:
-            m.train_cuda_graph = False
-        try:
-            return self.trainer.step(ids)
-        finally:
-            for m, value in zip(layers, chosen):
-                m.train_cuda_graph = value
-
-
-class _WithLigerLoss:
-    """A patched trainer stepped with Liger's fused linear cross entropy as its model's loss (one model and optimizer
-    for both rows, as :class:`_Unreplayed`)."""
-
-    def __init__(self, trainer: setup.Trainer) -> None:
-        self.trainer = trainer
+    def __init__(self, trainer: setup.Trainer, context: Callable[[torch.nn.Module], Any]) -> None:
+        self.trainer, self.context = trainer, context
 
     def step(self, ids: torch.Tensor) -> torch.Tensor:
-        with liger_peer.liger_loss(self.trainer.model):
+        with self.context(self.trainer.model):
             return self.trainer.step(ids)
+
+
+@contextlib.contextmanager
+def _no_replay(model: torch.nn.Module) -> Iterator[None]:
+    """The patched model's sparse FFN steps launched eagerly (``train_cuda_graph`` off) for the block's duration."""
+    from ...nn import SparseGatedMLP
+
+    layers = [m for m in model.modules() if isinstance(m, SparseGatedMLP)]
+    chosen = [m.train_cuda_graph for m in layers]
+    for m in layers:
+        m.train_cuda_graph = False
+    try:
+        yield
+    finally:
+        for m, value in zip(layers, chosen):
+            m.train_cuda_graph = value
 
 
 def _gpu_gib() -> float:
